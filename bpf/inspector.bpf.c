@@ -1,0 +1,623 @@
+// SPDX-License-Identifier: GPL-2.0 OR Apache-2.0
+/*
+ * Crab inspector: records what processes in watched cgroup v2 groups do to
+ * the OS (file changes, processes, sockets, mounts).
+ *
+ * Only tracepoints are used because kprobes, fentry and lsm programs are not
+ * available on every host crab runs on. Syscall arguments are captured at
+ * sys_enter (paths are resolved there, before e.g. an unlink removes the
+ * dentry) and kept per thread; sys_exit publishes the record only when the
+ * call succeeded, so failed calls cost no ring buffer space.
+ */
+#include "vmlinux.h"
+#include <bpf/bpf_core_read.h>
+#include <bpf/bpf_endian.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+#include "inspector.h"
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+#define AT_FDCWD -100
+#define AF_UNIX 1
+#define AF_INET 2
+#define AF_INET6 10
+#define EINPROGRESS 115
+#define O_WRONLY 01
+#define O_RDWR 02
+#define O_CREAT 0100
+#define O_TRUNC 01000
+#define WRITE_OPEN_FLAGS (O_WRONLY | O_RDWR | O_CREAT | O_TRUNC)
+
+/* Scratch slots: syscall programs and sched programs never share one, so a
+ * sched tracepoint firing inside a syscall cannot clobber a half-built record. */
+#define SCRATCH_SYSCALL 0
+#define SCRATCH_SCHED 1
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u64);  /* cgroup v2 id */
+	__type(value, __u8); /* unused */
+} watched SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 16 * 1024 * 1024);
+} events SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u64);   /* cgroup v2 id */
+	__type(value, __u64); /* records dropped */
+} lost SEC(".maps");
+
+/* Records waiting for their syscall's exit, by thread id. Not preallocated:
+ * a record is 12 KiB and only threads inside a watched call hold one. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 8192);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, struct record);
+} pending SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 2);
+	__type(key, __u32);
+	__type(value, struct record);
+} scratch SEC(".maps");
+
+static __always_inline void count_lost(__u64 cgroup_id)
+{
+	__u64 one = 1;
+	__u64 *n = bpf_map_lookup_elem(&lost, &cgroup_id);
+	if (n)
+		__sync_fetch_and_add(n, 1);
+	else if (bpf_map_update_elem(&lost, &cgroup_id, &one, BPF_NOEXIST))
+		/* Another CPU created the entry first. */
+		if ((n = bpf_map_lookup_elem(&lost, &cgroup_id)))
+			__sync_fetch_and_add(n, 1);
+}
+
+/* The watched cgroup the current task is in or below, 0 when none. */
+static __always_inline __u64 current_watched_cgroup(void)
+{
+	__u64 id = bpf_get_current_cgroup_id();
+	if (bpf_map_lookup_elem(&watched, &id))
+		return id;
+	for (int level = 1; level < MAX_CGROUP_LEVEL; level++) {
+		__u64 ancestor = bpf_get_current_ancestor_cgroup_id(level);
+		if (!ancestor || ancestor == id)
+			break;
+		if (bpf_map_lookup_elem(&watched, &ancestor))
+			return ancestor;
+	}
+	return 0;
+}
+
+/* A cleared scratch record for the current task, or NULL when it is not watched. */
+static __always_inline struct record *begin(__u32 kind, __u32 slot)
+{
+	__u64 cgroup_id = current_watched_cgroup();
+	if (!cgroup_id)
+		return NULL;
+	struct record *r = bpf_map_lookup_elem(&scratch, &slot);
+	if (!r)
+		return NULL;
+	__builtin_memset(&r->h, 0, sizeof(r->h));
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	r->h.kind = kind;
+	r->h.pid = pid_tgid >> 32;
+	r->h.tid = (__u32)pid_tgid;
+	r->h.cgroup_id = cgroup_id;
+	bpf_get_current_comm(r->h.comm, sizeof(r->h.comm));
+	return r;
+}
+
+/* --- path resolution ------------------------------------------------------ */
+
+struct walk_state {
+	struct dentry *dentry;
+	struct mount *mnt;
+	struct dentry *root_dentry;
+	struct vfsmount *root_mnt;
+	__u32 slot;
+	__u32 off;
+	__u32 flags; /* PATH_* outcome, 0 while walking */
+	bool done;
+};
+
+/* One step up the tree: emit the current dentry's name, or cross to the
+ * parent mount when at a mount's root. Returns 1 to stop the loop. */
+static long walk_step(__u32 i, struct walk_state *w)
+{
+	/* Plain locals: BPF_CORE_READ must see kernel types, not walk_state. */
+	struct dentry *dentry = w->dentry;
+	struct mount *mnt = w->mnt;
+	struct vfsmount *vfsmnt = &mnt->mnt;
+	if (dentry == w->root_dentry && vfsmnt == w->root_mnt) {
+		w->done = true;
+		return 1;
+	}
+	struct dentry *mnt_root = BPF_CORE_READ(vfsmnt, mnt_root);
+	struct dentry *parent = BPF_CORE_READ(dentry, d_parent);
+	if (dentry == mnt_root || dentry == parent) {
+		struct mount *up = BPF_CORE_READ(mnt, mnt_parent);
+		if (up == mnt || dentry != mnt_root) {
+			w->flags |= PATH_OUTSIDE_ROOT;
+			return 1;
+		}
+		w->dentry = BPF_CORE_READ(mnt, mnt_mountpoint);
+		w->mnt = up;
+		return 0;
+	}
+	struct record *r = bpf_map_lookup_elem(&scratch, &w->slot);
+	if (!r)
+		return 1;
+	if (w->off >= DATA_CAP) {
+		w->flags |= PATH_TRUNCATED;
+		return 1;
+	}
+	__u32 off = w->off & (DATA_CAP - 1);
+	const unsigned char *name = BPF_CORE_READ(dentry, d_name.name);
+	long n = bpf_probe_read_kernel_str(&r->data[off], NAME_READ, name);
+	if (n <= 0) {
+		w->flags |= PATH_UNRESOLVED;
+		return 1;
+	}
+	w->off = off + n;
+	w->dentry = parent;
+	return 0;
+}
+
+/* Writes the components of `p` (a kernel struct path) from the leaf up to the
+ * current task's root into the scratch record; fills the base half of `ref`. */
+static __always_inline __u32 walk_path(struct path_ref *ref, __u32 slot, __u32 off,
+				       struct dentry *dentry, struct vfsmount *vfsmnt)
+{
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	struct walk_state w = {
+		.dentry = dentry,
+		.mnt = container_of(vfsmnt, struct mount, mnt),
+		.root_dentry = BPF_CORE_READ(task, fs, root.dentry),
+		.root_mnt = BPF_CORE_READ(task, fs, root.mnt),
+		.slot = slot,
+		.off = off,
+	};
+	if (!dentry || !vfsmnt) {
+		ref->flags |= PATH_UNRESOLVED;
+		return off;
+	}
+	bpf_loop(MAX_DEPTH, walk_step, &w, 0);
+	if (!w.done)
+		ref->flags |= w.flags ? w.flags : PATH_UNRESOLVED;
+	ref->base_off = off;
+	ref->base_len = w.off - off;
+	return w.off;
+}
+
+static __always_inline struct file *fd_file(int fd)
+{
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	struct fdtable *fdt = BPF_CORE_READ(task, files, fdt);
+	unsigned int max_fds = BPF_CORE_READ(fdt, max_fds);
+	if (fd < 0 || (unsigned int)fd >= max_fds)
+		return NULL;
+	struct file **fds = BPF_CORE_READ(fdt, fd);
+	struct file *file = NULL;
+	bpf_probe_read_kernel(&file, sizeof(file), &fds[fd]);
+	return file;
+}
+
+static __always_inline __u32 walk_fd(struct path_ref *ref, __u32 slot, __u32 off, int fd)
+{
+	struct file *file = fd_file(fd);
+	if (!file) {
+		ref->flags |= PATH_UNRESOLVED;
+		return off;
+	}
+	return walk_path(ref, slot, off, BPF_CORE_READ(file, f_path.dentry),
+			 BPF_CORE_READ(file, f_path.mnt));
+}
+
+static __always_inline __u32 walk_cwd(struct path_ref *ref, __u32 slot, __u32 off)
+{
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	return walk_path(ref, slot, off, BPF_CORE_READ(task, fs, pwd.dentry),
+			 BPF_CORE_READ(task, fs, pwd.mnt));
+}
+
+/* Copies a string (user or kernel memory) into the data area as `ref`'s user part. */
+static __always_inline __u32 copy_string(struct record *r, struct path_ref *ref, __u32 off,
+					 const char *s, bool kernel)
+{
+	ref->flags |= PATH_PRESENT;
+	if (off >= DATA_CAP) {
+		ref->flags |= PATH_TRUNCATED;
+		return off;
+	}
+	off &= DATA_CAP - 1;
+	long n = kernel ? bpf_probe_read_kernel_str(&r->data[off], USER_MAX, s)
+			: bpf_probe_read_user_str(&r->data[off], USER_MAX, s);
+	if (n <= 0) {
+		ref->flags |= PATH_FAULT;
+		return off;
+	}
+	if (n == USER_MAX)
+		ref->flags |= PATH_TRUNCATED;
+	ref->user_off = off;
+	ref->user_len = n;
+	return off + n;
+}
+
+/* A path argument of an *at() call: the string, plus the directory it is
+ * relative to when it is not absolute (dfd, or the cwd for AT_FDCWD). A NULL
+ * or empty string names the file `dfd` itself (AT_EMPTY_PATH, utimensat). */
+static __always_inline __u32 capture_at(struct record *r, int i, __u32 slot, __u32 off,
+					long dfd, const char *user)
+{
+	struct path_ref *ref = &r->h.path[i & 1];
+	ref->flags |= PATH_PRESENT;
+	__u32 start = off & (DATA_CAP - 1);
+	if (user) {
+		off = copy_string(r, ref, off, user, false);
+		if (ref->flags & (PATH_FAULT | PATH_TRUNCATED))
+			return off;
+		if (r->data[start] == '/')
+			return off;
+	}
+	if ((int)dfd == AT_FDCWD)
+		return walk_cwd(ref, slot, off);
+	return walk_fd(ref, slot, off, (int)dfd);
+}
+
+static __always_inline __u32 capture_fd(struct record *r, int i, __u32 slot, __u32 off, long fd)
+{
+	struct path_ref *ref = &r->h.path[i & 1];
+	ref->flags |= PATH_PRESENT;
+	return walk_fd(ref, slot, off, (int)fd);
+}
+
+static __always_inline __u32 capture_verbatim(struct record *r, int i, __u32 off, const char *user)
+{
+	struct path_ref *ref = &r->h.path[i & 1];
+	ref->flags |= PATH_VERBATIM;
+	if (!user)
+		return off;
+	return copy_string(r, ref, off, user, false);
+}
+
+/* --- syscall enter / exit ----------------------------------------------- */
+
+/* Keeps the record until the syscall returns. */
+static __always_inline int stash(struct record *r, __u32 off)
+{
+	r->h.data_len = off;
+	__u32 tid = r->h.tid;
+	if (bpf_map_update_elem(&pending, &tid, r, BPF_ANY))
+		count_lost(r->h.cgroup_id);
+	return 0;
+}
+
+static __always_inline bool succeeded(__u32 kind, long ret)
+{
+	if (kind == KIND_CONNECT)
+		return ret == 0 || ret == -EINPROGRESS;
+	return ret >= 0;
+}
+
+static __always_inline int publish(struct record *r)
+{
+	__u32 len = r->h.data_len;
+	if (len > DATA_BUF)
+		len = DATA_BUF;
+	if (bpf_ringbuf_output(&events, r, sizeof(r->h) + len, 0))
+		count_lost(r->h.cgroup_id);
+	return 0;
+}
+
+static __always_inline int finish(long ret)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct record *r = bpf_map_lookup_elem(&pending, &tid);
+	if (!r)
+		return 0;
+	if (succeeded(r->h.kind, ret)) {
+		r->h.ret = ret;
+		r->h.ts_ns = bpf_ktime_get_ns();
+		publish(r);
+	}
+	bpf_map_delete_elem(&pending, &tid);
+	return 0;
+}
+
+#define ENTER(call) \
+	SEC("tracepoint/syscalls/sys_enter_" #call) int enter_##call(struct trace_event_raw_sys_enter *ctx)
+#define EXIT(call) \
+	SEC("tracepoint/syscalls/sys_exit_" #call) int exit_##call(struct trace_event_raw_sys_exit *ctx) \
+	{ \
+		return finish(ctx->ret); \
+	}
+#define ARG(n) (ctx->args[n])
+#define STR(n) ((const char *)ctx->args[n])
+
+/* Opens a record for the current task or returns from the program. */
+#define BEGIN(r, kind) \
+	struct record *r = begin(kind, SCRATCH_SYSCALL); \
+	if (!r) \
+		return 0; \
+	__u32 off = 0
+
+/* Calls whose single path argument is `dfd`-relative, with two plain arguments kept. */
+#define AT_CALL(call, kind, dfd, path, a0, a1) \
+	ENTER(call) \
+	{ \
+		BEGIN(r, kind); \
+		r->h.arg[0] = a0; \
+		r->h.arg[1] = a1; \
+		off = capture_at(r, 0, SCRATCH_SYSCALL, off, dfd, path); \
+		return stash(r, off); \
+	} \
+	EXIT(call)
+
+/* Calls on an open file descriptor. */
+#define FD_CALL(call, kind, fd, a0, a1) \
+	ENTER(call) \
+	{ \
+		BEGIN(r, kind); \
+		r->h.arg[0] = a0; \
+		r->h.arg[1] = a1; \
+		off = capture_fd(r, 0, SCRATCH_SYSCALL, off, fd); \
+		return stash(r, off); \
+	} \
+	EXIT(call)
+
+static __always_inline bool opens_for_write(__u64 flags)
+{
+	return flags & WRITE_OPEN_FLAGS;
+}
+
+static __always_inline int open_common(struct trace_event_raw_sys_enter *ctx, long dfd,
+				       const char *path, __u64 flags, __u64 mode)
+{
+	if (!opens_for_write(flags))
+		return 0;
+	BEGIN(r, KIND_OPEN);
+	r->h.arg[0] = flags;
+	r->h.arg[1] = mode;
+	off = capture_at(r, 0, SCRATCH_SYSCALL, off, dfd, path);
+	return stash(r, off);
+}
+
+ENTER(open) { return open_common(ctx, AT_FDCWD, STR(0), ARG(1), ARG(2)); }
+EXIT(open)
+ENTER(openat) { return open_common(ctx, ARG(0), STR(1), ARG(2), ARG(3)); }
+EXIT(openat)
+ENTER(creat) { return open_common(ctx, AT_FDCWD, STR(0), O_CREAT | O_WRONLY | O_TRUNC, ARG(1)); }
+EXIT(creat)
+ENTER(openat2)
+{
+	__u64 flags = 0;
+	struct open_how *how = (struct open_how *)ARG(2);
+	if (bpf_probe_read_user(&flags, sizeof(flags), &how->flags))
+		flags = O_RDWR; /* unreadable: assume the worst */
+	__u64 mode = 0;
+	bpf_probe_read_user(&mode, sizeof(mode), &how->mode);
+	return open_common(ctx, ARG(0), STR(1), flags, mode);
+}
+EXIT(openat2)
+
+AT_CALL(truncate, KIND_TRUNCATE, AT_FDCWD, STR(0), ARG(1), 0)
+FD_CALL(ftruncate, KIND_TRUNCATE, ARG(0), ARG(1), 0)
+AT_CALL(unlink, KIND_UNLINK, AT_FDCWD, STR(0), 0, 0)
+AT_CALL(unlinkat, KIND_UNLINK, ARG(0), STR(1), ARG(2), 0)
+AT_CALL(rmdir, KIND_RMDIR, AT_FDCWD, STR(0), 0, 0)
+AT_CALL(mkdir, KIND_MKDIR, AT_FDCWD, STR(0), ARG(1), 0)
+AT_CALL(mkdirat, KIND_MKDIR, ARG(0), STR(1), ARG(2), 0)
+AT_CALL(chmod, KIND_CHMOD, AT_FDCWD, STR(0), ARG(1), 0)
+AT_CALL(fchmodat, KIND_CHMOD, ARG(0), STR(1), ARG(2), 0)
+AT_CALL(fchmodat2, KIND_CHMOD, ARG(0), STR(1), ARG(2), ARG(3))
+FD_CALL(fchmod, KIND_CHMOD, ARG(0), ARG(1), 0)
+AT_CALL(chown, KIND_CHOWN, AT_FDCWD, STR(0), ARG(1), ARG(2))
+AT_CALL(lchown, KIND_CHOWN, AT_FDCWD, STR(0), ARG(1), ARG(2))
+AT_CALL(fchownat, KIND_CHOWN, ARG(0), STR(1), ARG(2), ARG(3))
+FD_CALL(fchown, KIND_CHOWN, ARG(0), ARG(1), ARG(2))
+AT_CALL(mknod, KIND_MKNOD, AT_FDCWD, STR(0), ARG(1), ARG(2))
+AT_CALL(mknodat, KIND_MKNOD, ARG(0), STR(1), ARG(2), ARG(3))
+AT_CALL(utimes, KIND_UTIMES, AT_FDCWD, STR(0), 0, 0)
+AT_CALL(utime, KIND_UTIMES, AT_FDCWD, STR(0), 0, 0)
+AT_CALL(futimesat, KIND_UTIMES, ARG(0), STR(1), 0, 0)
+AT_CALL(utimensat, KIND_UTIMES, ARG(0), STR(1), ARG(3), 0)
+
+/* Two-path calls: path0 is the name the call creates or changes. */
+#define TWO_PATH_CALL(call, kind, dfd0, path0, dfd1, path1, a0) \
+	ENTER(call) \
+	{ \
+		BEGIN(r, kind); \
+		r->h.arg[0] = a0; \
+		off = capture_at(r, 0, SCRATCH_SYSCALL, off, dfd0, path0); \
+		off = capture_at(r, 1, SCRATCH_SYSCALL, off, dfd1, path1); \
+		return stash(r, off); \
+	} \
+	EXIT(call)
+
+TWO_PATH_CALL(rename, KIND_RENAME, AT_FDCWD, STR(0), AT_FDCWD, STR(1), 0)
+TWO_PATH_CALL(renameat, KIND_RENAME, ARG(0), STR(1), ARG(2), STR(3), 0)
+TWO_PATH_CALL(renameat2, KIND_RENAME, ARG(0), STR(1), ARG(2), STR(3), ARG(4))
+TWO_PATH_CALL(link, KIND_LINK, AT_FDCWD, STR(1), AT_FDCWD, STR(0), 0)
+TWO_PATH_CALL(linkat, KIND_LINK, ARG(2), STR(3), ARG(0), STR(1), ARG(4))
+TWO_PATH_CALL(move_mount, KIND_MOVE_MOUNT, ARG(2), STR(3), ARG(0), STR(1), ARG(4))
+
+ENTER(symlink)
+{
+	BEGIN(r, KIND_SYMLINK);
+	off = capture_at(r, 0, SCRATCH_SYSCALL, off, AT_FDCWD, STR(1));
+	off = capture_verbatim(r, 1, off, STR(0));
+	return stash(r, off);
+}
+EXIT(symlink)
+ENTER(symlinkat)
+{
+	BEGIN(r, KIND_SYMLINK);
+	off = capture_at(r, 0, SCRATCH_SYSCALL, off, ARG(1), STR(2));
+	off = capture_verbatim(r, 1, off, STR(0));
+	return stash(r, off);
+}
+EXIT(symlinkat)
+
+/* xattr calls keep the attribute name in `extra`. */
+#define XATTR_CALL(call, kind, capture, name) \
+	ENTER(call) \
+	{ \
+		BEGIN(r, kind); \
+		bpf_probe_read_user_str(r->h.extra, sizeof(r->h.extra), name); \
+		off = capture; \
+		return stash(r, off); \
+	} \
+	EXIT(call)
+
+XATTR_CALL(setxattr, KIND_SETXATTR, capture_at(r, 0, SCRATCH_SYSCALL, off, AT_FDCWD, STR(0)), STR(1))
+XATTR_CALL(lsetxattr, KIND_SETXATTR, capture_at(r, 0, SCRATCH_SYSCALL, off, AT_FDCWD, STR(0)), STR(1))
+XATTR_CALL(fsetxattr, KIND_SETXATTR, capture_fd(r, 0, SCRATCH_SYSCALL, off, ARG(0)), STR(1))
+XATTR_CALL(setxattrat, KIND_SETXATTR, capture_at(r, 0, SCRATCH_SYSCALL, off, ARG(0), STR(1)), STR(3))
+XATTR_CALL(removexattr, KIND_REMOVEXATTR, capture_at(r, 0, SCRATCH_SYSCALL, off, AT_FDCWD, STR(0)), STR(1))
+XATTR_CALL(lremovexattr, KIND_REMOVEXATTR, capture_at(r, 0, SCRATCH_SYSCALL, off, AT_FDCWD, STR(0)), STR(1))
+XATTR_CALL(fremovexattr, KIND_REMOVEXATTR, capture_fd(r, 0, SCRATCH_SYSCALL, off, ARG(0)), STR(1))
+XATTR_CALL(removexattrat, KIND_REMOVEXATTR, capture_at(r, 0, SCRATCH_SYSCALL, off, ARG(0), STR(1)), STR(3))
+
+/* --- sockets ---------------------------------------------------------- */
+
+/* Copies a sockaddr from user memory into `extra`; an AF_UNIX path goes to
+ * path0 (resolved against the cwd like any other path). */
+static __always_inline int socket_addr_call(struct trace_event_raw_sys_enter *ctx, __u32 kind)
+{
+	const struct sockaddr *uaddr = (const struct sockaddr *)ARG(1);
+	__u16 family = 0;
+	if (bpf_probe_read_user(&family, sizeof(family), &uaddr->sa_family))
+		return 0;
+	if (family != AF_UNIX && family != AF_INET && family != AF_INET6)
+		return 0;
+	BEGIN(r, kind);
+	if (family == AF_UNIX) {
+		const char *sun_path = (const char *)uaddr + 2;
+		char first = 0;
+		bpf_probe_read_user(&first, 1, sun_path);
+		__builtin_memcpy(r->h.extra, &family, sizeof(family));
+		if (first == 0) {
+			r->h.path[0].flags |= PATH_ABSTRACT;
+			off = capture_verbatim(r, 0, off, sun_path + 1);
+		} else {
+			off = capture_at(r, 0, SCRATCH_SYSCALL, off, AT_FDCWD, sun_path);
+		}
+	} else {
+		/* sockaddr_in is 16 bytes, sockaddr_in6 28. */
+		__u32 len = family == AF_INET ? 16 : 28;
+		if (len == 16)
+			bpf_probe_read_user(r->h.extra, 16, uaddr);
+		else
+			bpf_probe_read_user(r->h.extra, 28, uaddr);
+	}
+	return stash(r, off);
+}
+
+ENTER(bind) { return socket_addr_call(ctx, KIND_BIND); }
+EXIT(bind)
+ENTER(connect) { return socket_addr_call(ctx, KIND_CONNECT); }
+EXIT(connect)
+
+/* listen() takes no address: read the bound one from the socket. */
+ENTER(listen)
+{
+	BEGIN(r, KIND_LISTEN);
+	r->h.arg[0] = ARG(1);
+	struct file *file = fd_file((int)ARG(0));
+	struct socket *sock = file ? (struct socket *)BPF_CORE_READ(file, private_data) : NULL;
+	struct sock *sk = sock ? BPF_CORE_READ(sock, sk) : NULL;
+	if (sk) {
+		__u16 family = BPF_CORE_READ(sk, __sk_common.skc_family);
+		__u16 port = bpf_htons(BPF_CORE_READ(sk, __sk_common.skc_num));
+		__builtin_memcpy(r->h.extra, &family, 2);
+		__builtin_memcpy(r->h.extra + 2, &port, 2);
+		if (family == AF_INET) {
+			__u32 addr = BPF_CORE_READ(sk, __sk_common.skc_rcv_saddr);
+			__builtin_memcpy(r->h.extra + 4, &addr, 4);
+		} else if (family == AF_INET6) {
+			BPF_CORE_READ_INTO(r->h.extra + 8, sk, __sk_common.skc_v6_rcv_saddr.in6_u.u6_addr8);
+		}
+	}
+	return stash(r, off);
+}
+EXIT(listen)
+
+/* --- mounts --------------------------------------------------------------- */
+
+ENTER(mount)
+{
+	BEGIN(r, KIND_MOUNT);
+	r->h.arg[0] = ARG(3);
+	bpf_probe_read_user_str(r->h.extra, sizeof(r->h.extra), STR(2));
+	off = capture_at(r, 0, SCRATCH_SYSCALL, off, AT_FDCWD, STR(1));
+	off = capture_verbatim(r, 1, off, STR(0));
+	return stash(r, off);
+}
+EXIT(mount)
+/* The syscall is umount2; its tracepoint is named umount. */
+AT_CALL(umount, KIND_UMOUNT, AT_FDCWD, STR(0), ARG(1), 0)
+
+/* --- processes ------------------------------------------------------------ */
+
+SEC("tp_btf/sched_process_fork")
+int BPF_PROG(on_fork, struct task_struct *parent, struct task_struct *child)
+{
+	/* New threads are not new processes. */
+	if (BPF_CORE_READ(child, pid) != BPF_CORE_READ(child, tgid))
+		return 0;
+	struct record *r = begin(KIND_FORK, SCRATCH_SCHED);
+	if (!r)
+		return 0;
+	r->h.arg[0] = BPF_CORE_READ(child, tgid);
+	r->h.ts_ns = bpf_ktime_get_ns();
+	return publish(r);
+}
+
+SEC("tp_btf/sched_process_exec")
+int BPF_PROG(on_exec, struct task_struct *task, pid_t old_pid, struct linux_binprm *bprm)
+{
+	struct record *r = begin(KIND_EXEC, SCRATCH_SCHED);
+	if (!r)
+		return 0;
+	__u32 off = 0;
+	struct file *file = BPF_CORE_READ(bprm, file);
+	struct path_ref *exe = &r->h.path[0];
+	exe->flags |= PATH_PRESENT;
+	if (file)
+		off = walk_path(exe, SCRATCH_SCHED, off, BPF_CORE_READ(file, f_path.dentry),
+				BPF_CORE_READ(file, f_path.mnt));
+	else
+		exe->flags |= PATH_UNRESOLVED;
+	struct path_ref *given = &r->h.path[1];
+	given->flags |= PATH_VERBATIM;
+	off = copy_string(r, given, off, BPF_CORE_READ(bprm, filename), true);
+	r->h.data_len = off;
+	r->h.ts_ns = bpf_ktime_get_ns();
+	return publish(r);
+}
+
+SEC("tp_btf/sched_process_exit")
+int BPF_PROG(on_exit, struct task_struct *task)
+{
+	__u32 tid = BPF_CORE_READ(task, pid);
+	/* A thread killed inside a watched syscall never reaches sys_exit. */
+	bpf_map_delete_elem(&pending, &tid);
+	if (tid != BPF_CORE_READ(task, tgid))
+		return 0;
+	struct record *r = begin(KIND_EXIT, SCRATCH_SCHED);
+	if (!r)
+		return 0;
+	r->h.arg[0] = BPF_CORE_READ(task, exit_code);
+	r->h.ts_ns = bpf_ktime_get_ns();
+	return publish(r);
+}

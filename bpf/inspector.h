@@ -1,0 +1,105 @@
+/* SPDX-License-Identifier: GPL-2.0 OR Apache-2.0 */
+/*
+ * Layout of the records the inspector's BPF programs put on the ring buffer.
+ * src/inspector/record.rs decodes exactly this layout: change both together.
+ */
+#ifndef CRAB_INSPECTOR_H
+#define CRAB_INSPECTOR_H
+
+/* Bytes of path data a record may use before strings are cut short. */
+#define DATA_CAP 8192
+/* Longest user string read in one go (PATH_MAX). */
+#define USER_MAX 4096
+/* The data area has room for one more longest string read past DATA_CAP, so
+ * a read that starts below DATA_CAP always stays inside the buffer. */
+#define DATA_BUF (DATA_CAP + USER_MAX)
+/* Longest dentry name (NAME_MAX) plus its NUL. */
+#define NAME_READ 256
+/* Directory levels walked up before a path counts as unresolved. */
+#define MAX_DEPTH 64
+/* cgroup levels checked for a watched ancestor. */
+#define MAX_CGROUP_LEVEL 16
+
+enum record_kind {
+	KIND_OPEN = 1,
+	KIND_TRUNCATE = 2,
+	KIND_UNLINK = 3, /* arg0: unlinkat flags (AT_REMOVEDIR) */
+	KIND_RENAME = 4, /* path0: from, path1: to, arg0: renameat2 flags */
+	KIND_MKDIR = 5,
+	KIND_RMDIR = 6,
+	KIND_LINK = 7,    /* path0: new name, path1: existing file */
+	KIND_SYMLINK = 8, /* path0: new link, path1: target text (verbatim) */
+	KIND_CHMOD = 9,
+	KIND_CHOWN = 10, /* arg0: uid, arg1: gid */
+	KIND_SETXATTR = 11, /* extra: attribute name */
+	KIND_REMOVEXATTR = 12,
+	KIND_MKNOD = 13, /* arg0: mode, arg1: dev */
+	KIND_UTIMES = 14,
+
+	KIND_BIND = 32,    /* extra: sockaddr; AF_UNIX path in path0 */
+	KIND_LISTEN = 33,  /* extra: sockaddr of the bound address, arg0: backlog */
+	KIND_CONNECT = 34, /* extra: sockaddr; AF_UNIX path in path0 */
+
+	KIND_MOUNT = 48,      /* path0: target, path1: source (verbatim), extra: fs type, arg0: flags */
+	KIND_UMOUNT = 49,     /* path0: target, arg0: flags */
+	KIND_MOVE_MOUNT = 50, /* path0: to, path1: from */
+
+	KIND_FORK = 64, /* arg0: child pid */
+	KIND_EXEC = 65, /* path0: executable (resolved), path1: filename as passed */
+	KIND_EXIT = 66, /* arg0: exit code (wait status) */
+};
+
+/* Per-path flags. */
+#define PATH_PRESENT 0x1
+#define PATH_VERBATIM 0x2	 /* text kept as given, never joined to a base */
+#define PATH_UNRESOLVED 0x4	 /* the base directory could not be walked to the root */
+#define PATH_TRUNCATED 0x8	 /* the data area ran out */
+#define PATH_FAULT 0x10		 /* the user string could not be read */
+#define PATH_OUTSIDE_ROOT 0x20	 /* the walk passed the global root without meeting the process root */
+#define PATH_ABSTRACT 0x40	 /* AF_UNIX abstract socket name */
+
+/*
+ * A path is `base` (the directory it is relative to, resolved in the kernel:
+ * its components from the leaf up, each NUL-terminated) joined with `user`
+ * (the string the process passed, NUL-terminated). An absolute user string
+ * has no base.
+ */
+struct path_ref {
+	__u16 base_off;
+	__u16 base_len;
+	__u16 user_off;
+	__u16 user_len;
+	__u32 flags;
+	__u32 pad;
+};
+
+struct record_header {
+	__u32 kind;
+	__u32 pad0;
+	__u32 pid; /* thread group id */
+	__u32 tid;
+	__u64 cgroup_id; /* the watched cgroup the task is in (or under) */
+	__u64 ts_ns;	 /* CLOCK_MONOTONIC at the syscall's exit */
+	__s64 ret;
+	__u64 arg[3];
+	char comm[16];
+	struct path_ref path[2];
+	__u8 extra[32];
+	__u32 data_len;
+	__u32 pad1;
+};
+
+struct record {
+	struct record_header h;
+	char data[DATA_BUF];
+};
+
+/* The Rust decoder hard-codes these offsets. */
+_Static_assert(sizeof(struct path_ref) == 16, "path_ref layout");
+_Static_assert(sizeof(struct record_header) == 152, "record_header layout");
+_Static_assert(__builtin_offsetof(struct record_header, comm) == 64, "comm offset");
+_Static_assert(__builtin_offsetof(struct record_header, path) == 80, "path offset");
+_Static_assert(__builtin_offsetof(struct record_header, extra) == 112, "extra offset");
+_Static_assert(__builtin_offsetof(struct record_header, data_len) == 144, "data_len offset");
+
+#endif

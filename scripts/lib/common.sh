@@ -1,0 +1,43 @@
+# Shared helpers for crab's scripts. Sourced, never executed.
+# Every script that sources this runs as root on a Debian bookworm machine.
+
+set -euo pipefail
+shopt -s inherit_errexit
+
+CRAB_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# Slow artifacts (CRIU build, image tarballs) are cached here; nothing depends
+# on the cache existing: every step rebuilds what is missing.
+CRAB_CACHE="${CRAB_CACHE:-/var/cache/crab-dev}"
+
+log() { printf '[%s] %s\n' "$(basename "$0")" "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+need_root() { [ "$(id -u)" = 0 ] || die "must run as root"; }
+
+# The Debian archive URI this machine's apt uses (deb822 or one-line format),
+# so nothing in the repository names a mirror.
+debian_mirror_uri() {
+  local uri=""
+  if [ -f /etc/apt/sources.list.d/debian.sources ]; then
+    uri=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources)
+  fi
+  if [ -z "$uri" ] && [ -f /etc/apt/sources.list ]; then
+    uri=$(awk '$1 == "deb" && $0 ~ / bookworm / {for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) {print $i; exit}}' /etc/apt/sources.list)
+  fi
+  [ -n "$uri" ] || die "cannot find the Debian archive URI in /etc/apt/sources.list.d/debian.sources or /etc/apt/sources.list"
+  echo "$uri"
+}
+
+# rustup installs cargo into ~/.cargo/bin, which non-login shells (CI, sudo)
+# often lack on PATH.
+ensure_cargo() {
+  local dir
+  for dir in "${CARGO_HOME:-$HOME/.cargo}/bin" /root/.cargo/bin; do
+    case ":$PATH:" in *":$dir:"*) ;; *) [ -x "$dir/cargo" ] && PATH="$dir:$PATH" ;; esac
+  done
+  export PATH
+  command -v cargo >/dev/null 2>&1 ||
+    die "cargo not found on PATH or in ~/.cargo/bin: install the Rust toolchain with rustup (rustup toolchain install stable), then re-run"
+  cargo --version >/dev/null 2>&1 ||
+    die "cargo is present but does not run (rustup has no default toolchain? try: rustup default stable)"
+}

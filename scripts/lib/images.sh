@@ -1,0 +1,357 @@
+# Sandbox images built from scratch (no registry, no image tools) and imported
+# into the private containerd. Sourced after common.sh and containerd.sh.
+#
+# Each image is an OCI layout tarball cached as
+# $CRAB_IMAGE_CACHE/<name>-<key>.tar; the key hashes the recipe (the bash
+# functions that build the rootfs, their package lists, the OCI writer and the
+# host inputs they copy), so editing a recipe rebuilds only that image.
+
+CRAB_IMAGE_CACHE="$CRAB_CACHE/images"
+CRAB_IMAGE_PREFIX="crab.local"
+CRAB_SUITE=bookworm
+IMAGE_PATH_ENV="PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+OCI_WRITER="$CRAB_ROOT/scripts/lib/oci_image.py"
+
+TERMINAL_PACKAGES=(python3 python3-pip python3-venv git procps curl nginx tmux vim-tiny openssl
+  sqlite3 iproute2 net-tools jq file less)
+CODE_REPAIR_PACKAGES=(python3 python3-pip python3-venv git procps)
+# Python all code-repair wheels are resolved for: bookworm's python3.
+CODE_REPAIR_PYTHON=3.11
+
+# ---- recipes: each fills the rootfs directory $1 -------------------------
+
+recipe_busybox() {
+  local root=$1 applet
+  mkdir -p "$root"/{bin,sbin,usr/bin,usr/sbin,etc,root,proc,sys,dev,tmp}
+  chmod 1777 "$root/tmp"
+  chmod 0700 "$root/root"
+  install -m 0755 /bin/busybox "$root/bin/busybox"
+  for applet in $(/bin/busybox --list-full); do
+    [ "$applet" = bin/busybox ] || ln -sf /bin/busybox "$root/$applet"
+  done
+  printf '%s\n' 'root:x:0:0:root:/root:/bin/sh' 'nobody:x:65534:65534:nobody:/nonexistent:/bin/false' >"$root/etc/passwd"
+  printf '%s\n' 'root:x:0:' 'nogroup:x:65534:' >"$root/etc/group"
+}
+
+# debootstrap minbase plus packages, then drop what only apt needs at build time.
+recipe_debian() {
+  local root=$1
+  shift
+  local include logfile
+  include=$(IFS=,; echo "$*")
+  mkdir -p "$CRAB_CACHE/debs" "$CRAB_CACHE/logs"
+  logfile=$(mktemp "$CRAB_CACHE/logs/debootstrap.XXXXXX")
+  debootstrap --variant=minbase --include="$include" --cache-dir="$CRAB_CACHE/debs" \
+    "$CRAB_SUITE" "$root" "$(debian_mirror_uri)" >"$logfile" 2>&1 || {
+    tail -20 "$logfile" >&2
+    die "debootstrap failed (log: $logfile)"
+  }
+  rm -f "$logfile"
+  chroot "$root" apt-get clean
+  rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin "$root"/var/log/*.log
+  # The build host's name and resolver mean nothing inside a sandbox.
+  echo sandbox >"$root/etc/hostname"
+  : >"$root/etc/resolv.conf"
+}
+
+recipe_terminal() {
+  local root=$1
+  recipe_debian "$root" "${TERMINAL_PACKAGES[@]}"
+  mkdir -p "$root/app"
+}
+
+recipe_code_repair_base() {
+  recipe_debian "$1" "${CODE_REPAIR_PACKAGES[@]}"
+}
+
+# Runs a command inside the rootfs with /proc and the host's /dev mounted in
+# a private mount namespace, so no mount outlives the command even when it fails.
+in_rootfs() {
+  local root=$1
+  shift
+  unshare --mount --propagation private -- sh -c '
+    root=$1; shift
+    mount -t proc proc "$root/proc"
+    mount --bind /dev "$root/dev"
+    exec chroot "$root" env -i HOME=/root LANG=C.UTF-8 TERM=dumb PIP_ROOT_USER_ACTION=ignore \
+      PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$@"
+  ' in_rootfs "$root" "$@"
+}
+
+host_pip() {
+  if /usr/bin/python3 -m pip --version >/dev/null 2>&1; then
+    /usr/bin/python3 -m pip "$@"
+  else
+    python3 -m pip "$@"
+  fi
+}
+
+# Downloads (host side, the sandbox has no network) the sdist of
+# PROJECT==VERSION into $3/sdist and wheels for pytest and the project's
+# dependencies into $3/wheels.
+code_repair_download() {
+  local project=$1 version=$2 dir=$3
+  mkdir -p "$dir/sdist" "$dir/wheels"
+  host_pip download --quiet --no-deps --no-binary :all: -d "$dir/sdist" "$project==$version" >"$dir/pip.log" 2>&1 || {
+    cat "$dir/pip.log" >&2; die "could not download the sdist of $project==$version"; }
+  local extra requirement="$project==$version"
+  extra=$(code_repair_test_extra "$(find "$dir/sdist" -maxdepth 1 -type f | head -1)")
+  echo "$extra" >"$dir/extra"
+  [ -z "$extra" ] || requirement="${project}[$extra]==$version"
+  host_pip download --quiet --only-binary :all: --python-version "$CODE_REPAIR_PYTHON" \
+    --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform linux_x86_64 \
+    -d "$dir/wheels" pytest "$requirement" >"$dir/pip.log" 2>&1 || {
+    cat "$dir/pip.log" >&2; die "could not download wheels for pytest and $requirement"; }
+}
+
+# The extra that carries a project's test dependencies (tests, test or
+# testing), read from the sdist's metadata; empty when it declares none.
+code_repair_test_extra() {
+  python3 - "$1" <<'PY'
+import re, sys, tarfile, zipfile
+path = sys.argv[1]
+if zipfile.is_zipfile(path):
+    archive = zipfile.ZipFile(path)
+    names = archive.namelist()
+    read = lambda name: archive.read(name).decode("utf-8", "replace")
+else:
+    archive = tarfile.open(path)
+    names = archive.getnames()
+    read = lambda name: archive.extractfile(name).read().decode("utf-8", "replace")
+extras = set()
+for name in names:
+    parts = name.split("/")
+    if parts[-1] == "PKG-INFO" and len(parts) <= 3:
+        extras.update(re.findall(r"^Provides-Extra:\s*(\S+)", read(name), re.M))
+    elif parts[-1] == "requires.txt" and parts[-2].endswith(".egg-info"):
+        extras.update(m.split(":")[0] for m in re.findall(r"^\[([^\]]+)\]", read(name), re.M))
+for candidate in ("tests", "test", "testing"):
+    if candidate in extras:
+        print(candidate)
+        break
+PY
+}
+
+# $1 rootfs (a copy of the code-repair base), $2 project, $3 version, $4 download dir.
+recipe_code_repair() {
+  local root=$1 project=$2 version=$3 dl=$4 sdist
+  sdist=$(find "$dl/sdist" -maxdepth 1 -type f | head -1)
+  [ -n "$sdist" ] || die "no sdist for $project==$version in $dl/sdist"
+  mkdir -p "$root/testbed" "$root/tmp/wheels"
+  python3 - "$sdist" "$root/testbed" <<'PY'
+import os, shutil, sys, tempfile
+sdist, dest = sys.argv[1], sys.argv[2]
+with tempfile.TemporaryDirectory() as tmp:
+    shutil.unpack_archive(sdist, tmp)
+    entries = os.listdir(tmp)
+    top = os.path.join(tmp, entries[0]) if len(entries) == 1 and os.path.isdir(os.path.join(tmp, entries[0])) else tmp
+    for name in os.listdir(top):
+        shutil.move(os.path.join(top, name), dest)
+PY
+  cp "$dl"/wheels/* "$root/tmp/wheels/"
+  local pip_install=(python3 -m pip install --quiet --break-system-packages --no-index --find-links /tmp/wheels)
+  in_rootfs "$root" "${pip_install[@]}" pytest
+  # Editable, as SWE-bench does: edits in /testbed are what the tests import.
+  # Debian's setuptools builds it, the sandbox has no index to fetch another.
+  local extra target=/testbed
+  extra=$(cat "$dl/extra")
+  [ -z "$extra" ] || target="/testbed[$extra]"
+  in_rootfs "$root" "${pip_install[@]}" --no-build-isolation -e "$target"
+  rm -rf "$root/tmp/wheels" "$root/root/.cache"
+  find "$root/testbed" -name __pycache__ -type d -prune -exec rm -rf {} +
+  # Committed after the install so the working tree starts clean.
+  printf '%s\n' '__pycache__/' '*.pyc' '.pytest_cache/' 'build/' >>"$root/testbed/.git-exclude.tmp"
+  in_rootfs "$root" sh -ec '
+    cd /testbed
+    git init -q -b main
+    cat .git-exclude.tmp >>.git/info/exclude
+    rm .git-exclude.tmp
+    git add -A
+    git -c user.name=crab -c user.email=crab@localhost commit -q -m "$1 $2 (sdist)"
+  ' sh "$project" "$version"
+}
+
+# ---- packing and import ---------------------------------------------------
+
+# Tars a rootfs into an uncompressed, name-sorted layer: /dev, /proc and /sys
+# stay empty mount points (the runtime provides them).
+pack_layer() {
+  local root=$1 out=$2
+  tar --create --file "$out" --directory "$root" --numeric-owner --sort=name \
+    --format=posix --pax-option=delete=atime,delete=ctime \
+    --xattrs --xattrs-include=security.capability \
+    --anchored --exclude=./dev/* --exclude=./proc/* --exclude=./sys/* .
+}
+
+# Hash of everything that defines an image's content. Each word is a recipe
+# function (hashed by its source), a variable (by its value) or a literal
+# (host package version, arguments).
+recipe_key() {
+  local word
+  {
+    for word in "$@" pack_layer IMAGE_PATH_ENV; do
+      if declare -F "$word" >/dev/null; then
+        declare -f "$word"
+      elif declare -p "$word" >/dev/null 2>&1; then
+        declare -p "$word"
+      else
+        printf '%s\n' "$word"
+      fi
+    done
+    cat "$OCI_WRITER"
+  } | sha256sum | cut -c1-16
+}
+
+image_ref() { echo "$CRAB_IMAGE_PREFIX/$1:latest"; }
+
+# Runs recipe $2 (with the remaining arguments) on an empty rootfs and packs
+# it into the layer tar $1, atomically; the scratch rootfs never outlives it.
+build_layer() {
+  local out=$1 recipe=$2
+  shift 2
+  local work
+  work=$(mktemp -d "$CRAB_IMAGE_CACHE/.work.XXXXXX")
+  (
+    trap 'rm -rf "$work"' EXIT
+    mkdir "$work/rootfs"
+    # Recipes log to stderr; stdout is reserved for the caller's result.
+    "$recipe" "$work/rootfs" "$@" >&2
+    pack_layer "$work/rootfs" "$work/layer.tar"
+    mv "$work/layer.tar" "$out"
+  )
+}
+
+# Removes cached artifacts of an image that a newer recipe key superseded.
+prune_superseded() {
+  local keep=$1 pattern=$2
+  find "$CRAB_IMAGE_CACHE" -maxdepth 1 -name "$pattern" ! -name "$(basename "$keep")" -delete
+}
+
+# Builds the OCI tarball for image $1 unless cached; prints its path.
+# $2 is the recipe function, $3 the key, $4 Cmd (JSON), $5 WorkingDir,
+# the rest are the recipe's extra arguments.
+image_build_cached() {
+  local name=$1 recipe=$2 key=$3 cmd=$4 workdir=$5
+  shift 5
+  local out="$CRAB_IMAGE_CACHE/$name-$key.tar"
+  if [ ! -f "$out" ]; then
+    local layer="$CRAB_IMAGE_CACHE/.layer-$name-$key.tar" started=$SECONDS
+    log "building $name (recipe key $key)"
+    build_layer "$layer" "$recipe" "$@"
+    python3 "$OCI_WRITER" --layer "$layer" --output "$out" \
+      --name "$(image_ref "$name")" --cmd "$cmd" --workdir "$workdir" --env "$IMAGE_PATH_ENV" \
+      --label "dev.crab.recipe-key=$key" >/dev/null || { rm -f "$layer"; die "writing $out failed"; }
+    rm -f "$layer"
+    prune_superseded "$out" "$name-*.tar"
+    log "built $name in $((SECONDS - started))s: $out ($(du -h "$out" | cut -f1))"
+  fi
+  echo "$out"
+}
+
+# Manifest digest inside an OCI layout tarball.
+oci_tar_digest() {
+  tar -xOf "$1" --occurrence=1 index.json | jq -r '.manifests[0].digest'
+}
+
+# Imports the tarball as image $1 unless containerd has that digest already.
+image_import() {
+  local name=$1 tarball=$2 ref want have
+  ref=$(image_ref "$name")
+  want=$(oci_tar_digest "$tarball")
+  have=$(ctrd_image_digest "$ref")
+  if [ "$have" = "$want" ]; then
+    log "$ref is up to date ($want)"
+    return 0
+  fi
+  local started=$SECONDS
+  ctrd_ctr images import "$tarball" >/dev/null
+  have=$(ctrd_image_digest "$ref")
+  [ "$have" = "$want" ] || die "import of $tarball gave $ref digest '${have:-none}', expected $want"
+  log "imported $ref ($want) in $((SECONDS - started))s"
+}
+
+# Serialises builds of one image across concurrent callers.
+with_image_lock() {
+  local name=$1
+  shift
+  mkdir -p "$CRAB_IMAGE_CACHE"
+  (
+    flock 9
+    "$@"
+  ) 9>"$CRAB_IMAGE_CACHE/.$name.lock"
+}
+
+validate_name_part() {
+  [[ "$2" =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] || die "invalid $1 '$2': letters, digits, '.', '_' and '-' only"
+}
+
+# ---- public entry points --------------------------------------------------
+
+image_busybox() {
+  local key tarball
+  key=$(recipe_key recipe_busybox "$(dpkg-query -W -f='${Version}' busybox-static)")
+  tarball=$(with_image_lock busybox image_build_cached busybox recipe_busybox "$key" '["sh"]' /)
+  image_import busybox "$tarball"
+}
+
+image_terminal() {
+  local key tarball
+  key=$(recipe_key recipe_terminal recipe_debian TERMINAL_PACKAGES CRAB_SUITE)
+  tarball=$(with_image_lock terminal image_build_cached terminal recipe_terminal "$key" '["sleep","infinity"]' /app)
+  image_import terminal "$tarball"
+}
+
+# The code-repair base rootfs is cached as a layer tar so every project
+# shares one debootstrap.
+code_repair_base_tar() {
+  local key out
+  key=$(recipe_key recipe_code_repair_base recipe_debian CODE_REPAIR_PACKAGES CRAB_SUITE)
+  out="$CRAB_IMAGE_CACHE/code-repair-base-$key.layer.tar"
+  if [ ! -f "$out" ]; then
+    local started=$SECONDS
+    log "building the code-repair base rootfs (recipe key $key)"
+    build_layer "$out" recipe_code_repair_base
+    prune_superseded "$out" 'code-repair-base-*.layer.tar'
+    log "built the code-repair base in $((SECONDS - started))s"
+  fi
+  echo "$out"
+}
+
+recipe_code_repair_from_base() {
+  local root=$1 base=$2 project=$3 version=$4 dl=$5
+  tar -xf "$base" -C "$root" --numeric-owner --same-permissions --xattrs --xattrs-include=security.capability
+  recipe_code_repair "$root" "$project" "$version" "$dl"
+}
+
+image_code_repair() {
+  local project=$1 version=$2
+  validate_name_part project "$project"
+  validate_name_part version "$version"
+  local name base key tarball dl
+  name="code-repair-${project,,}-$version"
+  base=$(with_image_lock code-repair-base code_repair_base_tar)
+  key=$(recipe_key recipe_code_repair_from_base recipe_code_repair code_repair_download \
+    code_repair_test_extra in_rootfs CODE_REPAIR_PYTHON "$(basename "$base")" "$project" "$version")
+  if [ -f "$CRAB_IMAGE_CACHE/$name-$key.tar" ]; then
+    tarball="$CRAB_IMAGE_CACHE/$name-$key.tar"
+  else
+    dl="$CRAB_CACHE/pypi/$project-$version-$(recipe_key code_repair_download code_repair_test_extra CODE_REPAIR_PYTHON)"
+    if [ ! -f "$dl/.complete" ]; then
+      rm -rf "$dl"
+      code_repair_download "$project" "$version" "$dl"
+      touch "$dl/.complete"
+      find "$CRAB_CACHE/pypi" -mindepth 1 -maxdepth 1 -name "$project-$version-*" ! -path "$dl" -exec rm -rf {} +
+    fi
+    tarball=$(with_image_lock "$name" image_build_cached "$name" recipe_code_repair_from_base "$key" '["sleep","infinity"]' /testbed \
+      "$base" "$project" "$version" "$dl")
+  fi
+  image_import "$name" "$tarball"
+}
+
+# "project version" lines for every code-repair trace header.
+code_repair_pairs_from_traces() {
+  local traces=${CRAB_TRACES:-/work/shared/traces} f
+  for f in "$traces"/*/*.jsonl; do
+    [ -f "$f" ] && head -n1 "$f"
+  done | jq -r 'select(.image == "code-repair") | "\(.project) \(.version)"' | sort -u
+}

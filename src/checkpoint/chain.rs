@@ -1,0 +1,784 @@
+//! The checkpoint store proper: per-container chains of manifests over the blob store.
+//!
+//! Layout under the state directory:
+//! - `blobs/<2 hex>/<62 hex>`: content-addressed blobs ([`BlobStore`]);
+//! - `manifests/<sha256>.json`: sealed manifests, named by the hash of their body;
+//! - `snapshots/<sha256>.json`: a folded chain prefix ending at that manifest (written by GC);
+//! - `containers/<id>/HEAD`: the container's current checkpoint, updated last;
+//! - `tmp/`: files being written; `lock`: shared by writers, exclusive for GC.
+//!
+//! A manifest names its parent by hash, so a chain is immutable once written; forks are heads
+//! of other containers pointing into the same chain.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::{self, File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use tracing::{debug, info};
+
+use super::error::{CheckpointError, IoContext, Result};
+use super::fsdelta::{self, Applier, ApplyStats, ChangedPath, Root};
+use super::images;
+use super::manifest::{
+    FsEntry, FsNode, ImageSet, MANIFEST_VERSION, Manifest, ParentRef, Snapshot, TurnClass, direct_blobs, seal, unseal,
+};
+use super::path::RelPath;
+use super::store::{BlobStore, Digest, Durability, Traffic, publish_file};
+use super::sys;
+
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/crab";
+
+/// Where a container's chain currently ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Head {
+    pub manifest: Digest,
+    pub turn: u64,
+}
+
+/// One turn to checkpoint. The class follows from the inputs: no changes and no images is a
+/// clean turn, changes only an fs turn, images a proc turn.
+#[derive(Debug, Clone, Copy)]
+pub struct TurnInput<'a> {
+    pub container: &'a str,
+    pub turn: u64,
+    /// The container's root as seen from the host (e.g. `/proc/<pid>/root`); needed when
+    /// `changed` is not empty.
+    pub rootfs: Option<&'a Path>,
+    pub changed: &'a [ChangedPath],
+    /// A directory written by `criu dump`.
+    pub criu_images: Option<&'a Path>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitReport {
+    pub id: Digest,
+    pub turn: u64,
+    pub class: TurnClass,
+    pub fs_entries: usize,
+    /// Blob traffic of this turn: logical bytes captured versus new bytes written.
+    pub traffic: Traffic,
+    pub manifest_bytes: u64,
+}
+
+/// A summary of one checkpoint in a chain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointInfo {
+    pub id: Digest,
+    pub turn: u64,
+    pub class: TurnClass,
+    pub created_unix_ms: u64,
+    pub fs_entries: usize,
+    pub has_images: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct RollbackRequest<'a> {
+    pub container: &'a str,
+    pub to_turn: u64,
+    /// The live root to put back (e.g. `/proc/<pid>/root` of the paused container).
+    pub root: &'a Path,
+    /// The image rootfs the container started from; needed for paths the chain never recorded
+    /// before `to_turn`.
+    pub base: Option<&'a Path>,
+    /// Paths changed since the head checkpoint that no checkpoint recorded.
+    pub uncommitted: &'a [ChangedPath],
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RollbackReport {
+    pub from_turn: u64,
+    pub to_turn: u64,
+    /// Distinct paths changed after `to_turn`.
+    pub changed_paths: usize,
+    pub stats: ApplyStats,
+    pub head: Head,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VerifyReport {
+    pub manifests: u64,
+    pub blobs: u64,
+    pub bytes: u64,
+}
+
+/// A resolved chain, newest link first.
+pub(crate) struct Chain {
+    pub(crate) links: Vec<(Digest, Arc<Manifest>)>,
+    /// The folded state of the oldest link, when GC dropped its ancestors.
+    pub(crate) snapshot: Option<Arc<Snapshot>>,
+}
+
+impl Chain {
+    fn index_of(&self, container: &str, turn: u64) -> Result<usize> {
+        self.links
+            .iter()
+            .position(|(_, m)| m.turn == turn)
+            .ok_or_else(|| CheckpointError::NoSuchTurn { container: container.to_owned(), turn })
+    }
+
+    /// The state of every path ever recorded, as of link `index`: snapshot (if any) plus the
+    /// deltas from the oldest link up to `index`, later entries replacing earlier ones.
+    pub(crate) fn fold(&self, index: usize) -> BTreeMap<RelPath, FsEntry> {
+        let mut state = BTreeMap::new();
+        let mut oldest = self.links.len();
+        if let Some(snapshot) = &self.snapshot {
+            for entry in &snapshot.entries {
+                fold_entry(&mut state, entry);
+            }
+            oldest -= 1;
+        }
+        for (_, manifest) in self.links[index..oldest].iter().rev() {
+            for entry in &manifest.fs_delta {
+                fold_entry(&mut state, entry);
+            }
+        }
+        state
+    }
+
+    /// The newest image set at or below link `index`, with its turn.
+    pub(crate) fn images_at(&self, index: usize) -> Option<(u64, &ImageSet)> {
+        for (_, manifest) in &self.links[index..] {
+            if let Some(set) = &manifest.images {
+                return Some((manifest.turn, set));
+            }
+        }
+        self.snapshot.as_ref().and_then(|s| s.images.as_ref().map(|(turn, set)| (*turn, set)))
+    }
+}
+
+fn fold_entry(state: &mut BTreeMap<RelPath, FsEntry>, entry: &FsEntry) {
+    let mut entry = entry.clone();
+    // A directory recorded where something else was, or where a directory was removed, was
+    // recreated: its content is only what the deltas say from here on.
+    if let (FsNode::Dir { complete, .. }, Some(old)) = (&mut entry.node, state.get(&entry.path)) {
+        *complete |= old.node.replaces_subtree();
+    }
+    if entry.node.replaces_subtree() {
+        let (lo, hi) = entry.path.descendant_bounds();
+        let doomed: Vec<RelPath> = state.range(lo..hi).map(|(k, _)| k.clone()).collect();
+        for key in doomed {
+            state.remove(&key);
+        }
+    }
+    state.insert(entry.path.clone(), entry);
+}
+
+/// What a path was at the rollback target.
+enum PastState<'f> {
+    Recorded(&'f FsEntry),
+    Absent,
+    /// Never recorded: as in the base image.
+    Base,
+}
+
+fn past_state<'f>(fold: &'f BTreeMap<RelPath, FsEntry>, rel: &RelPath) -> PastState<'f> {
+    if let Some(entry) = fold.get(rel) {
+        return match entry.node {
+            FsNode::Whiteout => PastState::Absent,
+            _ => PastState::Recorded(entry),
+        };
+    }
+    for ancestor in rel.ancestors() {
+        if fold.get(&ancestor).is_some_and(|e| e.node.replaces_subtree()) {
+            return PastState::Absent;
+        }
+    }
+    PastState::Base
+}
+
+pub struct CheckpointStore {
+    state_dir: PathBuf,
+    blobs: BlobStore,
+    manifests: PathBuf,
+    snapshots: PathBuf,
+    containers: PathBuf,
+    cache: Mutex<HashMap<Digest, Arc<Manifest>>>,
+}
+
+pub(crate) fn valid_container_id(id: &str) -> Result<()> {
+    let ok = !id.is_empty()
+        && id.len() <= 128
+        && !id.starts_with('.')
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    if ok { Ok(()) } else { Err(CheckpointError::InvalidContainerId(id.to_owned())) }
+}
+
+fn now_unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+impl CheckpointStore {
+    /// Opens (creating if needed) a store under `state_dir`.
+    pub fn open(state_dir: impl AsRef<Path>) -> Result<Self> {
+        let state_dir = state_dir.as_ref().to_owned();
+        fs::create_dir_all(&state_dir).io_ctx("create", &state_dir)?;
+        let blobs = BlobStore::open(&state_dir)?;
+        let manifests = state_dir.join("manifests");
+        let snapshots = state_dir.join("snapshots");
+        let containers = state_dir.join("containers");
+        for dir in [&manifests, &snapshots, &containers] {
+            if !dir.is_dir() {
+                fs::create_dir_all(dir).io_ctx("create", dir)?;
+                sys::fsync_dir(&state_dir).io_ctx("fsync", &state_dir)?;
+            }
+        }
+        Ok(CheckpointStore { state_dir, blobs, manifests, snapshots, containers, cache: Mutex::new(HashMap::new()) })
+    }
+
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
+    }
+
+    pub fn blobs(&self) -> &BlobStore {
+        &self.blobs
+    }
+
+    /// Runs blocking store work on tokio's blocking pool.
+    pub async fn run_blocking<T, F>(self: &Arc<Self>, work: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&CheckpointStore) -> Result<T> + Send + 'static,
+    {
+        let store = Arc::clone(self);
+        tokio::task::spawn_blocking(move || work(&store)).await.map_err(|e| CheckpointError::Join(e.to_string()))?
+    }
+
+    /// Writers share the lock; GC takes it exclusively so it never deletes a blob that a
+    /// commit has deduplicated against but not yet referenced from a published manifest.
+    pub(crate) fn lock(&self, exclusive: bool) -> Result<File> {
+        let path = self.state_dir.join("lock");
+        let file = OpenOptions::new().create(true).truncate(false).write(true).open(&path).io_ctx("open", &path)?;
+        sys::flock(&file, exclusive).io_ctx("flock", &path)?;
+        Ok(file)
+    }
+
+    pub(crate) fn manifest_path(&self, id: &Digest) -> PathBuf {
+        self.manifests.join(format!("{id}.json"))
+    }
+
+    pub(crate) fn snapshot_path(&self, id: &Digest) -> PathBuf {
+        self.snapshots.join(format!("{id}.json"))
+    }
+
+    pub(crate) fn manifests_dir(&self) -> &Path {
+        &self.manifests
+    }
+
+    pub(crate) fn snapshots_dir(&self) -> &Path {
+        &self.snapshots
+    }
+
+    fn head_path(&self, container: &str) -> PathBuf {
+        self.containers.join(container).join("HEAD")
+    }
+
+    pub(crate) fn forget_cached(&self, id: &Digest) {
+        self.cache.lock().expect("manifest cache poisoned").remove(id);
+    }
+
+    /// Loads and verifies a manifest by id; `None` when it is not stored.
+    pub(crate) fn load_manifest(&self, id: &Digest) -> Result<Option<Arc<Manifest>>> {
+        if let Some(m) = self.cache.lock().expect("manifest cache poisoned").get(id) {
+            return Ok(Some(Arc::clone(m)));
+        }
+        let path = self.manifest_path(id);
+        let bytes = match fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e).io_ctx("read", path),
+        };
+        let (_, manifest): (_, Manifest) = unseal(&bytes, &path, Some(id))?;
+        let manifest = Arc::new(manifest);
+        self.cache.lock().expect("manifest cache poisoned").insert(*id, Arc::clone(&manifest));
+        Ok(Some(manifest))
+    }
+
+    pub(crate) fn load_snapshot(&self, id: &Digest) -> Result<Option<Snapshot>> {
+        let path = self.snapshot_path(id);
+        let bytes = match fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e).io_ctx("read", path),
+        };
+        let (_, snapshot): (_, Snapshot) = unseal(&bytes, &path, None)?;
+        if snapshot.at != *id {
+            return Err(CheckpointError::CorruptManifest {
+                path,
+                reason: format!("snapshot is of manifest {}, file is named for {id}", snapshot.at),
+            });
+        }
+        Ok(Some(snapshot))
+    }
+
+    pub fn head(&self, container: &str) -> Result<Option<Head>> {
+        valid_container_id(container)?;
+        let path = self.head_path(container);
+        match fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| CheckpointError::CorruptManifest { path, reason: format!("bad HEAD: {e}") }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e).io_ctx("read", path),
+        }
+    }
+
+    fn set_head(&self, container: &str, head: &Head, durability: Durability) -> Result<()> {
+        let dir = self.containers.join(container);
+        if !dir.is_dir() {
+            fs::create_dir_all(&dir).io_ctx("create", &dir)?;
+            sys::fsync_dir(&self.containers).io_ctx("fsync", &self.containers)?;
+        }
+        let bytes = serde_json::to_vec(head).map_err(|source| CheckpointError::Json { what: "HEAD", source })?;
+        publish_file(&self.blobs.tmp_path("head"), &self.head_path(container), &bytes, durability)
+    }
+
+    /// Containers that have a head, sorted.
+    pub fn containers(&self) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        for dirent in fs::read_dir(&self.containers).io_ctx("read dir", &self.containers)? {
+            let dirent = dirent.io_ctx("read dir", &self.containers)?;
+            if let Ok(name) = dirent.file_name().into_string() {
+                if valid_container_id(&name).is_ok() && dirent.path().join("HEAD").is_file() {
+                    out.push(name);
+                }
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// Walks a chain from `from` to its root, verifying every manifest and every parent link.
+    pub(crate) fn walk(&self, container: &str, from: Digest) -> Result<Chain> {
+        let broken = |missing: String| CheckpointError::BrokenChain { container: container.to_owned(), missing };
+        let mut links: Vec<(Digest, Arc<Manifest>)> = Vec::new();
+        let mut next = Some(from);
+        while let Some(id) = next {
+            let Some(manifest) = self.load_manifest(&id)? else {
+                let Some((child_id, child)) = links.last() else {
+                    return Err(broken(format!("head manifest {id} is missing")));
+                };
+                if let Some(snapshot) = self.load_snapshot(child_id)? {
+                    return Ok(Chain { links, snapshot: Some(Arc::new(snapshot)) });
+                }
+                return Err(broken(format!(
+                    "manifest {id} (turn {}), parent of turn {}, is missing and no snapshot covers it",
+                    child.parent.map(|p| p.turn).unwrap_or_default(),
+                    child.turn
+                )));
+            };
+            if let Some((_, child)) = links.last() {
+                if manifest.turn >= child.turn || child.parent.map(|p| p.turn) != Some(manifest.turn) {
+                    return Err(broken(format!(
+                        "manifest {id} has turn {}, its child turn {} expects its parent at turn {:?}",
+                        manifest.turn,
+                        child.turn,
+                        child.parent.map(|p| p.turn)
+                    )));
+                }
+            }
+            next = manifest.parent.map(|p| p.manifest);
+            links.push((id, manifest));
+        }
+        Ok(Chain { links, snapshot: None })
+    }
+
+    pub(crate) fn chain(&self, container: &str) -> Result<(Head, Chain)> {
+        let head = self.head(container)?.ok_or_else(|| CheckpointError::NoSuchContainer(container.to_owned()))?;
+        let chain = self.walk(container, head.manifest)?;
+        Ok((head, chain))
+    }
+
+    /// Checkpoints one turn: stores its blobs, publishes its manifest, then moves the head.
+    /// A crash before the head moves leaves the previous head in place and only garbage behind.
+    /// Turns of one container must be committed one at a time.
+    pub fn commit_turn(&self, input: &TurnInput<'_>) -> Result<CommitReport> {
+        valid_container_id(input.container)?;
+        let _lock = self.lock(false)?;
+        let parent = self.head(input.container)?;
+        if let Some(head) = &parent {
+            if input.turn <= head.turn {
+                return Err(CheckpointError::TurnNotAfterHead {
+                    container: input.container.to_owned(),
+                    turn: input.turn,
+                    head: head.turn,
+                });
+            }
+            if self.load_manifest(&head.manifest)?.is_none() {
+                return Err(CheckpointError::BrokenChain {
+                    container: input.container.to_owned(),
+                    missing: format!("head manifest {} is missing", head.manifest),
+                });
+            }
+        }
+        let class = match (input.criu_images.is_some(), input.changed.is_empty()) {
+            (true, _) => TurnClass::Proc,
+            (false, false) => TurnClass::Fs,
+            (false, true) => TurnClass::Clean,
+        };
+        let mut batch = self.blobs.batch();
+        let fs_delta = match (input.rootfs, input.changed.is_empty()) {
+            (_, true) => Vec::new(),
+            (Some(rootfs), false) => fsdelta::capture(rootfs, input.changed, &mut batch)?,
+            (None, false) => return Err(CheckpointError::InvalidRequest("changed paths given without a rootfs".into())),
+        };
+        let images = input.criu_images.map(|dir| images::store_images(dir, &mut batch)).transpose()?;
+        let traffic = batch.commit()?;
+
+        let manifest = Manifest {
+            version: MANIFEST_VERSION,
+            container: input.container.to_owned(),
+            turn: input.turn,
+            class,
+            parent: parent.map(|h| ParentRef { manifest: h.manifest, turn: h.turn }),
+            created_unix_ms: now_unix_ms(),
+            fs_delta,
+            images,
+        };
+        let (id, bytes) = seal(&manifest, "manifest")?;
+        publish_file(&self.blobs.tmp_path("manifest"), &self.manifest_path(&id), &bytes, Durability::Flushed)?;
+        #[cfg(test)]
+        if tests_hooks::crash_before_head() {
+            return Err(CheckpointError::InvalidRequest("simulated crash before HEAD".into()));
+        }
+        self.set_head(input.container, &Head { manifest: id, turn: input.turn }, Durability::Flushed)?;
+        let report = CommitReport {
+            id,
+            turn: input.turn,
+            class,
+            fs_entries: manifest.fs_delta.len(),
+            traffic,
+            manifest_bytes: bytes.len() as u64,
+        };
+        self.cache.lock().expect("manifest cache poisoned").insert(id, Arc::new(manifest));
+        info!(container = input.container, turn = input.turn, ?class, id = %id,
+              new_bytes = traffic.written_bytes, logical_bytes = traffic.logical_bytes, "checkpoint committed");
+        Ok(report)
+    }
+
+    /// The checkpoints of a container's chain, newest first.
+    pub fn history(&self, container: &str) -> Result<Vec<CheckpointInfo>> {
+        let (_, chain) = self.chain(container)?;
+        Ok(chain
+            .links
+            .iter()
+            .map(|(id, m)| CheckpointInfo {
+                id: *id,
+                turn: m.turn,
+                class: m.class,
+                created_unix_ms: m.created_unix_ms,
+                fs_entries: m.fs_delta.len(),
+                has_images: m.images.is_some(),
+            })
+            .collect())
+    }
+
+    pub fn manifest_at(&self, container: &str, turn: u64) -> Result<(Digest, Arc<Manifest>)> {
+        let (_, chain) = self.chain(container)?;
+        let index = chain.index_of(container, turn)?;
+        let (id, manifest) = &chain.links[index];
+        Ok((*id, Arc::clone(manifest)))
+    }
+
+    /// Writes "the rootfs as at `turn`" onto `target`, which must already hold the base the
+    /// container started from (a fresh copy of the image rootfs, or an empty overlay upper
+    /// over it). Every blob is verified before the first write.
+    pub fn materialize(&self, container: &str, turn: u64, target: &Path) -> Result<ApplyStats> {
+        let _lock = self.lock(false)?;
+        let (_, chain) = self.chain(container)?;
+        let state = chain.fold(chain.index_of(container, turn)?);
+        let root = Root::open(target)?;
+        let mut applier = Applier::new(&root, &self.blobs);
+        applier.prefetch(state.values().filter_map(|e| e.node.blob()))?;
+        for entry in state.values() {
+            applier.apply(entry, true)?;
+        }
+        applier.finish()
+    }
+
+    /// Puts back, in the live root, exactly the paths changed after `to_turn`, then moves the
+    /// head to `to_turn`. Only the changed paths are touched; nothing is re-hashed on the live
+    /// side.
+    pub fn rollback_in_place(&self, req: &RollbackRequest<'_>) -> Result<RollbackReport> {
+        let _lock = self.lock(false)?;
+        let (head, chain) = self.chain(req.container)?;
+        let target = chain.index_of(req.container, req.to_turn)?;
+
+        // Paths changed after the target, and whether a change there replaced a whole subtree.
+        let mut changed: BTreeMap<RelPath, Change> = BTreeMap::new();
+        for (_, manifest) in &chain.links[..target] {
+            for entry in &manifest.fs_delta {
+                changed.entry(entry.path.clone()).or_default().replaced |= entry.node.replaces_subtree();
+            }
+        }
+        for extra in req.uncommitted {
+            let path = RelPath::parse(&extra.path)?;
+            let recorded = changed.contains_key(&path);
+            let change = changed.entry(path).or_default();
+            change.replaced |= extra.created;
+            // Created since the head and untouched by the turns being undone: absent back then too.
+            change.absent_at_target |= extra.created && !recorded;
+        }
+
+        let past = chain.fold(target);
+        let root = Root::open(req.root)?;
+        let base = req.base.map(Root::open).transpose()?;
+        let plan = plan_rollback(&past, &changed, &root, base.is_some(), req.to_turn)?;
+
+        let mut applier = Applier::new(&root, &self.blobs);
+        applier.prefetch(plan.iter().flat_map(|step| step.blobs(&past)))?;
+        for step in &plan {
+            step.run(&mut applier, &past, base.as_ref())?;
+        }
+        let stats = applier.finish()?;
+
+        // The live root was just rewritten without flushing (it dies with the host anyway), so
+        // flushing the head would buy no consistency; the next commit flushes it with its own.
+        let new_head = Head { manifest: chain.links[target].0, turn: req.to_turn };
+        self.set_head(req.container, &new_head, Durability::AtomicOnly)?;
+        debug!(container = req.container, from = head.turn, to = req.to_turn, paths = changed.len(), "rolled back in place");
+        Ok(RollbackReport { from_turn: head.turn, to_turn: req.to_turn, changed_paths: changed.len(), stats, head: new_head })
+    }
+
+    /// Recreates the CRIU image directory in effect at `turn` (the newest proc turn at or below
+    /// it) into `dest`. Returns the turn whose images were restored, `None` if there are none.
+    pub fn restore_images(&self, container: &str, turn: u64, dest: &Path) -> Result<Option<u64>> {
+        let _lock = self.lock(false)?;
+        let (_, chain) = self.chain(container)?;
+        let Some((images_turn, set)) = chain.images_at(chain.index_of(container, turn)?) else {
+            return Ok(None);
+        };
+        images::restore_images(set, &self.blobs, dest)?;
+        Ok(Some(images_turn))
+    }
+
+    /// Starts container `new` from `source`'s checkpoint at `turn`. Nothing is copied: the new
+    /// head points into the shared chain, and GC keeps what it references.
+    pub fn fork(&self, source: &str, turn: u64, new: &str) -> Result<Head> {
+        valid_container_id(new)?;
+        let _lock = self.lock(false)?;
+        if self.head(new)?.is_some() {
+            return Err(CheckpointError::InvalidRequest(format!("container {new:?} already has checkpoints")));
+        }
+        let (_, chain) = self.chain(source)?;
+        let index = chain.index_of(source, turn)?;
+        let head = Head { manifest: chain.links[index].0, turn };
+        self.set_head(new, &head, Durability::Flushed)?;
+        Ok(head)
+    }
+
+    /// Forgets a container's head; GC then reclaims whatever only it referenced.
+    pub fn remove_container(&self, container: &str) -> Result<()> {
+        valid_container_id(container)?;
+        let dir = self.containers.join(container);
+        match fs::remove_dir_all(&dir) {
+            Ok(()) => sys::fsync_dir(&self.containers).io_ctx("fsync", &self.containers),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e).io_ctx("remove", dir),
+        }
+    }
+
+    /// Re-reads and hashes every manifest and blob `turn` depends on.
+    pub fn verify(&self, container: &str, turn: u64) -> Result<VerifyReport> {
+        let _lock = self.lock(false)?;
+        let (_, chain) = self.chain(container)?;
+        let index = chain.index_of(container, turn)?;
+        let mut report = VerifyReport::default();
+        let mut blobs = HashSet::new();
+        for (_, manifest) in &chain.links[index..] {
+            report.manifests += 1;
+            blobs.extend(direct_blobs(&manifest.fs_delta, manifest.images.as_ref()).copied());
+            if let Some(set) = &manifest.images {
+                images::referenced_blobs(set, &self.blobs, &mut blobs)?;
+            }
+        }
+        if let Some(snapshot) = &chain.snapshot {
+            let images = snapshot.images.as_ref().map(|(_, set)| set);
+            blobs.extend(direct_blobs(&snapshot.entries, images).copied());
+            if let Some(set) = images {
+                images::referenced_blobs(set, &self.blobs, &mut blobs)?;
+            }
+        }
+        for blob in &blobs {
+            report.bytes += self.blobs.verify(blob)?;
+            report.blobs += 1;
+        }
+        Ok(report)
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Change {
+    replaced: bool,
+    absent_at_target: bool,
+}
+
+/// One step of an in-place rollback, decided before anything is written.
+enum Step<'f> {
+    Remove(RelPath),
+    Apply(&'f FsEntry),
+    FromBase(RelPath),
+    /// Rebuild a whole directory: from its recorded entry or the base, then every recorded
+    /// entry below it.
+    Rebuild { path: RelPath, recorded: Option<&'f FsEntry> },
+}
+
+impl<'f> Step<'f> {
+    fn blobs(&self, past: &'f BTreeMap<RelPath, FsEntry>) -> Vec<&'f Digest> {
+        match self {
+            Step::Apply(entry) => entry.node.blob().into_iter().collect(),
+            Step::Rebuild { path, .. } => {
+                let (lo, hi) = path.descendant_bounds();
+                past.range(lo..hi).filter_map(|(_, e)| e.node.blob()).collect()
+            }
+            Step::Remove(_) | Step::FromBase(_) => Vec::new(),
+        }
+    }
+
+    fn run(&self, applier: &mut Applier<'_>, past: &BTreeMap<RelPath, FsEntry>, base: Option<&Root>) -> Result<()> {
+        match self {
+            Step::Remove(path) => applier.remove_path(path),
+            Step::Apply(entry) => applier.apply(entry, false),
+            Step::FromBase(path) => applier.copy_from_base(base.expect("planned with a base"), path, false),
+            Step::Rebuild { path, recorded } => {
+                applier.remove_path(path)?;
+                match recorded {
+                    Some(entry @ FsEntry { node: FsNode::Dir { complete: true, .. }, .. }) => applier.apply(entry, true)?,
+                    _ => {
+                        applier.copy_from_base(base.expect("planned with a base"), path, true)?;
+                        if let Some(entry) = recorded {
+                            applier.apply(entry, false)?;
+                        }
+                    }
+                }
+                let (lo, hi) = path.descendant_bounds();
+                for (_, entry) in past.range(lo..hi) {
+                    applier.apply(entry, true)?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+fn plan_rollback<'f>(
+    past: &'f BTreeMap<RelPath, FsEntry>,
+    changed: &BTreeMap<RelPath, Change>,
+    root: &Root,
+    have_base: bool,
+    to_turn: u64,
+) -> Result<Vec<Step<'f>>> {
+    let need_base = |path: &RelPath| {
+        if have_base { Ok(()) } else { Err(CheckpointError::NoBaseState { path: path.to_string(), turn: to_turn }) }
+    };
+    let mut plan = Vec::new();
+    let mut covered: HashSet<RelPath> = HashSet::new();
+    for (path, change) in changed {
+        if path.ancestors().any(|a| covered.contains(&a)) {
+            continue;
+        }
+        let replaced = change.replaced;
+        let step = match past_state(past, path) {
+            PastState::Absent => Step::Remove(path.clone()),
+            PastState::Base if change.absent_at_target => Step::Remove(path.clone()),
+            PastState::Recorded(entry) if entry.node.is_dir() && (replaced || !root.is_dir(path)?) => {
+                if !matches!(entry.node, FsNode::Dir { complete: true, .. }) {
+                    need_base(path)?;
+                }
+                Step::Rebuild { path: path.clone(), recorded: Some(entry) }
+            }
+            PastState::Recorded(entry) => Step::Apply(entry),
+            PastState::Base => {
+                need_base(path)?;
+                if replaced || !root.is_dir(path)? {
+                    Step::Rebuild { path: path.clone(), recorded: None }
+                } else {
+                    Step::FromBase(path.clone())
+                }
+            }
+        };
+        if matches!(step, Step::Remove(_) | Step::Rebuild { .. }) {
+            covered.insert(path.clone());
+        }
+        plan.push(step);
+    }
+    Ok(plan)
+}
+
+#[cfg(test)]
+pub(crate) mod tests_hooks {
+    use std::cell::Cell;
+
+    thread_local! {
+        static CRASH_BEFORE_HEAD: Cell<bool> = const { Cell::new(false) };
+    }
+
+    pub(crate) fn set_crash_before_head(on: bool) {
+        CRASH_BEFORE_HEAD.with(|c| c.set(on));
+    }
+
+    pub(crate) fn crash_before_head() -> bool {
+        CRASH_BEFORE_HEAD.with(|c| c.get())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, name: &str, data: &[u8]) {
+        fs::write(dir.join(name), data).unwrap();
+    }
+
+    /// A commit that dies after its manifest is published but before HEAD moves leaves the old
+    /// head in place; the half checkpoint never shows up and the next commit chains from the
+    /// old head.
+    #[test]
+    fn crash_before_head_leaves_previous_checkpoint_visible() {
+        let tmp = tempfile::tempdir().unwrap();
+        let rootfs = tmp.path().join("root");
+        fs::create_dir_all(&rootfs).unwrap();
+        let store = CheckpointStore::open(tmp.path().join("state")).unwrap();
+        write(&rootfs, "f", b"one");
+        let changed = [ChangedPath::created("/f")];
+        let input = |turn| TurnInput { container: "c", turn, rootfs: Some(&rootfs), changed: &changed, criu_images: None };
+        let first = store.commit_turn(&input(1)).unwrap();
+
+        write(&rootfs, "f", b"two");
+        tests_hooks::set_crash_before_head(true);
+        let crashed = store.commit_turn(&input(2));
+        tests_hooks::set_crash_before_head(false);
+        assert!(crashed.is_err());
+
+        let reopened = CheckpointStore::open(tmp.path().join("state")).unwrap();
+        assert_eq!(reopened.head("c").unwrap(), Some(Head { manifest: first.id, turn: 1 }));
+        assert_eq!(reopened.history("c").unwrap().len(), 1);
+        assert!(matches!(reopened.manifest_at("c", 2), Err(CheckpointError::NoSuchTurn { turn: 2, .. })));
+
+        let retried = reopened.commit_turn(&input(2)).unwrap();
+        let (_, manifest) = reopened.manifest_at("c", 2).unwrap();
+        assert_eq!(manifest.parent, Some(ParentRef { manifest: first.id, turn: 1 }));
+        assert_eq!(retried.traffic.written_bytes, 0, "the crashed commit's blob is reused");
+        let gc = reopened.gc(&crate::checkpoint::RetentionPolicy { keep_last: 10 }).unwrap();
+        assert_eq!(gc.manifests_removed, 1, "the orphan manifest of the crashed commit is collected");
+    }
+
+    #[test]
+    fn fold_marks_recreated_directories_complete_and_drops_their_old_children() {
+        let meta = super::super::manifest::Meta { mode: 0o755, uid: 0, gid: 0, mtime_sec: 0, mtime_nsec: 0, xattrs: Default::default() };
+        let p = |s: &str| RelPath::parse(s).unwrap();
+        let mut state = BTreeMap::new();
+        let file = FsNode::File { meta: meta.clone(), blob: Digest::of(b"x"), size: 1 };
+        fold_entry(&mut state, &FsEntry { path: p("/d"), node: FsNode::Dir { meta: meta.clone(), complete: true } });
+        fold_entry(&mut state, &FsEntry { path: p("/d/old"), node: file.clone() });
+        fold_entry(&mut state, &FsEntry { path: p("/d"), node: FsNode::Whiteout });
+        assert_eq!(state.len(), 1);
+        fold_entry(&mut state, &FsEntry { path: p("/d"), node: FsNode::Dir { meta: meta.clone(), complete: false } });
+        assert!(matches!(state[&p("/d")].node, FsNode::Dir { complete: true, .. }));
+        fold_entry(&mut state, &FsEntry { path: p("/d.x"), node: file });
+        fold_entry(&mut state, &FsEntry { path: p("/d"), node: FsNode::Whiteout });
+        assert!(state.contains_key(&p("/d.x")), "a sibling sharing the prefix survives");
+    }
+}

@@ -1,0 +1,100 @@
+//! Errors of the checkpoint store.
+
+use std::io;
+use std::path::PathBuf;
+
+/// Everything that can go wrong while writing, reading, restoring or collecting checkpoints.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("{op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error("blob {digest} at {path} is corrupt: its content hashes to {actual}")]
+    CorruptBlob {
+        digest: String,
+        path: PathBuf,
+        actual: String,
+    },
+
+    #[error("blob {digest} is missing (expected at {path})")]
+    MissingBlob { digest: String, path: PathBuf },
+
+    #[error("invalid digest {0:?}: expected 64 lowercase hex characters")]
+    InvalidDigest(String),
+
+    #[error("manifest {path} is corrupt: {reason}")]
+    CorruptManifest { path: PathBuf, reason: String },
+
+    #[error("manifest {path} has version {found}, this build reads version {supported}")]
+    UnsupportedManifestVersion {
+        path: PathBuf,
+        found: u32,
+        supported: u32,
+    },
+
+    #[error("broken chain of container {container:?}: {missing}")]
+    BrokenChain { container: String, missing: String },
+
+    #[error("container {container:?} has no checkpoint at turn {turn}")]
+    NoSuchTurn { container: String, turn: u64 },
+
+    #[error("container {0:?} has no checkpoints")]
+    NoSuchContainer(String),
+
+    #[error("invalid container id {0:?}: use 1-128 characters of [A-Za-z0-9_.-], not starting with '.'")]
+    InvalidContainerId(String),
+
+    #[error("turn {turn} of container {container:?} must be greater than its head turn {head}")]
+    TurnNotAfterHead {
+        container: String,
+        turn: u64,
+        head: u64,
+    },
+
+    #[error("path {path:?} is not allowed: {reason}")]
+    UnsafePath { path: String, reason: &'static str },
+
+    #[error("path {path:?} cannot be resolved inside the root: {reason}")]
+    OutsideRoot { path: String, reason: String },
+
+    #[error("no base state for {path:?}: it was never checkpointed before turn {turn} and no base rootfs was given")]
+    NoBaseState { path: String, turn: u64 },
+
+    #[error("CRIU image directory {path}: {reason}")]
+    BadImageDir { path: PathBuf, reason: String },
+
+    #[error("JSON encoding of {what}: {source}")]
+    Json {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+
+    #[error("blocking task of the checkpoint store failed: {0}")]
+    Join(String),
+}
+
+pub type Result<T, E = CheckpointError> = std::result::Result<T, E>;
+
+/// Attaches the operation and path to an `io::Error`, so every I/O failure says what it was doing where.
+pub(crate) trait IoContext<T> {
+    fn io_ctx(self, op: &'static str, path: impl Into<PathBuf>) -> Result<T>;
+}
+
+impl<T> IoContext<T> for io::Result<T> {
+    fn io_ctx(self, op: &'static str, path: impl Into<PathBuf>) -> Result<T> {
+        self.map_err(|source| CheckpointError::Io {
+            op,
+            path: path.into(),
+            source,
+        })
+    }
+}

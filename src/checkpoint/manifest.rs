@@ -1,0 +1,314 @@
+//! Manifests (one per turn) and snapshots (a folded chain prefix written by GC), and the sealed
+//! JSON envelope both are stored in: `{"sha256": <hex of body bytes>, "body": <body>}`.
+//! The hash covers the exact body bytes on disk, so verification needs no canonical re-encoding.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+
+use super::error::{CheckpointError, Result};
+use super::path::{Bytes, RelPath};
+use super::store::Digest;
+
+pub const MANIFEST_VERSION: u32 = 1;
+
+/// What a turn changed, as classified by the inspector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TurnClass {
+    /// Nothing changed: the checkpoint only points at its parent.
+    Clean,
+    /// Files changed: an fs delta.
+    Fs,
+    /// Processes changed: a CRIU image set plus an fs delta.
+    Proc,
+}
+
+/// Ownership, permissions, times and extended attributes of a file system node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Meta {
+    /// Permission bits including setuid/setgid/sticky (`mode & 0o7777`).
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub mtime_sec: i64,
+    pub mtime_nsec: u32,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub xattrs: BTreeMap<String, Bytes>,
+}
+
+impl Meta {
+    pub(crate) fn mtime(&self) -> (i64, u32) {
+        (self.mtime_sec, self.mtime_nsec)
+    }
+}
+
+/// The state of one path after a turn.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum FsNode {
+    File {
+        meta: Meta,
+        blob: Digest,
+        size: u64,
+    },
+    /// `complete`: the directory was (re)created, and the entries below it in the same delta are
+    /// its whole content. Otherwise only its own metadata changed.
+    Dir {
+        meta: Meta,
+        #[serde(default)]
+        complete: bool,
+    },
+    Symlink {
+        meta: Meta,
+        target: Bytes,
+    },
+    /// Another name of a file captured earlier in the same delta. The content is recorded too, so
+    /// a restore can fall back to a copy when the link source is gone.
+    Hardlink {
+        meta: Meta,
+        link_to: RelPath,
+        blob: Digest,
+        size: u64,
+    },
+    /// FIFO, socket or device node: `meta.mode` keeps the permission bits, `file_type` the
+    /// `S_IFMT` bits.
+    Special {
+        meta: Meta,
+        file_type: u32,
+        rdev: u64,
+    },
+    /// The path does not exist.
+    Whiteout,
+}
+
+impl FsNode {
+    pub fn meta(&self) -> Option<&Meta> {
+        match self {
+            FsNode::File { meta, .. }
+            | FsNode::Dir { meta, .. }
+            | FsNode::Symlink { meta, .. }
+            | FsNode::Hardlink { meta, .. }
+            | FsNode::Special { meta, .. } => Some(meta),
+            FsNode::Whiteout => None,
+        }
+    }
+
+    pub fn blob(&self) -> Option<&Digest> {
+        match self {
+            FsNode::File { blob, .. } | FsNode::Hardlink { blob, .. } => Some(blob),
+            _ => None,
+        }
+    }
+
+    /// True when applying this node replaces whatever subtree was at its path.
+    pub(crate) fn replaces_subtree(&self) -> bool {
+        !matches!(self, FsNode::Dir { complete: false, .. })
+    }
+
+    pub(crate) fn is_dir(&self) -> bool {
+        matches!(self, FsNode::Dir { .. })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsEntry {
+    pub path: RelPath,
+    #[serde(flatten)]
+    pub node: FsNode,
+}
+
+/// How one CRIU image file is stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "storage", rename_all = "snake_case")]
+pub enum ImageContent {
+    Whole { blob: Digest },
+    /// Fixed-size chunks; `chunk_list` is a blob holding the 32-byte digests of the chunks in
+    /// order, so an unchanged page file costs no manifest bytes either.
+    Chunked { chunk_size: u32, chunks: u64, chunk_list: Digest },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageFile {
+    pub name: String,
+    pub mode: u32,
+    pub size: u64,
+    #[serde(flatten)]
+    pub content: ImageContent,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageSet {
+    pub files: Vec<ImageFile>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub version: u32,
+    /// The container that wrote this checkpoint (forks share it).
+    pub container: String,
+    pub turn: u64,
+    pub class: TurnClass,
+    pub parent: Option<ParentRef>,
+    pub created_unix_ms: u64,
+    #[serde(default)]
+    pub fs_delta: Vec<FsEntry>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub images: Option<ImageSet>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParentRef {
+    pub manifest: Digest,
+    pub turn: u64,
+}
+
+/// The folded state of a chain up to and including manifest `at`: what GC leaves behind when it
+/// drops the manifests below the retention window.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub version: u32,
+    pub at: Digest,
+    pub turn: u64,
+    pub entries: Vec<FsEntry>,
+    /// The newest image set at or below `at`, with the turn that wrote it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub images: Option<(u64, ImageSet)>,
+}
+
+/// Every blob a list of entries and an image set reference, except the chunks behind chunk lists.
+pub(crate) fn direct_blobs<'a>(
+    entries: &'a [FsEntry],
+    images: Option<&'a ImageSet>,
+) -> impl Iterator<Item = &'a Digest> + 'a {
+    let entry_blobs = entries.iter().filter_map(|e| e.node.blob());
+    let image_blobs = images.into_iter().flat_map(|set| set.files.iter()).map(|f| match &f.content {
+        ImageContent::Whole { blob } => blob,
+        ImageContent::Chunked { chunk_list, .. } => chunk_list,
+    });
+    entry_blobs.chain(image_blobs)
+}
+
+#[derive(Serialize)]
+struct SealOut<'a> {
+    sha256: Digest,
+    body: &'a RawValue,
+}
+
+#[derive(Deserialize)]
+struct SealIn<'a> {
+    sha256: Digest,
+    #[serde(borrow)]
+    body: &'a RawValue,
+}
+
+/// Encodes `body` in a sealed envelope; returns the body digest (the object's id) and the bytes.
+pub(crate) fn seal<T: Serialize>(body: &T, what: &'static str) -> Result<(Digest, Vec<u8>)> {
+    let json = |source| CheckpointError::Json { what, source };
+    let raw = serde_json::value::to_raw_value(body).map_err(json)?;
+    let sha256 = Digest::of(raw.get().as_bytes());
+    let bytes = serde_json::to_vec(&SealOut { sha256, body: &raw }).map_err(json)?;
+    Ok((sha256, bytes))
+}
+
+/// Verifies and decodes a sealed envelope read from `path`. When `expected` is given the body
+/// must also hash to it (the id the reader followed to get here).
+pub(crate) fn unseal<T: DeserializeOwned>(bytes: &[u8], path: &Path, expected: Option<&Digest>) -> Result<(Digest, T)> {
+    let corrupt = |reason: String| CheckpointError::CorruptManifest { path: path.to_owned(), reason };
+    let sealed: SealIn<'_> = serde_json::from_slice(bytes).map_err(|e| corrupt(format!("not a sealed envelope: {e}")))?;
+    let actual = Digest::of(sealed.body.get().as_bytes());
+    if actual != sealed.sha256 {
+        return Err(corrupt(format!("body hashes to {actual}, envelope says {}", sealed.sha256)));
+    }
+    if let Some(expected) = expected {
+        if actual != *expected {
+            return Err(corrupt(format!("body hashes to {actual}, expected {expected}")));
+        }
+    }
+    #[derive(Deserialize)]
+    struct Versioned {
+        version: u32,
+    }
+    let v: Versioned = serde_json::from_str(sealed.body.get()).map_err(|e| corrupt(format!("no version: {e}")))?;
+    if v.version != MANIFEST_VERSION {
+        return Err(CheckpointError::UnsupportedManifestVersion {
+            path: path.to_owned(),
+            found: v.version,
+            supported: MANIFEST_VERSION,
+        });
+    }
+    let body = serde_json::from_str(sealed.body.get()).map_err(|e| corrupt(e.to_string()))?;
+    Ok((actual, body))
+}
+
+/// Image file names are single plain components: they are joined to a restore directory.
+pub(crate) fn valid_image_name(name: &str) -> bool {
+    !name.is_empty() && name != "." && name != ".." && !name.contains('/') && !name.contains('\0')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Manifest {
+        let meta = Meta { mode: 0o644, uid: 1, gid: 2, mtime_sec: 3, mtime_nsec: 4, xattrs: BTreeMap::new() };
+        Manifest {
+            version: MANIFEST_VERSION,
+            container: "c1".into(),
+            turn: 2,
+            class: TurnClass::Fs,
+            parent: Some(ParentRef { manifest: Digest::of(b"p"), turn: 1 }),
+            created_unix_ms: 5,
+            fs_delta: vec![
+                FsEntry {
+                    path: RelPath::parse("/a").unwrap(),
+                    node: FsNode::File { meta: meta.clone(), blob: Digest::of(b"x"), size: 1 },
+                },
+                FsEntry { path: RelPath::parse("/b").unwrap(), node: FsNode::Whiteout },
+                FsEntry {
+                    path: RelPath::parse("/c").unwrap(),
+                    node: FsNode::Symlink { meta, target: Bytes(b"/etc/\xff".to_vec()) },
+                },
+            ],
+            images: None,
+        }
+    }
+
+    #[test]
+    fn seal_round_trip_and_tamper_detection() {
+        let m = sample();
+        let (id, bytes) = seal(&m, "manifest").unwrap();
+        let (id2, back): (Digest, Manifest) = unseal(&bytes, Path::new("m.json"), Some(&id)).unwrap();
+        assert_eq!((id2, &back), (id, &m));
+
+        let tampered = String::from_utf8(bytes.clone()).unwrap().replace("\"turn\":2", "\"turn\":9");
+        let err = unseal::<Manifest>(tampered.as_bytes(), Path::new("m.json"), None).unwrap_err();
+        assert!(matches!(err, CheckpointError::CorruptManifest { .. }), "{err}");
+        let other = Digest::of(b"other");
+        assert!(unseal::<Manifest>(&bytes, Path::new("m.json"), Some(&other)).is_err());
+    }
+
+    #[test]
+    fn newer_version_is_refused() {
+        let mut m = sample();
+        m.version = MANIFEST_VERSION + 1;
+        let (_, bytes) = seal(&m, "manifest").unwrap();
+        let err = unseal::<Manifest>(&bytes, Path::new("m.json"), None).unwrap_err();
+        assert!(matches!(err, CheckpointError::UnsupportedManifestVersion { found: 2, .. }), "{err}");
+    }
+
+    #[test]
+    fn escaping_path_in_manifest_is_refused() {
+        let (_, bytes) = seal(&sample(), "manifest").unwrap();
+        let evil = String::from_utf8(bytes).unwrap();
+        let body_start = evil.find("\"body\":").unwrap() + 7;
+        let body = &evil[body_start..evil.len() - 1];
+        let evil_body = body.replace("\"/b\"", "\"/../../etc/shadow\"");
+        let resealed = format!("{{\"sha256\":\"{}\",\"body\":{evil_body}}}", Digest::of(evil_body.as_bytes()));
+        let err = unseal::<Manifest>(resealed.as_bytes(), Path::new("m.json"), None).unwrap_err();
+        assert!(err.to_string().contains("escapes the root"), "{err}");
+    }
+}

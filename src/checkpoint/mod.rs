@@ -1,0 +1,29 @@
+//! The checkpoint store: content-addressed blobs, per-turn manifests chained per container,
+//! file system deltas, chunked CRIU images, in-place rollback, forks and GC.
+//!
+//! Pure library over a state directory (default [`DEFAULT_STATE_DIR`]); all calls block on file
+//! I/O, so async callers go through [`CheckpointStore::run_blocking`].
+
+mod chain;
+mod error;
+mod fsdelta;
+mod gc;
+mod images;
+mod manifest;
+mod path;
+mod store;
+mod sys;
+
+pub use chain::{
+    CheckpointInfo, CheckpointStore, CommitReport, DEFAULT_STATE_DIR, Head, RollbackReport, RollbackRequest, TurnInput,
+    VerifyReport,
+};
+pub use error::{CheckpointError, Result};
+pub use fsdelta::{ApplyStats, ChangedPath};
+pub use gc::{GcReport, RetentionPolicy};
+pub use images::CHUNK_SIZE;
+pub use manifest::{
+    FsEntry, FsNode, ImageContent, ImageFile, ImageSet, MANIFEST_VERSION, Manifest, Meta, ParentRef, Snapshot, TurnClass,
+};
+pub use path::{Bytes, RelPath};
+pub use store::{BlobStore, Digest, Traffic, WriteBatch};

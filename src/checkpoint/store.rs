@@ -1,0 +1,454 @@
+//! Content-addressed blob store: `blobs/<2 hex>/<62 hex>` under the state directory.
+//!
+//! A blob name is visible only once its content is durable. Single blobs follow the classic
+//! tmp → fsync → rename → fsync dir sequence; a [`WriteBatch`] (one turn's worth of blobs,
+//! possibly thousands of 4 KiB page chunks) writes all tmp files, makes them durable with one
+//! `syncfs`, renames them all, and makes the renames durable with a second `syncfs`: the same
+//! guarantee at two flushes per turn instead of two per blob.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::fd::AsFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use sha2::{Digest as _, Sha256};
+
+use super::error::{CheckpointError, IoContext, Result};
+use super::sys;
+
+/// Files up to this size are hashed in memory before anything is written, so a duplicate costs
+/// no write at all; larger ones are hashed while being streamed into a tmp file.
+const IN_MEMORY_LIMIT: usize = 1 << 20;
+
+/// A SHA-256 content digest.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Digest(pub [u8; 32]);
+
+impl Digest {
+    pub fn of(data: &[u8]) -> Self {
+        Digest(Sha256::digest(data).into())
+    }
+
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+}
+
+impl fmt::Display for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+impl fmt::Debug for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "sha256:{}", self.to_hex())
+    }
+}
+
+impl FromStr for Digest {
+    type Err = CheckpointError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let invalid = || CheckpointError::InvalidDigest(s.to_owned());
+        if s.len() != 64 || s.bytes().any(|b| b.is_ascii_uppercase()) {
+            return Err(invalid());
+        }
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(s, &mut out).map_err(|_| invalid())?;
+        Ok(Digest(out))
+    }
+}
+
+impl Serialize for Digest {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_hex())
+    }
+}
+
+impl<'de> Deserialize<'de> for Digest {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Checkpoint traffic since the store was opened: what callers asked to store versus what
+/// actually reached the disk as new blobs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Traffic {
+    pub logical_bytes: u64,
+    pub written_bytes: u64,
+    pub blobs_written: u64,
+    pub blobs_deduplicated: u64,
+}
+
+impl std::ops::AddAssign<&Traffic> for Traffic {
+    fn add_assign(&mut self, other: &Traffic) {
+        self.logical_bytes += other.logical_bytes;
+        self.written_bytes += other.written_bytes;
+        self.blobs_written += other.blobs_written;
+        self.blobs_deduplicated += other.blobs_deduplicated;
+    }
+}
+
+#[derive(Default)]
+struct TrafficCounters {
+    logical_bytes: AtomicU64,
+    written_bytes: AtomicU64,
+    blobs_written: AtomicU64,
+    blobs_deduplicated: AtomicU64,
+}
+
+pub struct BlobStore {
+    blobs: PathBuf,
+    tmp: PathBuf,
+    traffic: TrafficCounters,
+    tmp_seq: AtomicU64,
+}
+
+impl BlobStore {
+    /// Opens (creating if needed) the blob tree under `state_dir`.
+    pub fn open(state_dir: &Path) -> Result<Self> {
+        let blobs = state_dir.join("blobs");
+        let tmp = state_dir.join("tmp");
+        fs::create_dir_all(&tmp).io_ctx("create", &tmp)?;
+        // Fan-out directories are made once up front so blob writes never have to create and
+        // fsync a parent directory.
+        if !blobs.join("ff").is_dir() {
+            for i in 0..=255u8 {
+                let dir = blobs.join(format!("{i:02x}"));
+                fs::create_dir_all(&dir).io_ctx("create", &dir)?;
+            }
+            sys::fsync_dir(&blobs).io_ctx("fsync", &blobs)?;
+            sys::fsync_dir(state_dir).io_ctx("fsync", state_dir)?;
+        }
+        Ok(BlobStore { blobs, tmp, traffic: TrafficCounters::default(), tmp_seq: AtomicU64::new(0) })
+    }
+
+    pub fn path_of(&self, digest: &Digest) -> PathBuf {
+        let hex = digest.to_hex();
+        self.blobs.join(&hex[..2]).join(&hex[2..])
+    }
+
+    pub(crate) fn blobs_dir(&self) -> &Path {
+        &self.blobs
+    }
+
+    pub(crate) fn tmp_dir(&self) -> &Path {
+        &self.tmp
+    }
+
+    pub fn contains(&self, digest: &Digest) -> bool {
+        fs::symlink_metadata(self.path_of(digest)).is_ok()
+    }
+
+    pub fn traffic(&self) -> Traffic {
+        let c = &self.traffic;
+        Traffic {
+            logical_bytes: c.logical_bytes.load(Ordering::Relaxed),
+            written_bytes: c.written_bytes.load(Ordering::Relaxed),
+            blobs_written: c.blobs_written.load(Ordering::Relaxed),
+            blobs_deduplicated: c.blobs_deduplicated.load(Ordering::Relaxed),
+        }
+    }
+
+    fn record(&self, t: &Traffic) {
+        let c = &self.traffic;
+        c.logical_bytes.fetch_add(t.logical_bytes, Ordering::Relaxed);
+        c.written_bytes.fetch_add(t.written_bytes, Ordering::Relaxed);
+        c.blobs_written.fetch_add(t.blobs_written, Ordering::Relaxed);
+        c.blobs_deduplicated.fetch_add(t.blobs_deduplicated, Ordering::Relaxed);
+    }
+
+    pub(crate) fn tmp_path(&self, what: &str) -> PathBuf {
+        let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
+        self.tmp.join(format!("{what}-{}-{seq}", std::process::id()))
+    }
+
+    pub fn batch(&self) -> WriteBatch<'_> {
+        WriteBatch { store: self, pending: Vec::new(), seen: HashSet::new(), traffic: Traffic::default() }
+    }
+
+    /// Stores one blob durably on its own.
+    pub fn put(&self, data: &[u8]) -> Result<Digest> {
+        let mut batch = self.batch();
+        let digest = batch.put_bytes(data)?;
+        batch.commit()?;
+        Ok(digest)
+    }
+
+    fn open_blob(&self, digest: &Digest) -> Result<(File, PathBuf)> {
+        let path = self.path_of(digest);
+        match File::open(&path) {
+            Ok(f) => Ok((f, path)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Err(CheckpointError::MissingBlob { digest: digest.to_hex(), path })
+            }
+            Err(e) => Err(e).io_ctx("open", path),
+        }
+    }
+
+    fn corrupt(digest: &Digest, path: PathBuf, actual: [u8; 32]) -> CheckpointError {
+        CheckpointError::CorruptBlob { digest: digest.to_hex(), path, actual: hex::encode(actual) }
+    }
+
+    /// Reads a whole blob, refusing it unless it hashes to its name.
+    pub fn read(&self, digest: &Digest) -> Result<Vec<u8>> {
+        let (mut file, path) = self.open_blob(digest)?;
+        let mut data = Vec::new();
+        file.read_to_end(&mut data).io_ctx("read", &path)?;
+        let actual: [u8; 32] = Sha256::digest(&data).into();
+        if actual != digest.0 {
+            return Err(Self::corrupt(digest, path, actual));
+        }
+        Ok(data)
+    }
+
+    /// Hashes a blob without keeping it; returns its size.
+    pub fn verify(&self, digest: &Digest) -> Result<u64> {
+        let (mut file, path) = self.open_blob(digest)?;
+        let (actual, size) = hash_reader(&mut file).io_ctx("read", &path)?;
+        if actual != digest.0 {
+            return Err(Self::corrupt(digest, path, actual));
+        }
+        Ok(size)
+    }
+
+    /// Writes a blob's content into `dst` at its current offset. Small blobs are verified in
+    /// memory before the first byte reaches `dst`; large ones are verified in a first pass and
+    /// then copied in the kernel, so `dst` never receives unverified content.
+    pub fn copy_verified(&self, digest: &Digest, dst: &mut File, dst_path: &Path) -> Result<u64> {
+        let (mut file, path) = self.open_blob(digest)?;
+        let len = file.metadata().io_ctx("stat", &path)?.len();
+        if len as usize <= IN_MEMORY_LIMIT {
+            let mut data = Vec::with_capacity(len as usize);
+            file.read_to_end(&mut data).io_ctx("read", &path)?;
+            let actual: [u8; 32] = Sha256::digest(&data).into();
+            if actual != digest.0 {
+                return Err(Self::corrupt(digest, path, actual));
+            }
+            dst.write_all(&data).io_ctx("write", dst_path)?;
+            return Ok(len);
+        }
+        let (actual, size) = hash_reader(&mut file).io_ctx("read", &path)?;
+        if actual != digest.0 {
+            return Err(Self::corrupt(digest, path, actual));
+        }
+        sys::copy_file_range_all(&file, dst, size).io_ctx("copy_file_range", dst_path)?;
+        Ok(size)
+    }
+}
+
+fn hash_reader(r: &mut impl Read) -> std::io::Result<([u8; 32], u64)> {
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut total = 0u64;
+    loop {
+        let n = r.read(&mut buf)?;
+        if n == 0 {
+            return Ok((hasher.finalize().into(), total));
+        }
+        hasher.update(&buf[..n]);
+        total += n as u64;
+    }
+}
+
+/// Blobs of one turn, written to tmp files and made visible together by [`WriteBatch::commit`].
+/// Dropping an uncommitted batch removes its tmp files.
+pub struct WriteBatch<'a> {
+    store: &'a BlobStore,
+    pending: Vec<(PathBuf, PathBuf)>,
+    seen: HashSet<Digest>,
+    traffic: Traffic,
+}
+
+impl WriteBatch<'_> {
+    /// True when the digest is already stored or queued here; counts the dedup.
+    fn known(&mut self, digest: &Digest, len: u64) -> bool {
+        self.traffic.logical_bytes += len;
+        if self.seen.contains(digest) || self.store.contains(digest) {
+            self.traffic.blobs_deduplicated += 1;
+            return true;
+        }
+        false
+    }
+
+    fn queue(&mut self, digest: Digest, tmp: PathBuf, len: u64) {
+        self.seen.insert(digest);
+        self.pending.push((tmp, self.store.path_of(&digest)));
+        self.traffic.written_bytes += len;
+        self.traffic.blobs_written += 1;
+    }
+
+    pub fn put_bytes(&mut self, data: &[u8]) -> Result<Digest> {
+        let digest = Digest::of(data);
+        if self.known(&digest, data.len() as u64) {
+            return Ok(digest);
+        }
+        let tmp = self.store.tmp_path("blob");
+        let mut f = OpenOptions::new().write(true).create_new(true).mode(0o444).open(&tmp).io_ctx("create", &tmp)?;
+        f.write_all(data).io_ctx("write", &tmp)?;
+        self.queue(digest, tmp, data.len() as u64);
+        Ok(digest)
+    }
+
+    /// Stores what `src` yields until EOF; returns the digest and size of exactly the bytes
+    /// read, so a file changing under us still gets a self-consistent blob.
+    pub fn put_reader(&mut self, src: &mut impl Read, src_path: &Path) -> Result<(Digest, u64)> {
+        let mut head = Vec::with_capacity(64 * 1024);
+        src.take(IN_MEMORY_LIMIT as u64 + 1).read_to_end(&mut head).io_ctx("read", src_path)?;
+        if head.len() <= IN_MEMORY_LIMIT {
+            let digest = self.put_bytes(&head)?;
+            return Ok((digest, head.len() as u64));
+        }
+        let tmp = self.store.tmp_path("blob");
+        let mut out = OpenOptions::new().write(true).create_new(true).mode(0o444).open(&tmp).io_ctx("create", &tmp)?;
+        let mut hasher = Sha256::new();
+        hasher.update(&head);
+        out.write_all(&head).io_ctx("write", &tmp)?;
+        let mut total = head.len() as u64;
+        let mut buf = vec![0u8; 256 * 1024];
+        loop {
+            let n = src.read(&mut buf).io_ctx("read", src_path)?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            out.write_all(&buf[..n]).io_ctx("write", &tmp)?;
+            total += n as u64;
+        }
+        let digest = Digest(hasher.finalize().into());
+        if self.known(&digest, total) {
+            fs::remove_file(&tmp).io_ctx("remove", &tmp)?;
+        } else {
+            self.queue(digest, tmp, total);
+        }
+        Ok((digest, total))
+    }
+
+    /// Makes every queued blob durable and visible; returns this batch's traffic.
+    pub fn commit(mut self) -> Result<Traffic> {
+        if !self.pending.is_empty() {
+            let tmp_dir = File::open(&self.store.tmp).io_ctx("open", &self.store.tmp)?;
+            sys::syncfs(tmp_dir.as_fd()).io_ctx("syncfs", &self.store.tmp)?;
+            for (tmp, dst) in &self.pending {
+                fs::rename(tmp, dst).io_ctx("rename", dst)?;
+            }
+            sys::syncfs(tmp_dir.as_fd()).io_ctx("syncfs", self.store.blobs_dir())?;
+        }
+        self.pending.clear();
+        self.store.record(&self.traffic);
+        Ok(self.traffic)
+    }
+}
+
+impl Drop for WriteBatch<'_> {
+    fn drop(&mut self) {
+        for (tmp, _) in self.pending.drain(..) {
+            let _ = fs::remove_file(tmp);
+        }
+    }
+}
+
+/// Whether a published file must survive a power loss once `publish_file` returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Durability {
+    /// tmp file, fsync, rename, fsync of the directory.
+    Flushed,
+    /// tmp file and rename only: readers see the old or the new content, never a mix, but a
+    /// power loss may bring back the old one (ext4 flushes the data of a file renamed over
+    /// another before the rename commits, so no empty file appears).
+    AtomicOnly,
+}
+
+/// Replaces `dst` with `data` atomically. Used for manifests, snapshots and heads.
+pub(crate) fn publish_file(tmp: &Path, dst: &Path, data: &[u8], durability: Durability) -> Result<()> {
+    let mut f = OpenOptions::new().write(true).create_new(true).mode(0o644).open(tmp).io_ctx("create", tmp)?;
+    let written = f.write_all(data).and_then(|()| match durability {
+        Durability::Flushed => f.sync_all(),
+        Durability::AtomicOnly => Ok(()),
+    });
+    if let Err(e) = written {
+        let _ = fs::remove_file(tmp);
+        return Err(e).io_ctx("write", tmp);
+    }
+    drop(f);
+    fs::rename(tmp, dst).io_ctx("rename", dst)?;
+    if durability == Durability::Flushed {
+        let dir = dst.parent().unwrap_or(Path::new("/"));
+        sys::fsync_dir(dir).io_ctx("fsync", dir)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identical_content_is_written_once_and_verified_on_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path()).unwrap();
+        let a = store.put(b"hello").unwrap();
+        let b = store.put(b"hello").unwrap();
+        assert_eq!(a, b);
+        let t = store.traffic();
+        assert_eq!((t.logical_bytes, t.written_bytes, t.blobs_written, t.blobs_deduplicated), (10, 5, 1, 1));
+        assert_eq!(store.read(&a).unwrap(), b"hello");
+        assert_eq!(a.to_hex(), "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824");
+    }
+
+    #[test]
+    fn corrupt_blob_is_refused_naming_digest_and_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path()).unwrap();
+        let d = store.put(b"precious").unwrap();
+        let path = store.path_of(&d);
+        fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+        fs::write(&path, b"tampered").unwrap();
+        let err = store.read(&d).unwrap_err().to_string();
+        assert!(err.contains(&d.to_hex()) && err.contains(&path.display().to_string()), "{err}");
+        assert!(matches!(store.verify(&d), Err(CheckpointError::CorruptBlob { .. })));
+    }
+
+    #[test]
+    fn large_reader_streams_and_dedups() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path()).unwrap();
+        let data: Vec<u8> = (0..3 * IN_MEMORY_LIMIT).map(|i| (i * 7 % 251) as u8).collect();
+        let mut batch = store.batch();
+        let (d1, n1) = batch.put_reader(&mut &data[..], Path::new("mem")).unwrap();
+        let (d2, _) = batch.put_reader(&mut &data[..], Path::new("mem")).unwrap();
+        let t = batch.commit().unwrap();
+        assert_eq!((d1, n1 as usize), (d2, data.len()));
+        assert_eq!(t.written_bytes as usize, data.len());
+        assert_eq!(store.read(&d1).unwrap(), data);
+        assert_eq!(fs::read_dir(store.tmp_dir()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn dropped_batch_leaves_nothing_visible() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path()).unwrap();
+        let mut batch = store.batch();
+        let d = batch.put_bytes(b"never committed").unwrap();
+        drop(batch);
+        assert!(!store.contains(&d));
+        assert_eq!(fs::read_dir(store.tmp_dir()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn digest_parsing_is_strict() {
+        assert!("AB".parse::<Digest>().is_err());
+        assert!("2CF24DBA5FB0A30E26E83B2AC5B9E29E1B161E5C1FA7425E73043362938B9824".parse::<Digest>().is_err());
+        let d: Digest = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824".parse().unwrap();
+        assert_eq!(d, Digest::of(b"hello"));
+    }
+}

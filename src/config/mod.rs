@@ -1,0 +1,159 @@
+//! crab's own configuration file (TOML).
+//!
+//! Every key has a default, so an empty or absent file is a valid
+//! configuration. The documented default file is `shim-config/crab.toml`.
+//! Unknown keys are errors: a typo must not silently fall back to a default.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// Where the shim looks when containerd passes no `ConfigPath`.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/crab/crab.toml";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading crab config {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("crab config {path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub runtime: RuntimeConfig,
+    pub checkpoint: CheckpointConfig,
+    pub log: LogConfig,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct RuntimeConfig {
+    /// The OCI runtime binary: `runc` or `crun`, a name on PATH or a path.
+    pub binary: PathBuf,
+    /// The runtime's state directory; the namespace is appended.
+    pub root: PathBuf,
+    /// Pass `--systemd-cgroup` to the runtime.
+    pub systemd_cgroup: bool,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Root of crab's checkpoint store.
+    pub state_dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// `error`, `warn`, `info`, `debug` or `trace`.
+    pub level: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self { runtime: RuntimeConfig::default(), checkpoint: CheckpointConfig::default(), log: LogConfig::default() }
+    }
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self { binary: "runc".into(), root: "/run/crab/runc".into(), systemd_cgroup: false }
+    }
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self { state_dir: "/var/lib/crab".into() }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { level: "info".into() }
+    }
+}
+
+const LOG_LEVELS: [&str; 5] = ["error", "warn", "info", "debug", "trace"];
+
+impl Config {
+    /// Parses a config file body; `path` only names the file in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let config: Config = toml::from_str(text)
+            .map_err(|e| ConfigError::Invalid { path: path.to_path_buf(), message: e.to_string() })?;
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    /// Loads `path`. The default path may be absent; an explicit one may not.
+    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        let (path, explicit) = match path {
+            Some(p) => (p.to_path_buf(), true),
+            None => (PathBuf::from(DEFAULT_CONFIG_PATH), false),
+        };
+        match std::fs::read_to_string(&path) {
+            Ok(text) => Self::parse(&text, &path),
+            Err(e) if !explicit && e.kind() == std::io::ErrorKind::NotFound => Ok(Self::default()),
+            Err(source) => Err(ConfigError::Read { path, source }),
+        }
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), ConfigError> {
+        let invalid = |message: String| ConfigError::Invalid { path: path.to_path_buf(), message };
+        if self.runtime.binary.as_os_str().is_empty() {
+            return Err(invalid("runtime.binary: must not be empty".into()));
+        }
+        for (key, dir) in [("runtime.root", &self.runtime.root), ("checkpoint.state_dir", &self.checkpoint.state_dir)] {
+            if !dir.is_absolute() {
+                return Err(invalid(format!("{key}: {} is not an absolute path", dir.display())));
+            }
+        }
+        if !LOG_LEVELS.contains(&self.log.level.as_str()) {
+            return Err(invalid(format!("log.level: {:?} is not one of {}", self.log.level, LOG_LEVELS.join(", "))));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_gives_defaults() {
+        assert_eq!(Config::parse("", Path::new("x.toml")).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn shipped_default_file_parses_to_the_defaults() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("shim-config/crab.toml");
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(Config::parse(&text, &path).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn errors_name_the_file_and_key() {
+        let err = Config::parse("[runtime]\nbinray = \"crun\"\n", Path::new("/etc/crab/crab.toml")).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("/etc/crab/crab.toml") && msg.contains("binray"), "{msg}");
+
+        let err = Config::parse("[checkpoint]\nstate_dir = \"rel/dir\"\n", Path::new("c.toml")).unwrap_err();
+        assert!(err.to_string().contains("checkpoint.state_dir"), "{err}");
+
+        let err = Config::parse("[log]\nlevel = \"loud\"\n", Path::new("c.toml")).unwrap_err();
+        assert!(err.to_string().contains("log.level"), "{err}");
+    }
+
+    #[test]
+    fn explicit_missing_file_is_an_error_default_is_not() {
+        assert!(Config::load(Some(Path::new("/nonexistent/crab.toml"))).is_err());
+    }
+
+    #[test]
+    fn crun_is_selectable() {
+        let c = Config::parse("[runtime]\nbinary = \"crun\"\n", Path::new("c.toml")).unwrap();
+        assert_eq!(c.runtime.binary, PathBuf::from("crun"));
+    }
+}

@@ -1,0 +1,16 @@
+//! Crab: a semantics-aware checkpoint/restore runtime for agent sandboxes.
+//!
+//! The library holds every part of the product; the binaries in `src/bin` are
+//! thin entry points over it.
+//!
+//! - [`shim`]: the containerd shim v2 Task service over an OCI runtime.
+//! - [`runtime`]: the OCI runtime command-line client (runc or crun).
+//! - [`config`]: crab's own configuration file.
+//! - [`inspector`]: eBPF view of what each turn did to the OS.
+//! - [`checkpoint`]: the content-addressed checkpoint store.
+
+pub mod checkpoint;
+pub mod config;
+pub mod inspector;
+pub mod runtime;
+pub mod shim;

@@ -1,0 +1,318 @@
+//! Entry point of `containerd-shim-crab-v2`: the actions containerd invokes.
+//!
+//! - `start`: find or spawn the shim serving this container's group (one
+//!   per pod, keyed by the `io.kubernetes.cri.sandbox-id` annotation), print
+//!   its ttrpc address.
+//! - `delete`: clean up after a shim that died: delete the container from the
+//!   runtime, unmount its rootfs, report it killed.
+//! - no action: serve the Task API on `-socket` until Shutdown.
+//!
+//! containerd 1.6 and 1.7 speak task API v2 and read `start`'s output as a
+//! bare address; containerd 2 speaks v3. The shim answers both service names.
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use containerd_shim::Flags;
+use containerd_shim::asynchronous::publisher::RemotePublisher;
+use containerd_shim_protos::protobuf::Message;
+use containerd_shim_protos::shim_async::{Task, create_task};
+use containerd_shim_protos::ttrpc::r#async::Server;
+use tokio_util::sync::CancellationToken;
+
+use super::service::{EventSink, TaskService};
+use crate::config::Config;
+use crate::runtime::{OciRuntime, Reaper};
+
+const SANDBOX_ID_ANNOTATION: &str = "io.kubernetes.cri.sandbox-id";
+/// Written into the bundle at serve time so `delete` can find the runtime
+/// state of a container whose shim is gone.
+pub const RUNTIME_RECORD: &str = "crab-runtime.json";
+
+#[derive(Debug, thiserror::Error)]
+pub enum BootstrapError {
+    #[error("arguments: {0}")]
+    Args(String),
+    #[error("{what}: {source}")]
+    Io { what: String, source: std::io::Error },
+    #[error("{0}")]
+    Other(String),
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BootstrapError {
+    let what = what.into();
+    move |source| BootstrapError::Io { what, source }
+}
+
+/// Runs the binary; never returns.
+pub fn main(runtime_id: &str) -> ! {
+    let args: Vec<_> = std::env::args_os().skip(1).collect();
+    let code = match containerd_shim::parse(&args) {
+        Ok(flags) => match run(runtime_id, flags) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("{runtime_id}: {e}");
+                1
+            }
+        },
+        Err(e) => {
+            eprintln!("{runtime_id}: {e}");
+            1
+        }
+    };
+    std::process::exit(code)
+}
+
+fn run(runtime_id: &str, flags: Flags) -> Result<(), BootstrapError> {
+    if flags.version {
+        println!("{}:\n  Version:  {}\n  Runtime:  {runtime_id}", binary_name(), env!("CARGO_PKG_VERSION"));
+        return Ok(());
+    }
+    if flags.info {
+        let info = containerd_shim_protos::types::introspection::RuntimeInfo {
+            name: runtime_id.into(),
+            version: Some(containerd_shim_protos::types::introspection::RuntimeVersion {
+                version: env!("CARGO_PKG_VERSION").into(),
+                ..Default::default()
+            })
+            .into(),
+            ..Default::default()
+        };
+        let bytes = info.write_to_bytes().map_err(|e| BootstrapError::Other(e.to_string()))?;
+        std::io::stdout().write_all(&bytes).map_err(io_err("write runtime info"))?;
+        return Ok(());
+    }
+    // A subreaper adopts the container processes runc leaves behind; it must be
+    // set before any child exists.
+    if flags.action.is_empty() {
+        set_subreaper()?;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(io_err("tokio runtime"))?;
+    rt.block_on(async move {
+        match flags.action.as_str() {
+            "start" => start(&flags).await,
+            "delete" => delete(&flags).await,
+            "" => serve(&flags).await,
+            other => Err(BootstrapError::Args(format!("unknown action {other:?}"))),
+        }
+    })
+}
+
+fn binary_name() -> String {
+    std::env::args().next().and_then(|a| Path::new(&a).file_name().map(|f| f.to_string_lossy().into_owned())).unwrap_or_default()
+}
+
+fn set_subreaper() -> Result<(), BootstrapError> {
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
+        return Err(BootstrapError::Io { what: "PR_SET_CHILD_SUBREAPER".into(), source: std::io::Error::last_os_error() });
+    }
+    Ok(())
+}
+
+fn bundle_dir(flags: &Flags) -> PathBuf {
+    if flags.bundle.is_empty() { std::env::current_dir().unwrap_or_default() } else { PathBuf::from(&flags.bundle) }
+}
+
+/// The shim group of this container: its pod sandbox, else itself.
+fn grouping(bundle: &Path, id: &str) -> String {
+    let spec: Option<serde_json::Value> =
+        std::fs::read(bundle.join("config.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+    spec.as_ref()
+        .and_then(|s| s.get("annotations"))
+        .and_then(|a| a.get(SANDBOX_ID_ANNOTATION))
+        .and_then(|v| v.as_str())
+        .filter(|s| !s.is_empty())
+        .unwrap_or(id)
+        .to_string()
+}
+
+fn socket_path(address: &str) -> &str {
+    address.strip_prefix("unix://").unwrap_or(address)
+}
+
+async fn socket_answers(address: &str) -> bool {
+    tokio::net::UnixStream::connect(socket_path(address)).await.is_ok()
+}
+
+async fn start(flags: &Flags) -> Result<(), BootstrapError> {
+    let bundle = bundle_dir(flags);
+    let group = grouping(&bundle, &flags.id);
+    let address = containerd_shim::socket_address(&flags.address, &flags.namespace, &group);
+    if !socket_answers(&address).await {
+        spawn_server(flags, &address)?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !socket_answers(&address).await {
+            if tokio::time::Instant::now() > deadline {
+                return Err(BootstrapError::Other(format!("shim did not start serving {address}")));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    std::fs::write(bundle.join("address"), &address).map_err(io_err("write address file"))?;
+    // containerd 1.6 reads the whole output as the address: nothing else may be printed.
+    let mut out = std::io::stdout();
+    out.write_all(address.as_bytes()).map_err(io_err("write address"))?;
+    out.flush().map_err(io_err("flush address"))
+}
+
+fn spawn_server(flags: &Flags, address: &str) -> Result<(), BootstrapError> {
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe().map_err(io_err("current executable"))?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(["-namespace", &flags.namespace, "-id", &flags.id, "-address", &flags.address, "-socket", address]);
+    if flags.debug {
+        cmd.arg("-debug");
+    }
+    cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    // Its own session: the shim must outlive containerd and ignore its signals.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    // The child is deliberately not waited for: it is the long-lived server
+    // and is re-parented when this `start` process exits.
+    cmd.spawn().map_err(io_err("spawn shim server"))?;
+    Ok(())
+}
+
+fn init_logging(debug: bool, level: &str) {
+    use tracing_subscriber::EnvFilter;
+    // containerd reads shim logs from the `log` fifo in the bundle.
+    let log = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open("log").ok();
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(if debug { "debug" } else { level }));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(false).with_target(false);
+    match log {
+        Some(f) => {
+            let writer = std::sync::Mutex::new(f);
+            let _ = builder.with_writer(writer).try_init();
+        }
+        None => {
+            let _ = builder.with_writer(std::io::stderr).try_init();
+        }
+    }
+}
+
+async fn serve(flags: &Flags) -> Result<(), BootstrapError> {
+    if flags.socket.is_empty() {
+        return Err(BootstrapError::Args("-socket is required to serve".into()));
+    }
+    let config = Config::load(None).unwrap_or_default();
+    init_logging(flags.debug, &config.log.level);
+    let reaper = Reaper::default();
+    reaper.start().map_err(io_err("SIGCHLD handler"))?;
+
+    let publisher = match std::env::var("TTRPC_ADDRESS") {
+        Ok(addr) if !addr.is_empty() => match RemotePublisher::new(&addr).await {
+            Ok(p) => Some(p),
+            Err(e) => {
+                tracing::error!(error = %e, address = %addr, "no event publisher: events will not reach containerd");
+                None
+            }
+        },
+        _ => {
+            tracing::error!("TTRPC_ADDRESS is not set: events will not reach containerd");
+            None
+        }
+    };
+    let shutdown = CancellationToken::new();
+    let service: Arc<dyn Task + Send + Sync> = Arc::new(TaskService::new(
+        &flags.namespace,
+        EventSink::new(publisher, &flags.namespace),
+        reaper,
+        shutdown.clone(),
+    ));
+
+    let path = socket_path(&flags.socket).to_string();
+    if let Some(dir) = Path::new(&path).parent() {
+        std::fs::create_dir_all(dir).map_err(io_err(format!("create {}", dir.display())))?;
+    }
+    let _ = std::fs::remove_file(&path);
+    let mut services = create_task(service.clone());
+    // Same messages, two service names: v2 for containerd 1.x, v3 for 2.x.
+    if let Some(v3) = create_task(service).remove("containerd.task.v3.Task") {
+        services.insert("containerd.task.v2.Task".into(), v3);
+    }
+    let mut server = Server::new()
+        .bind(&format!("unix://{path}"))
+        .map_err(|e| BootstrapError::Other(format!("bind {path}: {e}")))?
+        .register_service(services);
+    server.start().await.map_err(|e| BootstrapError::Other(format!("serve {path}: {e}")))?;
+    tracing::info!(socket = %path, pid = std::process::id(), "serving");
+
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io_err("SIGTERM handler"))?;
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        _ = sigterm.recv() => tracing::info!("SIGTERM"),
+    }
+    let _ = server.shutdown().await;
+    let _ = std::fs::remove_file(&path);
+    Ok(())
+}
+
+/// Records which runtime serves the container, for `delete` after a shim crash.
+pub fn write_runtime_record(bundle: &Path, runtime: &OciRuntime) -> std::io::Result<()> {
+    let record = serde_json::json!({ "binary": runtime.binary(), "root": runtime.root() });
+    std::fs::write(bundle.join(RUNTIME_RECORD), record.to_string())
+}
+
+async fn delete(flags: &Flags) -> Result<(), BootstrapError> {
+    let bundle = bundle_dir(flags);
+    let record: Option<serde_json::Value> =
+        std::fs::read(bundle.join(RUNTIME_RECORD)).ok().and_then(|b| serde_json::from_slice(&b).ok());
+    let config = Config::load(None).unwrap_or_default();
+    let field = |k: &str| record.as_ref().and_then(|r| r.get(k)).and_then(|v| v.as_str()).map(PathBuf::from);
+    let binary = field("binary").unwrap_or(config.runtime.binary);
+    let root = field("root").unwrap_or_else(|| config.runtime.root.join(&flags.namespace));
+    let reaper = Reaper::default();
+    reaper.start().map_err(io_err("SIGCHLD handler"))?;
+    let runtime = OciRuntime::new(binary, root, config.runtime.systemd_cgroup, reaper);
+    // Kill whatever is left, then delete; both may fail if the container is gone.
+    let _ = runtime.kill(&flags.id, libc::SIGKILL as u32, true).await;
+    if let Err(e) = runtime.delete(&flags.id, true).await {
+        let msg = e.to_string();
+        if !msg.contains("does not exist") && !msg.contains("not found") {
+            eprintln!("{}: runtime delete {}: {msg}", binary_name(), flags.id);
+        }
+    }
+    super::container::unmount_rootfs(&bundle);
+    let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    let response = containerd_shim_protos::api::DeleteResponse {
+        pid: 0,
+        exit_status: 128 + libc::SIGKILL as u32,
+        exited_at: Some(containerd_shim_protos::protobuf::well_known_types::timestamp::Timestamp {
+            seconds: now.as_secs() as i64,
+            nanos: now.subsec_nanos() as i32,
+            ..Default::default()
+        })
+        .into(),
+        ..Default::default()
+    };
+    let bytes = response.write_to_bytes().map_err(|e| BootstrapError::Other(e.to_string()))?;
+    std::io::stdout().write_all(&bytes).map_err(io_err("write delete response"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pods_share_one_shim() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"annotations":{"io.kubernetes.cri.sandbox-id":"pod-1"}}"#,
+        )
+        .unwrap();
+        assert_eq!(grouping(dir.path(), "ctr-a"), "pod-1");
+        std::fs::write(dir.path().join("config.json"), r#"{"annotations":{}}"#).unwrap();
+        assert_eq!(grouping(dir.path(), "ctr-a"), "ctr-a");
+    }
+}

@@ -1,0 +1,581 @@
+//! Standard streams of container processes.
+//!
+//! containerd names each stream by a URI: a fifo path (bare or `fifo://`),
+//! `file://` (append to a host file), `binary://` (a logging program reads the
+//! streams), or nothing (null). The container never sees those: it gets pipe
+//! ends (so CRIU can dump it), or a pseudo-terminal whose master the runtime
+//! hands over through a console socket, and the shim copies between them.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use nix::fcntl::OFlag;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::Mutex;
+use tokio::task::JoinHandle;
+
+use crate::runtime::{ProcessStdio, Reaper};
+
+#[derive(Debug, thiserror::Error)]
+pub enum IoError {
+    #[error("stdio {uri:?}: unsupported scheme (expected a fifo path, file://, binary:// or empty)")]
+    Scheme { uri: String },
+    #[error("stdio {what}: {source}")]
+    Os { what: String, source: io::Error },
+    #[error("logging binary {path} exited before it was ready (status {status})")]
+    LoggerFailed { path: String, status: i32 },
+}
+
+fn os(what: impl Into<String>) -> impl FnOnce(io::Error) -> IoError {
+    let what = what.into();
+    move |source| IoError::Os { what, source }
+}
+
+/// The stream URIs of one process, as containerd sent them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StdioUris {
+    pub stdin: String,
+    pub stdout: String,
+    pub stderr: String,
+    pub terminal: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Target {
+    Null,
+    Fifo(PathBuf),
+    File(PathBuf),
+    Binary { path: String, args: Vec<(String, String)> },
+}
+
+fn parse_uri(uri: &str) -> Result<Target, IoError> {
+    if uri.is_empty() {
+        return Ok(Target::Null);
+    }
+    let Some((scheme, rest)) = uri.split_once("://") else {
+        return Ok(Target::Fifo(uri.into()));
+    };
+    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    match scheme {
+        "fifo" => Ok(Target::Fifo(path.into())),
+        "file" => Ok(Target::File(path.into())),
+        "binary" => {
+            let args = query
+                .split('&')
+                .filter(|kv| !kv.is_empty())
+                .map(|kv| {
+                    let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+                    (percent_decode(k), percent_decode(v))
+                })
+                .collect();
+            Ok(Target::Binary { path: percent_decode(path), args })
+        }
+        _ => Err(IoError::Scheme { uri: uri.into() }),
+    }
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && i + 2 < bytes.len()
+            && let Ok(v) = u8::from_str_radix(&s[i + 1..i + 3], 16)
+        {
+            out.push(v);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A non-blocking descriptor driven by tokio: a pipe end, a fifo or a pty master.
+struct AsyncRaw(AsyncFd<OwnedFd>);
+
+impl AsyncRaw {
+    fn new(fd: OwnedFd) -> io::Result<Self> {
+        set_nonblocking(fd.as_raw_fd())?;
+        Ok(Self(AsyncFd::new(fd)?))
+    }
+
+    /// Reads some bytes; 0 means end of stream. A pty master reports the
+    /// slave's last close as EIO, which is end of stream too.
+    async fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            let mut guard = self.0.readable().await?;
+            match guard.try_io(|fd| {
+                let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+                if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) }
+            }) {
+                Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => return Ok(0),
+                Ok(result) => return result,
+                Err(_would_block) => continue,
+            }
+        }
+    }
+
+    async fn write_all(&self, mut buf: &[u8]) -> io::Result<()> {
+        while !buf.is_empty() {
+            let mut guard = self.0.writable().await?;
+            match guard.try_io(|fd| {
+                let n = unsafe { libc::write(fd.as_raw_fd(), buf.as_ptr().cast(), buf.len()) };
+                if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) }
+            }) {
+                Ok(Ok(n)) => buf = &buf[n..],
+                Ok(Err(e)) => return Err(e),
+                Err(_would_block) => continue,
+            }
+        }
+        Ok(())
+    }
+}
+
+fn set_nonblocking(fd: RawFd) -> io::Result<()> {
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(io::Error::from)
+}
+
+fn dev_null(write: bool) -> io::Result<OwnedFd> {
+    Ok(std::fs::OpenOptions::new().read(!write).write(write).open("/dev/null")?.into())
+}
+
+/// Output fifos are opened read-write: that never blocks, and the shim's own
+/// read side keeps the fifo usable while containerd is down, so a container
+/// keeps running (and its output keeps flowing) across a containerd restart.
+fn open_output_fifo(path: &Path) -> Result<AsyncRaw, IoError> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(os(format!("open fifo {}", path.display())))?;
+    AsyncRaw::new(file.into()).map_err(os("register fifo"))
+}
+
+/// The copy destination of one output stream.
+enum Sink {
+    Async(AsyncRaw),
+    File(std::fs::File),
+}
+
+impl Sink {
+    async fn open(target: &Target) -> Result<Option<Sink>, IoError> {
+        match target {
+            Target::File(path) => {
+                if let Some(dir) = path.parent() {
+                    std::fs::create_dir_all(dir).map_err(os(format!("create {}", dir.display())))?;
+                }
+                let f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(os(format!("open {}", path.display())))?;
+                Ok(Some(Sink::File(f)))
+            }
+            Target::Fifo(path) => Ok(Some(Sink::Async(open_output_fifo(path)?))),
+            Target::Null | Target::Binary { .. } => Ok(None),
+        }
+    }
+
+    async fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
+        match self {
+            Sink::Async(raw) => raw.write_all(buf).await,
+            Sink::File(f) => {
+                use std::io::Write;
+                f.write_all(buf)
+            }
+        }
+    }
+}
+
+async fn copy_out(source: AsyncRaw, mut sinks: Vec<Sink>) {
+    let mut buf = vec![0u8; 32 * 1024];
+    loop {
+        match source.read(&mut buf).await {
+            Ok(0) => break,
+            Ok(n) => {
+                for sink in &mut sinks {
+                    if let Err(e) = sink.write_all(&buf[..n]).await {
+                        tracing::warn!(error = %e, "stdio copy: write failed");
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "stdio copy: read failed");
+                break;
+            }
+        }
+    }
+}
+
+/// The writer into the container's stdin, shared by the copy task and CloseIO.
+type StdinWriter = Arc<Mutex<Option<AsyncRaw>>>;
+
+async fn copy_stdin(fifo: PathBuf, writer: StdinWriter) {
+    // Opening for read blocks until the client opens its end: that is what
+    // makes the client's close reach the container as end of file.
+    let opened = tokio::task::spawn_blocking(move || std::fs::File::open(&fifo)).await;
+    let source = match opened {
+        Ok(Ok(f)) => match AsyncRaw::new(f.into()) {
+            Ok(raw) => raw,
+            Err(e) => return tracing::warn!(error = %e, "stdin: register fifo"),
+        },
+        Ok(Err(e)) => return tracing::warn!(error = %e, "stdin: open fifo"),
+        Err(_) => return,
+    };
+    let mut buf = vec![0u8; 32 * 1024];
+    loop {
+        let n = match source.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let guard = writer.lock().await;
+        let Some(w) = guard.as_ref() else { return };
+        if w.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    writer.lock().await.take();
+}
+
+/// A listening socket on which the runtime sends a new pty's master.
+pub struct ConsoleSocket {
+    path: PathBuf,
+    listener: tokio::net::UnixListener,
+}
+
+impl ConsoleSocket {
+    pub fn new(dir: &Path) -> Result<Self, IoError> {
+        std::fs::create_dir_all(dir).map_err(os(format!("create {}", dir.display())))?;
+        let path = dir.join(format!("console-{}-{}.sock", std::process::id(), unique()));
+        let _ = std::fs::remove_file(&path);
+        let listener = tokio::net::UnixListener::bind(&path).map_err(os(format!("bind {}", path.display())))?;
+        Ok(Self { path, listener })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Receives the master sent with SCM_RIGHTS.
+    pub async fn receive_master(self) -> Result<OwnedFd, IoError> {
+        use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+        let (stream, _) = self.listener.accept().await.map_err(os("console socket accept"))?;
+        let stream = stream.into_std().map_err(os("console socket"))?;
+        stream.set_nonblocking(false).map_err(os("console socket"))?;
+        let fd = tokio::task::spawn_blocking(move || -> io::Result<OwnedFd> {
+            let mut buf = [0u8; 4096];
+            let mut iov = [io::IoSliceMut::new(&mut buf)];
+            let mut cmsg = nix::cmsg_space!([RawFd; 1]);
+            let msg = recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC)
+                .map_err(io::Error::from)?;
+            for c in msg.cmsgs().map_err(io::Error::from)? {
+                if let ControlMessageOwned::ScmRights(fds) = c
+                    && let Some(&fd) = fds.first()
+                {
+                    return Ok(unsafe { OwnedFd::from_raw_fd(fd) });
+                }
+            }
+            Err(io::Error::new(io::ErrorKind::InvalidData, "no file descriptor in console message"))
+        })
+        .await
+        .map_err(|e| IoError::Os { what: "console receive".into(), source: io::Error::other(e) })?
+        .map_err(os("console receive"))?;
+        Ok(fd)
+    }
+}
+
+impl Drop for ConsoleSocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The shim's side of one process's streams, alive while the process is.
+pub struct ProcessIo {
+    stdin: StdinWriter,
+    console: std::sync::Mutex<Option<OwnedFd>>,
+    /// Output copies end when every writer of the pipe is gone; `drain` waits for them.
+    outputs: std::sync::Mutex<Vec<JoinHandle<()>>>,
+    /// Stdin copies end only when the client closes its end.
+    inputs: std::sync::Mutex<Vec<JoinHandle<()>>>,
+    uris: StdioUris,
+}
+
+/// What the runtime needs to launch the process with these streams.
+pub struct LaunchIo {
+    pub stdio: ProcessStdio,
+    pub console: Option<ConsoleSocket>,
+}
+
+/// Identity passed to `binary://` loggers.
+pub struct IoOwner<'a> {
+    pub namespace: &'a str,
+    pub container_id: &'a str,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl ProcessIo {
+    /// Prepares pipes (or a console socket) and starts copying output.
+    pub async fn prepare(
+        uris: &StdioUris,
+        owner: &IoOwner<'_>,
+        console_dir: &Path,
+        reaper: &Reaper,
+    ) -> Result<(Arc<ProcessIo>, LaunchIo), IoError> {
+        let io = Arc::new(ProcessIo {
+            stdin: Arc::new(Mutex::new(None)),
+            console: std::sync::Mutex::new(None),
+            outputs: std::sync::Mutex::new(Vec::new()),
+            inputs: std::sync::Mutex::new(Vec::new()),
+            uris: uris.clone(),
+        });
+        let stdin_t = parse_uri(&uris.stdin)?;
+        let stdout_t = parse_uri(&uris.stdout)?;
+        let stderr_t = parse_uri(&uris.stderr)?;
+
+        if uris.terminal {
+            // The container gets the pty slave; the runtime hands us the master.
+            let console = ConsoleSocket::new(console_dir)?;
+            let launch = LaunchIo {
+                stdio: ProcessStdio {
+                    stdin: Some(dev_null(false).map_err(os("/dev/null"))?),
+                    stdout: Some(dev_null(true).map_err(os("/dev/null"))?),
+                    stderr: Some(dev_null(true).map_err(os("/dev/null"))?),
+                },
+                console: Some(console),
+            };
+            return Ok((io, launch));
+        }
+
+        let mut stdio = ProcessStdio::default();
+        stdio.stdin = Some(match &stdin_t {
+            Target::Null => dev_null(false).map_err(os("/dev/null"))?,
+            Target::Fifo(path) => {
+                let (r, w) = pipe().map_err(os("stdin pipe"))?;
+                chown_fd(&r, owner.uid, owner.gid)?;
+                *io.stdin.lock().await = Some(AsyncRaw::new(w).map_err(os("stdin pipe"))?);
+                io.spawn_input(copy_stdin(path.clone(), io.stdin.clone()));
+                r
+            }
+            other => return Err(IoError::Scheme { uri: format!("{other:?} for stdin") }),
+        });
+
+        let logger_needed = matches!(stdout_t, Target::Binary { .. }) || matches!(stderr_t, Target::Binary { .. });
+        let mut logger_fds: Vec<OwnedFd> = Vec::new();
+        for (target, slot) in [(&stdout_t, &mut stdio.stdout), (&stderr_t, &mut stdio.stderr)] {
+            if *target == Target::Null {
+                *slot = Some(dev_null(true).map_err(os("/dev/null"))?);
+                continue;
+            }
+            let (r, w) = pipe().map_err(os("output pipe"))?;
+            chown_fd(&w, owner.uid, owner.gid)?;
+            *slot = Some(w);
+            if logger_needed {
+                logger_fds.push(r);
+            } else {
+                let sink = Sink::open(target).await?.into_iter().collect();
+                let source = AsyncRaw::new(r).map_err(os("output pipe"))?;
+                io.spawn_output(copy_out(source, sink));
+            }
+        }
+        if logger_needed {
+            let Target::Binary { path, args } = (if matches!(stdout_t, Target::Binary { .. }) { &stdout_t } else { &stderr_t }) else {
+                unreachable!()
+            };
+            start_logger(path, args, owner, logger_fds, reaper).await?;
+        }
+        Ok((io, LaunchIo { stdio, console: None }))
+    }
+
+    fn spawn_output(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.outputs.lock().expect("io lock").push(tokio::spawn(task));
+    }
+
+    fn spawn_input(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.inputs.lock().expect("io lock").push(tokio::spawn(task));
+    }
+
+    /// Connects a received pty master to the process's streams.
+    pub fn attach_console(self: &Arc<Self>, master: OwnedFd) -> Result<(), IoError> {
+        let for_resize = master.try_clone().map_err(os("dup pty master"))?;
+        let reader = AsyncRaw::new(master.try_clone().map_err(os("dup pty master"))?).map_err(os("pty master"))?;
+        *self.console.lock().expect("io lock") = Some(for_resize);
+        let uris = self.uris.clone();
+        let io = self.clone();
+        io.spawn_output(async move {
+            let sink = match Sink::open(&parse_uri(&uris.stdout).unwrap_or(Target::Null)).await {
+                Ok(s) => s.into_iter().collect(),
+                Err(e) => return tracing::warn!(error = %e, "console output"),
+            };
+            copy_out(reader, sink).await;
+        });
+        if let Ok(Target::Fifo(path)) = parse_uri(&self.uris.stdin) {
+            let writer = AsyncRaw::new(master).map_err(os("pty master"))?;
+            let stdin = self.stdin.clone();
+            self.spawn_input(async move {
+                *stdin.lock().await = Some(writer);
+                copy_stdin(path, stdin).await;
+            });
+        }
+        Ok(())
+    }
+
+    pub fn resize(&self, width: u32, height: u32) -> Result<(), IoError> {
+        let guard = self.console.lock().expect("io lock");
+        let Some(master) = guard.as_ref() else {
+            return Err(IoError::Os {
+                what: "resize".into(),
+                source: io::Error::new(io::ErrorKind::Unsupported, "process has no terminal"),
+            });
+        };
+        let ws = libc::winsize { ws_row: height as u16, ws_col: width as u16, ws_xpixel: 0, ws_ypixel: 0 };
+        if unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSWINSZ, &ws) } < 0 {
+            return Err(IoError::Os { what: "TIOCSWINSZ".into(), source: io::Error::last_os_error() });
+        }
+        Ok(())
+    }
+
+    /// Closes the process's stdin (CloseIO): it reads end of file.
+    pub async fn close_stdin(&self) {
+        self.stdin.lock().await.take();
+    }
+
+    /// Waits until output copying finished (the process and all holders of
+    /// its output pipes are gone), bounded so a leaked pipe cannot wedge us.
+    pub async fn drain(&self, timeout: std::time::Duration) {
+        let handles: Vec<_> = std::mem::take(&mut *self.outputs.lock().expect("io lock"));
+        let all = async {
+            for h in handles {
+                let _ = h.await;
+            }
+        };
+        let _ = tokio::time::timeout(timeout, all).await;
+    }
+
+    /// Stops all copying (Delete): nothing of this process is read any more.
+    pub fn shutdown(&self) {
+        for list in [&self.outputs, &self.inputs] {
+            for h in list.lock().expect("io lock").drain(..) {
+                h.abort();
+            }
+        }
+        self.console.lock().expect("io lock").take();
+    }
+}
+
+fn chown_fd(fd: &OwnedFd, uid: u32, gid: u32) -> Result<(), IoError> {
+    if uid == 0 && gid == 0 {
+        return Ok(());
+    }
+    nix::unistd::fchown(fd, Some(uid.into()), Some(gid.into()))
+        .map_err(|e| IoError::Os { what: "chown stdio pipe".into(), source: e.into() })
+}
+
+/// Starts a `binary://` logger: it reads stdout on fd 3 and stderr on fd 4,
+/// and closes fd 5 once it is ready.
+async fn start_logger(
+    path: &str,
+    args: &[(String, String)],
+    owner: &IoOwner<'_>,
+    fds: Vec<OwnedFd>,
+    reaper: &Reaper,
+) -> Result<(), IoError> {
+    use std::os::unix::process::CommandExt;
+    let (ready_r, ready_w) = pipe().map_err(os("logger ready pipe"))?;
+    let mut cmd = std::process::Command::new(path);
+    for (k, v) in args {
+        cmd.arg(k);
+        if !v.is_empty() {
+            cmd.arg(v);
+        }
+    }
+    cmd.env("CONTAINER_ID", owner.container_id).env("CONTAINER_NAMESPACE", owner.namespace);
+    cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).chain([ready_w.as_raw_fd()]).collect();
+    unsafe {
+        cmd.pre_exec(move || {
+            // Place the inherited descriptors at 3, 4, 5 without clobbering
+            // each other: dup everything high first, then down.
+            let high: Vec<RawFd> = raw.iter().map(|&fd| libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 100)).collect();
+            for (i, fd) in high.iter().enumerate() {
+                if *fd < 0 || libc::dup2(*fd, 3 + i as RawFd) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().map_err(os(format!("start logging binary {path}")))?;
+    let exit = reaper.wait_for(child.id());
+    drop(ready_w);
+    drop(fds);
+    // Ready when the logger closes its end (read returns 0), or failed when it exits first.
+    let ready = tokio::task::spawn_blocking(move || {
+        let mut f = std::fs::File::from(ready_r);
+        let mut b = [0u8; 1];
+        std::io::Read::read(&mut f, &mut b)
+    });
+    tokio::select! {
+        _ = ready => Ok(()),
+        exit = exit => Err(IoError::LoggerFailed { path: path.into(), status: exit.status }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uris_parse_to_targets() {
+        assert_eq!(parse_uri("").unwrap(), Target::Null);
+        assert_eq!(parse_uri("/run/x/stdout").unwrap(), Target::Fifo("/run/x/stdout".into()));
+        assert_eq!(parse_uri("fifo:///run/x/o").unwrap(), Target::Fifo("/run/x/o".into()));
+        assert_eq!(parse_uri("file:///var/log/c.log").unwrap(), Target::File("/var/log/c.log".into()));
+        assert_eq!(
+            parse_uri("binary:///usr/bin/logger?id=a%20b&flag").unwrap(),
+            Target::Binary { path: "/usr/bin/logger".into(), args: vec![("id".into(), "a b".into()), ("flag".into(), "".into())] }
+        );
+        let err = parse_uri("http://x/y").unwrap_err();
+        assert!(err.to_string().contains("http://x/y"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn file_uri_receives_process_output() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("out/c.log");
+        let uris = StdioUris { stdout: format!("file://{}", log.display()), ..Default::default() };
+        let owner = IoOwner { namespace: "ns", container_id: "c", uid: 0, gid: 0 };
+        let (io, launch) = ProcessIo::prepare(&uris, &owner, dir.path(), &Reaper::default()).await.unwrap();
+        // Play the container: write to the stdout end we were given.
+        let stdout = launch.stdio.stdout.unwrap();
+        let mut f = std::fs::File::from(stdout);
+        std::io::Write::write_all(&mut f, b"hello\n").unwrap();
+        drop(f);
+        drop(launch.stdio.stdin);
+        drop(launch.stdio.stderr);
+        io.drain(std::time::Duration::from_secs(5)).await;
+        assert_eq!(std::fs::read_to_string(&log).unwrap(), "hello\n");
+    }
+}

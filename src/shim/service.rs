@@ -1,0 +1,494 @@
+//! The containerd Task API (ttrpc) over [`Container`]s.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use containerd_shim::asynchronous::publisher::RemotePublisher;
+use containerd_shim::event::Event;
+use containerd_shim_protos::api::*;
+use containerd_shim_protos::events::task::*;
+use containerd_shim_protos::protobuf::well_known_types::{any::Any, timestamp::Timestamp};
+use containerd_shim_protos::protobuf::{Message, MessageField};
+use containerd_shim_protos::shim::oci;
+use containerd_shim_protos::shim_async::Task;
+use containerd_shim_protos::ttrpc::{self, r#async::TtrpcContext};
+use tokio_util::sync::CancellationToken;
+
+use super::ShimError;
+use super::container::{Container, ContainerConfig};
+use super::io::StdioUris;
+use super::options::{self, CreateOptions};
+use super::process::{Process, Status};
+use crate::config::Config;
+use crate::runtime::{CheckpointOptions, Exit, OciRuntime, Reaper};
+
+/// How long an exit waits for the process's output to drain before it is
+/// published: output written before exit reaches the client first.
+const DRAIN_BEFORE_EXIT: Duration = Duration::from_secs(2);
+
+pub struct TaskService {
+    namespace: String,
+    containers: Mutex<HashMap<String, Arc<Container>>>,
+    events: EventSink,
+    reaper: Reaper,
+    shutdown: CancellationToken,
+}
+
+/// Publishes task events to containerd in the order they are raised.
+#[derive(Clone)]
+pub struct EventSink {
+    publisher: Option<Arc<RemotePublisher>>,
+    namespace: String,
+}
+
+impl EventSink {
+    pub fn new(publisher: Option<RemotePublisher>, namespace: &str) -> Self {
+        Self { publisher: publisher.map(Arc::new), namespace: namespace.into() }
+    }
+
+    pub async fn publish(&self, event: impl Event + Send + 'static) {
+        let Some(publisher) = &self.publisher else { return };
+        let topic = event.topic();
+        // The publisher queues and retries; an error here means its queue
+        // is gone or full for seconds, which is worth a loud log line.
+        if let Err(e) = publisher.publish(Default::default(), &topic, &self.namespace, Box::new(event)).await {
+            tracing::error!(%topic, error = %e, "event not published");
+        }
+    }
+}
+
+fn timestamp(t: SystemTime) -> MessageField<Timestamp> {
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    let mut ts = Timestamp::new();
+    ts.seconds = d.as_secs() as i64;
+    ts.nanos = d.subsec_nanos() as i32;
+    MessageField::some(ts)
+}
+
+fn status_of(s: Status) -> containerd_shim_protos::types::task::Status {
+    use containerd_shim_protos::types::task::Status as S;
+    match s {
+        Status::Created => S::CREATED,
+        Status::Running => S::RUNNING,
+        Status::Paused => S::PAUSED,
+        Status::Stopped => S::STOPPED,
+    }
+}
+
+type TtrpcResult<T> = ttrpc::Result<T>;
+
+impl TaskService {
+    pub fn new(namespace: &str, events: EventSink, reaper: Reaper, shutdown: CancellationToken) -> Self {
+        Self { namespace: namespace.into(), containers: Mutex::new(HashMap::new()), events, reaper, shutdown }
+    }
+
+    fn container(&self, id: &str) -> Result<Arc<Container>, ShimError> {
+        self.containers
+            .lock()
+            .expect("containers lock")
+            .get(id)
+            .cloned()
+            .ok_or_else(|| ShimError::NotFound(format!("container {id}")))
+    }
+
+    /// Watches a started process: when it exits, drain its output, record the
+    /// exit and publish TaskExit.
+    fn watch_exit(&self, container: &Arc<Container>, process: &Arc<Process>, pid: u32) {
+        let exit = self.reaper.wait_for(pid);
+        let events = self.events.clone();
+        let container_id = container.id().to_string();
+        let process = process.clone();
+        let container = container.clone();
+        tokio::spawn(async move {
+            let exit: Exit = exit.await;
+            if let Some(io) = process.io() {
+                io.drain(DRAIN_BEFORE_EXIT).await;
+            }
+            if process.exec_id.is_empty() {
+                // With the init gone, the kernel killed the rest of the pid
+                // namespace; their exits come first, as containerd expects.
+                for exec in container.execs() {
+                    if exec.status() == Status::Running {
+                        let _ = tokio::time::timeout(Duration::from_secs(1), exec.wait()).await;
+                    }
+                }
+            }
+            if !process.set_exited(exit) {
+                return;
+            }
+            tracing::info!(container = %container_id, exec = %process.exec_id, pid, status = exit.status, "process exited");
+            let id = if process.exec_id.is_empty() { container_id.clone() } else { process.exec_id.clone() };
+            events
+                .publish(TaskExit {
+                    container_id,
+                    id,
+                    pid,
+                    exit_status: exit.status as u32,
+                    exited_at: timestamp(exit.at),
+                    ..Default::default()
+                })
+                .await;
+        });
+    }
+
+    fn watch_oom(&self, container: &Arc<Container>) {
+        let Some(cgroup) = container.cgroup() else { return };
+        let events = self.events.clone();
+        let container_id = container.id().to_string();
+        tokio::spawn(async move {
+            let mut state = Default::default();
+            while cgroup.next_oom(&mut state).await.is_some() {
+                tracing::warn!(container = %container_id, "OOM kill");
+                events.publish(TaskOOM { container_id: container_id.clone(), ..Default::default() }).await;
+            }
+        });
+    }
+
+    async fn do_create(&self, req: CreateTaskRequest) -> Result<CreateTaskResponse, ShimError> {
+        let opts = CreateOptions::decode(req.options.as_ref())?;
+        let config = Config::load(opts.config_path.as_deref())?;
+        let runtime = OciRuntime::new(
+            opts.binary_name.clone().map(PathBuf::from).unwrap_or(config.runtime.binary.clone()),
+            opts.root.clone().map(PathBuf::from).unwrap_or(config.runtime.root.clone()).join(&self.namespace),
+            opts.systemd_cgroup || config.runtime.systemd_cgroup,
+            self.reaper.clone(),
+        );
+        runtime.check_binary()?;
+        if let Err(e) = super::bootstrap::write_runtime_record(Path::new(&req.bundle), &runtime) {
+            tracing::warn!(error = %e, "runtime record not written: a later `delete` falls back to the config");
+        }
+        if self.containers.lock().expect("containers lock").contains_key(&req.id) {
+            return Err(ShimError::AlreadyExists(format!("container {}", req.id)));
+        }
+        let bundle = PathBuf::from(&req.bundle);
+        let rootfs_mounted = mount_rootfs(&bundle, &req.rootfs).await?;
+        tokio::fs::create_dir_all(runtime.root()).await.map_err(|e| ShimError::io(runtime.root(), e))?;
+        let restore_from = (!req.checkpoint.is_empty()).then(|| PathBuf::from(&req.checkpoint));
+        let container = Container::new(
+            ContainerConfig {
+                id: req.id.clone(),
+                namespace: self.namespace.clone(),
+                bundle: bundle.clone(),
+                restore_from,
+                no_pivot: opts.no_pivot_root,
+                no_new_keyring: opts.no_new_keyring,
+                io_uid: opts.io_uid,
+                io_gid: opts.io_gid,
+                rootfs_mounted,
+            },
+            runtime,
+            self.reaper.clone(),
+            StdioUris { stdin: req.stdin.clone(), stdout: req.stdout.clone(), stderr: req.stderr.clone(), terminal: req.terminal },
+        );
+        let pid = match container.create().await {
+            Ok(pid) => pid,
+            Err(e) => {
+                if rootfs_mounted {
+                    super::container::unmount_rootfs(&bundle);
+                }
+                return Err(e);
+            }
+        };
+        self.containers.lock().expect("containers lock").insert(req.id.clone(), container.clone());
+        if pid != 0 {
+            self.watch_exit(&container, &container.init, pid);
+        }
+        tracing::info!(container = %req.id, pid, "created");
+        self.events
+            .publish(TaskCreate {
+                container_id: req.id.clone(),
+                bundle: req.bundle.clone(),
+                rootfs: req.rootfs.clone(),
+                io: MessageField::some(TaskIO {
+                    stdin: req.stdin,
+                    stdout: req.stdout,
+                    stderr: req.stderr,
+                    terminal: req.terminal,
+                    ..Default::default()
+                }),
+                checkpoint: req.checkpoint,
+                pid,
+                ..Default::default()
+            })
+            .await;
+        Ok(CreateTaskResponse { pid, ..Default::default() })
+    }
+
+    async fn do_start(&self, req: StartRequest) -> Result<StartResponse, ShimError> {
+        let container = self.container(&req.id)?;
+        if req.exec_id.is_empty() {
+            let restoring = container.config.restore_from.is_some();
+            let pid = container.start().await?;
+            if restoring {
+                self.watch_exit(&container, &container.init, pid);
+            }
+            self.watch_oom(&container);
+            self.events.publish(TaskStart { container_id: req.id, pid, ..Default::default() }).await;
+            return Ok(StartResponse { pid, ..Default::default() });
+        }
+        let process = container.process(&req.exec_id)?;
+        let pid = container.start_exec(&process).await?;
+        self.watch_exit(&container, &process, pid);
+        self.events
+            .publish(TaskExecStarted { container_id: req.id, exec_id: req.exec_id, pid, ..Default::default() })
+            .await;
+        Ok(StartResponse { pid, ..Default::default() })
+    }
+
+    async fn do_delete(&self, req: DeleteRequest) -> Result<DeleteResponse, ShimError> {
+        let container = self.container(&req.id)?;
+        if !req.exec_id.is_empty() {
+            let process = container.delete_exec(&req.exec_id)?;
+            return Ok(delete_response(&process));
+        }
+        container.delete().await?;
+        self.containers.lock().expect("containers lock").remove(&req.id);
+        let response = delete_response(&container.init);
+        self.events
+            .publish(TaskDelete {
+                container_id: req.id,
+                pid: response.pid,
+                exit_status: response.exit_status,
+                exited_at: response.exited_at.clone(),
+                ..Default::default()
+            })
+            .await;
+        Ok(response)
+    }
+
+    async fn do_checkpoint(&self, req: CheckpointTaskRequest) -> Result<(), ShimError> {
+        let container = self.container(&req.id)?;
+        let o = options::checkpoint_options(req.options.as_ref())?;
+        let image_path = if req.path.is_empty() { PathBuf::from(&o.image_path) } else { PathBuf::from(&req.path) };
+        if image_path.as_os_str().is_empty() {
+            return Err(ShimError::InvalidArgument("checkpoint: no image path".into()));
+        }
+        let opts = CheckpointOptions {
+            image_path: image_path.clone(),
+            work_path: (!o.work_path.is_empty()).then(|| PathBuf::from(&o.work_path)),
+            leave_running: !o.exit,
+            tcp_established: o.open_tcp,
+            ext_unix_sockets: o.external_unix_sockets,
+            shell_job: o.terminal || container.init.uris.terminal,
+            file_locks: o.file_locks,
+            empty_namespaces: o.empty_namespaces.clone(),
+            manage_cgroups_mode: (!o.cgroups_mode.is_empty()).then(|| o.cgroups_mode.clone()),
+            parent_path: None,
+        };
+        container.checkpoint(&opts).await?;
+        self.events
+            .publish(TaskCheckpointed {
+                container_id: req.id,
+                checkpoint: image_path.display().to_string(),
+                ..Default::default()
+            })
+            .await;
+        Ok(())
+    }
+
+    async fn do_stats(&self, req: StatsRequest) -> Result<StatsResponse, ShimError> {
+        let container = self.container(&req.id)?;
+        let cgroup = container
+            .cgroup()
+            .ok_or_else(|| ShimError::FailedPrecondition(format!("container {} has no cgroup yet", req.id)))?;
+        let stats = cgroup.metrics().map_err(|e| ShimError::Other(e.to_string()))?;
+        Ok(StatsResponse { stats: MessageField::some(stats), ..Default::default() })
+    }
+
+    async fn do_pids(&self, req: PidsRequest) -> Result<PidsResponse, ShimError> {
+        let container = self.container(&req.id)?;
+        let processes = container
+            .pids()
+            .await?
+            .into_iter()
+            .map(|(pid, exec_id)| {
+                let mut info = containerd_shim_protos::types::task::ProcessInfo { pid, ..Default::default() };
+                if let Some(exec_id) = exec_id {
+                    let details = oci::ProcessDetails { exec_id, ..Default::default() };
+                    if let Ok(value) = details.write_to_bytes() {
+                        info.info = MessageField::some(Any {
+                            type_url: "containerd.runc.v1.ProcessDetails".into(),
+                            value,
+                            ..Default::default()
+                        });
+                    }
+                }
+                info
+            })
+            .collect();
+        Ok(PidsResponse { processes, ..Default::default() })
+    }
+}
+
+fn delete_response(process: &Process) -> DeleteResponse {
+    let snap = process.snapshot();
+    let exit = snap.exit.unwrap_or(Exit { pid: snap.pid, status: 0, at: SystemTime::now() });
+    DeleteResponse { pid: snap.pid, exit_status: exit.status as u32, exited_at: timestamp(exit.at), ..Default::default() }
+}
+
+/// Mounts the rootfs containerd prepared (usually one overlay) on bundle/rootfs.
+async fn mount_rootfs(bundle: &Path, mounts: &[containerd_shim_protos::api::Mount]) -> Result<bool, ShimError> {
+    if mounts.is_empty() {
+        return Ok(false);
+    }
+    let target = bundle.join("rootfs");
+    tokio::fs::create_dir_all(&target).await.map_err(|e| ShimError::io(&target, e))?;
+    for m in mounts {
+        containerd_shim::asynchronous::util::mount_rootfs(m, &target)
+            .await
+            .map_err(|e| ShimError::Other(format!("mount {} ({}) on {}: {e}", m.source, m.type_, target.display())))?;
+    }
+    Ok(true)
+}
+
+fn empty() -> ttrpc::Result<Empty> {
+    Ok(Empty::new())
+}
+
+#[async_trait]
+impl Task for TaskService {
+    async fn state(&self, _ctx: &TtrpcContext, req: StateRequest) -> TtrpcResult<StateResponse> {
+        let container = self.container(&req.id)?;
+        let process = container.process(&req.exec_id)?;
+        let snap = process.snapshot();
+        let mut resp = StateResponse {
+            id: if req.exec_id.is_empty() { req.id.clone() } else { req.exec_id.clone() },
+            bundle: container.config.bundle.display().to_string(),
+            pid: snap.pid,
+            stdin: process.uris.stdin.clone(),
+            stdout: process.uris.stdout.clone(),
+            stderr: process.uris.stderr.clone(),
+            terminal: process.uris.terminal,
+            exec_id: req.exec_id,
+            ..Default::default()
+        };
+        resp.status = status_of(snap.status).into();
+        if let Some(exit) = snap.exit {
+            resp.exit_status = exit.status as u32;
+            resp.exited_at = timestamp(exit.at);
+        }
+        Ok(resp)
+    }
+
+    async fn create(&self, _ctx: &TtrpcContext, req: CreateTaskRequest) -> TtrpcResult<CreateTaskResponse> {
+        let id = req.id.clone();
+        self.do_create(req).await.map_err(|e| {
+            tracing::error!(container = %id, error = %e, "create failed");
+            e.into()
+        })
+    }
+
+    async fn start(&self, _ctx: &TtrpcContext, req: StartRequest) -> TtrpcResult<StartResponse> {
+        Ok(self.do_start(req).await?)
+    }
+
+    async fn delete(&self, _ctx: &TtrpcContext, req: DeleteRequest) -> TtrpcResult<DeleteResponse> {
+        Ok(self.do_delete(req).await?)
+    }
+
+    async fn pids(&self, _ctx: &TtrpcContext, req: PidsRequest) -> TtrpcResult<PidsResponse> {
+        Ok(self.do_pids(req).await?)
+    }
+
+    async fn pause(&self, _ctx: &TtrpcContext, req: PauseRequest) -> TtrpcResult<Empty> {
+        self.container(&req.id)?.pause().await?;
+        self.events.publish(TaskPaused { container_id: req.id, ..Default::default() }).await;
+        empty()
+    }
+
+    async fn resume(&self, _ctx: &TtrpcContext, req: ResumeRequest) -> TtrpcResult<Empty> {
+        self.container(&req.id)?.resume().await?;
+        self.events.publish(TaskResumed { container_id: req.id, ..Default::default() }).await;
+        empty()
+    }
+
+    async fn checkpoint(&self, _ctx: &TtrpcContext, req: CheckpointTaskRequest) -> TtrpcResult<Empty> {
+        self.do_checkpoint(req).await?;
+        empty()
+    }
+
+    async fn kill(&self, _ctx: &TtrpcContext, req: KillRequest) -> TtrpcResult<Empty> {
+        let container = self.container(&req.id)?;
+        let process = container.process(&req.exec_id)?;
+        container.kill(&process, req.signal, req.all).await?;
+        empty()
+    }
+
+    async fn exec(&self, _ctx: &TtrpcContext, req: ExecProcessRequest) -> TtrpcResult<Empty> {
+        let container = self.container(&req.id)?;
+        let spec = req
+            .spec
+            .as_ref()
+            .map(|any| any.value.clone())
+            .ok_or_else(|| ShimError::InvalidArgument(format!("exec {}: no process spec", req.exec_id)))?;
+        let uris = StdioUris { stdin: req.stdin, stdout: req.stdout, stderr: req.stderr, terminal: req.terminal };
+        container.add_exec(&req.exec_id, uris, spec)?;
+        self.events
+            .publish(TaskExecAdded { container_id: req.id, exec_id: req.exec_id, ..Default::default() })
+            .await;
+        empty()
+    }
+
+    async fn resize_pty(&self, _ctx: &TtrpcContext, req: ResizePtyRequest) -> TtrpcResult<Empty> {
+        let process = self.container(&req.id)?.process(&req.exec_id)?;
+        match process.io() {
+            Some(io) => io.resize(req.width, req.height).map_err(ShimError::from)?,
+            None => return Err(ShimError::FailedPrecondition("process has no io yet".into()).into()),
+        }
+        empty()
+    }
+
+    async fn close_io(&self, _ctx: &TtrpcContext, req: CloseIORequest) -> TtrpcResult<Empty> {
+        let process = self.container(&req.id)?.process(&req.exec_id)?;
+        if req.stdin
+            && let Some(io) = process.io()
+        {
+            io.close_stdin().await;
+        }
+        empty()
+    }
+
+    async fn update(&self, _ctx: &TtrpcContext, req: UpdateTaskRequest) -> TtrpcResult<Empty> {
+        let container = self.container(&req.id)?;
+        let resources = req
+            .resources
+            .as_ref()
+            .map(|any| any.value.clone())
+            .ok_or_else(|| ShimError::InvalidArgument("update: no resources".into()))?;
+        container.update(&resources).await?;
+        empty()
+    }
+
+    async fn wait(&self, _ctx: &TtrpcContext, req: WaitRequest) -> TtrpcResult<WaitResponse> {
+        let process = self.container(&req.id)?.process(&req.exec_id)?;
+        let exit = process.wait().await;
+        Ok(WaitResponse { exit_status: exit.status as u32, exited_at: timestamp(exit.at), ..Default::default() })
+    }
+
+    async fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> TtrpcResult<StatsResponse> {
+        Ok(self.do_stats(req).await?)
+    }
+
+    async fn connect(&self, _ctx: &TtrpcContext, req: ConnectRequest) -> TtrpcResult<ConnectResponse> {
+        let task_pid = self.container(&req.id).map(|c| c.init.pid()).unwrap_or(0);
+        Ok(ConnectResponse {
+            shim_pid: std::process::id(),
+            task_pid,
+            version: env!("CARGO_PKG_VERSION").into(),
+            ..Default::default()
+        })
+    }
+
+    async fn shutdown(&self, _ctx: &TtrpcContext, req: ShutdownRequest) -> TtrpcResult<Empty> {
+        // One shim may serve a whole pod: it stays while any container remains.
+        if !self.containers.lock().expect("containers lock").is_empty() && !req.now {
+            return empty();
+        }
+        tracing::info!("shutdown requested");
+        self.shutdown.cancel();
+        empty()
+    }
+}

@@ -1,0 +1,506 @@
+//! The inspector against the real kernel: needs root, BPF and cgroup v2.
+//!
+//! Each test makes its own cgroup v2 directory, runs real commands in it and
+//! checks the effects the BPF programs reported.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crab::inspector::{
+    ClassifyOptions, Effect, EffectKind, EffectPath, Inspector, InspectorConfig, Reason, SockAddr, TurnClass,
+    WatchedContainer, cgroup_id_of_dir, cgroup2_mount, classify,
+};
+
+const PYTHON: &str = "/usr/bin/python3";
+
+/// A cgroup v2 directory that is emptied and removed on drop.
+struct TestCgroup {
+    dir: PathBuf,
+    id: u64,
+}
+
+impl TestCgroup {
+    fn new(name: &str) -> Self {
+        let parent = cgroup2_mount().expect("cgroup v2 is mounted");
+        Self::under(&parent, &format!("crab-inspector-test-{}-{name}", std::process::id()))
+    }
+
+    fn under(parent: &Path, name: &str) -> Self {
+        let dir = parent.join(name);
+        std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
+        let id = cgroup_id_of_dir(&dir).unwrap();
+        Self { dir, id }
+    }
+
+    /// A command that moves itself into this cgroup before exec.
+    fn command(&self, program: &str, args: &[&str]) -> Command {
+        let procs = CString::new(self.dir.join("cgroup.procs").as_os_str().as_bytes()).unwrap();
+        let mut command = Command::new(program);
+        command.args(args).stdin(Stdio::null());
+        // SAFETY: the hook only calls async-signal-safe functions on data prepared before fork.
+        unsafe {
+            command.pre_exec(move || {
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let written = libc::write(fd, b"0".as_ptr().cast(), 1);
+                libc::close(fd);
+                if written != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        command
+    }
+
+    /// Runs a command in the cgroup to completion; panics when it fails.
+    fn run(&self, program: &str, args: &[&str]) -> std::process::Output {
+        let output = self.command(program, args).output().unwrap();
+        assert!(
+            output.status.success(),
+            "{program} {args:?} failed: {}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+        output
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.dir.join("cgroup.kill"), "1");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::fs::read_to_string(self.dir.join("cgroup.procs")).is_ok_and(|p| !p.trim().is_empty())
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        while std::fs::remove_dir(&self.dir).is_err() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// A fresh directory for a test's files, removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let dir = PathBuf::from(format!("/tmp/crab-inspector-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    fn path(&self, rel: &str) -> PathBuf {
+        self.0.join(rel)
+    }
+
+    fn str(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+async fn watching(name: &str, cgroup: &TestCgroup) -> Inspector {
+    watching_with(name, cgroup, InspectorConfig::default()).await
+}
+
+async fn watching_with(name: &str, cgroup: &TestCgroup, config: InspectorConfig) -> Inspector {
+    let inspector = Inspector::start(config).await.expect("inspector loads (run the tests as root)");
+    let container = WatchedContainer { id: name.into(), root_pid: None, rootfs: None };
+    inspector.watch(cgroup.id, container).unwrap();
+    inspector
+}
+
+async fn drain_all(inspector: &Inspector, container: &str) -> Vec<Effect> {
+    inspector.drain(container, u64::MAX).await.unwrap().effects
+}
+
+/// (operation, paths) of every file-changing effect under `root`, in order.
+fn file_changes_under(effects: &[Effect], root: &Path) -> Vec<(&'static str, Vec<PathBuf>)> {
+    effects
+        .iter()
+        .filter(|e| e.changes_under(root))
+        .map(|e| (e.kind.name(), e.kind.changed_paths().iter().map(|p| p.path.clone()).collect()))
+        .collect()
+}
+
+fn one(path: PathBuf) -> Vec<PathBuf> {
+    vec![path]
+}
+
+#[tokio::test]
+async fn shell_file_operations_resolve_to_absolute_paths() {
+    let cgroup = TestCgroup::new("shell");
+    let scratch = Scratch::new("shell");
+    std::fs::create_dir(scratch.path("x")).unwrap();
+    let inspector = watching("shell", &cgroup).await;
+
+    let script = format!("cd {}/x && echo a > f; mkdir d; mv f d/g; ln -s d l; chmod 600 d/g; rm -r d", scratch.str());
+    let sh = cgroup.command("/bin/sh", &["-c", &script]).spawn().unwrap();
+    let sh_pid = sh.id();
+    assert!(sh.wait_with_output().unwrap().status.success());
+    let effects = drain_all(&inspector, "shell").await;
+
+    let x = scratch.path("x");
+    assert_eq!(
+        file_changes_under(&effects, &scratch.0),
+        vec![
+            ("open", one(x.join("f"))),
+            ("mkdir", one(x.join("d"))),
+            ("rename", vec![x.join("f"), x.join("d/g")]),
+            ("symlink", one(x.join("l"))),
+            ("chmod", one(x.join("d/g"))),
+            // rm -r removes the entry through a descriptor of d: dirfd-relative.
+            ("unlink", one(x.join("d/g"))),
+            ("rmdir", one(x.join("d"))),
+        ],
+        "all effects: {effects:#?}"
+    );
+    let symlink = effects.iter().find(|e| e.kind.name() == "symlink").unwrap();
+    assert!(matches!(&symlink.kind, EffectKind::Symlink { target, .. } if target == Path::new("d")));
+    let chmod = effects.iter().find(|e| e.kind.name() == "chmod").unwrap();
+    assert!(matches!(chmod.kind, EffectKind::Chmod { mode: 0o600, .. }), "{chmod:?}");
+    assert!(effects.iter().all(|e| e.result >= 0));
+    let open = effects.iter().find(|e| e.kind.name() == "open").unwrap();
+    assert_eq!((open.pid, open.comm.as_str()), (sh_pid, "sh"));
+
+    // The shell forked mkdir, mv, ln, chmod and rm, each exec'd and exited.
+    let children: Vec<u32> = effects
+        .iter()
+        .filter_map(|e| match e.kind {
+            EffectKind::Fork { child } if e.pid == sh_pid => Some(child),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(children.len(), 5, "{effects:#?}");
+    for child in &children {
+        assert!(effects.iter().any(|e| e.pid == *child && matches!(e.kind, EffectKind::Exec { .. })));
+        assert!(effects.iter().any(|e| e.pid == *child && matches!(e.kind, EffectKind::Exit { status: 0 })));
+    }
+    let rm_exec = effects
+        .iter()
+        .find_map(|e| match &e.kind {
+            EffectKind::Exec { path, filename } if filename.ends_with("/rm") => Some(path.clone()),
+            _ => None,
+        })
+        .expect("rm was exec'd");
+    assert!(rm_exec.resolved && rm_exec.path.ends_with("bin/rm"), "{rm_exec:?}");
+    assert!(effects.iter().any(|e| e.pid == sh_pid && matches!(e.kind, EffectKind::Exit { status: 0 })));
+    let verdict = classify(&effects, &ClassifyOptions::default());
+    assert_eq!(verdict.class, TurnClass::Fs, "{verdict:#?}");
+    assert!(!verdict.external && !verdict.escalated);
+    assert!(
+        effects.iter().all(|e| time_is_monotonic_now_ish(e.time_ns)),
+        "timestamps are CLOCK_MONOTONIC"
+    );
+}
+
+fn time_is_monotonic_now_ish(time_ns: u64) -> bool {
+    let now = crab::inspector::monotonic_now_ns();
+    time_ns <= now && now - time_ns < 60_000_000_000
+}
+
+#[tokio::test]
+async fn python_dirfd_relative_calls_resolve_against_the_descriptor() {
+    let cgroup = TestCgroup::new("dirfd");
+    let scratch = Scratch::new("dirfd");
+    std::fs::create_dir_all(scratch.path("base/sub")).unwrap();
+    std::fs::write(scratch.path("base/old"), "x").unwrap();
+    let inspector = watching("dirfd", &cgroup).await;
+
+    let program = format!(
+        r#"
+import os
+d = os.open("{base}", os.O_RDONLY | os.O_DIRECTORY)
+os.chdir("/")
+fd = os.open("sub/file", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=d)
+os.fchmod(fd, 0o640)
+os.ftruncate(fd, 0)
+os.close(fd)
+os.mkdir("newdir", dir_fd=d)
+os.rename("sub/file", "newdir/moved", src_dir_fd=d, dst_dir_fd=d)
+os.link("old", "hard", src_dir_fd=d, dst_dir_fd=d)
+os.symlink("/etc/hostname", "sym", dir_fd=d)
+os.chown("old", -1, 0, dir_fd=d)
+os.utime("old", dir_fd=d)
+os.unlink("old", dir_fd=d)
+os.chdir("{base}/sub")
+open("../cwd-relative", "w").close()
+os.open("{base}/readonly-is-no-effect", os.O_RDONLY | os.O_CREAT, 0o644)
+"#,
+        base = scratch.path("base").display()
+    );
+    cgroup.run(PYTHON, &["-I", "-B", "-c", &program]);
+    let effects = drain_all(&inspector, "dirfd").await;
+
+    let base = scratch.path("base");
+    assert_eq!(
+        file_changes_under(&effects, &scratch.0),
+        vec![
+            ("open", one(base.join("sub/file"))),
+            ("chmod", one(base.join("sub/file"))),
+            ("truncate", one(base.join("sub/file"))),
+            ("mkdir", one(base.join("newdir"))),
+            ("rename", vec![base.join("sub/file"), base.join("newdir/moved")]),
+            ("link", one(base.join("hard"))),
+            ("symlink", one(base.join("sym"))),
+            ("chown", one(base.join("old"))),
+            ("utimes", one(base.join("old"))),
+            ("unlink", one(base.join("old"))),
+            ("open", one(base.join("cwd-relative"))),
+            // O_CREAT makes even a read-only open a possible change.
+            ("open", one(base.join("readonly-is-no-effect"))),
+        ],
+        "all effects: {effects:#?}"
+    );
+    let link = effects.iter().find(|e| e.kind.name() == "link").unwrap();
+    assert!(matches!(&link.kind, EffectKind::Link { existing, .. } if existing.path == base.join("old")));
+    let chown = effects.iter().find(|e| e.kind.name() == "chown").unwrap();
+    assert!(matches!(chown.kind, EffectKind::Chown { uid: None, gid: Some(0), .. }), "{chown:?}");
+}
+
+#[tokio::test]
+async fn failed_and_read_only_calls_are_not_effects() {
+    let cgroup = TestCgroup::new("failed");
+    let scratch = Scratch::new("failed");
+    std::fs::write(scratch.path("exists"), "x").unwrap();
+    let inspector = watching("failed", &cgroup).await;
+    let script = format!(
+        "cd {dir}; cat exists > /dev/null; mkdir exists 2>/dev/null; rm missing 2>/dev/null; \
+         ls > /dev/null; test -e exists",
+        dir = scratch.str()
+    );
+    cgroup.run("/bin/sh", &["-c", &script]);
+    let effects = drain_all(&inspector, "failed").await;
+    assert_eq!(file_changes_under(&effects, &scratch.0), vec![], "{effects:#?}");
+    // /dev/null was opened for writing: recorded, but ignored by classify.
+    assert!(effects.iter().any(|e| e.changes_under(Path::new("/dev/null"))));
+    assert_eq!(classify(&effects, &ClassifyOptions::default()).class, TurnClass::Clean);
+}
+
+#[tokio::test]
+async fn processes_outside_the_cgroup_are_not_recorded() {
+    let watched = TestCgroup::new("inside");
+    let other = TestCgroup::new("outside");
+    let scratch = Scratch::new("outside");
+    let inspector = watching("inside", &watched).await;
+    let outside_script = format!("cd {} && mkdir outside && echo x > outside/f", scratch.str());
+    // One in a sibling cgroup, one in this test's own cgroup (not watched either).
+    other.run("/bin/sh", &["-c", &outside_script]);
+    let own = Command::new("/bin/sh").args(["-c", &format!("echo y > {}/own", scratch.str())]).status().unwrap();
+    assert!(own.success());
+    watched.run("/bin/sh", &["-c", &format!("echo z > {}/inside", scratch.str())]);
+    let effects = drain_all(&inspector, "inside").await;
+    assert_eq!(
+        file_changes_under(&effects, &scratch.0),
+        vec![("open", one(scratch.path("inside")))],
+        "{effects:#?}"
+    );
+}
+
+#[tokio::test]
+async fn nested_cgroups_count_for_the_watched_ancestor() {
+    let cgroup = TestCgroup::new("nested");
+    let child = TestCgroup::under(&cgroup.dir, "child");
+    let scratch = Scratch::new("nested");
+    let inspector = watching("nested", &cgroup).await;
+    child.run("/bin/sh", &["-c", &format!("echo a > {}/from-child", scratch.str())]);
+    let effects = drain_all(&inspector, "nested").await;
+    assert_eq!(file_changes_under(&effects, &scratch.0), vec![("open", one(scratch.path("from-child")))]);
+    drop(child);
+}
+
+#[tokio::test]
+async fn background_process_survives_the_turn() {
+    let cgroup = TestCgroup::new("background");
+    let inspector = watching("background", &cgroup).await;
+    let output = cgroup.run("/bin/sh", &["-c", "sleep 30 > /dev/null 2>&1 & echo $!"]);
+    let sleep_pid: u32 = String::from_utf8(output.stdout).unwrap().trim().parse().unwrap();
+    let effects = drain_all(&inspector, "background").await;
+
+    let forked = effects.iter().any(|e| matches!(e.kind, EffectKind::Fork { child } if child == sleep_pid));
+    assert!(forked, "{effects:#?}");
+    let exec = effects.iter().find(|e| e.pid == sleep_pid && matches!(e.kind, EffectKind::Exec { .. })).unwrap();
+    let EffectKind::Exec { path, .. } = &exec.kind else { unreachable!() };
+    assert_eq!(path, &EffectPath::resolved("/usr/bin/sleep"));
+    let verdict = classify(&effects, &ClassifyOptions::default());
+    assert_eq!(verdict.class, TurnClass::Proc);
+    assert_eq!(verdict.reasons, vec![Reason::ProcessSurvives { pid: sleep_pid, comm: "sleep".into() }]);
+}
+
+/// Waits until some effect matches, flushing the inspector meanwhile.
+async fn wait_for_effect(inspector: &Inspector, container: &str, found: impl Fn(&Effect) -> bool) -> Vec<Effect> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut effects = Vec::new();
+    loop {
+        effects.extend(drain_all(inspector, container).await);
+        if effects.iter().any(&found) {
+            return effects;
+        }
+        assert!(Instant::now() < deadline, "no matching effect in {effects:#?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn listening_server_and_connects() {
+    let cgroup = TestCgroup::new("listen");
+    let inspector = watching("listen", &cgroup).await;
+    let server = cgroup
+        .command(PYTHON, &["-I", "-B", "-m", "http.server", "0", "--bind", "127.0.0.1"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let server = KillOnDrop(server);
+    let server_pid = server.0.id();
+    let effects = wait_for_effect(&inspector, "listen", |e| matches!(e.kind, EffectKind::Listen { .. })).await;
+
+    let bind = effects.iter().find(|e| matches!(e.kind, EffectKind::Bind { .. })).unwrap();
+    let EffectKind::Bind { addr: SockAddr::Inet(bound) } = bind.kind else { panic!("{bind:?}") };
+    assert_eq!((bind.pid, bound.ip().to_string(), bound.port()), (server_pid, "127.0.0.1".into(), 0));
+    let listen = effects.iter().find(|e| matches!(e.kind, EffectKind::Listen { .. })).unwrap();
+    let EffectKind::Listen { addr: SockAddr::Inet(listening), .. } = listen.kind else { panic!("{listen:?}") };
+    assert_eq!(listen.pid, server_pid);
+    assert_eq!(listening.ip().to_string(), "127.0.0.1");
+    assert_ne!(listening.port(), 0, "listen reports the port the kernel picked");
+    let verdict = classify(&effects, &ClassifyOptions::default());
+    assert_eq!(verdict.class, TurnClass::Proc);
+    assert!(verdict.reasons.contains(&Reason::ProcessSurvives { pid: server_pid, comm: "python3".into() }));
+    assert!(verdict.reasons.iter().any(|r| matches!(r, Reason::Listening { pid, .. } if *pid == server_pid)));
+    assert!(!verdict.external);
+
+    // A loopback connect is not external; a UDP connect (sends nothing) to a
+    // documentation address is.
+    let client = format!(
+        "import socket\n\
+         socket.create_connection(('127.0.0.1', {port})).close()\n\
+         u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+         u.connect(('198.51.100.7', 9))\n",
+        port = listening.port()
+    );
+    cgroup.run(PYTHON, &["-I", "-B", "-c", &client]);
+    let effects = drain_all(&inspector, "listen").await;
+    let connects: Vec<String> = effects
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EffectKind::Connect { addr } => Some(addr.to_string()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(connects, vec![format!("127.0.0.1:{}", listening.port()), "198.51.100.7:9".to_string()]);
+    let verdict = classify(&effects, &ClassifyOptions::default());
+    assert!(verdict.external);
+    assert!(verdict.reasons.contains(&Reason::ExternalConnect { pid: effects[0].pid, addr: "198.51.100.7:9".into() }));
+}
+
+#[tokio::test]
+async fn mounts_are_recorded_with_their_target() {
+    let cgroup = TestCgroup::new("mount");
+    let scratch = Scratch::new("mount");
+    std::fs::create_dir(scratch.path("m")).unwrap();
+    let inspector = watching("mount", &cgroup).await;
+    let script = format!("cd {} && mount -t tmpfs crabtest m && umount m", scratch.str());
+    cgroup.run("/usr/bin/unshare", &["-m", "--propagation", "private", "/bin/sh", "-c", &script]);
+    let effects = drain_all(&inspector, "mount").await;
+    let mounts: Vec<&EffectKind> = effects.iter().map(|e| &e.kind).filter(|k| k.is_mount_change()).collect();
+    assert_eq!(
+        mounts,
+        vec![
+            // unshare makes its new mount namespace private first.
+            &EffectKind::Mount {
+                target: EffectPath::resolved("/"),
+                source: "none".into(),
+                fs_type: "".into(),
+                flags: (libc::MS_REC | libc::MS_PRIVATE) as u64,
+            },
+            &EffectKind::Mount {
+                target: EffectPath::resolved(scratch.path("m")),
+                source: "crabtest".into(),
+                fs_type: "tmpfs".into(),
+                flags: 0,
+            },
+            &EffectKind::Unmount { target: EffectPath::resolved(scratch.path("m")), flags: 0 },
+        ],
+        "{effects:#?}"
+    );
+    assert_eq!(classify(&effects, &ClassifyOptions::default()).class, TurnClass::Proc);
+}
+
+#[tokio::test]
+async fn mount_table_names_the_file_system() {
+    let cgroup = TestCgroup::new("fstype");
+    let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
+    let container = WatchedContainer { id: "fstype".into(), root_pid: Some(std::process::id()), rootfs: None };
+    inspector.watch(cgroup.id, container).unwrap();
+    cgroup.run("/bin/sh", &["-c", "echo > /dev/shm/crab-inspector-fstype; rm /dev/shm/crab-inspector-fstype"]);
+    let effects = drain_all(&inspector, "fstype").await;
+    let open = effects.iter().find(|e| e.changes_under(Path::new("/dev/shm"))).expect("write to /dev/shm seen");
+    let EffectKind::Open { path, .. } = &open.kind else { panic!("{open:?}") };
+    assert_eq!(path.fs_type.as_deref(), Some("tmpfs"), "{path:?}");
+}
+
+#[tokio::test]
+async fn every_record_is_delivered_or_counted_lost() {
+    const FILES: usize = 3000;
+    let cgroup = TestCgroup::new("lost");
+    let scratch = Scratch::new("lost");
+    // One page of ring buffer holds only a few records: a burst must overflow it.
+    let inspector = watching_with("lost", &cgroup, InspectorConfig { ring_buffer_bytes: 4096 }).await;
+    let script = format!("cd {} && i=0; while [ $i -lt {FILES} ]; do : > f$i; i=$((i+1)); done", scratch.str());
+    cgroup.run("/bin/sh", &["-c", &script]);
+    let turn = inspector.drain("lost", u64::MAX).await.unwrap();
+    let delivered_files = file_changes_under(&turn.effects, &scratch.0).len() as u64;
+    let delivered_lifecycle = turn
+        .effects
+        .iter()
+        .filter(|e| matches!(e.kind, EffectKind::Exec { .. } | EffectKind::Exit { .. }))
+        .count() as u64;
+    assert!(turn.lost_events > 0, "a 4 KiB ring buffer kept up with {FILES} records");
+    // The shell's records: its exec, one open per file (all builtins), its exit.
+    assert_eq!(delivered_files + delivered_lifecycle + turn.lost_events, FILES as u64 + 2);
+    let verdict = classify(&turn.effects, &ClassifyOptions { lost_events: turn.lost_events, ..Default::default() });
+    assert_eq!((verdict.class, verdict.escalated), (TurnClass::Proc, true));
+    assert_eq!(inspector.take_lost_events("lost").unwrap(), 0, "lost counts are reported once");
+}
+
+#[tokio::test]
+async fn turn_boundaries_cut_by_time_and_unwatch_stops_recording() {
+    let cgroup = TestCgroup::new("turns");
+    let scratch = Scratch::new("turns");
+    let inspector = watching("turns", &cgroup).await;
+    cgroup.run("/bin/sh", &["-c", &format!("echo 1 > {}/first", scratch.str())]);
+    let boundary = crab::inspector::monotonic_now_ns();
+    cgroup.run("/bin/sh", &["-c", &format!("echo 2 > {}/second", scratch.str())]);
+    inspector.flush().await.unwrap();
+    let first = inspector.take_effects_until("turns", boundary).unwrap();
+    let second = inspector.take_effects("turns").unwrap();
+    assert_eq!(file_changes_under(&first, &scratch.0), vec![("open", one(scratch.path("first")))]);
+    assert_eq!(file_changes_under(&second, &scratch.0), vec![("open", one(scratch.path("second")))]);
+
+    assert!(inspector.unwatch("turns").await.unwrap().is_empty());
+    cgroup.run("/bin/sh", &["-c", &format!("echo 3 > {}/third", scratch.str())]);
+    assert!(matches!(inspector.take_effects("turns"), Err(crab::inspector::InspectorError::NotWatched(_))));
+}
