@@ -140,19 +140,24 @@ async fn socket_answers(address: &str) -> bool {
     tokio::net::UnixStream::connect(socket_path(address)).await.is_ok()
 }
 
+/// The server inherits its listening socket at this descriptor, bound by
+/// `start`: containerd can connect as soon as `start` prints the address.
+const LISTENER_FD: i32 = 3;
+const LISTENER_FD_ENV: &str = "CRAB_SHIM_LISTENER_FD";
+
 async fn start(flags: &Flags) -> Result<(), BootstrapError> {
     let bundle = bundle_dir(flags);
     let group = grouping(&bundle, &flags.id);
     let address = containerd_shim::socket_address(&flags.address, &flags.namespace, &group);
+    // A live shim for the group (another container of the same pod) serves this one too.
     if !socket_answers(&address).await {
-        spawn_server(flags, &address)?;
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while !socket_answers(&address).await {
-            if tokio::time::Instant::now() > deadline {
-                return Err(BootstrapError::Other(format!("shim did not start serving {address}")));
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+        let path = socket_path(&address);
+        if let Some(dir) = Path::new(path).parent() {
+            std::fs::create_dir_all(dir).map_err(io_err(format!("create {}", dir.display())))?;
         }
+        let _ = std::fs::remove_file(path);
+        let listener = std::os::unix::net::UnixListener::bind(path).map_err(io_err(format!("bind {path}")))?;
+        spawn_server(flags, &address, listener)?;
     }
     std::fs::write(bundle.join("address"), &address).map_err(io_err("write address file"))?;
     // containerd 1.6 reads the whole output as the address: nothing else may be printed.
@@ -161,7 +166,8 @@ async fn start(flags: &Flags) -> Result<(), BootstrapError> {
     out.flush().map_err(io_err("flush address"))
 }
 
-fn spawn_server(flags: &Flags, address: &str) -> Result<(), BootstrapError> {
+fn spawn_server(flags: &Flags, address: &str, listener: std::os::unix::net::UnixListener) -> Result<(), BootstrapError> {
+    use std::os::fd::AsRawFd;
     use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe().map_err(io_err("current executable"))?;
     let mut cmd = std::process::Command::new(exe);
@@ -169,11 +175,17 @@ fn spawn_server(flags: &Flags, address: &str) -> Result<(), BootstrapError> {
     if flags.debug {
         cmd.arg("-debug");
     }
+    cmd.env(LISTENER_FD_ENV, LISTENER_FD.to_string());
     cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
-    // Its own session: the shim must outlive containerd and ignore its signals.
+    let fd = listener.as_raw_fd();
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
+            // Its own session: the shim must outlive containerd and ignore its signals.
             libc::setsid();
+            // dup2 clears close-on-exec on the copy.
+            if libc::dup2(fd, LISTENER_FD) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
             Ok(())
         });
     }
@@ -181,6 +193,23 @@ fn spawn_server(flags: &Flags, address: &str) -> Result<(), BootstrapError> {
     // and is re-parented when this `start` process exits.
     cmd.spawn().map_err(io_err("spawn shim server"))?;
     Ok(())
+}
+
+/// The listening socket: inherited from `start`, or bound here when the
+/// server was started by hand.
+fn server_listener(path: &str) -> Result<std::os::unix::net::UnixListener, BootstrapError> {
+    use std::os::fd::FromRawFd;
+    if std::env::var(LISTENER_FD_ENV).ok().as_deref() == Some(&LISTENER_FD.to_string()) {
+        // SAFETY: `start` placed a listening socket at this descriptor for us alone.
+        let listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(LISTENER_FD) };
+        unsafe { std::env::remove_var(LISTENER_FD_ENV) };
+        return Ok(listener);
+    }
+    if let Some(dir) = Path::new(path).parent() {
+        std::fs::create_dir_all(dir).map_err(io_err(format!("create {}", dir.display())))?;
+    }
+    let _ = std::fs::remove_file(path);
+    std::os::unix::net::UnixListener::bind(path).map_err(io_err(format!("bind {path}")))
 }
 
 fn init_logging(debug: bool, level: &str) {
@@ -231,19 +260,16 @@ async fn serve(flags: &Flags) -> Result<(), BootstrapError> {
     ));
 
     let path = socket_path(&flags.socket).to_string();
-    if let Some(dir) = Path::new(&path).parent() {
-        std::fs::create_dir_all(dir).map_err(io_err(format!("create {}", dir.display())))?;
-    }
-    let _ = std::fs::remove_file(&path);
+    let listener = server_listener(&path)?;
+    listener.set_nonblocking(true).map_err(io_err("listener"))?;
+    let listener = containerd_shim_protos::ttrpc::r#async::transport::Listener::try_from(listener)
+        .map_err(|e| BootstrapError::Other(format!("listen on {path}: {e}")))?;
     let mut services = create_task(service.clone());
     // Same messages, two service names: v2 for containerd 1.x, v3 for 2.x.
     if let Some(v3) = create_task(service).remove("containerd.task.v3.Task") {
         services.insert("containerd.task.v2.Task".into(), v3);
     }
-    let mut server = Server::new()
-        .bind(&format!("unix://{path}"))
-        .map_err(|e| BootstrapError::Other(format!("bind {path}: {e}")))?
-        .register_service(services);
+    let mut server = Server::new().add_listener(listener).register_service(services);
     server.start().await.map_err(|e| BootstrapError::Other(format!("serve {path}: {e}")))?;
     tracing::info!(socket = %path, pid = std::process::id(), "serving");
 

@@ -283,7 +283,8 @@ impl Container {
 
     pub async fn checkpoint(&self, opts: &CheckpointOptions) -> Result<(), ShimError> {
         let _guard = self.lifecycle.lock().await;
-        if self.init.status() != Status::Running {
+        // containerd pauses the task around `ctr c checkpoint --task`.
+        if !matches!(self.init.status(), Status::Running | Status::Paused) {
             return Err(ShimError::FailedPrecondition(format!("container {} is not running", self.id())));
         }
         Ok(self.runtime.checkpoint(&self.config.id, opts).await?)
