@@ -2,7 +2,10 @@
 //! fs delta capture (a whole fs-turn commit, flushes included), and the bytes a second CRIU dump
 //! of an unchanged process adds. Prints percentiles and ratios; asserts nothing about time.
 //!
-//! `cargo bench --bench checkpoint_store` (as root; the CRIU part is skipped without criu).
+//! `cargo bench --bench checkpoint_store [-- rollback|capture|criu]` (as root; the CRIU part is
+//! skipped without criu). `CRAB_BENCH_DIR=/dev/shm` measures on tmpfs instead of the temp
+//! dir's file system; `ROLLBACK_GAP_MS=N` waits N ms between a commit and the rollback timed
+//! after it (think time, during which the kernel starts writing back the live files).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -54,8 +57,16 @@ struct Fixture {
     store: CheckpointStore,
 }
 
+/// `CRAB_BENCH_DIR` picks the file system to measure on (default: the system temp dir).
+fn bench_tempdir() -> tempfile::TempDir {
+    match std::env::var_os("CRAB_BENCH_DIR") {
+        Some(dir) => tempfile::tempdir_in(dir).unwrap(),
+        None => tempfile::tempdir().unwrap(),
+    }
+}
+
 fn fixture() -> Fixture {
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = bench_tempdir();
     let (base, live) = (tmp.path().join("base"), tmp.path().join("live"));
     for root in [&base, &live] {
         for i in 0..BASE_FILES {
@@ -65,7 +76,12 @@ fn fixture() -> Fixture {
         }
     }
     let store = CheckpointStore::open(tmp.path().join("state")).unwrap();
-    Fixture { _tmp: tmp, base, live, store }
+    Fixture {
+        _tmp: tmp,
+        base,
+        live,
+        store,
+    }
 }
 
 fn edit(live: &Path, files: usize, version: usize) -> Vec<ChangedPath> {
@@ -73,7 +89,11 @@ fn edit(live: &Path, files: usize, version: usize) -> Vec<ChangedPath> {
         .map(|i| {
             let file = (i * 7) % BASE_FILES;
             let rel = file_rel(file);
-            fs::write(live.join(rel.trim_start_matches('/')), content(file, version, 2048 + (version * 131) % 8192)).unwrap();
+            fs::write(
+                live.join(rel.trim_start_matches('/')),
+                content(file, version, 2048 + (version * 131) % 8192),
+            )
+            .unwrap();
             ChangedPath::modified(rel)
         })
         .collect()
@@ -81,7 +101,13 @@ fn edit(live: &Path, files: usize, version: usize) -> Vec<ChangedPath> {
 
 fn commit(fx: &Fixture, turn: u64, changed: &[ChangedPath]) -> crab::checkpoint::CommitReport {
     fx.store
-        .commit_turn(&TurnInput { container: "bench", turn, rootfs: Some(&fx.live), changed, criu_images: None })
+        .commit_turn(&TurnInput {
+            container: "bench",
+            turn,
+            rootfs: Some(&fx.live),
+            changed,
+            criu_images: None,
+        })
         .unwrap()
 }
 
@@ -96,6 +122,12 @@ fn bench_rollback(files: usize, rounds: usize) {
     for round in 0..rounds {
         let changed = edit(&fx.live, files, round + 2);
         commit(&fx, 2, &changed);
+        if let Some(ms) = std::env::var("ROLLBACK_GAP_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            std::thread::sleep(Duration::from_millis(ms));
+        }
         let start = Instant::now();
         let report = fx
             .store
@@ -112,8 +144,14 @@ fn bench_rollback(files: usize, rounds: usize) {
     }
     // The rolled-back tree really is turn 1.
     let probe = file_rel(0);
-    assert_eq!(fs::read(fx.live.join(probe.trim_start_matches('/'))).unwrap(), content(0, 1, 2048 + 131 % 8192));
-    report(&format!("rollback in place, {files} changed files"), samples);
+    assert_eq!(
+        fs::read(fx.live.join(probe.trim_start_matches('/'))).unwrap(),
+        content(0, 1, 2048 + 131)
+    );
+    report(
+        &format!("rollback in place, {files} changed files"),
+        samples,
+    );
 }
 
 fn bench_capture(files: usize, turns: usize) {
@@ -129,8 +167,14 @@ fn bench_capture(files: usize, turns: usize) {
         logical += report.traffic.logical_bytes;
         written += report.traffic.written_bytes + report.manifest_bytes;
     }
-    report(&format!("fs turn commit (capture+flush), {files} files"), samples);
-    println!("{:<44} logical={logical} B written(blobs+manifests)={written} B", "");
+    report(
+        &format!("fs turn commit (capture+flush), {files} files"),
+        samples,
+    );
+    println!(
+        "{:<44} logical={logical} B written(blobs+manifests)={written} B",
+        ""
+    );
 }
 
 fn bench_clean_turn(turns: usize) {
@@ -145,7 +189,12 @@ fn bench_clean_turn(turns: usize) {
 }
 
 fn criu_available() -> bool {
-    Command::new("criu").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    Command::new("criu")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 fn bench_second_dump() {
@@ -153,7 +202,7 @@ fn bench_second_dump() {
         println!("second CRIU dump: skipped, criu not found");
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = bench_tempdir();
     let store = CheckpointStore::open(tmp.path().join("state")).unwrap();
     let script = "import os, time\nx = bytearray(os.urandom(64 << 20))\nprint('ready', flush=True)\ntime.sleep(600)\n";
     let mut child = Command::new("setsid")
@@ -164,21 +213,43 @@ fn bench_second_dump() {
         .spawn()
         .unwrap();
     let mut line = String::new();
-    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
     let pid = child.id().to_string();
     let mut reports = Vec::new();
     for turn in 1..=2u64 {
         let dir = tmp.path().join(format!("dump{turn}"));
         fs::create_dir_all(&dir).unwrap();
         let status = Command::new("criu")
-            .args(["dump", "--leave-running", "-o", "dump.log", "-t", &pid, "-D"])
+            .args([
+                "dump",
+                "--leave-running",
+                "-o",
+                "dump.log",
+                "-t",
+                &pid,
+                "-D",
+            ])
             .arg(&dir)
             .status()
             .unwrap();
-        assert!(status.success(), "criu dump failed, see {}", dir.join("dump.log").display());
+        assert!(
+            status.success(),
+            "criu dump failed, see {}",
+            dir.join("dump.log").display()
+        );
         let start = Instant::now();
         let report = store
-            .commit_turn(&TurnInput { container: "proc", turn, rootfs: None, changed: &[], criu_images: Some(&dir) })
+            .commit_turn(&TurnInput {
+                container: "proc",
+                turn,
+                rootfs: None,
+                changed: &[],
+                criu_images: Some(&dir),
+            })
             .unwrap();
         reports.push((report, start.elapsed()));
     }
@@ -200,15 +271,33 @@ fn bench_second_dump() {
             took.as_secs_f64() * 1e3
         );
     }
-    println!("CRIU image restore (64 MiB process): {:.1} ms", restore_time.as_secs_f64() * 1e3);
+    println!(
+        "CRIU image restore (64 MiB process): {:.1} ms",
+        restore_time.as_secs_f64() * 1e3
+    );
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; a filter argument is not supported.
-    bench_rollback(10, 300);
-    bench_rollback(100, 100);
-    bench_capture(10, 100);
-    bench_capture(100, 30);
-    bench_clean_turn(50);
-    bench_second_dump();
+    let dir = std::env::var("CRAB_BENCH_DIR")
+        .unwrap_or_else(|_| std::env::temp_dir().display().to_string());
+    println!("checkpoint store bench on {dir}");
+    // `cargo bench --bench checkpoint_store -- rollback` runs only the parts whose name matches.
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let wanted =
+        |name: &str| filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()));
+    if wanted("rollback") {
+        bench_rollback(10, 300);
+        bench_rollback(100, 100);
+    }
+    if wanted("capture") {
+        bench_capture(10, 100);
+        bench_capture(100, 30);
+        bench_clean_turn(50);
+    }
+    if wanted("criu") {
+        bench_second_dump();
+    }
 }

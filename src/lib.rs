@@ -8,9 +8,14 @@
 //! - [`config`]: crab's own configuration file.
 //! - [`inspector`]: eBPF view of what each turn did to the OS.
 //! - [`checkpoint`]: the content-addressed checkpoint store.
+//! - [`turns`]: sandbox annotations and the per-turn records.
+//! - [`engine`]: per-sandbox checkpoint engine (turns → inspector → store).
 
 pub mod checkpoint;
 pub mod config;
+pub mod engine;
 pub mod inspector;
+pub mod replay;
 pub mod runtime;
 pub mod shim;
+pub mod turns;

@@ -11,8 +11,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crab::inspector::{
-    ClassifyOptions, Effect, EffectKind, EffectPath, Inspector, InspectorConfig, Reason, SockAddr, TurnClass,
-    WatchedContainer, cgroup_id_of_dir, cgroup2_mount, classify,
+    ClassifyOptions, Effect, EffectKind, EffectPath, Inspector, InspectorConfig, Reason, SockAddr,
+    TurnClass, WatchedContainer, cgroup_id_of_dir, cgroup2_mount, classify,
 };
 
 const PYTHON: &str = "/usr/bin/python3";
@@ -26,7 +26,10 @@ struct TestCgroup {
 impl TestCgroup {
     fn new(name: &str) -> Self {
         let parent = cgroup2_mount().expect("cgroup v2 is mounted");
-        Self::under(&parent, &format!("crab-inspector-test-{}-{name}", std::process::id()))
+        Self::under(
+            &parent,
+            &format!("crab-inspector-test-{}-{name}", std::process::id()),
+        )
     }
 
     fn under(parent: &Path, name: &str) -> Self {
@@ -76,7 +79,8 @@ impl Drop for TestCgroup {
     fn drop(&mut self) {
         let _ = std::fs::write(self.dir.join("cgroup.kill"), "1");
         let deadline = Instant::now() + Duration::from_secs(5);
-        while std::fs::read_to_string(self.dir.join("cgroup.procs")).is_ok_and(|p| !p.trim().is_empty())
+        while std::fs::read_to_string(self.dir.join("cgroup.procs"))
+            .is_ok_and(|p| !p.trim().is_empty())
             && Instant::now() < deadline
         {
             std::thread::sleep(Duration::from_millis(20));
@@ -118,8 +122,14 @@ async fn watching(name: &str, cgroup: &TestCgroup) -> Inspector {
 }
 
 async fn watching_with(name: &str, cgroup: &TestCgroup, config: InspectorConfig) -> Inspector {
-    let inspector = Inspector::start(config).await.expect("inspector loads (run the tests as root)");
-    let container = WatchedContainer { id: name.into(), root_pid: None, rootfs: None };
+    let inspector = Inspector::start(config)
+        .await
+        .expect("inspector loads (run the tests as root)");
+    let container = WatchedContainer {
+        id: name.into(),
+        root_pid: None,
+        rootfs: None,
+    };
     inspector.watch(cgroup.id, container).unwrap();
     inspector
 }
@@ -133,7 +143,16 @@ fn file_changes_under(effects: &[Effect], root: &Path) -> Vec<(&'static str, Vec
     effects
         .iter()
         .filter(|e| e.changes_under(root))
-        .map(|e| (e.kind.name(), e.kind.changed_paths().iter().map(|p| p.path.clone()).collect()))
+        .map(|e| {
+            (
+                e.kind.name(),
+                e.kind
+                    .changed_paths()
+                    .iter()
+                    .map(|p| p.path.clone())
+                    .collect(),
+            )
+        })
         .collect()
 }
 
@@ -148,7 +167,10 @@ async fn shell_file_operations_resolve_to_absolute_paths() {
     std::fs::create_dir(scratch.path("x")).unwrap();
     let inspector = watching("shell", &cgroup).await;
 
-    let script = format!("cd {}/x && echo a > f; mkdir d; mv f d/g; ln -s d l; chmod 600 d/g; rm -r d", scratch.str());
+    let script = format!(
+        "cd {}/x && echo a > f; mkdir d; mv f d/g; ln -s d l; chmod 600 d/g; rm -r d",
+        scratch.str()
+    );
     let sh = cgroup.command("/bin/sh", &["-c", &script]).spawn().unwrap();
     let sh_pid = sh.id();
     assert!(sh.wait_with_output().unwrap().status.success());
@@ -170,9 +192,14 @@ async fn shell_file_operations_resolve_to_absolute_paths() {
         "all effects: {effects:#?}"
     );
     let symlink = effects.iter().find(|e| e.kind.name() == "symlink").unwrap();
-    assert!(matches!(&symlink.kind, EffectKind::Symlink { target, .. } if target == Path::new("d")));
+    assert!(
+        matches!(&symlink.kind, EffectKind::Symlink { target, .. } if target == Path::new("d"))
+    );
     let chmod = effects.iter().find(|e| e.kind.name() == "chmod").unwrap();
-    assert!(matches!(chmod.kind, EffectKind::Chmod { mode: 0o600, .. }), "{chmod:?}");
+    assert!(
+        matches!(chmod.kind, EffectKind::Chmod { mode: 0o600, .. }),
+        "{chmod:?}"
+    );
     assert!(effects.iter().all(|e| e.result >= 0));
     let open = effects.iter().find(|e| e.kind.name() == "open").unwrap();
     assert_eq!((open.pid, open.comm.as_str()), (sh_pid, "sh"));
@@ -187,8 +214,16 @@ async fn shell_file_operations_resolve_to_absolute_paths() {
         .collect();
     assert_eq!(children.len(), 5, "{effects:#?}");
     for child in &children {
-        assert!(effects.iter().any(|e| e.pid == *child && matches!(e.kind, EffectKind::Exec { .. })));
-        assert!(effects.iter().any(|e| e.pid == *child && matches!(e.kind, EffectKind::Exit { status: 0 })));
+        assert!(
+            effects
+                .iter()
+                .any(|e| e.pid == *child && matches!(e.kind, EffectKind::Exec { .. }))
+        );
+        assert!(
+            effects
+                .iter()
+                .any(|e| e.pid == *child && matches!(e.kind, EffectKind::Exit { status: 0 }))
+        );
     }
     let rm_exec = effects
         .iter()
@@ -197,8 +232,15 @@ async fn shell_file_operations_resolve_to_absolute_paths() {
             _ => None,
         })
         .expect("rm was exec'd");
-    assert!(rm_exec.resolved && rm_exec.path.ends_with("bin/rm"), "{rm_exec:?}");
-    assert!(effects.iter().any(|e| e.pid == sh_pid && matches!(e.kind, EffectKind::Exit { status: 0 })));
+    assert!(
+        rm_exec.resolved && rm_exec.path.ends_with("bin/rm"),
+        "{rm_exec:?}"
+    );
+    assert!(
+        effects
+            .iter()
+            .any(|e| e.pid == sh_pid && matches!(e.kind, EffectKind::Exit { status: 0 }))
+    );
     let verdict = classify(&effects, &ClassifyOptions::default());
     assert_eq!(verdict.class, TurnClass::Fs, "{verdict:#?}");
     assert!(!verdict.external && !verdict.escalated);
@@ -254,7 +296,10 @@ os.open("{base}/readonly-is-no-effect", os.O_RDONLY | os.O_CREAT, 0o644)
             ("chmod", one(base.join("sub/file"))),
             ("truncate", one(base.join("sub/file"))),
             ("mkdir", one(base.join("newdir"))),
-            ("rename", vec![base.join("sub/file"), base.join("newdir/moved")]),
+            (
+                "rename",
+                vec![base.join("sub/file"), base.join("newdir/moved")]
+            ),
             ("link", one(base.join("hard"))),
             ("symlink", one(base.join("sym"))),
             ("chown", one(base.join("old"))),
@@ -267,9 +312,21 @@ os.open("{base}/readonly-is-no-effect", os.O_RDONLY | os.O_CREAT, 0o644)
         "all effects: {effects:#?}"
     );
     let link = effects.iter().find(|e| e.kind.name() == "link").unwrap();
-    assert!(matches!(&link.kind, EffectKind::Link { existing, .. } if existing.path == base.join("old")));
+    assert!(
+        matches!(&link.kind, EffectKind::Link { existing, .. } if existing.path == base.join("old"))
+    );
     let chown = effects.iter().find(|e| e.kind.name() == "chown").unwrap();
-    assert!(matches!(chown.kind, EffectKind::Chown { uid: None, gid: Some(0), .. }), "{chown:?}");
+    assert!(
+        matches!(
+            chown.kind,
+            EffectKind::Chown {
+                uid: None,
+                gid: Some(0),
+                ..
+            }
+        ),
+        "{chown:?}"
+    );
 }
 
 #[tokio::test]
@@ -285,10 +342,21 @@ async fn failed_and_read_only_calls_are_not_effects() {
     );
     cgroup.run("/bin/sh", &["-c", &script]);
     let effects = drain_all(&inspector, "failed").await;
-    assert_eq!(file_changes_under(&effects, &scratch.0), vec![], "{effects:#?}");
+    assert_eq!(
+        file_changes_under(&effects, &scratch.0),
+        vec![],
+        "{effects:#?}"
+    );
     // /dev/null was opened for writing: recorded, but ignored by classify.
-    assert!(effects.iter().any(|e| e.changes_under(Path::new("/dev/null"))));
-    assert_eq!(classify(&effects, &ClassifyOptions::default()).class, TurnClass::Clean);
+    assert!(
+        effects
+            .iter()
+            .any(|e| e.changes_under(Path::new("/dev/null")))
+    );
+    assert_eq!(
+        classify(&effects, &ClassifyOptions::default()).class,
+        TurnClass::Clean
+    );
 }
 
 #[tokio::test]
@@ -297,12 +365,21 @@ async fn processes_outside_the_cgroup_are_not_recorded() {
     let other = TestCgroup::new("outside");
     let scratch = Scratch::new("outside");
     let inspector = watching("inside", &watched).await;
-    let outside_script = format!("cd {} && mkdir outside && echo x > outside/f", scratch.str());
+    let outside_script = format!(
+        "cd {} && mkdir outside && echo x > outside/f",
+        scratch.str()
+    );
     // One in a sibling cgroup, one in this test's own cgroup (not watched either).
     other.run("/bin/sh", &["-c", &outside_script]);
-    let own = Command::new("/bin/sh").args(["-c", &format!("echo y > {}/own", scratch.str())]).status().unwrap();
+    let own = Command::new("/bin/sh")
+        .args(["-c", &format!("echo y > {}/own", scratch.str())])
+        .status()
+        .unwrap();
     assert!(own.success());
-    watched.run("/bin/sh", &["-c", &format!("echo z > {}/inside", scratch.str())]);
+    watched.run(
+        "/bin/sh",
+        &["-c", &format!("echo z > {}/inside", scratch.str())],
+    );
     let effects = drain_all(&inspector, "inside").await;
     assert_eq!(
         file_changes_under(&effects, &scratch.0),
@@ -317,9 +394,15 @@ async fn nested_cgroups_count_for_the_watched_ancestor() {
     let child = TestCgroup::under(&cgroup.dir, "child");
     let scratch = Scratch::new("nested");
     let inspector = watching("nested", &cgroup).await;
-    child.run("/bin/sh", &["-c", &format!("echo a > {}/from-child", scratch.str())]);
+    child.run(
+        "/bin/sh",
+        &["-c", &format!("echo a > {}/from-child", scratch.str())],
+    );
     let effects = drain_all(&inspector, "nested").await;
-    assert_eq!(file_changes_under(&effects, &scratch.0), vec![("open", one(scratch.path("from-child")))]);
+    assert_eq!(
+        file_changes_under(&effects, &scratch.0),
+        vec![("open", one(scratch.path("from-child")))]
+    );
     drop(child);
 }
 
@@ -328,21 +411,42 @@ async fn background_process_survives_the_turn() {
     let cgroup = TestCgroup::new("background");
     let inspector = watching("background", &cgroup).await;
     let output = cgroup.run("/bin/sh", &["-c", "sleep 30 > /dev/null 2>&1 & echo $!"]);
-    let sleep_pid: u32 = String::from_utf8(output.stdout).unwrap().trim().parse().unwrap();
+    let sleep_pid: u32 = String::from_utf8(output.stdout)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     let effects = drain_all(&inspector, "background").await;
 
-    let forked = effects.iter().any(|e| matches!(e.kind, EffectKind::Fork { child } if child == sleep_pid));
+    let forked = effects
+        .iter()
+        .any(|e| matches!(e.kind, EffectKind::Fork { child } if child == sleep_pid));
     assert!(forked, "{effects:#?}");
-    let exec = effects.iter().find(|e| e.pid == sleep_pid && matches!(e.kind, EffectKind::Exec { .. })).unwrap();
-    let EffectKind::Exec { path, .. } = &exec.kind else { unreachable!() };
+    let exec = effects
+        .iter()
+        .find(|e| e.pid == sleep_pid && matches!(e.kind, EffectKind::Exec { .. }))
+        .unwrap();
+    let EffectKind::Exec { path, .. } = &exec.kind else {
+        unreachable!()
+    };
     assert_eq!(path, &EffectPath::resolved("/usr/bin/sleep"));
     let verdict = classify(&effects, &ClassifyOptions::default());
     assert_eq!(verdict.class, TurnClass::Proc);
-    assert_eq!(verdict.reasons, vec![Reason::ProcessSurvives { pid: sleep_pid, comm: "sleep".into() }]);
+    assert_eq!(
+        verdict.reasons,
+        vec![Reason::ProcessSurvives {
+            pid: sleep_pid,
+            comm: "sleep".into()
+        }]
+    );
 }
 
 /// Waits until some effect matches, flushing the inspector meanwhile.
-async fn wait_for_effect(inspector: &Inspector, container: &str, found: impl Fn(&Effect) -> bool) -> Vec<Effect> {
+async fn wait_for_effect(
+    inspector: &Inspector,
+    container: &str,
+    found: impl Fn(&Effect) -> bool,
+) -> Vec<Effect> {
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut effects = Vec::new();
     loop {
@@ -350,7 +454,10 @@ async fn wait_for_effect(inspector: &Inspector, container: &str, found: impl Fn(
         if effects.iter().any(&found) {
             return effects;
         }
-        assert!(Instant::now() < deadline, "no matching effect in {effects:#?}");
+        assert!(
+            Instant::now() < deadline,
+            "no matching effect in {effects:#?}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -369,27 +476,65 @@ async fn listening_server_and_connects() {
     let cgroup = TestCgroup::new("listen");
     let inspector = watching("listen", &cgroup).await;
     let server = cgroup
-        .command(PYTHON, &["-I", "-B", "-m", "http.server", "0", "--bind", "127.0.0.1"])
+        .command(
+            PYTHON,
+            &["-I", "-B", "-m", "http.server", "0", "--bind", "127.0.0.1"],
+        )
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let server = KillOnDrop(server);
     let server_pid = server.0.id();
-    let effects = wait_for_effect(&inspector, "listen", |e| matches!(e.kind, EffectKind::Listen { .. })).await;
+    let effects = wait_for_effect(&inspector, "listen", |e| {
+        matches!(e.kind, EffectKind::Listen { .. })
+    })
+    .await;
 
-    let bind = effects.iter().find(|e| matches!(e.kind, EffectKind::Bind { .. })).unwrap();
-    let EffectKind::Bind { addr: SockAddr::Inet(bound) } = bind.kind else { panic!("{bind:?}") };
-    assert_eq!((bind.pid, bound.ip().to_string(), bound.port()), (server_pid, "127.0.0.1".into(), 0));
-    let listen = effects.iter().find(|e| matches!(e.kind, EffectKind::Listen { .. })).unwrap();
-    let EffectKind::Listen { addr: SockAddr::Inet(listening), .. } = listen.kind else { panic!("{listen:?}") };
+    let bind = effects
+        .iter()
+        .find(|e| matches!(e.kind, EffectKind::Bind { .. }))
+        .unwrap();
+    let EffectKind::Bind {
+        addr: SockAddr::Inet(bound),
+    } = bind.kind
+    else {
+        panic!("{bind:?}")
+    };
+    assert_eq!(
+        (bind.pid, bound.ip().to_string(), bound.port()),
+        (server_pid, "127.0.0.1".into(), 0)
+    );
+    let listen = effects
+        .iter()
+        .find(|e| matches!(e.kind, EffectKind::Listen { .. }))
+        .unwrap();
+    let EffectKind::Listen {
+        addr: SockAddr::Inet(listening),
+        ..
+    } = listen.kind
+    else {
+        panic!("{listen:?}")
+    };
     assert_eq!(listen.pid, server_pid);
     assert_eq!(listening.ip().to_string(), "127.0.0.1");
-    assert_ne!(listening.port(), 0, "listen reports the port the kernel picked");
+    assert_ne!(
+        listening.port(),
+        0,
+        "listen reports the port the kernel picked"
+    );
     let verdict = classify(&effects, &ClassifyOptions::default());
     assert_eq!(verdict.class, TurnClass::Proc);
-    assert!(verdict.reasons.contains(&Reason::ProcessSurvives { pid: server_pid, comm: "python3".into() }));
-    assert!(verdict.reasons.iter().any(|r| matches!(r, Reason::Listening { pid, .. } if *pid == server_pid)));
+    assert!(verdict.reasons.contains(&Reason::ProcessSurvives {
+        pid: server_pid,
+        comm: "python3".into()
+    }));
+    assert!(
+        verdict
+            .reasons
+            .iter()
+            .any(|r| matches!(r, Reason::Listening { pid, .. } if *pid == server_pid))
+    );
     assert!(!verdict.external);
 
     // A loopback connect is not external; a UDP connect (sends nothing) to a
@@ -410,10 +555,19 @@ async fn listening_server_and_connects() {
             _ => None,
         })
         .collect();
-    assert_eq!(connects, vec![format!("127.0.0.1:{}", listening.port()), "198.51.100.7:9".to_string()]);
+    assert_eq!(
+        connects,
+        vec![
+            format!("127.0.0.1:{}", listening.port()),
+            "198.51.100.7:9".to_string()
+        ]
+    );
     let verdict = classify(&effects, &ClassifyOptions::default());
     assert!(verdict.external);
-    assert!(verdict.reasons.contains(&Reason::ExternalConnect { pid: effects[0].pid, addr: "198.51.100.7:9".into() }));
+    assert!(verdict.reasons.contains(&Reason::ExternalConnect {
+        pid: effects[0].pid,
+        addr: "198.51.100.7:9".into()
+    }));
 }
 
 #[tokio::test]
@@ -422,10 +576,20 @@ async fn mounts_are_recorded_with_their_target() {
     let scratch = Scratch::new("mount");
     std::fs::create_dir(scratch.path("m")).unwrap();
     let inspector = watching("mount", &cgroup).await;
-    let script = format!("cd {} && mount -t tmpfs crabtest m && umount m", scratch.str());
-    cgroup.run("/usr/bin/unshare", &["-m", "--propagation", "private", "/bin/sh", "-c", &script]);
+    let script = format!(
+        "cd {} && mount -t tmpfs crabtest m && umount m",
+        scratch.str()
+    );
+    cgroup.run(
+        "/usr/bin/unshare",
+        &["-m", "--propagation", "private", "/bin/sh", "-c", &script],
+    );
     let effects = drain_all(&inspector, "mount").await;
-    let mounts: Vec<&EffectKind> = effects.iter().map(|e| &e.kind).filter(|k| k.is_mount_change()).collect();
+    let mounts: Vec<&EffectKind> = effects
+        .iter()
+        .map(|e| &e.kind)
+        .filter(|k| k.is_mount_change())
+        .collect();
     assert_eq!(
         mounts,
         vec![
@@ -434,7 +598,7 @@ async fn mounts_are_recorded_with_their_target() {
                 target: EffectPath::resolved("/"),
                 source: "none".into(),
                 fs_type: "".into(),
-                flags: (libc::MS_REC | libc::MS_PRIVATE) as u64,
+                flags: libc::MS_REC | libc::MS_PRIVATE,
             },
             &EffectKind::Mount {
                 target: EffectPath::resolved(scratch.path("m")),
@@ -442,23 +606,44 @@ async fn mounts_are_recorded_with_their_target() {
                 fs_type: "tmpfs".into(),
                 flags: 0,
             },
-            &EffectKind::Unmount { target: EffectPath::resolved(scratch.path("m")), flags: 0 },
+            &EffectKind::Unmount {
+                target: EffectPath::resolved(scratch.path("m")),
+                flags: 0
+            },
         ],
         "{effects:#?}"
     );
-    assert_eq!(classify(&effects, &ClassifyOptions::default()).class, TurnClass::Proc);
+    assert_eq!(
+        classify(&effects, &ClassifyOptions::default()).class,
+        TurnClass::Proc
+    );
 }
 
 #[tokio::test]
 async fn mount_table_names_the_file_system() {
     let cgroup = TestCgroup::new("fstype");
     let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
-    let container = WatchedContainer { id: "fstype".into(), root_pid: Some(std::process::id()), rootfs: None };
+    let container = WatchedContainer {
+        id: "fstype".into(),
+        root_pid: Some(std::process::id()),
+        rootfs: None,
+    };
     inspector.watch(cgroup.id, container).unwrap();
-    cgroup.run("/bin/sh", &["-c", "echo > /dev/shm/crab-inspector-fstype; rm /dev/shm/crab-inspector-fstype"]);
+    cgroup.run(
+        "/bin/sh",
+        &[
+            "-c",
+            "echo > /dev/shm/crab-inspector-fstype; rm /dev/shm/crab-inspector-fstype",
+        ],
+    );
     let effects = drain_all(&inspector, "fstype").await;
-    let open = effects.iter().find(|e| e.changes_under(Path::new("/dev/shm"))).expect("write to /dev/shm seen");
-    let EffectKind::Open { path, .. } = &open.kind else { panic!("{open:?}") };
+    let open = effects
+        .iter()
+        .find(|e| e.changes_under(Path::new("/dev/shm")))
+        .expect("write to /dev/shm seen");
+    let EffectKind::Open { path, .. } = &open.kind else {
+        panic!("{open:?}")
+    };
     assert_eq!(path.fs_type.as_deref(), Some("tmpfs"), "{path:?}");
 }
 
@@ -468,22 +653,55 @@ async fn every_record_is_delivered_or_counted_lost() {
     let cgroup = TestCgroup::new("lost");
     let scratch = Scratch::new("lost");
     // One page of ring buffer holds only a few records: a burst must overflow it.
-    let inspector = watching_with("lost", &cgroup, InspectorConfig { ring_buffer_bytes: 4096 }).await;
-    let script = format!("cd {} && i=0; while [ $i -lt {FILES} ]; do : > f$i; i=$((i+1)); done", scratch.str());
-    cgroup.run("/bin/sh", &["-c", &script]);
-    let turn = inspector.drain("lost", u64::MAX).await.unwrap();
-    let delivered_files = file_changes_under(&turn.effects, &scratch.0).len() as u64;
-    let delivered_lifecycle = turn
-        .effects
-        .iter()
-        .filter(|e| matches!(e.kind, EffectKind::Exec { .. } | EffectKind::Exit { .. }))
-        .count() as u64;
-    assert!(turn.lost_events > 0, "a 4 KiB ring buffer kept up with {FILES} records");
-    // The shell's records: its exec, one open per file (all builtins), its exit.
-    assert_eq!(delivered_files + delivered_lifecycle + turn.lost_events, FILES as u64 + 2);
-    let verdict = classify(&turn.effects, &ClassifyOptions { lost_events: turn.lost_events, ..Default::default() });
-    assert_eq!((verdict.class, verdict.escalated), (TurnClass::Proc, true));
-    assert_eq!(inspector.take_lost_events("lost").unwrap(), 0, "lost counts are reported once");
+    let inspector = watching_with(
+        "lost",
+        &cgroup,
+        InspectorConfig {
+            ring_buffer_bytes: 4096,
+        },
+    )
+    .await;
+    let script = format!(
+        "cd {} && i=0; while [ $i -lt {FILES} ]; do : > f$i; i=$((i+1)); done",
+        scratch.str()
+    );
+    // Whether the reader falls behind depends on scheduling: repeat the burst
+    // until it does. Every attempt must account for each record exactly.
+    let mut saw_loss = false;
+    for _attempt in 0..10 {
+        cgroup.run("/bin/sh", &["-c", &script]);
+        let turn = inspector.drain("lost", u64::MAX).await.unwrap();
+        let delivered_files = file_changes_under(&turn.effects, &scratch.0).len() as u64;
+        let delivered_lifecycle = turn
+            .effects
+            .iter()
+            .filter(|e| matches!(e.kind, EffectKind::Exec { .. } | EffectKind::Exit { .. }))
+            .count() as u64;
+        // The shell's records: its exec, one open per file (all builtins), its exit.
+        assert_eq!(
+            delivered_files + delivered_lifecycle + turn.lost_events,
+            FILES as u64 + 2
+        );
+        if turn.lost_events > 0 {
+            let options = ClassifyOptions {
+                lost_events: turn.lost_events,
+                ..Default::default()
+            };
+            let verdict = classify(&turn.effects, &options);
+            assert_eq!((verdict.class, verdict.escalated), (TurnClass::Proc, true));
+            saw_loss = true;
+            break;
+        }
+    }
+    assert!(
+        saw_loss,
+        "a 4 KiB ring buffer kept up with {FILES}-record bursts 10 times"
+    );
+    assert_eq!(
+        inspector.take_lost_events("lost").unwrap(),
+        0,
+        "lost counts are reported once"
+    );
 }
 
 #[tokio::test]
@@ -491,16 +709,328 @@ async fn turn_boundaries_cut_by_time_and_unwatch_stops_recording() {
     let cgroup = TestCgroup::new("turns");
     let scratch = Scratch::new("turns");
     let inspector = watching("turns", &cgroup).await;
-    cgroup.run("/bin/sh", &["-c", &format!("echo 1 > {}/first", scratch.str())]);
+    cgroup.run(
+        "/bin/sh",
+        &["-c", &format!("echo 1 > {}/first", scratch.str())],
+    );
     let boundary = crab::inspector::monotonic_now_ns();
-    cgroup.run("/bin/sh", &["-c", &format!("echo 2 > {}/second", scratch.str())]);
+    cgroup.run(
+        "/bin/sh",
+        &["-c", &format!("echo 2 > {}/second", scratch.str())],
+    );
     inspector.flush().await.unwrap();
     let first = inspector.take_effects_until("turns", boundary).unwrap();
     let second = inspector.take_effects("turns").unwrap();
-    assert_eq!(file_changes_under(&first, &scratch.0), vec![("open", one(scratch.path("first")))]);
-    assert_eq!(file_changes_under(&second, &scratch.0), vec![("open", one(scratch.path("second")))]);
+    assert_eq!(
+        file_changes_under(&first, &scratch.0),
+        vec![("open", one(scratch.path("first")))]
+    );
+    assert_eq!(
+        file_changes_under(&second, &scratch.0),
+        vec![("open", one(scratch.path("second")))]
+    );
 
     assert!(inspector.unwatch("turns").await.unwrap().is_empty());
-    cgroup.run("/bin/sh", &["-c", &format!("echo 3 > {}/third", scratch.str())]);
-    assert!(matches!(inspector.take_effects("turns"), Err(crab::inspector::InspectorError::NotWatched(_))));
+    cgroup.run(
+        "/bin/sh",
+        &["-c", &format!("echo 3 > {}/third", scratch.str())],
+    );
+    assert!(matches!(
+        inspector.take_effects("turns"),
+        Err(crab::inspector::InspectorError::NotWatched(_))
+    ));
+}
+
+#[tokio::test]
+async fn paths_are_relative_to_the_process_root() {
+    let cgroup = TestCgroup::new("chroot");
+    let rootfs = Scratch::new("chroot");
+    std::fs::create_dir_all(rootfs.path("bin")).unwrap();
+    std::fs::create_dir_all(rootfs.path("w")).unwrap();
+    std::fs::copy("/bin/busybox", rootfs.path("bin/busybox")).expect("busybox-static is installed");
+    let inspector = watching("chroot", &cgroup).await;
+    cgroup.run(
+        "/usr/sbin/chroot",
+        &[
+            rootfs.str(),
+            "/bin/busybox",
+            "sh",
+            "-c",
+            "cd /w && echo a > f && mkdir d && mv f d/g",
+        ],
+    );
+    let effects = drain_all(&inspector, "chroot").await;
+    assert_eq!(
+        file_changes_under(&effects, Path::new("/w")),
+        vec![
+            ("open", one("/w/f".into())),
+            ("mkdir", one("/w/d".into())),
+            ("rename", vec!["/w/f".into(), "/w/d/g".into()]),
+        ],
+        "{effects:#?}"
+    );
+    assert_eq!(
+        file_changes_under(&effects, &rootfs.0),
+        vec![],
+        "no host paths leak out"
+    );
+    let busybox_exec = effects.iter().find_map(|e| match &e.kind {
+        EffectKind::Exec { path, .. } if e.comm == "busybox" => Some(path.clone()),
+        _ => None,
+    });
+    assert_eq!(busybox_exec, Some(EffectPath::resolved("/bin/busybox")));
+}
+
+// --- benchmark ----------------------------------------------------------------
+
+fn median(mut samples: Vec<Duration>) -> Duration {
+    samples.sort();
+    samples[samples.len() / 2]
+}
+
+fn rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches(" kB")
+        .parse()
+        .unwrap()
+}
+
+/// A git repository with many files: `CRAB_BENCH_REPO`, or a copy of
+/// /usr/include committed once and kept in /tmp for later runs.
+fn bench_repo() -> PathBuf {
+    if let Ok(repo) = std::env::var("CRAB_BENCH_REPO") {
+        return PathBuf::from(repo);
+    }
+    let repo = PathBuf::from("/tmp/crab-inspector-bench-repo");
+    if !repo.join(".git").exists() {
+        let _ = std::fs::remove_dir_all(&repo);
+        let script = format!(
+            "cp -a /usr/include {r} && cd {r} && git init -q && git add -A && \
+             git -c user.name=bench -c user.email=bench@localhost commit -qm files",
+            r = repo.display()
+        );
+        assert!(
+            Command::new("/bin/sh")
+                .args(["-c", &script])
+                .status()
+                .unwrap()
+                .success()
+        );
+    }
+    repo
+}
+
+fn malloc_trimmed_rss_kib() -> u64 {
+    // SAFETY: malloc_trim only returns free heap memory to the kernel.
+    unsafe { libc::malloc_trim(0) };
+    rss_kib()
+}
+
+struct Samples {
+    without: Vec<Duration>,
+    loaded: Vec<Duration>,
+    watching: Vec<Duration>,
+    records: usize,
+    lost: u64,
+}
+
+/// Alternates runs without the inspector, with it loaded but watching another
+/// cgroup, and with it watching, so drift on the machine hits all three alike.
+async fn compare(cgroup: &TestCgroup, script: &str, rounds: usize) -> Samples {
+    let mut samples = Samples {
+        without: vec![],
+        loaded: vec![],
+        watching: vec![],
+        records: 0,
+        lost: 0,
+    };
+    let timed = |samples: &mut Vec<Duration>| {
+        let start = Instant::now();
+        cgroup.run("/bin/sh", &["-c", script]);
+        samples.push(start.elapsed());
+    };
+    for _ in 0..rounds {
+        timed(&mut samples.without);
+        let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
+        timed(&mut samples.loaded);
+        inspector
+            .watch(
+                cgroup.id,
+                WatchedContainer {
+                    id: "bench".into(),
+                    root_pid: None,
+                    rootfs: None,
+                },
+            )
+            .unwrap();
+        timed(&mut samples.watching);
+        let turn = inspector.drain("bench", u64::MAX).await.unwrap();
+        samples.records += turn.effects.len();
+        samples.lost += turn.lost_events;
+    }
+    samples
+}
+
+fn report(title: &str, samples: &Samples) {
+    let watching_total: Duration = samples.watching.iter().sum();
+    let (without, loaded, watching) = (
+        median(samples.without.clone()),
+        median(samples.loaded.clone()),
+        median(samples.watching.clone()),
+    );
+    let ratio = |d: Duration| d.as_secs_f64() / without.as_secs_f64();
+    println!("{title} (median of {})", samples.without.len());
+    println!("  no inspector          {:>8.3} s", without.as_secs_f64());
+    println!(
+        "  loaded, not watching  {:>8.3} s  ratio {:.3}",
+        loaded.as_secs_f64(),
+        ratio(loaded)
+    );
+    println!(
+        "  watching              {:>8.3} s  ratio {:.3}",
+        watching.as_secs_f64(),
+        ratio(watching)
+    );
+    println!(
+        "  records while watching: {} ({:.0}/s), lost {}",
+        samples.records,
+        samples.records as f64 / watching_total.as_secs_f64(),
+        samples.lost
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "benchmark: cargo test --release --test inspector -- --ignored --nocapture"]
+async fn inspector_overhead_benchmark() {
+    const ROUNDS: usize = 5;
+    const FILES: usize = 20_000;
+    let repo = bench_repo();
+    let cgroup = TestCgroup::new("bench");
+    let scratch = Scratch::new("bench");
+    let read_heavy = format!(
+        "find /usr -type f | wc -l > /dev/null; cd {} && git status --porcelain > /dev/null",
+        repo.display()
+    );
+    let write_heavy = format!(
+        "cd {} && i=0; while [ $i -lt {FILES} ]; do : > f$i; i=$((i+1)); done; rm -f f*",
+        scratch.str()
+    );
+    // Warm the page cache and git's index stat data.
+    cgroup.run("/bin/sh", &["-c", &read_heavy]);
+
+    let read = compare(&cgroup, &read_heavy, ROUNDS).await;
+    report(
+        &format!(
+            "find /usr -type f | wc -l; git status in {}",
+            repo.display()
+        ),
+        &read,
+    );
+    let write = compare(&cgroup, &write_heavy, ROUNDS).await;
+    report(
+        &format!("{FILES} file creations then rm -f in a shell loop"),
+        &write,
+    );
+
+    let rss_before = malloc_trimmed_rss_kib();
+    let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
+    let rss_loaded = malloc_trimmed_rss_kib();
+    println!(
+        "memory: BPF maps {} KiB (ring buffer 16 MiB); process RSS +{} KiB once loaded",
+        inspector.map_memory_bytes() / 1024,
+        rss_loaded.saturating_sub(rss_before)
+    );
+
+    // Kernel-side cost, free of the noise of wall-clock runs on a shared machine.
+    inspector
+        .watch(
+            cgroup.id,
+            WatchedContainer {
+                id: "bench".into(),
+                root_pid: None,
+                rootfs: None,
+            },
+        )
+        .unwrap();
+    const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
+    std::fs::write(BPF_STATS, "1").unwrap();
+    for (title, script) in [("read-heavy", &read_heavy), ("write-heavy", &write_heavy)] {
+        let before = inspector.program_stats();
+        cgroup.run("/bin/sh", &["-c", script]);
+        let records = inspector
+            .drain("bench", u64::MAX)
+            .await
+            .unwrap()
+            .effects
+            .len();
+        let total_ns: u64 = inspector
+            .program_stats()
+            .iter()
+            .zip(&before)
+            .map(|(a, b)| a.run_time_ns - b.run_time_ns)
+            .sum();
+        println!(
+            "BPF time, {title} run: {:.1} ms in all programs, {records} records",
+            total_ns as f64 / 1e6
+        );
+        for (after, before) in inspector.program_stats().iter().zip(&before) {
+            let runs = after.run_count - before.run_count;
+            if runs > 0 {
+                let avg = (after.run_time_ns - before.run_time_ns) as f64 / runs as f64;
+                println!("  {:<14} {runs:>9} runs  {avg:>7.0} ns/run", after.name);
+            }
+        }
+    }
+    std::fs::write(BPF_STATS, "0").unwrap();
+    assert_eq!(
+        write.lost, 0,
+        "the default ring buffer keeps up with a shell loop"
+    );
+    assert_eq!(
+        write.records,
+        ROUNDS * (2 * FILES + 5),
+        "every create and unlink recorded"
+    );
+}
+
+#[tokio::test]
+async fn descriptor_outside_the_process_root_is_unresolved() {
+    let cgroup = TestCgroup::new("escape");
+    let scratch = Scratch::new("escape");
+    std::fs::create_dir_all(scratch.path("outside")).unwrap();
+    std::fs::create_dir_all(scratch.path("root")).unwrap();
+    let inspector = watching("escape", &cgroup).await;
+    // A descriptor opened before chroot points above the new root: the path
+    // it names has no meaning inside the root and must not be guessed.
+    let program = format!(
+        "import os\n\
+         d = os.open('{outside}', os.O_RDONLY | os.O_DIRECTORY)\n\
+         os.chroot('{root}')\n\
+         os.close(os.open('f', os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=d))\n",
+        outside = scratch.path("outside").display(),
+        root = scratch.path("root").display()
+    );
+    cgroup.run(PYTHON, &["-I", "-B", "-c", &program]);
+    assert!(scratch.path("outside/f").exists());
+    let effects = drain_all(&inspector, "escape").await;
+    let opens: Vec<&EffectPath> = effects
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EffectKind::Open { path, .. } if path.path.ends_with("f") => Some(path),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(opens.len(), 1, "{effects:#?}");
+    assert!(!opens[0].resolved, "{:?}", opens[0]);
+    let verdict = classify(&effects, &ClassifyOptions::default());
+    assert_eq!(
+        (verdict.class, verdict.escalated),
+        (TurnClass::Fs, true),
+        "{verdict:#?}"
+    );
 }

@@ -6,13 +6,16 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
 use crate::ctr::{Ctr, CtrOutput};
 use crate::env::{Runtime, TestEnv};
 use crate::host::{self, ProcessCgroups};
 use crate::{HarnessError, Outcome, wait_until};
 
 /// Timeout of every cleanup command run from `Drop`.
-const CLEANUP_TIMEOUT: Duration = Duration::from_secs(20);
+const CLEANUP_TIMEOUT: Duration = Duration::from_secs(15);
 
 static NEXT_SUFFIX: AtomicU32 = AtomicU32::new(0);
 
@@ -39,8 +42,11 @@ impl Container {
     /// leftover can be traced back to its test.
     pub fn new(runtime: &Runtime, scenario: &str) -> Container {
         let env = TestEnv::get();
-        let scenario: String =
-            scenario.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).take(40).collect();
+        let scenario: String = scenario
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .take(40)
+            .collect();
         let id = format!(
             "{scenario}-{}-{}-{}",
             runtime.short(),
@@ -49,8 +55,16 @@ impl Container {
         );
         let scratch = env.scratch_root.join(&id);
         let _ = std::fs::remove_dir_all(&scratch);
-        std::fs::create_dir_all(&scratch).unwrap_or_else(|e| panic!("cannot create {}: {e}", scratch.display()));
-        Container { ctr: env.ctr(), id, runtime: runtime.clone(), image: env.image.clone(), scratch, images: Mutex::default() }
+        std::fs::create_dir_all(&scratch)
+            .unwrap_or_else(|e| panic!("cannot create {}: {e}", scratch.display()));
+        Container {
+            ctr: env.ctr(),
+            id,
+            runtime: runtime.clone(),
+            image: env.image.clone(),
+            scratch,
+            images: Mutex::default(),
+        }
     }
 
     pub fn id(&self) -> &str {
@@ -85,7 +99,11 @@ impl Container {
 
     /// `run --runtime R <flags> IMAGE ID <cmd>`.
     pub fn run_args(&self, flags: &[&str], cmd: &[&str]) -> Vec<String> {
-        let mut args = vec!["run".to_string(), "--runtime".to_string(), self.runtime.name().to_string()];
+        let mut args = vec![
+            "run".to_string(),
+            "--runtime".to_string(),
+            self.runtime.name().to_string(),
+        ];
         args.extend(flags.iter().map(|f| f.to_string()));
         args.push(self.image.clone());
         args.push(self.id.clone());
@@ -98,7 +116,22 @@ impl Container {
     pub async fn run_to_exit(&self, cmd: &[&str], stdin: Option<&[u8]>) -> Outcome<CtrOutput> {
         let mut invocation = self.ctr.invoke(self.run_args(&["--rm"], cmd));
         if let Some(bytes) = stdin {
-            invocation = invocation.stdin(bytes.to_vec());
+            let (ctr, id) = (self.ctr.clone(), self.id.clone());
+            invocation = invocation
+                .stdin(bytes.to_vec())
+                .close_stdin_after(async move {
+                    // RUNNING is reported after `ctr` has set up its stdin closer (it starts the task after).
+                    let _ = wait_until(
+                        "the task to be started",
+                        Duration::from_secs(20),
+                        || async {
+                            Ok(task_of(&ctr, &id)
+                                .await?
+                                .filter(|task| task.status != "CREATED"))
+                        },
+                    )
+                    .await;
+                });
         }
         Ok(invocation.output().await?)
     }
@@ -112,44 +145,43 @@ impl Container {
         let log_uri = format!("file://{}", self.log_path().display());
         let mut flags = vec!["-d", "--log-uri", log_uri.as_str()];
         flags.extend_from_slice(extra_flags);
-        self.ctr.invoke(self.run_args(&flags, cmd)).success().await?;
+        self.ctr
+            .invoke(self.run_args(&flags, cmd))
+            .success()
+            .await?;
         self.wait_status("RUNNING", Duration::from_secs(20)).await
     }
 
     /// This container's row of `ctr task ls`, `None` if it has no task.
     pub async fn task(&self) -> Outcome<Option<TaskInfo>> {
-        let listing = self.ctr.invoke(["task", "ls"]).timeout(Duration::from_secs(20)).success().await?;
-        for line in listing.stdout.lines().skip(1) {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            if fields.len() == 3 && fields[0] == self.id {
-                let pid = fields[1].parse().map_err(|_| HarnessError::Parse {
-                    what: "ctr task ls".into(),
-                    detail: format!("pid column of {line:?}"),
-                })?;
-                return Ok(Some(TaskInfo { pid, status: fields[2].to_string() }));
-            }
-        }
-        Ok(None)
+        task_of(&self.ctr, &self.id).await
     }
 
     pub async fn wait_status(&self, status: &str, timeout: Duration) -> Outcome<TaskInfo> {
-        wait_until(&format!("task {} to be {status}", self.id), timeout, || async {
-            Ok(self.task().await?.filter(|task| task.status == status))
-        })
+        wait_until(
+            &format!("task {} to be {status}", self.id),
+            timeout,
+            || async { Ok(self.task().await?.filter(|task| task.status == status)) },
+        )
         .await
     }
 
     pub async fn wait_no_task(&self, timeout: Duration) -> Outcome<()> {
-        wait_until(&format!("task {} to disappear from `ctr task ls`", self.id), timeout, || async {
-            Ok(self.task().await?.is_none().then_some(()))
-        })
+        wait_until(
+            &format!("task {} to disappear from `ctr task ls`", self.id),
+            timeout,
+            || async { Ok(self.task().await?.is_none().then_some(())) },
+        )
         .await
     }
 
     pub async fn init_pid(&self) -> Outcome<u32> {
         match self.task().await? {
             Some(task) if task.pid > 0 => Ok(task.pid),
-            other => Err(HarnessError::Expectation(format!("container {} has no running init: {other:?}", self.id))),
+            other => Err(HarnessError::Expectation(format!(
+                "container {} has no running init: {other:?}",
+                self.id
+            ))),
         }
     }
 
@@ -185,11 +217,18 @@ impl Container {
     }
 
     pub async fn delete_task(&self) -> Outcome<CtrOutput> {
-        Ok(self.ctr.invoke(["task", "delete", self.id.as_str()]).success().await?)
+        Ok(self
+            .ctr
+            .invoke(["task", "delete", self.id.as_str()])
+            .success()
+            .await?)
     }
 
     pub async fn delete_container(&self) -> Outcome<()> {
-        self.ctr.invoke(["container", "delete", self.id.as_str()]).success().await?;
+        self.ctr
+            .invoke(["container", "delete", self.id.as_str()])
+            .success()
+            .await?;
         Ok(())
     }
 
@@ -215,14 +254,21 @@ impl Container {
 
     /// Pids listed by `ctr task ps`.
     pub async fn pids(&self) -> Outcome<Vec<u32>> {
-        let listing = self.ctr.invoke(["task", "ps", self.id.as_str()]).success().await?;
+        let listing = self
+            .ctr
+            .invoke(["task", "ps", self.id.as_str()])
+            .success()
+            .await?;
         listing
             .stdout
             .lines()
             .skip(1)
             .filter_map(|line| line.split_whitespace().next())
             .map(|pid| {
-                pid.parse().map_err(|_| HarnessError::Parse { what: "ctr task ps".into(), detail: format!("pid {pid:?}") })
+                pid.parse().map_err(|_| HarnessError::Parse {
+                    what: "ctr task ps".into(),
+                    detail: format!("pid {pid:?}"),
+                })
             })
             .collect()
     }
@@ -234,24 +280,79 @@ impl Container {
         reference
     }
 
+    /// SIGKILLs the shim daemons serving this container and returns their pids.
+    fn kill_shims(&self) -> Vec<u32> {
+        let shims = host::shim_daemons(self.ctr.namespace(), &self.id);
+        for shim in &shims {
+            let _ = kill(Pid::from_raw(*shim as i32), Signal::SIGKILL);
+        }
+        shims
+    }
+
     /// Removes everything this container may have left, ignoring what is already gone. Runs blocking
-    /// `ctr` calls because `Drop` cannot await; each has a timeout so a wedged shim cannot hang the suite.
+    /// `ctr` calls because `Drop` cannot await; each has a timeout so a wedged shim cannot hang the
+    /// suite, and a shim that does not let its task be deleted is SIGKILLed (containerd then cleans
+    /// up after it) before the container is deleted.
     fn cleanup(&self) {
         let id = self.id.as_str();
-        let steps: [&[&str]; 4] = [
-            &["task", "kill", "--all", "--signal", "SIGKILL", id],
-            &["task", "delete", "--force", id],
-            &["container", "delete", id],
-            &["snapshot", "rm", id],
-        ];
-        for step in steps {
-            let _ = self.ctr.blocking(step.iter().copied(), CLEANUP_TIMEOUT);
+        let ctr = |args: &[&str]| self.ctr.blocking(args.iter().copied(), CLEANUP_TIMEOUT);
+        let _ = ctr(&["task", "kill", "--all", "--signal", "SIGKILL", id]);
+        let deleted = ctr(&["task", "delete", "--force", id]);
+        let task_left = ctr(&["task", "ls", "-q"])
+            .is_ok_and(|list| list.stdout.lines().any(|l| l.trim() == id));
+        if deleted.is_err() || task_left {
+            self.kill_shims();
+            std::thread::sleep(Duration::from_millis(500));
+            let _ = ctr(&["task", "delete", "--force", id]);
         }
-        for image in self.images.lock().unwrap().drain(..) {
-            let _ = self.ctr.blocking(["image", "rm", image.as_str()], CLEANUP_TIMEOUT);
+        let _ = ctr(&["container", "delete", id]);
+        let _ = ctr(&["snapshot", "rm", id]);
+        // A shim must exit once its container is deleted; one that does not would pile up over runs.
+        let lingering = self.kill_shims();
+        if !lingering.is_empty() {
+            eprintln!(
+                "cleanup of {id}: shim(s) {lingering:?} outlived the container and were killed"
+            );
+        }
+        // `ctr task checkpoint` without a usable image path stores an image named after the container.
+        let default_checkpoints = format!("containerd.io/checkpoint/{id}:");
+        let listed = ctr(&["image", "ls", "-q"])
+            .map(|list| list.stdout)
+            .unwrap_or_default();
+        let mut images: Vec<String> = self.images.lock().unwrap().drain(..).collect();
+        images.extend(
+            listed
+                .lines()
+                .filter(|l| l.starts_with(&default_checkpoints))
+                .map(str::to_string),
+        );
+        for image in images {
+            let _ = ctr(&["image", "rm", image.as_str()]);
         }
         let _ = std::fs::remove_dir_all(&self.scratch);
     }
+}
+
+async fn task_of(ctr: &Ctr, id: &str) -> Outcome<Option<TaskInfo>> {
+    let listing = ctr
+        .invoke(["task", "ls"])
+        .timeout(Duration::from_secs(20))
+        .success()
+        .await?;
+    for line in listing.stdout.lines().skip(1) {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.len() == 3 && fields[0] == id {
+            let pid = fields[1].parse().map_err(|_| HarnessError::Parse {
+                what: "ctr task ls".into(),
+                detail: format!("pid column of {line:?}"),
+            })?;
+            return Ok(Some(TaskInfo {
+                pid,
+                status: fields[2].to_string(),
+            }));
+        }
+    }
+    Ok(None)
 }
 
 impl Drop for Container {

@@ -2,6 +2,7 @@
 //! line and what `ctr` printed on stderr.
 
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -19,10 +20,21 @@ pub enum CtrError {
         #[source]
         source: std::io::Error,
     },
-    #[error("`{command}` did not finish within {after:?} (stdout so far: {stdout:?}, stderr so far: {stderr:?})")]
-    Timeout { command: String, after: Duration, stdout: String, stderr: String },
+    #[error(
+        "`{command}` did not finish within {after:?} (stdout so far: {stdout:?}, stderr so far: {stderr:?})"
+    )]
+    Timeout {
+        command: String,
+        after: Duration,
+        stdout: String,
+        stderr: String,
+    },
     #[error("`{command}` exited with {status}: {stderr}")]
-    Failed { command: String, status: ExitStatus, stderr: String },
+    Failed {
+        command: String,
+        status: ExitStatus,
+        stderr: String,
+    },
     #[error("waiting for `{command}`: {source}")]
     Wait {
         command: String,
@@ -56,7 +68,10 @@ pub struct Ctr {
 
 impl Ctr {
     pub fn new(socket: impl Into<PathBuf>, namespace: impl Into<String>) -> Self {
-        Ctr { socket: socket.into(), namespace: namespace.into() }
+        Ctr {
+            socket: socket.into(),
+            namespace: namespace.into(),
+        }
     }
 
     pub fn socket(&self) -> &Path {
@@ -88,7 +103,12 @@ impl Ctr {
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        Invocation { args: self.full_args(args), stdin: None, timeout: DEFAULT_TIMEOUT }
+        Invocation {
+            args: self.full_args(args),
+            stdin: None,
+            stdin_close_gate: None,
+            timeout: DEFAULT_TIMEOUT,
+        }
     }
 
     /// Runs `ctr` synchronously, for contexts that cannot await (guards' `Drop`, one-time checks).
@@ -105,7 +125,10 @@ impl Ctr {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .map_err(|source| CtrError::Spawn { command: command.clone(), source })?;
+            .map_err(|source| CtrError::Spawn {
+                command: command.clone(),
+                source,
+            })?;
         let (stdout, stdout_reader) = drain_blocking(child.stdout.take());
         let (stderr, stderr_reader) = drain_blocking(child.stderr.take());
         let deadline = std::time::Instant::now() + timeout;
@@ -132,21 +155,34 @@ impl Ctr {
         for reader in [stdout_reader, stderr_reader].into_iter().flatten() {
             let _ = reader.join();
         }
-        Ok(CtrOutput { command, status, stdout: take_text(&stdout), stderr: take_text(&stderr) })
+        Ok(CtrOutput {
+            command,
+            status,
+            stdout: take_text(&stdout),
+            stderr: take_text(&stderr),
+        })
     }
 }
 
 /// One `ctr` command line, configured builder-style and then run with `output` or `success`.
-#[derive(Debug, Clone)]
 pub struct Invocation {
     args: Vec<String>,
     stdin: Option<Vec<u8>>,
+    /// Stdin is closed only once this completes (see `close_stdin_after`).
+    stdin_close_gate: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
     timeout: Duration,
 }
 
 impl Invocation {
     pub fn stdin(mut self, bytes: impl Into<Vec<u8>>) -> Self {
         self.stdin = Some(bytes.into());
+        self
+    }
+
+    /// Delays closing stdin until `gate` completes. `ctr run` only learns how to close the task's
+    /// stdin once the task exists; an EOF that arrives earlier is lost and the task never sees it.
+    pub fn close_stdin_after(mut self, gate: impl Future<Output = ()> + Send + 'static) -> Self {
+        self.stdin_close_gate = Some(Box::pin(gate));
         self
     }
 
@@ -164,17 +200,29 @@ impl Invocation {
         let command = self.command_line();
         let mut child = tokio::process::Command::new("ctr")
             .args(&self.args)
-            .stdin(if self.stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+            .stdin(if self.stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
-            .map_err(|source| CtrError::Spawn { command: command.clone(), source })?;
+            .map_err(|source| CtrError::Spawn {
+                command: command.clone(),
+                source,
+            })?;
         if let (Some(bytes), Some(mut writer)) = (self.stdin, child.stdin.take()) {
+            let gate = self.stdin_close_gate;
             // Closing stdin after the bytes is what lets `cat`/`wc` in the container finish.
             tokio::spawn(async move {
                 let _ = writer.write_all(&bytes).await;
+                if let Some(gate) = gate {
+                    gate.await;
+                }
                 let _ = writer.shutdown().await;
+                drop(writer);
             });
         }
         let stdout = drain_async(child.stdout.take());
@@ -196,7 +244,12 @@ impl Invocation {
         for reader in [stdout.1, stderr.1].into_iter().flatten() {
             let _ = tokio::time::timeout(Duration::from_secs(2), reader).await;
         }
-        Ok(CtrOutput { command, status, stdout: take_text(&stdout.0), stderr: take_text(&stderr.0) })
+        Ok(CtrOutput {
+            command,
+            status,
+            stdout: take_text(&stdout.0),
+            stderr: take_text(&stderr.0),
+        })
     }
 
     /// Runs to completion and requires exit status 0.
@@ -205,7 +258,11 @@ impl Invocation {
         if output.status.success() {
             Ok(output)
         } else {
-            Err(CtrError::Failed { command: output.command, status: output.status, stderr: output.stderr })
+            Err(CtrError::Failed {
+                command: output.command,
+                status: output.status,
+                stderr: output.stderr,
+            })
         }
     }
 
@@ -274,7 +331,11 @@ pub fn describe(args: &[String]) -> String {
     let mut line = String::from("ctr");
     for arg in args {
         line.push(' ');
-        if !arg.is_empty() && arg.chars().all(|c| c.is_ascii_alphanumeric() || "-_./:=,@+".contains(c)) {
+        if !arg.is_empty()
+            && arg
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_./:=,@+".contains(c))
+        {
             line.push_str(arg);
         } else {
             line.push('\'');

@@ -10,8 +10,10 @@
 //! - `CRAB_CTRD_CONTROL`: script taking `start`/`stop` for the disruptive tests
 //!   (default `scripts/containerd` of this repository)
 
+pub mod api;
 pub mod container;
 pub mod ctr;
+pub mod daemon;
 pub mod env;
 pub mod events;
 pub mod host;
@@ -24,7 +26,7 @@ pub use container::{Container, TaskInfo};
 pub use ctr::{Ctr, CtrError, CtrOutput};
 pub use env::{Runtime, TestEnv};
 pub use events::{Event, EventStream};
-pub use matrix::across_runtimes;
+pub use matrix::{across_runtimes, require_same};
 pub use pty::PtySession;
 
 /// Everything that can make a scenario fail.
@@ -50,7 +52,10 @@ pub type Outcome<T> = Result<T, HarnessError>;
 
 impl HarnessError {
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        HarnessError::Io { context: context.into(), source }
+        HarnessError::Io {
+            context: context.into(),
+            source,
+        }
     }
 }
 
@@ -101,7 +106,10 @@ where
                 Some(error) => format!("{what} (last error: {error})"),
                 None => what.to_string(),
             };
-            return Err(HarnessError::Timeout { what, after: timeout });
+            return Err(HarnessError::Timeout {
+                what,
+                after: timeout,
+            });
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -27,12 +27,20 @@ where
         async move {
             let outcome = match tokio::time::timeout(SCENARIO_TIMEOUT, run).await {
                 Ok(outcome) => outcome,
-                Err(_) => Err(HarnessError::Timeout { what: format!("scenario {name}"), after: SCENARIO_TIMEOUT }),
+                Err(_) => Err(HarnessError::Timeout {
+                    what: format!("scenario {name}"),
+                    after: SCENARIO_TIMEOUT,
+                }),
             };
             (runtime, outcome)
         }
     });
-    let results = join_all(runs).await;
+    require_same(name, join_all(runs).await);
+}
+
+/// Fails unless every runtime's run succeeded and all observations are equal. Panics with every
+/// runtime's failure at once.
+pub fn require_same<T: Debug + PartialEq>(name: &str, results: Vec<(&Runtime, Outcome<T>)>) {
     let mut failures = Vec::new();
     let mut observations = Vec::new();
     for (runtime, outcome) in results {
@@ -42,7 +50,11 @@ where
         }
     }
     if !failures.is_empty() {
-        panic!("scenario {name} failed under {} runtime(s):\n{}", failures.len(), failures.join("\n"));
+        panic!(
+            "scenario {name} failed under {} runtime(s):\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
     }
     if let Some(((reference_runtime, reference), rest)) = observations.split_first() {
         for (runtime, observation) in rest {

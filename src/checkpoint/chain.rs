@@ -23,7 +23,8 @@ use super::error::{CheckpointError, IoContext, Result};
 use super::fsdelta::{self, Applier, ApplyStats, ChangedPath, Root};
 use super::images;
 use super::manifest::{
-    FsEntry, FsNode, ImageSet, MANIFEST_VERSION, Manifest, ParentRef, Snapshot, TurnClass, direct_blobs, seal, unseal,
+    FsEntry, FsNode, ImageSet, MANIFEST_VERSION, Manifest, ParentRef, Snapshot, TurnClass,
+    direct_blobs, seal, unseal,
 };
 use super::path::RelPath;
 use super::store::{BlobStore, Digest, Durability, Traffic, publish_file};
@@ -116,7 +117,10 @@ impl Chain {
         self.links
             .iter()
             .position(|(_, m)| m.turn == turn)
-            .ok_or_else(|| CheckpointError::NoSuchTurn { container: container.to_owned(), turn })
+            .ok_or_else(|| CheckpointError::NoSuchTurn {
+                container: container.to_owned(),
+                turn,
+            })
     }
 
     /// The state of every path ever recorded, as of link `index`: snapshot (if any) plus the
@@ -145,7 +149,9 @@ impl Chain {
                 return Some((manifest.turn, set));
             }
         }
-        self.snapshot.as_ref().and_then(|s| s.images.as_ref().map(|(turn, set)| (*turn, set)))
+        self.snapshot
+            .as_ref()
+            .and_then(|s| s.images.as_ref().map(|(turn, set)| (*turn, set)))
     }
 }
 
@@ -182,7 +188,10 @@ fn past_state<'f>(fold: &'f BTreeMap<RelPath, FsEntry>, rel: &RelPath) -> PastSt
         };
     }
     for ancestor in rel.ancestors() {
-        if fold.get(&ancestor).is_some_and(|e| e.node.replaces_subtree()) {
+        if fold
+            .get(&ancestor)
+            .is_some_and(|e| e.node.replaces_subtree())
+        {
             return PastState::Absent;
         }
     }
@@ -202,12 +211,21 @@ pub(crate) fn valid_container_id(id: &str) -> Result<()> {
     let ok = !id.is_empty()
         && id.len() <= 128
         && !id.starts_with('.')
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
-    if ok { Ok(()) } else { Err(CheckpointError::InvalidContainerId(id.to_owned())) }
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(CheckpointError::InvalidContainerId(id.to_owned()))
+    }
 }
 
 fn now_unix_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 impl CheckpointStore {
@@ -225,7 +243,14 @@ impl CheckpointStore {
                 sys::fsync_dir(&state_dir).io_ctx("fsync", &state_dir)?;
             }
         }
-        Ok(CheckpointStore { state_dir, blobs, manifests, snapshots, containers, cache: Mutex::new(HashMap::new()) })
+        Ok(CheckpointStore {
+            state_dir,
+            blobs,
+            manifests,
+            snapshots,
+            containers,
+            cache: Mutex::new(HashMap::new()),
+        })
     }
 
     pub fn state_dir(&self) -> &Path {
@@ -243,14 +268,21 @@ impl CheckpointStore {
         F: FnOnce(&CheckpointStore) -> Result<T> + Send + 'static,
     {
         let store = Arc::clone(self);
-        tokio::task::spawn_blocking(move || work(&store)).await.map_err(|e| CheckpointError::Join(e.to_string()))?
+        tokio::task::spawn_blocking(move || work(&store))
+            .await
+            .map_err(|e| CheckpointError::Join(e.to_string()))?
     }
 
     /// Writers share the lock; GC takes it exclusively so it never deletes a blob that a
     /// commit has deduplicated against but not yet referenced from a published manifest.
     pub(crate) fn lock(&self, exclusive: bool) -> Result<File> {
         let path = self.state_dir.join("lock");
-        let file = OpenOptions::new().create(true).truncate(false).write(true).open(&path).io_ctx("open", &path)?;
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .io_ctx("open", &path)?;
         sys::flock(&file, exclusive).io_ctx("flock", &path)?;
         Ok(file)
     }
@@ -276,7 +308,10 @@ impl CheckpointStore {
     }
 
     pub(crate) fn forget_cached(&self, id: &Digest) {
-        self.cache.lock().expect("manifest cache poisoned").remove(id);
+        self.cache
+            .lock()
+            .expect("manifest cache poisoned")
+            .remove(id);
     }
 
     /// Loads and verifies a manifest by id; `None` when it is not stored.
@@ -292,7 +327,10 @@ impl CheckpointStore {
         };
         let (_, manifest): (_, Manifest) = unseal(&bytes, &path, Some(id))?;
         let manifest = Arc::new(manifest);
-        self.cache.lock().expect("manifest cache poisoned").insert(*id, Arc::clone(&manifest));
+        self.cache
+            .lock()
+            .expect("manifest cache poisoned")
+            .insert(*id, Arc::clone(&manifest));
         Ok(Some(manifest))
     }
 
@@ -307,7 +345,10 @@ impl CheckpointStore {
         if snapshot.at != *id {
             return Err(CheckpointError::CorruptManifest {
                 path,
-                reason: format!("snapshot is of manifest {}, file is named for {id}", snapshot.at),
+                reason: format!(
+                    "snapshot is of manifest {}, file is named for {id}",
+                    snapshot.at
+                ),
             });
         }
         Ok(Some(snapshot))
@@ -317,9 +358,12 @@ impl CheckpointStore {
         valid_container_id(container)?;
         let path = self.head_path(container);
         match fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map(Some)
-                .map_err(|e| CheckpointError::CorruptManifest { path, reason: format!("bad HEAD: {e}") }),
+            Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| {
+                CheckpointError::CorruptManifest {
+                    path,
+                    reason: format!("bad HEAD: {e}"),
+                }
+            }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e).io_ctx("read", path),
         }
@@ -331,8 +375,16 @@ impl CheckpointStore {
             fs::create_dir_all(&dir).io_ctx("create", &dir)?;
             sys::fsync_dir(&self.containers).io_ctx("fsync", &self.containers)?;
         }
-        let bytes = serde_json::to_vec(head).map_err(|source| CheckpointError::Json { what: "HEAD", source })?;
-        publish_file(&self.blobs.tmp_path("head"), &self.head_path(container), &bytes, durability)
+        let bytes = serde_json::to_vec(head).map_err(|source| CheckpointError::Json {
+            what: "HEAD",
+            source,
+        })?;
+        publish_file(
+            &self.blobs.tmp_path("head"),
+            &self.head_path(container),
+            &bytes,
+            durability,
+        )
     }
 
     /// Containers that have a head, sorted.
@@ -340,10 +392,11 @@ impl CheckpointStore {
         let mut out = Vec::new();
         for dirent in fs::read_dir(&self.containers).io_ctx("read dir", &self.containers)? {
             let dirent = dirent.io_ctx("read dir", &self.containers)?;
-            if let Ok(name) = dirent.file_name().into_string() {
-                if valid_container_id(&name).is_ok() && dirent.path().join("HEAD").is_file() {
-                    out.push(name);
-                }
+            if let Ok(name) = dirent.file_name().into_string()
+                && valid_container_id(&name).is_ok()
+                && dirent.path().join("HEAD").is_file()
+            {
+                out.push(name);
             }
         }
         out.sort();
@@ -352,7 +405,10 @@ impl CheckpointStore {
 
     /// Walks a chain from `from` to its root, verifying every manifest and every parent link.
     pub(crate) fn walk(&self, container: &str, from: Digest) -> Result<Chain> {
-        let broken = |missing: String| CheckpointError::BrokenChain { container: container.to_owned(), missing };
+        let broken = |missing: String| CheckpointError::BrokenChain {
+            container: container.to_owned(),
+            missing,
+        };
         let mut links: Vec<(Digest, Arc<Manifest>)> = Vec::new();
         let mut next = Some(from);
         while let Some(id) = next {
@@ -361,7 +417,10 @@ impl CheckpointStore {
                     return Err(broken(format!("head manifest {id} is missing")));
                 };
                 if let Some(snapshot) = self.load_snapshot(child_id)? {
-                    return Ok(Chain { links, snapshot: Some(Arc::new(snapshot)) });
+                    return Ok(Chain {
+                        links,
+                        snapshot: Some(Arc::new(snapshot)),
+                    });
                 }
                 return Err(broken(format!(
                     "manifest {id} (turn {}), parent of turn {}, is missing and no snapshot covers it",
@@ -369,24 +428,30 @@ impl CheckpointStore {
                     child.turn
                 )));
             };
-            if let Some((_, child)) = links.last() {
-                if manifest.turn >= child.turn || child.parent.map(|p| p.turn) != Some(manifest.turn) {
-                    return Err(broken(format!(
-                        "manifest {id} has turn {}, its child turn {} expects its parent at turn {:?}",
-                        manifest.turn,
-                        child.turn,
-                        child.parent.map(|p| p.turn)
-                    )));
-                }
+            if let Some((_, child)) = links.last()
+                && (manifest.turn >= child.turn
+                    || child.parent.map(|p| p.turn) != Some(manifest.turn))
+            {
+                return Err(broken(format!(
+                    "manifest {id} has turn {}, its child turn {} expects its parent at turn {:?}",
+                    manifest.turn,
+                    child.turn,
+                    child.parent.map(|p| p.turn)
+                )));
             }
             next = manifest.parent.map(|p| p.manifest);
             links.push((id, manifest));
         }
-        Ok(Chain { links, snapshot: None })
+        Ok(Chain {
+            links,
+            snapshot: None,
+        })
     }
 
     pub(crate) fn chain(&self, container: &str) -> Result<(Head, Chain)> {
-        let head = self.head(container)?.ok_or_else(|| CheckpointError::NoSuchContainer(container.to_owned()))?;
+        let head = self
+            .head(container)?
+            .ok_or_else(|| CheckpointError::NoSuchContainer(container.to_owned()))?;
         let chain = self.walk(container, head.manifest)?;
         Ok((head, chain))
     }
@@ -422,9 +487,16 @@ impl CheckpointStore {
         let fs_delta = match (input.rootfs, input.changed.is_empty()) {
             (_, true) => Vec::new(),
             (Some(rootfs), false) => fsdelta::capture(rootfs, input.changed, &mut batch)?,
-            (None, false) => return Err(CheckpointError::InvalidRequest("changed paths given without a rootfs".into())),
+            (None, false) => {
+                return Err(CheckpointError::InvalidRequest(
+                    "changed paths given without a rootfs".into(),
+                ));
+            }
         };
-        let images = input.criu_images.map(|dir| images::store_images(dir, &mut batch)).transpose()?;
+        let images = input
+            .criu_images
+            .map(|dir| images::store_images(dir, &mut batch))
+            .transpose()?;
         let traffic = batch.commit()?;
 
         let manifest = Manifest {
@@ -432,18 +504,35 @@ impl CheckpointStore {
             container: input.container.to_owned(),
             turn: input.turn,
             class,
-            parent: parent.map(|h| ParentRef { manifest: h.manifest, turn: h.turn }),
+            parent: parent.map(|h| ParentRef {
+                manifest: h.manifest,
+                turn: h.turn,
+            }),
             created_unix_ms: now_unix_ms(),
             fs_delta,
             images,
         };
         let (id, bytes) = seal(&manifest, "manifest")?;
-        publish_file(&self.blobs.tmp_path("manifest"), &self.manifest_path(&id), &bytes, Durability::Flushed)?;
+        publish_file(
+            &self.blobs.tmp_path("manifest"),
+            &self.manifest_path(&id),
+            &bytes,
+            Durability::Flushed,
+        )?;
         #[cfg(test)]
         if tests_hooks::crash_before_head() {
-            return Err(CheckpointError::InvalidRequest("simulated crash before HEAD".into()));
+            return Err(CheckpointError::InvalidRequest(
+                "simulated crash before HEAD".into(),
+            ));
         }
-        self.set_head(input.container, &Head { manifest: id, turn: input.turn }, Durability::Flushed)?;
+        self.set_head(
+            input.container,
+            &Head {
+                manifest: id,
+                turn: input.turn,
+            },
+            Durability::Flushed,
+        )?;
         let report = CommitReport {
             id,
             turn: input.turn,
@@ -452,7 +541,10 @@ impl CheckpointStore {
             traffic,
             manifest_bytes: bytes.len() as u64,
         };
-        self.cache.lock().expect("manifest cache poisoned").insert(id, Arc::new(manifest));
+        self.cache
+            .lock()
+            .expect("manifest cache poisoned")
+            .insert(id, Arc::new(manifest));
         info!(container = input.container, turn = input.turn, ?class, id = %id,
               new_bytes = traffic.written_bytes, logical_bytes = traffic.logical_bytes, "checkpoint committed");
         Ok(report)
@@ -510,7 +602,8 @@ impl CheckpointStore {
         let mut changed: BTreeMap<RelPath, Change> = BTreeMap::new();
         for (_, manifest) in &chain.links[..target] {
             for entry in &manifest.fs_delta {
-                changed.entry(entry.path.clone()).or_default().replaced |= entry.node.replaces_subtree();
+                changed.entry(entry.path.clone()).or_default().replaced |=
+                    entry.node.replaces_subtree();
             }
         }
         for extra in req.uncommitted {
@@ -536,10 +629,25 @@ impl CheckpointStore {
 
         // The live root was just rewritten without flushing (it dies with the host anyway), so
         // flushing the head would buy no consistency; the next commit flushes it with its own.
-        let new_head = Head { manifest: chain.links[target].0, turn: req.to_turn };
+        let new_head = Head {
+            manifest: chain.links[target].0,
+            turn: req.to_turn,
+        };
         self.set_head(req.container, &new_head, Durability::AtomicOnly)?;
-        debug!(container = req.container, from = head.turn, to = req.to_turn, paths = changed.len(), "rolled back in place");
-        Ok(RollbackReport { from_turn: head.turn, to_turn: req.to_turn, changed_paths: changed.len(), stats, head: new_head })
+        debug!(
+            container = req.container,
+            from = head.turn,
+            to = req.to_turn,
+            paths = changed.len(),
+            "rolled back in place"
+        );
+        Ok(RollbackReport {
+            from_turn: head.turn,
+            to_turn: req.to_turn,
+            changed_paths: changed.len(),
+            stats,
+            head: new_head,
+        })
     }
 
     /// Recreates the CRIU image directory in effect at `turn` (the newest proc turn at or below
@@ -560,11 +668,16 @@ impl CheckpointStore {
         valid_container_id(new)?;
         let _lock = self.lock(false)?;
         if self.head(new)?.is_some() {
-            return Err(CheckpointError::InvalidRequest(format!("container {new:?} already has checkpoints")));
+            return Err(CheckpointError::InvalidRequest(format!(
+                "container {new:?} already has checkpoints"
+            )));
         }
         let (_, chain) = self.chain(source)?;
         let index = chain.index_of(source, turn)?;
-        let head = Head { manifest: chain.links[index].0, turn };
+        let head = Head {
+            manifest: chain.links[index].0,
+            turn,
+        };
         self.set_head(new, &head, Durability::Flushed)?;
         Ok(head)
     }
@@ -622,7 +735,10 @@ enum Step<'f> {
     FromBase(RelPath),
     /// Rebuild a whole directory: from its recorded entry or the base, then every recorded
     /// entry below it.
-    Rebuild { path: RelPath, recorded: Option<&'f FsEntry> },
+    Rebuild {
+        path: RelPath,
+        recorded: Option<&'f FsEntry>,
+    },
 }
 
 impl<'f> Step<'f> {
@@ -631,21 +747,35 @@ impl<'f> Step<'f> {
             Step::Apply(entry) => entry.node.blob().into_iter().collect(),
             Step::Rebuild { path, .. } => {
                 let (lo, hi) = path.descendant_bounds();
-                past.range(lo..hi).filter_map(|(_, e)| e.node.blob()).collect()
+                past.range(lo..hi)
+                    .filter_map(|(_, e)| e.node.blob())
+                    .collect()
             }
             Step::Remove(_) | Step::FromBase(_) => Vec::new(),
         }
     }
 
-    fn run(&self, applier: &mut Applier<'_>, past: &BTreeMap<RelPath, FsEntry>, base: Option<&Root>) -> Result<()> {
+    fn run(
+        &self,
+        applier: &mut Applier<'_>,
+        past: &BTreeMap<RelPath, FsEntry>,
+        base: Option<&Root>,
+    ) -> Result<()> {
         match self {
             Step::Remove(path) => applier.remove_path(path),
             Step::Apply(entry) => applier.apply(entry, false),
-            Step::FromBase(path) => applier.copy_from_base(base.expect("planned with a base"), path, false),
+            Step::FromBase(path) => {
+                applier.copy_from_base(base.expect("planned with a base"), path, false)
+            }
             Step::Rebuild { path, recorded } => {
                 applier.remove_path(path)?;
                 match recorded {
-                    Some(entry @ FsEntry { node: FsNode::Dir { complete: true, .. }, .. }) => applier.apply(entry, true)?,
+                    Some(
+                        entry @ FsEntry {
+                            node: FsNode::Dir { complete: true, .. },
+                            ..
+                        },
+                    ) => applier.apply(entry, true)?,
                     _ => {
                         applier.copy_from_base(base.expect("planned with a base"), path, true)?;
                         if let Some(entry) = recorded {
@@ -671,7 +801,14 @@ fn plan_rollback<'f>(
     to_turn: u64,
 ) -> Result<Vec<Step<'f>>> {
     let need_base = |path: &RelPath| {
-        if have_base { Ok(()) } else { Err(CheckpointError::NoBaseState { path: path.to_string(), turn: to_turn }) }
+        if have_base {
+            Ok(())
+        } else {
+            Err(CheckpointError::NoBaseState {
+                path: path.to_string(),
+                turn: to_turn,
+            })
+        }
     };
     let mut plan = Vec::new();
     let mut covered: HashSet<RelPath> = HashSet::new();
@@ -683,17 +820,25 @@ fn plan_rollback<'f>(
         let step = match past_state(past, path) {
             PastState::Absent => Step::Remove(path.clone()),
             PastState::Base if change.absent_at_target => Step::Remove(path.clone()),
-            PastState::Recorded(entry) if entry.node.is_dir() && (replaced || !root.is_dir(path)?) => {
+            PastState::Recorded(entry)
+                if entry.node.is_dir() && (replaced || !root.is_dir(path)?) =>
+            {
                 if !matches!(entry.node, FsNode::Dir { complete: true, .. }) {
                     need_base(path)?;
                 }
-                Step::Rebuild { path: path.clone(), recorded: Some(entry) }
+                Step::Rebuild {
+                    path: path.clone(),
+                    recorded: Some(entry),
+                }
             }
             PastState::Recorded(entry) => Step::Apply(entry),
             PastState::Base => {
                 need_base(path)?;
                 if replaced || !root.is_dir(path)? {
-                    Step::Rebuild { path: path.clone(), recorded: None }
+                    Step::Rebuild {
+                        path: path.clone(),
+                        recorded: None,
+                    }
                 } else {
                     Step::FromBase(path.clone())
                 }
@@ -743,7 +888,13 @@ mod tests {
         let store = CheckpointStore::open(tmp.path().join("state")).unwrap();
         write(&rootfs, "f", b"one");
         let changed = [ChangedPath::created("/f")];
-        let input = |turn| TurnInput { container: "c", turn, rootfs: Some(&rootfs), changed: &changed, criu_images: None };
+        let input = |turn| TurnInput {
+            container: "c",
+            turn,
+            rootfs: Some(&rootfs),
+            changed: &changed,
+            criu_images: None,
+        };
         let first = store.commit_turn(&input(1)).unwrap();
 
         write(&rootfs, "f", b"two");
@@ -753,32 +904,114 @@ mod tests {
         assert!(crashed.is_err());
 
         let reopened = CheckpointStore::open(tmp.path().join("state")).unwrap();
-        assert_eq!(reopened.head("c").unwrap(), Some(Head { manifest: first.id, turn: 1 }));
+        assert_eq!(
+            reopened.head("c").unwrap(),
+            Some(Head {
+                manifest: first.id,
+                turn: 1
+            })
+        );
         assert_eq!(reopened.history("c").unwrap().len(), 1);
-        assert!(matches!(reopened.manifest_at("c", 2), Err(CheckpointError::NoSuchTurn { turn: 2, .. })));
+        assert!(matches!(
+            reopened.manifest_at("c", 2),
+            Err(CheckpointError::NoSuchTurn { turn: 2, .. })
+        ));
 
         let retried = reopened.commit_turn(&input(2)).unwrap();
         let (_, manifest) = reopened.manifest_at("c", 2).unwrap();
-        assert_eq!(manifest.parent, Some(ParentRef { manifest: first.id, turn: 1 }));
-        assert_eq!(retried.traffic.written_bytes, 0, "the crashed commit's blob is reused");
-        let gc = reopened.gc(&crate::checkpoint::RetentionPolicy { keep_last: 10 }).unwrap();
-        assert_eq!(gc.manifests_removed, 1, "the orphan manifest of the crashed commit is collected");
+        assert_eq!(
+            manifest.parent,
+            Some(ParentRef {
+                manifest: first.id,
+                turn: 1
+            })
+        );
+        assert_eq!(
+            retried.traffic.written_bytes, 0,
+            "the crashed commit's blob is reused"
+        );
+        let gc = reopened
+            .gc(&crate::checkpoint::RetentionPolicy { keep_last: 10 })
+            .unwrap();
+        assert_eq!(
+            gc.manifests_removed, 1,
+            "the orphan manifest of the crashed commit is collected"
+        );
     }
 
     #[test]
     fn fold_marks_recreated_directories_complete_and_drops_their_old_children() {
-        let meta = super::super::manifest::Meta { mode: 0o755, uid: 0, gid: 0, mtime_sec: 0, mtime_nsec: 0, xattrs: Default::default() };
+        let meta = super::super::manifest::Meta {
+            mode: 0o755,
+            uid: 0,
+            gid: 0,
+            mtime_sec: 0,
+            mtime_nsec: 0,
+            xattrs: Default::default(),
+        };
         let p = |s: &str| RelPath::parse(s).unwrap();
         let mut state = BTreeMap::new();
-        let file = FsNode::File { meta: meta.clone(), blob: Digest::of(b"x"), size: 1 };
-        fold_entry(&mut state, &FsEntry { path: p("/d"), node: FsNode::Dir { meta: meta.clone(), complete: true } });
-        fold_entry(&mut state, &FsEntry { path: p("/d/old"), node: file.clone() });
-        fold_entry(&mut state, &FsEntry { path: p("/d"), node: FsNode::Whiteout });
+        let file = FsNode::File {
+            meta: meta.clone(),
+            blob: Digest::of(b"x"),
+            size: 1,
+        };
+        fold_entry(
+            &mut state,
+            &FsEntry {
+                path: p("/d"),
+                node: FsNode::Dir {
+                    meta: meta.clone(),
+                    complete: true,
+                },
+            },
+        );
+        fold_entry(
+            &mut state,
+            &FsEntry {
+                path: p("/d/old"),
+                node: file.clone(),
+            },
+        );
+        fold_entry(
+            &mut state,
+            &FsEntry {
+                path: p("/d"),
+                node: FsNode::Whiteout,
+            },
+        );
         assert_eq!(state.len(), 1);
-        fold_entry(&mut state, &FsEntry { path: p("/d"), node: FsNode::Dir { meta: meta.clone(), complete: false } });
-        assert!(matches!(state[&p("/d")].node, FsNode::Dir { complete: true, .. }));
-        fold_entry(&mut state, &FsEntry { path: p("/d.x"), node: file });
-        fold_entry(&mut state, &FsEntry { path: p("/d"), node: FsNode::Whiteout });
-        assert!(state.contains_key(&p("/d.x")), "a sibling sharing the prefix survives");
+        fold_entry(
+            &mut state,
+            &FsEntry {
+                path: p("/d"),
+                node: FsNode::Dir {
+                    meta: meta.clone(),
+                    complete: false,
+                },
+            },
+        );
+        assert!(matches!(
+            state[&p("/d")].node,
+            FsNode::Dir { complete: true, .. }
+        ));
+        fold_entry(
+            &mut state,
+            &FsEntry {
+                path: p("/d.x"),
+                node: file,
+            },
+        );
+        fold_entry(
+            &mut state,
+            &FsEntry {
+                path: p("/d"),
+                node: FsNode::Whiteout,
+            },
+        );
+        assert!(
+            state.contains_key(&p("/d.x")),
+            "a sibling sharing the prefix survives"
+        );
     }
 }

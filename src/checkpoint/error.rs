@@ -46,7 +46,9 @@ pub enum CheckpointError {
     #[error("container {0:?} has no checkpoints")]
     NoSuchContainer(String),
 
-    #[error("invalid container id {0:?}: use 1-128 characters of [A-Za-z0-9_.-], not starting with '.'")]
+    #[error(
+        "invalid container id {0:?}: use 1-128 characters of [A-Za-z0-9_.-], not starting with '.'"
+    )]
     InvalidContainerId(String),
 
     #[error("turn {turn} of container {container:?} must be greater than its head turn {head}")]
@@ -62,7 +64,9 @@ pub enum CheckpointError {
     #[error("path {path:?} cannot be resolved inside the root: {reason}")]
     OutsideRoot { path: String, reason: String },
 
-    #[error("no base state for {path:?}: it was never checkpointed before turn {turn} and no base rootfs was given")]
+    #[error(
+        "no base state for {path:?}: it was never checkpointed before turn {turn} and no base rootfs was given"
+    )]
     NoBaseState { path: String, turn: u64 },
 
     #[error("CRIU image directory {path}: {reason}")]

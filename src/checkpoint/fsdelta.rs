@@ -31,11 +31,17 @@ pub struct ChangedPath {
 
 impl ChangedPath {
     pub fn modified(path: impl AsRef<[u8]>) -> Self {
-        ChangedPath { path: path.as_ref().to_vec(), created: false }
+        ChangedPath {
+            path: path.as_ref().to_vec(),
+            created: false,
+        }
     }
 
     pub fn created(path: impl AsRef<[u8]>) -> Self {
-        ChangedPath { path: path.as_ref().to_vec(), created: true }
+        ChangedPath {
+            path: path.as_ref().to_vec(),
+            created: true,
+        }
     }
 }
 
@@ -55,11 +61,15 @@ struct Slot {
 impl Root {
     pub(crate) fn open(path: &Path) -> Result<Root> {
         let fd = sys::open_dir_path(path).io_ctx("open root", path)?;
-        Ok(Root { fd, path: path.to_owned() })
+        Ok(Root {
+            fd,
+            path: path.to_owned(),
+        })
     }
 
     fn host_path(&self, rel: &RelPath) -> PathBuf {
-        self.path.join(String::from_utf8_lossy(rel.as_bytes()).as_ref())
+        self.path
+            .join(String::from_utf8_lossy(rel.as_bytes()).as_ref())
     }
 
     /// Resolves the parent of `rel` beneath the root. `None` when a parent component does not
@@ -69,14 +79,21 @@ impl Root {
             Some((parent, name)) => (parent, name),
             None => (&[][..], &b"."[..]),
         };
-        let parent_c = cstr(if parent.is_empty() { b"." } else { parent }).io_ctx("resolve", self.host_path(rel))?;
+        let parent_c = cstr(if parent.is_empty() { b"." } else { parent })
+            .io_ctx("resolve", self.host_path(rel))?;
         match sys::openat_beneath(self.fd.as_fd(), &parent_c, libc::O_PATH | libc::O_DIRECTORY) {
-            Ok(parent) => Ok(Some(Slot { parent, name: cstr(name).io_ctx("resolve", self.host_path(rel))? })),
+            Ok(parent) => Ok(Some(Slot {
+                parent,
+                name: cstr(name).io_ctx("resolve", self.host_path(rel))?,
+            })),
             Err(e) => match e.raw_os_error() {
                 Some(libc::ENOENT) | Some(libc::ENOTDIR) => Ok(None),
                 Some(libc::ELOOP) => Err(CheckpointError::OutsideRoot {
                     path: rel.to_string(),
-                    reason: format!("a parent component is a symlink (under {})", self.path.display()),
+                    reason: format!(
+                        "a parent component is a symlink (under {})",
+                        self.path.display()
+                    ),
                 }),
                 Some(libc::EXDEV) => Err(CheckpointError::OutsideRoot {
                     path: rel.to_string(),
@@ -88,8 +105,11 @@ impl Root {
     }
 
     pub(crate) fn is_dir(&self, rel: &RelPath) -> Result<bool> {
-        let Some(slot) = self.slot(rel)? else { return Ok(false) };
-        let st = sys::fstatat_opt(slot.parent.as_fd(), &slot.name).io_ctx("stat", self.host_path(rel))?;
+        let Some(slot) = self.slot(rel)? else {
+            return Ok(false);
+        };
+        let st = sys::fstatat_opt(slot.parent.as_fd(), &slot.name)
+            .io_ctx("stat", self.host_path(rel))?;
         Ok(st.is_some_and(|st| file_type(&st) == libc::S_IFDIR))
     }
 
@@ -120,7 +140,8 @@ fn read_xattrs(fd: BorrowedFd<'_>, path: &Path) -> Result<BTreeMap<String, Bytes
             warn!(path = %path.display(), name = %String::from_utf8_lossy(&name), "skipping xattr with a non-UTF-8 name");
             continue;
         };
-        let value = sys::get_xattr(fd, &cstr(&name).io_ctx("getxattr", path)?).io_ctx("getxattr", path)?;
+        let value =
+            sys::get_xattr(fd, &cstr(&name).io_ctx("getxattr", path)?).io_ctx("getxattr", path)?;
         out.insert(text, Bytes(value));
     }
     Ok(out)
@@ -128,13 +149,22 @@ fn read_xattrs(fd: BorrowedFd<'_>, path: &Path) -> Result<BTreeMap<String, Bytes
 
 /// Records the current state of `changes` under `root`, storing file contents in `batch`.
 /// Returns entries sorted by path, parents before children.
-pub(crate) fn capture(root: &Path, changes: &[ChangedPath], batch: &mut WriteBatch<'_>) -> Result<Vec<FsEntry>> {
+pub(crate) fn capture(
+    root: &Path,
+    changes: &[ChangedPath],
+    batch: &mut WriteBatch<'_>,
+) -> Result<Vec<FsEntry>> {
     let root = Root::open(root)?;
     let mut wanted: BTreeMap<RelPath, bool> = BTreeMap::new();
     for change in changes {
         *wanted.entry(RelPath::parse(&change.path)?).or_default() |= change.created;
     }
-    let mut capturer = Capturer { root: &root, batch, links: HashMap::new(), out: Vec::new() };
+    let mut capturer = Capturer {
+        root: &root,
+        batch,
+        links: HashMap::new(),
+        out: Vec::new(),
+    };
     // Paths below a whiteout or a recursively captured directory are already described.
     let mut covering: HashSet<RelPath> = HashSet::new();
     for (rel, created) in wanted {
@@ -144,8 +174,13 @@ pub(crate) fn capture(root: &Path, changes: &[ChangedPath], batch: &mut WriteBat
         let recursive = created && !rel.is_root();
         let before = capturer.out.len();
         match root.slot(&rel)? {
-            Some(slot) => capturer.capture_at(slot.parent.as_fd(), &slot.name, rel.clone(), recursive)?,
-            None => capturer.out.push(FsEntry { path: rel.clone(), node: FsNode::Whiteout }),
+            Some(slot) => {
+                capturer.capture_at(slot.parent.as_fd(), &slot.name, rel.clone(), recursive)?
+            }
+            None => capturer.out.push(FsEntry {
+                path: rel.clone(),
+                node: FsNode::Whiteout,
+            }),
         }
         if capturer.out[before].node.replaces_subtree() {
             covering.insert(rel);
@@ -165,10 +200,19 @@ struct Capturer<'r, 'b, 'a> {
 }
 
 impl Capturer<'_, '_, '_> {
-    fn capture_at(&mut self, dir: BorrowedFd<'_>, name: &CStr, rel: RelPath, recursive: bool) -> Result<()> {
+    fn capture_at(
+        &mut self,
+        dir: BorrowedFd<'_>,
+        name: &CStr,
+        rel: RelPath,
+        recursive: bool,
+    ) -> Result<()> {
         let host = self.root.host_path(&rel);
         let Some(st) = sys::fstatat_opt(dir, name).io_ctx("stat", &host)? else {
-            self.out.push(FsEntry { path: rel, node: FsNode::Whiteout });
+            self.out.push(FsEntry {
+                path: rel,
+                node: FsNode::Whiteout,
+            });
             return Ok(());
         };
         let node = match file_type(&st) {
@@ -176,7 +220,9 @@ impl Capturer<'_, '_, '_> {
                 let fd = match sys::openat(dir, name, libc::O_RDONLY | libc::O_NONBLOCK, 0) {
                     Ok(fd) => fd,
                     // Replaced by a symlink or removed between stat and open: record what is there now.
-                    Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::ENOENT)) => {
+                    Err(e)
+                        if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::ENOENT)) =>
+                    {
                         return self.capture_at(dir, name, rel, recursive);
                     }
                     Err(e) => return Err(e).io_ctx("open", &host),
@@ -184,12 +230,17 @@ impl Capturer<'_, '_, '_> {
                 let st = sys::fstat(fd.as_fd()).io_ctx("stat", &host)?;
                 let meta = meta_of(&st, read_xattrs(fd.as_fd(), &host)?);
                 let key = (st.st_dev, st.st_ino);
-                if st.st_nlink > 1 {
-                    if let Some((first, blob, size)) = self.links.get(&key) {
-                        let node = FsNode::Hardlink { meta, link_to: first.clone(), blob: *blob, size: *size };
-                        self.out.push(FsEntry { path: rel, node });
-                        return Ok(());
-                    }
+                if st.st_nlink > 1
+                    && let Some((first, blob, size)) = self.links.get(&key)
+                {
+                    let node = FsNode::Hardlink {
+                        meta,
+                        link_to: first.clone(),
+                        blob: *blob,
+                        size: *size,
+                    };
+                    self.out.push(FsEntry { path: rel, node });
+                    return Ok(());
                 }
                 let (blob, size) = self.batch.put_reader(&mut File::from(fd), &host)?;
                 if st.st_nlink > 1 {
@@ -198,9 +249,16 @@ impl Capturer<'_, '_, '_> {
                 FsNode::File { meta, blob, size }
             }
             libc::S_IFDIR => {
-                let fd = sys::openat(dir, name, libc::O_RDONLY | libc::O_DIRECTORY, 0).io_ctx("open", &host)?;
+                let fd = sys::openat(dir, name, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+                    .io_ctx("open", &host)?;
                 let meta = meta_of(&st, read_xattrs(fd.as_fd(), &host)?);
-                self.out.push(FsEntry { path: rel.clone(), node: FsNode::Dir { meta, complete: recursive } });
+                self.out.push(FsEntry {
+                    path: rel.clone(),
+                    node: FsNode::Dir {
+                        meta,
+                        complete: recursive,
+                    },
+                });
                 if recursive {
                     for child in sys::read_dir_names(fd.as_fd()).io_ctx("readdir", &host)? {
                         let child_c = cstr(&child).io_ctx("readdir", &host)?;
@@ -211,9 +269,16 @@ impl Capturer<'_, '_, '_> {
             }
             libc::S_IFLNK => {
                 let target = sys::readlinkat(dir, name).io_ctx("readlink", &host)?;
-                FsNode::Symlink { meta: meta_of(&st, BTreeMap::new()), target: Bytes(target) }
+                FsNode::Symlink {
+                    meta: meta_of(&st, BTreeMap::new()),
+                    target: Bytes(target),
+                }
             }
-            other => FsNode::Special { meta: meta_of(&st, BTreeMap::new()), file_type: other, rdev: st.st_rdev },
+            other => FsNode::Special {
+                meta: meta_of(&st, BTreeMap::new()),
+                file_type: other,
+                rdev: st.st_rdev,
+            },
         };
         self.out.push(FsEntry { path: rel, node });
         Ok(())
@@ -264,14 +329,19 @@ impl<'a> Applier<'a> {
         }
     }
 
-    pub(crate) fn prefetch<'d>(&mut self, digests: impl IntoIterator<Item = &'d Digest>) -> Result<()> {
+    pub(crate) fn prefetch<'d>(
+        &mut self,
+        digests: impl IntoIterator<Item = &'d Digest>,
+    ) -> Result<()> {
         let mut budget = PREFETCH_BUDGET;
         let mut verified = HashSet::new();
         for digest in digests {
             if self.prefetched.contains_key(digest) || !verified.insert(*digest) {
                 continue;
             }
-            let size = std::fs::metadata(self.blobs.path_of(digest)).map(|m| m.len() as usize).unwrap_or(0);
+            let size = std::fs::metadata(self.blobs.path_of(digest))
+                .map(|m| m.len() as usize)
+                .unwrap_or(0);
             if size <= budget {
                 let data = self.blobs.read(digest)?;
                 budget -= data.len();
@@ -289,7 +359,10 @@ impl<'a> Applier<'a> {
     pub(crate) fn apply(&mut self, entry: &FsEntry, wipe_complete: bool) -> Result<()> {
         let rel = &entry.path;
         if rel.is_root() && !matches!(entry.node, FsNode::Dir { .. }) {
-            return Err(CheckpointError::UnsafePath { path: "/".into(), reason: "the root can only be a directory" });
+            return Err(CheckpointError::UnsafePath {
+                path: "/".into(),
+                reason: "the root can only be a directory",
+            });
         }
         let slot = match (&entry.node, self.root.slot(rel)?) {
             (_, Some(slot)) => slot,
@@ -304,47 +377,90 @@ impl<'a> Applier<'a> {
                 }
             }
             FsNode::Dir { meta, complete } => {
-                let keep = existing.as_ref().is_some_and(|st| file_type(st) == libc::S_IFDIR) && !(*complete && wipe_complete);
+                let keep = existing
+                    .as_ref()
+                    .is_some_and(|st| file_type(st) == libc::S_IFDIR)
+                    && !(*complete && wipe_complete);
                 self.make_dir(&slot, rel, existing.filter(|_| !keep), meta)?;
             }
-            FsNode::File { meta, blob, .. } => self.write_file(&slot, rel, existing, Content::Blob(blob), meta)?,
-            FsNode::Hardlink { meta, link_to, blob, .. } => {
+            FsNode::File { meta, blob, .. } => {
+                self.write_file(&slot, rel, existing, Content::Blob(blob), meta)?
+            }
+            FsNode::Hardlink {
+                meta,
+                link_to,
+                blob,
+                ..
+            } => {
                 if !self.try_link(&slot, rel, existing.as_ref(), link_to, blob)? {
                     let existing = self.stat(&slot, rel)?;
                     self.write_file(&slot, rel, existing, Content::Blob(blob), meta)?;
                 }
             }
-            FsNode::Symlink { meta, target } => self.make_symlink(&slot, rel, existing, &target.0, meta)?,
-            FsNode::Special { meta, file_type, rdev } => self.make_special(&slot, rel, existing, *file_type, *rdev, meta)?,
+            FsNode::Symlink { meta, target } => {
+                self.make_symlink(&slot, rel, existing, &target.0, meta)?
+            }
+            FsNode::Special {
+                meta,
+                file_type,
+                rdev,
+            } => self.make_special(&slot, rel, existing, *file_type, *rdev, meta)?,
         }
         Ok(())
     }
 
     /// Makes `rel` under our root what it is under `base` (a read-only image rootfs), down the
     /// whole subtree with `recursive`. A path missing in the base is removed.
-    pub(crate) fn copy_from_base(&mut self, base: &Root, rel: &RelPath, recursive: bool) -> Result<()> {
+    pub(crate) fn copy_from_base(
+        &mut self,
+        base: &Root,
+        rel: &RelPath,
+        recursive: bool,
+    ) -> Result<()> {
         let host = base.host_path(rel);
         let base_st = match base.slot(rel)? {
-            Some(bslot) => sys::fstatat_opt(bslot.parent.as_fd(), &bslot.name).io_ctx("stat", &host)?.map(|st| (bslot, st)),
+            Some(bslot) => sys::fstatat_opt(bslot.parent.as_fd(), &bslot.name)
+                .io_ctx("stat", &host)?
+                .map(|st| (bslot, st)),
             None => None,
         };
         let Some((bslot, bst)) = base_st else {
-            return self.apply(&FsEntry { path: rel.clone(), node: FsNode::Whiteout }, false);
+            return self.apply(
+                &FsEntry {
+                    path: rel.clone(),
+                    node: FsNode::Whiteout,
+                },
+                false,
+            );
         };
         let slot = self.root.require_slot(rel)?;
         let existing = self.stat(&slot, rel)?;
         match file_type(&bst) {
             libc::S_IFREG => {
-                let fd = sys::openat(bslot.parent.as_fd(), &bslot.name, libc::O_RDONLY, 0).io_ctx("open", &host)?;
-                let meta = meta_of(&bst, read_xattrs(fd.as_fd(), &host)?);
-                let size = bst.st_size as u64;
-                self.write_file(&slot, rel, existing, Content::Host(File::from(fd), size), &meta)?;
-            }
-            libc::S_IFDIR => {
-                let fd = sys::openat(bslot.parent.as_fd(), &bslot.name, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+                let fd = sys::openat(bslot.parent.as_fd(), &bslot.name, libc::O_RDONLY, 0)
                     .io_ctx("open", &host)?;
                 let meta = meta_of(&bst, read_xattrs(fd.as_fd(), &host)?);
-                let is_dir = existing.as_ref().is_some_and(|st| file_type(st) == libc::S_IFDIR);
+                let size = bst.st_size as u64;
+                self.write_file(
+                    &slot,
+                    rel,
+                    existing,
+                    Content::Host(File::from(fd), size),
+                    &meta,
+                )?;
+            }
+            libc::S_IFDIR => {
+                let fd = sys::openat(
+                    bslot.parent.as_fd(),
+                    &bslot.name,
+                    libc::O_RDONLY | libc::O_DIRECTORY,
+                    0,
+                )
+                .io_ctx("open", &host)?;
+                let meta = meta_of(&bst, read_xattrs(fd.as_fd(), &host)?);
+                let is_dir = existing
+                    .as_ref()
+                    .is_some_and(|st| file_type(st) == libc::S_IFDIR);
                 self.make_dir(&slot, rel, existing.filter(|_| !is_dir), &meta)?;
                 if recursive {
                     for child in sys::read_dir_names(fd.as_fd()).io_ctx("readdir", &host)? {
@@ -353,11 +469,25 @@ impl<'a> Applier<'a> {
                 }
             }
             libc::S_IFLNK => {
-                let target = sys::readlinkat(bslot.parent.as_fd(), &bslot.name).io_ctx("readlink", &host)?;
-                self.make_symlink(&slot, rel, existing, &target, &meta_of(&bst, BTreeMap::new()))?;
+                let target =
+                    sys::readlinkat(bslot.parent.as_fd(), &bslot.name).io_ctx("readlink", &host)?;
+                self.make_symlink(
+                    &slot,
+                    rel,
+                    existing,
+                    &target,
+                    &meta_of(&bst, BTreeMap::new()),
+                )?;
             }
             other => {
-                self.make_special(&slot, rel, existing, other, bst.st_rdev, &meta_of(&bst, BTreeMap::new()))?;
+                self.make_special(
+                    &slot,
+                    rel,
+                    existing,
+                    other,
+                    bst.st_rdev,
+                    &meta_of(&bst, BTreeMap::new()),
+                )?;
             }
         }
         Ok(())
@@ -365,7 +495,13 @@ impl<'a> Applier<'a> {
 
     /// Removes `rel` and everything below it, if present.
     pub(crate) fn remove_path(&mut self, rel: &RelPath) -> Result<()> {
-        self.apply(&FsEntry { path: rel.clone(), node: FsNode::Whiteout }, false)
+        self.apply(
+            &FsEntry {
+                path: rel.clone(),
+                node: FsNode::Whiteout,
+            },
+            false,
+        )
     }
 
     /// Sets the deferred directory mtimes, deepest first.
@@ -373,7 +509,8 @@ impl<'a> Applier<'a> {
         self.dir_times.sort_by(|a, b| b.0.cmp(&a.0));
         for (rel, mtime) in std::mem::take(&mut self.dir_times) {
             if let Some(slot) = self.root.slot(&rel)? {
-                sys::lutimensat(slot.parent.as_fd(), &slot.name, mtime).io_ctx("utimensat", self.root.host_path(&rel))?;
+                sys::lutimensat(slot.parent.as_fd(), &slot.name, mtime)
+                    .io_ctx("utimensat", self.root.host_path(&rel))?;
             }
         }
         Ok(self.stats)
@@ -395,17 +532,32 @@ impl<'a> Applier<'a> {
         Ok(())
     }
 
-    fn write_file(&mut self, slot: &Slot, rel: &RelPath, existing: Option<libc::stat>, content: Content<'_>, meta: &Meta) -> Result<()> {
+    fn write_file(
+        &mut self,
+        slot: &Slot,
+        rel: &RelPath,
+        existing: Option<libc::stat>,
+        content: Content<'_>,
+        meta: &Meta,
+    ) -> Result<()> {
         let host = self.root.host_path(rel);
         // Rewriting in place keeps the inode (open fds, bind mounts) unless other names share it.
-        let in_place = existing.as_ref().is_some_and(|st| file_type(st) == libc::S_IFREG && st.st_nlink == 1);
-        if !in_place {
-            if let Some(st) = existing {
-                self.remove(slot, rel, &st)?;
-            }
+        let in_place = existing
+            .as_ref()
+            .is_some_and(|st| file_type(st) == libc::S_IFREG && st.st_nlink == 1);
+        if !in_place && let Some(st) = existing {
+            self.remove(slot, rel, &st)?;
         }
-        let flags = if in_place { libc::O_WRONLY | libc::O_TRUNC } else { libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL };
-        let mut file = File::from(sys::openat(slot.parent.as_fd(), &slot.name, flags, 0o600).io_ctx("open", &host)?);
+        // No O_TRUNC: ext4 treats truncate-to-zero-then-write as a file replacement and flushes
+        // it on close (auto_da_alloc), costing milliseconds per file. Overwrite, then cut to size.
+        let flags = if in_place {
+            libc::O_WRONLY
+        } else {
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL
+        };
+        let mut file = File::from(
+            sys::openat(slot.parent.as_fd(), &slot.name, flags, 0o600).io_ctx("open", &host)?,
+        );
         let bytes = match &content {
             Content::Blob(digest) => match self.prefetched.get(*digest) {
                 Some(data) => {
@@ -419,7 +571,20 @@ impl<'a> Applier<'a> {
                 *size
             }
         };
-        set_meta(file.as_fd(), meta, &host)?;
+        // Growing needs no truncate, and truncating is the one call here that waits for the
+        // journal (ordered data of a committing transaction), so only shrink when needed.
+        if existing
+            .as_ref()
+            .is_some_and(|st| in_place && st.st_size as u64 > bytes)
+        {
+            file.set_len(bytes).io_ctx("truncate", &host)?;
+        }
+        set_meta(
+            file.as_fd(),
+            meta,
+            &host,
+            existing.as_ref().filter(|_| in_place),
+        )?;
         sys::futimens(file.as_fd(), meta.mtime()).io_ctx("futimens", &host)?;
         if let Content::Blob(digest) = content {
             self.written.insert(rel.clone(), *digest);
@@ -431,42 +596,77 @@ impl<'a> Applier<'a> {
 
     /// Links `rel` to `link_to` when that path was written with the same content in this
     /// restore; otherwise the caller writes a copy.
-    fn try_link(&mut self, slot: &Slot, rel: &RelPath, existing: Option<&libc::stat>, link_to: &RelPath, blob: &Digest) -> Result<bool> {
+    fn try_link(
+        &mut self,
+        slot: &Slot,
+        rel: &RelPath,
+        existing: Option<&libc::stat>,
+        link_to: &RelPath,
+        blob: &Digest,
+    ) -> Result<bool> {
         if self.written.get(link_to) != Some(blob) {
             return Ok(false);
         }
-        let Some(src) = self.root.slot(link_to)? else { return Ok(false) };
+        let Some(src) = self.root.slot(link_to)? else {
+            return Ok(false);
+        };
         if let Some(st) = existing {
             self.remove(slot, rel, st)?;
         }
-        sys::linkat(src.parent.as_fd(), &src.name, slot.parent.as_fd(), &slot.name)
-            .io_ctx("link", self.root.host_path(rel))?;
+        sys::linkat(
+            src.parent.as_fd(),
+            &src.name,
+            slot.parent.as_fd(),
+            &slot.name,
+        )
+        .io_ctx("link", self.root.host_path(rel))?;
         self.stats.links_made += 1;
         Ok(true)
     }
 
     /// Creates the directory unless `replace` is `None` and one is there; `replace` holds the
     /// non-directory (or wiped directory) that must go first.
-    fn make_dir(&mut self, slot: &Slot, rel: &RelPath, replace: Option<libc::stat>, meta: &Meta) -> Result<()> {
+    fn make_dir(
+        &mut self,
+        slot: &Slot,
+        rel: &RelPath,
+        replace: Option<libc::stat>,
+        meta: &Meta,
+    ) -> Result<()> {
         let host = self.root.host_path(rel);
         if let Some(st) = replace {
             self.remove(slot, rel, &st)?;
         }
-        if self.stat(slot, rel)?.is_none() {
+        let current = self.stat(slot, rel)?;
+        if current.is_none() {
             sys::mkdirat(slot.parent.as_fd(), &slot.name, 0o700).io_ctx("mkdir", &host)?;
         }
-        let fd = sys::openat(slot.parent.as_fd(), &slot.name, libc::O_RDONLY | libc::O_DIRECTORY, 0).io_ctx("open", &host)?;
-        set_meta(fd.as_fd(), meta, &host)?;
+        let fd = sys::openat(
+            slot.parent.as_fd(),
+            &slot.name,
+            libc::O_RDONLY | libc::O_DIRECTORY,
+            0,
+        )
+        .io_ctx("open", &host)?;
+        set_meta(fd.as_fd(), meta, &host, current.as_ref())?;
         self.dir_times.push((rel.clone(), meta.mtime()));
         self.stats.dirs_set += 1;
         Ok(())
     }
 
-    fn make_symlink(&mut self, slot: &Slot, rel: &RelPath, existing: Option<libc::stat>, target: &[u8], meta: &Meta) -> Result<()> {
+    fn make_symlink(
+        &mut self,
+        slot: &Slot,
+        rel: &RelPath,
+        existing: Option<libc::stat>,
+        target: &[u8],
+        meta: &Meta,
+    ) -> Result<()> {
         let host = self.root.host_path(rel);
         let same = match &existing {
             Some(st) if file_type(st) == libc::S_IFLNK => {
-                sys::readlinkat(slot.parent.as_fd(), &slot.name).io_ctx("readlink", &host)? == target
+                sys::readlinkat(slot.parent.as_fd(), &slot.name).io_ctx("readlink", &host)?
+                    == target
             }
             _ => false,
         };
@@ -478,45 +678,80 @@ impl<'a> Applier<'a> {
             sys::symlinkat(&target_c, slot.parent.as_fd(), &slot.name).io_ctx("symlink", &host)?;
             self.stats.files_written += 1;
         }
-        sys::lchownat(slot.parent.as_fd(), &slot.name, meta.uid, meta.gid).io_ctx("lchown", &host)?;
+        sys::lchownat(slot.parent.as_fd(), &slot.name, meta.uid, meta.gid)
+            .io_ctx("lchown", &host)?;
         sys::lutimensat(slot.parent.as_fd(), &slot.name, meta.mtime()).io_ctx("utimensat", &host)
     }
 
-    fn make_special(&mut self, slot: &Slot, rel: &RelPath, existing: Option<libc::stat>, kind: u32, rdev: u64, meta: &Meta) -> Result<()> {
+    fn make_special(
+        &mut self,
+        slot: &Slot,
+        rel: &RelPath,
+        existing: Option<libc::stat>,
+        kind: u32,
+        rdev: u64,
+        meta: &Meta,
+    ) -> Result<()> {
         let host = self.root.host_path(rel);
         if let Some(st) = existing {
             self.remove(slot, rel, &st)?;
         }
         sys::mknodat(slot.parent.as_fd(), &slot.name, kind | 0o600, rdev).io_ctx("mknod", &host)?;
-        sys::lchownat(slot.parent.as_fd(), &slot.name, meta.uid, meta.gid).io_ctx("lchown", &host)?;
+        sys::lchownat(slot.parent.as_fd(), &slot.name, meta.uid, meta.gid)
+            .io_ctx("lchown", &host)?;
         // chown clears setuid/setgid, so the mode goes on after it.
         sys::fchmodat(slot.parent.as_fd(), &slot.name, meta.mode).io_ctx("chmod", &host)?;
-        sys::lutimensat(slot.parent.as_fd(), &slot.name, meta.mtime()).io_ctx("utimensat", &host)?;
+        sys::lutimensat(slot.parent.as_fd(), &slot.name, meta.mtime())
+            .io_ctx("utimensat", &host)?;
         self.stats.files_written += 1;
         Ok(())
     }
 }
 
 /// Owner, mode and xattrs of an open file or directory (mtime is the caller's, set last).
-fn set_meta(fd: BorrowedFd<'_>, meta: &Meta, host: &Path) -> Result<()> {
-    sys::fchown(fd, meta.uid, meta.gid).io_ctx("chown", host)?;
+/// `current` is the node's stat when it existed before: every inode update waits for the
+/// journal on a busy ext4, so what already matches is left alone.
+fn set_meta(
+    fd: BorrowedFd<'_>,
+    meta: &Meta,
+    host: &Path,
+    current: Option<&libc::stat>,
+) -> Result<()> {
+    let owner_ok = current.is_some_and(|st| st.st_uid == meta.uid && st.st_gid == meta.gid);
+    if !owner_ok {
+        sys::fchown(fd, meta.uid, meta.gid).io_ctx("chown", host)?;
+    }
     // chown clears setuid/setgid, so the mode goes on after it.
-    sys::fchmod(fd, meta.mode).io_ctx("chmod", host)?;
+    let mode_ok = owner_ok && current.is_some_and(|st| st.st_mode & 0o7777 == meta.mode);
+    if !mode_ok {
+        sys::fchmod(fd, meta.mode).io_ctx("chmod", host)?;
+    }
+    let mut present = HashSet::new();
     for name in sys::list_xattrs(fd).io_ctx("listxattr", host)? {
-        let keep = std::str::from_utf8(&name).is_ok_and(|n| meta.xattrs.contains_key(n));
-        if !keep {
-            sys::remove_xattr(fd, &cstr(&name).io_ctx("removexattr", host)?).io_ctx("removexattr", host)?;
+        let name_c = cstr(&name).io_ctx("removexattr", host)?;
+        match std::str::from_utf8(&name)
+            .ok()
+            .and_then(|n| meta.xattrs.get(n))
+        {
+            Some(wanted) if sys::get_xattr(fd, &name_c).io_ctx("getxattr", host)? == wanted.0 => {
+                present.insert(name);
+            }
+            Some(_) => {}
+            None => sys::remove_xattr(fd, &name_c).io_ctx("removexattr", host)?,
         }
     }
     for (name, value) in &meta.xattrs {
-        let name_c = cstr(name.as_bytes()).io_ctx("setxattr", host)?;
-        sys::set_xattr(fd, &name_c, &value.0).io_ctx("setxattr", host)?;
+        if !present.contains(name.as_bytes()) {
+            let name_c = cstr(name.as_bytes()).io_ctx("setxattr", host)?;
+            sys::set_xattr(fd, &name_c, &value.0).io_ctx("setxattr", host)?;
+        }
     }
     Ok(())
 }
 
 fn remove_tree(parent: BorrowedFd<'_>, name: &CStr, host: &Path) -> Result<()> {
-    let dir = sys::openat(parent, name, libc::O_RDONLY | libc::O_DIRECTORY, 0).io_ctx("open", host)?;
+    let dir =
+        sys::openat(parent, name, libc::O_RDONLY | libc::O_DIRECTORY, 0).io_ctx("open", host)?;
     for child in sys::read_dir_names(dir.as_fd()).io_ctx("readdir", host)? {
         let child_c = cstr(&child).io_ctx("readdir", host)?;
         let child_host = host.join(String::from_utf8_lossy(&child).as_ref());

@@ -38,12 +38,20 @@ pub struct GcReport {
 
 /// Digest-named files in a directory (`<hex><suffix>`), with their paths; other names are
 /// left alone.
-fn digest_files(dir: &Path, prefix: &str, suffix: &str) -> Result<Vec<(Digest, std::path::PathBuf)>> {
+fn digest_files(
+    dir: &Path,
+    prefix: &str,
+    suffix: &str,
+) -> Result<Vec<(Digest, std::path::PathBuf)>> {
     let mut out = Vec::new();
     for dirent in fs::read_dir(dir).io_ctx("read dir", dir)? {
         let dirent = dirent.io_ctx("read dir", dir)?;
-        let Ok(name) = dirent.file_name().into_string() else { continue };
-        let Some(hex) = name.strip_suffix(suffix) else { continue };
+        let Ok(name) = dirent.file_name().into_string() else {
+            continue;
+        };
+        let Some(hex) = name.strip_suffix(suffix) else {
+            continue;
+        };
         if let Ok(digest) = format!("{prefix}{hex}").parse::<Digest>() {
             out.push((digest, dirent.path()));
         }
@@ -54,7 +62,9 @@ fn digest_files(dir: &Path, prefix: &str, suffix: &str) -> Result<Vec<(Digest, s
 impl CheckpointStore {
     pub fn gc(&self, policy: &RetentionPolicy) -> Result<GcReport> {
         if policy.keep_last == 0 {
-            return Err(CheckpointError::InvalidRequest("retention must keep at least one checkpoint".into()));
+            return Err(CheckpointError::InvalidRequest(
+                "retention must keep at least one checkpoint".into(),
+            ));
         }
         let _lock = self.lock(true)?;
         let mut report = GcReport::default();
@@ -67,7 +77,11 @@ impl CheckpointStore {
             let keep = chain.links.len().min(policy.keep_last);
             for (id, manifest) in &chain.links[..keep] {
                 live_manifests.insert(*id);
-                self.collect_blobs(direct_blobs(&manifest.fs_delta, manifest.images.as_ref()), manifest.images.as_ref(), &mut live_blobs)?;
+                self.collect_blobs(
+                    direct_blobs(&manifest.fs_delta, manifest.images.as_ref()),
+                    manifest.images.as_ref(),
+                    &mut live_blobs,
+                )?;
             }
             let oldest = keep - 1;
             let below_window = oldest + 1 < chain.links.len() || chain.snapshot.is_some();
@@ -83,17 +97,28 @@ impl CheckpointStore {
                         at: *oldest_id,
                         turn: oldest_manifest.turn,
                         entries: chain.fold(oldest).into_values().collect(),
-                        images: chain.images_at(oldest).map(|(turn, set)| (turn, set.clone())),
+                        images: chain
+                            .images_at(oldest)
+                            .map(|(turn, set)| (turn, set.clone())),
                     };
                     let (_, bytes) = seal(&snapshot, "snapshot")?;
-                    publish_file(&self.blobs().tmp_path("snapshot"), &self.snapshot_path(oldest_id), &bytes, Durability::Flushed)?;
+                    publish_file(
+                        &self.blobs().tmp_path("snapshot"),
+                        &self.snapshot_path(oldest_id),
+                        &bytes,
+                        Durability::Flushed,
+                    )?;
                     report.snapshots_written += 1;
                     snapshot
                 }
             };
             live_snapshots.insert(*oldest_id);
             let images = snapshot.images.as_ref().map(|(_, set)| set);
-            self.collect_blobs(direct_blobs(&snapshot.entries, images), images, &mut live_blobs)?;
+            self.collect_blobs(
+                direct_blobs(&snapshot.entries, images),
+                images,
+                &mut live_blobs,
+            )?;
         }
 
         for (id, path) in digest_files(self.manifests_dir(), "", ".json")? {

@@ -19,7 +19,10 @@ fn is_page_image(name: &str) -> bool {
 }
 
 fn bad_dir(path: &Path, reason: impl Into<String>) -> CheckpointError {
-    CheckpointError::BadImageDir { path: path.to_owned(), reason: reason.into() }
+    CheckpointError::BadImageDir {
+        path: path.to_owned(),
+        reason: reason.into(),
+    }
 }
 
 /// Stores every file of a CRIU image directory; the directory must be flat and hold regular
@@ -44,13 +47,22 @@ pub(crate) fn store_images(dir: &Path, batch: &mut WriteBatch<'_>) -> Result<Ima
             let (blob, size) = batch.put_reader(&mut file, &path)?;
             (size, ImageContent::Whole { blob })
         };
-        files.push(ImageFile { name, mode: meta.mode() & 0o7777, size, content });
+        files.push(ImageFile {
+            name,
+            mode: meta.mode() & 0o7777,
+            size,
+            content,
+        });
     }
     files.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(ImageSet { files })
 }
 
-fn store_chunked(file: &mut File, path: &Path, batch: &mut WriteBatch<'_>) -> Result<(u64, ImageContent)> {
+fn store_chunked(
+    file: &mut File,
+    path: &Path,
+    batch: &mut WriteBatch<'_>,
+) -> Result<(u64, ImageContent)> {
     let mut list = Vec::new();
     let mut buf = vec![0u8; 256 * CHUNK_SIZE];
     let mut size = 0u64;
@@ -69,7 +81,14 @@ fn store_chunked(file: &mut File, path: &Path, batch: &mut WriteBatch<'_>) -> Re
     }
     let chunks = (list.len() / 32) as u64;
     let chunk_list = batch.put_bytes(&list)?;
-    Ok((size, ImageContent::Chunked { chunk_size: CHUNK_SIZE as u32, chunks, chunk_list }))
+    Ok((
+        size,
+        ImageContent::Chunked {
+            chunk_size: CHUNK_SIZE as u32,
+            chunks,
+            chunk_list,
+        },
+    ))
 }
 
 fn read_full(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -90,16 +109,33 @@ pub(crate) fn restore_images(set: &ImageSet, blobs: &BlobStore, dest: &Path) -> 
     let mut total = 0;
     for image in &set.files {
         if !valid_image_name(&image.name) {
-            return Err(bad_dir(dest, format!("image name {:?} is not a plain file name", image.name)));
+            return Err(bad_dir(
+                dest,
+                format!("image name {:?} is not a plain file name", image.name),
+            ));
         }
         let path = dest.join(&image.name);
-        let mut out = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).io_ctx("create", &path)?;
+        let mut out = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .io_ctx("create", &path)?;
         let written = match &image.content {
             ImageContent::Whole { blob } => blobs.copy_verified(blob, &mut out, &path)?,
-            ImageContent::Chunked { chunk_list, chunks, .. } => {
+            ImageContent::Chunked {
+                chunk_list, chunks, ..
+            } => {
                 let list = blobs.read(chunk_list)?;
                 if list.len() as u64 != chunks * 32 {
-                    return Err(bad_dir(dest, format!("chunk list of {} has {} bytes for {chunks} chunks", image.name, list.len())));
+                    return Err(bad_dir(
+                        dest,
+                        format!(
+                            "chunk list of {} has {} bytes for {chunks} chunks",
+                            image.name,
+                            list.len()
+                        ),
+                    ));
                 }
                 let mut pending = Vec::with_capacity(256 * CHUNK_SIZE);
                 let mut written = 0u64;
@@ -117,16 +153,27 @@ pub(crate) fn restore_images(set: &ImageSet, blobs: &BlobStore, dest: &Path) -> 
             }
         };
         if written != image.size {
-            return Err(bad_dir(dest, format!("{} restored to {written} bytes, manifest says {}", image.name, image.size)));
+            return Err(bad_dir(
+                dest,
+                format!(
+                    "{} restored to {written} bytes, manifest says {}",
+                    image.name, image.size
+                ),
+            ));
         }
-        fs::set_permissions(&path, fs::Permissions::from_mode(image.mode)).io_ctx("chmod", &path)?;
+        fs::set_permissions(&path, fs::Permissions::from_mode(image.mode))
+            .io_ctx("chmod", &path)?;
         total += written;
     }
     Ok(total)
 }
 
 /// Every blob behind an image set, chunks included (for GC).
-pub(crate) fn referenced_blobs(set: &ImageSet, blobs: &BlobStore, out: &mut std::collections::HashSet<Digest>) -> Result<()> {
+pub(crate) fn referenced_blobs(
+    set: &ImageSet,
+    blobs: &BlobStore,
+    out: &mut std::collections::HashSet<Digest>,
+) -> Result<()> {
     for image in &set.files {
         match &image.content {
             ImageContent::Whole { blob } => {
@@ -136,7 +183,9 @@ pub(crate) fn referenced_blobs(set: &ImageSet, blobs: &BlobStore, out: &mut std:
                 out.insert(*chunk_list);
                 if let Ok(list) = blobs.read(chunk_list) {
                     for digest in list.chunks_exact(32) {
-                        out.insert(Digest(digest.try_into().expect("chunks_exact yields 32 bytes")));
+                        out.insert(Digest(
+                            digest.try_into().expect("chunks_exact yields 32 bytes"),
+                        ));
                     }
                 } else {
                     // An unreadable chunk list already breaks this checkpoint; keeping its

@@ -15,15 +15,16 @@ mod store;
 mod sys;
 
 pub use chain::{
-    CheckpointInfo, CheckpointStore, CommitReport, DEFAULT_STATE_DIR, Head, RollbackReport, RollbackRequest, TurnInput,
-    VerifyReport,
+    CheckpointInfo, CheckpointStore, CommitReport, DEFAULT_STATE_DIR, Head, RollbackReport,
+    RollbackRequest, TurnInput, VerifyReport,
 };
 pub use error::{CheckpointError, Result};
 pub use fsdelta::{ApplyStats, ChangedPath};
 pub use gc::{GcReport, RetentionPolicy};
 pub use images::CHUNK_SIZE;
 pub use manifest::{
-    FsEntry, FsNode, ImageContent, ImageFile, ImageSet, MANIFEST_VERSION, Manifest, Meta, ParentRef, Snapshot, TurnClass,
+    FsEntry, FsNode, ImageContent, ImageFile, ImageSet, MANIFEST_VERSION, Manifest, Meta,
+    ParentRef, Snapshot, TurnClass,
 };
 pub use path::{Bytes, RelPath};
 pub use store::{BlobStore, Digest, Traffic, WriteBatch};

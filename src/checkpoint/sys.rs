@@ -12,27 +12,45 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 pub(crate) fn cstr(bytes: &[u8]) -> io::Result<CString> {
-    CString::new(bytes).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
+    CString::new(bytes)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
 }
 
 fn check(ret: libc::c_int) -> io::Result<libc::c_int> {
-    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(ret) }
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
 }
 
 fn check_size(ret: libc::ssize_t) -> io::Result<usize> {
-    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(ret as usize) }
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret as usize)
+    }
 }
 
 /// Opens a directory on the host as an `O_PATH` anchor for the `*at` calls.
 pub(crate) fn open_dir_path(path: &Path) -> io::Result<OwnedFd> {
     let c = cstr(path.as_os_str().as_bytes())?;
-    let fd = check(unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) })?;
+    let fd = check(unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    })?;
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// `openat2` that refuses to leave `dir` and refuses every symlink on the way: `..` and absolute
 /// symlinks fail with EXDEV, any symlink component with ELOOP.
-pub(crate) fn openat_beneath(dir: BorrowedFd<'_>, rel: &CStr, flags: libc::c_int) -> io::Result<OwnedFd> {
+pub(crate) fn openat_beneath(
+    dir: BorrowedFd<'_>,
+    rel: &CStr,
+    flags: libc::c_int,
+) -> io::Result<OwnedFd> {
     // open_how is non-exhaustive (the kernel may grow it); unset fields must be zero.
     let mut how: libc::open_how = unsafe { std::mem::zeroed() };
     how.flags = (flags | libc::O_CLOEXEC) as u64;
@@ -53,16 +71,33 @@ pub(crate) fn openat_beneath(dir: BorrowedFd<'_>, rel: &CStr, flags: libc::c_int
 }
 
 /// `openat` of a single component, never following a symlink there.
-pub(crate) fn openat(dir: BorrowedFd<'_>, name: &CStr, flags: libc::c_int, mode: libc::mode_t) -> io::Result<OwnedFd> {
+pub(crate) fn openat(
+    dir: BorrowedFd<'_>,
+    name: &CStr,
+    flags: libc::c_int,
+    mode: libc::mode_t,
+) -> io::Result<OwnedFd> {
     let fd = check(unsafe {
-        libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_NOFOLLOW | libc::O_CLOEXEC, mode as libc::c_uint)
+        libc::openat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            mode as libc::c_uint,
+        )
     })?;
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 pub(crate) fn fstatat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<libc::stat> {
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    check(unsafe { libc::fstatat(dir.as_raw_fd(), name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) })?;
+    check(unsafe {
+        libc::fstatat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            &mut st,
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    })?;
     Ok(st)
 }
 
@@ -97,23 +132,59 @@ pub(crate) fn symlinkat(target: &CStr, dir: BorrowedFd<'_>, name: &CStr) -> io::
 pub(crate) fn readlinkat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; libc::PATH_MAX as usize + 1];
     let n = check_size(unsafe {
-        libc::readlinkat(dir.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+        libc::readlinkat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
     })?;
     buf.truncate(n);
     Ok(buf)
 }
 
-pub(crate) fn linkat(old_dir: BorrowedFd<'_>, old: &CStr, new_dir: BorrowedFd<'_>, new: &CStr) -> io::Result<()> {
-    check(unsafe { libc::linkat(old_dir.as_raw_fd(), old.as_ptr(), new_dir.as_raw_fd(), new.as_ptr(), 0) }).map(drop)
+pub(crate) fn linkat(
+    old_dir: BorrowedFd<'_>,
+    old: &CStr,
+    new_dir: BorrowedFd<'_>,
+    new: &CStr,
+) -> io::Result<()> {
+    check(unsafe {
+        libc::linkat(
+            old_dir.as_raw_fd(),
+            old.as_ptr(),
+            new_dir.as_raw_fd(),
+            new.as_ptr(),
+            0,
+        )
+    })
+    .map(drop)
 }
 
 pub(crate) fn mknodat(dir: BorrowedFd<'_>, name: &CStr, mode: u32, rdev: u64) -> io::Result<()> {
-    check(unsafe { libc::mknodat(dir.as_raw_fd(), name.as_ptr(), mode as libc::mode_t, rdev as libc::dev_t) }).map(drop)
+    check(unsafe {
+        libc::mknodat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            mode as libc::mode_t,
+            rdev as libc::dev_t,
+        )
+    })
+    .map(drop)
 }
 
 /// chown of the entry itself (a symlink is not followed).
 pub(crate) fn lchownat(dir: BorrowedFd<'_>, name: &CStr, uid: u32, gid: u32) -> io::Result<()> {
-    check(unsafe { libc::fchownat(dir.as_raw_fd(), name.as_ptr(), uid, gid, libc::AT_SYMLINK_NOFOLLOW) }).map(drop)
+    check(unsafe {
+        libc::fchownat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            uid,
+            gid,
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    })
+    .map(drop)
 }
 
 pub(crate) fn fchown(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
@@ -121,7 +192,8 @@ pub(crate) fn fchown(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
 }
 
 pub(crate) fn fchmodat(dir: BorrowedFd<'_>, name: &CStr, mode: u32) -> io::Result<()> {
-    check(unsafe { libc::fchmodat(dir.as_raw_fd(), name.as_ptr(), mode as libc::mode_t, 0) }).map(drop)
+    check(unsafe { libc::fchmodat(dir.as_raw_fd(), name.as_ptr(), mode as libc::mode_t, 0) })
+        .map(drop)
 }
 
 pub(crate) fn fchmod(fd: BorrowedFd<'_>, mode: u32) -> io::Result<()> {
@@ -129,9 +201,15 @@ pub(crate) fn fchmod(fd: BorrowedFd<'_>, mode: u32) -> io::Result<()> {
 }
 
 fn timespecs(mtime: (i64, u32)) -> [libc::timespec; 2] {
-    let mtime = libc::timespec { tv_sec: mtime.0, tv_nsec: mtime.1 as _ };
+    let mtime = libc::timespec {
+        tv_sec: mtime.0,
+        tv_nsec: mtime.1 as _,
+    };
     // atime is not part of a checkpoint: leave it as the kernel has it.
-    let atime = libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT };
+    let atime = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: libc::UTIME_OMIT,
+    };
     [atime, mtime]
 }
 
@@ -142,7 +220,15 @@ pub(crate) fn futimens(fd: BorrowedFd<'_>, mtime: (i64, u32)) -> io::Result<()> 
 
 pub(crate) fn lutimensat(dir: BorrowedFd<'_>, name: &CStr, mtime: (i64, u32)) -> io::Result<()> {
     let ts = timespecs(mtime);
-    check(unsafe { libc::utimensat(dir.as_raw_fd(), name.as_ptr(), ts.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) }).map(drop)
+    check(unsafe {
+        libc::utimensat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            ts.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    })
+    .map(drop)
 }
 
 pub(crate) fn list_xattrs(fd: BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
@@ -152,7 +238,11 @@ pub(crate) fn list_xattrs(fd: BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
         match check_size(ret) {
             Ok(n) => {
                 buf.truncate(n);
-                return Ok(buf.split(|b| *b == 0).filter(|s| !s.is_empty()).map(<[u8]>::to_vec).collect());
+                return Ok(buf
+                    .split(|b| *b == 0)
+                    .filter(|s| !s.is_empty())
+                    .map(<[u8]>::to_vec)
+                    .collect());
             }
             Err(e) if e.raw_os_error() == Some(libc::ERANGE) => buf.resize(buf.len() * 4, 0),
             Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => return Ok(Vec::new()),
@@ -164,7 +254,14 @@ pub(crate) fn list_xattrs(fd: BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
 pub(crate) fn get_xattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; 256];
     loop {
-        let ret = unsafe { libc::fgetxattr(fd.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        let ret = unsafe {
+            libc::fgetxattr(
+                fd.as_raw_fd(),
+                name.as_ptr(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+            )
+        };
         match check_size(ret) {
             Ok(n) => {
                 buf.truncate(n);
@@ -177,7 +274,16 @@ pub(crate) fn get_xattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>> 
 }
 
 pub(crate) fn set_xattr(fd: BorrowedFd<'_>, name: &CStr, value: &[u8]) -> io::Result<()> {
-    check(unsafe { libc::fsetxattr(fd.as_raw_fd(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) }).map(drop)
+    check(unsafe {
+        libc::fsetxattr(
+            fd.as_raw_fd(),
+            name.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    })
+    .map(drop)
 }
 
 pub(crate) fn remove_xattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<()> {
@@ -201,7 +307,11 @@ pub(crate) fn read_dir_names(dir: BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
         let ent = unsafe { libc::readdir64(stream) };
         if ent.is_null() {
             let errno = unsafe { *libc::__errno_location() };
-            break if errno == 0 { Ok(()) } else { Err(io::Error::from_raw_os_error(errno)) };
+            break if errno == 0 {
+                Ok(())
+            } else {
+                Err(io::Error::from_raw_os_error(errno))
+            };
         }
         let name = unsafe { CStr::from_ptr((*ent).d_name.as_ptr()) }.to_bytes();
         if name != b"." && name != b".." {
@@ -222,15 +332,31 @@ pub(crate) fn copy_file_range_all(src: &File, dst: &File, len: u64) -> io::Resul
     while left > 0 {
         let chunk = left.min(1 << 30) as usize;
         let n = unsafe {
-            libc::copy_file_range(src.as_raw_fd(), &mut off_in, dst.as_raw_fd(), std::ptr::null_mut(), chunk, 0)
+            libc::copy_file_range(
+                src.as_raw_fd(),
+                &mut off_in,
+                dst.as_raw_fd(),
+                std::ptr::null_mut(),
+                chunk,
+                0,
+            )
         };
         let n = check_size(n)?;
         if n == 0 {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "source shorter than expected"));
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "source shorter than expected",
+            ));
         }
         left -= n as u64;
     }
     Ok(())
+}
+
+/// Starts writeback of a whole file without waiting for it.
+pub(crate) fn start_writeback(file: &File) -> io::Result<()> {
+    check(unsafe { libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) })
+        .map(drop)
 }
 
 pub(crate) fn syncfs(fd: BorrowedFd<'_>) -> io::Result<()> {
@@ -242,7 +368,11 @@ pub(crate) fn fsync_dir(path: &Path) -> io::Result<()> {
 }
 
 pub(crate) fn flock(file: &File, exclusive: bool) -> io::Result<()> {
-    let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
+    let op = if exclusive {
+        libc::LOCK_EX
+    } else {
+        libc::LOCK_SH
+    };
     loop {
         match check(unsafe { libc::flock(file.as_raw_fd(), op) }) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,

@@ -43,6 +43,9 @@ pub struct RuntimeConfig {
 pub struct CheckpointConfig {
     /// Root of crab's checkpoint store.
     pub state_dir: PathBuf,
+    /// Policy of sandboxes without an `io.crab.policy` annotation:
+    /// `crab`, `every-turn` or `off`.
+    pub policy: String,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -66,7 +69,7 @@ impl Default for RuntimeConfig {
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        Self { state_dir: "/var/lib/crab".into() }
+        Self { state_dir: "/var/lib/crab".into(), policy: "crab".into() }
     }
 }
 
@@ -109,6 +112,12 @@ impl Config {
             if !dir.is_absolute() {
                 return Err(invalid(format!("{key}: {} is not an absolute path", dir.display())));
             }
+        }
+        if crate::turns::parse_policy(&self.checkpoint.policy).is_none() {
+            return Err(invalid(format!(
+                "checkpoint.policy: {:?} is not one of crab, every-turn, off",
+                self.checkpoint.policy
+            )));
         }
         if !LOG_LEVELS.contains(&self.log.level.as_str()) {
             return Err(invalid(format!("log.level: {:?} is not one of {}", self.log.level, LOG_LEVELS.join(", "))));

@@ -23,26 +23,52 @@ pub enum TurnClass {
 /// Why a turn got its class.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reason {
-    FileChanged { op: &'static str, path: PathBuf },
+    FileChanged {
+        op: &'static str,
+        path: PathBuf,
+    },
     /// A file effect whose path the kernel could not resolve: it may be anywhere.
-    UnresolvedPath { op: &'static str, path: PathBuf },
+    UnresolvedPath {
+        op: &'static str,
+        path: PathBuf,
+    },
     /// A process started in the turn was still running at its end.
-    ProcessSurvives { pid: u32, comm: String },
+    ProcessSurvives {
+        pid: u32,
+        comm: String,
+    },
     /// A process that was running before the turn ended during it.
-    ProcessEnded { pid: u32 },
-    Listening { pid: u32, addr: String },
-    MountChanged { op: &'static str, target: PathBuf },
+    ProcessEnded {
+        pid: u32,
+    },
+    Listening {
+        pid: u32,
+        addr: String,
+    },
+    MountChanged {
+        op: &'static str,
+        target: PathBuf,
+    },
     /// Records the kernel could not deliver: the turn may have done anything.
-    LostEvents { count: u64 },
-    ExternalConnect { pid: u32, addr: String },
+    LostEvents {
+        count: u64,
+    },
+    ExternalConnect {
+        pid: u32,
+        addr: String,
+    },
 }
 
 impl fmt::Display for Reason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Reason::FileChanged { op, path } => write!(f, "{op} {}", path.display()),
-            Reason::UnresolvedPath { op, path } => write!(f, "{op} on unresolved path {}", path.display()),
-            Reason::ProcessSurvives { pid, comm } => write!(f, "process {pid} ({comm}) outlives the turn"),
+            Reason::UnresolvedPath { op, path } => {
+                write!(f, "{op} on unresolved path {}", path.display())
+            }
+            Reason::ProcessSurvives { pid, comm } => {
+                write!(f, "process {pid} ({comm}) outlives the turn")
+            }
             Reason::ProcessEnded { pid } => write!(f, "process {pid} from before the turn ended"),
             Reason::Listening { pid, addr } => write!(f, "process {pid} listens on {addr}"),
             Reason::MountChanged { op, target } => write!(f, "{op} {}", target.display()),
@@ -92,7 +118,12 @@ pub struct ClassifyOptions {
 pub fn classify(effects: &[Effect], options: &ClassifyOptions) -> Classification {
     let mut verdict = Verdict::default();
     if options.lost_events > 0 {
-        verdict.escalate(TurnClass::Proc, Reason::LostEvents { count: options.lost_events });
+        verdict.escalate(
+            TurnClass::Proc,
+            Reason::LostEvents {
+                count: options.lost_events,
+            },
+        );
     }
     classify_files(effects, options, &mut verdict);
     classify_processes(effects, options, &mut verdict);
@@ -100,11 +131,24 @@ pub fn classify(effects: &[Effect], options: &ClassifyOptions) -> Classification
         match &effect.kind {
             EffectKind::Connect { addr } if addr.is_external() => {
                 verdict.external = true;
-                verdict.reasons.push(Reason::ExternalConnect { pid: effect.pid, addr: addr.to_string() });
+                verdict.reasons.push(Reason::ExternalConnect {
+                    pid: effect.pid,
+                    addr: addr.to_string(),
+                });
             }
             kind if kind.is_mount_change() => {
-                let target = kind.paths().first().map(|p| p.path.clone()).unwrap_or_default();
-                verdict.raise(TurnClass::Proc, Reason::MountChanged { op: kind.name(), target });
+                let target = kind
+                    .paths()
+                    .first()
+                    .map(|p| p.path.clone())
+                    .unwrap_or_default();
+                verdict.raise(
+                    TurnClass::Proc,
+                    Reason::MountChanged {
+                        op: kind.name(),
+                        target,
+                    },
+                );
             }
             _ => {}
         }
@@ -123,12 +167,18 @@ fn classify_files(effects: &[Effect], options: &ClassifyOptions, verdict: &mut V
     for effect in effects {
         for path in effect.kind.changed_paths() {
             if !path.resolved {
-                let reason = Reason::UnresolvedPath { op: effect.kind.name(), path: path.path.clone() };
+                let reason = Reason::UnresolvedPath {
+                    op: effect.kind.name(),
+                    path: path.path.clone(),
+                };
                 verdict.escalate(TurnClass::Fs, reason);
             } else if !ignored.iter().any(|prefix| path.path.starts_with(prefix))
                 && seen.insert((effect.kind.name(), path.path.clone()))
             {
-                let reason = Reason::FileChanged { op: effect.kind.name(), path: path.path.clone() };
+                let reason = Reason::FileChanged {
+                    op: effect.kind.name(),
+                    path: path.path.clone(),
+                };
                 verdict.raise(TurnClass::Fs, reason);
             }
         }
@@ -160,7 +210,11 @@ fn classify_processes(effects: &[Effect], options: &ClassifyOptions, verdict: &m
         verdict.raise(TurnClass::Proc, Reason::ProcessSurvives { pid, comm });
     }
     if let Some(before) = &options.processes_before {
-        let mut ended: Vec<u32> = exited.iter().copied().filter(|pid| before.contains(pid)).collect();
+        let mut ended: Vec<u32> = exited
+            .iter()
+            .copied()
+            .filter(|pid| before.contains(pid))
+            .collect();
         ended.sort_unstable();
         for pid in ended {
             verdict.raise(TurnClass::Proc, Reason::ProcessEnded { pid });
@@ -174,7 +228,13 @@ fn classify_processes(effects: &[Effect], options: &ClassifyOptions, verdict: &m
                 SockAddr::Other { .. } => "a socket".to_string(),
                 other => other.to_string(),
             };
-            verdict.raise(TurnClass::Proc, Reason::Listening { pid: effect.pid, addr });
+            verdict.raise(
+                TurnClass::Proc,
+                Reason::Listening {
+                    pid: effect.pid,
+                    addr,
+                },
+            );
         }
     }
 }
@@ -214,11 +274,22 @@ mod tests {
     use crate::inspector::effect::EffectPath;
 
     fn effect(pid: u32, kind: EffectKind) -> Effect {
-        Effect { time_ns: 0, pid, tid: pid, comm: "sh".into(), result: 0, kind }
+        Effect {
+            time_ns: 0,
+            pid,
+            tid: pid,
+            comm: "sh".into(),
+            result: 0,
+            kind,
+        }
     }
 
     fn open(path: &str) -> EffectKind {
-        EffectKind::Open { path: EffectPath::resolved(path), flags: 0o101, mode: 0o644 }
+        EffectKind::Open {
+            path: EffectPath::resolved(path),
+            flags: 0o101,
+            mode: 0o644,
+        }
     }
 
     fn classify_plain(effects: &[Effect]) -> Classification {
@@ -228,7 +299,10 @@ mod tests {
     #[test]
     fn no_effects_is_clean() {
         let c = classify_plain(&[]);
-        assert_eq!((c.class, c.external, c.escalated), (TurnClass::Clean, false, false));
+        assert_eq!(
+            (c.class, c.external, c.escalated),
+            (TurnClass::Clean, false, false)
+        );
         assert!(c.reasons.is_empty());
     }
 
@@ -236,25 +310,45 @@ mod tests {
     fn file_writes_are_fs_even_on_tmpfs() {
         let mut tmpfs_path = EffectPath::resolved("/tmp/x");
         tmpfs_path.fs_type = Some("tmpfs".into());
-        let effects = [effect(1, EffectKind::Mkdir { path: tmpfs_path, mode: 0o755 })];
+        let effects = [effect(
+            1,
+            EffectKind::Mkdir {
+                path: tmpfs_path,
+                mode: 0o755,
+            },
+        )];
         let c = classify_plain(&effects);
         assert_eq!(c.class, TurnClass::Fs);
-        assert_eq!(c.reasons, vec![Reason::FileChanged { op: "mkdir", path: "/tmp/x".into() }]);
+        assert_eq!(
+            c.reasons,
+            vec![Reason::FileChanged {
+                op: "mkdir",
+                path: "/tmp/x".into()
+            }]
+        );
     }
 
     #[test]
     fn kernel_and_device_writes_are_ignored() {
-        let effects: Vec<Effect> =
-            ["/dev/null", "/proc/self/oom_score_adj", "/sys/fs/cgroup/x", "/dev/pts/0", "/dev/tty"]
-                .into_iter()
-                .map(|p| effect(1, open(p)))
-                .collect();
+        let effects: Vec<Effect> = [
+            "/dev/null",
+            "/proc/self/oom_score_adj",
+            "/sys/fs/cgroup/x",
+            "/dev/pts/0",
+            "/dev/tty",
+        ]
+        .into_iter()
+        .map(|p| effect(1, open(p)))
+        .collect();
         assert_eq!(classify_plain(&effects).class, TurnClass::Clean);
     }
 
     #[test]
     fn ignored_prefix_matches_whole_components() {
-        let options = ClassifyOptions { ignored_prefixes: vec!["/root/.cache".into()], ..Default::default() };
+        let options = ClassifyOptions {
+            ignored_prefixes: vec!["/root/.cache".into()],
+            ..Default::default()
+        };
         let cached = classify(&[effect(1, open("/root/.cache/pip/x"))], &options);
         assert_eq!(cached.class, TurnClass::Clean);
         let sibling = classify(&[effect(1, open("/root/.cachex"))], &options);
@@ -271,7 +365,13 @@ mod tests {
             flags: 0,
         };
         let c = classify_plain(&[effect(1, kind)]);
-        assert_eq!(c.reasons, vec![Reason::FileChanged { op: "rename", path: "/w/f".into() }]);
+        assert_eq!(
+            c.reasons,
+            vec![Reason::FileChanged {
+                op: "rename",
+                path: "/w/f".into()
+            }]
+        );
     }
 
     #[test]
@@ -282,15 +382,25 @@ mod tests {
 
     #[test]
     fn unresolved_path_escalates_even_if_it_looks_ignored() {
-        let path = EffectPath { path: "/proc/x".into(), resolved: false, fs_type: None };
+        let path = EffectPath {
+            path: "/proc/x".into(),
+            resolved: false,
+            fs_type: None,
+        };
         let c = classify_plain(&[effect(1, EffectKind::Unlink { path })]);
         assert_eq!((c.class, c.escalated), (TurnClass::Fs, true));
-        assert!(matches!(c.reasons[0], Reason::UnresolvedPath { op: "unlink", .. }));
+        assert!(matches!(
+            c.reasons[0],
+            Reason::UnresolvedPath { op: "unlink", .. }
+        ));
     }
 
     #[test]
     fn lost_events_escalate_to_proc() {
-        let options = ClassifyOptions { lost_events: 3, ..Default::default() };
+        let options = ClassifyOptions {
+            lost_events: 3,
+            ..Default::default()
+        };
         let c = classify(&[], &options);
         assert_eq!((c.class, c.escalated), (TurnClass::Proc, true));
         assert_eq!(c.reasons, vec![Reason::LostEvents { count: 3 }]);
@@ -299,7 +409,13 @@ mod tests {
     #[test]
     fn exited_children_are_clean_survivors_are_proc() {
         let finished = [
-            effect(10, EffectKind::Exec { path: EffectPath::resolved("/bin/bash"), filename: "/bin/bash".into() }),
+            effect(
+                10,
+                EffectKind::Exec {
+                    path: EffectPath::resolved("/bin/bash"),
+                    filename: "/bin/bash".into(),
+                },
+            ),
             effect(10, EffectKind::Fork { child: 11 }),
             effect(11, EffectKind::Exit { status: 0 }),
             effect(10, EffectKind::Exit { status: 0 }),
@@ -310,15 +426,27 @@ mod tests {
         background.push(effect(10, EffectKind::Fork { child: 12 }));
         let c = classify_plain(&background);
         assert_eq!(c.class, TurnClass::Proc);
-        assert_eq!(c.reasons, vec![Reason::ProcessSurvives { pid: 12, comm: "sh".into() }]);
+        assert_eq!(
+            c.reasons,
+            vec![Reason::ProcessSurvives {
+                pid: 12,
+                comm: "sh".into()
+            }]
+        );
     }
 
     #[test]
     fn ending_a_process_from_before_is_proc_when_known() {
         let effects = [effect(5, EffectKind::Exit { status: 9 })];
         assert_eq!(classify_plain(&effects).class, TurnClass::Clean);
-        let options = ClassifyOptions { processes_before: Some(HashSet::from([5])), ..Default::default() };
-        assert_eq!(classify(&effects, &options).reasons, vec![Reason::ProcessEnded { pid: 5 }]);
+        let options = ClassifyOptions {
+            processes_before: Some(HashSet::from([5])),
+            ..Default::default()
+        };
+        assert_eq!(
+            classify(&effects, &options).reasons,
+            vec![Reason::ProcessEnded { pid: 5 }]
+        );
     }
 
     #[test]
@@ -327,7 +455,9 @@ mod tests {
         let listen = effect(7, EffectKind::Listen { addr, backlog: 5 });
         let c = classify_plain(std::slice::from_ref(&listen));
         assert_eq!(c.class, TurnClass::Proc);
-        assert!(matches!(&c.reasons[0], Reason::Listening { pid: 7, addr } if addr == "0.0.0.0:8000"));
+        assert!(
+            matches!(&c.reasons[0], Reason::Listening { pid: 7, addr } if addr == "0.0.0.0:8000")
+        );
 
         let closed = classify_plain(&[listen, effect(7, EffectKind::Exit { status: 0 })]);
         assert_eq!(closed.class, TurnClass::Clean);
@@ -346,11 +476,27 @@ mod tests {
 
     #[test]
     fn only_non_loopback_connects_are_external() {
-        let connect = |addr: &str| effect(1, EffectKind::Connect { addr: SockAddr::Inet(addr.parse().unwrap()) });
-        let local = classify_plain(&[connect("127.0.0.53:53"), connect("[::1]:80"), connect("[::ffff:127.0.0.1]:1")]);
+        let connect = |addr: &str| {
+            effect(
+                1,
+                EffectKind::Connect {
+                    addr: SockAddr::Inet(addr.parse().unwrap()),
+                },
+            )
+        };
+        let local = classify_plain(&[
+            connect("127.0.0.53:53"),
+            connect("[::1]:80"),
+            connect("[::ffff:127.0.0.1]:1"),
+        ]);
         assert!(!local.external);
         assert_eq!(local.class, TurnClass::Clean);
-        let unix = effect(1, EffectKind::Connect { addr: SockAddr::Unix(EffectPath::resolved("/run/s")) });
+        let unix = effect(
+            1,
+            EffectKind::Connect {
+                addr: SockAddr::Unix(EffectPath::resolved("/run/s")),
+            },
+        );
         assert!(!classify_plain(&[unix]).external);
         let remote = classify_plain(&[connect("93.184.216.34:443")]);
         assert!(remote.external);
@@ -359,7 +505,9 @@ mod tests {
 
     #[test]
     fn unix_socket_bind_creates_a_file() {
-        let kind = EffectKind::Bind { addr: SockAddr::Unix(EffectPath::resolved("/w/s.sock")) };
+        let kind = EffectKind::Bind {
+            addr: SockAddr::Unix(EffectPath::resolved("/w/s.sock")),
+        };
         assert_eq!(classify_plain(&[effect(1, kind)]).class, TurnClass::Fs);
     }
 }

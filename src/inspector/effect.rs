@@ -20,7 +20,11 @@ pub struct EffectPath {
 
 impl EffectPath {
     pub fn resolved(path: impl Into<PathBuf>) -> Self {
-        Self { path: path.into(), resolved: true, fs_type: None }
+        Self {
+            path: path.into(),
+            resolved: true,
+            fs_type: None,
+        }
     }
 }
 
@@ -43,7 +47,9 @@ pub enum SockAddr {
     /// An abstract AF_UNIX name (no file).
     UnixAbstract(String),
     /// An address the kernel side did not capture (e.g. listen on an AF_UNIX socket).
-    Other { family: u16 },
+    Other {
+        family: u16,
+    },
 }
 
 impl SockAddr {
@@ -62,7 +68,9 @@ fn is_local_ip(ip: IpAddr) -> bool {
         IpAddr::V6(v6) => {
             v6.is_loopback()
                 || v6.is_unspecified()
-                || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback() || v4.is_unspecified())
+                || v6
+                    .to_ipv4_mapped()
+                    .is_some_and(|v4| v4.is_loopback() || v4.is_unspecified())
         }
     }
 }
@@ -96,35 +104,102 @@ pub struct Effect {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EffectKind {
     /// open/openat/openat2/creat with a write, create or truncate flag.
-    Open { path: EffectPath, flags: u64, mode: u32 },
-    Truncate { path: EffectPath },
-    Unlink { path: EffectPath },
-    Rmdir { path: EffectPath },
-    Rename { from: EffectPath, to: EffectPath, flags: u64 },
-    Mkdir { path: EffectPath, mode: u32 },
+    Open {
+        path: EffectPath,
+        flags: u64,
+        mode: u32,
+    },
+    Truncate {
+        path: EffectPath,
+    },
+    Unlink {
+        path: EffectPath,
+    },
+    Rmdir {
+        path: EffectPath,
+    },
+    Rename {
+        from: EffectPath,
+        to: EffectPath,
+        flags: u64,
+    },
+    Mkdir {
+        path: EffectPath,
+        mode: u32,
+    },
     /// A hard link `path` to `existing`.
-    Link { path: EffectPath, existing: EffectPath },
+    Link {
+        path: EffectPath,
+        existing: EffectPath,
+    },
     /// A symlink at `path` whose content is `target` (kept verbatim).
-    Symlink { path: EffectPath, target: PathBuf },
-    Chmod { path: EffectPath, mode: u32 },
+    Symlink {
+        path: EffectPath,
+        target: PathBuf,
+    },
+    Chmod {
+        path: EffectPath,
+        mode: u32,
+    },
     /// `None` means "left unchanged" (-1 in the call).
-    Chown { path: EffectPath, uid: Option<u32>, gid: Option<u32> },
-    SetXattr { path: EffectPath, name: String },
-    RemoveXattr { path: EffectPath, name: String },
-    Mknod { path: EffectPath, mode: u32, dev: u64 },
-    Utimes { path: EffectPath },
-    Bind { addr: SockAddr },
-    Listen { addr: SockAddr, backlog: i32 },
-    Connect { addr: SockAddr },
-    Mount { target: EffectPath, source: String, fs_type: String, flags: u64 },
-    Unmount { target: EffectPath, flags: u64 },
-    MoveMount { to: EffectPath, from: EffectPath },
+    Chown {
+        path: EffectPath,
+        uid: Option<u32>,
+        gid: Option<u32>,
+    },
+    SetXattr {
+        path: EffectPath,
+        name: String,
+    },
+    RemoveXattr {
+        path: EffectPath,
+        name: String,
+    },
+    Mknod {
+        path: EffectPath,
+        mode: u32,
+        dev: u64,
+    },
+    Utimes {
+        path: EffectPath,
+    },
+    Bind {
+        addr: SockAddr,
+    },
+    Listen {
+        addr: SockAddr,
+        backlog: i32,
+    },
+    Connect {
+        addr: SockAddr,
+    },
+    Mount {
+        target: EffectPath,
+        source: String,
+        fs_type: String,
+        flags: u64,
+    },
+    Unmount {
+        target: EffectPath,
+        flags: u64,
+    },
+    MoveMount {
+        to: EffectPath,
+        from: EffectPath,
+    },
     /// A new process `child` (not a thread) forked by `pid`.
-    Fork { child: u32 },
+    Fork {
+        child: u32,
+    },
     /// `pid` executed `path` (the resolved executable); `filename` is as passed to execve.
-    Exec { path: EffectPath, filename: String },
+    Exec {
+        path: EffectPath,
+        filename: String,
+    },
     /// `pid` exited; `status` is the wait status (exit code << 8 | signal).
-    Exit { status: i32 },
+    Exit {
+        status: i32,
+    },
 }
 
 impl EffectKind {
@@ -174,7 +249,9 @@ impl EffectKind {
             | EffectKind::Mknod { path, .. }
             | EffectKind::Utimes { path } => vec![path],
             EffectKind::Rename { from, to, .. } => vec![from, to],
-            EffectKind::Bind { addr: SockAddr::Unix(path) } => vec![path],
+            EffectKind::Bind {
+                addr: SockAddr::Unix(path),
+            } => vec![path],
             _ => Vec::new(),
         }
     }
@@ -197,8 +274,12 @@ impl EffectKind {
             | EffectKind::Exec { path, .. } => vec![path],
             EffectKind::Rename { from, to, .. } => vec![from, to],
             EffectKind::Link { path, existing } => vec![path, existing],
-            EffectKind::Bind { addr: SockAddr::Unix(path) }
-            | EffectKind::Connect { addr: SockAddr::Unix(path) } => vec![path],
+            EffectKind::Bind {
+                addr: SockAddr::Unix(path),
+            }
+            | EffectKind::Connect {
+                addr: SockAddr::Unix(path),
+            } => vec![path],
             EffectKind::Mount { target, .. } | EffectKind::Unmount { target, .. } => vec![target],
             EffectKind::MoveMount { to, from } => vec![to, from],
             _ => Vec::new(),
@@ -222,7 +303,10 @@ impl Effect {
 
     /// True when the effect changed something at or under `prefix`.
     pub fn changes_under(&self, prefix: &Path) -> bool {
-        self.kind.changed_paths().iter().any(|p| p.path.starts_with(prefix))
+        self.kind
+            .changed_paths()
+            .iter()
+            .any(|p| p.path.starts_with(prefix))
     }
 }
 
@@ -233,10 +317,17 @@ impl fmt::Display for Effect {
             EffectKind::Rename { from, to, .. } => write!(f, "{from} -> {to}"),
             EffectKind::Link { path, existing } => write!(f, "{path} => {existing}"),
             EffectKind::Symlink { path, target } => write!(f, "{path} -> {}", target.display()),
-            EffectKind::Bind { addr } | EffectKind::Connect { addr } | EffectKind::Listen { addr, .. } => {
+            EffectKind::Bind { addr }
+            | EffectKind::Connect { addr }
+            | EffectKind::Listen { addr, .. } => {
                 write!(f, "{addr}")
             }
-            EffectKind::Mount { target, source, fs_type, .. } => {
+            EffectKind::Mount {
+                target,
+                source,
+                fs_type,
+                ..
+            } => {
                 write!(f, "{source} ({fs_type}) on {target}")
             }
             EffectKind::MoveMount { to, from } => write!(f, "{from} -> {to}"),

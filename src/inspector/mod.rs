@@ -25,11 +25,10 @@ mod mounts;
 mod record;
 
 use std::collections::HashMap;
-use std::ffi::CString;
 use std::io;
 use std::mem::MaybeUninit;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::path::{Path, PathBuf};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -38,7 +37,9 @@ use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, MapHandle, OpenObject, RingBufferBuilder};
 use tokio::sync::oneshot;
 
-pub use cgroup::{CgroupError, cgroup_id_of_dir, cgroup_id_of_pid, cgroup2_mount, cgroup2_path_of_pid};
+pub use cgroup::{
+    CgroupError, cgroup_id_of_dir, cgroup_id_of_pid, cgroup2_mount, cgroup2_path_of_pid,
+};
 pub use classify::{
     Classification, ClassifyOptions, DEFAULT_IGNORED_PREFIXES, Reason, TurnClass, classify,
 };
@@ -49,24 +50,30 @@ pub use record::RecordError;
 use record::{FsTypeLookup, NoFsTypes};
 
 mod skel {
-    #![allow(clippy::all, clippy::pedantic, missing_docs, non_camel_case_types, unused)]
+    #![allow(
+        clippy::all,
+        clippy::pedantic,
+        missing_docs,
+        non_camel_case_types,
+        unused
+    )]
     include!(concat!(env!("OUT_DIR"), "/inspector.skel.rs"));
 }
 use skel::{InspectorSkel, InspectorSkelBuilder};
 
-const TRACEFS: &str = "/sys/kernel/tracing";
-const DEBUGFS_TRACING: &str = "/sys/kernel/debug/tracing";
-/// The reader wakes up this often even without records, to notice a dropped [`Inspector`].
-const IDLE_WAKEUP: Duration = Duration::from_secs(1);
+/// The BPF side wakes the reader only when the ring buffer fills up (a wakeup
+/// per record costs more than the record); otherwise it reads this often.
+const READ_INTERVAL: Duration = Duration::from_millis(20);
 
 #[derive(Debug, thiserror::Error)]
 pub enum InspectorError {
-    #[error("mounting tracefs at {TRACEFS} (needed to attach syscall tracepoints): {0}")]
-    Tracefs(#[source] io::Error),
     #[error("loading or attaching the BPF programs: {0}")]
     Load(#[source] libbpf_rs::Error),
     #[error("BPF map {map}: {source}")]
-    Map { map: &'static str, source: libbpf_rs::Error },
+    Map {
+        map: &'static str,
+        source: libbpf_rs::Error,
+    },
     #[error("container {0:?} is not watched")]
     NotWatched(String),
     #[error("cgroup {cgroup_id} is already watched for container {container:?}")]
@@ -92,7 +99,9 @@ pub struct InspectorConfig {
 
 impl Default for InspectorConfig {
     fn default() -> Self {
-        Self { ring_buffer_bytes: 16 << 20 }
+        Self {
+            ring_buffer_bytes: 16 << 20,
+        }
     }
 }
 
@@ -117,7 +126,10 @@ pub struct TurnEffects {
 
 /// CLOCK_MONOTONIC in nanoseconds: the clock of [`Effect::time_ns`].
 pub fn monotonic_now_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime only writes the timespec we own.
     let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     assert_eq!(rc, 0, "CLOCK_MONOTONIC is always available");
@@ -136,13 +148,21 @@ struct ContainerLog {
 
 impl ContainerLog {
     fn new(container: WatchedContainer) -> Self {
-        let mut log = Self { container, effects: Vec::new(), mounts: None, undecodable: 0, lost_reported: 0 };
+        let mut log = Self {
+            container,
+            effects: Vec::new(),
+            mounts: None,
+            undecodable: 0,
+            lost_reported: 0,
+        };
         log.refresh_mounts();
         log
     }
 
     fn refresh_mounts(&mut self) {
-        let Some(pid) = self.container.root_pid else { return };
+        let Some(pid) = self.container.root_pid else {
+            return;
+        };
         match MountTable::of_pid(pid) {
             Ok(table) => self.mounts = Some(table),
             Err(error) => {
@@ -179,12 +199,17 @@ struct Logs(Mutex<HashMap<u64, ContainerLog>>);
 impl Logs {
     fn lock(&self) -> MutexGuard<'_, HashMap<u64, ContainerLog>> {
         // A panic while holding the lock leaves plain data behind: keep going.
-        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn on_record(&self, bytes: &[u8]) {
         let Ok(cgroup_id) = record::record_cgroup(bytes) else {
-            tracing::warn!(len = bytes.len(), "inspector record too short to name its cgroup");
+            tracing::warn!(
+                len = bytes.len(),
+                "inspector record too short to name its cgroup"
+            );
             return;
         };
         // Records of a container unwatched a moment ago are dropped here.
@@ -203,6 +228,9 @@ pub struct Inspector {
     logs: Arc<Logs>,
     watched: MapHandle,
     lost: MapHandle,
+    /// Every map of the BPF object, to report kernel memory use.
+    all_maps: Vec<MapHandle>,
+    programs: Vec<(String, OwnedFd)>,
     commands: mpsc::Sender<Command>,
     wake: Arc<OwnedFd>,
     reader: Option<JoinHandle<()>>,
@@ -211,6 +239,17 @@ pub struct Inspector {
 struct ReaderHandles {
     watched: MapHandle,
     lost: MapHandle,
+    all_maps: Vec<MapHandle>,
+    programs: Vec<(String, OwnedFd)>,
+}
+
+/// Kernel-measured cost of one BPF program, counted only while the
+/// `kernel.bpf_stats_enabled` sysctl is 1.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProgramStats {
+    pub name: String,
+    pub run_count: u64,
+    pub run_time_ns: u64,
 }
 
 impl Inspector {
@@ -230,7 +269,16 @@ impl Inspector {
         };
         let handles = ready_rx.await.map_err(|_| InspectorError::ReaderGone)??;
         tracing::info!("inspector attached");
-        Ok(Self { logs, watched: handles.watched, lost: handles.lost, commands, wake, reader: Some(reader) })
+        Ok(Self {
+            logs,
+            watched: handles.watched,
+            lost: handles.lost,
+            all_maps: handles.all_maps,
+            programs: handles.programs,
+            commands,
+            wake,
+            reader: Some(reader),
+        })
     }
 
     /// Starts recording the processes in cgroup `cgroup_id` (and its descendants) as `container`.
@@ -238,7 +286,10 @@ impl Inspector {
         {
             let mut logs = self.logs.lock();
             if let Some(existing) = logs.get(&cgroup_id) {
-                return Err(InspectorError::AlreadyWatched { cgroup_id, container: existing.container.id.clone() });
+                return Err(InspectorError::AlreadyWatched {
+                    cgroup_id,
+                    container: existing.container.id.clone(),
+                });
             }
             if logs.values().any(|l| l.container.id == container.id) {
                 return Err(InspectorError::DuplicateContainer(container.id));
@@ -249,7 +300,10 @@ impl Inspector {
         let result = self
             .watched
             .update(&cgroup_id.to_ne_bytes(), &[1u8], MapFlags::ANY)
-            .map_err(|source| InspectorError::Map { map: "watched", source });
+            .map_err(|source| InspectorError::Map {
+                map: "watched",
+                source,
+            });
         if result.is_err() {
             self.logs.lock().remove(&cgroup_id);
         }
@@ -261,7 +315,10 @@ impl Inspector {
         let cgroup_id = self.cgroup_of(container)?;
         self.watched
             .delete(&cgroup_id.to_ne_bytes())
-            .map_err(|source| InspectorError::Map { map: "watched", source })?;
+            .map_err(|source| InspectorError::Map {
+                map: "watched",
+                source,
+            })?;
         // Records already in the ring buffer still belong to the container.
         self.flush().await?;
         // The lost counter may never have been created: nothing to delete then.
@@ -274,7 +331,9 @@ impl Inspector {
     /// Returns once every record submitted before the call is in the logs.
     pub async fn flush(&self) -> Result<(), InspectorError> {
         let (done_tx, done_rx) = oneshot::channel();
-        self.commands.send(Command::Flush(done_tx)).map_err(|_| InspectorError::ReaderGone)?;
+        self.commands
+            .send(Command::Flush(done_tx))
+            .map_err(|_| InspectorError::ReaderGone)?;
         signal_eventfd(&self.wake);
         done_rx.await.map_err(|_| InspectorError::ReaderGone)
     }
@@ -286,10 +345,16 @@ impl Inspector {
 
     /// Takes the effects of `container` that happened at or before `until_ns`
     /// (CLOCK_MONOTONIC, see [`monotonic_now_ns`]); later ones stay for the next turn.
-    pub fn take_effects_until(&self, container: &str, until_ns: u64) -> Result<Vec<Effect>, InspectorError> {
+    pub fn take_effects_until(
+        &self,
+        container: &str,
+        until_ns: u64,
+    ) -> Result<Vec<Effect>, InspectorError> {
         let mut logs = self.logs.lock();
         let log = find_log(&mut logs, container)?;
-        let (taken, kept) = std::mem::take(&mut log.effects).into_iter().partition(|e| e.time_ns <= until_ns);
+        let (taken, kept) = std::mem::take(&mut log.effects)
+            .into_iter()
+            .partition(|e| e.time_ns <= until_ns);
         log.effects = kept;
         Ok(taken)
     }
@@ -314,7 +379,11 @@ impl Inspector {
 
     /// Flushes, then takes the effects up to `until_ns` and the records lost
     /// meanwhile: everything a turn classification needs.
-    pub async fn drain(&self, container: &str, until_ns: u64) -> Result<TurnEffects, InspectorError> {
+    pub async fn drain(
+        &self,
+        container: &str,
+        until_ns: u64,
+    ) -> Result<TurnEffects, InspectorError> {
         self.flush().await?;
         Ok(TurnEffects {
             effects: self.take_effects_until(container, until_ns)?,
@@ -322,9 +391,37 @@ impl Inspector {
         })
     }
 
+    /// Kernel memory held by the inspector's BPF maps (ring buffer, pending
+    /// syscalls, ...), as the kernel accounts it.
+    pub fn map_memory_bytes(&self) -> u64 {
+        self.all_maps
+            .iter()
+            .filter_map(|map| fdinfo_field(map.as_fd().as_raw_fd(), "memlock:"))
+            .sum()
+    }
+
+    /// Run counts and times of the BPF programs (see [`ProgramStats`]).
+    pub fn program_stats(&self) -> Vec<ProgramStats> {
+        self.programs
+            .iter()
+            .map(|(name, fd)| {
+                let field = |key| fdinfo_field(fd.as_raw_fd(), key).unwrap_or(0);
+                ProgramStats {
+                    name: name.clone(),
+                    run_count: field("run_cnt:"),
+                    run_time_ns: field("run_time_ns:"),
+                }
+            })
+            .collect()
+    }
+
     /// The containers being watched, by cgroup id.
     pub fn watched(&self) -> Vec<(u64, WatchedContainer)> {
-        self.logs.lock().iter().map(|(id, log)| (*id, log.container.clone())).collect()
+        self.logs
+            .lock()
+            .iter()
+            .map(|(id, log)| (*id, log.container.clone()))
+            .collect()
     }
 
     fn cgroup_of(&self, container: &str) -> Result<u64, InspectorError> {
@@ -340,8 +437,16 @@ impl Inspector {
         let value = self
             .lost
             .lookup(&cgroup_id.to_ne_bytes(), MapFlags::ANY)
-            .map_err(|source| InspectorError::Map { map: "lost", source })?;
-        Ok(value.and_then(|v| v.get(..8).map(|b| u64::from_ne_bytes(b.try_into().expect("8 bytes")))).unwrap_or(0))
+            .map_err(|source| InspectorError::Map {
+                map: "lost",
+                source,
+            })?;
+        Ok(value
+            .and_then(|v| {
+                v.get(..8)
+                    .map(|b| u64::from_ne_bytes(b.try_into().expect("8 bytes")))
+            })
+            .unwrap_or(0))
     }
 }
 
@@ -382,6 +487,22 @@ fn run_reader(
         let handles = ReaderHandles {
             watched: map_handle(&skel.maps.watched, "watched")?,
             lost: map_handle(&skel.maps.lost, "lost")?,
+            all_maps: skel
+                .object()
+                .maps()
+                .map(|m| map_handle(&m, "any"))
+                .collect::<Result<_, _>>()?,
+            programs: skel
+                .object()
+                .progs()
+                .map(|p| {
+                    Ok((
+                        p.name().to_string_lossy().into_owned(),
+                        p.as_fd().try_clone_to_owned()?,
+                    ))
+                })
+                .collect::<Result<_, io::Error>>()
+                .map_err(|e| InspectorError::Load(e.into()))?,
         };
         let mut builder = RingBufferBuilder::new();
         let sink = logs.clone();
@@ -390,8 +511,14 @@ fn run_reader(
                 sink.on_record(bytes);
                 0
             })
-            .map_err(|source| InspectorError::Map { map: "events", source })?;
-        let ring = builder.build().map_err(|source| InspectorError::Map { map: "events", source })?;
+            .map_err(|source| InspectorError::Map {
+                map: "events",
+                source,
+            })?;
+        let ring = builder.build().map_err(|source| InspectorError::Map {
+            map: "events",
+            source,
+        })?;
         Ok((skel, ring, handles))
     });
     let (_skel, ring) = match loaded {
@@ -407,12 +534,26 @@ fn run_reader(
         }
     };
     let mut fds = [
-        libc::pollfd { fd: ring.epoll_fd(), events: libc::POLLIN, revents: 0 },
-        libc::pollfd { fd: wake.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        libc::pollfd {
+            fd: ring.epoll_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: wake.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
     ];
     loop {
         // SAFETY: fds is a valid array of two pollfd for the duration of the call.
-        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, IDLE_WAKEUP.as_millis() as i32) };
+        let rc = unsafe {
+            libc::poll(
+                fds.as_mut_ptr(),
+                fds.len() as libc::nfds_t,
+                READ_INTERVAL.as_millis() as i32,
+            )
+        };
         if rc < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
             tracing::error!(error = %io::Error::last_os_error(), "inspector poll failed");
             return;
@@ -454,45 +595,38 @@ fn load<'obj>(
     storage: &'obj mut MaybeUninit<OpenObject>,
     config: &InspectorConfig,
 ) -> Result<InspectorSkel<'obj>, InspectorError> {
-    let events_dir = tracing_events_dir()?;
-    let mut open = InspectorSkelBuilder::default().open(storage).map_err(InspectorError::Load)?;
+    libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Info, libbpf_log)));
+    let mut open = InspectorSkelBuilder::default()
+        .open(storage)
+        .map_err(InspectorError::Load)?;
     open.maps
         .events
         .set_max_entries(config.ring_buffer_bytes)
-        .map_err(|source| InspectorError::Map { map: "events", source })?;
-    // Older kernels lack some syscalls (openat2, fchmodat2, setxattrat, ...):
-    // skip their programs instead of failing the whole load.
-    for mut prog in open.open_object_mut().progs_mut() {
-        let section = prog.section().to_string_lossy().into_owned();
-        if let Some(tracepoint) = section.strip_prefix("tracepoint/")
-            && !events_dir.join(tracepoint).exists()
-        {
-            tracing::debug!(tracepoint, "tracepoint missing on this kernel, program skipped");
-            prog.set_autoload(false);
-        }
-    }
+        .map_err(|source| InspectorError::Map {
+            map: "events",
+            source,
+        })?;
     let mut skel = open.load().map_err(InspectorError::Load)?;
     skel.attach().map_err(InspectorError::Load)?;
     Ok(skel)
 }
 
-/// The tracefs `events` directory, mounting tracefs when no one has.
-fn tracing_events_dir() -> Result<PathBuf, InspectorError> {
-    for base in [TRACEFS, DEBUGFS_TRACING] {
-        let events = Path::new(base).join("events");
-        if events.is_dir() {
-            return Ok(events);
-        }
+/// A numeric line (`key` includes the colon) of a BPF descriptor's fdinfo.
+fn fdinfo_field(fd: i32, key: &str) -> Option<u64> {
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
+    info.lines()
+        .find_map(|line| line.strip_prefix(key))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Sends libbpf's messages (verifier logs on failure) to tracing.
+fn libbpf_log(level: libbpf_rs::PrintLevel, message: String) {
+    let message = message.trim_end();
+    match level {
+        libbpf_rs::PrintLevel::Warn => tracing::warn!(target: "libbpf", "{message}"),
+        libbpf_rs::PrintLevel::Info => tracing::info!(target: "libbpf", "{message}"),
+        libbpf_rs::PrintLevel::Debug => tracing::debug!(target: "libbpf", "{message}"),
     }
-    let target = CString::new(TRACEFS).expect("no NUL in a constant");
-    let fstype = CString::new("tracefs").expect("no NUL in a constant");
-    // SAFETY: all pointers are valid NUL-terminated strings or null.
-    let rc = unsafe { libc::mount(fstype.as_ptr(), target.as_ptr(), fstype.as_ptr(), 0, std::ptr::null()) };
-    if rc != 0 {
-        return Err(InspectorError::Tracefs(io::Error::last_os_error()));
-    }
-    tracing::info!(path = TRACEFS, "mounted tracefs");
-    Ok(Path::new(TRACEFS).join("events"))
 }
 
 fn new_eventfd() -> Result<OwnedFd, InspectorError> {

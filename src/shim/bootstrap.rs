@@ -94,14 +94,18 @@ fn run(runtime_id: &str, flags: Flags) -> Result<(), BootstrapError> {
         .enable_all()
         .build()
         .map_err(io_err("tokio runtime"))?;
-    rt.block_on(async move {
+    let result = rt.block_on(async move {
         match flags.action.as_str() {
             "start" => start(&flags).await,
             "delete" => delete(&flags).await,
             "" => serve(&flags).await,
             other => Err(BootstrapError::Args(format!("unknown action {other:?}"))),
         }
-    })
+    });
+    // Copy tasks of processes that are gone may still wait on their fifos:
+    // nothing they could do matters once the server is down.
+    rt.shutdown_background();
+    result
 }
 
 fn binary_name() -> String {

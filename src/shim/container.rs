@@ -33,6 +33,10 @@ pub struct Container {
     pub init: Arc<Process>,
     execs: Mutex<HashMap<String, Arc<Process>>>,
     cgroup: Mutex<Option<Cgroup>>,
+    /// Policy kept from Create until a restored init's pid is known at Start.
+    pub pending_policy: Mutex<Option<(crate::turns::SandboxPolicy, Option<Arc<crate::engine::EngineContext>>)>>,
+    /// Set once the init's pid is known, when the sandbox is checkpointed.
+    engine: std::sync::OnceLock<Arc<crate::engine::SandboxEngine>>,
     /// Serialises verbs that change the container as a whole (start, pause,
     /// resume, checkpoint, delete). Exec, kill and queries do not take it.
     lifecycle: tokio::sync::Mutex<()>,
@@ -47,8 +51,22 @@ impl Container {
             init: Process::new("", init_uris, None),
             execs: Mutex::new(HashMap::new()),
             cgroup: Mutex::new(None),
+            engine: std::sync::OnceLock::new(),
+            pending_policy: Mutex::new(None),
             lifecycle: tokio::sync::Mutex::new(()),
         })
+    }
+
+    pub fn engine(&self) -> Option<&Arc<crate::engine::SandboxEngine>> {
+        self.engine.get()
+    }
+
+    pub fn set_engine(&self, engine: Arc<crate::engine::SandboxEngine>) {
+        let _ = self.engine.set(engine);
+    }
+
+    pub fn work_dir_path(&self) -> PathBuf {
+        self.work_dir()
     }
 
     pub fn id(&self) -> &str {
@@ -248,6 +266,10 @@ impl Container {
 
     /// Deletes the container from the runtime and unmounts its rootfs.
     pub async fn delete(&self) -> Result<(), ShimError> {
+        // The last turn's checkpoint reads the container's root: let it finish.
+        if let Some(engine) = self.engine() {
+            engine.settle().await;
+        }
         let _guard = self.lifecycle.lock().await;
         if matches!(self.init.status(), Status::Running | Status::Paused) {
             return Err(ShimError::FailedPrecondition(format!("container {} is still running", self.id())));

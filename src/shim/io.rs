@@ -226,16 +226,15 @@ async fn copy_out(source: AsyncRaw, mut sinks: Vec<Sink>) {
 type StdinWriter = Arc<Mutex<Option<AsyncRaw>>>;
 
 async fn copy_stdin(fifo: PathBuf, writer: StdinWriter) {
-    // Opening for read blocks until the client opens its end: that is what
-    // makes the client's close reach the container as end of file.
-    let opened = tokio::task::spawn_blocking(move || std::fs::File::open(&fifo)).await;
-    let source = match opened {
-        Ok(Ok(f)) => match AsyncRaw::new(f.into()) {
-            Ok(raw) => raw,
-            Err(e) => return tracing::warn!(error = %e, "stdin: register fifo"),
-        },
-        Ok(Err(e)) => return tracing::warn!(error = %e, "stdin: open fifo"),
-        Err(_) => return,
+    // Non-blocking read-only open returns at once. Before any writer came, the
+    // fifo is never readable (the kernel reports hang-up only for writers that
+    // came after our open and left), so waiting for readiness waits for the
+    // client; a read of 0 after that is the client's close, delivered to the
+    // container as end of file.
+    let opened = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&fifo);
+    let source = match opened.map(OwnedFd::from).and_then(AsyncRaw::new) {
+        Ok(raw) => raw,
+        Err(e) => return tracing::warn!(error = %e, fifo = %fifo.display(), "stdin: open fifo"),
     };
     let mut buf = vec![0u8; 32 * 1024];
     loop {

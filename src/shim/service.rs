@@ -23,6 +23,8 @@ use super::io::StdioUris;
 use super::options::{self, CreateOptions};
 use super::process::{Process, Status};
 use crate::config::Config;
+use crate::engine::{EngineContext, SandboxEngine};
+use crate::turns::{Policy, SandboxPolicy};
 use crate::runtime::{CheckpointOptions, Exit, OciRuntime, Reaper};
 
 /// How long an exit waits for the process's output to drain before it is
@@ -31,6 +33,8 @@ const DRAIN_BEFORE_EXIT: Duration = Duration::from_secs(2);
 
 pub struct TaskService {
     namespace: String,
+    /// Store and inspector, set up by the first checkpointed sandbox.
+    engine_ctx: tokio::sync::OnceCell<Arc<EngineContext>>,
     containers: Mutex<HashMap<String, Arc<Container>>>,
     events: EventSink,
     reaper: Reaper,
@@ -82,7 +86,14 @@ type TtrpcResult<T> = ttrpc::Result<T>;
 
 impl TaskService {
     pub fn new(namespace: &str, events: EventSink, reaper: Reaper, shutdown: CancellationToken) -> Self {
-        Self { namespace: namespace.into(), containers: Mutex::new(HashMap::new()), events, reaper, shutdown }
+        Self {
+            namespace: namespace.into(),
+            engine_ctx: tokio::sync::OnceCell::new(),
+            containers: Mutex::new(HashMap::new()),
+            events,
+            reaper,
+            shutdown,
+        }
     }
 
     fn container(&self, id: &str) -> Result<Arc<Container>, ShimError> {
@@ -106,6 +117,12 @@ impl TaskService {
             let exit: Exit = exit.await;
             if let Some(io) = process.io() {
                 io.drain(DRAIN_BEFORE_EXIT).await;
+            }
+            if !process.exec_id.is_empty()
+                && let Some(engine) = container.engine()
+            {
+                // Before the exit is published: the agent's next exec must find the turn closed.
+                engine.exec_exited().await;
             }
             if process.exec_id.is_empty() {
                 // With the init gone, the kernel killed the rest of the pid
@@ -132,6 +149,53 @@ impl TaskService {
                 })
                 .await;
         });
+    }
+
+    async fn engine_context(&self, config: &Config) -> Result<Arc<EngineContext>, ShimError> {
+        let state_dir = config.checkpoint.state_dir.clone();
+        self.engine_ctx
+            .get_or_try_init(|| async move {
+                let store = crate::checkpoint::CheckpointStore::open(&state_dir).map_err(|e| {
+                    ShimError::FailedPrecondition(format!("checkpoint store {}: {e}", state_dir.display()))
+                })?;
+                let inspector = match crate::inspector::Inspector::start(crate::inspector::InspectorConfig {
+                    ring_buffer_bytes: 4 << 20,
+                })
+                .await
+                {
+                    Ok(i) => Some(Arc::new(i)),
+                    Err(e) => {
+                        tracing::error!(error = %e, "inspector unavailable: every turn will be checkpointed in full");
+                        None
+                    }
+                };
+                Ok(Arc::new(EngineContext { store: Arc::new(store), inspector, state_dir }))
+            })
+            .await
+            .cloned()
+    }
+
+    fn attach_engine(
+        &self,
+        container: &Arc<Container>,
+        ctx: Option<&Arc<EngineContext>>,
+        policy: &SandboxPolicy,
+        pid: u32,
+        fresh: bool,
+    ) -> Result<(), ShimError> {
+        let Some(ctx) = ctx else { return Ok(()) };
+        let engine = SandboxEngine::new(
+            container.id(),
+            policy.clone(),
+            ctx.clone(),
+            container.runtime.clone(),
+            pid,
+            container.work_dir_path(),
+            fresh,
+        )
+        .map_err(|e| ShimError::FailedPrecondition(format!("checkpoint engine for {}: {e}", container.id())))?;
+        container.set_engine(engine);
+        Ok(())
     }
 
     fn watch_oom(&self, container: &Arc<Container>) {
@@ -164,9 +228,30 @@ impl TaskService {
             return Err(ShimError::AlreadyExists(format!("container {}", req.id)));
         }
         let bundle = PathBuf::from(&req.bundle);
+        let policy = sandbox_policy(&bundle, &config)?;
+        let engine_ctx = match policy.policy {
+            Policy::Off => None,
+            _ => Some(self.engine_context(&config).await?),
+        };
         let rootfs_mounted = mount_rootfs(&bundle, &req.rootfs).await?;
         tokio::fs::create_dir_all(runtime.root()).await.map_err(|e| ShimError::io(runtime.root(), e))?;
-        let restore_from = (!req.checkpoint.is_empty()).then(|| PathBuf::from(&req.checkpoint));
+        let mut restore_from = (!req.checkpoint.is_empty()).then(|| PathBuf::from(&req.checkpoint));
+        if let Some(source) = &policy.restore_from {
+            let ctx = match &engine_ctx {
+                Some(ctx) => ctx.clone(),
+                None => self.engine_context(&config).await?,
+            };
+            let prepared = prepare_restore(&ctx, source, &req.id, &bundle).await;
+            match prepared {
+                Ok(images) => restore_from = images.or(restore_from),
+                Err(e) => {
+                    if rootfs_mounted {
+                        super::container::unmount_rootfs(&bundle);
+                    }
+                    return Err(e);
+                }
+            }
+        }
         let container = Container::new(
             ContainerConfig {
                 id: req.id.clone(),
@@ -195,6 +280,10 @@ impl TaskService {
         self.containers.lock().expect("containers lock").insert(req.id.clone(), container.clone());
         if pid != 0 {
             self.watch_exit(&container, &container.init, pid);
+            let fresh = policy.restore_from.as_ref().is_none_or(|r| r.container != req.id);
+            self.attach_engine(&container, engine_ctx.as_ref(), &policy, pid, fresh)?;
+        } else {
+            *container.pending_policy.lock().expect("policy lock") = Some((policy, engine_ctx));
         }
         tracing::info!(container = %req.id, pid, "created");
         self.events
@@ -224,13 +313,36 @@ impl TaskService {
             let pid = container.start().await?;
             if restoring {
                 self.watch_exit(&container, &container.init, pid);
+                let pending = container.pending_policy.lock().expect("policy lock").take();
+                if let Some((policy, ctx)) = pending {
+                    let fresh = policy.restore_from.as_ref().is_none_or(|r| r.container != req.id);
+                    self.attach_engine(&container, ctx.as_ref(), &policy, pid, fresh)?;
+                }
+            }
+            if let Some(engine) = container.engine() {
+                engine.container_started().await;
             }
             self.watch_oom(&container);
             self.events.publish(TaskStart { container_id: req.id, pid, ..Default::default() }).await;
             return Ok(StartResponse { pid, ..Default::default() });
         }
         let process = container.process(&req.exec_id)?;
-        let pid = container.start_exec(&process).await?;
+        if let Some(engine) = container.engine() {
+            let waited = engine.exec_started(&req.exec_id).await;
+            if waited > Duration::from_millis(1) {
+                tracing::info!(container = %req.id, exec = %req.exec_id, waited_ms = waited.as_secs_f64() * 1e3,
+                    "exec waited for the previous turn's checkpoint");
+            }
+        }
+        let pid = match container.start_exec(&process).await {
+            Ok(pid) => pid,
+            Err(e) => {
+                if let Some(engine) = container.engine() {
+                    engine.exec_exited().await;
+                }
+                return Err(e);
+            }
+        };
         self.watch_exit(&container, &process, pid);
         self.events
             .publish(TaskExecStarted { container_id: req.id, exec_id: req.exec_id, pid, ..Default::default() })
@@ -262,7 +374,11 @@ impl TaskService {
     async fn do_checkpoint(&self, req: CheckpointTaskRequest) -> Result<(), ShimError> {
         let container = self.container(&req.id)?;
         let o = options::checkpoint_options(req.options.as_ref())?;
-        let image_path = if req.path.is_empty() { PathBuf::from(&o.image_path) } else { PathBuf::from(&req.path) };
+        // containerd 1.6/1.7 honour `--image-path` only for runtimes named
+        // io.containerd.runc*: for others they pass a temporary directory in
+        // `path` and keep the user's directory in the options. Write where the
+        // user asked, and give containerd its copy.
+        let image_path = if o.image_path.is_empty() { PathBuf::from(&req.path) } else { PathBuf::from(&o.image_path) };
         if image_path.as_os_str().is_empty() {
             return Err(ShimError::InvalidArgument("checkpoint: no image path".into()));
         }
@@ -279,6 +395,9 @@ impl TaskService {
             parent_path: None,
         };
         container.checkpoint(&opts).await?;
+        if !req.path.is_empty() && Path::new(&req.path) != image_path {
+            copy_dir(&image_path, Path::new(&req.path)).await?;
+        }
         self.events
             .publish(TaskCheckpointed {
                 container_id: req.id,
@@ -321,6 +440,70 @@ impl TaskService {
             .collect();
         Ok(PidsResponse { processes, ..Default::default() })
     }
+}
+
+/// The sandbox's checkpoint policy from its spec's `io.crab.*` annotations.
+fn sandbox_policy(bundle: &Path, config: &Config) -> Result<SandboxPolicy, ShimError> {
+    let path = bundle.join("config.json");
+    let bytes = std::fs::read(&path).map_err(|e| ShimError::io(&path, e))?;
+    #[derive(serde::Deserialize)]
+    struct Spec {
+        #[serde(default)]
+        annotations: HashMap<String, String>,
+    }
+    let spec: Spec = serde_json::from_slice(&bytes)
+        .map_err(|e| ShimError::InvalidArgument(format!("{}: {e}", path.display())))?;
+    let defaults = SandboxPolicy {
+        policy: crate::turns::parse_policy(&config.checkpoint.policy).unwrap_or(Policy::Crab),
+        ..Default::default()
+    };
+    SandboxPolicy::from_annotations(&spec.annotations, &defaults).map_err(|e| ShimError::InvalidArgument(e.to_string()))
+}
+
+/// Prepares a container created from another's checkpoint: writes the
+/// source's rootfs as at the turn onto the fresh rootfs, points the new
+/// chain at that checkpoint, and returns the CRIU images to restore at Start
+/// (None when the chain has no process checkpoint up to that turn).
+async fn prepare_restore(
+    ctx: &Arc<EngineContext>,
+    source: &crate::turns::RestoreFrom,
+    new_id: &str,
+    bundle: &Path,
+) -> Result<Option<PathBuf>, ShimError> {
+    let rootfs = bundle.join("rootfs");
+    let images_dir = bundle.join("crab").join("restore-images");
+    let (src, turn, new) = (source.container.clone(), source.turn, new_id.to_string());
+    let dest = images_dir.clone();
+    let restored = ctx
+        .store
+        .run_blocking(move |store| {
+            store.materialize(&src, turn, &rootfs)?;
+            let _ = std::fs::remove_dir_all(&dest);
+            let images = store.restore_images(&src, turn, &dest)?;
+            if src != new {
+                store.fork(&src, turn, &new)?;
+            }
+            Ok(images)
+        })
+        .await
+        .map_err(|e| ShimError::FailedPrecondition(format!("restore from {}:{}: {e}", source.container, source.turn)))?;
+    tracing::info!(container = new_id, source = %source.container, turn = source.turn, images_turn = ?restored, "restoring from checkpoint");
+    Ok(restored.map(|_| images_dir))
+}
+
+async fn copy_dir(from: &Path, to: &Path) -> Result<(), ShimError> {
+    tokio::fs::create_dir_all(to).await.map_err(|e| ShimError::io(to, e))?;
+    let mut entries = tokio::fs::read_dir(from).await.map_err(|e| ShimError::io(from, e))?;
+    while let Some(entry) = entries.next_entry().await.map_err(|e| ShimError::io(from, e))? {
+        let target = to.join(entry.file_name());
+        let kind = entry.file_type().await.map_err(|e| ShimError::io(&entry.path(), e))?;
+        if kind.is_dir() {
+            Box::pin(copy_dir(&entry.path(), &target)).await?;
+        } else if kind.is_file() {
+            tokio::fs::copy(entry.path(), &target).await.map_err(|e| ShimError::io(&target, e))?;
+        }
+    }
+    Ok(())
 }
 
 fn delete_response(process: &Process) -> DeleteResponse {

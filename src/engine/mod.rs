@@ -1,0 +1,402 @@
+//! The checkpoint engine of one sandbox: it follows turns, asks the inspector
+//! what each did, and checkpoints exactly that at the turn's end.
+//!
+//! A turn opens when its first exec starts and closes when its last exec
+//! exits. Closing hands the turn to a background job (classify, capture,
+//! commit) and returns at once, so the exit reaches the agent without delay.
+//! The next turn's first exec waits for that job: only a turn that arrives
+//! before the previous checkpoint is durable sees any delay (the agent's LLM
+//! wait normally hides it).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use tokio::sync::Mutex;
+
+use crate::checkpoint::{ChangedPath, CheckpointStore, TurnInput};
+use crate::inspector::{ClassifyOptions, Effect, EffectKind, Inspector, TurnClass, classify, monotonic_now_ns};
+use crate::runtime::{CheckpointOptions, OciRuntime};
+use crate::turns::{Policy, RecordedClass, SandboxPolicy, TurnLog, TurnRecord, unix_ms};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Store(#[from] crate::checkpoint::CheckpointError),
+    #[error(transparent)]
+    Log(#[from] crate::turns::TurnLogError),
+    #[error(transparent)]
+    Runtime(#[from] crate::runtime::RuntimeError),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Shared by every sandbox of one shim.
+pub struct EngineContext {
+    pub store: Arc<CheckpointStore>,
+    /// None when BPF is unavailable: then every turn is treated as a process
+    /// turn, which is correct, only more expensive.
+    pub inspector: Option<Arc<Inspector>>,
+    pub state_dir: PathBuf,
+}
+
+struct OpenTurn {
+    turn: u64,
+    exec_id: String,
+    started: SystemTime,
+    running_execs: usize,
+}
+
+struct State {
+    next_turn: u64,
+    open: Option<OpenTurn>,
+    /// The checkpoint job of the last closed turn; the next turn waits for it.
+    pending: Option<tokio::task::JoinHandle<()>>,
+    /// The newest turn with a committed checkpoint.
+    last_checkpoint: Option<u64>,
+}
+
+pub struct SandboxEngine {
+    container: String,
+    policy: SandboxPolicy,
+    ctx: Arc<EngineContext>,
+    runtime: OciRuntime,
+    init_pid: u32,
+    work_dir: PathBuf,
+    log: TurnLog,
+    state: Mutex<State>,
+}
+
+impl SandboxEngine {
+    /// Starts following `container` (its init is `init_pid`). A `fresh`
+    /// container starts a new chain; otherwise (restored from its own
+    /// checkpoint) the turn numbering and chain continue.
+    pub fn new(
+        container: &str,
+        policy: SandboxPolicy,
+        ctx: Arc<EngineContext>,
+        runtime: OciRuntime,
+        init_pid: u32,
+        work_dir: PathBuf,
+        fresh: bool,
+    ) -> Result<Arc<Self>, EngineError> {
+        let log = TurnLog::open(&ctx.state_dir, container)?;
+        if fresh {
+            // A new container that reuses an id: the old chain is history, not its past.
+            if ctx.store.head(container)?.is_some() {
+                ctx.store.remove_container(container)?;
+            }
+            log.reset()?;
+        }
+        let head = ctx.store.head(container)?;
+        let last_turn = log.read()?.last().map(|r| r.turn).max(head.map(|h| h.turn)).unwrap_or(0);
+        if let (Some(inspector), Policy::Crab) = (&ctx.inspector, policy.policy) {
+            match crate::inspector::cgroup_id_of_pid(init_pid) {
+                Ok(cgroup) => {
+                    let watched = crate::inspector::WatchedContainer {
+                        id: container.into(),
+                        root_pid: Some(init_pid),
+                        rootfs: Some(format!("/proc/{init_pid}/root").into()),
+                    };
+                    if let Err(e) = inspector.watch(cgroup, watched) {
+                        tracing::error!(container, error = %e, "inspector cannot watch: every turn will be checkpointed in full");
+                    }
+                }
+                Err(e) => tracing::error!(container, error = %e, "no cgroup v2 id: every turn will be checkpointed in full"),
+            }
+        }
+        Ok(Arc::new(Self {
+            container: container.into(),
+            policy,
+            ctx,
+            runtime,
+            init_pid,
+            work_dir,
+            log,
+            state: Mutex::new(State {
+                next_turn: last_turn + 1,
+                open: None,
+                pending: None,
+                last_checkpoint: head.map(|h| h.turn),
+            }),
+        }))
+    }
+
+    /// The init has started: what it did to get going belongs to no turn
+    /// (restoring turn 0 means starting the container from its image).
+    pub async fn container_started(&self) {
+        let Some(inspector) = &self.ctx.inspector else { return };
+        match inspector.drain(&self.container, monotonic_now_ns()).await {
+            Ok(start) => tracing::debug!(container = %self.container, effects = start.effects.len(), "start-up effects set aside"),
+            Err(e) => tracing::debug!(container = %self.container, error = %e, "no start-up effects"),
+        }
+    }
+
+    pub fn policy(&self) -> &SandboxPolicy {
+        &self.policy
+    }
+
+    /// An exec starts: it opens a turn or joins the open one. Returns how long
+    /// it waited for the previous turn's checkpoint (agent-visible delay).
+    pub async fn exec_started(&self, exec_id: &str) -> std::time::Duration {
+        let waited = Instant::now();
+        // The job takes the state lock to finish: wait for it without holding the lock.
+        let pending = self.state.lock().await.pending.take();
+        if let Some(pending) = pending {
+            let _ = pending.await;
+        }
+        let delay = waited.elapsed();
+        let mut state = self.state.lock().await;
+        match &mut state.open {
+            Some(open) => open.running_execs += 1,
+            None => {
+                let turn = state.next_turn;
+                state.next_turn += 1;
+                state.open = Some(OpenTurn { turn, exec_id: exec_id.into(), started: SystemTime::now(), running_execs: 1 });
+            }
+        }
+        delay
+    }
+
+    /// An exec exited: the turn closes when it was the last one running, and
+    /// its checkpoint starts in the background.
+    pub async fn exec_exited(self: &Arc<Self>) {
+        let end_ns = monotonic_now_ns();
+        let ended = SystemTime::now();
+        let mut state = self.state.lock().await;
+        let Some(open) = &mut state.open else { return };
+        open.running_execs = open.running_execs.saturating_sub(1);
+        if open.running_execs > 0 {
+            return;
+        }
+        let open = state.open.take().expect("checked above");
+        let previous = state.last_checkpoint;
+        let engine = self.clone();
+        state.pending = Some(tokio::spawn(async move {
+            let record = engine.checkpoint_turn(&open, previous, end_ns, ended).await;
+            let mut state = engine.state.lock().await;
+            match record {
+                Ok(record) => {
+                    if record.checkpoint_turn.is_some() {
+                        state.last_checkpoint = record.checkpoint_turn;
+                    }
+                    if let Err(e) = engine.log.append(&record) {
+                        tracing::error!(container = %engine.container, turn = record.turn, error = %e, "turn record not written");
+                    }
+                }
+                Err(e) => tracing::error!(container = %engine.container, turn = open.turn, error = %e, "turn checkpoint failed"),
+            }
+        }));
+    }
+
+    /// Waits for the last turn's checkpoint (e.g. before the container is deleted).
+    pub async fn settle(&self) {
+        let pending = self.state.lock().await.pending.take();
+        if let Some(p) = pending {
+            let _ = p.await;
+        }
+    }
+
+    async fn checkpoint_turn(
+        &self,
+        open: &OpenTurn,
+        previous: Option<u64>,
+        end_ns: u64,
+        ended: SystemTime,
+    ) -> Result<TurnRecord, EngineError> {
+        let clock = Instant::now();
+        let mut record = TurnRecord {
+            turn: open.turn,
+            exec_id: Some(open.exec_id.clone()),
+            started_unix_ms: unix_ms(open.started),
+            ended_unix_ms: unix_ms(ended),
+            class: RecordedClass::Proc,
+            external: false,
+            escalated: false,
+            reasons: Vec::new(),
+            checkpoint_turn: previous,
+            bytes_written: 0,
+            capture_ms: 0.0,
+            checkpoint_ms: 0.0,
+            policy: self.policy.policy,
+        };
+        let (class, changed) = match self.policy.policy {
+            Policy::Off => {
+                record.class = RecordedClass::Clean;
+                record.reasons.push("policy off: not inspected".into());
+                return Ok(record);
+            }
+            Policy::EveryTurn => {
+                record.reasons.push("policy every-turn: full checkpoint".into());
+                (TurnClass::Proc, Vec::new())
+            }
+            Policy::Crab => self.inspect(end_ns, &mut record).await,
+        };
+        record.class = match class {
+            TurnClass::Clean => RecordedClass::Clean,
+            TurnClass::Fs => RecordedClass::Fs,
+            TurnClass::Proc => RecordedClass::Proc,
+        };
+        if class == TurnClass::Clean {
+            // Nothing recovery needs changed: the previous checkpoint stands for this turn.
+            record.checkpoint_ms = clock.elapsed().as_secs_f64() * 1e3;
+            return Ok(record);
+        }
+        let images = if class == TurnClass::Proc {
+            let dir = self.work_dir.join(format!("dump-{}", open.turn));
+            let _ = tokio::fs::remove_dir_all(&dir).await;
+            let capture = Instant::now();
+            self.runtime
+                .checkpoint(
+                    &self.container,
+                    &CheckpointOptions {
+                        image_path: dir.clone(),
+                        work_path: Some(self.work_dir.join(format!("dump-{}-work", open.turn))),
+                        leave_running: true,
+                        tcp_established: true,
+                        ext_unix_sockets: true,
+                        file_locks: true,
+                        ..Default::default()
+                    },
+                )
+                .await?;
+            record.capture_ms = capture.elapsed().as_secs_f64() * 1e3;
+            Some(dir)
+        } else {
+            None
+        };
+        let rootfs = PathBuf::from(format!("/proc/{}/root", self.init_pid));
+        let container = self.container.clone();
+        let turn = open.turn;
+        let images_for_commit = images.clone();
+        let report = self
+            .ctx
+            .store
+            .run_blocking(move |store| {
+                store.commit_turn(&TurnInput {
+                    container: &container,
+                    turn,
+                    rootfs: Some(&rootfs),
+                    changed: &changed,
+                    criu_images: images_for_commit.as_deref(),
+                })
+            })
+            .await;
+        if let Some(dir) = &images {
+            let _ = tokio::fs::remove_dir_all(dir).await;
+            let _ = tokio::fs::remove_dir_all(self.work_dir.join(format!("dump-{turn}-work"))).await;
+        }
+        let report = report?;
+        record.checkpoint_turn = Some(turn);
+        record.bytes_written = report.traffic.written_bytes + report.manifest_bytes;
+        record.checkpoint_ms = clock.elapsed().as_secs_f64() * 1e3;
+        tracing::info!(container = %self.container, turn, class = ?record.class, bytes = record.bytes_written,
+            ms = record.checkpoint_ms, "turn checkpointed");
+        Ok(record)
+    }
+
+    /// Classifies the turn from the inspector's effects; fills the record's
+    /// reasons. Without an inspector the turn is a process turn.
+    async fn inspect(&self, end_ns: u64, record: &mut TurnRecord) -> (TurnClass, Vec<ChangedPath>) {
+        let Some(inspector) = &self.ctx.inspector else {
+            record.escalated = true;
+            record.reasons.push("inspector unavailable".into());
+            return (TurnClass::Proc, Vec::new());
+        };
+        let effects = match inspector.drain(&self.container, end_ns).await {
+            Ok(e) => e,
+            Err(e) => {
+                record.escalated = true;
+                record.reasons.push(format!("inspector: {e}"));
+                return (TurnClass::Proc, Vec::new());
+            }
+        };
+        let verdict = classify(
+            &effects.effects,
+            &ClassifyOptions { ignored_prefixes: self.policy.ignore.clone(), lost_events: effects.lost_events, ..Default::default() },
+        );
+        record.external = verdict.external;
+        record.escalated = verdict.escalated;
+        record.reasons = verdict.reasons.iter().take(32).map(|r| r.to_string()).collect();
+        if verdict.reasons.len() > 32 {
+            record.reasons.push(format!("... and {} more", verdict.reasons.len() - 32));
+        }
+        let changed = changed_paths(&effects.effects, &self.policy.ignore);
+        (verdict.class, changed)
+    }
+}
+
+/// The distinct paths a turn changed, outside ignored prefixes. A path is
+/// "created" when the turn made it (so a new directory is captured whole).
+pub fn changed_paths(effects: &[Effect], ignore: &[PathBuf]) -> Vec<ChangedPath> {
+    const O_CREAT: u64 = libc::O_CREAT as u64;
+    let ignored = |p: &Path| {
+        crate::inspector::DEFAULT_IGNORED_PREFIXES.iter().any(|i| p.starts_with(i)) || ignore.iter().any(|i| p.starts_with(i))
+    };
+    let mut created = BTreeSet::new();
+    let mut modified = BTreeSet::new();
+    for effect in effects {
+        let made: Vec<&Path> = match &effect.kind {
+            EffectKind::Mkdir { path, .. } | EffectKind::Symlink { path, .. } | EffectKind::Mknod { path, .. } => {
+                vec![&path.path]
+            }
+            EffectKind::Link { path, .. } => vec![&path.path],
+            EffectKind::Rename { to, .. } => vec![&to.path],
+            EffectKind::Open { path, flags, .. } if flags & O_CREAT != 0 => vec![&path.path],
+            _ => Vec::new(),
+        };
+        for p in made {
+            created.insert(p.to_path_buf());
+        }
+        for p in effect.kind.changed_paths() {
+            if p.resolved && p.path.is_absolute() {
+                modified.insert(p.path.clone());
+            }
+        }
+    }
+    modified
+        .into_iter()
+        .filter(|p| !ignored(p))
+        .map(|p| {
+            use std::os::unix::ffi::OsStrExt;
+            let bytes = p.as_os_str().as_bytes();
+            if created.contains(&p) { ChangedPath::created(bytes) } else { ChangedPath::modified(bytes) }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inspector::EffectPath;
+
+    fn effect(kind: EffectKind) -> Effect {
+        Effect { time_ns: 1, pid: 10, tid: 10, comm: "sh".into(), result: 0, kind }
+    }
+
+    #[test]
+    fn changed_paths_mark_created_and_skip_ignored() {
+        let effects = vec![
+            effect(EffectKind::Open { path: EffectPath::resolved("/app/new.txt"), flags: libc::O_CREAT as u64 | 1, mode: 0o644 }),
+            effect(EffectKind::Open { path: EffectPath::resolved("/app/old.txt"), flags: 1, mode: 0 }),
+            effect(EffectKind::Mkdir { path: EffectPath::resolved("/app/dir"), mode: 0o755 }),
+            effect(EffectKind::Rename { from: EffectPath::resolved("/app/a"), to: EffectPath::resolved("/app/b"), flags: 0 }),
+            effect(EffectKind::Open { path: EffectPath::resolved("/root/.cache/pip/x"), flags: libc::O_CREAT as u64, mode: 0 }),
+            effect(EffectKind::Open { path: EffectPath::resolved("/dev/null"), flags: 1, mode: 0 }),
+        ];
+        let got = changed_paths(&effects, &[PathBuf::from("/root/.cache")]);
+        let view: Vec<(String, bool)> =
+            got.iter().map(|c| (String::from_utf8(c.path.clone()).unwrap(), c.created)).collect();
+        assert_eq!(
+            view,
+            vec![
+                ("/app/a".into(), false),
+                ("/app/b".into(), true),
+                ("/app/dir".into(), true),
+                ("/app/new.txt".into(), true),
+                ("/app/old.txt".into(), false),
+            ]
+        );
+    }
+}

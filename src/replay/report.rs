@@ -1,0 +1,390 @@
+//! What a replay found, as JSON (`--json`) or as tables for people.
+
+use std::fmt::Write;
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+use super::fault::FaultKind;
+use super::oracle::Verdict;
+use super::policy::{PolicyKind, RecoveryMethod};
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TraceReport {
+    pub trace: String,
+    pub file: PathBuf,
+    pub image: String,
+    pub runtime: String,
+    pub turns: u32,
+    pub fault: FaultKind,
+    pub fault_turn: Option<u32>,
+    pub reference: ReferenceSummary,
+    pub runs: Vec<PolicyRun>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ReferenceSummary {
+    pub runs: usize,
+    /// Wall time of all reference runs, fingerprints after every turn included.
+    pub run_time_s: f64,
+    pub nondeterministic_turns: Vec<u32>,
+    /// Fingerprint digest after the last turn.
+    pub final_state: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyRun {
+    pub policy: PolicyKind,
+    /// `None` when no fault was injected.
+    pub recovered_correctly: Option<bool>,
+    pub fault: Option<FaultReport>,
+    pub checkpoints: u32,
+    pub checkpoint_failures: u32,
+    /// Sum over all checkpoints of the bytes each one stored.
+    pub checkpoint_bytes: u64,
+    pub run_time_s: f64,
+    pub agent_delay: DelaySummary,
+    pub turns: Vec<TurnReport>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FaultReport {
+    pub kind: FaultKind,
+    pub turn: u32,
+    /// `None` when the recovery failed (see `error`); the run ends there.
+    pub recovery: Option<RecoveryMethod>,
+    pub recovery_s: f64,
+    pub error: Option<String>,
+    /// Fingerprint digests right after recovery and in the reference after the fault turn.
+    pub state_after: Option<String>,
+    pub reference_state: Option<String>,
+    pub verdict: Option<Verdict>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TurnReport {
+    pub turn: u32,
+    pub rc: Option<i32>,
+    pub timed_out: bool,
+    pub exec_s: f64,
+    pub checkpoint_s: f64,
+    pub checkpoint_bytes: u64,
+    /// Added to the turn before the agent can go on: the policy's checkpoint.
+    pub agent_visible_delay_s: f64,
+    /// Why the policy could not save after this turn.
+    pub checkpoint_error: Option<String>,
+    pub stdout_sha256: String,
+    pub stderr_sha256: String,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct DelaySummary {
+    pub total_s: f64,
+    pub mean_s: f64,
+    pub median_s: f64,
+    pub max_s: f64,
+}
+
+impl DelaySummary {
+    pub fn of(delays: impl Iterator<Item = f64>) -> DelaySummary {
+        let mut delays: Vec<f64> = delays.collect();
+        if delays.is_empty() {
+            return DelaySummary::default();
+        }
+        delays.sort_by(f64::total_cmp);
+        let total_s: f64 = delays.iter().sum();
+        let middle = delays.len() / 2;
+        let median_s = if delays.len() % 2 == 1 {
+            delays[middle]
+        } else {
+            (delays[middle - 1] + delays[middle]) / 2.0
+        };
+        DelaySummary {
+            total_s,
+            mean_s: total_s / delays.len() as f64,
+            median_s,
+            max_s: delays[delays.len() - 1],
+        }
+    }
+}
+
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+fn rc_text(rc: Option<i32>, timed_out: bool) -> String {
+    match (rc, timed_out) {
+        (_, true) => "T/O".to_string(),
+        (Some(rc), false) => rc.to_string(),
+        (None, false) => "?".to_string(),
+    }
+}
+
+fn verdict_text(run: &PolicyRun) -> (String, String, String) {
+    let Some(fault) = &run.fault else {
+        return ("-".to_string(), "-".to_string(), "-".to_string());
+    };
+    let Some(verdict) = &fault.verdict else {
+        return (
+            "NO (failed)".to_string(),
+            "-".to_string(),
+            "not run".to_string(),
+        );
+    };
+    let recovered = match (run.recovered_correctly, verdict.recovery_possible) {
+        (_, false) => "NO (impossible)".to_string(),
+        (Some(true), _) => "yes".to_string(),
+        _ => "NO".to_string(),
+    };
+    let state = if verdict.state_equal {
+        "equal".to_string()
+    } else {
+        match verdict.state_differences.len() {
+            1 => "1 difference".to_string(),
+            count => format!("{count} differences"),
+        }
+    };
+    let compared = verdict.turns_compared.len();
+    let later = if compared == 0 {
+        "none after fault".to_string()
+    } else {
+        format!(
+            "rc {}/{compared}, out {}/{compared}",
+            compared - verdict.rc_mismatches.len(),
+            compared - verdict.output_mismatches.len()
+        )
+    };
+    (recovered, state, later)
+}
+
+/// The summary table, the differences that made a recovery incorrect, and
+/// the per-turn delays, for each trace.
+pub fn render(reports: &[TraceReport]) -> String {
+    let mut out = String::new();
+    for report in reports {
+        render_trace(&mut out, report);
+    }
+    out
+}
+
+fn render_trace(out: &mut String, report: &TraceReport) {
+    let fault = match report.fault_turn {
+        Some(turn) => format!("fault {} after turn {turn}", report.fault),
+        None => "no fault".to_string(),
+    };
+    let _ = writeln!(
+        out,
+        "trace {} ({} turns, {}, runtime {}), {fault}",
+        report.trace, report.turns, report.image, report.runtime
+    );
+    let nondeterministic = if report.reference.nondeterministic_turns.is_empty() {
+        "none".to_string()
+    } else {
+        format!("{:?}", report.reference.nondeterministic_turns)
+    };
+    let _ = writeln!(
+        out,
+        "reference: {} fault-free run(s) in {:.1} s, nondeterministic turns: {nondeterministic}",
+        report.reference.runs, report.reference.run_time_s
+    );
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "{:<11} {:<16} {:<15} {:<20} {:>5} {:>10} {:>10} {:>10} {:>9} {:>9}",
+        "policy",
+        "recovered",
+        "state",
+        "later turns",
+        "ckpts",
+        "ckpt bytes",
+        "delay mean",
+        "delay max",
+        "recovery",
+        "run time"
+    );
+    for run in &report.runs {
+        let (recovered, state, later) = verdict_text(run);
+        let recovery = run.fault.as_ref().map_or("-".to_string(), |fault| {
+            format!("{:.2} s", fault.recovery_s)
+        });
+        let _ = writeln!(
+            out,
+            "{:<11} {:<16} {:<15} {:<20} {:>5} {:>10} {:>8.2} s {:>8.2} s {:>9} {:>7.1} s",
+            run.policy.name(),
+            recovered,
+            state,
+            later,
+            run.checkpoints,
+            human_bytes(run.checkpoint_bytes),
+            run.agent_delay.mean_s,
+            run.agent_delay.max_s,
+            recovery,
+            run.run_time_s
+        );
+    }
+    for run in &report.runs {
+        let failed: Vec<&TurnReport> = run
+            .turns
+            .iter()
+            .filter(|turn| turn.checkpoint_error.is_some())
+            .collect();
+        if let Some(first) = failed.first() {
+            let turns: Vec<u32> = failed.iter().map(|turn| turn.turn).collect();
+            let _ = writeln!(out);
+            let _ = writeln!(
+                out,
+                "{}: checkpoint failed after turns {turns:?}",
+                run.policy.name()
+            );
+            let _ = writeln!(
+                out,
+                "  first error: {}",
+                first.checkpoint_error.as_deref().unwrap_or_default()
+            );
+        }
+    }
+    for run in &report.runs {
+        let Some(fault) = &run.fault else { continue };
+        if let Some(error) = &fault.error {
+            let _ = writeln!(out);
+            let _ = writeln!(
+                out,
+                "{}: recovery failed, the run stopped there: {error}",
+                run.policy.name()
+            );
+            continue;
+        }
+        let (Some(verdict), Some(recovery)) = (&fault.verdict, &fault.recovery) else {
+            continue;
+        };
+        if verdict.correct {
+            continue;
+        }
+        let _ = writeln!(out);
+        let method = match recovery {
+            RecoveryMethod::Checkpoint { turn } => {
+                format!("restored the checkpoint of turn {turn}")
+            }
+            RecoveryMethod::BaseImage => "started a fresh sandbox from the base image".to_string(),
+        };
+        let _ = writeln!(
+            out,
+            "{}: {method}; why it is not a correct recovery:",
+            run.policy.name()
+        );
+        if !verdict.recovery_possible {
+            let _ = writeln!(
+                out,
+                "  the policy keeps no state, so the run cannot continue"
+            );
+        }
+        const SHOWN: usize = 8;
+        for difference in verdict.state_differences.iter().take(SHOWN) {
+            let _ = writeln!(out, "  {difference}");
+        }
+        if verdict.state_differences.len() > SHOWN {
+            let _ = writeln!(
+                out,
+                "  ... and {} more differences",
+                verdict.state_differences.len() - SHOWN
+            );
+        }
+        if !verdict.rc_mismatches.is_empty() {
+            let _ = writeln!(
+                out,
+                "  exit codes differ from the reference on turns {:?}",
+                verdict.rc_mismatches
+            );
+        }
+        if !verdict.output_mismatches.is_empty() {
+            let _ = writeln!(
+                out,
+                "  outputs differ from the reference on turns {:?}",
+                verdict.output_mismatches
+            );
+        }
+    }
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "per turn: exit code, exec time, agent-visible delay added by the policy (checkpoint)"
+    );
+    let _ = write!(out, "{:>4}", "turn");
+    for run in &report.runs {
+        let _ = write!(out, " | {:^26}", run.policy.name());
+    }
+    let _ = writeln!(out);
+    for index in 0..report.turns as usize {
+        let _ = write!(out, "{:>4}", index + 1);
+        for run in &report.runs {
+            match run.turns.get(index) {
+                Some(turn) => {
+                    let marker = if run
+                        .fault
+                        .as_ref()
+                        .is_some_and(|fault| fault.turn == turn.turn)
+                    {
+                        "!"
+                    } else {
+                        " "
+                    };
+                    let _ = write!(
+                        out,
+                        " | {:>4}{marker} {:>7.2} s {:>+8.2} s",
+                        rc_text(turn.rc, turn.timed_out),
+                        turn.exec_s,
+                        turn.agent_visible_delay_s
+                    );
+                }
+                None => {
+                    let _ = write!(out, " | {:^26}", "-");
+                }
+            }
+        }
+        let _ = writeln!(out);
+    }
+    if report.fault_turn.is_some() {
+        let _ = writeln!(
+            out,
+            "(! = the sandbox was killed after this turn and recovered)"
+        );
+    }
+    let _ = writeln!(out);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delay_summary() {
+        let summary = DelaySummary::of([3.0, 1.0, 2.0, 10.0].into_iter());
+        assert_eq!(
+            (
+                summary.total_s,
+                summary.mean_s,
+                summary.median_s,
+                summary.max_s
+            ),
+            (16.0, 4.0, 2.5, 10.0)
+        );
+        assert_eq!(DelaySummary::of(std::iter::empty()).max_s, 0.0);
+    }
+
+    #[test]
+    fn bytes_are_human() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(3 * 1024 * 1024 / 2), "1.5 MiB");
+    }
+}

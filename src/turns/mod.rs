@@ -1,0 +1,340 @@
+//! Turns: what a sandbox asks of crab (annotations), and the record of each
+//! turn (its class, why, and which checkpoint holds its state).
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+pub const ANNOTATION_TURNS: &str = "io.crab.turns";
+pub const ANNOTATION_POLICY: &str = "io.crab.policy";
+pub const ANNOTATION_IGNORE: &str = "io.crab.ignore";
+/// `<container>:<turn>`: create this container from another's checkpoint (fork, recover).
+pub const ANNOTATION_RESTORE_FROM: &str = "io.crab.restore-from";
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum AnnotationError {
+    #[error("annotation {key}={value:?}: expected one of {expected}")]
+    Choice { key: &'static str, value: String, expected: &'static str },
+    #[error("annotation {key}={value:?}: {message}")]
+    Invalid { key: &'static str, value: String, message: String },
+}
+
+/// How turn boundaries are found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TurnsMode {
+    /// exec lifecycles, plus stdin bursts of long-lived shells.
+    Auto,
+    /// Each exec is a turn.
+    Exec,
+    /// A stdin burst to a long-lived shell is a turn.
+    Stdin,
+    /// Only explicit marks.
+    Explicit,
+}
+
+/// What is checkpointed per turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// Per-turn granularity from the inspector's classification.
+    Crab,
+    /// Baseline: a full CRIU checkpoint plus the whole rootfs diff after every turn.
+    EveryTurn,
+    /// No checkpoints.
+    Off,
+}
+
+/// A checkpoint to start a container from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RestoreFrom {
+    pub container: String,
+    pub turn: u64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SandboxPolicy {
+    pub turns: TurnsMode,
+    pub policy: Policy,
+    pub ignore: Vec<PathBuf>,
+    pub restore_from: Option<RestoreFrom>,
+}
+
+impl Default for SandboxPolicy {
+    fn default() -> Self {
+        Self { turns: TurnsMode::Auto, policy: Policy::Crab, ignore: Vec::new(), restore_from: None }
+    }
+}
+
+impl SandboxPolicy {
+    /// Reads the `io.crab.*` annotations; absent ones take `defaults`' values.
+    pub fn from_annotations(annotations: &HashMap<String, String>, defaults: &SandboxPolicy) -> Result<Self, AnnotationError> {
+        let mut p = defaults.clone();
+        if let Some(v) = annotations.get(ANNOTATION_TURNS) {
+            p.turns = match v.as_str() {
+                "auto" => TurnsMode::Auto,
+                "exec" => TurnsMode::Exec,
+                "stdin" => TurnsMode::Stdin,
+                "explicit" => TurnsMode::Explicit,
+                _ => return Err(choice(ANNOTATION_TURNS, v, "auto, exec, stdin, explicit")),
+            };
+        }
+        if let Some(v) = annotations.get(ANNOTATION_POLICY) {
+            p.policy = parse_policy(v).ok_or_else(|| choice(ANNOTATION_POLICY, v, "crab, every-turn, off"))?;
+        }
+        if let Some(v) = annotations.get(ANNOTATION_IGNORE) {
+            p.ignore = v
+                .split([',', ':'])
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(|s| {
+                    let path = Path::new(s);
+                    if !path.is_absolute() || path.components().any(|c| c == std::path::Component::ParentDir) {
+                        Err(AnnotationError::Invalid {
+                            key: ANNOTATION_IGNORE,
+                            value: v.clone(),
+                            message: format!("{s:?} is not an absolute path without `..`"),
+                        })
+                    } else {
+                        Ok(path.to_path_buf())
+                    }
+                })
+                .collect::<Result<_, _>>()?;
+        }
+        if let Some(v) = annotations.get(ANNOTATION_RESTORE_FROM) {
+            p.restore_from = Some(parse_restore_from(v)?);
+        }
+        Ok(p)
+    }
+}
+
+pub fn parse_policy(v: &str) -> Option<Policy> {
+    match v {
+        "crab" => Some(Policy::Crab),
+        "every-turn" => Some(Policy::EveryTurn),
+        "off" => Some(Policy::Off),
+        _ => None,
+    }
+}
+
+fn choice(key: &'static str, value: &str, expected: &'static str) -> AnnotationError {
+    AnnotationError::Choice { key, value: value.into(), expected }
+}
+
+fn parse_restore_from(v: &str) -> Result<RestoreFrom, AnnotationError> {
+    let invalid = |message: &str| AnnotationError::Invalid {
+        key: ANNOTATION_RESTORE_FROM,
+        value: v.into(),
+        message: message.into(),
+    };
+    let (container, turn) = v.rsplit_once(':').ok_or_else(|| invalid("expected <container>:<turn>"))?;
+    if container.is_empty() {
+        return Err(invalid("empty container id"));
+    }
+    let turn = turn.parse().map_err(|_| invalid("turn is not a number"))?;
+    Ok(RestoreFrom { container: container.into(), turn })
+}
+
+/// The class of a turn as recorded (mirrors the inspector's, plus unknown for
+/// turns the inspector did not see).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RecordedClass {
+    Clean,
+    Fs,
+    Proc,
+}
+
+/// One turn of one sandbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnRecord {
+    pub turn: u64,
+    /// The exec that made the turn, if it was one.
+    pub exec_id: Option<String>,
+    pub started_unix_ms: u64,
+    pub ended_unix_ms: u64,
+    pub class: RecordedClass,
+    pub external: bool,
+    /// The class was raised because the inspector could not see everything.
+    pub escalated: bool,
+    pub reasons: Vec<String>,
+    /// The checkpoint turn that holds this turn's state (this turn, or an
+    /// earlier one for a clean turn); None when nothing is checkpointed.
+    pub checkpoint_turn: Option<u64>,
+    /// New bytes the checkpoint wrote (the checkpoint traffic).
+    pub bytes_written: u64,
+    /// Time the container was held for capture (frozen for a CRIU dump).
+    pub capture_ms: f64,
+    /// Time from the turn's end until its checkpoint was durable.
+    pub checkpoint_ms: f64,
+    pub policy: Policy,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TurnLogError {
+    #[error("turn log {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("turn log {path} line {line}: {message}")]
+    Corrupt { path: PathBuf, line: usize, message: String },
+    #[error("container id {0:?} cannot name a turn log")]
+    BadId(String),
+}
+
+/// Append-only JSON-lines log of a container's turns, under the state dir.
+pub struct TurnLog {
+    path: PathBuf,
+}
+
+impl TurnLog {
+    pub fn path_for(state_dir: &Path, container: &str) -> Result<PathBuf, TurnLogError> {
+        let valid = !container.is_empty()
+            && container.len() <= 255
+            && container != "."
+            && container != ".."
+            && container.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+        if !valid {
+            return Err(TurnLogError::BadId(container.into()));
+        }
+        Ok(state_dir.join("turns").join(format!("{container}.jsonl")))
+    }
+
+    pub fn open(state_dir: &Path, container: &str) -> Result<Self, TurnLogError> {
+        Ok(Self { path: Self::path_for(state_dir, container)? })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Appends one record durably (a torn last line from a crash is skipped on read).
+    pub fn append(&self, record: &TurnRecord) -> Result<(), TurnLogError> {
+        let io = |source| TurnLogError::Io { path: self.path.clone(), source };
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        let mut line = serde_json::to_vec(record).expect("turn records serialise");
+        line.push(b'\n');
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&self.path).map_err(io)?;
+        f.write_all(&line).map_err(io)?;
+        f.sync_data().map_err(io)
+    }
+
+    /// Forgets every record (a new container reusing the id).
+    pub fn reset(&self) -> Result<(), TurnLogError> {
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(TurnLogError::Io { path: self.path.clone(), source }),
+        }
+    }
+
+    /// All records; a missing log is empty.
+    pub fn read(&self) -> Result<Vec<TurnRecord>, TurnLogError> {
+        let text = match std::fs::read_to_string(&self.path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(source) => return Err(TurnLogError::Io { path: self.path.clone(), source }),
+        };
+        let complete = if text.ends_with('\n') { text.as_str() } else { text.rsplit_once('\n').map_or("", |(a, _)| a) };
+        complete
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+            .map(|(i, l)| {
+                serde_json::from_str(l).map_err(|e| TurnLogError::Corrupt {
+                    path: self.path.clone(),
+                    line: i + 1,
+                    message: e.to_string(),
+                })
+            })
+            .collect()
+    }
+}
+
+pub fn unix_ms(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ann(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn annotations_parse_and_default() {
+        let d = SandboxPolicy::default();
+        assert_eq!(SandboxPolicy::from_annotations(&ann(&[]), &d).unwrap(), d);
+        let p = SandboxPolicy::from_annotations(
+            &ann(&[
+                (ANNOTATION_TURNS, "exec"),
+                (ANNOTATION_POLICY, "every-turn"),
+                (ANNOTATION_IGNORE, "/root/.cache, /tmp/pip"),
+                (ANNOTATION_RESTORE_FROM, "sandbox-1:7"),
+            ]),
+            &d,
+        )
+        .unwrap();
+        assert_eq!(p.turns, TurnsMode::Exec);
+        assert_eq!(p.policy, Policy::EveryTurn);
+        assert_eq!(p.ignore, vec![PathBuf::from("/root/.cache"), PathBuf::from("/tmp/pip")]);
+        assert_eq!(p.restore_from, Some(RestoreFrom { container: "sandbox-1".into(), turn: 7 }));
+    }
+
+    #[test]
+    fn bad_annotations_name_key_and_value() {
+        let d = SandboxPolicy::default();
+        for (k, v) in [
+            (ANNOTATION_TURNS, "sometimes"),
+            (ANNOTATION_POLICY, "always"),
+            (ANNOTATION_IGNORE, "relative/path"),
+            (ANNOTATION_IGNORE, "/a/../etc"),
+            (ANNOTATION_RESTORE_FROM, "no-turn"),
+            (ANNOTATION_RESTORE_FROM, "c:x"),
+        ] {
+            let err = SandboxPolicy::from_annotations(&ann(&[(k, v)]), &d).unwrap_err().to_string();
+            assert!(err.contains(k) && err.contains(v), "{err}");
+        }
+    }
+
+    #[test]
+    fn turn_log_round_trips_and_skips_a_torn_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = TurnLog::open(dir.path(), "c1").unwrap();
+        assert!(log.read().unwrap().is_empty());
+        let rec = TurnRecord {
+            turn: 1,
+            exec_id: Some("e1".into()),
+            started_unix_ms: 1,
+            ended_unix_ms: 2,
+            class: RecordedClass::Fs,
+            external: false,
+            escalated: false,
+            reasons: vec!["write /app/x".into()],
+            checkpoint_turn: Some(1),
+            bytes_written: 10,
+            capture_ms: 0.5,
+            checkpoint_ms: 1.0,
+            policy: Policy::Crab,
+        };
+        log.append(&rec).unwrap();
+        log.append(&TurnRecord { turn: 2, ..rec.clone() }).unwrap();
+        let mut f = std::fs::OpenOptions::new().append(true).open(log.path()).unwrap();
+        f.write_all(b"{\"turn\":3,").unwrap();
+        let got = log.read().unwrap();
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[1].turn, 2);
+    }
+
+    #[test]
+    fn turn_log_ids_cannot_escape() {
+        let dir = tempfile::tempdir().unwrap();
+        for bad in ["../x", "a/b", "", ".."] {
+            assert!(TurnLog::open(dir.path(), bad).is_err(), "{bad}");
+        }
+    }
+}
