@@ -16,7 +16,9 @@ use std::time::{Instant, SystemTime};
 use tokio::sync::Mutex;
 
 use crate::checkpoint::{ChangedPath, CheckpointStore, TurnInput};
-use crate::inspector::{ClassifyOptions, Effect, EffectKind, Inspector, TurnClass, classify, monotonic_now_ns};
+use crate::inspector::{
+    ClassifyOptions, Effect, EffectKind, Inspector, TurnClass, TurnEffects, classify, monotonic_now_ns,
+};
 use crate::runtime::{CheckpointOptions, OciRuntime};
 use crate::turns::{Policy, RecordedClass, SandboxPolicy, TurnLog, TurnRecord, unix_ms};
 
@@ -32,12 +34,42 @@ pub enum EngineError {
     Other(String),
 }
 
+/// Where a sandbox's effects come from: the inspector loaded in this
+/// process, or the node's inspector served by crabd.
+#[async_trait::async_trait]
+pub trait EffectSource: Send + Sync {
+    async fn watch(&self, container: &str, cgroup_id: u64, root_pid: u32) -> Result<(), String>;
+    /// Effects of `container` up to `until_ns` (CLOCK_MONOTONIC), and records lost meanwhile.
+    async fn drain(&self, container: &str, until_ns: u64) -> Result<TurnEffects, String>;
+    async fn unwatch(&self, container: &str) -> Result<(), String>;
+}
+
+#[async_trait::async_trait]
+impl EffectSource for Inspector {
+    async fn watch(&self, container: &str, cgroup_id: u64, root_pid: u32) -> Result<(), String> {
+        let watched = crate::inspector::WatchedContainer {
+            id: container.into(),
+            root_pid: Some(root_pid),
+            rootfs: Some(format!("/proc/{root_pid}/root").into()),
+        };
+        Inspector::watch(self, cgroup_id, watched).map_err(|e| e.to_string())
+    }
+
+    async fn drain(&self, container: &str, until_ns: u64) -> Result<TurnEffects, String> {
+        Inspector::drain(self, container, until_ns).await.map_err(|e| e.to_string())
+    }
+
+    async fn unwatch(&self, container: &str) -> Result<(), String> {
+        Inspector::unwatch(self, container).await.map(drop).map_err(|e| e.to_string())
+    }
+}
+
 /// Shared by every sandbox of one shim.
 pub struct EngineContext {
     pub store: Arc<CheckpointStore>,
     /// None when BPF is unavailable: then every turn is treated as a process
     /// turn, which is correct, only more expensive.
-    pub inspector: Option<Arc<Inspector>>,
+    pub inspector: Option<Arc<dyn EffectSource>>,
     pub state_dir: PathBuf,
 }
 
@@ -72,7 +104,7 @@ impl SandboxEngine {
     /// Starts following `container` (its init is `init_pid`). A `fresh`
     /// container starts a new chain; otherwise (restored from its own
     /// checkpoint) the turn numbering and chain continue.
-    pub fn new(
+    pub async fn new(
         container: &str,
         policy: SandboxPolicy,
         ctx: Arc<EngineContext>,
@@ -94,12 +126,7 @@ impl SandboxEngine {
         if let (Some(inspector), Policy::Crab) = (&ctx.inspector, policy.policy) {
             match crate::inspector::cgroup_id_of_pid(init_pid) {
                 Ok(cgroup) => {
-                    let watched = crate::inspector::WatchedContainer {
-                        id: container.into(),
-                        root_pid: Some(init_pid),
-                        rootfs: Some(format!("/proc/{init_pid}/root").into()),
-                    };
-                    if let Err(e) = inspector.watch(cgroup, watched) {
+                    if let Err(e) = inspector.watch(container, cgroup, init_pid).await {
                         tracing::error!(container, error = %e, "inspector cannot watch: every turn will be checkpointed in full");
                     }
                 }
@@ -190,11 +217,14 @@ impl SandboxEngine {
         }));
     }
 
-    /// Waits for the last turn's checkpoint (e.g. before the container is deleted).
+    /// Waits for the last turn's checkpoint and stops watching (the container is being deleted).
     pub async fn settle(&self) {
         let pending = self.state.lock().await.pending.take();
         if let Some(p) = pending {
             let _ = p.await;
+        }
+        if let Some(inspector) = &self.ctx.inspector {
+            let _ = inspector.unwatch(&self.container).await;
         }
     }
 

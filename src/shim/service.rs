@@ -163,7 +163,7 @@ impl TaskService {
                 })
                 .await
                 {
-                    Ok(i) => Some(Arc::new(i)),
+                    Ok(i) => Some(Arc::new(i) as Arc<dyn crate::engine::EffectSource>),
                     Err(e) => {
                         tracing::error!(error = %e, "inspector unavailable: every turn will be checkpointed in full");
                         None
@@ -175,7 +175,7 @@ impl TaskService {
             .cloned()
     }
 
-    fn attach_engine(
+    async fn attach_engine(
         &self,
         container: &Arc<Container>,
         ctx: Option<&Arc<EngineContext>>,
@@ -193,6 +193,7 @@ impl TaskService {
             container.work_dir_path(),
             fresh,
         )
+        .await
         .map_err(|e| ShimError::FailedPrecondition(format!("checkpoint engine for {}: {e}", container.id())))?;
         container.set_engine(engine);
         Ok(())
@@ -281,7 +282,7 @@ impl TaskService {
         if pid != 0 {
             self.watch_exit(&container, &container.init, pid);
             let fresh = policy.restore_from.as_ref().is_none_or(|r| r.container != req.id);
-            self.attach_engine(&container, engine_ctx.as_ref(), &policy, pid, fresh)?;
+            self.attach_engine(&container, engine_ctx.as_ref(), &policy, pid, fresh).await?;
         } else {
             *container.pending_policy.lock().expect("policy lock") = Some((policy, engine_ctx));
         }
@@ -316,7 +317,7 @@ impl TaskService {
                 let pending = container.pending_policy.lock().expect("policy lock").take();
                 if let Some((policy, ctx)) = pending {
                     let fresh = policy.restore_from.as_ref().is_none_or(|r| r.container != req.id);
-                    self.attach_engine(&container, ctx.as_ref(), &policy, pid, fresh)?;
+                    self.attach_engine(&container, ctx.as_ref(), &policy, pid, fresh).await?;
                 }
             }
             if let Some(engine) = container.engine() {
