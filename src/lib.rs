@@ -9,12 +9,15 @@
 //! - [`inspector`]: eBPF view of what each turn did to the OS.
 //! - [`checkpoint`]: the content-addressed checkpoint store.
 //! - [`turns`]: sandbox annotations and the per-turn records.
+//! - [`ctl`]: what `crabctl` does with checkpoints (recover, rollback, fork, ...).
 //! - [`engine`]: per-sandbox checkpoint engine (turns → inspector → store).
 
 pub mod checkpoint;
 pub mod config;
+pub mod ctl;
 pub mod engine;
 pub mod inspector;
+pub mod node;
 pub mod replay;
 pub mod runtime;
 pub mod shim;

@@ -3,7 +3,12 @@
 //! containerd 1.6's `ctr` offers `ctr container checkpoint [--task] [--rw] [--image]` (to an image),
 //! `ctr container restore [--live] [--rw]`, and `ctr task checkpoint [--exit] [--image-path] [--work-path]`
 //! (CRIU files in a directory, no restore counterpart in `ctr`). A checkpoint leaves the task running
-//! unless `--exit` is given, so "leave running" is the default here.
+//! unless `--exit` is given, so "leave running" is the default here. `ctr task checkpoint` forwards
+//! `--image-path` and `--exit` only to runtimes named io.containerd.runc.*, so that call goes through
+//! the Tasks API with runc's checkpoint options, as `ctr` sends them to runc.v2. containerd 1.6 itself
+//! honours the image path only for io.containerd.runc.*: for other runtimes it also commits the
+//! checkpoint to its content store (the harness deletes that copy), which fails while an earlier
+//! checkpoint image of the same container holds its spec (see the TTY test).
 //!
 //! What io.containerd.runc.v2 itself cannot do, and is therefore not asserted:
 //! - restoring a container that has a TTY: `ctr container restore --live` of a `-t` container fails
@@ -14,6 +19,7 @@
 use std::path::Path;
 use std::time::Duration;
 
+use crab_integration::api::{TaskCheckpoint, checkpoint_task};
 use crab_integration::{
     Container, EventStream, HarnessError, Outcome, PtySession, across_runtimes, ensure, ensure_eq,
     wait_until,
@@ -183,6 +189,18 @@ async fn checkpoint_with_pipes_leaves_running_then_restores_with_memory_and_rw_l
     .await;
 }
 
+/// `ctr task checkpoint --image-path DIR [--exit]`, sent with runc's checkpoint options under every
+/// runtime. `ctr` itself forwards these flags only when the runtime is named io.containerd.runc.v1/v2
+/// and silently drops them otherwise (see `crab_integration::api`): it would then store an image
+/// named after the container instead, whatever runtime serves it.
+async fn checkpoint_to_dir(container: &Container, dir: &Path, exit: bool) -> Outcome<()> {
+    let request = TaskCheckpoint {
+        image_path: dir.display().to_string(),
+        exit,
+    };
+    checkpoint_task(container.ctr(), container.id(), &request, LONG).await
+}
+
 /// CRIU image files every dump of a process tree has.
 fn has_criu_images(dir: &Path) -> Outcome<Vec<String>> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
@@ -216,19 +234,7 @@ async fn task_checkpoint_to_image_path_then_with_exit() {
             let (_, before) = count_at_least(&container, 5).await?;
 
             let live_dir = container.scratch_dir().join("live");
-            let live_dir_arg = live_dir.display().to_string();
-            container
-                .ctr()
-                .invoke([
-                    "task",
-                    "checkpoint",
-                    "--image-path",
-                    live_dir_arg.as_str(),
-                    container.id(),
-                ])
-                .timeout(LONG)
-                .success()
-                .await?;
+            checkpoint_to_dir(&container, &live_dir, false).await?;
             has_criu_images(&live_dir)?;
             ensure_eq!(
                 container.task().await?.map(|t| t.status),
@@ -238,20 +244,7 @@ async fn task_checkpoint_to_image_path_then_with_exit() {
             count_at_least(&container, before + 5).await?;
 
             let exit_dir = container.scratch_dir().join("exit");
-            let exit_dir_arg = exit_dir.display().to_string();
-            container
-                .ctr()
-                .invoke([
-                    "task",
-                    "checkpoint",
-                    "--exit",
-                    "--image-path",
-                    exit_dir_arg.as_str(),
-                    container.id(),
-                ])
-                .timeout(LONG)
-                .success()
-                .await?;
+            checkpoint_to_dir(&container, &exit_dir, true).await?;
             has_criu_images(&exit_dir)?;
             container.wait_status("STOPPED", SHORT).await?;
             let exit = events.wait_init_exit(container.id(), SHORT).await?;
@@ -314,20 +307,18 @@ async fn checkpoint_of_a_tty_container() {
             image_exists(&container, &reference).await?,
             "checkpoint image {reference} was not created"
         );
-        let dir = container.scratch_dir().join("tty-images");
-        let dir_arg = dir.display().to_string();
+        // containerd 1.6 honours an image path only for runtimes named io.containerd.runc.*: for any
+        // other it also stores the checkpoint and the container's spec in its content store, and
+        // fails with "already exists" while an earlier checkpoint image still holds that spec. Drop
+        // the image (and, synchronously, its content) first; runc.v2 does the same steps.
         container
             .ctr()
-            .invoke([
-                "task",
-                "checkpoint",
-                "--image-path",
-                dir_arg.as_str(),
-                container.id(),
-            ])
+            .invoke(["image", "rm", "--sync", reference.as_str()])
             .timeout(LONG)
             .success()
             .await?;
+        let dir = container.scratch_dir().join("tty-images");
+        checkpoint_to_dir(&container, &dir, false).await?;
         has_criu_images(&dir)?;
         ensure_eq!(
             container.task().await?.map(|t| t.status),

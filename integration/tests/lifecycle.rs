@@ -575,6 +575,11 @@ async fn sigkilled_shim_is_cleaned_up_and_reported() {
             .collect();
         ensure!(left_dirs.is_empty(), "cgroups left behind: {left_dirs:?}");
         container.delete_container().await?;
+        // Events arrive through `ctr events` after the call returns: the trace is complete once
+        // the last one is in.
+        events
+            .wait_for(container.id(), "/containers/delete", SHORT, |_| true)
+            .await?;
         Ok((
             exit.u64_field("exit_status"),
             delete.u64_field("exit_status"),

@@ -20,6 +20,8 @@ struct Cli {
 enum Command {
     /// Replay agent turn traces in containerd sandboxes, with a fault and recovery, under recovery policies.
     Replay(ReplayArgs),
+    #[command(flatten)]
+    Checkpoint(crab::ctl::cli::CheckpointCommand),
 }
 
 #[derive(Args)]
@@ -105,6 +107,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Replay(args) => replay_command(args).await,
+        Command::Checkpoint(command) => command.run().await.map_err(Into::into),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -682,6 +682,19 @@ impl CheckpointStore {
         Ok(head)
     }
 
+    /// Moves a container's head back to its checkpoint at `turn` (a restore of
+    /// processes to an older turn): later checkpoints drop out of its chain,
+    /// and GC reclaims what only they referenced.
+    pub fn rewind(&self, container: &str, turn: u64) -> Result<Head> {
+        valid_container_id(container)?;
+        let _lock = self.lock(false)?;
+        let (_, chain) = self.chain(container)?;
+        let index = chain.index_of(container, turn)?;
+        let head = Head { manifest: chain.links[index].0, turn };
+        self.set_head(container, &head, Durability::Flushed)?;
+        Ok(head)
+    }
+
     /// Forgets a container's head; GC then reclaims whatever only it referenced.
     pub fn remove_container(&self, container: &str) -> Result<()> {
         valid_container_id(container)?;

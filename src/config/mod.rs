@@ -25,6 +25,7 @@ pub struct Config {
     pub runtime: RuntimeConfig,
     pub checkpoint: CheckpointConfig,
     pub log: LogConfig,
+    pub node: NodeConfig,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -55,9 +56,49 @@ pub struct LogConfig {
     pub level: String,
 }
 
+/// The node engine, crabd: one per host, shared by every shim.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct NodeConfig {
+    /// crabd's socket; its directory is made root-only (0700).
+    pub socket: PathBuf,
+    /// Start crabd on demand (beside the shim binary, else on PATH) when its
+    /// socket is absent; without crabd a shim loads an inspector of its own.
+    pub spawn: bool,
+    /// Commit bandwidth of the whole node (token bucket rate), MiB/s.
+    pub rate_mib_per_s: u64,
+    /// Bytes the bucket may grant at once after a quiet spell, MiB.
+    pub burst_mib: u64,
+    /// A commit waiting this long goes before every fresher one.
+    pub aging_ms: u64,
+    /// Longest a commit waits for bandwidth before it goes ahead anyway.
+    pub max_wait_ms: u64,
+    /// Bound on each exchange with crabd (connect, watch, drain).
+    pub timeout_ms: u64,
+}
+
 impl Default for Config {
     fn default() -> Self {
-        Self { runtime: RuntimeConfig::default(), checkpoint: CheckpointConfig::default(), log: LogConfig::default() }
+        Self {
+            runtime: RuntimeConfig::default(),
+            checkpoint: CheckpointConfig::default(),
+            log: LogConfig::default(),
+            node: NodeConfig::default(),
+        }
+    }
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        Self {
+            socket: crate::node::DEFAULT_SOCKET.into(),
+            spawn: true,
+            rate_mib_per_s: 200,
+            burst_mib: 64,
+            aging_ms: 2_000,
+            max_wait_ms: 30_000,
+            timeout_ms: 5_000,
+        }
     }
 }
 
@@ -119,6 +160,22 @@ impl Config {
                 self.checkpoint.policy
             )));
         }
+        if !self.node.socket.is_absolute() {
+            return Err(invalid(format!("node.socket: {} is not an absolute path", self.node.socket.display())));
+        }
+        for (key, value) in [
+            ("node.rate_mib_per_s", self.node.rate_mib_per_s),
+            ("node.burst_mib", self.node.burst_mib),
+            ("node.timeout_ms", self.node.timeout_ms),
+        ] {
+            if value == 0 {
+                return Err(invalid(format!("{key}: must be at least 1")));
+            }
+        }
+        // Bytes are counted in u64 and rates in f64: keep far from either limit.
+        if self.node.rate_mib_per_s > 1 << 30 || self.node.burst_mib > 1 << 30 {
+            return Err(invalid("node.rate_mib_per_s and node.burst_mib: at most 2^30".into()));
+        }
         if !LOG_LEVELS.contains(&self.log.level.as_str()) {
             return Err(invalid(format!("log.level: {:?} is not one of {}", self.log.level, LOG_LEVELS.join(", "))));
         }
@@ -158,6 +215,19 @@ mod tests {
     #[test]
     fn explicit_missing_file_is_an_error_default_is_not() {
         assert!(Config::load(Some(Path::new("/nonexistent/crab.toml"))).is_err());
+    }
+
+    #[test]
+    fn node_table_is_validated_with_file_and_key() {
+        let c = Config::parse("[node]\nrate_mib_per_s = 50\nburst_mib = 8\n", Path::new("c.toml")).unwrap();
+        assert_eq!((c.node.rate_mib_per_s, c.node.burst_mib, c.node.aging_ms), (50, 8, 2_000));
+        let err = Config::parse("[node]\nrate_mib_per_s = 0\n", Path::new("/etc/crab/crab.toml")).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("/etc/crab/crab.toml") && msg.contains("node.rate_mib_per_s"), "{msg}");
+        let err = Config::parse("[node]\nsocket = \"crabd.sock\"\n", Path::new("c.toml")).unwrap_err();
+        assert!(err.to_string().contains("node.socket"), "{err}");
+        let err = Config::parse("[node]\nburst = 1\n", Path::new("c.toml")).unwrap_err();
+        assert!(err.to_string().contains("burst"), "{err}");
     }
 
     #[test]

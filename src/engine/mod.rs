@@ -64,12 +64,22 @@ impl EffectSource for Inspector {
     }
 }
 
+/// The node's commit bandwidth (crabd's token bucket): a commit asks for its
+/// bytes first. It always returns; when the node cannot grant in time the
+/// commit goes ahead (the gate logs it).
+#[async_trait::async_trait]
+pub trait CommitGate: Send + Sync {
+    async fn acquire(&self, sandbox: &str, bytes: u64, kind: crate::node::CommitKind, turn: u64);
+}
+
 /// Shared by every sandbox of one shim.
 pub struct EngineContext {
     pub store: Arc<CheckpointStore>,
     /// None when BPF is unavailable: then every turn is treated as a process
     /// turn, which is correct, only more expensive.
     pub inspector: Option<Arc<dyn EffectSource>>,
+    /// None: commits do not wait for bandwidth.
+    pub commit_gate: Option<Arc<dyn CommitGate>>,
     pub state_dir: PathBuf,
 }
 
@@ -85,8 +95,6 @@ struct State {
     open: Option<OpenTurn>,
     /// The checkpoint job of the last closed turn; the next turn waits for it.
     pending: Option<tokio::task::JoinHandle<()>>,
-    /// The newest turn with a committed checkpoint.
-    last_checkpoint: Option<u64>,
 }
 
 pub struct SandboxEngine {
@@ -120,6 +128,16 @@ impl SandboxEngine {
                 ctx.store.remove_container(container)?;
             }
             log.reset()?;
+            // Kept for `crabctl recover` after a node loss, when containerd no longer knows the sandbox.
+            if let Some(bundle) = work_dir.parent() {
+                let saved = sandbox_spec_path(&ctx.state_dir, container);
+                if let Some(dir) = saved.parent() {
+                    let _ = std::fs::create_dir_all(dir);
+                }
+                if let Err(e) = std::fs::copy(bundle.join("config.json"), &saved) {
+                    tracing::warn!(container, error = %e, "sandbox spec not saved for recovery");
+                }
+            }
         }
         let head = ctx.store.head(container)?;
         let last_turn = log.read()?.last().map(|r| r.turn).max(head.map(|h| h.turn)).unwrap_or(0);
@@ -145,7 +163,6 @@ impl SandboxEngine {
                 next_turn: last_turn + 1,
                 open: None,
                 pending: None,
-                last_checkpoint: head.map(|h| h.turn),
             }),
         }))
     }
@@ -198,16 +215,10 @@ impl SandboxEngine {
             return;
         }
         let open = state.open.take().expect("checked above");
-        let previous = state.last_checkpoint;
         let engine = self.clone();
         state.pending = Some(tokio::spawn(async move {
-            let record = engine.checkpoint_turn(&open, previous, end_ns, ended).await;
-            let mut state = engine.state.lock().await;
-            match record {
+            match engine.checkpoint_turn(&open, end_ns, ended).await {
                 Ok(record) => {
-                    if record.checkpoint_turn.is_some() {
-                        state.last_checkpoint = record.checkpoint_turn;
-                    }
                     if let Err(e) = engine.log.append(&record) {
                         tracing::error!(container = %engine.container, turn = record.turn, error = %e, "turn record not written");
                     }
@@ -228,14 +239,10 @@ impl SandboxEngine {
         }
     }
 
-    async fn checkpoint_turn(
-        &self,
-        open: &OpenTurn,
-        previous: Option<u64>,
-        end_ns: u64,
-        ended: SystemTime,
-    ) -> Result<TurnRecord, EngineError> {
+    async fn checkpoint_turn(&self, open: &OpenTurn, end_ns: u64, ended: SystemTime) -> Result<TurnRecord, EngineError> {
         let clock = Instant::now();
+        // Read, not cached: a rollback may have moved the head since the last turn.
+        let previous = self.ctx.store.head(&self.container)?.map(|h| h.turn);
         let mut record = TurnRecord {
             turn: open.turn,
             exec_id: Some(open.exec_id.clone()),
@@ -297,6 +304,11 @@ impl SandboxEngine {
             None
         };
         let rootfs = PathBuf::from(format!("/proc/{}/root", self.init_pid));
+        if let Some(gate) = &self.ctx.commit_gate {
+            let bytes = crate::node::estimate_commit_bytes(&rootfs, &changed, images.as_deref()).await;
+            let kind = if images.is_some() { crate::node::CommitKind::Proc } else { crate::node::CommitKind::Fs };
+            gate.acquire(&self.container, bytes, kind, open.turn).await;
+        }
         let container = self.container.clone();
         let turn = open.turn;
         let images_for_commit = images.clone();
@@ -355,6 +367,11 @@ impl SandboxEngine {
         let changed = changed_paths(&effects.effects, &self.policy.ignore);
         (verdict.class, changed)
     }
+}
+
+/// Where the shim keeps a copy of a sandbox's OCI spec (the id was validated by the turn log).
+pub fn sandbox_spec_path(state_dir: &Path, container: &str) -> PathBuf {
+    state_dir.join("sandboxes").join(format!("{container}.json"))
 }
 
 /// The distinct paths a turn changed, outside ignored prefixes. A path is

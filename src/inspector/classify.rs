@@ -112,6 +112,8 @@ pub struct ClassifyOptions {
     pub lost_events: u64,
     /// Processes running in the container when the turn started, when the
     /// caller knows them: one of them ending is a process-state change.
+    /// Without it, a process that exits without a fork or exec in the turn's
+    /// effects is taken to be one from before.
     pub processes_before: Option<HashSet<u32>>,
 }
 
@@ -206,19 +208,23 @@ fn classify_processes(effects: &[Effect], options: &ClassifyOptions, verdict: &m
             None => started.push((pid, effect.comm.clone())),
         }
     }
+    // Without the caller's list, a process that ends without having started
+    // in this turn was running before it (an earlier turn's daemon): every
+    // process of the turn's own command appears by a fork or an exec first.
+    let mut ended: Vec<u32> = exited
+        .iter()
+        .copied()
+        .filter(|pid| match &options.processes_before {
+            Some(before) => before.contains(pid),
+            None => !started.iter().any(|(p, _)| p == pid),
+        })
+        .collect();
+    ended.sort_unstable();
     for (pid, comm) in started.into_iter().filter(|(pid, _)| !exited.contains(pid)) {
         verdict.raise(TurnClass::Proc, Reason::ProcessSurvives { pid, comm });
     }
-    if let Some(before) = &options.processes_before {
-        let mut ended: Vec<u32> = exited
-            .iter()
-            .copied()
-            .filter(|pid| before.contains(pid))
-            .collect();
-        ended.sort_unstable();
-        for pid in ended {
-            verdict.raise(TurnClass::Proc, Reason::ProcessEnded { pid });
-        }
+    for pid in ended {
+        verdict.raise(TurnClass::Proc, Reason::ProcessEnded { pid });
     }
     for effect in effects {
         if let EffectKind::Listen { addr, .. } = &effect.kind
@@ -436,17 +442,44 @@ mod tests {
     }
 
     #[test]
-    fn ending_a_process_from_before_is_proc_when_known() {
+    fn ending_a_process_from_before_is_proc() {
         let effects = [effect(5, EffectKind::Exit { status: 9 })];
-        assert_eq!(classify_plain(&effects).class, TurnClass::Clean);
-        let options = ClassifyOptions {
+        // Not started in the turn: it was running before (a daemon killed by `pkill`).
+        assert_eq!(
+            classify_plain(&effects).reasons,
+            vec![Reason::ProcessEnded { pid: 5 }]
+        );
+        let known = ClassifyOptions {
             processes_before: Some(HashSet::from([5])),
             ..Default::default()
         };
         assert_eq!(
-            classify(&effects, &options).reasons,
+            classify(&effects, &known).reasons,
             vec![Reason::ProcessEnded { pid: 5 }]
         );
+        // A caller's list that does not hold it overrides the inference.
+        let unknown = ClassifyOptions {
+            processes_before: Some(HashSet::new()),
+            ..Default::default()
+        };
+        assert_eq!(classify(&effects, &unknown).class, TurnClass::Clean);
+    }
+
+    #[test]
+    fn a_child_forked_and_killed_in_the_turn_is_not_from_before() {
+        let effects = [
+            effect(
+                10,
+                EffectKind::Exec {
+                    path: EffectPath::resolved("/bin/bash"),
+                    filename: "/bin/bash".into(),
+                },
+            ),
+            effect(10, EffectKind::Fork { child: 11 }),
+            effect(11, EffectKind::Exit { status: 9 }),
+            effect(10, EffectKind::Exit { status: 0 }),
+        ];
+        assert_eq!(classify_plain(&effects).class, TurnClass::Clean);
     }
 
     #[test]
@@ -459,7 +492,8 @@ mod tests {
             matches!(&c.reasons[0], Reason::Listening { pid: 7, addr } if addr == "0.0.0.0:8000")
         );
 
-        let closed = classify_plain(&[listen, effect(7, EffectKind::Exit { status: 0 })]);
+        let fork = effect(1, EffectKind::Fork { child: 7 });
+        let closed = classify_plain(&[fork, listen, effect(7, EffectKind::Exit { status: 0 })]);
         assert_eq!(closed.class, TurnClass::Clean);
     }
 

@@ -5,10 +5,11 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 /// A path an effect touched, absolute inside the container's root.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct EffectPath {
     /// Absolute path as seen by the process (its root is the container's root).
     /// When `resolved` is false this is the best guess: possibly relative or cut short.
+    #[serde(with = "crate::node::wire_path")]
     pub path: PathBuf,
     /// False when the kernel could not walk the directory the path is relative
     /// to, or the string was cut short or unreadable. Such effects must escalate.
@@ -39,7 +40,7 @@ impl fmt::Display for EffectPath {
 }
 
 /// A socket address from bind/listen/connect.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum SockAddr {
     Inet(SocketAddr),
     /// A named AF_UNIX socket (a file).
@@ -87,7 +88,7 @@ impl fmt::Display for SockAddr {
 }
 
 /// One thing a process in a watched container did.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Effect {
     /// CLOCK_MONOTONIC nanoseconds when the syscall returned (see [`super::monotonic_now_ns`]).
     pub time_ns: u64,
@@ -101,7 +102,8 @@ pub struct Effect {
     pub kind: EffectKind,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum EffectKind {
     /// open/openat/openat2/creat with a write, create or truncate flag.
     Open {
@@ -135,6 +137,7 @@ pub enum EffectKind {
     /// A symlink at `path` whose content is `target` (kept verbatim).
     Symlink {
         path: EffectPath,
+        #[serde(with = "crate::node::wire_path")]
         target: PathBuf,
     },
     Chmod {

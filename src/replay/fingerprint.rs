@@ -249,26 +249,23 @@ fn is_sha256_line(text: &str) -> bool {
 }
 
 fn describe_change(actual: &FileEntry, expected: &FileEntry) -> String {
-    let mut changes = Vec::new();
-    if actual.kind != expected.kind {
-        changes.push(format!("type {} -> {}", expected.kind, actual.kind));
+    fn field<T: fmt::Display + PartialEq>(name: &str, actual: T, expected: T) -> Option<String> {
+        (actual != expected).then(|| format!("{name} {actual} (expected {expected})"))
     }
-    if actual.mode != expected.mode {
-        changes.push(format!("mode {} -> {}", expected.mode, actual.mode));
-    }
-    if actual.owner != expected.owner {
-        changes.push(format!("owner {} -> {}", expected.owner, actual.owner));
-    }
-    if actual.size != expected.size {
-        changes.push(format!("size {:?} -> {:?}", expected.size, actual.size));
-    }
-    if actual.link_target != expected.link_target {
-        changes.push("link target".to_string());
-    }
-    if actual.sha256 != expected.sha256 {
-        changes.push("content".to_string());
-    }
-    changes.join(", ")
+    let size = |entry: &FileEntry| entry.size.map_or("-".to_string(), |size| size.to_string());
+    let target = |entry: &FileEntry| format!("{:?}", entry.link_target.as_deref().unwrap_or(""));
+    [
+        field("type", actual.kind, expected.kind),
+        field("mode", &actual.mode, &expected.mode),
+        field("owner", &actual.owner, &expected.owner),
+        field("size", size(actual), size(expected)),
+        field("link target", target(actual), target(expected)),
+        (actual.sha256 != expected.sha256).then(|| "content differs".to_string()),
+    ]
+    .into_iter()
+    .flatten()
+    .collect::<Vec<_>>()
+    .join(", ")
 }
 
 #[cfg(test)]
@@ -337,7 +334,14 @@ mod tests {
         let differences = changed.diff(&reference);
         assert_eq!(differences.len(), 1);
         assert_eq!(differences[0].key, "file:/app/with space.txt");
-        assert_eq!(differences[0].detail, "content");
+        assert_eq!(differences[0].detail, "content differs");
+        let mut resized = changed.clone();
+        let entry = resized.files.get_mut("/app/with space.txt").unwrap();
+        (entry.size, entry.mode) = (Some(5), "0600".to_string());
+        assert_eq!(
+            resized.diff(&reference)[0].detail,
+            "mode 0600 (expected 0644), size 5 (expected 3), content differs"
+        );
         assert_ne!(changed.digest(), reference.digest());
 
         let fresh = Fingerprint::parse(&records(&[

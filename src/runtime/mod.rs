@@ -36,12 +36,20 @@ pub enum RuntimeError {
 pub type Result<T> = std::result::Result<T, RuntimeError>;
 
 /// How the runtime is invoked: binary, state root and global flags.
+///
+/// The shim makes one per container and hands clones to whoever drives that
+/// container (the Task API, the checkpoint engine). Clones share one lock that
+/// runs the verbs changing the container's frozen/dumped state one at a time:
+/// runc does not lock between its own invocations, and a `pause`, `resume`
+/// or `kill --all` (which freezes and thaws the cgroup) landing in the middle
+/// of a CRIU dump fails it or the dump ("container not running").
 #[derive(Debug, Clone)]
 pub struct OciRuntime {
     binary: PathBuf,
     root: PathBuf,
     systemd_cgroup: bool,
     reaper: Reaper,
+    exclusive: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
 
 /// The container process's standard streams, as the runtime sees them.
@@ -89,7 +97,13 @@ pub struct ContainerState {
 
 impl OciRuntime {
     pub fn new(binary: impl Into<PathBuf>, root: impl Into<PathBuf>, systemd_cgroup: bool, reaper: Reaper) -> Self {
-        Self { binary: binary.into(), root: root.into(), systemd_cgroup, reaper }
+        Self {
+            binary: binary.into(),
+            root: root.into(),
+            systemd_cgroup,
+            reaper,
+            exclusive: Default::default(),
+        }
     }
 
     pub fn binary(&self) -> &Path {
@@ -141,6 +155,7 @@ impl OciRuntime {
         }
         args.push(id.into());
         args.push(signal.to_string().into());
+        let _exclusive = self.exclusive.lock().await;
         self.run(id, &args, ProcessStdio::default()).await.map(drop)
     }
 
@@ -150,6 +165,7 @@ impl OciRuntime {
             args.push("--force".into());
         }
         args.push(id.into());
+        let _exclusive = self.exclusive.lock().await;
         self.run(id, &args, ProcessStdio::default()).await.map(drop)
     }
 
@@ -167,16 +183,19 @@ impl OciRuntime {
     }
 
     pub async fn pause(&self, id: &str) -> Result<()> {
+        let _exclusive = self.exclusive.lock().await;
         self.run(id, &["pause".into(), id.into()], ProcessStdio::default()).await.map(drop)
     }
 
     pub async fn resume(&self, id: &str) -> Result<()> {
+        let _exclusive = self.exclusive.lock().await;
         self.run(id, &["resume".into(), id.into()], ProcessStdio::default()).await.map(drop)
     }
 
     /// Applies `resources_json` (an OCI `LinuxResources`) to the running container.
     pub async fn update(&self, id: &str, resources_json: &Path) -> Result<()> {
         let args: Vec<OsString> = vec!["update".into(), "--resources".into(), resources_json.into(), id.into()];
+        let _exclusive = self.exclusive.lock().await;
         self.run(id, &args, ProcessStdio::default()).await.map(drop)
     }
 
@@ -195,6 +214,7 @@ impl OciRuntime {
             args.push("--leave-running".into());
         }
         args.push(id.into());
+        let _exclusive = self.exclusive.lock().await;
         self.run(id, &args, ProcessStdio::default()).await.map(drop)
     }
 
@@ -229,6 +249,7 @@ impl OciRuntime {
             args.push("--no-pivot".into());
         }
         args.push(id.into());
+        let _exclusive = self.exclusive.lock().await;
         self.run(id, &args, launch.stdio).await.map(drop)
     }
 

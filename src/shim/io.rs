@@ -464,13 +464,17 @@ impl ProcessIo {
     /// Waits until output copying finished (the process and all holders of
     /// its output pipes are gone), bounded so a leaked pipe cannot wedge us.
     pub async fn drain(&self, timeout: std::time::Duration) {
-        let handles: Vec<_> = std::mem::take(&mut *self.outputs.lock().expect("io lock"));
+        let mut handles: Vec<_> = std::mem::take(&mut *self.outputs.lock().expect("io lock"));
         let all = async {
-            for h in handles {
+            for h in handles.iter_mut() {
                 let _ = h.await;
             }
         };
         let _ = tokio::time::timeout(timeout, all).await;
+        // A copy still running (a background child holds the pipe) stays
+        // registered, so Delete can stop it and close the client's fifo.
+        handles.retain(|h| !h.is_finished());
+        self.outputs.lock().expect("io lock").extend(handles);
     }
 
     /// Stops all copying (Delete): nothing of this process is read any more.

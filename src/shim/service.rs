@@ -153,23 +153,37 @@ impl TaskService {
 
     async fn engine_context(&self, config: &Config) -> Result<Arc<EngineContext>, ShimError> {
         let state_dir = config.checkpoint.state_dir.clone();
+        let node = crate::node::ClientOptions::from_config(&config.node);
         self.engine_ctx
             .get_or_try_init(|| async move {
                 let store = crate::checkpoint::CheckpointStore::open(&state_dir).map_err(|e| {
                     ShimError::FailedPrecondition(format!("checkpoint store {}: {e}", state_dir.display()))
                 })?;
-                let inspector = match crate::inspector::Inspector::start(crate::inspector::InspectorConfig {
-                    ring_buffer_bytes: 4 << 20,
-                })
-                .await
-                {
-                    Ok(i) => Some(Arc::new(i) as Arc<dyn crate::engine::EffectSource>),
+                // The node's inspector and bandwidth live in crabd; only without it
+                // does this shim load BPF programs of its own.
+                let (inspector, commit_gate) = match crate::node::NodeClient::connect(node).await {
+                    Ok(client) => {
+                        let client = Arc::new(client);
+                        tracing::info!(socket = %client.socket().display(), "using the node's crabd");
+                        (Some(client.clone() as Arc<dyn crate::engine::EffectSource>),
+                            Some(client as Arc<dyn crate::engine::CommitGate>))
+                    }
                     Err(e) => {
-                        tracing::error!(error = %e, "inspector unavailable: every turn will be checkpointed in full");
-                        None
+                        tracing::warn!(error = %e, "crabd unavailable: loading an inspector in this shim, commits not paced");
+                        let local = crate::inspector::Inspector::start(crate::inspector::InspectorConfig {
+                            ring_buffer_bytes: 4 << 20,
+                        })
+                        .await;
+                        match local {
+                            Ok(i) => (Some(Arc::new(i) as Arc<dyn crate::engine::EffectSource>), None),
+                            Err(e) => {
+                                tracing::error!(error = %e, "inspector unavailable: every turn will be checkpointed in full");
+                                (None, None)
+                            }
+                        }
                     }
                 };
-                Ok(Arc::new(EngineContext { store: Arc::new(store), inspector, state_dir }))
+                Ok(Arc::new(EngineContext { store: Arc::new(store), inspector, commit_gate, state_dir }))
             })
             .await
             .cloned()

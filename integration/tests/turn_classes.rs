@@ -1,0 +1,570 @@
+//! Ground truth for the inspector's turn classes, through the real shim.
+//!
+//! A labelled corpus of agent-like commands runs in terminal-image containers on the crab runtime,
+//! one exec per turn; the shim classifies each turn (clean < fs < proc) and writes a turn record.
+//! Every label is also checked against what the host saw: the files under the container's root
+//! (type, mode, owner, links, size, mtime, ctime) and the live processes of its cgroup, before and
+//! after the turn. The test requires no turn to be reported cleaner than the truth and at least 95%
+//! exact, and prints the table and confusion counts.
+//!
+//! Not covered: stdin mode (a long-lived shell fed through stdin), which the shim does not implement.
+//!
+//! `inspector_overhead` (ignored: a measurement, about a minute) runs a syscall-heavy workload in
+//! two sandboxes, policy `off` and `crab`, interleaved, and prints the time ratio.
+//!
+//! ```sh
+//! cargo test -p crab-integration --test turn_classes -- --nocapture
+//! cargo test -p crab-integration --test turn_classes -- --ignored --nocapture inspector_overhead
+//! ```
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use crab_integration::sandbox::{Sandbox, TERMINAL_IMAGE, TurnClass, TurnVerdict};
+use crab_integration::{HarnessError, Outcome};
+
+use TurnClass::{Clean, Fs, Proc};
+
+/// Late effects of a daemon started in a turn (its exec, its workers' forks) land after the turn's
+/// end and so in the next turn; a settle turn after this pause takes them, keeping turns independent.
+const SETTLE_PAUSE: Duration = Duration::from_millis(400);
+
+/// A scored command: what it truly does to the sandbox, and its exit code (checked, so that a
+/// command that did not do what its label assumes is caught).
+struct Case {
+    script: &'static str,
+    truth: TurnClass,
+    exit: i32,
+    /// A misclassification understood but not fixed yet: the class the shim gives today and why.
+    /// Counted as wrong in the figures; the test fails if the shim's answer changes, so that a fix
+    /// is noticed and the mark removed.
+    known_gap: Option<(TurnClass, &'static str)>,
+}
+
+enum Step {
+    /// Prepares later cases; must exit 0; not scored. Every sandbox starts with one: the init's own
+    /// exec can land in the first turn (see `run_group`).
+    Setup(&'static str),
+    /// Pause, then a `true` turn that absorbs a daemon's late effects; not scored.
+    Settle,
+    Case(Case),
+}
+
+fn case(truth: TurnClass, script: &'static str) -> Step {
+    Step::Case(Case { script, truth, exit: 0, known_gap: None })
+}
+
+fn failing(truth: TurnClass, exit: i32, script: &'static str) -> Step {
+    Step::Case(Case { script, truth, exit, known_gap: None })
+}
+
+fn known_gap(truth: TurnClass, got: TurnClass, why: &'static str, script: &'static str) -> Step {
+    Step::Case(Case { script, truth, exit: 0, known_gap: Some((got, why)) })
+}
+
+struct Group {
+    name: &'static str,
+    annotations: &'static [(&'static str, &'static str)],
+    run_flags: &'static [&'static str],
+    steps: Vec<Step>,
+}
+
+const GIT_IDENTITY: &str = "git config --global user.email agent@crab.local && git config --global user.name agent \
+     && git config --global init.defaultBranch main";
+
+/// Read-only tools and failing commands: all clean.
+fn read_only() -> Group {
+    Group {
+        name: "read-only",
+        annotations: &[],
+        run_flags: &[],
+        steps: vec![
+            Step::Setup(GIT_IDENTITY),
+            Step::Setup(
+                "mkdir -p /app/proj/src && cd /app/proj && printf 'alpha\\nneedle\\nbeta\\n' > a.txt \
+                 && printf 'print(\"hi\")\\n' > src/main.py && seq 1 100 > nums.txt",
+            ),
+            // Files older than the index are not racily clean: `git status` then has no reason to rewrite it.
+            Step::Setup("sleep 1.1 && cd /app/proj && git init -q && git add -A && git commit -qm init"),
+            Step::Setup("cd /app/proj && git status > /dev/null"),
+            case(Clean, "ls -la /app/proj"),
+            case(Clean, "cat /etc/os-release"),
+            case(Clean, "grep -rn needle /app/proj --exclude-dir=.git"),
+            case(Clean, "find /usr/lib/python3.11 -name '*.py' | wc -l"),
+            // `git status` takes .git/index.lock and removes it: .git itself changed.
+            case(Fs, "cd /app/proj && git status"),
+            case(Clean, "cd /app/proj && git --no-optional-locks status"),
+            case(Clean, "cd /app/proj && git log --oneline -n 5"),
+            case(Clean, "cd /app/proj && git diff HEAD --stat && git show --stat HEAD"),
+            case(Clean, "python3 -c 'print(sum(range(10)))'"),
+            case(Clean, "python3 /app/proj/src/main.py"),
+            case(Clean, "python3 -c 'import json, sys; json.dump({\"a\": [1, 2]}, sys.stdout)'"),
+            case(Clean, "head -c 64 /dev/urandom | sha256sum"),
+            case(Clean, "ps aux"),
+            case(Clean, "wc -l /etc/passwd && stat /etc/hostname"),
+            case(Clean, "echo hello > /dev/null"),
+            case(Clean, "sleep 1"),
+            case(Clean, "env | sort | head -5"),
+            case(Clean, "df -h / && uname -a"),
+            case(Clean, "tar -C /app/proj -cf - . | wc -c"),
+            case(Clean, "sort /app/proj/a.txt | uniq -c"),
+            case(Clean, "for i in 1 2 3; do cat /app/proj/nums.txt > /dev/null; done"),
+            failing(Clean, 7, "curl -s --max-time 2 http://127.0.0.1:1/"),
+            failing(Clean, 1, "false"),
+            failing(Clean, 127, "nosuchcommand --flag"),
+            failing(Clean, 126, "/etc/passwd"),
+            failing(
+                Clean,
+                1,
+                "setpriv --reuid=65534 --regid=65534 --clear-groups bash -c 'echo x > /root/forbidden'",
+            ),
+            failing(Clean, 1, "cat /nonexistent"),
+            failing(Clean, 3, "python3 -c 'raise SystemExit(3)'"),
+            failing(Clean, 128, "git -C / status"),
+            failing(Clean, 2, "ls /app/proj/missing"),
+            failing(Clean, 1, "cd /nonexistent && touch here"),
+        ],
+    }
+}
+
+/// Builds a minimal pure-Python wheel by hand (the sandbox has no network and no build backend).
+const BUILD_WHEEL: &str = r#"mkdir -p /app/wheels && python3 - <<'EOF'
+import base64, hashlib, zipfile
+files = {
+    "crabdemo/__init__.py": b"X = 1\n",
+    "crabdemo-0.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: crabdemo\nVersion: 0.1\n",
+    "crabdemo-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+record = []
+with zipfile.ZipFile("/app/wheels/crabdemo-0.1-py3-none-any.whl", "w") as wheel:
+    for name, data in files.items():
+        wheel.writestr(name, data)
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(data)}")
+    record.append("crabdemo-0.1.dist-info/RECORD,,")
+    wheel.writestr("crabdemo-0.1.dist-info/RECORD", "\n".join(record) + "\n")
+EOF"#;
+
+/// File changes of every kind, dirfd-relative ones, tmpfs, packaging and git: all fs.
+fn files() -> Group {
+    Group {
+        name: "files",
+        annotations: &[],
+        run_flags: &["--mount", "type=tmpfs,src=tmpfs,dst=/tmp,options=rw:nosuid:nodev:mode=1777"],
+        steps: vec![
+            Step::Setup(GIT_IDENTITY),
+            Step::Setup(
+                "mkdir -p /app/w/sub /app/w/tree/a/b /app/w/fdir && cd /app/w && echo one > existing.txt \
+                 && echo a > a.txt && echo d > del.txt && echo t > trunc.txt && echo abc > sed.txt \
+                 && echo c > c.txt && echo g > sub/gone && echo r > sub/r1 \
+                 && touch tree/a/b/f tree/x fdir/1.tmp fdir/2.tmp fdir/keep",
+            ),
+            Step::Setup(BUILD_WHEEL),
+            case(Fs, "echo hi > /app/w/new.txt"),
+            case(Fs, "echo more >> /app/w/existing.txt"),
+            case(Fs, "rm /app/w/del.txt"),
+            case(Fs, "mv /app/w/a.txt /app/w/b.txt"),
+            case(Fs, "chmod 600 /app/w/existing.txt"),
+            case(Fs, "chown nobody:nogroup /app/w/existing.txt"),
+            case(Fs, "ln -s /app/w/existing.txt /app/w/link"),
+            case(Fs, "ln /app/w/existing.txt /app/w/hard"),
+            case(Fs, "mkdir -p /app/w/x/y/z"),
+            case(Fs, "rm -r /app/w/tree"),
+            case(Fs, "touch /app/w/existing.txt"),
+            case(Fs, "truncate -s 0 /app/w/trunc.txt"),
+            case(Fs, "cp /etc/os-release /app/w/os-release.copy"),
+            case(Fs, "sed -i s/a/b/ /app/w/sed.txt"),
+            case(Fs, "mkfifo /app/w/fifo"),
+            case(Fs, "python3 -c \"open('/app/w/py.txt', 'w').write('x')\""),
+            case(Fs, "python3 -c \"import os; os.utime('/app/w/b.txt', (0, 0))\""),
+            case(Fs, "python3 -c \"import os; os.setxattr('/app/w/b.txt', 'user.k', b'v')\""),
+            case(Fs, "cd /app/w/sub && echo x > rel.txt"),
+            case(Fs, "cd /app/w && mkdir rel && cd rel && touch inner"),
+            case(
+                Fs,
+                "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); \
+                 fd = os.open('viafd', os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=d); os.write(fd, b'x')\"",
+            ),
+            case(Fs, "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); os.mkdir('mdir', dir_fd=d)\""),
+            case(Fs, "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); os.unlink('gone', dir_fd=d)\""),
+            case(
+                Fs,
+                "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); \
+                 os.rename('r1', 'r2', src_dir_fd=d, dst_dir_fd=d)\"",
+            ),
+            case(Fs, "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); os.symlink('r2', 'sl', dir_fd=d)\""),
+            case(Fs, "python3 -c \"import os; d = os.open('/app/w', os.O_RDONLY); os.chmod('c.txt', 0o600, dir_fd=d)\""),
+            case(Fs, "find /app/w/fdir -name '*.tmp' -delete"),
+            case(Fs, "echo x > /dev/shm/shared.txt"),
+            case(Fs, "dd if=/dev/zero of=/dev/shm/blob bs=1k count=4 status=none"),
+            case(Fs, "echo x > /tmp/t.txt"),
+            // Created and removed: the directory itself still changed.
+            case(Fs, "f=$(mktemp) && echo x > \"$f\" && rm \"$f\""),
+            failing(Fs, 1, "echo x > /app/w/partial.txt && false"),
+            failing(Fs, 127, "nosuchcommand > /app/w/out.txt"),
+            case(Fs, "sqlite3 /app/w/db.sqlite 'create table t(x); insert into t values (1)'"),
+            case(Fs, "tar -C /app/w -czf /app/w.tgz sub"),
+            case(Fs, "mkdir -p /app/g && cd /app/g && git init -q"),
+            case(Fs, "cd /app/g && echo x > f && git add f"),
+            case(Fs, "cd /app/g && git commit -qm first"),
+            case(Fs, "python3 -m venv --without-pip /app/venv"),
+            case(
+                Fs,
+                "pip install -q --disable-pip-version-check --break-system-packages --no-index \
+                 /app/wheels/crabdemo-0.1-py3-none-any.whl",
+            ),
+            case(Clean, "python3 -c 'import crabdemo; print(crabdemo.X)'"),
+        ],
+    }
+}
+
+/// Writes under `io.crab.ignore` prefixes do not count.
+fn ignored() -> Group {
+    Group {
+        name: "ignored",
+        annotations: &[("io.crab.ignore", "/app/cache,/root/.cache")],
+        run_flags: &[],
+        steps: vec![
+            Step::Setup("mkdir -p /app/cache /root/.cache"),
+            case(Clean, "echo x > /app/cache/a"),
+            case(Clean, "mkdir -p /app/cache/d/e && touch /app/cache/d/e/f"),
+            case(Clean, "cd /app/cache && echo z > rel"),
+            case(Clean, "rm -rf /app/cache/d"),
+            case(Clean, "python3 -c \"open('/root/.cache/x', 'w').write('x')\""),
+            case(Fs, "echo x > /app/cache/b && echo y > /app/notcache.txt"),
+        ],
+    }
+}
+
+/// Children that end within the turn, daemons that outlive it, and daemons of earlier turns that
+/// act or end in a later one (unix sockets only: CRIU can dump them).
+fn processes() -> Group {
+    Group {
+        name: "processes",
+        annotations: &[],
+        run_flags: &[],
+        steps: vec![
+            Step::Setup("true"),
+            case(Clean, "sleep 100 & kill $!; wait"),
+            case(Clean, "python3 -c \"import subprocess; p = subprocess.Popen(['sleep', '100']); p.kill(); p.wait()\""),
+            failing(Clean, 124, "timeout 1 sleep 10"),
+            case(
+                Clean,
+                "python3 -c \"import threading; ts = [threading.Thread(target=sum, args=([1],)) for _ in range(16)]; \
+                 [t.start() for t in ts]; [t.join() for t in ts]\"",
+            ),
+            case(Clean, "python3 -c \"import socket; s = socket.socket(); s.bind(('127.0.0.1', 9000)); s.listen(); s.close()\""),
+            case(Clean, "sleep 0.2 & wait"),
+            failing(Fs, 143, "sleep 100 & pid=$!; echo x > /app/p.txt; kill $pid; wait $pid"),
+            case(Fs, "(sleep 0.3; echo late > /app/late.txt) & wait"),
+            case(Fs, "python3 -c \"import socket; socket.socket(socket.AF_UNIX).bind('/app/left.sock')\""),
+            case(Proc, "sleep 300 > /dev/null 2>&1 &"),
+            Step::Settle,
+            case(Proc, "pkill -f 'sleep [3]00'; while pgrep -f 'sleep [3]00' > /dev/null; do sleep 0.05; done"),
+            case(Proc, "nohup sleep 301 > /dev/null 2>&1 &"),
+            Step::Settle,
+            case(Proc, "setsid -f sleep 302 > /dev/null 2>&1"),
+            Step::Settle,
+            case(Proc, "(sleep 303 > /dev/null 2>&1 &)"),
+            Step::Settle,
+            case(Proc, "pkill -f 'sleep [3]0[123]'; while pgrep -f 'sleep [3]0[123]' > /dev/null; do sleep 0.05; done"),
+            case(Proc, "tmux new -d -s work"),
+            Step::Settle,
+            case(Clean, "tmux ls"),
+            case(Fs, "tmux send-keys -t work 'echo hi > /app/from-tmux.txt' Enter; sleep 0.5"),
+            case(Proc, "tmux kill-server; while pgrep -r R,S,D,T -x 'tmux: server' > /dev/null; do sleep 0.05; done; sleep 0.3"),
+            case(
+                Proc,
+                "python3 -c \"import socket, time; s = socket.socket(socket.AF_UNIX); s.bind('/app/srv.sock'); \
+                 s.listen(); time.sleep(1000)\" > /dev/null 2>&1 &",
+            ),
+            Step::Settle,
+            case(Clean, "python3 -c \"import socket; c = socket.socket(socket.AF_UNIX); c.connect('/app/srv.sock'); c.close()\""),
+            case(Proc, "pkill -f 'srv[.]sock'; while pgrep -f 'srv[.]sock' > /dev/null; do sleep 0.05; done"),
+        ],
+    }
+}
+
+/// TCP servers. CRIU 4.1.1 cannot dump a TCP socket on this kernel, so these proc turns get no
+/// record; the shim's "turn checkpoint failed" line stands for it (see `TurnVerdict`).
+fn servers() -> Group {
+    Group {
+        name: "servers",
+        annotations: &[],
+        run_flags: &[],
+        steps: vec![
+            Step::Setup("true"),
+            case(Proc, "python3 -m http.server 8000 --bind 127.0.0.1 > /dev/null 2>&1 & sleep 0.5"),
+            Step::Settle,
+            case(Clean, "curl -s -o /dev/null http://127.0.0.1:8000/"),
+            case(Proc, "pkill -f 'http[.]server'; while pgrep -f 'http[.]server' > /dev/null; do sleep 0.05; done"),
+            case(Proc, "nginx"),
+            Step::Settle,
+            known_gap(
+                Fs,
+                Clean,
+                "the worker appends to the access log through a descriptor opened in an earlier turn; \
+                 the inspector records opens, not writes",
+                "curl -s -o /dev/null http://127.0.0.1/ && sleep 0.3",
+            ),
+            case(Proc, "nginx -s stop; while pgrep -r R,S,D,T -x nginx > /dev/null; do sleep 0.05; done"),
+        ],
+    }
+}
+
+/// One turn as run: the label, the shim's verdict and the host's view.
+struct Row {
+    group: &'static str,
+    script: String,
+    truth: Option<TurnClass>,
+    known_gap: Option<(TurnClass, &'static str)>,
+    exit: Option<i32>,
+    expected_exit: i32,
+    verdict: TurnVerdict,
+    host: TurnClass,
+    host_changes: Vec<String>,
+}
+
+/// Runs one group in a fresh sandbox. Its first turn is a setup step because the shim's engine sets
+/// the container's start-up effects aside when `runc start` returns, which can be before the init's
+/// execve: that exec then shows up in turn 1 as a process outliving the turn.
+async fn run_group(group: Group) -> Outcome<Vec<Row>> {
+    if !matches!(group.steps.first(), Some(Step::Setup(_))) {
+        return Err(HarnessError::Expectation(format!("group {} must start with a setup step", group.name)));
+    }
+    let mut sandbox = Sandbox::start(group.name, TERMINAL_IMAGE, group.annotations, group.run_flags).await?;
+    let mut rows = Vec::new();
+    for step in group.steps {
+        let (script, truth, expected_exit, known_gap) = match step {
+            Step::Setup(script) => (script, None, 0, None),
+            Step::Settle => {
+                tokio::time::sleep(SETTLE_PAUSE).await;
+                ("true", None, 0, None)
+            }
+            Step::Case(case) => (case.script, Some(case.truth), case.exit, case.known_gap),
+        };
+        let before = sandbox.observe()?;
+        let (output, turn) = sandbox.exec(script).await?;
+        let after = sandbox.observe()?;
+        let verdict = sandbox.verdict(turn).await?;
+        if truth.is_none() && output.code() != Some(0) {
+            return Err(HarnessError::Expectation(format!(
+                "setup `{script}` in {} exited with {:?}: {}",
+                sandbox.id(),
+                output.code(),
+                output.stderr.trim()
+            )));
+        }
+        let (host, host_changes) = after.changes_since(&before);
+        rows.push(Row {
+            group: group.name,
+            script: script.split_whitespace().collect::<Vec<_>>().join(" "),
+            truth,
+            known_gap,
+            exit: output.code(),
+            expected_exit,
+            verdict,
+            host,
+            host_changes,
+        });
+    }
+    Ok(rows)
+}
+
+fn clip(text: &str, width: usize) -> String {
+    if text.chars().count() <= width {
+        text.to_string()
+    } else {
+        let cut: String = text.chars().take(width.saturating_sub(1)).collect();
+        format!("{cut}…")
+    }
+}
+
+fn print_table(rows: &[Row]) {
+    println!("\n{:<10} {:>3} {:<6} {:<6} {:<6} {:>4}  {:<60}  reasons", "group", "#", "truth", "got", "host", "exit", "command");
+    for (i, row) in rows.iter().enumerate() {
+        let truth = row.truth.map_or("-".to_string(), |t| t.to_string());
+        let mark = match row.truth {
+            Some(_) if row.known_gap.is_some() => "  (known gap)",
+            Some(t) if row.verdict.class < t => "  << UNDER",
+            Some(t) if row.verdict.class > t => "  >> over",
+            _ => "",
+        };
+        let reasons = match &row.verdict.checkpoint_failed {
+            Some(error) => format!("(no record: checkpoint failed: {})", clip(error, 60)),
+            None => row.verdict.reasons.join("; "),
+        };
+        println!(
+            "{:<10} {:>3} {:<6} {:<6} {:<6} {:>4}  {:<60}  {}{mark}",
+            row.group,
+            i + 1,
+            truth,
+            row.verdict.class,
+            row.host,
+            row.exit.map_or("?".into(), |c| c.to_string()),
+            clip(&row.script, 60),
+            clip(&reasons, 160),
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corpus_classes_match_the_truth() {
+    let started = Instant::now();
+    let mut rows = Vec::new();
+    let mut failures = Vec::new();
+    for group in [read_only(), files(), ignored(), processes(), servers()] {
+        let name = group.name;
+        match run_group(group).await {
+            Ok(group_rows) => rows.extend(group_rows),
+            Err(error) => failures.push(format!("group {name}: {error}")),
+        }
+    }
+    print_table(&rows);
+
+    let scored: Vec<(&Row, TurnClass)> = rows.iter().filter_map(|r| r.truth.map(|t| (r, t))).collect();
+    let mut confusion: BTreeMap<(TurnClass, TurnClass), usize> = BTreeMap::new();
+    for (row, truth) in &scored {
+        *confusion.entry((*truth, row.verdict.class)).or_default() += 1;
+    }
+    println!("\nconfusion (rows: truth, columns: got)");
+    println!("{:<6} {:>6} {:>6} {:>6}", "", "clean", "fs", "proc");
+    for truth in TurnClass::ALL {
+        let counts: Vec<String> = TurnClass::ALL
+            .iter()
+            .map(|got| format!("{:>6}", confusion.get(&(truth, *got)).copied().unwrap_or(0)))
+            .collect();
+        println!("{truth:<6} {}", counts.join(" "));
+    }
+    let exact = scored.iter().filter(|(row, truth)| row.verdict.class == *truth).count();
+    let under: Vec<&Row> = scored.iter().filter(|(row, truth)| row.verdict.class < *truth).map(|(r, _)| *r).collect();
+    let over = scored.len() - exact - under.len();
+    let accuracy = exact as f64 / scored.len().max(1) as f64;
+    let no_record = rows.iter().filter(|r| r.verdict.checkpoint_failed.is_some()).count();
+    println!(
+        "\n{} scored turns ({} more unscored): {exact} exact ({:.1}%), {over} over-classified, {} under-classified \
+         ({} of them known gaps); {no_record} proc turns without a record (CRIU dump failed); {:.1} s",
+        scored.len(),
+        rows.len() - scored.len(),
+        accuracy * 100.0,
+        under.len(),
+        under.iter().filter(|r| r.known_gap.is_some()).count(),
+        started.elapsed().as_secs_f64()
+    );
+
+    for (row, truth) in &scored {
+        if row.exit != Some(row.expected_exit) {
+            failures.push(format!("`{}` exited with {:?}, the corpus expects {}", row.script, row.exit, row.expected_exit));
+        }
+        if row.host != *truth {
+            failures.push(format!(
+                "label of `{}` is {truth} but the host saw {} ({:?})",
+                row.script, row.host, row.host_changes
+            ));
+        }
+    }
+    for (row, (got, why)) in rows.iter().filter_map(|r| r.known_gap.map(|g| (r, g))) {
+        println!("known gap: `{}` is {} but the shim says {got}: {why}", row.script, row.truth.expect("scored"));
+        if row.verdict.class != got {
+            failures.push(format!(
+                "known gap changed: `{}` was {got}, now {} ({:?}): update the corpus",
+                row.script, row.verdict.class, row.verdict.reasons
+            ));
+        }
+    }
+    for row in under.iter().filter(|r| r.known_gap.is_none()) {
+        failures.push(format!(
+            "UNDER-classified: `{}` is {} but the shim said {} ({:?})",
+            row.script,
+            row.truth.expect("scored"),
+            row.verdict.class,
+            row.verdict.reasons
+        ));
+    }
+    if scored.len() < 60 {
+        failures.push(format!("only {} scored turns ran (the corpus has more than 60)", scored.len()));
+    }
+    if accuracy < 0.95 {
+        failures.push(format!("{:.1}% exact, below 95%", accuracy * 100.0));
+    }
+    assert!(failures.is_empty(), "\n{}", failures.join("\n"));
+}
+
+/// The workloads of the overhead measurement: a file-tree walk, `git status` over a few thousand
+/// tracked files, and a small build (byte-compiling a package tree, writing every output).
+const OVERHEAD_WORKLOADS: [(&str, &str); 3] = [
+    ("find / -xdev | wc -l", "find / -xdev | wc -l"),
+    ("git status (big repo)", "cd /app/big && git --no-optional-locks status --porcelain | wc -l"),
+    ("small build", "python3 -m compileall -q -f /app/big/lib/email /app/big/lib/json /app/big/lib/xml"),
+];
+
+/// A copy of the standard library as a git repository: thousands of files to stat.
+const OVERHEAD_SETUP: &str = "mkdir -p /app/big && cp -r /usr/lib/python3.11 /app/big/lib && cd /app/big \
+     && git init -q && git add -A && git -c user.email=a@b.c -c user.name=bench commit -qm init";
+
+const OVERHEAD_ROUNDS: usize = 9;
+
+/// Runs `workload` as one exec and returns how long it took inside the container (the exec's own
+/// set-up through containerd and the shim is left out), after the turn's checkpoint is done so
+/// that it does not load the machine during the next measurement.
+async fn timed_turn(sandbox: &mut Sandbox, workload: &str, checkpointed: bool) -> Outcome<Duration> {
+    let script = format!(
+        "s=$(date +%s%N); {{ {workload}; }} > /dev/null; e=$(date +%s%N); echo $(( (e - s) / 1000 ))"
+    );
+    let (output, turn) = sandbox.exec(&script).await?;
+    if output.code() != Some(0) {
+        return Err(HarnessError::Expectation(format!("`{workload}` failed: {}", output.stderr.trim())));
+    }
+    if checkpointed {
+        sandbox.verdict(turn).await?;
+    }
+    let micros: u64 = output.stdout.trim().lines().last().and_then(|l| l.parse().ok()).ok_or_else(|| {
+        HarnessError::Parse { what: format!("timing of `{workload}`"), detail: output.stdout.clone() }
+    })?;
+    Ok(Duration::from_micros(micros))
+}
+
+fn median(mut samples: Vec<Duration>) -> Duration {
+    samples.sort();
+    samples[samples.len() / 2]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement (about a minute), not a check"]
+async fn inspector_overhead() {
+    let mut off = Sandbox::start("overhead-off", TERMINAL_IMAGE, &[("io.crab.policy", "off")], &[]).await.unwrap();
+    let mut crab = Sandbox::start("overhead-crab", TERMINAL_IMAGE, &[("io.crab.policy", "crab")], &[]).await.unwrap();
+    off.exec(OVERHEAD_SETUP).await.unwrap();
+    let (_, setup_turn) = crab.exec(OVERHEAD_SETUP).await.unwrap();
+    crab.verdict(setup_turn).await.unwrap();
+    let mut samples: BTreeMap<(usize, bool), Vec<Duration>> = BTreeMap::new();
+    // Round 0 warms the page cache and is dropped; the order alternates so neither policy always goes first.
+    for round in 0..=OVERHEAD_ROUNDS {
+        for (index, (_, workload)) in OVERHEAD_WORKLOADS.iter().enumerate() {
+            let crab_first = round % 2 == 1;
+            for watched in [crab_first, !crab_first] {
+                let sandbox = if watched { &mut crab } else { &mut off };
+                let took = timed_turn(sandbox, workload, watched).await.unwrap();
+                if round > 0 {
+                    samples.entry((index, watched)).or_default().push(took);
+                }
+            }
+        }
+    }
+    println!("\ninspector overhead, median of {OVERHEAD_ROUNDS} interleaved rounds (policy off vs crab)");
+    println!("{:<24} {:>10} {:>10} {:>8}", "workload", "off ms", "crab ms", "ratio");
+    let mut log_sum = 0.0;
+    for (index, (name, _)) in OVERHEAD_WORKLOADS.iter().enumerate() {
+        let off_median = median(samples[&(index, false)].clone());
+        let crab_median = median(samples[&(index, true)].clone());
+        let ratio = crab_median.as_secs_f64() / off_median.as_secs_f64();
+        log_sum += ratio.ln();
+        println!(
+            "{name:<24} {:>10.1} {:>10.1} {ratio:>8.3}",
+            off_median.as_secs_f64() * 1e3,
+            crab_median.as_secs_f64() * 1e3
+        );
+    }
+    let geometric_mean = (log_sum / OVERHEAD_WORKLOADS.len() as f64).exp();
+    println!("geometric mean ratio {geometric_mean:.3} (goal <= 1.02)");
+}

@@ -1,0 +1,76 @@
+//! `crabd`: the node engine. One per host: it owns the inspector's BPF
+//! programs and the commit bandwidth shared by every crab shim, and serves
+//! them on a root-only Unix socket (see `crab::node`).
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use crab::config::Config;
+use crab::node::BucketConfig;
+use crab::node::server::{ServerOptions, run};
+
+#[derive(Parser)]
+#[command(name = "crabd", about = "Crab's node engine: the node's inspector and commit bandwidth", version)]
+struct Cli {
+    /// crab's configuration file (its [node] table); default /etc/crab/crab.toml when present.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Socket to serve (overrides node.socket).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Commit bandwidth of the node in MiB/s (overrides node.rate_mib_per_s).
+    #[arg(long)]
+    rate_mib_per_s: Option<u64>,
+    /// Token bucket burst in MiB (overrides node.burst_mib).
+    #[arg(long)]
+    burst_mib: Option<u64>,
+    /// Age after which a waiting commit goes first (overrides node.aging_ms).
+    #[arg(long)]
+    aging_ms: Option<u64>,
+    /// Size of the inspector's BPF ring buffer in MiB (a power of two).
+    #[arg(long, default_value_t = 16)]
+    ring_buffer_mib: u32,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    let cli = Cli::parse();
+    let mut node = match Config::load(cli.config.as_deref()) {
+        Ok(config) => config.node,
+        Err(error) => {
+            eprintln!("crabd: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    node.socket = cli.socket.unwrap_or(node.socket);
+    node.rate_mib_per_s = cli.rate_mib_per_s.unwrap_or(node.rate_mib_per_s);
+    node.burst_mib = cli.burst_mib.unwrap_or(node.burst_mib);
+    node.aging_ms = cli.aging_ms.unwrap_or(node.aging_ms);
+    if node.rate_mib_per_s == 0 || node.burst_mib == 0 || !cli.ring_buffer_mib.is_power_of_two() {
+        eprintln!("crabd: --rate-mib-per-s and --burst-mib must be at least 1, --ring-buffer-mib a power of two");
+        return ExitCode::FAILURE;
+    }
+    let options = ServerOptions {
+        socket: node.socket.clone(),
+        bucket: BucketConfig::from_node_config(&node),
+        ring_buffer_bytes: cli.ring_buffer_mib << 20,
+    };
+    match run(options).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            tracing::error!(%error, "crabd failed");
+            eprintln!("crabd: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,213 @@
+//! `crabctl` subcommands over checkpoints, defined here so the binary only
+//! dispatches. Every command takes `--json`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+use serde::Serialize;
+
+use super::{Ctl, Result};
+use crate::checkpoint::RetentionPolicy;
+use crate::replay::ctr::Ctr;
+
+#[derive(Args, Debug)]
+pub struct Common {
+    /// crab's state directory (the checkpoint store).
+    #[arg(long, env = "CRAB_STATE_DIR", default_value = crate::checkpoint::DEFAULT_STATE_DIR)]
+    pub state_dir: PathBuf,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum CheckpointCommand {
+    /// The turns of a sandbox: class, reasons, checkpoint, bytes.
+    Turns {
+        container: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// The checkpoints of a sandbox's chain, newest first.
+    Checkpoints {
+        container: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Verifies every blob of a sandbox's chain (or of all chains).
+    Verify {
+        container: Option<String>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Drops old checkpoints and unreferenced blobs.
+    Gc {
+        /// Checkpoints kept per sandbox.
+        #[arg(long, default_value_t = 16)]
+        keep: usize,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Brings a crashed sandbox back from its latest checkpoint.
+    Recover {
+        container: String,
+        /// The sandbox's image, when containerd no longer knows the sandbox (node loss).
+        #[arg(long)]
+        image: Option<String>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Puts a sandbox back to turn N, in place.
+    Rollback {
+        container: String,
+        #[arg(long)]
+        turn: u64,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Starts a new sandbox from another's turn N; the source keeps running.
+    Fork {
+        container: String,
+        #[arg(long)]
+        turn: u64,
+        /// Id of the new sandbox.
+        #[arg(long = "as")]
+        new_id: String,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+fn print<T: Serialize>(json: bool, value: &T, table: impl FnOnce(&T) -> String) {
+    if json {
+        println!("{}", serde_json::to_string_pretty(value).expect("serialisable"));
+    } else {
+        print!("{}", table(value));
+    }
+}
+
+impl CheckpointCommand {
+    fn common(&self) -> &Common {
+        match self {
+            Self::Turns { common, .. }
+            | Self::Checkpoints { common, .. }
+            | Self::Verify { common, .. }
+            | Self::Gc { common, .. }
+            | Self::Recover { common, .. }
+            | Self::Rollback { common, .. }
+            | Self::Fork { common, .. } => common,
+        }
+    }
+
+    pub async fn run(self) -> Result<()> {
+        let common = self.common();
+        let json = common.json;
+        let ctl = Ctl::open(&common.state_dir, Ctr::from_env())?;
+        match &self {
+            Self::Turns { container, .. } => print(json, &ctl.turns(container)?, |turns| {
+                let mut out = format!("{:>5} {:<6} {:>3} {:>10} {:>9} {:>10}  {}\n", "turn", "class", "ext", "ckpt", "bytes", "ckpt ms", "reasons");
+                for t in turns {
+                    out += &format!(
+                        "{:>5} {:<6} {:>3} {:>10} {:>9} {:>10.1}  {}\n",
+                        t.turn,
+                        format!("{:?}", t.class).to_lowercase(),
+                        if t.external { "yes" } else { "" },
+                        t.checkpoint_turn.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
+                        t.bytes_written,
+                        t.checkpoint_ms,
+                        t.reasons.join("; ")
+                    );
+                }
+                out
+            }),
+            Self::Checkpoints { container, .. } => print(json, &ctl.checkpoints(container)?, |rows| {
+                let mut out = format!("{:>5} {:<6} {:>8} {:<6} {}\n", "turn", "class", "entries", "images", "id");
+                for r in rows {
+                    out += &format!(
+                        "{:>5} {:<6} {:>8} {:<6} {}\n",
+                        r.turn,
+                        r.class,
+                        r.fs_entries,
+                        if r.has_images { "yes" } else { "" },
+                        &r.id[..16]
+                    );
+                }
+                out
+            }),
+            Self::Verify { container, .. } => {
+                let rows = ctl.verify(container.as_deref())?;
+                let failed = rows.iter().any(|r| !r.ok);
+                print(json, &rows, |rows| {
+                    rows.iter()
+                        .map(|r| match &r.error {
+                            None => format!(
+                                "{}: ok (head turn {}, {} manifests, {} blobs, {} bytes)\n",
+                                r.container,
+                                r.head_turn.unwrap_or(0),
+                                r.manifests,
+                                r.blobs,
+                                r.bytes
+                            ),
+                            Some(e) => format!("{}: BROKEN: {e}\n", r.container),
+                        })
+                        .collect()
+                });
+                if failed {
+                    return Err(super::CtlError::Invalid("verification failed".into()));
+                }
+            }
+            Self::Gc { keep, .. } => {
+                let store = ctl.store.clone();
+                let keep = (*keep).max(1);
+                let report = store.run_blocking(move |s| s.gc(&RetentionPolicy { keep_last: keep })).await?;
+                #[derive(Serialize)]
+                struct Gc {
+                    manifests_removed: u64,
+                    blobs_removed: u64,
+                    bytes_freed: u64,
+                    snapshots_written: u64,
+                    tmp_files_removed: u64,
+                }
+                let gc = Gc {
+                    manifests_removed: report.manifests_removed,
+                    blobs_removed: report.blobs_removed,
+                    bytes_freed: report.bytes_freed,
+                    snapshots_written: report.snapshots_written,
+                    tmp_files_removed: report.tmp_files_removed,
+                };
+                print(json, &gc, |g| {
+                    format!(
+                        "removed {} manifests, {} blobs ({} bytes), {} tmp files; {} snapshots written\n",
+                        g.manifests_removed, g.blobs_removed, g.bytes_freed, g.tmp_files_removed, g.snapshots_written
+                    )
+                });
+            }
+            Self::Recover { container, image, .. } => {
+                let r = ctl.recover(container, image.as_deref()).await?;
+                print(json, &r, restore_line);
+            }
+            Self::Rollback { container, turn, .. } => {
+                let r = ctl.rollback(container, *turn).await?;
+                print(json, &r, restore_line);
+            }
+            Self::Fork { container, turn, new_id, .. } => {
+                let r = ctl.fork(container, *turn, new_id).await?;
+                print(json, &r, restore_line);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn restore_line(r: &super::RestoreReport) -> String {
+    format!(
+        "{}: {} from {} at turn {} (checkpoint {}){} in {:.1} ms\n",
+        r.container,
+        r.mode,
+        r.from,
+        r.turn,
+        r.checkpoint_turn.map(|t| t.to_string()).unwrap_or_else(|| "none: image".into()),
+        r.changed_paths.map(|n| format!(", {n} paths")).unwrap_or_default(),
+        r.elapsed_ms
+    )
+}

@@ -1,0 +1,365 @@
+//! The shim's side of crabd: the node's inspector as an [`EffectSource`] and
+//! its bandwidth as a [`CommitGate`].
+//!
+//! The client keeps one control connection for watch/drain/unwatch and opens
+//! one connection per acquire (an acquire may wait, and closing its
+//! connection withdraws it). When crabd goes away the next request
+//! reconnects, starting crabd again if its socket is gone. A crabd with a new
+//! instance id has forgotten every watch and every effect not yet drained:
+//! the client watches its containers again and the next drain of each reports
+//! at least one lost record, so that turn escalates instead of looking clean.
+
+use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tokio::net::UnixStream;
+
+use super::NodeError;
+use super::bucket::CommitKind;
+use super::protocol::{self, MAX_REPLY_BYTES, PROTOCOL_VERSION, ProtocolError, Reply, Request};
+use crate::engine::{CommitGate, EffectSource};
+use crate::inspector::{Effect, TurnEffects};
+
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    pub socket: PathBuf,
+    /// Start crabd when its socket is absent or refuses connections.
+    pub spawn: bool,
+    /// The crabd to start; None: `crabd` beside this executable, else on PATH.
+    pub crabd_binary: Option<PathBuf>,
+    /// Arguments for a started crabd beyond `--socket` (the bucket settings).
+    pub crabd_args: Vec<String>,
+    /// Bound on connecting plus hello, and on each reply.
+    pub timeout: Duration,
+    /// How long a started crabd may take to load the inspector and listen.
+    pub spawn_wait: Duration,
+    /// Longest an acquire waits before the commit goes ahead anyway.
+    pub max_wait: Duration,
+}
+
+impl ClientOptions {
+    pub fn from_config(config: &crate::config::NodeConfig) -> Self {
+        Self {
+            socket: config.socket.clone(),
+            spawn: config.spawn,
+            crabd_binary: None,
+            crabd_args: vec![
+                "--rate-mib-per-s".into(),
+                config.rate_mib_per_s.to_string(),
+                "--burst-mib".into(),
+                config.burst_mib.to_string(),
+                "--aging-ms".into(),
+                config.aging_ms.to_string(),
+            ],
+            timeout: Duration::from_millis(config.timeout_ms),
+            spawn_wait: Duration::from_secs(10),
+            max_wait: Duration::from_millis(config.max_wait_ms),
+        }
+    }
+}
+
+/// A greeted connection to one crabd instance.
+struct Connection {
+    stream: UnixStream,
+    instance: String,
+}
+
+impl Connection {
+    async fn open(socket: &Path, timeout: Duration) -> Result<Self, NodeError> {
+        let attempt = async {
+            let mut stream = UnixStream::connect(socket)
+                .await
+                .map_err(|source| NodeError::Connect { path: socket.into(), source })?;
+            protocol::write_message(&mut stream, &Request::Hello { version: PROTOCOL_VERSION }).await?;
+            match protocol::read_message(&mut stream, MAX_REPLY_BYTES).await? {
+                Reply::Hello { instance, .. } => Ok(Self { stream, instance }),
+                Reply::Unsupported { supported } => Err(NodeError::Unsupported { supported }),
+                Reply::Error { message } => Err(NodeError::Remote(message)),
+                other => Err(NodeError::UnexpectedReply { request: "hello", got: other.name().into() }),
+            }
+        };
+        tokio::time::timeout(timeout, attempt)
+            .await
+            .map_err(|_| NodeError::Timeout { path: socket.into(), after_ms: timeout.as_millis() as u64 })?
+    }
+
+    /// Sends `request` and reads its replies: one, or for a drain every
+    /// `effects` frame up to the last.
+    async fn exchange(&mut self, request: &Request) -> Result<Vec<Reply>, NodeError> {
+        protocol::write_message(&mut self.stream, request).await?;
+        let mut replies = Vec::new();
+        loop {
+            let reply: Reply = protocol::read_message(&mut self.stream, MAX_REPLY_BYTES).await?;
+            let more = matches!(reply, Reply::Effects { more: true, .. });
+            replies.push(reply);
+            if !more {
+                return Ok(replies);
+            }
+        }
+    }
+}
+
+/// Connects to `socket` without starting crabd, sends one request and returns its reply.
+pub async fn one_shot(socket: &Path, request: Request) -> Result<Reply, NodeError> {
+    let mut connection = Connection::open(socket, Duration::from_secs(5)).await?;
+    let mut replies = connection.exchange(&request).await?;
+    match replies.pop() {
+        Some(Reply::Error { message }) => Err(NodeError::Remote(message)),
+        Some(reply) => Ok(reply),
+        None => Err(ProtocolError::Closed.into()),
+    }
+}
+
+#[derive(Clone, Copy)]
+struct WatchArgs {
+    cgroup_id: u64,
+    root_pid: u32,
+}
+
+struct Control {
+    connection: Option<Connection>,
+    /// The crabd instance the watches were last sent to.
+    instance: Option<String>,
+}
+
+pub struct NodeClient {
+    options: ClientOptions,
+    control: tokio::sync::Mutex<Control>,
+    watches: Mutex<HashMap<String, WatchArgs>>,
+    /// Containers whose records may have been lost (crabd restarted, or a
+    /// drain broke off): their next drain reports a lost record.
+    gaps: Mutex<HashSet<String>>,
+}
+
+impl NodeClient {
+    /// Connects to crabd, starting it if allowed and needed.
+    pub async fn connect(options: ClientOptions) -> Result<Self, NodeError> {
+        let client = Self {
+            options,
+            control: tokio::sync::Mutex::new(Control { connection: None, instance: None }),
+            watches: Mutex::new(HashMap::new()),
+            gaps: Mutex::new(HashSet::new()),
+        };
+        {
+            let mut control = client.control.lock().await;
+            client.reconnect(&mut control).await?;
+        }
+        Ok(client)
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.options.socket
+    }
+
+    /// The instance id of the crabd last talked to.
+    pub async fn instance(&self) -> Option<String> {
+        self.control.lock().await.instance.clone()
+    }
+
+    async fn reconnect(&self, control: &mut Control) -> Result<(), NodeError> {
+        let mut connection = self.open_or_spawn().await?;
+        let restarted = control.instance.as_deref() != Some(connection.instance.as_str());
+        if restarted {
+            let watches: Vec<(String, WatchArgs)> =
+                self.watches.lock().expect("watches lock").iter().map(|(c, w)| (c.clone(), *w)).collect();
+            if control.instance.is_some() {
+                tracing::warn!(instance = %connection.instance, containers = watches.len(),
+                    "crabd restarted: watching again; records of the meantime are lost");
+            }
+            for (container, watch) in watches {
+                self.gaps.lock().expect("gaps lock").insert(container.clone());
+                let request = Request::Watch { container: container.clone(), cgroup_id: watch.cgroup_id, root_pid: watch.root_pid };
+                match connection.exchange(&request).await?.pop() {
+                    Some(Reply::Ok) => {}
+                    other => tracing::error!(%container, reply = ?other.map(|r| r.name()), "crabd did not watch the container again"),
+                }
+            }
+            control.instance = Some(connection.instance.clone());
+        }
+        control.connection = Some(connection);
+        Ok(())
+    }
+
+    async fn open_or_spawn(&self) -> Result<Connection, NodeError> {
+        let socket = &self.options.socket;
+        match Connection::open(socket, self.options.timeout).await {
+            Ok(connection) => return Ok(connection),
+            Err(NodeError::Connect { source, .. })
+                if self.options.spawn
+                    && matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) =>
+            {
+                tracing::info!(socket = %socket.display(), error = %source, "crabd not running: starting it");
+            }
+            Err(e) => return Err(e),
+        }
+        spawn_crabd(&self.options)?;
+        let deadline = Instant::now() + self.options.spawn_wait;
+        loop {
+            match Connection::open(socket, self.options.timeout).await {
+                Ok(connection) => return Ok(connection),
+                Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+
+    /// One request on the control connection, reconnecting once if it broke.
+    async fn call(&self, request: Request) -> Result<Vec<Reply>, NodeError> {
+        let mut control = self.control.lock().await;
+        let mut last_error = None;
+        for _ in 0..2 {
+            if control.connection.is_none()
+                && let Err(e) = self.reconnect(&mut control).await
+            {
+                return Err(e);
+            }
+            let connection = control.connection.as_mut().expect("connected above");
+            let exchange = tokio::time::timeout(self.options.timeout, connection.exchange(&request)).await;
+            let error = match exchange {
+                Ok(Ok(replies)) => match replies.last() {
+                    Some(Reply::Error { message }) => return Err(NodeError::Remote(message.clone())),
+                    _ => return Ok(replies),
+                },
+                Ok(Err(e)) => e,
+                Err(_) => NodeError::Timeout {
+                    path: self.options.socket.clone(),
+                    after_ms: self.options.timeout.as_millis() as u64,
+                },
+            };
+            tracing::warn!(request = request.name(), %error, "crabd connection lost: reconnecting");
+            control.connection = None;
+            if let Request::Drain { container, .. } = &request {
+                // crabd may have taken the effects out of its log already.
+                self.gaps.lock().expect("gaps lock").insert(container.clone());
+            }
+            last_error = Some(error);
+        }
+        Err(last_error.expect("two failed attempts"))
+    }
+
+    /// Waits for the bandwidth to commit `bytes`; Err when crabd cannot be
+    /// reached or answers something else than a grant.
+    pub async fn acquire_bandwidth(&self, sandbox: &str, bytes: u64, kind: CommitKind, turn: u64) -> Result<f64, NodeError> {
+        let mut connection = Connection::open(&self.options.socket, self.options.timeout).await?;
+        let request = Request::Acquire { sandbox: sandbox.into(), bytes, kind, turn };
+        // Dropping this future closes the connection, which withdraws the request.
+        match connection.exchange(&request).await?.pop() {
+            Some(Reply::Granted { waited_ms }) => Ok(waited_ms),
+            Some(Reply::Error { message }) => Err(NodeError::Remote(message)),
+            other => Err(NodeError::UnexpectedReply {
+                request: "acquire",
+                got: other.map_or("nothing", |r| r.name()).into(),
+            }),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl EffectSource for NodeClient {
+    async fn watch(&self, container: &str, cgroup_id: u64, root_pid: u32) -> Result<(), String> {
+        // Remembered first: if crabd is away now, the reconnect watches it.
+        self.watches.lock().expect("watches lock").insert(container.into(), WatchArgs { cgroup_id, root_pid });
+        let request = Request::Watch { container: container.into(), cgroup_id, root_pid };
+        self.call(request).await.map(drop).map_err(|e| e.to_string())
+    }
+
+    async fn drain(&self, container: &str, until_ns: u64) -> Result<TurnEffects, String> {
+        let replies = self.call(Request::Drain { container: container.into(), until_ns }).await.map_err(|e| e.to_string())?;
+        let mut effects: Vec<Effect> = Vec::new();
+        let mut lost_events = 0;
+        for reply in replies {
+            match reply {
+                Reply::Effects { effects: part, lost_events: lost, .. } => {
+                    effects.extend(part);
+                    lost_events += lost;
+                }
+                other => return Err(format!("crabd answered {} to drain", other.name())),
+            }
+        }
+        if self.gaps.lock().expect("gaps lock").remove(container) {
+            lost_events = lost_events.max(1);
+        }
+        Ok(TurnEffects { effects, lost_events })
+    }
+
+    async fn unwatch(&self, container: &str) -> Result<(), String> {
+        self.watches.lock().expect("watches lock").remove(container);
+        self.gaps.lock().expect("gaps lock").remove(container);
+        self.call(Request::Unwatch { container: container.into() }).await.map(drop).map_err(|e| e.to_string())
+    }
+}
+
+#[async_trait::async_trait]
+impl CommitGate for NodeClient {
+    async fn acquire(&self, sandbox: &str, bytes: u64, kind: CommitKind, turn: u64) {
+        let started = Instant::now();
+        match tokio::time::timeout(self.options.max_wait, self.acquire_bandwidth(sandbox, bytes, kind, turn)).await {
+            Ok(Ok(waited_ms)) => tracing::debug!(sandbox, turn, bytes, waited_ms, "commit bandwidth granted"),
+            Ok(Err(error)) => tracing::warn!(sandbox, turn, bytes, %error,
+                waited_ms = started.elapsed().as_secs_f64() * 1e3, "crabd unavailable: committing without a bandwidth grant"),
+            Err(_) => tracing::warn!(sandbox, turn, bytes, max_wait_ms = self.options.max_wait.as_millis() as u64,
+                "no bandwidth grant in time: committing anyway"),
+        }
+    }
+}
+
+/// The crabd to start: the configured one, else `crabd` beside this
+/// executable (where the shim is installed), else the first on PATH.
+fn crabd_binary(options: &ClientOptions) -> Option<PathBuf> {
+    if let Some(binary) = &options.crabd_binary {
+        return Some(binary.clone());
+    }
+    let beside = std::env::current_exe().ok().map(|exe| exe.with_file_name("crabd"));
+    if let Some(beside) = beside.filter(|p| p.is_file()) {
+        return Some(beside);
+    }
+    std::env::var_os("PATH")
+        .and_then(|paths| std::env::split_paths(&paths).map(|dir| dir.join("crabd")).find(|p| p.is_file()))
+}
+
+/// Starts crabd in a session of its own with stdio detached (its log goes
+/// next to the socket), so it outlives the shim that started it.
+fn spawn_crabd(options: &ClientOptions) -> Result<(), NodeError> {
+    let binary = crabd_binary(options).ok_or_else(|| NodeError::Spawn {
+        binary: "crabd".into(),
+        message: "not found beside this executable nor on PATH".into(),
+    })?;
+    let spawn_error = |message: String| NodeError::Spawn { binary: binary.clone(), message };
+    let dir = options.socket.parent().unwrap_or(Path::new("/"));
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| spawn_error(format!("creating {}: {e}", dir.display())))?;
+    let log_path = options.socket.with_extension("log");
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .map_err(|e| spawn_error(format!("opening {}: {e}", log_path.display())))?;
+    let mut command = std::process::Command::new(&binary);
+    command
+        .arg("--socket")
+        .arg(&options.socket)
+        .args(&options.crabd_args)
+        .stdin(std::process::Stdio::null())
+        .stdout(log.try_clone().map_err(|e| spawn_error(e.to_string()))?)
+        .stderr(log);
+    // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    // Not waited for here: the shim's reaper (it is a subreaper) or init reaps it.
+    let child = command.spawn().map_err(|e| spawn_error(e.to_string()))?;
+    tracing::info!(binary = %binary.display(), pid = child.id(), socket = %options.socket.display(), log = %log_path.display(), "started crabd");
+    Ok(())
+}

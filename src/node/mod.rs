@@ -1,0 +1,142 @@
+//! The node engine: one `crabd` per host owns the eBPF inspector and the
+//! commit bandwidth, and every shim talks to it over a Unix socket.
+//!
+//! Loading the inspector once per node instead of once per shim keeps the
+//! per-syscall cost of the BPF programs (paid by every process on the host)
+//! and their memory constant in the number of sandboxes. The token bucket
+//! keeps checkpoint writes of many sandboxes from saturating the disk.
+//!
+//! - [`protocol`]: the framed, versioned messages on the socket.
+//! - [`bucket`]: the token bucket and the order in which waiting commits go.
+//! - [`server`]: crabd itself (`src/bin/crabd.rs` is its entry point).
+//! - [`client`]: the shim's side: an [`crate::engine::EffectSource`] and a
+//!   [`crate::engine::CommitGate`] over the socket, starting crabd on demand.
+//! - [`estimate`]: how many bytes a turn's commit will write.
+
+pub mod bucket;
+pub mod client;
+pub mod estimate;
+pub mod protocol;
+pub mod server;
+
+use std::path::{Path, PathBuf};
+
+pub use bucket::{BucketConfig, CommitKind};
+pub use client::{ClientOptions, NodeClient};
+pub use estimate::estimate_commit_bytes;
+pub use protocol::{NodeStatus, PROTOCOL_VERSION};
+
+/// Where crabd listens unless configured otherwise. The directory is root's
+/// alone (0700) and no container mounts it.
+pub const DEFAULT_SOCKET: &str = "/run/crab/crabd.sock";
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("crabd socket {path}: {source}")]
+    Connect { path: PathBuf, source: std::io::Error },
+    #[error("crabd at {path} did not answer within {after_ms} ms")]
+    Timeout { path: PathBuf, after_ms: u64 },
+    #[error("crabd protocol: {0}")]
+    Protocol(#[from] protocol::ProtocolError),
+    #[error("crabd speaks protocol versions {supported:?}, this client speaks {PROTOCOL_VERSION}")]
+    Unsupported { supported: Vec<u32> },
+    #[error("crabd: {0}")]
+    Remote(String),
+    #[error("crabd answered {got} to {request}")]
+    UnexpectedReply { request: &'static str, got: String },
+    #[error("starting crabd ({binary}): {message}")]
+    Spawn { binary: PathBuf, message: String },
+    #[error("{what} {path}: {source}")]
+    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    #[error("loading the node's inspector: {0}")]
+    Inspector(#[from] crate::inspector::InspectorError),
+}
+
+/// Asks the crabd at `socket` for its state: watched containers, and per
+/// sandbox the commits waiting for bandwidth and how late they are.
+pub async fn status_report(socket: &Path) -> Result<NodeStatus, NodeError> {
+    client::one_shot(socket, protocol::Request::Status).await.and_then(|reply| match reply {
+        protocol::Reply::Status(status) => Ok(*status),
+        other => Err(NodeError::UnexpectedReply { request: "status", got: other.name().into() }),
+    })
+}
+
+/// Marks `sandbox` for eviction (its commits go first) or clears the mark.
+pub async fn set_eviction(socket: &Path, sandbox: &str, evicting: bool) -> Result<(), NodeError> {
+    let request = protocol::Request::Evict { sandbox: sandbox.into(), evicting };
+    match client::one_shot(socket, request).await? {
+        protocol::Reply::Ok => Ok(()),
+        other => Err(NodeError::UnexpectedReply { request: "evict", got: other.name().into() }),
+    }
+}
+
+/// Paths on the wire: a UTF-8 path is a JSON string, any other is its bytes
+/// (an array of numbers), so that no path is altered on the way.
+pub mod wire_path {
+    use std::ffi::OsString;
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    use std::path::PathBuf;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(path: &PathBuf, serializer: S) -> Result<S::Ok, S::Error> {
+        match path.to_str() {
+            Some(text) => serializer.serialize_str(text),
+            None => serializer.serialize_bytes(path.as_os_str().as_bytes()),
+        }
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Wire {
+        Text(String),
+        Bytes(Vec<u8>),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<PathBuf, D::Error> {
+        Ok(match Wire::deserialize(deserializer)? {
+            Wire::Text(text) => PathBuf::from(text),
+            Wire::Bytes(bytes) => PathBuf::from(OsString::from_vec(bytes)),
+        })
+    }
+}
+
+/// Renders a status report for people (`crabctl node`).
+pub fn render_status(status: &NodeStatus) -> String {
+    use std::fmt::Write;
+    const MIB: f64 = (1 << 20) as f64;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "crabd pid {} (protocol {}, up {:.0} s): bucket {:.1} MiB/s, burst {:.1} MiB, {:.1} MiB available",
+        status.pid,
+        status.version,
+        status.uptime_s,
+        status.bucket.rate_bytes_per_s / MIB,
+        status.bucket.burst_bytes as f64 / MIB,
+        status.bucket.tokens / MIB,
+    );
+    let _ = writeln!(out, "watched containers: {}", status.watched.len());
+    for w in &status.watched {
+        let _ = writeln!(out, "  {:<40} cgroup {:<8} pid {:<8} lost {}", w.container, w.cgroup_id, w.root_pid, w.lost_events);
+    }
+    let _ = writeln!(
+        out,
+        "{:<40} {:>7} {:>12} {:>9} {:>12} {:>10} {:>5}",
+        "SANDBOX", "WAITING", "WAITING_MIB", "LAG_MS", "GRANTED_MIB", "MIB/S_10S", "EVICT"
+    );
+    for s in &status.bucket.sandboxes {
+        let _ = writeln!(
+            out,
+            "{:<40} {:>7} {:>12.1} {:>9.0} {:>12.1} {:>10.2} {:>5}",
+            s.sandbox,
+            s.waiting,
+            s.waiting_bytes as f64 / MIB,
+            s.lag_ms,
+            s.granted_bytes as f64 / MIB,
+            s.recent_rate_bytes_per_s / MIB,
+            if s.evicting { "yes" } else { "" },
+        );
+    }
+    out
+}

@@ -1,0 +1,491 @@
+//! crabd as real processes: protocol robustness, root-only access, the
+//! shim-side client across a crabd restart, on-demand start, and the bucket
+//! in real time. Needs root, BPF and cgroup v2 (each crabd loads the inspector).
+
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crab::engine::{CommitGate, EffectSource};
+use crab::inspector::{EffectKind, cgroup_id_of_dir, cgroup2_mount, monotonic_now_ns};
+use crab::node::protocol::{self, Reply, Request};
+use crab::node::{ClientOptions, CommitKind, NodeClient, PROTOCOL_VERSION};
+
+const CRABD: &str = env!("CARGO_BIN_EXE_crabd");
+
+/// A crabd serving a socket in a fresh private directory; killed on drop.
+struct Crabd {
+    child: Option<Child>,
+    socket: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Crabd {
+    fn start(name: &str, extra: &[&str]) -> Self {
+        let dir = tempfile::Builder::new().prefix(&format!("crabd-test-{name}-")).tempdir().unwrap();
+        // Open to all, so that crabd's own directory is what keeps others out.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let socket = dir.path().join("run/crabd.sock");
+        let mut crabd = Self { child: None, socket, _dir: dir };
+        crabd.restart(extra);
+        crabd
+    }
+
+    /// Starts crabd (again) on the same socket and waits until it answers.
+    fn restart(&mut self, extra: &[&str]) {
+        let child = Command::new(CRABD)
+            .args(["--config", "/dev/null", "--ring-buffer-mib", "4", "--socket"])
+            .arg(&self.socket)
+            .args(extra)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("crabd starts");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while hello(&self.socket).is_err() {
+            assert!(Instant::now() < deadline, "crabd did not answer on {}", self.socket.display());
+            assert!(self.child.as_mut().unwrap().try_wait().unwrap().is_none(), "crabd exited");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
+    fn assert_alive(&mut self) {
+        assert!(self.child.as_mut().unwrap().try_wait().unwrap().is_none(), "crabd died");
+        let status = status(&self.socket);
+        assert_eq!(status.pid, self.pid(), "the same crabd answers");
+    }
+}
+
+impl Drop for Crabd {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn frame(message: &impl serde::Serialize) -> Vec<u8> {
+    protocol::encode(message).unwrap()
+}
+
+/// Reads one reply frame; None at end of stream.
+fn read_reply(stream: &mut UnixStream) -> Option<Reply> {
+    let mut header = [0u8; 4];
+    stream.read_exact(&mut header).ok()?;
+    let mut body = vec![0u8; u32::from_be_bytes(header) as usize];
+    stream.read_exact(&mut body).unwrap();
+    Some(serde_json::from_slice(&body).unwrap())
+}
+
+fn connect(socket: &Path) -> UnixStream {
+    let stream = UnixStream::connect(socket).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    stream
+}
+
+fn hello(socket: &Path) -> std::io::Result<UnixStream> {
+    let mut stream = UnixStream::connect(socket)?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    stream.write_all(&frame(&Request::Hello { version: PROTOCOL_VERSION }))?;
+    match read_reply(&mut stream) {
+        Some(Reply::Hello { version, .. }) if version == PROTOCOL_VERSION => Ok(stream),
+        other => Err(std::io::Error::other(format!("hello answered {other:?}"))),
+    }
+}
+
+fn status(socket: &Path) -> crab::node::NodeStatus {
+    let mut stream = hello(socket).unwrap();
+    stream.write_all(&frame(&Request::Status)).unwrap();
+    match read_reply(&mut stream) {
+        Some(Reply::Status(status)) => *status,
+        other => panic!("status answered {other:?}"),
+    }
+}
+
+/// Sends raw bytes on a fresh connection; returns the replies up to the end of stream.
+fn replies_to(socket: &Path, bytes: &[u8], then_close_write: bool) -> Vec<Reply> {
+    let mut stream = connect(socket);
+    stream.write_all(bytes).unwrap();
+    if then_close_write {
+        stream.shutdown(std::net::Shutdown::Write).unwrap();
+    }
+    std::iter::from_fn(|| read_reply(&mut stream)).collect()
+}
+
+fn error_message(replies: &[Reply]) -> &str {
+    match replies {
+        [Reply::Error { message }] => message,
+        other => panic!("expected one error reply and a closed connection, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_frames_get_an_error_and_a_closed_connection_and_crabd_stays_up() {
+    let mut crabd = Crabd::start("frames", &[]);
+    let socket = crabd.socket.clone();
+
+    // Bytes that are not JSON, in a well-formed frame.
+    let mut garbage = 5u32.to_be_bytes().to_vec();
+    garbage.extend_from_slice(b"\x01\xff{[x");
+    assert!(error_message(&replies_to(&socket, &garbage, false)).contains("malformed"));
+    crabd.assert_alive();
+
+    // Text where a frame should be: "GET " read as a length is over a gigabyte.
+    let message = error_message(&replies_to(&socket, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", false)).to_string();
+    assert!(message.contains("exceeds the limit"), "{message}");
+    crabd.assert_alive();
+
+    // A length just over the limit, then the body: refused without reading it.
+    let mut oversized = (protocol::MAX_REQUEST_BYTES + 1).to_be_bytes().to_vec();
+    oversized.extend(std::iter::repeat_n(b' ', 4096));
+    assert!(error_message(&replies_to(&socket, &oversized, false)).contains("exceeds the limit"));
+    crabd.assert_alive();
+
+    // JSON that is not a request.
+    let unknown = frame(&serde_json::json!({"op": "format_disk"}));
+    assert!(error_message(&replies_to(&socket, &unknown, false)).contains("malformed"));
+    crabd.assert_alive();
+
+    // A frame cut short by the peer closing.
+    let mut cut = 100u32.to_be_bytes().to_vec();
+    cut.extend_from_slice(b"{\"op\":");
+    let _ = replies_to(&socket, &cut, true);
+    crabd.assert_alive();
+
+    // An unknown version: told what is supported, then closed.
+    let replies = replies_to(&socket, &frame(&Request::Hello { version: 99 }), false);
+    assert_eq!(replies, vec![Reply::Unsupported { supported: vec![PROTOCOL_VERSION] }]);
+    crabd.assert_alive();
+
+    // Anything before hello.
+    assert!(error_message(&replies_to(&socket, &frame(&Request::Status), false)).contains("before hello"));
+    crabd.assert_alive();
+
+    // After hello, a request for an unknown container is an error but the connection stays.
+    let mut stream = hello(&socket).unwrap();
+    stream.write_all(&frame(&Request::Drain { container: "nobody".into(), until_ns: 1 })).unwrap();
+    assert!(matches!(read_reply(&mut stream), Some(Reply::Error { message }) if message.contains("not watched")));
+    stream.write_all(&frame(&Request::Status)).unwrap();
+    assert!(matches!(read_reply(&mut stream), Some(Reply::Status(_))));
+}
+
+#[test]
+fn socket_and_directory_are_root_only() {
+    let crabd = Crabd::start("modes", &[]);
+    let socket_mode = std::fs::metadata(&crabd.socket).unwrap().permissions().mode() & 0o777;
+    let dir_mode = std::fs::metadata(crabd.socket.parent().unwrap()).unwrap().permissions().mode() & 0o777;
+    assert_eq!((socket_mode, dir_mode), (0o600, 0o700));
+}
+
+/// How a forked child became nobody before it connected.
+#[derive(Clone, Copy)]
+enum Nobody {
+    /// setresuid(65534, 65534, 65534): all of it.
+    Fully,
+    /// Effective uid nobody but file-system uid root: passes the file
+    /// permissions, so only crabd's SO_PEERCRED check can refuse it.
+    EffectiveOnly,
+}
+
+const NOBODY: libc::uid_t = 65534;
+
+/// Forks a child that becomes nobody, connects to `socket`, says hello and
+/// reads what comes back. Returns (connect errno or 0, reply bytes).
+fn connect_as_nobody(socket: &Path, how: Nobody) -> (i32, Vec<u8>) {
+    use std::os::unix::ffi::OsStrExt;
+    let path = socket.as_os_str().as_bytes();
+    // SAFETY: sockaddr_un is plain data.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    assert!(path.len() < addr.sun_path.len());
+    for (dst, src) in addr.sun_path.iter_mut().zip(path) {
+        *dst = *src as libc::c_char;
+    }
+    let hello = frame(&Request::Hello { version: PROTOCOL_VERSION });
+    let mut pipe = [0; 2];
+    // SAFETY: pipe writes two descriptors into the array.
+    assert_eq!(unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    // SAFETY: the child only makes raw system calls on data prepared before the fork, then _exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        unsafe {
+            // Raw system calls: they change this (the only) thread, no library bookkeeping.
+            let ok = match how {
+                Nobody::Fully => libc::syscall(libc::SYS_setresuid, NOBODY, NOBODY, NOBODY) == 0,
+                Nobody::EffectiveOnly => {
+                    libc::syscall(libc::SYS_setresuid, -1i32 as libc::uid_t, NOBODY, -1i32 as libc::uid_t) == 0
+                        && {
+                            libc::syscall(libc::SYS_setfsuid, 0);
+                            libc::syscall(libc::SYS_setfsuid, -1i32) == 0
+                        }
+                }
+            };
+            if !ok || libc::geteuid() != NOBODY {
+                libc::_exit(100);
+            }
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            let rc = libc::connect(
+                fd,
+                (&addr as *const libc::sockaddr_un).cast(),
+                std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+            );
+            if rc != 0 {
+                libc::_exit(*libc::__errno_location());
+            }
+            libc::write(fd, hello.as_ptr().cast(), hello.len());
+            let mut buf = [0u8; 4096];
+            loop {
+                let n = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
+                if n <= 0 {
+                    break;
+                }
+                libc::write(pipe[1], buf.as_ptr().cast(), n as usize);
+            }
+            libc::_exit(0);
+        }
+    }
+    unsafe { libc::close(pipe[1]) };
+    // SAFETY: the read end is ours alone.
+    let mut reader = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(pipe[0]) };
+    let mut bytes = Vec::new();
+    reader.read_to_end(&mut bytes).unwrap();
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status), "child status {status:#x}");
+    let code = libc::WEXITSTATUS(status);
+    assert_ne!(code, 100, "the child could not become nobody");
+    (code, bytes)
+}
+
+#[test]
+fn non_root_peers_are_refused_and_crabd_stays_up() {
+    let mut crabd = Crabd::start("peers", &[]);
+    // Fully nobody: the 0700 directory already stops it.
+    let (errno, _) = connect_as_nobody(&crabd.socket, Nobody::Fully);
+    assert_eq!(errno, libc::EACCES, "connect as nobody");
+    crabd.assert_alive();
+
+    // Past the file permissions, SO_PEERCRED says uid 65534: one error reply, then closed.
+    let (errno, bytes) = connect_as_nobody(&crabd.socket, Nobody::EffectiveOnly);
+    assert_eq!(errno, 0, "the connect itself succeeds");
+    assert!(bytes.len() > 4, "a reply came back: {bytes:?}");
+    let len = u32::from_be_bytes(bytes[..4].try_into().unwrap()) as usize;
+    assert_eq!(bytes.len(), 4 + len, "exactly one frame, then the connection closed");
+    match serde_json::from_slice::<Reply>(&bytes[4..]).unwrap() {
+        Reply::Error { message } => assert!(message.contains("uid 65534"), "{message}"),
+        other => panic!("non-root peer got {other:?}"),
+    }
+    crabd.assert_alive();
+}
+
+/// A cgroup v2 directory for processes that stand for a container.
+struct TestCgroup {
+    dir: PathBuf,
+    id: u64,
+}
+
+impl TestCgroup {
+    fn new(name: &str) -> Self {
+        let dir = cgroup2_mount().unwrap().join(format!("crab-node-test-{}-{name}", std::process::id()));
+        std::fs::create_dir(&dir).unwrap();
+        let id = cgroup_id_of_dir(&dir).unwrap();
+        Self { dir, id }
+    }
+
+    /// Starts `sh -c script` held at a `read` until it is in the cgroup, so
+    /// that everything the script does happens inside it.
+    fn spawn(&self, script: &str) -> Child {
+        let mut child = Command::new("/bin/sh")
+            .args(["-c", &format!("read go; {script}")])
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::fs::write(self.dir.join("cgroup.procs"), child.id().to_string()).unwrap();
+        child.stdin.as_mut().unwrap().write_all(b"go\n").unwrap();
+        child
+    }
+
+    fn run(&self, script: &str) {
+        let status = self.spawn(script).wait().unwrap();
+        assert!(status.success(), "{script}: {status}");
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.dir.join("cgroup.kill"), "1");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::fs::remove_dir(&self.dir).is_err() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn client_options(socket: &Path) -> ClientOptions {
+    ClientOptions {
+        socket: socket.to_path_buf(),
+        spawn: false,
+        crabd_binary: Some(CRABD.into()),
+        crabd_args: vec!["--config".into(), "/dev/null".into(), "--ring-buffer-mib".into(), "4".into()],
+        timeout: Duration::from_secs(5),
+        spawn_wait: Duration::from_secs(20),
+        max_wait: Duration::from_secs(5),
+    }
+}
+
+fn opened(effects: &[crab::inspector::Effect], path: &Path) -> bool {
+    effects.iter().any(|e| matches!(&e.kind, EffectKind::Open { path: p, .. } if p.path == path))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_reconnects_across_a_crabd_restart_and_reports_the_gap() {
+    let mut crabd = Crabd::start("restart", &[]);
+    let scratch = tempfile::tempdir().unwrap();
+    let cgroup = TestCgroup::new("restart");
+    let mut init = cgroup.spawn("sleep 600");
+    let client = NodeClient::connect(client_options(&crabd.socket)).await.unwrap();
+    let first_instance = client.instance().await.unwrap();
+    client.watch("sandbox-r", cgroup.id, init.id()).await.unwrap();
+
+    let before = scratch.path().join("before");
+    cgroup.run(&format!("echo 1 > {}", before.display()));
+    let turn = client.drain("sandbox-r", monotonic_now_ns()).await.unwrap();
+    assert!(opened(&turn.effects, &before), "the write is seen through crabd: {:?}", turn.effects);
+    assert_eq!(turn.lost_events, 0);
+
+    // crabd dies; the container goes on writing; a new crabd comes up.
+    crabd.kill();
+    let during = scratch.path().join("during");
+    cgroup.run(&format!("echo 2 > {}", during.display()));
+    crabd.restart(&[]);
+
+    let turn = client.drain("sandbox-r", monotonic_now_ns()).await.expect("the client reconnects");
+    assert!(turn.lost_events >= 1, "a turn across the restart must report lost records: {turn:?}");
+    assert!(!opened(&turn.effects, &during), "the new crabd cannot have seen it");
+    assert_ne!(client.instance().await.unwrap(), first_instance);
+    let status = status(&crabd.socket);
+    assert_eq!(status.watched.iter().map(|w| w.container.as_str()).collect::<Vec<_>>(), vec!["sandbox-r"],
+        "the watch was sent again");
+
+    // After the gap, turns are seen again and clean of losses.
+    let after = scratch.path().join("after");
+    cgroup.run(&format!("echo 3 > {}", after.display()));
+    let turn = client.drain("sandbox-r", monotonic_now_ns()).await.unwrap();
+    assert!(opened(&turn.effects, &after), "{:?}", turn.effects);
+    assert_eq!(turn.lost_events, 0);
+
+    client.unwatch("sandbox-r").await.unwrap();
+    assert!(status_watched(&crabd.socket).is_empty());
+    let _ = init.kill();
+    let _ = init.wait();
+}
+
+fn status_watched(socket: &Path) -> Vec<String> {
+    status(socket).watched.into_iter().map(|w| w.container).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_client_starts_crabd_and_concurrent_starts_leave_one() {
+    let dir = tempfile::Builder::new().prefix("crabd-test-spawn-").tempdir().unwrap();
+    let socket = dir.path().join("run/crabd.sock");
+    let mut options = client_options(&socket);
+    options.spawn = true;
+    // Three shims find no crabd at the same moment.
+    let (a, b, c) = tokio::join!(
+        NodeClient::connect(options.clone()),
+        NodeClient::connect(options.clone()),
+        NodeClient::connect(options.clone())
+    );
+    let instances = [a.unwrap().instance().await, b.unwrap().instance().await, c.unwrap().instance().await];
+    assert!(instances.iter().all(|i| i.is_some() && *i == instances[0]), "one crabd for all: {instances:?}");
+    let status = status(&socket);
+    let crabds: Vec<u32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(socket.to_str().unwrap()))
+        })
+        .collect();
+    assert_eq!(crabds, vec![status.pid], "exactly one crabd serves the socket");
+    // It runs in a session of its own, so it outlives the shim that started it.
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", status.pid)).unwrap();
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split_whitespace().collect();
+    assert_eq!(fields[3], status.pid.to_string(), "crabd leads its session");
+    // SAFETY: a crabd this test started.
+    unsafe { libc::kill(status.pid as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while socket.exists() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!socket.exists(), "crabd removes its socket on SIGTERM");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_waits_for_the_bucket_cancel_withdraws_and_a_missing_crabd_does_not_block() {
+    let crabd = Crabd::start("bucket", &["--rate-mib-per-s", "4", "--burst-mib", "1"]);
+    let client = NodeClient::connect(client_options(&crabd.socket)).await.unwrap();
+    const MIB: u64 = 1 << 20;
+
+    let waited = client.acquire_bandwidth("a", MIB, CommitKind::Fs, 1).await.unwrap();
+    assert!(waited < 100.0, "a full bucket grants at once, waited {waited} ms");
+    let started = Instant::now();
+    let waited = client.acquire_bandwidth("a", MIB, CommitKind::Fs, 2).await.unwrap();
+    let elapsed = started.elapsed().as_secs_f64() * 1e3;
+    // 1 MiB at 4 MiB/s is 250 ms.
+    assert!((200.0..600.0).contains(&elapsed) && waited >= 200.0, "second MiB after {elapsed} ms (crabd: {waited})");
+
+    // An explicit cancel while waiting.
+    let mut stream = hello(&crabd.socket).unwrap();
+    let acquire = Request::Acquire { sandbox: "b".into(), bytes: 64 * MIB, kind: CommitKind::Proc, turn: 1 };
+    stream.write_all(&frame(&acquire)).unwrap();
+    // A waiting request shows up in the status with its lag.
+    std::thread::sleep(Duration::from_millis(300));
+    let waiting = status(&crabd.socket);
+    let b = waiting.bucket.sandboxes.iter().find(|s| s.sandbox == "b").expect("b is listed");
+    assert_eq!((b.waiting, b.waiting_bytes), (1, 64 * MIB));
+    assert!(b.lag_ms >= 250.0, "lag {}", b.lag_ms);
+    stream.write_all(&frame(&Request::Cancel)).unwrap();
+    assert_eq!(read_reply(&mut stream), Some(Reply::Cancelled));
+
+    // A closed connection withdraws too.
+    let mut stream = hello(&crabd.socket).unwrap();
+    stream.write_all(&frame(&acquire)).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    drop(stream);
+    std::thread::sleep(Duration::from_millis(100));
+    let after = status(&crabd.socket);
+    assert_eq!(after.bucket.sandboxes.iter().map(|s| s.waiting).sum::<u64>(), 0, "{after:?}");
+    // Neither withdrawn request took tokens: the next MiB waits only for the refill of the last one.
+    let started = Instant::now();
+    client.acquire_bandwidth("c", 1, CommitKind::Fs, 1).await.unwrap();
+    assert!(started.elapsed() < Duration::from_millis(200));
+
+    // Eviction marks show in the status.
+    crab::node::set_eviction(&crabd.socket, "c", true).await.unwrap();
+    let status_now = crab::node::status_report(&crabd.socket).await.unwrap();
+    assert!(status_now.bucket.sandboxes.iter().any(|s| s.sandbox == "c" && s.evicting));
+    let text = crab::node::render_status(&status_now);
+    assert!(text.contains("SANDBOX") && text.contains("yes"), "{text}");
+
+    // With crabd gone, a commit goes ahead at once instead of waiting.
+    drop(crabd);
+    let started = Instant::now();
+    CommitGate::acquire(&client, "a", 10 * MIB, CommitKind::Fs, 3).await;
+    assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
+}
