@@ -78,6 +78,8 @@ pub struct RestoreReport {
 /// How a container was run, to run it again.
 #[derive(Debug, Clone)]
 struct SandboxInfo {
+    /// The sandbox's own `io.crab.*` annotations (policy, turns, ignore), carried over.
+    annotations: Vec<(String, String)>,
     image: String,
     args: Vec<String>,
     cwd: Option<String>,
@@ -173,6 +175,8 @@ impl Ctl {
         #[derive(serde::Deserialize)]
         struct Spec {
             process: Option<Process>,
+            #[serde(default)]
+            annotations: std::collections::HashMap<String, String>,
         }
         #[derive(serde::Deserialize)]
         struct Info {
@@ -201,8 +205,22 @@ impl Ctl {
                 (image.to_string(), Some(spec))
             }
         };
+        let annotations = spec
+            .as_ref()
+            .map(|s| {
+                let mut a: Vec<_> = s
+                    .annotations
+                    .iter()
+                    .filter(|(k, _)| k.starts_with("io.crab.") && k.as_str() != ANNOTATION_RESTORE_FROM)
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                a.sort();
+                a
+            })
+            .unwrap_or_default();
         let process = spec.and_then(|s| s.process);
         Ok(SandboxInfo {
+            annotations,
             image,
             args: process.as_ref().map(|p| p.args.clone()).unwrap_or_default(),
             cwd: process.as_ref().and_then(|p| p.cwd.clone()),
@@ -231,6 +249,10 @@ impl Ctl {
         if turn > 0 {
             args.push("--annotation".into());
             args.push(format!("{ANNOTATION_RESTORE_FROM}={source}:{turn}"));
+        }
+        for (k, v) in &info.annotations {
+            args.push("--annotation".into());
+            args.push(format!("{k}={v}"));
         }
         if let Some(cwd) = &info.cwd {
             args.push("--cwd".into());

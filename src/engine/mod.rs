@@ -354,6 +354,18 @@ impl SandboxEngine {
                 return (TurnClass::Proc, Vec::new());
             }
         };
+        // The init's own execve races the end of Start (runc start returns
+        // before the init execs the entrypoint): it is the container coming
+        // up, which turn 0 (the image) stands for, not something a turn did.
+        let init_pid = self.init_pid;
+        let effects = TurnEffects {
+            effects: effects
+                .effects
+                .into_iter()
+                .filter(|e| !(e.pid == init_pid && matches!(e.kind, EffectKind::Exec { .. })))
+                .collect(),
+            lost_events: effects.lost_events,
+        };
         let verdict = classify(
             &effects.effects,
             &ClassifyOptions { ignored_prefixes: self.policy.ignore.clone(), lost_events: effects.lost_events, ..Default::default() },

@@ -52,6 +52,8 @@ pub enum ReplayError {
         turn: u32,
         turns: u32,
     },
+    #[error("crab policy: {0}")]
+    Policy(String),
     #[error("invalid options: {0}")]
     Options(String),
 }

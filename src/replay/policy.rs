@@ -23,16 +23,19 @@ pub enum PolicyKind {
     ChatOnly,
     /// `ctr c checkpoint --task --rw` after every turn, `ctr c restore` on failure.
     EveryTurn,
+    /// The crab shim checkpoints what each turn changed; `crabctl recover` on failure.
+    Crab,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 3] = [PolicyKind::Off, PolicyKind::ChatOnly, PolicyKind::EveryTurn];
+    pub const ALL: [PolicyKind; 4] = [PolicyKind::Off, PolicyKind::ChatOnly, PolicyKind::EveryTurn, PolicyKind::Crab];
 
     pub fn name(self) -> &'static str {
         match self {
             PolicyKind::Off => "off",
             PolicyKind::ChatOnly => "chat-only",
             PolicyKind::EveryTurn => "every-turn",
+            PolicyKind::Crab => "crab",
         }
     }
 
@@ -42,6 +45,7 @@ impl PolicyKind {
     pub fn shim_policy(self) -> &'static str {
         match self {
             PolicyKind::Off | PolicyKind::ChatOnly | PolicyKind::EveryTurn => "off",
+            PolicyKind::Crab => "crab",
         }
     }
 
@@ -50,6 +54,7 @@ impl PolicyKind {
             PolicyKind::Off => Box::new(FreshSandbox { launch, kind: self }),
             PolicyKind::ChatOnly => Box::new(FreshSandbox { launch, kind: self }),
             PolicyKind::EveryTurn => Box::new(EveryTurn { launch, last: None }),
+            PolicyKind::Crab => Box::new(CrabPolicy { launch, seen: 0 }),
         }
     }
 }
@@ -61,7 +66,7 @@ impl fmt::Display for PolicyKind {
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("unknown policy {0:?} (expected one of: off, chat-only, every-turn)")]
+#[error("unknown policy {0:?} (expected one of: off, chat-only, every-turn, crab)")]
 pub struct UnknownPolicy(pub String);
 
 impl FromStr for PolicyKind {
@@ -243,6 +248,78 @@ impl RecoveryPolicy for EveryTurn {
         if let Some((_, reference)) = self.last.take() {
             remove_image(&self.launch.ctr, &reference).await?;
         }
+        Ok(())
+    }
+}
+
+/// crab: the shim checkpoints each turn by itself (nothing, an fs delta, or a
+/// CRIU dump, as the inspector saw the turn) while the agent thinks.
+struct CrabPolicy {
+    launch: Launch,
+    /// Turn-log records already matched to replayed turns.
+    seen: usize,
+}
+
+/// How long a turn's checkpoint may take before the replay gives up on it.
+const CRAB_CHECKPOINT_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+impl CrabPolicy {
+    fn ctl(&self) -> Result<crate::ctl::Ctl, ReplayError> {
+        crate::ctl::Ctl::open(&crab_state_dir(), self.launch.ctr.clone()).map_err(|e| ReplayError::Policy(e.to_string()))
+    }
+}
+
+fn crab_state_dir() -> std::path::PathBuf {
+    std::env::var_os("CRAB_STATE_DIR").map(Into::into).unwrap_or_else(|| crate::checkpoint::DEFAULT_STATE_DIR.into())
+}
+
+#[async_trait]
+impl RecoveryPolicy for CrabPolicy {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::Crab
+    }
+
+    /// Waits for the shim's record of the turn. The fault model is the same as
+    /// every-turn's (the crash comes once the turn's checkpoint is durable);
+    /// the cost reported is the checkpoint's whole duration, which is what an
+    /// agent coming back with no think time at all would wait.
+    async fn after_turn(&mut self, sandbox: &Sandbox, _turn: u32) -> Result<TurnCost, ReplayError> {
+        let Some(exec_id) = sandbox.last_exec_id() else { return Ok(TurnCost::default()) };
+        let log = crate::turns::TurnLog::open(&crab_state_dir(), sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?;
+        let deadline = Instant::now() + CRAB_CHECKPOINT_WAIT;
+        loop {
+            let records = log.read().map_err(|e| ReplayError::Policy(e.to_string()))?;
+            if let Some((index, record)) =
+                records.iter().enumerate().skip(self.seen).find(|(_, r)| r.exec_id.as_deref() == Some(exec_id.as_str()))
+            {
+                self.seen = index + 1;
+                return Ok(TurnCost { blocking_s: record.checkpoint_ms / 1e3, bytes: record.bytes_written });
+            }
+            if Instant::now() > deadline {
+                return Err(ReplayError::Policy(format!(
+                    "no turn record for exec {exec_id} of {} after {:?}",
+                    sandbox.id(),
+                    CRAB_CHECKPOINT_WAIT
+                )));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
+    async fn recover(&mut self, dead: Sandbox) -> Result<Recovery, ReplayError> {
+        let ctl = self.ctl()?;
+        let report = ctl.recover(dead.id(), Some(&self.launch.spec.image)).await.map_err(|e| ReplayError::Policy(e.to_string()))?;
+        info!(container = dead.id(), checkpoint = ?report.checkpoint_turn, ms = report.elapsed_ms, "crab recovered");
+        let sandbox = Sandbox::attach(&self.launch.ctr, &self.launch.container_id, &self.launch.spec);
+        let method = match report.checkpoint_turn {
+            Some(turn) => RecoveryMethod::Checkpoint { turn: turn as u32 },
+            None => RecoveryMethod::BaseImage,
+        };
+        Ok(Recovery { sandbox, method, possible: true })
+    }
+
+    async fn cleanup(&mut self) -> Result<(), ReplayError> {
+        // The chain stays for inspection (`crabctl turns`); `crabctl gc` reclaims it.
         Ok(())
     }
 }

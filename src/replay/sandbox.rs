@@ -118,8 +118,18 @@ impl Sandbox {
         })
     }
 
+    /// A handle on container `id`, already running (recreated by someone else).
+    pub fn attach(ctr: &Ctr, id: &str, spec: &SandboxSpec) -> Sandbox {
+        Sandbox { ctr: ctr.clone(), id: id.to_string(), spec: spec.clone(), next_exec: 0 }
+    }
+
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// The exec id of the last command run, if any.
+    pub fn last_exec_id(&self) -> Option<String> {
+        (self.next_exec > 0).then(|| format!("replay-{}", self.next_exec))
     }
 
     fn exec_args(&mut self, argv: &[&str]) -> (String, Vec<String>) {

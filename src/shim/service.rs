@@ -389,10 +389,13 @@ impl TaskService {
     async fn do_checkpoint(&self, req: CheckpointTaskRequest) -> Result<(), ShimError> {
         let container = self.container(&req.id)?;
         let o = options::checkpoint_options(req.options.as_ref())?;
-        // containerd 1.6/1.7 honour `--image-path` only for runtimes named
-        // io.containerd.runc*: for others they pass a temporary directory in
-        // `path` and keep the user's directory in the options. Write where the
-        // user asked, and give containerd its copy.
+        // containerd 1.6/1.7 honour the options' image path only for runtimes
+        // named io.containerd.runc*: for others they pass a temporary directory
+        // in `path` (and commit it to their content store) while the user's
+        // directory stays in the options. Write where the user asked, and give
+        // containerd its copy. (`ctr task checkpoint` itself drops
+        // `--image-path`/`--exit` for such runtimes: only API clients that send
+        // runc's CheckpointOptions reach this.)
         let image_path = if o.image_path.is_empty() { PathBuf::from(&req.path) } else { PathBuf::from(&o.image_path) };
         if image_path.as_os_str().is_empty() {
             return Err(ShimError::InvalidArgument("checkpoint: no image path".into()));
