@@ -1,0 +1,254 @@
+//! Checkpoints taken by the crab shim, brought back through containerd:
+//! recover after the sandbox's processes or its shim are killed, rollback in
+//! place and by restore, forks that diverge, and a corrupted blob refused.
+//! Runs against the private containerd (`scripts/containerd`, or
+//! CRAB_CTRD_SOCK / CRAB_NS) with `crab.local/busybox:latest`.
+
+use std::time::Duration;
+
+use crab::ctl::Ctl;
+use crab::replay::ctr::Ctr;
+use crab::turns::{RecordedClass, TurnRecord};
+
+const IMAGE: &str = "crab.local/busybox:latest";
+
+fn state_dir() -> std::path::PathBuf {
+    std::env::var_os("CRAB_STATE_DIR").map(Into::into).unwrap_or_else(|| crab::checkpoint::DEFAULT_STATE_DIR.into())
+}
+
+/// A sandbox on the crab runtime, removed with everything it stored on drop.
+struct Sandbox {
+    ctr: Ctr,
+    id: String,
+    execs: u32,
+    extra: Vec<String>,
+}
+
+impl Sandbox {
+    async fn start(name: &str) -> Sandbox {
+        let id = format!("{name}-{}", std::process::id());
+        let ctr = Ctr::from_env();
+        ctr.run(&["run", "-d", "--runtime", "io.containerd.crab.v2", IMAGE, &id, "sleep", "3600"])
+            .await
+            .unwrap_or_else(|e| panic!("starting {id} (is the private containerd up with the busybox image?): {e}"));
+        Sandbox { ctr, id, execs: 0, extra: Vec::new() }
+    }
+
+    /// Runs one turn; returns its stdout.
+    async fn turn(&mut self, script: &str) -> String {
+        self.execs += 1;
+        let exec_id = format!("t{}", self.execs);
+        let out = self.ctr.run(&["tasks", "exec", "--exec-id", &exec_id, &self.id, "sh", "-c", script]).await;
+        out.unwrap_or_else(|e| panic!("turn {script:?} in {}: {e}", self.id)).stdout_text()
+    }
+
+    /// Runs a command in this sandbox (it is a turn too) or in another one.
+    async fn exec_in(&mut self, id: &str, script: &str) -> String {
+        if id == self.id {
+            self.execs += 1;
+        }
+        let exec_id = format!("q{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
+        self.ctr
+            .run(&["tasks", "exec", "--exec-id", &exec_id, id, "sh", "-c", script])
+            .await
+            .unwrap_or_else(|e| panic!("{script:?} in {id}: {e}"))
+            .stdout_text()
+    }
+
+    /// Waits until the shim recorded every exec so far as a turn and returns them.
+    async fn settled(&self) -> Vec<TurnRecord> {
+        self.turns(self.execs as usize).await
+    }
+
+    /// Waits until the shim recorded `n` turns and returns them.
+    async fn turns(&self, n: usize) -> Vec<TurnRecord> {
+        let ctl = Ctl::open(&state_dir(), self.ctr.clone()).unwrap();
+        for _ in 0..400 {
+            let turns = ctl.turns(&self.id).unwrap();
+            if turns.len() >= n {
+                return turns;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("{}: fewer than {n} turn records after 10 s: {:?}", self.id, ctl.turns(&self.id).unwrap());
+    }
+
+    async fn kill_processes(&self) {
+        self.ctr.run(&["tasks", "kill", "--all", "--signal", "SIGKILL", &self.id]).await.unwrap();
+        for _ in 0..100 {
+            let out = self.ctr.run(&["tasks", "ls"]).await.unwrap().stdout_text();
+            if out.lines().any(|l| l.starts_with(&format!("{} ", self.id)) && l.contains("STOPPED")) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("{} did not stop", self.id);
+    }
+
+    fn ctl(&self) -> Ctl {
+        Ctl::open(&state_dir(), self.ctr.clone()).unwrap()
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        let ctr = self.ctr.clone();
+        let ids: Vec<String> = std::iter::once(self.id.clone()).chain(self.extra.drain(..)).collect();
+        let cleanup = std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async {
+                for id in &ids {
+                    let _ = ctr.run(&["tasks", "kill", "--signal", "SIGKILL", id]).await;
+                    for _ in 0..40 {
+                        if ctr.run(&["tasks", "delete", "--force", id]).await.is_ok() {
+                            break;
+                        }
+                        if !ctr.run(&["tasks", "ls", "-q"]).await.map(|o| o.stdout_text().lines().any(|l| l == id)).unwrap_or(false) {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    let _ = ctr.run(&["containers", "delete", id]).await;
+                    let _ = crab::checkpoint::CheckpointStore::open(state_dir()).and_then(|s| s.remove_container(id));
+                    let _ = crab::turns::TurnLog::open(&state_dir(), id).map(|l| l.reset());
+                }
+            });
+        });
+        let _ = cleanup.join();
+    }
+}
+
+/// Content, mode and type of every file under /data, one line each.
+const FINGERPRINT: &str = "cd /data && find . | sort | while read f; do stat -c '%n %a %F %s' \"$f\"; [ -f \"$f\" ] && md5sum \"$f\"; [ -L \"$f\" ] && readlink \"$f\"; done; true";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fs_turns_come_back_exactly_after_the_processes_die() {
+    let mut sb = Sandbox::start("rs-fs").await;
+    sb.turn("mkdir -p /data/sub && echo one > /data/a && echo two > /data/sub/b && chmod 640 /data/a").await;
+    sb.turn("ln -s sub/b /data/link && rm /data/sub/b && echo three > /data/sub/c && mv /data/a /data/a2").await;
+    sb.turn("ls /data >/dev/null").await;
+    let turns = sb.turns(3).await;
+    let classes: Vec<_> = turns.iter().map(|t| t.class).collect();
+    assert_eq!(classes, vec![RecordedClass::Fs, RecordedClass::Fs, RecordedClass::Clean], "{turns:#?}");
+    let before = sb.exec_in(&sb.id.clone(), FINGERPRINT).await;
+
+    sb.kill_processes().await;
+    let report = sb.ctl().recover(&sb.id, None).await.unwrap();
+    assert_eq!(report.checkpoint_turn, Some(2), "the clean turn 3 points at turn 2's checkpoint");
+    let after = sb.exec_in(&sb.id.clone(), FINGERPRINT).await;
+    assert_eq!(before, after);
+    assert!(after.contains("./a2 640"), "{after}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_counter_process_continues_from_its_value_after_recover() {
+    let mut sb = Sandbox::start("rs-proc").await;
+    // The secret lives only in the shell's memory; the file shows it is still there.
+    sb.turn("mkdir -p /data; (s=secret-$$; i=0; while :; do i=$((i+1)); echo \"$s $i\" > /data/counter; sleep 0.1; done) >/dev/null 2>&1 &").await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    sb.turn("cat /data/counter").await;
+    let turns = sb.turns(2).await;
+    assert_eq!(turns[0].class, RecordedClass::Proc, "{:?}", turns[0].reasons);
+    let at_checkpoint = sb.exec_in(&sb.id.clone(), "cat /data/counter").await;
+    let (secret, count) = at_checkpoint.trim().split_once(' ').unwrap();
+    let count: u64 = count.parse().unwrap();
+
+    sb.kill_processes().await;
+    sb.ctl().recover(&sb.id, None).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let later = sb.exec_in(&sb.id.clone(), "cat /data/counter").await;
+    let (secret_after, count_after) = later.trim().split_once(' ').unwrap();
+    assert_eq!(secret_after, secret, "the shell's memory came back");
+    let count_after: u64 = count_after.parse().unwrap();
+    assert!(count_after > 3, "the counter runs again: {later}");
+    // It continues from the checkpointed value instead of starting over (a
+    // restart would be near 1..5 after 0.5 s).
+    assert!(count_after + 10 >= count, "counter went from {count} back to {count_after}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rollback_puts_back_files_in_place_and_processes_by_restore() {
+    let mut sb = Sandbox::start("rs-rb").await;
+    sb.turn("mkdir -p /data && for i in 1 2 3 4 5 6 7 8 9 10; do echo v1-$i > /data/f$i; done").await;
+    let v1 = sb.exec_in(&sb.id.clone(), FINGERPRINT).await;
+    sb.turn("for i in 1 2 3 4 5 6 7 8 9 10; do echo v2-$i > /data/f$i; done; rm /data/f3; echo x > /data/new").await;
+    sb.turns(2).await;
+    let report = sb.ctl().rollback(&sb.id, 1).await.unwrap();
+    assert_eq!(report.mode, "in-place");
+    assert_eq!(sb.exec_in(&sb.id.clone(), FINGERPRINT).await, v1);
+    // The sandbox keeps working and checkpointing after the rollback.
+    sb.turn("echo v3 > /data/f1").await;
+    sb.turn("sleep 600 >/dev/null 2>&1 &").await;
+    let turns = sb.settled().await;
+    assert_eq!(turns.last().unwrap().class, RecordedClass::Proc);
+    // Back past a process turn: the container is recreated from the checkpoint.
+    let fs_turn = turns[turns.len() - 2].turn;
+    let report = sb.ctl().rollback(&sb.id, fs_turn).await.unwrap();
+    assert_eq!(report.mode, "restore");
+    let ps = sb.exec_in(&sb.id.clone(), "ps").await;
+    assert!(!ps.contains("sleep 600"), "the later process is gone: {ps}");
+    assert_eq!(sb.exec_in(&sb.id.clone(), "cat /data/f1").await, "v3\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_forks_of_one_turn_diverge() {
+    let mut sb = Sandbox::start("rs-fork").await;
+    sb.turn("mkdir -p /data && echo base > /data/shared").await;
+    sb.turn("echo later > /data/later").await;
+    sb.turns(2).await;
+    let ctl = sb.ctl();
+    let forks: Vec<String> = (0..4).map(|i| format!("{}-f{i}", sb.id)).collect();
+    sb.extra.extend(forks.iter().cloned());
+    for fork in &forks {
+        ctl.fork(&sb.id, 1, fork).await.unwrap();
+    }
+    for (i, fork) in forks.iter().enumerate() {
+        sb.exec_in(fork, &format!("echo fork-{i} > /data/own")).await;
+    }
+    for (i, fork) in forks.iter().enumerate() {
+        let view = sb.exec_in(fork, "cat /data/shared /data/own; ls /data").await;
+        assert_eq!(view, format!("base\nfork-{i}\nown\nshared\n"), "fork {fork}");
+    }
+    assert_eq!(sb.exec_in(&sb.id.clone(), "ls /data").await, "later\nshared\n", "the source is untouched");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recover_after_the_shim_is_killed() {
+    let mut sb = Sandbox::start("rs-shim").await;
+    sb.turn("mkdir -p /data && echo precious > /data/p && chmod 600 /data/p").await;
+    sb.turns(1).await;
+    let before = sb.exec_in(&sb.id.clone(), FINGERPRINT).await;
+    let pid = sb.ctr.run(&["tasks", "ls"]).await.unwrap().stdout_text();
+    let task_pid: u32 = pid
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{} ", sb.id)).and_then(|r| r.split_whitespace().next()?.parse().ok()))
+        .unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{task_pid}/status")).unwrap();
+    let shim: i32 = status.lines().find_map(|l| l.strip_prefix("PPid:")).unwrap().trim().parse().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(shim), nix::sys::signal::Signal::SIGKILL).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    sb.ctl().recover(&sb.id, None).await.unwrap();
+    assert_eq!(sb.exec_in(&sb.id.clone(), FINGERPRINT).await, before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_blob_is_refused_with_its_name() {
+    let mut sb = Sandbox::start("rs-bad").await;
+    let token = format!("unique-{}-{:?}", std::process::id(), std::time::SystemTime::now());
+    sb.turn(&format!("mkdir -p /data && echo '{token}' > /data/only-here")).await;
+    sb.turns(1).await;
+    let ctl = sb.ctl();
+    assert!(ctl.verify(Some(&sb.id)).unwrap()[0].ok);
+    // The blob holding this file's content is ours alone: corrupt it.
+    let digest = crab::checkpoint::Digest::of(format!("{token}\n").as_bytes());
+    let path = ctl.store.blobs().path_of(&digest);
+    std::fs::write(&path, b"garbage").unwrap();
+    let rows = ctl.verify(Some(&sb.id)).unwrap();
+    assert!(!rows[0].ok);
+    let error = rows[0].error.clone().unwrap();
+    assert!(error.contains(&digest.to_hex()[..12]), "{error}");
+    let fork = format!("{}-f", sb.id);
+    sb.extra.push(fork.clone());
+    let refused = ctl.fork(&sb.id, 1, &fork).await;
+    assert!(refused.is_err(), "a fork from a corrupted checkpoint must fail");
+}
