@@ -31,9 +31,8 @@ const LONG: Duration = Duration::from_secs(60);
 /// Counts only after an exec hands it a token through `/go`, and keeps the token in shell memory.
 /// A restored process that continues the count with the token proves its memory came back: a fresh
 /// start would wait for `/go` forever (the file is gone from the checkpointed rootfs).
-/// `/state` is replaced by a rename, never truncated in place: a checkpoint that freezes the shell
-/// between the truncation and the write would otherwise keep an empty `/state` in the rw layer, and a
-/// reader could see it empty (seen under both runtimes, about one run in twelve).
+/// `/state` is replaced by a rename, never truncated in place, so that no reader (on the host, by
+/// exec, or in a checkpointed rw layer frozen mid-write) can find it empty.
 const TOKEN_COUNTER: &str = "while [ ! -f /go ]; do sleep 0.05; done; token=$(cat /go); rm /go; i=0; \
      while :; do i=$((i+1)); echo \"$token $i\" > /state.new; mv /state.new /state; echo tick $i; \
      sleep 0.05; done";

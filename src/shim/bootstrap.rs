@@ -17,7 +17,6 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use containerd_shim::Flags;
-use containerd_shim::asynchronous::publisher::RemotePublisher;
 use containerd_shim_protos::protobuf::Message;
 use containerd_shim_protos::shim_async::{Task, create_task};
 use containerd_shim_protos::ttrpc::r#async::Server;
@@ -147,6 +146,8 @@ async fn socket_answers(address: &str) -> bool {
 /// The server inherits its listening socket at this descriptor, bound by
 /// `start`: containerd can connect as soon as `start` prints the address.
 const LISTENER_FD: i32 = 3;
+/// How long an exiting shim waits for its last events to reach containerd.
+const EVENTS_FLUSH_AT_EXIT: std::time::Duration = std::time::Duration::from_secs(2);
 const LISTENER_FD_ENV: &str = "CRAB_SHIM_LISTENER_FD";
 
 async fn start(flags: &Flags) -> Result<(), BootstrapError> {
@@ -242,23 +243,15 @@ async fn serve(flags: &Flags) -> Result<(), BootstrapError> {
     let reaper = Reaper::default();
     reaper.start().map_err(io_err("SIGCHLD handler"))?;
 
-    let publisher = match std::env::var("TTRPC_ADDRESS") {
-        Ok(addr) if !addr.is_empty() => match RemotePublisher::new(&addr).await {
-            Ok(p) => Some(p),
-            Err(e) => {
-                tracing::error!(error = %e, address = %addr, "no event publisher: events will not reach containerd");
-                None
-            }
-        },
-        _ => {
-            tracing::error!("TTRPC_ADDRESS is not set: events will not reach containerd");
-            None
-        }
-    };
+    let events_address = std::env::var("TTRPC_ADDRESS").ok().filter(|a| !a.is_empty());
+    if events_address.is_none() {
+        tracing::error!("TTRPC_ADDRESS is not set: events will not reach containerd");
+    }
     let shutdown = CancellationToken::new();
+    let events = EventSink::new(events_address, &flags.namespace);
     let service: Arc<dyn Task + Send + Sync> = Arc::new(TaskService::new(
         &flags.namespace,
-        EventSink::new(publisher, &flags.namespace),
+        events.clone(),
         reaper,
         shutdown.clone(),
     ));
@@ -284,6 +277,7 @@ async fn serve(flags: &Flags) -> Result<(), BootstrapError> {
     }
     let _ = server.shutdown().await;
     let _ = std::fs::remove_file(&path);
+    events.flush(EVENTS_FLUSH_AT_EXIT).await;
     Ok(())
 }
 

@@ -6,11 +6,13 @@
 //! - [`container`], [`process`]: lifecycle of a container and its processes.
 //! - [`io`]: stdio plumbing (fifos, files, logging binaries, TTYs).
 //! - [`cgroup`]: metrics and OOM notifications.
+//! - [`events`]: task events to containerd, across its restarts.
 //! - [`options`]: the option messages containerd attaches to requests.
 
 pub mod bootstrap;
 pub mod cgroup;
 pub mod container;
+pub mod events;
 pub mod io;
 pub mod options;
 pub mod process;

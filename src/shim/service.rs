@@ -6,8 +6,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use containerd_shim::asynchronous::publisher::RemotePublisher;
-use containerd_shim::event::Event;
 use containerd_shim_protos::api::*;
 use containerd_shim_protos::events::task::*;
 use containerd_shim_protos::protobuf::well_known_types::{any::Any, timestamp::Timestamp};
@@ -19,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::ShimError;
 use super::container::{Container, ContainerConfig};
+pub use super::events::EventSink;
 use super::io::StdioUris;
 use super::options::{self, CreateOptions};
 use super::process::{Process, Status};
@@ -39,29 +38,6 @@ pub struct TaskService {
     events: EventSink,
     reaper: Reaper,
     shutdown: CancellationToken,
-}
-
-/// Publishes task events to containerd in the order they are raised.
-#[derive(Clone)]
-pub struct EventSink {
-    publisher: Option<Arc<RemotePublisher>>,
-    namespace: String,
-}
-
-impl EventSink {
-    pub fn new(publisher: Option<RemotePublisher>, namespace: &str) -> Self {
-        Self { publisher: publisher.map(Arc::new), namespace: namespace.into() }
-    }
-
-    pub async fn publish(&self, event: impl Event + Send + 'static) {
-        let Some(publisher) = &self.publisher else { return };
-        let topic = event.topic();
-        // The publisher queues and retries; an error here means its queue
-        // is gone or full for seconds, which is worth a loud log line.
-        if let Err(e) = publisher.publish(Default::default(), &topic, &self.namespace, Box::new(event)).await {
-            tracing::error!(%topic, error = %e, "event not published");
-        }
-    }
 }
 
 fn timestamp(t: SystemTime) -> MessageField<Timestamp> {
