@@ -83,8 +83,8 @@ async fn expect_class(container: &Container, turn: u64, class: &str) -> Outcome<
 
 async fn run_turns(container: &Container) -> Outcome<()> {
     container.start(&["sh", "-c", "sleep 600"]).await?;
-    // Turn 1 only settles the container: records of its start-up may still
-    // land in the first turn (a known engine race, not crabd's).
+    // Turn 1 only settles the container: under load, records of its start-up
+    // were seen to land in the first turn ("process (exe) outlives the turn").
     container.exec_ok("settle", &["true"]).await?;
     wait_until("turn 1 in the turn log", Duration::from_secs(30), || async {
         Ok(turn_classes(container.id()).into_iter().find(|(t, _)| *t == 1))

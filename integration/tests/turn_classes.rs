@@ -33,6 +33,8 @@ const SETTLE_PAUSE: Duration = Duration::from_millis(400);
 /// command that did not do what its label assumes is caught).
 struct Case {
     script: &'static str,
+    /// Run without a shell (`ctr task exec ID ARGV...`) instead of `bash -c script`.
+    argv: Option<&'static [&'static str]>,
     truth: TurnClass,
     exit: i32,
     /// A misclassification understood but not fixed yet: the class the shim gives today and why.
@@ -42,8 +44,7 @@ struct Case {
 }
 
 enum Step {
-    /// Prepares later cases; must exit 0; not scored. Every sandbox starts with one: the init's own
-    /// exec can land in the first turn (see `run_group`).
+    /// Prepares later cases; must exit 0; not scored.
     Setup(&'static str),
     /// Pause, then a `true` turn that absorbs a daemon's late effects; not scored.
     Settle,
@@ -51,15 +52,44 @@ enum Step {
 }
 
 fn case(truth: TurnClass, script: &'static str) -> Step {
-    Step::Case(Case { script, truth, exit: 0, known_gap: None })
+    Step::Case(Case {
+        script,
+        argv: None,
+        truth,
+        exit: 0,
+        known_gap: None,
+    })
 }
 
 fn failing(truth: TurnClass, exit: i32, script: &'static str) -> Step {
-    Step::Case(Case { script, truth, exit, known_gap: None })
+    Step::Case(Case {
+        script,
+        argv: None,
+        truth,
+        exit,
+        known_gap: None,
+    })
+}
+
+/// An exec without a shell whose start fails in the runtime (`ctr` then exits 1).
+fn failed_direct_exec(display: &'static str, argv: &'static [&'static str]) -> Step {
+    Step::Case(Case {
+        script: display,
+        argv: Some(argv),
+        truth: Clean,
+        exit: 1,
+        known_gap: None,
+    })
 }
 
 fn known_gap(truth: TurnClass, got: TurnClass, why: &'static str, script: &'static str) -> Step {
-    Step::Case(Case { script, truth, exit: 0, known_gap: Some((got, why)) })
+    Step::Case(Case {
+        script,
+        argv: None,
+        truth,
+        exit: 0,
+        known_gap: Some((got, why)),
+    })
 }
 
 struct Group {
@@ -85,7 +115,9 @@ fn read_only() -> Group {
                  && printf 'print(\"hi\")\\n' > src/main.py && seq 1 100 > nums.txt",
             ),
             // Files older than the index are not racily clean: `git status` then has no reason to rewrite it.
-            Step::Setup("sleep 1.1 && cd /app/proj && git init -q && git add -A && git commit -qm init"),
+            Step::Setup(
+                "sleep 1.1 && cd /app/proj && git init -q && git add -A && git commit -qm init",
+            ),
             Step::Setup("cd /app/proj && git status > /dev/null"),
             case(Clean, "ls -la /app/proj"),
             case(Clean, "cat /etc/os-release"),
@@ -95,10 +127,16 @@ fn read_only() -> Group {
             case(Fs, "cd /app/proj && git status"),
             case(Clean, "cd /app/proj && git --no-optional-locks status"),
             case(Clean, "cd /app/proj && git log --oneline -n 5"),
-            case(Clean, "cd /app/proj && git diff HEAD --stat && git show --stat HEAD"),
+            case(
+                Clean,
+                "cd /app/proj && git diff HEAD --stat && git show --stat HEAD",
+            ),
             case(Clean, "python3 -c 'print(sum(range(10)))'"),
             case(Clean, "python3 /app/proj/src/main.py"),
-            case(Clean, "python3 -c 'import json, sys; json.dump({\"a\": [1, 2]}, sys.stdout)'"),
+            case(
+                Clean,
+                "python3 -c 'import json, sys; json.dump({\"a\": [1, 2]}, sys.stdout)'",
+            ),
             case(Clean, "head -c 64 /dev/urandom | sha256sum"),
             case(Clean, "ps aux"),
             case(Clean, "wc -l /etc/passwd && stat /etc/hostname"),
@@ -108,7 +146,10 @@ fn read_only() -> Group {
             case(Clean, "df -h / && uname -a"),
             case(Clean, "tar -C /app/proj -cf - . | wc -c"),
             case(Clean, "sort /app/proj/a.txt | uniq -c"),
-            case(Clean, "for i in 1 2 3; do cat /app/proj/nums.txt > /dev/null; done"),
+            case(
+                Clean,
+                "for i in 1 2 3; do cat /app/proj/nums.txt > /dev/null; done",
+            ),
             failing(Clean, 7, "curl -s --max-time 2 http://127.0.0.1:1/"),
             failing(Clean, 1, "false"),
             failing(Clean, 127, "nosuchcommand --flag"),
@@ -123,6 +164,8 @@ fn read_only() -> Group {
             failing(Clean, 128, "git -C / status"),
             failing(Clean, 2, "ls /app/proj/missing"),
             failing(Clean, 1, "cd /nonexistent && touch here"),
+            failed_direct_exec("(no shell) nosuchbinary", &["nosuchbinary"]),
+            failed_direct_exec("(no shell) /etc/passwd", &["/etc/passwd"]),
         ],
     }
 }
@@ -150,7 +193,10 @@ fn files() -> Group {
     Group {
         name: "files",
         annotations: &[],
-        run_flags: &["--mount", "type=tmpfs,src=tmpfs,dst=/tmp,options=rw:nosuid:nodev:mode=1777"],
+        run_flags: &[
+            "--mount",
+            "type=tmpfs,src=tmpfs,dst=/tmp,options=rw:nosuid:nodev:mode=1777",
+        ],
         steps: vec![
             Step::Setup(GIT_IDENTITY),
             Step::Setup(
@@ -176,8 +222,14 @@ fn files() -> Group {
             case(Fs, "sed -i s/a/b/ /app/w/sed.txt"),
             case(Fs, "mkfifo /app/w/fifo"),
             case(Fs, "python3 -c \"open('/app/w/py.txt', 'w').write('x')\""),
-            case(Fs, "python3 -c \"import os; os.utime('/app/w/b.txt', (0, 0))\""),
-            case(Fs, "python3 -c \"import os; os.setxattr('/app/w/b.txt', 'user.k', b'v')\""),
+            case(
+                Fs,
+                "python3 -c \"import os; os.utime('/app/w/b.txt', (0, 0))\"",
+            ),
+            case(
+                Fs,
+                "python3 -c \"import os; os.setxattr('/app/w/b.txt', 'user.k', b'v')\"",
+            ),
             case(Fs, "cd /app/w/sub && echo x > rel.txt"),
             case(Fs, "cd /app/w && mkdir rel && cd rel && touch inner"),
             case(
@@ -185,24 +237,42 @@ fn files() -> Group {
                 "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); \
                  fd = os.open('viafd', os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=d); os.write(fd, b'x')\"",
             ),
-            case(Fs, "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); os.mkdir('mdir', dir_fd=d)\""),
-            case(Fs, "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); os.unlink('gone', dir_fd=d)\""),
+            case(
+                Fs,
+                "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); os.mkdir('mdir', dir_fd=d)\"",
+            ),
+            case(
+                Fs,
+                "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); os.unlink('gone', dir_fd=d)\"",
+            ),
             case(
                 Fs,
                 "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); \
                  os.rename('r1', 'r2', src_dir_fd=d, dst_dir_fd=d)\"",
             ),
-            case(Fs, "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); os.symlink('r2', 'sl', dir_fd=d)\""),
-            case(Fs, "python3 -c \"import os; d = os.open('/app/w', os.O_RDONLY); os.chmod('c.txt', 0o600, dir_fd=d)\""),
+            case(
+                Fs,
+                "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); os.symlink('r2', 'sl', dir_fd=d)\"",
+            ),
+            case(
+                Fs,
+                "python3 -c \"import os; d = os.open('/app/w', os.O_RDONLY); os.chmod('c.txt', 0o600, dir_fd=d)\"",
+            ),
             case(Fs, "find /app/w/fdir -name '*.tmp' -delete"),
             case(Fs, "echo x > /dev/shm/shared.txt"),
-            case(Fs, "dd if=/dev/zero of=/dev/shm/blob bs=1k count=4 status=none"),
+            case(
+                Fs,
+                "dd if=/dev/zero of=/dev/shm/blob bs=1k count=4 status=none",
+            ),
             case(Fs, "echo x > /tmp/t.txt"),
             // Created and removed: the directory itself still changed.
             case(Fs, "f=$(mktemp) && echo x > \"$f\" && rm \"$f\""),
             failing(Fs, 1, "echo x > /app/w/partial.txt && false"),
             failing(Fs, 127, "nosuchcommand > /app/w/out.txt"),
-            case(Fs, "sqlite3 /app/w/db.sqlite 'create table t(x); insert into t values (1)'"),
+            case(
+                Fs,
+                "sqlite3 /app/w/db.sqlite 'create table t(x); insert into t values (1)'",
+            ),
             case(Fs, "tar -C /app/w -czf /app/w.tgz sub"),
             case(Fs, "mkdir -p /app/g && cd /app/g && git init -q"),
             case(Fs, "cd /app/g && echo x > f && git add f"),
@@ -230,7 +300,10 @@ fn ignored() -> Group {
             case(Clean, "mkdir -p /app/cache/d/e && touch /app/cache/d/e/f"),
             case(Clean, "cd /app/cache && echo z > rel"),
             case(Clean, "rm -rf /app/cache/d"),
-            case(Clean, "python3 -c \"open('/root/.cache/x', 'w').write('x')\""),
+            case(
+                Clean,
+                "python3 -c \"open('/root/.cache/x', 'w').write('x')\"",
+            ),
             case(Fs, "echo x > /app/cache/b && echo y > /app/notcache.txt"),
         ],
     }
@@ -244,43 +317,74 @@ fn processes() -> Group {
         annotations: &[],
         run_flags: &[],
         steps: vec![
-            Step::Setup("true"),
             case(Clean, "sleep 100 & kill $!; wait"),
-            case(Clean, "python3 -c \"import subprocess; p = subprocess.Popen(['sleep', '100']); p.kill(); p.wait()\""),
+            case(
+                Clean,
+                "python3 -c \"import subprocess; p = subprocess.Popen(['sleep', '100']); p.kill(); p.wait()\"",
+            ),
             failing(Clean, 124, "timeout 1 sleep 10"),
             case(
                 Clean,
                 "python3 -c \"import threading; ts = [threading.Thread(target=sum, args=([1],)) for _ in range(16)]; \
                  [t.start() for t in ts]; [t.join() for t in ts]\"",
             ),
-            case(Clean, "python3 -c \"import socket; s = socket.socket(); s.bind(('127.0.0.1', 9000)); s.listen(); s.close()\""),
+            case(
+                Clean,
+                "python3 -c \"import socket; s = socket.socket(); s.bind(('127.0.0.1', 9000)); s.listen(); s.close()\"",
+            ),
             case(Clean, "sleep 0.2 & wait"),
-            failing(Fs, 143, "sleep 100 & pid=$!; echo x > /app/p.txt; kill $pid; wait $pid"),
+            failing(
+                Fs,
+                143,
+                "sleep 100 & pid=$!; echo x > /app/p.txt; kill $pid; wait $pid",
+            ),
             case(Fs, "(sleep 0.3; echo late > /app/late.txt) & wait"),
-            case(Fs, "python3 -c \"import socket; socket.socket(socket.AF_UNIX).bind('/app/left.sock')\""),
+            case(
+                Fs,
+                "python3 -c \"import socket; socket.socket(socket.AF_UNIX).bind('/app/left.sock')\"",
+            ),
             case(Proc, "sleep 300 > /dev/null 2>&1 &"),
             Step::Settle,
-            case(Proc, "pkill -f 'sleep [3]00'; while pgrep -f 'sleep [3]00' > /dev/null; do sleep 0.05; done"),
+            case(
+                Proc,
+                "pkill -f 'sleep [3]00'; while pgrep -f 'sleep [3]00' > /dev/null; do sleep 0.05; done",
+            ),
             case(Proc, "nohup sleep 301 > /dev/null 2>&1 &"),
             Step::Settle,
             case(Proc, "setsid -f sleep 302 > /dev/null 2>&1"),
             Step::Settle,
             case(Proc, "(sleep 303 > /dev/null 2>&1 &)"),
             Step::Settle,
-            case(Proc, "pkill -f 'sleep [3]0[123]'; while pgrep -f 'sleep [3]0[123]' > /dev/null; do sleep 0.05; done"),
+            case(
+                Proc,
+                "pkill -f 'sleep [3]0[123]'; while pgrep -f 'sleep [3]0[123]' > /dev/null; do sleep 0.05; done",
+            ),
             case(Proc, "tmux new -d -s work"),
             Step::Settle,
             case(Clean, "tmux ls"),
-            case(Fs, "tmux send-keys -t work 'echo hi > /app/from-tmux.txt' Enter; sleep 0.5"),
-            case(Proc, "tmux kill-server; while pgrep -r R,S,D,T -x 'tmux: server' > /dev/null; do sleep 0.05; done; sleep 0.3"),
+            case(
+                Fs,
+                "tmux send-keys -t work 'echo hi > /app/from-tmux.txt' Enter; \
+                 while [ ! -s /app/from-tmux.txt ]; do sleep 0.05; done",
+            ),
+            case(
+                Proc,
+                "tmux kill-server; while pgrep -r R,S,D,T -x 'tmux: server' > /dev/null; do sleep 0.05; done; sleep 0.3",
+            ),
             case(
                 Proc,
                 "python3 -c \"import socket, time; s = socket.socket(socket.AF_UNIX); s.bind('/app/srv.sock'); \
                  s.listen(); time.sleep(1000)\" > /dev/null 2>&1 &",
             ),
             Step::Settle,
-            case(Clean, "python3 -c \"import socket; c = socket.socket(socket.AF_UNIX); c.connect('/app/srv.sock'); c.close()\""),
-            case(Proc, "pkill -f 'srv[.]sock'; while pgrep -f 'srv[.]sock' > /dev/null; do sleep 0.05; done"),
+            case(
+                Clean,
+                "python3 -c \"import socket; c = socket.socket(socket.AF_UNIX); c.connect('/app/srv.sock'); c.close()\"",
+            ),
+            case(
+                Proc,
+                "pkill -f 'srv[.]sock'; while pgrep -f 'srv[.]sock' > /dev/null; do sleep 0.05; done",
+            ),
         ],
     }
 }
@@ -293,11 +397,16 @@ fn servers() -> Group {
         annotations: &[],
         run_flags: &[],
         steps: vec![
-            Step::Setup("true"),
-            case(Proc, "python3 -m http.server 8000 --bind 127.0.0.1 > /dev/null 2>&1 & sleep 0.5"),
+            case(
+                Proc,
+                "python3 -m http.server 8000 --bind 127.0.0.1 > /dev/null 2>&1 & sleep 0.5",
+            ),
             Step::Settle,
             case(Clean, "curl -s -o /dev/null http://127.0.0.1:8000/"),
-            case(Proc, "pkill -f 'http[.]server'; while pgrep -f 'http[.]server' > /dev/null; do sleep 0.05; done"),
+            case(
+                Proc,
+                "pkill -f 'http[.]server'; while pgrep -f 'http[.]server' > /dev/null; do sleep 0.05; done",
+            ),
             case(Proc, "nginx"),
             Step::Settle,
             known_gap(
@@ -305,9 +414,12 @@ fn servers() -> Group {
                 Clean,
                 "the worker appends to the access log through a descriptor opened in an earlier turn; \
                  the inspector records opens, not writes",
-                "curl -s -o /dev/null http://127.0.0.1/ && sleep 0.3",
+                "curl -s -o /dev/null http://127.0.0.1/ && while [ ! -s /var/log/nginx/access.log ]; do sleep 0.05; done",
             ),
-            case(Proc, "nginx -s stop; while pgrep -r R,S,D,T -x nginx > /dev/null; do sleep 0.05; done"),
+            case(
+                Proc,
+                "nginx -s stop; while pgrep -r R,S,D,T -x nginx > /dev/null; do sleep 0.05; done",
+            ),
         ],
     }
 }
@@ -325,26 +437,36 @@ struct Row {
     host_changes: Vec<String>,
 }
 
-/// Runs one group in a fresh sandbox. Its first turn is a setup step because the shim's engine sets
-/// the container's start-up effects aside when `runc start` returns, which can be before the init's
-/// execve: that exec then shows up in turn 1 as a process outliving the turn.
+/// Runs one group in a fresh sandbox.
 async fn run_group(group: Group) -> Outcome<Vec<Row>> {
-    if !matches!(group.steps.first(), Some(Step::Setup(_))) {
-        return Err(HarnessError::Expectation(format!("group {} must start with a setup step", group.name)));
-    }
-    let mut sandbox = Sandbox::start(group.name, TERMINAL_IMAGE, group.annotations, group.run_flags).await?;
+    let mut sandbox = Sandbox::start(
+        group.name,
+        TERMINAL_IMAGE,
+        group.annotations,
+        group.run_flags,
+    )
+    .await?;
     let mut rows = Vec::new();
     for step in group.steps {
-        let (script, truth, expected_exit, known_gap) = match step {
-            Step::Setup(script) => (script, None, 0, None),
+        let (script, argv, truth, expected_exit, known_gap) = match step {
+            Step::Setup(script) => (script, None, None, 0, None),
             Step::Settle => {
                 tokio::time::sleep(SETTLE_PAUSE).await;
-                ("true", None, 0, None)
+                ("true", None, None, 0, None)
             }
-            Step::Case(case) => (case.script, Some(case.truth), case.exit, case.known_gap),
+            Step::Case(case) => (
+                case.script,
+                case.argv,
+                Some(case.truth),
+                case.exit,
+                case.known_gap,
+            ),
         };
         let before = sandbox.observe()?;
-        let (output, turn) = sandbox.exec(script).await?;
+        let (output, turn) = match argv {
+            Some(argv) => sandbox.exec_argv(argv).await?,
+            None => sandbox.exec(script).await?,
+        };
         let after = sandbox.observe()?;
         let verdict = sandbox.verdict(turn).await?;
         if truth.is_none() && output.code() != Some(0) {
@@ -381,7 +503,10 @@ fn clip(text: &str, width: usize) -> String {
 }
 
 fn print_table(rows: &[Row]) {
-    println!("\n{:<10} {:>3} {:<6} {:<6} {:<6} {:>4}  {:<60}  reasons", "group", "#", "truth", "got", "host", "exit", "command");
+    println!(
+        "\n{:<10} {:>3} {:<6} {:<6} {:<6} {:>4}  {:<60}  reasons",
+        "group", "#", "truth", "got", "host", "exit", "command"
+    );
     for (i, row) in rows.iter().enumerate() {
         let truth = row.truth.map_or("-".to_string(), |t| t.to_string());
         let mark = match row.truth {
@@ -405,6 +530,9 @@ fn print_table(rows: &[Row]) {
             clip(&row.script, 60),
             clip(&reasons, 160),
         );
+        if row.host != row.verdict.class {
+            println!("{:>18} host saw: {}", "", row.host_changes.join("; "));
+        }
     }
 }
 
@@ -422,7 +550,10 @@ async fn corpus_classes_match_the_truth() {
     }
     print_table(&rows);
 
-    let scored: Vec<(&Row, TurnClass)> = rows.iter().filter_map(|r| r.truth.map(|t| (r, t))).collect();
+    let scored: Vec<(&Row, TurnClass)> = rows
+        .iter()
+        .filter_map(|r| r.truth.map(|t| (r, t)))
+        .collect();
     let mut confusion: BTreeMap<(TurnClass, TurnClass), usize> = BTreeMap::new();
     for (row, truth) in &scored {
         *confusion.entry((*truth, row.verdict.class)).or_default() += 1;
@@ -436,11 +567,21 @@ async fn corpus_classes_match_the_truth() {
             .collect();
         println!("{truth:<6} {}", counts.join(" "));
     }
-    let exact = scored.iter().filter(|(row, truth)| row.verdict.class == *truth).count();
-    let under: Vec<&Row> = scored.iter().filter(|(row, truth)| row.verdict.class < *truth).map(|(r, _)| *r).collect();
+    let exact = scored
+        .iter()
+        .filter(|(row, truth)| row.verdict.class == *truth)
+        .count();
+    let under: Vec<&Row> = scored
+        .iter()
+        .filter(|(row, truth)| row.verdict.class < *truth)
+        .map(|(r, _)| *r)
+        .collect();
     let over = scored.len() - exact - under.len();
     let accuracy = exact as f64 / scored.len().max(1) as f64;
-    let no_record = rows.iter().filter(|r| r.verdict.checkpoint_failed.is_some()).count();
+    let no_record = rows
+        .iter()
+        .filter(|r| r.verdict.checkpoint_failed.is_some())
+        .count();
     println!(
         "\n{} scored turns ({} more unscored): {exact} exact ({:.1}%), {over} over-classified, {} under-classified \
          ({} of them known gaps); {no_record} proc turns without a record (CRIU dump failed); {:.1} s",
@@ -454,7 +595,10 @@ async fn corpus_classes_match_the_truth() {
 
     for (row, truth) in &scored {
         if row.exit != Some(row.expected_exit) {
-            failures.push(format!("`{}` exited with {:?}, the corpus expects {}", row.script, row.exit, row.expected_exit));
+            failures.push(format!(
+                "`{}` exited with {:?}, the corpus expects {}",
+                row.script, row.exit, row.expected_exit
+            ));
         }
         if row.host != *truth {
             failures.push(format!(
@@ -464,7 +608,11 @@ async fn corpus_classes_match_the_truth() {
         }
     }
     for (row, (got, why)) in rows.iter().filter_map(|r| r.known_gap.map(|g| (r, g))) {
-        println!("known gap: `{}` is {} but the shim says {got}: {why}", row.script, row.truth.expect("scored"));
+        println!(
+            "known gap: `{}` is {} but the shim says {got}: {why}",
+            row.script,
+            row.truth.expect("scored")
+        );
         if row.verdict.class != got {
             failures.push(format!(
                 "known gap changed: `{}` was {got}, now {} ({:?}): update the corpus",
@@ -482,7 +630,10 @@ async fn corpus_classes_match_the_truth() {
         ));
     }
     if scored.len() < 60 {
-        failures.push(format!("only {} scored turns ran (the corpus has more than 60)", scored.len()));
+        failures.push(format!(
+            "only {} scored turns ran (the corpus has more than 60)",
+            scored.len()
+        ));
     }
     if accuracy < 0.95 {
         failures.push(format!("{:.1}% exact, below 95%", accuracy * 100.0));
@@ -493,12 +644,18 @@ async fn corpus_classes_match_the_truth() {
 /// The workloads of the overhead measurement: file-tree walks, `git status` over a few thousand
 /// tracked files, and a small build (byte-compiling a package tree, writing every output).
 const OVERHEAD_WORKLOADS: [(&str, &str); 3] = [
-    ("3x find / -xdev", "for i in 1 2 3; do find / -xdev | wc -l; done"),
+    (
+        "3x find / -xdev",
+        "for i in 1 2 3; do find / -xdev | wc -l; done",
+    ),
     (
         "10x git status (5k files)",
         "cd /app/big && for i in 1 2 3 4 5 6 7 8 9 10; do git --no-optional-locks status --porcelain; done | wc -l",
     ),
-    ("small build", "python3 -m compileall -q -f /app/big/lib/email /app/big/lib/json /app/big/lib/xml"),
+    (
+        "small build",
+        "python3 -m compileall -q -f /app/big/lib/email /app/big/lib/json /app/big/lib/xml",
+    ),
 ];
 
 /// A copy of the standard library as a git repository: thousands of files to stat. The pause makes
@@ -524,12 +681,18 @@ async fn timed_turn(sandbox: &mut Sandbox, workload: &str, checkpointed: bool) -
     let script = format!("TIMEFORMAT='%3R %3U %3S'; time {{ {workload}; }} > /dev/null 2>&1");
     let (output, turn) = sandbox.exec(&script).await?;
     if output.code() != Some(0) {
-        return Err(HarnessError::Expectation(format!("`{workload}` failed: {}", output.stderr.trim())));
+        return Err(HarnessError::Expectation(format!(
+            "`{workload}` failed: {}",
+            output.stderr.trim()
+        )));
     }
     if checkpointed {
         sandbox.verdict(turn).await?;
     }
-    let parse_error = || HarnessError::Parse { what: format!("timing of `{workload}`"), detail: output.stderr.clone() };
+    let parse_error = || HarnessError::Parse {
+        what: format!("timing of `{workload}`"),
+        detail: output.stderr.clone(),
+    };
     let seconds: Vec<f64> = output
         .stderr
         .trim()
@@ -539,8 +702,13 @@ async fn timed_turn(sandbox: &mut Sandbox, workload: &str, checkpointed: bool) -
         .split_whitespace()
         .map(|f| f.parse().map_err(|_| parse_error()))
         .collect::<Outcome<_>>()?;
-    let [real, user, system] = seconds[..] else { return Err(parse_error()) };
-    Ok(Timing { wall: Duration::from_secs_f64(real), cpu: Duration::from_secs_f64(user + system) })
+    let [real, user, system] = seconds[..] else {
+        return Err(parse_error());
+    };
+    Ok(Timing {
+        wall: Duration::from_secs_f64(real),
+        cpu: Duration::from_secs_f64(user + system),
+    })
 }
 
 fn median(samples: impl Iterator<Item = Duration>) -> Duration {
@@ -552,14 +720,24 @@ fn median(samples: impl Iterator<Item = Duration>) -> Duration {
 /// Inspector instances attached on this machine (each runs on every syscall of every process), by
 /// counting their `on_sys_enter` programs; None without bpftool.
 fn attached_inspectors() -> Option<usize> {
-    let listing = std::process::Command::new("bpftool").args(["prog", "list"]).output().ok()?;
+    let listing = std::process::Command::new("bpftool")
+        .args(["prog", "list"])
+        .output()
+        .ok()?;
     let text = String::from_utf8_lossy(&listing.stdout);
-    Some(text.lines().filter(|l| l.contains("name on_sys_enter ")).count())
+    Some(
+        text.lines()
+            .filter(|l| l.contains("name on_sys_enter "))
+            .count(),
+    )
 }
 
 type Samples = BTreeMap<(usize, bool), Vec<Timing>>;
 
-async fn sample_rounds(sandboxes: &mut [(&mut Sandbox, bool)], samples: &mut Samples) -> Outcome<()> {
+async fn sample_rounds(
+    sandboxes: &mut [(&mut Sandbox, bool)],
+    samples: &mut Samples,
+) -> Outcome<()> {
     // Round 0 warms the page cache and is dropped; the order alternates so no sandbox always goes first.
     for round in 0..=OVERHEAD_ROUNDS {
         for (index, (_, workload)) in OVERHEAD_WORKLOADS.iter().enumerate() {
@@ -580,8 +758,22 @@ async fn sample_rounds(sandboxes: &mut [(&mut Sandbox, bool)], samples: &mut Sam
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement (about two minutes), not a check"]
 async fn inspector_overhead() {
-    let mut off = Sandbox::start("overhead-off", TERMINAL_IMAGE, &[("io.crab.policy", "off")], &[]).await.unwrap();
-    let mut crab = Sandbox::start("overhead-crab", TERMINAL_IMAGE, &[("io.crab.policy", "crab")], &[]).await.unwrap();
+    let mut off = Sandbox::start(
+        "overhead-off",
+        TERMINAL_IMAGE,
+        &[("io.crab.policy", "off")],
+        &[],
+    )
+    .await
+    .unwrap();
+    let mut crab = Sandbox::start(
+        "overhead-crab",
+        TERMINAL_IMAGE,
+        &[("io.crab.policy", "crab")],
+        &[],
+    )
+    .await
+    .unwrap();
     let (setup, _) = off.exec(OVERHEAD_SETUP).await.unwrap();
     assert_eq!(setup.code(), Some(0), "{}", setup.stderr);
     let (setup, setup_turn) = crab.exec(OVERHEAD_SETUP).await.unwrap();
@@ -589,7 +781,9 @@ async fn inspector_overhead() {
     crab.verdict(setup_turn).await.unwrap();
     let attached = attached_inspectors();
     let mut samples = Samples::new();
-    sample_rounds(&mut [(&mut off, false), (&mut crab, true)], &mut samples).await.unwrap();
+    sample_rounds(&mut [(&mut off, false), (&mut crab, true)], &mut samples)
+        .await
+        .unwrap();
 
     println!(
         "\ninspector overhead: median of {OVERHEAD_ROUNDS} interleaved rounds, timed inside the container; \
@@ -625,6 +819,8 @@ async fn inspector_overhead() {
         "geometric mean crab/off: wall {:.3}, cpu {:.3} (goal <= 1.02); load average {}",
         (log_wall / n).exp(),
         (log_cpu / n).exp(),
-        std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
     );
 }

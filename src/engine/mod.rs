@@ -88,6 +88,9 @@ struct OpenTurn {
     exec_id: String,
     started: SystemTime,
     running_execs: usize,
+    /// The container's processes when the turn opened: one of them ending is
+    /// a change of process state.
+    processes_before: Option<std::collections::HashSet<u32>>,
 }
 
 struct State {
@@ -197,7 +200,13 @@ impl SandboxEngine {
             None => {
                 let turn = state.next_turn;
                 state.next_turn += 1;
-                state.open = Some(OpenTurn { turn, exec_id: exec_id.into(), started: SystemTime::now(), running_execs: 1 });
+                state.open = Some(OpenTurn {
+                    turn,
+                    exec_id: exec_id.into(),
+                    started: SystemTime::now(),
+                    running_execs: 1,
+                    processes_before: container_processes(self.init_pid),
+                });
             }
         }
         delay
@@ -217,13 +226,19 @@ impl SandboxEngine {
         let open = state.open.take().expect("checked above");
         let engine = self.clone();
         state.pending = Some(tokio::spawn(async move {
-            match engine.checkpoint_turn(&open, end_ns, ended).await {
-                Ok(record) => {
-                    if let Err(e) = engine.log.append(&record) {
-                        tracing::error!(container = %engine.container, turn = record.turn, error = %e, "turn record not written");
-                    }
+            let record = match engine.checkpoint_turn(&open, end_ns, ended).await {
+                Ok(record) => record,
+                Err((mut record, e)) => {
+                    tracing::error!(container = %engine.container, turn = open.turn, error = %e, "turn checkpoint failed");
+                    // The turn still happened: keep its class and why, and say
+                    // that its state is only as recent as the previous checkpoint.
+                    record.reasons.push(format!("checkpoint failed: {e}"));
+                    record.checkpoint_turn = engine.ctx.store.head(&engine.container).ok().flatten().map(|h| h.turn);
+                    record
                 }
-                Err(e) => tracing::error!(container = %engine.container, turn = open.turn, error = %e, "turn checkpoint failed"),
+            };
+            if let Err(e) = engine.log.append(&record) {
+                tracing::error!(container = %engine.container, turn = record.turn, error = %e, "turn record not written");
             }
         }));
     }
@@ -239,10 +254,17 @@ impl SandboxEngine {
         }
     }
 
-    async fn checkpoint_turn(&self, open: &OpenTurn, end_ns: u64, ended: SystemTime) -> Result<TurnRecord, EngineError> {
+    /// Classifies and checkpoints one closed turn. On failure the record made
+    /// so far comes back with the error.
+    async fn checkpoint_turn(
+        &self,
+        open: &OpenTurn,
+        end_ns: u64,
+        ended: SystemTime,
+    ) -> Result<TurnRecord, (TurnRecord, EngineError)> {
         let clock = Instant::now();
         // Read, not cached: a rollback may have moved the head since the last turn.
-        let previous = self.ctx.store.head(&self.container)?.map(|h| h.turn);
+        let previous = self.ctx.store.head(&self.container).ok().flatten().map(|h| h.turn);
         let mut record = TurnRecord {
             turn: open.turn,
             exec_id: Some(open.exec_id.clone()),
@@ -268,7 +290,7 @@ impl SandboxEngine {
                 record.reasons.push("policy every-turn: full checkpoint".into());
                 (TurnClass::Proc, Vec::new())
             }
-            Policy::Crab => self.inspect(end_ns, &mut record).await,
+            Policy::Crab => self.inspect(end_ns, open, &mut record).await,
         };
         record.class = match class {
             TurnClass::Clean => RecordedClass::Clean,
@@ -284,7 +306,8 @@ impl SandboxEngine {
             let dir = self.work_dir.join(format!("dump-{}", open.turn));
             let _ = tokio::fs::remove_dir_all(&dir).await;
             let capture = Instant::now();
-            self.runtime
+            let dumped = self
+                .runtime
                 .checkpoint(
                     &self.container,
                     &CheckpointOptions {
@@ -297,8 +320,12 @@ impl SandboxEngine {
                         ..Default::default()
                     },
                 )
-                .await?;
+                .await;
             record.capture_ms = capture.elapsed().as_secs_f64() * 1e3;
+            if let Err(e) = dumped {
+                let _ = tokio::fs::remove_dir_all(&dir).await;
+                return Err((record, e.into()));
+            }
             Some(dir)
         } else {
             None
@@ -329,7 +356,10 @@ impl SandboxEngine {
             let _ = tokio::fs::remove_dir_all(dir).await;
             let _ = tokio::fs::remove_dir_all(self.work_dir.join(format!("dump-{turn}-work"))).await;
         }
-        let report = report?;
+        let report = match report {
+            Ok(r) => r,
+            Err(e) => return Err((record, e.into())),
+        };
         record.checkpoint_turn = Some(turn);
         record.bytes_written = report.traffic.written_bytes + report.manifest_bytes;
         record.checkpoint_ms = clock.elapsed().as_secs_f64() * 1e3;
@@ -340,7 +370,7 @@ impl SandboxEngine {
 
     /// Classifies the turn from the inspector's effects; fills the record's
     /// reasons. Without an inspector the turn is a process turn.
-    async fn inspect(&self, end_ns: u64, record: &mut TurnRecord) -> (TurnClass, Vec<ChangedPath>) {
+    async fn inspect(&self, end_ns: u64, open: &OpenTurn, record: &mut TurnRecord) -> (TurnClass, Vec<ChangedPath>) {
         let Some(inspector) = &self.ctx.inspector else {
             record.escalated = true;
             record.reasons.push("inspector unavailable".into());
@@ -368,7 +398,11 @@ impl SandboxEngine {
         };
         let verdict = classify(
             &effects.effects,
-            &ClassifyOptions { ignored_prefixes: self.policy.ignore.clone(), lost_events: effects.lost_events, ..Default::default() },
+            &ClassifyOptions {
+                ignored_prefixes: self.policy.ignore.clone(),
+                lost_events: effects.lost_events,
+                processes_before: open.processes_before.clone(),
+            },
         );
         record.external = verdict.external;
         record.escalated = verdict.escalated;
@@ -379,6 +413,13 @@ impl SandboxEngine {
         let changed = changed_paths(&effects.effects, &self.policy.ignore);
         (verdict.class, changed)
     }
+}
+
+/// Host pids in the cgroup v2 group of `init_pid`, or None when it cannot be read.
+fn container_processes(init_pid: u32) -> Option<std::collections::HashSet<u32>> {
+    let dir = crate::inspector::cgroup2_path_of_pid(init_pid).ok()?;
+    let text = std::fs::read_to_string(dir.join("cgroup.procs")).ok()?;
+    Some(text.lines().filter_map(|l| l.trim().parse().ok()).collect())
 }
 
 /// Where the shim keeps a copy of a sandbox's OCI spec (the id was validated by the turn log).

@@ -103,6 +103,10 @@ pub const DEFAULT_IGNORED_PREFIXES: &[&str] = &[
     "/dev/pts",
 ];
 
+/// What runc's init process calls itself (`runc:[2:INIT]`) between entering
+/// the container and exec'ing the process it starts there.
+const RUNTIME_INIT_COMM_PREFIX: &str = "runc:[";
+
 #[derive(Debug, Clone, Default)]
 pub struct ClassifyOptions {
     /// Paths (and everything under them) whose changes do not count, in
@@ -211,12 +215,22 @@ fn classify_processes(effects: &[Effect], options: &ClassifyOptions, verdict: &m
     // Without the caller's list, a process that ends without having started
     // in this turn was running before it (an earlier turn's daemon): every
     // process of the turn's own command appears by a fork or an exec first.
+    // The one exception is the runtime's init helper when the exec it was to
+    // do failed (no such binary): it entered the container only to run it.
+    let failed_exec_helpers: HashSet<u32> = effects
+        .iter()
+        .filter(|e| {
+            matches!(e.kind, EffectKind::Exit { .. })
+                && e.comm.starts_with(RUNTIME_INIT_COMM_PREFIX)
+        })
+        .map(|e| e.pid)
+        .collect();
     let mut ended: Vec<u32> = exited
         .iter()
         .copied()
         .filter(|pid| match &options.processes_before {
             Some(before) => before.contains(pid),
-            None => !started.iter().any(|(p, _)| p == pid),
+            None => !started.iter().any(|(p, _)| p == pid) && !failed_exec_helpers.contains(pid),
         })
         .collect();
     ended.sort_unstable();
@@ -463,6 +477,15 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(classify(&effects, &unknown).class, TurnClass::Clean);
+    }
+
+    #[test]
+    fn a_runtime_init_whose_exec_failed_is_not_from_before() {
+        let failed = Effect {
+            comm: "runc:[2:INIT]".into(),
+            ..effect(12, EffectKind::Exit { status: 255 << 8 })
+        };
+        assert_eq!(classify_plain(&[failed]).class, TurnClass::Clean);
     }
 
     #[test]

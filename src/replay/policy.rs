@@ -338,7 +338,7 @@ mod tests {
         for kind in PolicyKind::ALL {
             assert_eq!(kind.name().parse::<PolicyKind>().unwrap(), kind);
         }
-        let error = "crab".parse::<PolicyKind>().unwrap_err().to_string();
-        assert!(error.contains("unknown policy \"crab\""), "{error}");
+        let error = "crib".parse::<PolicyKind>().unwrap_err().to_string();
+        assert!(error.contains("unknown policy \"crib\""), "{error}");
     }
 }

@@ -176,6 +176,12 @@ impl Container {
         finish_console(&io, master, restored.is_ok()).await?;
         restored?;
         let pid = read_pid(&pid_file).await?;
+        // CRIU 4.1 brings the container's loopback back down on this kernel
+        // (runc's own restore does the same): a restored server would not be
+        // reachable even from inside its sandbox.
+        if let Err(e) = loopback_up(pid).await {
+            tracing::warn!(container = %self.config.id, error = %e, "loopback of the restored container left down");
+        }
         self.init.set_running(pid);
         *self.cgroup.lock().expect("cgroup lock") = Cgroup::of_pid(pid).ok();
         Ok(pid)
@@ -357,6 +363,45 @@ async fn finish_console(
 async fn read_pid(path: &Path) -> Result<u32, ShimError> {
     let text = tokio::fs::read_to_string(path).await.map_err(|e| ShimError::io(path, e))?;
     text.trim().parse().map_err(|_| ShimError::Other(format!("pid file {} holds {:?}", path.display(), text)))
+}
+
+/// Sets `lo` up in the network namespace of `pid`, if it is down. The work
+/// runs on a thread of its own, which is the only thread that enters the
+/// namespace.
+async fn loopback_up(pid: u32) -> std::io::Result<()> {
+    tokio::task::spawn_blocking(move || {
+        std::thread::spawn(move || -> std::io::Result<()> {
+            use std::os::fd::AsRawFd;
+            let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))?;
+            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+            if sock < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let sock = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(sock) };
+            let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+            for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
+                *dst = *src as libc::c_char;
+            }
+            if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let flags = unsafe { req.ifr_ifru.ifru_flags };
+            if flags & libc::IFF_UP as libc::c_short == 0 {
+                req.ifr_ifru.ifru_flags = flags | libc::IFF_UP as libc::c_short;
+                if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        })
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("loopback thread panicked")))
+    })
+    .await
+    .unwrap_or_else(|e| Err(std::io::Error::other(e)))
 }
 
 pub fn unmount_rootfs(bundle: &Path) {
