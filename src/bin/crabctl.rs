@@ -22,6 +22,8 @@ enum Command {
     Replay(ReplayArgs),
     #[command(flatten)]
     Checkpoint(crab::ctl::cli::CheckpointCommand),
+    /// The node engine (crabd): status, eviction marks.
+    Node(crab::node::cli::NodeArgs),
 }
 
 #[derive(Args)]
@@ -108,6 +110,7 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Replay(args) => replay_command(args).await,
         Command::Checkpoint(command) => command.run().await.map_err(Into::into),
+        Command::Node(args) => crab::node::cli::run(args).await.map_err(Into::into),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

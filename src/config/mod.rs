@@ -19,7 +19,7 @@ pub enum ConfigError {
     Invalid { path: PathBuf, message: String },
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     pub runtime: RuntimeConfig,
@@ -75,17 +75,6 @@ pub struct NodeConfig {
     pub max_wait_ms: u64,
     /// Bound on each exchange with crabd (connect, watch, drain).
     pub timeout_ms: u64,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            runtime: RuntimeConfig::default(),
-            checkpoint: CheckpointConfig::default(),
-            log: LogConfig::default(),
-            node: NodeConfig::default(),
-        }
-    }
 }
 
 impl Default for NodeConfig {

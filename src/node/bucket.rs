@@ -409,7 +409,7 @@ mod tests {
         let dump = grants.iter().find(|g| g.2.starts_with("dumper")).expect("the dump is granted");
         // It ages at 2.005 s, then waits for what aged before it and for 1 MiB of tokens.
         let at = dump.0.as_secs_f64();
-        assert!(at >= 2.0 && at < 2.5, "dump granted at {at} s");
+        assert!((2.0..2.5).contains(&at), "dump granted at {at} s");
         // Whatever arrived after it but was granted before is newer and small (fs first until aging).
         assert!(grants.iter().filter(|g| g.0 < dump.0).all(|g| g.2.starts_with("fs")));
     }

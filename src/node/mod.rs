@@ -12,8 +12,10 @@
 //! - [`client`]: the shim's side: an [`crate::engine::EffectSource`] and a
 //!   [`crate::engine::CommitGate`] over the socket, starting crabd on demand.
 //! - [`estimate`]: how many bytes a turn's commit will write.
+//! - [`cli`]: `crabctl node` (status, eviction marks).
 
 pub mod bucket;
+pub mod cli;
 pub mod client;
 pub mod estimate;
 pub mod protocol;
@@ -79,6 +81,8 @@ pub mod wire_path {
 
     use serde::{Deserialize, Deserializer, Serializer};
 
+    // serde's `with` hands over the field's own type.
+    #[allow(clippy::ptr_arg)]
     pub fn serialize<S: Serializer>(path: &PathBuf, serializer: S) -> Result<S::Ok, S::Error> {
         match path.to_str() {
             Some(text) => serializer.serialize_str(text),
