@@ -1034,3 +1034,72 @@ async fn descriptor_outside_the_process_root_is_unresolved() {
         "{verdict:#?}"
     );
 }
+
+/// A path string in a page the process never touched cannot be read at
+/// syscall entry (BPF reads may not fault pages in): the inspector reads it
+/// again at the exit of the successful call. git hits this opening
+/// "/dev/null" from its read-only data.
+#[tokio::test]
+async fn path_strings_in_pages_not_yet_paged_in_are_resolved() {
+    let cgroup = TestCgroup::new("unpaged");
+    let scratch = Scratch::new("unpaged");
+    let base = scratch.path("base");
+    std::fs::create_dir_all(&base).unwrap();
+    // One string per page; each page gets a mapping of its own so that the
+    // kernel's fault-around on one cannot map another.
+    let strings = [
+        format!("{}/absolute", base.display()),
+        "relative".to_string(),
+        "relative".to_string(),
+        "renamed".to_string(),
+    ];
+    let mut pages = Vec::new();
+    for s in &strings {
+        let mut page = s.as_bytes().to_vec();
+        page.resize(4096, 0);
+        pages.extend(page);
+    }
+    std::fs::write(scratch.path("strings"), &pages).unwrap();
+    let inspector = watching("unpaged", &cgroup).await;
+
+    let program = format!(
+        r#"
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.open.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+libc.rename.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+PROT_READ, MAP_PRIVATE = 1, 2
+fd = os.open("{strings}", os.O_RDONLY)
+page = [libc.mmap(None, 4096, PROT_READ, MAP_PRIVATE, fd, i * 4096) for i in range(4)]
+os.chdir("{base}")
+def check(ret):
+    if ret < 0:
+        raise OSError(ctypes.get_errno(), "call failed")
+    return ret
+os.close(check(libc.open(page[0], os.O_WRONLY | os.O_CREAT, 0o644)))
+os.close(check(libc.open(page[1], os.O_WRONLY | os.O_CREAT, 0o644)))
+check(libc.rename(page[2], page[3]))
+"#,
+        strings = scratch.path("strings").display(),
+        base = base.display()
+    );
+    cgroup.run(PYTHON, &["-I", "-B", "-c", &program]);
+    let effects = drain_all(&inspector, "unpaged").await;
+
+    assert_eq!(
+        file_changes_under(&effects, &scratch.0),
+        vec![
+            ("open", one(base.join("absolute"))),
+            ("open", one(base.join("relative"))),
+            ("rename", vec![base.join("relative"), base.join("renamed")]),
+        ],
+        "all effects: {effects:#?}"
+    );
+    let unresolved: Vec<&Effect> = effects
+        .iter()
+        .filter(|e| e.kind.changed_paths().iter().any(|p| !p.resolved))
+        .collect();
+    assert!(unresolved.is_empty(), "unresolved paths: {unresolved:#?}");
+}

@@ -172,7 +172,7 @@ async fn rollback_puts_back_files_in_place_and_processes_by_restore() {
     sb.turn("mkdir -p /data && for i in 1 2 3 4 5 6 7 8 9 10; do echo v1-$i > /data/f$i; done").await;
     let v1 = sb.exec_in(&sb.id.clone(), FINGERPRINT).await;
     sb.turn("for i in 1 2 3 4 5 6 7 8 9 10; do echo v2-$i > /data/f$i; done; rm /data/f3; echo x > /data/new").await;
-    sb.turns(2).await;
+    // No waiting here: rollback itself waits for the turn's checkpoint.
     let report = sb.ctl().rollback(&sb.id, 1).await.unwrap();
     assert_eq!(report.mode, "in-place");
     assert_eq!(sb.exec_in(&sb.id.clone(), FINGERPRINT).await, v1);
@@ -195,7 +195,7 @@ async fn four_forks_of_one_turn_diverge() {
     let mut sb = Sandbox::start("rs-fork").await;
     sb.turn("mkdir -p /data && echo base > /data/shared").await;
     sb.turn("echo later > /data/later").await;
-    sb.turns(2).await;
+    sb.settled().await;
     let ctl = sb.ctl();
     let forks: Vec<String> = (0..4).map(|i| format!("{}-f{i}", sb.id)).collect();
     sb.extra.extend(forks.iter().cloned());
@@ -216,7 +216,7 @@ async fn four_forks_of_one_turn_diverge() {
 async fn recover_after_the_shim_is_killed() {
     let mut sb = Sandbox::start("rs-shim").await;
     sb.turn("mkdir -p /data && echo precious > /data/p && chmod 600 /data/p").await;
-    sb.turns(1).await;
+    sb.settled().await;
     let before = sb.exec_in(&sb.id.clone(), FINGERPRINT).await;
     let pid = sb.ctr.run(&["tasks", "ls"]).await.unwrap().stdout_text();
     let task_pid: u32 = pid
@@ -236,7 +236,7 @@ async fn a_corrupted_blob_is_refused_with_its_name() {
     let mut sb = Sandbox::start("rs-bad").await;
     let token = format!("unique-{}-{:?}", std::process::id(), std::time::SystemTime::now());
     sb.turn(&format!("mkdir -p /data && echo '{token}' > /data/only-here")).await;
-    sb.turns(1).await;
+    sb.settled().await;
     let ctl = sb.ctl();
     assert!(ctl.verify(Some(&sb.id)).unwrap()[0].ok);
     // The blob holding this file's content is ours alone: corrupt it.

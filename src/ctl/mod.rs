@@ -34,6 +34,9 @@ pub type Result<T> = std::result::Result<T, CtlError>;
 
 pub const CRAB_RUNTIME: &str = "io.containerd.crab.v2";
 
+/// How long rollback and fork wait for a turn in flight to be checkpointed.
+const SETTLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// The state directory and the containerd a command works against.
 pub struct Ctl {
     pub state_dir: PathBuf,
@@ -269,9 +272,26 @@ impl Ctl {
         Ok(())
     }
 
+    /// Waits until no turn of `container` is in flight: its last checkpoint
+    /// is written, so the chain says everything the sandbox did.
+    async fn settle(&self, container: &str) -> Result<()> {
+        let log = TurnLog::open(&self.state_dir, container)?;
+        let deadline = Instant::now() + SETTLE_TIMEOUT;
+        while log.is_busy() {
+            if Instant::now() > deadline {
+                return Err(CtlError::Invalid(format!(
+                    "container {container:?} still has a turn in flight after {SETTLE_TIMEOUT:?} (a command still running?)"
+                )));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        Ok(())
+    }
+
     /// Starts `new` from `source` as it was at `turn`; `source` keeps running.
     pub async fn fork(&self, source: &str, turn: u64, new: &str) -> Result<RestoreReport> {
         let clock = Instant::now();
+        self.settle(source).await?;
         let checkpoint = self.checkpoint_at_or_before(source, turn)?;
         let info = self.sandbox_info(source, None).await?;
         self.run_restored(&info, source, checkpoint.unwrap_or(0), new).await?;
@@ -311,6 +331,7 @@ impl Ctl {
     /// otherwise the container is recreated from the checkpoint.
     pub async fn rollback(&self, container: &str, turn: u64) -> Result<RestoreReport> {
         let clock = Instant::now();
+        self.settle(container).await?;
         let turns = self.turns(container)?;
         let checkpoint = self.checkpoint_at_or_before(container, turn)?;
         let later_proc = turns.iter().any(|r| r.turn > turn && r.class == RecordedClass::Proc);

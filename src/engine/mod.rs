@@ -125,6 +125,8 @@ impl SandboxEngine {
         fresh: bool,
     ) -> Result<Arc<Self>, EngineError> {
         let log = TurnLog::open(&ctx.state_dir, container)?;
+        // A mark left by a shim that died mid-turn: nothing is in flight now.
+        log.mark_busy(false);
         if fresh {
             // A new container that reuses an id: the old chain is history, not its past.
             if ctx.store.head(container)?.is_some() {
@@ -200,6 +202,7 @@ impl SandboxEngine {
             None => {
                 let turn = state.next_turn;
                 state.next_turn += 1;
+                self.log.mark_busy(true);
                 state.open = Some(OpenTurn {
                     turn,
                     exec_id: exec_id.into(),
@@ -239,6 +242,11 @@ impl SandboxEngine {
             };
             if let Err(e) = engine.log.append(&record) {
                 tracing::error!(container = %engine.container, turn = record.turn, error = %e, "turn record not written");
+            }
+            // Settled unless the next turn opened meanwhile (it holds the mark then).
+            let state = engine.state.lock().await;
+            if state.open.is_none() {
+                engine.log.mark_busy(false);
             }
         }));
     }

@@ -221,8 +221,35 @@ impl TurnLog {
         f.sync_data().map_err(io)
     }
 
+    fn busy_path(&self) -> PathBuf {
+        self.path.with_extension("busy")
+    }
+
+    /// Marks the sandbox as having a turn in flight (open, or its checkpoint
+    /// not yet written), so that a rollback or fork waits for it.
+    pub fn mark_busy(&self, busy: bool) {
+        let path = self.busy_path();
+        let result = if busy {
+            self.path.parent().map(std::fs::create_dir_all).transpose().and_then(|_| std::fs::write(&path, b""))
+        } else {
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                other => other,
+            }
+        };
+        if let Err(e) = result {
+            tracing::warn!(path = %path.display(), error = %e, "turn-in-flight mark not updated");
+        }
+    }
+
+    /// Whether a turn is in flight (see [`TurnLog::mark_busy`]).
+    pub fn is_busy(&self) -> bool {
+        self.busy_path().exists()
+    }
+
     /// Forgets every record (a new container reusing the id).
     pub fn reset(&self) -> Result<(), TurnLogError> {
+        self.mark_busy(false);
         match std::fs::remove_file(&self.path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
