@@ -120,6 +120,8 @@ static __always_inline struct record *begin(__u32 kind, __u32 slot)
 	if (!r)
 		return NULL;
 	__builtin_memset(&r->h, 0, sizeof(r->h));
+	r->retry_str[0] = 0;
+	r->retry_str[1] = 0;
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	r->h.kind = kind;
 	r->h.pid = pid_tgid >> 32;
@@ -265,9 +267,22 @@ static __always_inline __u32 copy_string(struct record *r, struct path_ref *ref,
 	return off + n;
 }
 
+/* Copies path i's user string; when its page is not paged in yet, keeps the
+ * address so that sys_exit can read it again. */
+static __always_inline __u32 copy_user_string(struct record *r, int i, __u32 off, const char *user)
+{
+	struct path_ref *ref = &r->h.path[i & 1];
+	off = copy_string(r, ref, off, user, false);
+	if (ref->flags & PATH_FAULT)
+		r->retry_str[i & 1] = (__u64)user;
+	return off;
+}
+
 /* A path argument of an *at() call: the string, plus the directory it is
  * relative to when it is not absolute (dfd, or the cwd for AT_FDCWD). A NULL
- * or empty string names the file `dfd` itself (AT_EMPTY_PATH, utimensat). */
+ * or empty string names the file `dfd` itself (AT_EMPTY_PATH, utimensat).
+ * An unreadable string may still turn out relative when sys_exit reads it
+ * again, so its base is walked now, while it is sure to exist. */
 static __always_inline __u32 capture_at(struct record *r, int i, __u32 slot, __u32 off,
 					long dfd, const char *user)
 {
@@ -275,10 +290,10 @@ static __always_inline __u32 capture_at(struct record *r, int i, __u32 slot, __u
 	ref->flags |= PATH_PRESENT;
 	__u32 start = off & (DATA_CAP - 1);
 	if (user) {
-		off = copy_string(r, ref, off, user, false);
-		if (ref->flags & (PATH_FAULT | PATH_TRUNCATED))
+		off = copy_user_string(r, i, off, user);
+		if (ref->flags & PATH_TRUNCATED)
 			return off;
-		if (r->data[start] == '/')
+		if (!(ref->flags & PATH_FAULT) && r->data[start] == '/')
 			return off;
 	}
 	if ((int)dfd == AT_FDCWD)
@@ -299,7 +314,7 @@ static __always_inline __u32 capture_verbatim(struct record *r, int i, __u32 off
 	ref->flags |= PATH_VERBATIM;
 	if (!user)
 		return off;
-	return copy_string(r, ref, off, user, false);
+	return copy_user_string(r, i, off, user);
 }
 
 /* --- syscall enter / exit ----------------------------------------------- */
@@ -346,6 +361,36 @@ static __always_inline void forget_pending(__u32 tid)
 		__sync_fetch_and_add(&pending_count, -1);
 }
 
+/* Reads the user strings that were not paged in at sys_enter again, now that
+ * the call has succeeded (and so has faulted them in), appending them to the
+ * data area. The base walked at sys_enter stays; the decoder ignores it when
+ * the string is absolute. */
+static __always_inline void retry_faulted_strings(struct record *r)
+{
+	__u32 off = r->h.data_len;
+	for (int i = 0; i < 2; i++) {
+		const char *user = (const char *)r->retry_str[i];
+		struct path_ref *ref = &r->h.path[i];
+		if (!user || !(ref->flags & PATH_FAULT))
+			continue;
+		if (off >= DATA_CAP) {
+			ref->flags |= PATH_TRUNCATED;
+			continue;
+		}
+		off &= DATA_CAP - 1;
+		long n = bpf_probe_read_user_str(&r->data[off], USER_MAX, user);
+		if (n <= 0)
+			continue;
+		ref->flags &= ~PATH_FAULT;
+		if (n == USER_MAX)
+			ref->flags |= PATH_TRUNCATED;
+		ref->user_off = off;
+		ref->user_len = n;
+		off += n;
+	}
+	r->h.data_len = off;
+}
+
 static __always_inline int finish(long ret)
 {
 	if (!*(volatile __u64 *)&pending_count)
@@ -356,6 +401,8 @@ static __always_inline int finish(long ret)
 		return 0;
 	if (succeeded(r->h.kind, ret)) {
 		r->h.ret = ret;
+		if (r->retry_str[0] | r->retry_str[1])
+			retry_faulted_strings(r);
 		r->h.ts_ns = bpf_ktime_get_ns();
 		publish(r);
 	}

@@ -92,6 +92,11 @@ struct record_header {
 struct record {
 	struct record_header h;
 	char data[DATA_BUF];
+	/* Never published (only the header and data_len bytes of data are).
+	 * The user address of each path string whose read at sys_enter failed
+	 * (PATH_FAULT), because its page was not paged in yet: sys_exit reads it
+	 * again once the call has faulted the page in. 0 when there is none. */
+	__u64 retry_str[2];
 };
 
 /* The Rust decoder hard-codes these offsets. */

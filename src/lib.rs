@@ -9,11 +9,13 @@
 //! - [`inspector`]: eBPF view of what each turn did to the OS.
 //! - [`checkpoint`]: the content-addressed checkpoint store.
 //! - [`turns`]: sandbox annotations and the per-turn records.
+//! - [`containerd`]: the `ctr` client the tools use to reach containerd.
 //! - [`ctl`]: what `crabctl` does with checkpoints (recover, rollback, fork, ...).
 //! - [`engine`]: per-sandbox checkpoint engine (turns → inspector → store).
 
 pub mod checkpoint;
 pub mod config;
+pub mod containerd;
 pub mod ctl;
 pub mod engine;
 pub mod inspector;

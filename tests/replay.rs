@@ -7,7 +7,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use crab::replay::ctr::Ctr;
+use crab::containerd::ctr::Ctr;
 use crab::replay::report::PolicyRun;
 use crab::replay::{FaultKind, FaultTurn, PolicyKind, ReplayError, ReplayOptions, replay};
 

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use crab::ctl::Ctl;
-use crab::replay::ctr::Ctr;
+use crab::containerd::ctr::Ctr;
 use crab::turns::{RecordedClass, TurnRecord};
 
 const IMAGE: &str = "crab.local/busybox:latest";

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use crab::replay::ctr::Ctr;
+use crab::containerd::ctr::Ctr;
 use crab::replay::{self, FaultKind, FaultTurn, PolicyKind, ReplayOptions};
 
 #[derive(Parser)]

@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use super::{Ctl, Result};
 use crate::checkpoint::RetentionPolicy;
-use crate::replay::ctr::Ctr;
+use crate::containerd::ctr::Ctr;
 
 #[derive(Args, Debug)]
 pub struct Common {

@@ -15,7 +15,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::checkpoint::{CheckpointStore, RollbackRequest};
-use crate::replay::ctr::Ctr;
+use crate::containerd::ctr::Ctr;
 use crate::turns::{ANNOTATION_RESTORE_FROM, RecordedClass, TurnLog, TurnRecord};
 
 #[derive(Debug, thiserror::Error)]

@@ -9,7 +9,7 @@
 //! - [`oracle`]: the correctness verdict against the reference.
 //! - [`runner`]: one trace under each policy; [`report`]: tables and JSON.
 
-pub mod ctr;
+
 pub mod fault;
 pub mod fingerprint;
 pub mod oracle;
@@ -33,7 +33,7 @@ pub enum ReplayError {
     #[error(transparent)]
     Sandbox(#[from] sandbox::SandboxError),
     #[error(transparent)]
-    Ctr(#[from] ctr::CtrError),
+    Ctr(#[from] crate::containerd::ctr::CtrError),
     #[error("{file}: oracle: {source}")]
     Oracle {
         file: PathBuf,

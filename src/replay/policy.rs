@@ -11,7 +11,7 @@ use serde::Serialize;
 use tracing::info;
 
 use super::ReplayError;
-use super::ctr::Ctr;
+use crate::containerd::ctr::Ctr;
 use super::sandbox::{Sandbox, SandboxSpec, remove_container, remove_image};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -310,7 +310,7 @@ impl RecoveryPolicy for CrabPolicy {
         let ctl = self.ctl()?;
         let report = ctl.recover(dead.id(), Some(&self.launch.spec.image)).await.map_err(|e| ReplayError::Policy(e.to_string()))?;
         info!(container = dead.id(), checkpoint = ?report.checkpoint_turn, ms = report.elapsed_ms, "crab recovered");
-        let sandbox = Sandbox::attach(&self.launch.ctr, &self.launch.container_id, &self.launch.spec);
+        let sandbox = Sandbox::attach(&dead);
         let method = match report.checkpoint_turn {
             Some(turn) => RecoveryMethod::Checkpoint { turn: turn as u32 },
             None => RecoveryMethod::BaseImage,

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use super::ReplayError;
-use super::ctr::Ctr;
+use crate::containerd::ctr::Ctr;
 use super::fault::{FaultKind, FaultTurn};
 use super::fingerprint::Fingerprint;
 use super::oracle::{Reference, ReferenceRun, TurnResult};

@@ -7,7 +7,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use tracing::{debug, warn};
 
-use super::ctr::{Ctr, CtrError, CtrOutput};
+use crate::containerd::ctr::{Ctr, CtrError, CtrOutput};
 use super::fingerprint::{Fingerprint, FingerprintError, SCRIPT};
 
 #[derive(Debug, thiserror::Error)]
@@ -118,9 +118,11 @@ impl Sandbox {
         })
     }
 
-    /// A handle on container `id`, already running (recreated by someone else).
-    pub fn attach(ctr: &Ctr, id: &str, spec: &SandboxSpec) -> Sandbox {
-        Sandbox { ctr: ctr.clone(), id: id.to_string(), spec: spec.clone(), next_exec: 0 }
+    /// A handle on container `id`, already running (recreated by someone
+    /// else, under the same id): exec ids go on from `previous`'s, so the
+    /// sandbox's turn log never sees one twice.
+    pub fn attach(previous: &Sandbox) -> Sandbox {
+        Sandbox { ctr: previous.ctr.clone(), id: previous.id.clone(), spec: previous.spec.clone(), next_exec: previous.next_exec }
     }
 
     pub fn id(&self) -> &str {
