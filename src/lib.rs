@@ -19,6 +19,7 @@ pub mod containerd;
 pub mod ctl;
 pub mod engine;
 pub mod inspector;
+pub mod logging;
 pub mod node;
 pub mod replay;
 pub mod runtime;

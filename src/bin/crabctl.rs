@@ -1,7 +1,6 @@
 //! `crabctl`: crab's command line. Each subcommand is a thin adapter from
 //! arguments to a library function.
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -98,14 +97,7 @@ async fn replay_command(args: ReplayArgs) -> Result<(), Box<dyn std::error::Erro
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    crab::logging::init_stderr();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Replay(args) => replay_command(args).await,

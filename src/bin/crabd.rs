@@ -2,7 +2,6 @@
 //! programs and the commit bandwidth shared by every crab shim, and serves
 //! them on a root-only Unix socket (see `crab::node`).
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -36,14 +35,7 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    crab::logging::init_stderr();
     let cli = Cli::parse();
     let mut node = match Config::load(cli.config.as_deref()) {
         Ok(config) => config.node,
