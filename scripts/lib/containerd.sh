@@ -194,8 +194,9 @@ ctrd_remove_all_containers() {
 # our state and root directories, deepest first.
 ctrd_unmount_leftovers() {
   local m
+  # grep finds nothing when nothing is left: not a failure (pipefail is on).
   awk '{print $5}' /proc/self/mountinfo |
-    grep -E "^($CRAB_CTRD_STATE|$CRAB_CTRD_ROOT)/" | sort -r |
+    { grep -E "^($CRAB_CTRD_STATE|$CRAB_CTRD_ROOT)/" || true; } | sort -r |
     while read -r m; do
       umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || log "could not unmount $m"
     done
