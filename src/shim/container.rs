@@ -23,7 +23,6 @@ pub struct ContainerConfig {
     pub no_new_keyring: bool,
     pub io_uid: u32,
     pub io_gid: u32,
-    pub rootfs_mounted: bool,
 }
 
 pub struct Container {
@@ -65,15 +64,12 @@ impl Container {
         let _ = self.engine.set(engine);
     }
 
-    pub fn work_dir_path(&self) -> PathBuf {
-        self.work_dir()
-    }
-
     pub fn id(&self) -> &str {
         &self.config.id
     }
 
-    fn work_dir(&self) -> PathBuf {
+    /// The shim's own files for this container, inside its bundle.
+    pub fn work_dir(&self) -> PathBuf {
         self.config.bundle.join("crab")
     }
 

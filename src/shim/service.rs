@@ -180,7 +180,7 @@ impl TaskService {
             ctx.clone(),
             container.runtime.clone(),
             pid,
-            container.work_dir_path(),
+            container.work_dir(),
             fresh,
         )
         .await
@@ -253,7 +253,6 @@ impl TaskService {
                 no_new_keyring: opts.no_new_keyring,
                 io_uid: opts.io_uid,
                 io_gid: opts.io_gid,
-                rootfs_mounted,
             },
             runtime,
             self.reaper.clone(),
