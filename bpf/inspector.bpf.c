@@ -34,6 +34,16 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define O_CREAT 0100
 #define O_TRUNC 01000
 #define WRITE_OPEN_FLAGS (O_WRONLY | O_RDWR | O_CREAT | O_TRUNC)
+#define FMODE_WRITE 0x2
+#define S_IFMT 00170000
+#define S_IFREG 0100000
+#define MAP_TYPE 0x0f
+#define MAP_SHARED 0x01
+#define MAP_SHARED_VALIDATE 0x03
+#define VM_WRITE 0x2
+#define VM_SHARED 0x8
+/* Error pointers (MNT_NS_INTERNAL is ERR_PTR(-EINVAL)) are the top 4095 addresses. */
+#define MAX_ERRNO 4095
 
 /* Scratch slots: syscall programs and sched programs never share one, so a
  * sched tracepoint firing inside a syscall cannot clobber a half-built record. */
@@ -43,8 +53,8 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1024);
-	__type(key, __u64);  /* cgroup v2 id */
-	__type(value, __u8); /* unused */
+	__type(key, __u64); /* cgroup v2 id */
+	__type(value, struct watch);
 } watched SEC(".maps");
 
 struct {
@@ -58,6 +68,16 @@ struct {
 	__type(key, __u64);   /* cgroup v2 id */
 	__type(value, __u64); /* records dropped */
 } lost SEC(".maps");
+
+/* The latest write of each (process, file): see struct write_seen. LRU: an
+ * evicted key only costs one more record. The reader deletes the keys of a
+ * container's earlier turns at each drain. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 8192);
+	__type(key, struct write_key);
+	__type(value, struct write_seen);
+} written SEC(".maps");
 
 /* Records waiting for their syscall's exit, by thread id. Not preallocated:
  * a record is 12 KiB and only threads inside a recorded call (possibly a
@@ -94,28 +114,32 @@ static __always_inline void count_lost(__u64 cgroup_id)
 			__sync_fetch_and_add(n, 1);
 }
 
-/* The watched cgroup the current task is in or below, 0 when none. */
-static __always_inline __u64 current_watched_cgroup(void)
+/* The watched cgroup the current task is in or below (0 when none), and its
+ * `watched` entry. */
+static __always_inline __u64 current_watch(struct watch **watch)
 {
 	__u64 id = bpf_get_current_cgroup_id();
-	if (bpf_map_lookup_elem(&watched, &id))
+	if ((*watch = bpf_map_lookup_elem(&watched, &id)))
 		return id;
 	for (int level = 1; level < MAX_CGROUP_LEVEL; level++) {
 		__u64 ancestor = bpf_get_current_ancestor_cgroup_id(level);
 		if (!ancestor || ancestor == id)
 			break;
-		if (bpf_map_lookup_elem(&watched, &ancestor))
+		if ((*watch = bpf_map_lookup_elem(&watched, &ancestor)))
 			return ancestor;
 	}
 	return 0;
 }
 
-/* A cleared scratch record for the current task, or NULL when it is not watched. */
-static __always_inline struct record *begin(__u32 kind, __u32 slot)
+static __always_inline __u64 current_watched_cgroup(void)
 {
-	__u64 cgroup_id = current_watched_cgroup();
-	if (!cgroup_id)
-		return NULL;
+	struct watch *watch;
+	return current_watch(&watch);
+}
+
+/* A cleared scratch record for the current task of watched cgroup `cgroup_id`. */
+static __always_inline struct record *begin_in(__u64 cgroup_id, __u32 kind, __u32 slot)
+{
 	struct record *r = bpf_map_lookup_elem(&scratch, &slot);
 	if (!r)
 		return NULL;
@@ -129,6 +153,15 @@ static __always_inline struct record *begin(__u32 kind, __u32 slot)
 	r->h.cgroup_id = cgroup_id;
 	bpf_get_current_comm(r->h.comm, sizeof(r->h.comm));
 	return r;
+}
+
+/* A cleared scratch record for the current task, or NULL when it is not watched. */
+static __always_inline struct record *begin(__u32 kind, __u32 slot)
+{
+	__u64 cgroup_id = current_watched_cgroup();
+	if (!cgroup_id)
+		return NULL;
+	return begin_in(cgroup_id, kind, slot);
 }
 
 /* --- path resolution ------------------------------------------------------ */
@@ -339,6 +372,7 @@ static __always_inline bool succeeded(__u32 kind, long ret)
 	return ret >= 0;
 }
 
+/* Returns 0 when the record is on the ring buffer. */
 static __always_inline int publish(struct record *r)
 {
 	__u32 len = r->h.data_len;
@@ -350,8 +384,10 @@ static __always_inline int publish(struct record *r)
 	__u64 avail = bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA);
 	__u64 size = bpf_ringbuf_query(&events, BPF_RB_RING_SIZE);
 	__u64 flags = avail >= size / 4 ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
-	if (bpf_ringbuf_output(&events, r, sizeof(r->h) + len, flags))
+	if (bpf_ringbuf_output(&events, r, sizeof(r->h) + len, flags)) {
 		count_lost(r->h.cgroup_id);
+		return -1;
+	}
 	return 0;
 }
 
@@ -391,6 +427,20 @@ static __always_inline void retry_faulted_strings(struct record *r)
 	r->h.data_len = off;
 }
 
+static __always_inline void note_written(__u64 cgroup_id, struct inode *inode, bool mapping, __u64 now);
+static __always_inline bool is_named_regular_file(struct file *file);
+
+/* An open for writing is the record of the writes through its descriptor in
+ * this turn: it names the file (arg2: the inode, the dedup key) and keeps
+ * them from being recorded again. */
+static __always_inline void opened_for_write(struct record *r, long fd)
+{
+	struct file *file = fd_file((int)fd);
+	if (!file || !(BPF_CORE_READ(file, f_mode) & FMODE_WRITE) || !is_named_regular_file(file))
+		return;
+	r->h.arg[2] = (__u64)BPF_CORE_READ(file, f_inode);
+}
+
 static __always_inline int finish(long ret)
 {
 	if (!*(volatile __u64 *)&pending_count)
@@ -404,7 +454,10 @@ static __always_inline int finish(long ret)
 		if (r->retry_str[0] | r->retry_str[1])
 			retry_faulted_strings(r);
 		r->h.ts_ns = bpf_ktime_get_ns();
-		publish(r);
+		if (r->h.kind == KIND_OPEN)
+			opened_for_write(r, ret);
+		if (!publish(r) && r->h.kind == KIND_OPEN && r->h.arg[2])
+			note_written(r->h.cgroup_id, (struct inode *)r->h.arg[2], false, r->h.ts_ns);
 	}
 	forget_pending(tid);
 	return 0;
@@ -490,7 +543,6 @@ ENTER(openat2)
 }
 
 AT_CALL(truncate, KIND_TRUNCATE, AT_FDCWD, STR(0), ARG(1), 0)
-FD_CALL(ftruncate, KIND_TRUNCATE, ARG(0), ARG(1), 0)
 AT_CALL(unlink, KIND_UNLINK, AT_FDCWD, STR(0), 0, 0)
 AT_CALL(unlinkat, KIND_UNLINK, ARG(0), STR(1), ARG(2), 0)
 AT_CALL(rmdir, KIND_RMDIR, AT_FDCWD, STR(0), 0, 0)
@@ -562,6 +614,148 @@ XATTR_CALL(removexattr, KIND_REMOVEXATTR, capture_at(r, 0, SCRATCH_SYSCALL, off,
 XATTR_CALL(lremovexattr, KIND_REMOVEXATTR, capture_at(r, 0, SCRATCH_SYSCALL, off, AT_FDCWD, STR(0)), STR(1))
 XATTR_CALL(fremovexattr, KIND_REMOVEXATTR, capture_fd(r, 0, SCRATCH_SYSCALL, off, ARG(0)), STR(1))
 XATTR_CALL(removexattrat, KIND_REMOVEXATTR, capture_at(r, 0, SCRATCH_SYSCALL, off, ARG(0), STR(1)), STR(3))
+
+/* --- writes through descriptors and shared mappings ---------------------- */
+
+/*
+ * A process that opened a file in an earlier turn (a daemon's log) changes it
+ * with no open in this turn: every write-like call on a descriptor is looked
+ * at. Only regular files that can be found by path count: pipes, sockets,
+ * ttys, anon inodes (eventfd, ...) are not regular; memfd files are, but live
+ * on a kernel-internal mount that no mount namespace holds.
+ *
+ * Recorded at sys_enter without waiting for the result: a write that then
+ * fails is reported anyway (over, never under), and the hot path stays free
+ * of the per-thread pending record.
+ */
+static __always_inline bool is_named_regular_file(struct file *file)
+{
+	umode_t mode = BPF_CORE_READ(file, f_inode, i_mode);
+	if ((mode & S_IFMT) != S_IFREG)
+		return false;
+	struct mount *mnt = container_of(BPF_CORE_READ(file, f_path.mnt), struct mount, mnt);
+	unsigned long ns = (unsigned long)BPF_CORE_READ(mnt, mnt_ns);
+	return ns && ns < (unsigned long)-MAX_ERRNO;
+}
+
+/* Marks (current process, inode) as recorded in this turn at `now`. */
+static __always_inline void note_written(__u64 cgroup_id, struct inode *inode, bool mapping, __u64 now)
+{
+	struct write_key key = {
+		.inode = (__u64)inode,
+		.pid = bpf_get_current_pid_tgid() >> 32,
+		.mapping = mapping,
+	};
+	struct write_seen fresh = { .recorded_ns = now, .last_ns = now, .cgroup_id = cgroup_id };
+	bpf_map_update_elem(&written, &key, &fresh, BPF_ANY);
+}
+
+static __always_inline int record_file_write(struct file *file, __u32 via)
+{
+	if (!file)
+		return 0;
+	struct watch *watch;
+	__u64 cgroup_id = current_watch(&watch);
+	if (!cgroup_id || !watch)
+		return 0;
+	if (!(BPF_CORE_READ(file, f_mode) & FMODE_WRITE) || !is_named_regular_file(file))
+		return 0;
+	struct inode *inode = BPF_CORE_READ(file, f_inode);
+	struct write_key key = {
+		.inode = (__u64)inode,
+		.pid = bpf_get_current_pid_tgid() >> 32,
+		.mapping = via == VIA_SHARED_MAPPING,
+	};
+	__u64 now = bpf_ktime_get_ns();
+	struct write_seen *seen = bpf_map_lookup_elem(&written, &key);
+	/* Recorded in this turn already: only note the time, which lets the
+	 * reader find writes it must carry into the next turn (see drain). */
+	if (seen && seen->cgroup_id == cgroup_id && seen->recorded_ns > watch->epoch_ns) {
+		seen->last_ns = now;
+		return 0;
+	}
+	struct record *r = begin_in(cgroup_id, KIND_WRITE, SCRATCH_SYSCALL);
+	if (!r)
+		return 0;
+	r->h.arg[0] = via;
+	r->h.arg[1] = (__u64)inode;
+	r->h.arg[2] = BPF_CORE_READ(inode, i_ino);
+	struct path_ref *ref = &r->h.path[0];
+	ref->flags |= PATH_PRESENT;
+	r->h.data_len = walk_path(ref, SCRATCH_SYSCALL, 0, BPF_CORE_READ(file, f_path.dentry),
+				  BPF_CORE_READ(file, f_path.mnt));
+	/* A checkpoint's parasite code runs inside the dumped task, ptrace-attached
+	 * by CRIU, and logs through CRIU's descriptor of a host file: CRIU's doing,
+	 * not the sandbox's. Any other file outside the root stays unresolved. */
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	if ((ref->flags & PATH_OUTSIDE_ROOT) && BPF_CORE_READ(task, ptrace))
+		return 0;
+	r->h.ts_ns = now;
+	/* Not published (ring buffer full, counted lost): the next write tries again. */
+	if (!publish(r))
+		note_written(cgroup_id, inode, key.mapping, now);
+	return 0;
+}
+
+#define FD_WRITE_CALL(call, fd, via) \
+	ENTER(call) { return record_file_write(fd_file((int)(fd)), via); }
+
+/* Kept for its result like the path-based truncate, but only for files that
+ * can be found by path (a memfd sized for a mapping is no file change). */
+ENTER(ftruncate)
+{
+	struct file *file = fd_file((int)ARG(0));
+	if (!file || !is_named_regular_file(file))
+		return 0;
+	BEGIN(r, KIND_TRUNCATE);
+	r->h.arg[0] = ARG(1);
+	off = capture_fd(r, 0, SCRATCH_SYSCALL, off, ARG(0));
+	return stash(r, off);
+}
+
+FD_WRITE_CALL(write, ARG(0), VIA_WRITE)
+FD_WRITE_CALL(pwrite64, ARG(0), VIA_WRITE)
+FD_WRITE_CALL(writev, ARG(0), VIA_WRITE)
+FD_WRITE_CALL(pwritev, ARG(0), VIA_WRITE)
+FD_WRITE_CALL(pwritev2, ARG(0), VIA_WRITE)
+FD_WRITE_CALL(fallocate, ARG(0), VIA_FALLOCATE)
+FD_WRITE_CALL(sendfile, ARG(0), VIA_SENDFILE)
+FD_WRITE_CALL(splice, ARG(2), VIA_SPLICE)
+FD_WRITE_CALL(copy_file_range, ARG(2), VIA_COPY_FILE_RANGE)
+
+/*
+ * Writes through a shared mapping need no syscall at all, so the mapping is
+ * the effect. Every MAP_SHARED mapping of a file open for writing counts,
+ * writable or not: mprotect can add PROT_WRITE later without another look
+ * at the file (VM_MAYWRITE comes from the open mode). The reader carries the
+ * mapping into later turns in which its process runs.
+ */
+ENTER(mmap)
+{
+	__u64 type = ARG(3) & MAP_TYPE;
+	if (type != MAP_SHARED && type != MAP_SHARED_VALIDATE)
+		return 0;
+	return record_file_write(fd_file((int)ARG(4)), VIA_SHARED_MAPPING);
+}
+
+/* bpf_find_vma callback: the file of a shared writable mapping, into `ctx` (a struct file **). */
+static long shared_writable_file(struct task_struct *task, struct vm_area_struct *vma, void *ctx)
+{
+	__u64 flags = BPF_CORE_READ(vma, vm_flags);
+	if ((flags & (VM_SHARED | VM_WRITE)) == (VM_SHARED | VM_WRITE))
+		*(struct file **)ctx = BPF_CORE_READ(vma, vm_file);
+	return 0;
+}
+
+/* msync says the process wrote through a shared writable mapping. */
+ENTER(msync)
+{
+	struct file *file = NULL;
+	bpf_find_vma(bpf_get_current_task_btf(), ARG(0), shared_writable_file, &file, 0);
+	if (!file)
+		return 0;
+	return record_file_write(file, VIA_MSYNC);
+}
 
 /* --- sockets ---------------------------------------------------------- */
 
@@ -650,7 +844,8 @@ int BPF_PROG(on_fork, struct task_struct *parent, struct task_struct *child)
 		return 0;
 	r->h.arg[0] = BPF_CORE_READ(child, tgid);
 	r->h.ts_ns = bpf_ktime_get_ns();
-	return publish(r);
+	publish(r);
+	return 0;
 }
 
 SEC("tp_btf/sched_process_exec")
@@ -673,7 +868,8 @@ int BPF_PROG(on_exec, struct task_struct *task, pid_t old_pid, struct linux_binp
 	off = copy_string(r, given, off, BPF_CORE_READ(bprm, filename), true);
 	r->h.data_len = off;
 	r->h.ts_ns = bpf_ktime_get_ns();
-	return publish(r);
+	publish(r);
+	return 0;
 }
 
 SEC("tp_btf/sched_process_exit")
@@ -689,7 +885,8 @@ int BPF_PROG(on_exit, struct task_struct *task)
 		return 0;
 	r->h.arg[0] = BPF_CORE_READ(task, exit_code);
 	r->h.ts_ns = bpf_ktime_get_ns();
-	return publish(r);
+	publish(r);
+	return 0;
 }
 
 /* --- dispatch ------------------------------------------------------------- */
@@ -722,7 +919,9 @@ struct {
 		HANDLER(fsetxattr), HANDLER(setxattrat), HANDLER(removexattr),
 		HANDLER(lremovexattr), HANDLER(fremovexattr), HANDLER(removexattrat),
 		HANDLER(bind), HANDLER(connect), HANDLER(listen), HANDLER(mount),
-		HANDLER(umount2),
+		HANDLER(umount2), HANDLER(write), HANDLER(pwrite64), HANDLER(writev),
+		HANDLER(pwritev), HANDLER(pwritev2), HANDLER(fallocate), HANDLER(sendfile),
+		HANDLER(splice), HANDLER(copy_file_range), HANDLER(mmap), HANDLER(msync),
 /* Calls that only older architectures (x86_64) still have. */
 #ifdef __NR_open
 		HANDLER(open), HANDLER(creat), HANDLER(unlink), HANDLER(rmdir), HANDLER(mkdir),

@@ -21,7 +21,7 @@
 #define MAX_CGROUP_LEVEL 16
 
 enum record_kind {
-	KIND_OPEN = 1,
+	KIND_OPEN = 1, /* arg0: flags, arg1: mode, arg2: inode (as KIND_WRITE) when it is a regular file open for writing */
 	KIND_TRUNCATE = 2,
 	KIND_UNLINK = 3, /* arg0: unlinkat flags (AT_REMOVEDIR) */
 	KIND_RENAME = 4, /* path0: from, path1: to, arg0: renameat2 flags */
@@ -35,6 +35,12 @@ enum record_kind {
 	KIND_REMOVEXATTR = 12,
 	KIND_MKNOD = 13, /* arg0: mode, arg1: dev */
 	KIND_UTIMES = 14,
+	/* Data written to a regular file through a descriptor, or a shared
+	 * mapping of it that the process can write through (no syscall per
+	 * write). path0: the file, resolved from the descriptor; arg0: enum
+	 * write_via; arg1: the inode's kernel address (the dedup key, stable
+	 * while the file is open); arg2: the inode number. */
+	KIND_WRITE = 15,
 
 	KIND_BIND = 32,    /* extra: sockaddr; AF_UNIX path in path0 */
 	KIND_LISTEN = 33,  /* extra: sockaddr of the bound address, arg0: backlog */
@@ -47,6 +53,37 @@ enum record_kind {
 	KIND_FORK = 64, /* arg0: child pid */
 	KIND_EXEC = 65, /* path0: executable (resolved), path1: filename as passed */
 	KIND_EXIT = 66, /* arg0: exit code (wait status) */
+};
+
+enum write_via {
+	VIA_WRITE = 1, /* write, pwrite64, writev, pwritev, pwritev2 */
+	VIA_FALLOCATE = 2,
+	VIA_SENDFILE = 3,
+	VIA_SPLICE = 4,
+	VIA_COPY_FILE_RANGE = 5,
+	VIA_SHARED_MAPPING = 6, /* mmap MAP_SHARED of a file open for writing */
+	VIA_MSYNC = 7,
+};
+
+/* Value of the `watched` map: per watched cgroup. */
+struct watch {
+	/* Turn boundary (CLOCK_MONOTONIC ns): the first write of a process to a
+	 * file after it is recorded again. Set by the reader at each drain. */
+	__u64 epoch_ns;
+};
+
+/* Key and value of the `written` map, which keeps a tight write loop from
+ * flooding the ring buffer: one KIND_WRITE record per key per turn. */
+struct write_key {
+	__u64 inode; /* kernel address of the file's inode */
+	__u32 pid;   /* thread group id */
+	__u32 mapping; /* 1 for VIA_SHARED_MAPPING (tracked apart: it outlives the call) */
+};
+
+struct write_seen {
+	__u64 recorded_ns; /* time of the record last published for this key */
+	__u64 last_ns;	   /* time of the latest write, recorded or not */
+	__u64 cgroup_id;
 };
 
 /* Per-path flags. */
@@ -101,6 +138,9 @@ struct record {
 
 /* The Rust decoder hard-codes these offsets. */
 _Static_assert(sizeof(struct path_ref) == 16, "path_ref layout");
+_Static_assert(sizeof(struct watch) == 8, "watch layout");
+_Static_assert(sizeof(struct write_key) == 16, "write_key layout");
+_Static_assert(sizeof(struct write_seen) == 24, "write_seen layout");
 _Static_assert(sizeof(struct record_header) == 152, "record_header layout");
 _Static_assert(__builtin_offsetof(struct record_header, comm) == 64, "comm offset");
 _Static_assert(__builtin_offsetof(struct record_header, path) == 80, "path offset");

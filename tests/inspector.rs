@@ -909,6 +909,7 @@ fn report(title: &str, samples: &Samples) {
 async fn inspector_overhead_benchmark() {
     const ROUNDS: usize = 5;
     const FILES: usize = 20_000;
+    const WRITES: usize = 200_000;
     let repo = bench_repo();
     let cgroup = TestCgroup::new("bench");
     let scratch = Scratch::new("bench");
@@ -918,6 +919,11 @@ async fn inspector_overhead_benchmark() {
     );
     let write_heavy = format!(
         "cd {} && i=0; while [ $i -lt {FILES} ]; do : > f$i; i=$((i+1)); done; rm -f f*",
+        scratch.str()
+    );
+    // Every write syscall passes the inspector's write program and its dedup map.
+    let write_loop = format!(
+        "dd if=/dev/zero of={}/big bs=512 count={WRITES} status=none",
         scratch.str()
     );
     // Warm the page cache and git's index stat data.
@@ -936,6 +942,8 @@ async fn inspector_overhead_benchmark() {
         &format!("{FILES} file creations then rm -f in a shell loop"),
         &write,
     );
+    let writes = compare(&cgroup, &write_loop, ROUNDS).await;
+    report(&format!("{WRITES} writes of 512 B (dd)"), &writes);
 
     let rss_before = malloc_trimmed_rss_kib();
     let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
@@ -959,7 +967,11 @@ async fn inspector_overhead_benchmark() {
         .unwrap();
     const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
     std::fs::write(BPF_STATS, "1").unwrap();
-    for (title, script) in [("read-heavy", &read_heavy), ("write-heavy", &write_heavy)] {
+    for (title, script) in [
+        ("read-heavy", &read_heavy),
+        ("write-heavy", &write_heavy),
+        ("write-loop", &write_loop),
+    ] {
         let before = inspector.program_stats();
         cgroup.run("/bin/sh", &["-c", script]);
         let records = inspector
@@ -995,6 +1007,13 @@ async fn inspector_overhead_benchmark() {
         write.records,
         ROUNDS * (2 * FILES + 5),
         "every create and unlink recorded"
+    );
+    // sh's exec, dd's fork and exec, dd's open of its output (which stands for
+    // its 200 000 writes), two exits.
+    assert_eq!(
+        writes.records,
+        ROUNDS * 6,
+        "a write loop adds no record to the open"
     );
 }
 
@@ -1102,4 +1121,286 @@ check(libc.rename(page[2], page[3]))
         .filter(|e| e.kind.changed_paths().iter().any(|p| !p.resolved))
         .collect();
     assert!(unresolved.is_empty(), "unresolved paths: {unresolved:#?}");
+}
+
+/// A Python interpreter in a test cgroup that runs one line of code per
+/// request and answers "ok": a long-lived process whose writes happen in the
+/// turn the test chooses, through descriptors and mappings of earlier turns.
+struct Interpreter {
+    child: KillOnDrop,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Interpreter {
+    const LOOP: &'static str = "import sys, os, mmap, socket\n\
+        for line in sys.stdin:\n    exec(line)\n    sys.stdout.write('ok\\n')\n    sys.stdout.flush()\n";
+
+    fn start(cgroup: &TestCgroup) -> Self {
+        let mut child = cgroup
+            .command(PYTHON, &["-I", "-B", "-u", "-c", Self::LOOP])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        Self {
+            child: KillOnDrop(child),
+            stdin,
+            stdout,
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.0.id()
+    }
+
+    /// Runs one line of Python (`;`-separated statements) and waits for it.
+    fn run(&mut self, code: &str) {
+        use std::io::{BufRead, Write};
+        writeln!(self.stdin, "{code}").unwrap();
+        self.stdin.flush().unwrap();
+        let mut answer = String::new();
+        self.stdout.read_line(&mut answer).unwrap();
+        assert_eq!(answer, "ok\n", "`{code}` failed");
+    }
+}
+
+/// The file writes (kind Write) of `pid` in `effects`, as (operation, path).
+fn writes_of(effects: &[Effect], pid: u32) -> Vec<(&'static str, PathBuf)> {
+    effects
+        .iter()
+        .filter(|e| e.pid == pid)
+        .filter_map(|e| match &e.kind {
+            EffectKind::Write { path, via, .. } => Some((via.name(), path.path.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// One turn: drains up to now, as the shim does at a turn's end.
+async fn turn(inspector: &Inspector, container: &str) -> Vec<Effect> {
+    let until = crab::inspector::monotonic_now_ns();
+    inspector.drain(container, until).await.unwrap().effects
+}
+
+#[tokio::test]
+async fn a_daemon_writing_through_a_descriptor_of_an_earlier_turn_is_seen() {
+    let cgroup = TestCgroup::new("olddesc");
+    let scratch = Scratch::new("olddesc");
+    let log = scratch.path("access.log");
+    let inspector = watching("olddesc", &cgroup).await;
+    let mut daemon = Interpreter::start(&cgroup);
+    // The copies below refuse O_APPEND descriptors: `out` is a plain one.
+    daemon.run(&format!(
+        "log = open('{log}', 'a'); out = os.open('{log}', os.O_WRONLY)",
+        log = log.display()
+    ));
+    let opening = turn(&inspector, "olddesc").await;
+    assert_eq!(
+        file_changes_under(&opening, &scratch.0),
+        vec![("open", one(log.clone())), ("open", one(log.clone()))]
+    );
+
+    // A later turn: only a write through the old descriptor.
+    daemon.run("log.write('GET /\\n'); log.flush()");
+    let serving = turn(&inspector, "olddesc").await;
+    assert_eq!(
+        writes_of(&serving, daemon.pid()),
+        vec![("write", log.clone())]
+    );
+    let verdict = classify(&serving, &ClassifyOptions::default());
+    assert_eq!(
+        (verdict.class, verdict.escalated),
+        (TurnClass::Fs, false),
+        "{verdict:#?}"
+    );
+
+    // A tight loop of writes is one record per turn.
+    daemon.run("[(log.write('x\\n'), log.flush()) for _ in range(2000)]");
+    let busy = turn(&inspector, "olddesc").await;
+    assert_eq!(writes_of(&busy, daemon.pid()), vec![("write", log.clone())]);
+
+    // Other ways to put data in the file: pwrite, writev, fallocate, and
+    // copies into it from another file.
+    for (code, op) in [
+        ("os.pwrite(out, b'p', 0)", "write"),
+        ("os.writev(log.fileno(), [b'a', b'b'])", "write"),
+        ("os.posix_fallocate(out, 0, 8192)", "fallocate"),
+        (
+            "src = os.open('/etc/hostname', os.O_RDONLY); os.sendfile(out, src, 0, 4); os.close(src)",
+            "sendfile",
+        ),
+        (
+            "src = os.open('/etc/hostname', os.O_RDONLY); os.copy_file_range(src, out, 4, 0, 0); os.close(src)",
+            "copy_file_range",
+        ),
+        (
+            "r, w = os.pipe(); os.write(w, b'spliced'); os.splice(r, out, 7); os.close(r); os.close(w)",
+            "splice",
+        ),
+    ] {
+        daemon.run(code);
+        let effects = turn(&inspector, "olddesc").await;
+        assert_eq!(
+            writes_of(&effects, daemon.pid()),
+            vec![(op, log.clone())],
+            "`{code}`: {effects:#?}"
+        );
+    }
+
+    // An idle turn: nothing.
+    let idle = turn(&inspector, "olddesc").await;
+    assert!(writes_of(&idle, daemon.pid()).is_empty(), "{idle:#?}");
+    assert_eq!(
+        classify(&idle, &ClassifyOptions::default()).class,
+        TurnClass::Clean
+    );
+}
+
+/// The kernel compares writes with the boundary the last drain set: a write
+/// after a turn's end but before the drain that ends it looks like a repeat of
+/// the turn's own record. The drain carries it into the next turn.
+#[tokio::test]
+async fn a_write_between_the_cut_and_the_drain_lands_in_the_next_turn() {
+    let cgroup = TestCgroup::new("cut");
+    let scratch = Scratch::new("cut");
+    let file = scratch.path("f");
+    std::fs::write(&file, "").unwrap();
+    let inspector = watching("cut", &cgroup).await;
+    let mut daemon = Interpreter::start(&cgroup);
+    daemon.run(&format!("f = open('{}', 'r+')", file.display()));
+    turn(&inspector, "cut").await;
+
+    daemon.run("f.write('1'); f.flush()");
+    let until = crab::inspector::monotonic_now_ns();
+    daemon.run("f.write('2'); f.flush()");
+    let first = inspector.drain("cut", until).await.unwrap().effects;
+    assert_eq!(
+        writes_of(&first, daemon.pid()),
+        vec![("write", file.clone())]
+    );
+    let second = turn(&inspector, "cut").await;
+    let carried = writes_of(&second, daemon.pid());
+    assert_eq!(carried, vec![("write", file.clone())], "{second:#?}");
+    assert!(second.iter().all(|e| e.time_ns > until));
+}
+
+#[tokio::test]
+async fn writes_to_pipes_sockets_memfd_and_devices_are_not_file_effects() {
+    let cgroup = TestCgroup::new("notfiles");
+    let inspector = watching("notfiles", &cgroup).await;
+    let mut daemon = Interpreter::start(&cgroup);
+    daemon.run(
+        "r, w = os.pipe(); a, b = socket.socketpair(); m = os.memfd_create('m'); \
+         n = os.open('/dev/null', os.O_WRONLY); e = os.eventfd(0)",
+    );
+    turn(&inspector, "notfiles").await;
+    daemon.run(
+        "os.write(w, b'x'); a.send(b'x'); os.write(m, b'x'); os.write(n, b'x'); \
+         os.eventfd_write(e, 1); os.ftruncate(m, 4096); mm = mmap.mmap(m, 4096); mm[0] = 1",
+    );
+    let effects = turn(&inspector, "notfiles").await;
+    assert!(writes_of(&effects, daemon.pid()).is_empty(), "{effects:#?}");
+    let verdict = classify(&effects, &ClassifyOptions::default());
+    assert_eq!(verdict.class, TurnClass::Clean, "{verdict:#?}");
+}
+
+#[tokio::test]
+async fn shared_mappings_count_in_the_turns_their_process_runs() {
+    let cgroup = TestCgroup::new("mmap");
+    let scratch = Scratch::new("mmap");
+    let data = scratch.path("data.bin");
+    std::fs::write(&data, vec![0u8; 4096]).unwrap();
+    let inspector = watching("mmap", &cgroup).await;
+    let mut daemon = Interpreter::start(&cgroup);
+    turn(&inspector, "mmap").await;
+
+    daemon.run(&format!(
+        "fd = os.open('{}', os.O_RDWR); mm = mmap.mmap(fd, 4096); mm[0] = 1",
+        data.display()
+    ));
+    let mapping = turn(&inspector, "mmap").await;
+    assert_eq!(
+        writes_of(&mapping, daemon.pid()),
+        vec![("shared mmap", data.clone())]
+    );
+
+    // Stores through the mapping need no syscall: the turn counts because the
+    // process ran. msync is a write too.
+    daemon.run("mm[1] = 2; mm.flush()");
+    let storing = turn(&inspector, "mmap").await;
+    let ops: Vec<&str> = writes_of(&storing, daemon.pid())
+        .into_iter()
+        .map(|(op, path)| {
+            assert_eq!(path, data);
+            op
+        })
+        .collect();
+    assert!(ops.contains(&"msync"), "{storing:#?}");
+    assert!(
+        ops.contains(&"shared mmap of an earlier turn"),
+        "{storing:#?}"
+    );
+    assert_eq!(
+        classify(&storing, &ClassifyOptions::default()).class,
+        TurnClass::Fs
+    );
+
+    // It may have run after that turn's cut: the next turn counts too. Idle
+    // after that, it cannot have stored anything.
+    turn(&inspector, "mmap").await;
+    let idle = turn(&inspector, "mmap").await;
+    assert!(writes_of(&idle, daemon.pid()).is_empty(), "{idle:#?}");
+
+    // Unmapped: running no longer counts.
+    daemon.run("mm.close()");
+    turn(&inspector, "mmap").await;
+    turn(&inspector, "mmap").await;
+    daemon.run("x = sum(range(1000))");
+    let unmapped = turn(&inspector, "mmap").await;
+    assert!(
+        writes_of(&unmapped, daemon.pid()).is_empty(),
+        "{unmapped:#?}"
+    );
+}
+
+#[tokio::test]
+async fn metadata_calls_on_descriptors_name_the_file() {
+    let cgroup = TestCgroup::new("fdmeta");
+    let scratch = Scratch::new("fdmeta");
+    let file = scratch.path("f");
+    std::fs::write(&file, "x").unwrap();
+    let inspector = watching("fdmeta", &cgroup).await;
+    let mut daemon = Interpreter::start(&cgroup);
+    daemon.run(&format!(
+        "import ctypes; libc = ctypes.CDLL(None, use_errno=True); fd = os.open('{}', os.O_RDONLY)",
+        file.display()
+    ));
+    turn(&inspector, "fdmeta").await;
+    // AT_EMPTY_PATH = 0x1000; fchmodat2 is syscall 452 everywhere.
+    for (code, op) in [
+        ("os.chmod(fd, 0o600)", "chmod"),
+        ("os.chown(fd, -1, 0)", "chown"),
+        ("os.setxattr(fd, 'user.k', b'v')", "setxattr"),
+        ("os.removexattr(fd, 'user.k')", "removexattr"),
+        ("os.utime(fd, (0, 0))", "utimes"),
+        (
+            "assert libc.syscall(452, fd, b'', 0o640, 0x1000) == 0, ctypes.get_errno()",
+            "chmod",
+        ),
+        (
+            "assert libc.fchownat(fd, b'', -1, 0, 0x1000) == 0, ctypes.get_errno()",
+            "chown",
+        ),
+    ] {
+        daemon.run(code);
+        let effects = turn(&inspector, "fdmeta").await;
+        assert_eq!(
+            file_changes_under(&effects, &scratch.0),
+            vec![(op, one(file.clone()))],
+            "`{code}`: {effects:#?}"
+        );
+    }
 }

@@ -82,6 +82,7 @@ fn failed_direct_exec(display: &'static str, argv: &'static [&'static str]) -> S
     })
 }
 
+#[allow(dead_code)] // no known gap at the moment; kept for the next one
 fn known_gap(truth: TurnClass, got: TurnClass, why: &'static str, script: &'static str) -> Step {
     Step::Case(Case {
         script,
@@ -389,6 +390,89 @@ fn processes() -> Group {
     }
 }
 
+/// Processes of earlier turns that change files with no open in the turn: through descriptors
+/// they opened before, or stores into a shared mapping (no syscall at all). Each is started in one
+/// turn (which waits until it is ready: its handler is set and its file open or mapped) and poked
+/// with a signal in a later one, so the poke itself changes nothing. The pokes name
+/// files by glob (`[.]`) so that `pkill -f` does not match the poking shell's own command line.
+fn earlier_descriptors() -> Group {
+    Group {
+        name: "old-fds",
+        annotations: &[],
+        run_flags: &[],
+        steps: vec![
+            Step::Setup(
+                "mkdir -p /app/w && printf 'xxxxxxxx' > /app/w/dd.bin && head -c 4096 /dev/zero | tr '\\0' a > /app/w/mm.bin",
+            ),
+            // A daemon appending to its log through the descriptor it opened at start.
+            case(
+                Proc,
+                "python3 -c \"import signal, time; log = open('/app/w/usr1.log', 'a'); \
+                 signal.signal(signal.SIGUSR1, lambda *a: (log.write('usr1\\n'), log.flush())); \
+                 open('/app/w/usr1.ready', 'w').close(); time.sleep(10**6)\" > /dev/null 2>&1 & \
+                 while [ ! -e /app/w/usr1.ready ]; do sleep 0.05; done",
+            ),
+            Step::Settle,
+            case(
+                Fs,
+                "pkill -USR1 -f 'usr1[.]log' && while [ ! -s /app/w/usr1[.]log ]; do sleep 0.05; done",
+            ),
+            case(Clean, "cat /app/w/usr1.log"),
+            case(
+                Fs,
+                "pkill -USR1 -f 'usr1[.]log' && while [ $(wc -l < /app/w/usr1[.]log) -lt 2 ]; do sleep 0.05; done",
+            ),
+            case(
+                Proc,
+                "pkill -f 'usr1[.]log'; while pgrep -f 'usr1[.]log' > /dev/null; do sleep 0.05; done",
+            ),
+            // A shell of an earlier turn whose dd child writes over the start of an existing file
+            // through the descriptor the shell holds (dd opens nothing itself).
+            case(
+                Proc,
+                "bash -c 'exec 3<>/app/w/dd.bin; trap \"dd if=/dev/zero bs=4 count=1 conv=notrunc status=none >&3\" USR1; \
+                 sleep 100000 & s=$!; : > /app/w/dd.ready; while :; do wait $s; done' > /dev/null 2>&1 & \
+                 while [ ! -e /app/w/dd.ready ]; do sleep 0.05; done",
+            ),
+            Step::Settle,
+            case(
+                Fs,
+                "pkill -USR1 -f 'w/dd[.]bin' && while ! cmp -s -n 4 /app/w/dd[.]bin /dev/zero; do sleep 0.05; done",
+            ),
+            case(
+                Proc,
+                "pkill -f 'w/dd[.]bin'; pkill -f 'sleep 10000[0]'; \
+                 while pgrep -f 'w/dd[.]bin|sleep 10000[0]' > /dev/null; do sleep 0.05; done",
+            ),
+            // A Python process of an earlier turn storing into a shared mapping of a file.
+            case(
+                Proc,
+                "python3 -c \"import mmap, os, signal, time; fd = os.open('/app/w/mm.bin', os.O_RDWR); \
+                 m = mmap.mmap(fd, 4096); signal.signal(signal.SIGUSR1, lambda *a: m.__setitem__(0, 0x5a)); \
+                 open('/app/w/mm.ready', 'w').close(); time.sleep(10**6)\" > /dev/null 2>&1 & \
+                 while [ ! -e /app/w/mm.ready ]; do sleep 0.05; done",
+            ),
+            // The start's checkpoint runs CRIU's parasite in the process, which counts as it running
+            // after that turn's cut: the inspector counts the next two turns (over, never under).
+            Step::Settle,
+            Step::Settle,
+            case(Clean, "head -c 8 /app/w/mm.bin"),
+            case(
+                Fs,
+                "pkill -USR1 -f 'w/mm[.]bin' && while [ \"$(head -c 1 /app/w/mm[.]bin)\" != Z ]; do sleep 0.05; done",
+            ),
+            // The mapping's process may have run after the poke's cut: the inspector counts the next
+            // turn too (over, never under), so an unscored turn takes it.
+            Step::Settle,
+            case(Clean, "head -c 8 /app/w/mm.bin"),
+            case(
+                Proc,
+                "pkill -f 'w/mm[.]bin'; while pgrep -f 'w/mm[.]bin' > /dev/null; do sleep 0.05; done",
+            ),
+        ],
+    }
+}
+
 /// TCP servers. CRIU 4.1.1 cannot dump a TCP socket on this kernel, so these proc turns get no
 /// record; the shim's "turn checkpoint failed" line stands for it (see `TurnVerdict`).
 fn servers() -> Group {
@@ -399,7 +483,8 @@ fn servers() -> Group {
         steps: vec![
             case(
                 Proc,
-                "python3 -m http.server 8000 --bind 127.0.0.1 > /dev/null 2>&1 & sleep 0.5",
+                "python3 -m http.server 8000 --bind 127.0.0.1 > /dev/null 2>&1 & \
+                 until curl -s -o /dev/null http://127.0.0.1:8000/; do sleep 0.05; done",
             ),
             Step::Settle,
             case(Clean, "curl -s -o /dev/null http://127.0.0.1:8000/"),
@@ -409,11 +494,9 @@ fn servers() -> Group {
             ),
             case(Proc, "nginx"),
             Step::Settle,
-            known_gap(
+            // The worker appends to the access log through a descriptor opened in an earlier turn.
+            case(
                 Fs,
-                Clean,
-                "the worker appends to the access log through a descriptor opened in an earlier turn; \
-                 the inspector records opens, not writes",
                 "curl -s -o /dev/null http://127.0.0.1/ && while [ ! -s /var/log/nginx/access.log ]; do sleep 0.05; done",
             ),
             case(
@@ -541,7 +624,14 @@ async fn corpus_classes_match_the_truth() {
     let started = Instant::now();
     let mut rows = Vec::new();
     let mut failures = Vec::new();
-    for group in [read_only(), files(), ignored(), processes(), servers()] {
+    for group in [
+        read_only(),
+        files(),
+        ignored(),
+        processes(),
+        earlier_descriptors(),
+        servers(),
+    ] {
         let name = group.name;
         match run_group(group).await {
             Ok(group_rows) => rows.extend(group_rows),

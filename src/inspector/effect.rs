@@ -87,6 +87,62 @@ impl fmt::Display for SockAddr {
     }
 }
 
+/// How a process changed a file it already had open (mirrors `enum write_via`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WriteVia {
+    /// write, pwrite64, writev, pwritev, pwritev2.
+    Write,
+    Fallocate,
+    Sendfile,
+    Splice,
+    CopyFileRange,
+    /// A `MAP_SHARED` mapping of a file open for writing: later stores change
+    /// the file without any syscall.
+    SharedMapping,
+    Msync,
+    /// A shared mapping from an earlier turn whose process ran in this one:
+    /// it may have stored through it (added by the reader, not the kernel).
+    EarlierSharedMapping,
+}
+
+impl WriteVia {
+    pub(crate) fn from_raw(raw: u64) -> Option<Self> {
+        Some(match raw {
+            1 => WriteVia::Write,
+            2 => WriteVia::Fallocate,
+            3 => WriteVia::Sendfile,
+            4 => WriteVia::Splice,
+            5 => WriteVia::CopyFileRange,
+            6 => WriteVia::SharedMapping,
+            7 => WriteVia::Msync,
+            _ => return None,
+        })
+    }
+
+    /// Short name of the operation, for logs and reasons.
+    pub fn name(self) -> &'static str {
+        match self {
+            WriteVia::Write => "write",
+            WriteVia::Fallocate => "fallocate",
+            WriteVia::Sendfile => "sendfile",
+            WriteVia::Splice => "splice",
+            WriteVia::CopyFileRange => "copy_file_range",
+            WriteVia::SharedMapping => "shared mmap",
+            WriteVia::Msync => "msync",
+            WriteVia::EarlierSharedMapping => "shared mmap of an earlier turn",
+        }
+    }
+
+    /// True for a mapping, which stays writable after the call.
+    pub fn is_mapping(self) -> bool {
+        matches!(
+            self,
+            WriteVia::SharedMapping | WriteVia::EarlierSharedMapping
+        )
+    }
+}
+
 /// One thing a process in a watched container did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Effect {
@@ -166,6 +222,17 @@ pub enum EffectKind {
     Utimes {
         path: EffectPath,
     },
+    /// Data written to a regular file through a descriptor the process already
+    /// had (possibly from an earlier turn), or a shared mapping of it. The
+    /// kernel reports the first such write per process and file in a turn.
+    Write {
+        path: EffectPath,
+        via: WriteVia,
+        /// Identity of the file while it is open (its inode's kernel address).
+        inode_key: u64,
+        /// The file's inode number.
+        ino: u64,
+    },
     Bind {
         addr: SockAddr,
     },
@@ -223,6 +290,7 @@ impl EffectKind {
             EffectKind::RemoveXattr { .. } => "removexattr",
             EffectKind::Mknod { .. } => "mknod",
             EffectKind::Utimes { .. } => "utimes",
+            EffectKind::Write { via, .. } => via.name(),
             EffectKind::Bind { .. } => "bind",
             EffectKind::Listen { .. } => "listen",
             EffectKind::Connect { .. } => "connect",
@@ -250,7 +318,8 @@ impl EffectKind {
             | EffectKind::SetXattr { path, .. }
             | EffectKind::RemoveXattr { path, .. }
             | EffectKind::Mknod { path, .. }
-            | EffectKind::Utimes { path } => vec![path],
+            | EffectKind::Utimes { path }
+            | EffectKind::Write { path, .. } => vec![path],
             EffectKind::Rename { from, to, .. } => vec![from, to],
             EffectKind::Bind {
                 addr: SockAddr::Unix(path),
@@ -274,6 +343,7 @@ impl EffectKind {
             | EffectKind::RemoveXattr { path, .. }
             | EffectKind::Mknod { path, .. }
             | EffectKind::Utimes { path }
+            | EffectKind::Write { path, .. }
             | EffectKind::Exec { path, .. } => vec![path],
             EffectKind::Rename { from, to, .. } => vec![from, to],
             EffectKind::Link { path, existing } => vec![path, existing],

@@ -6,6 +6,10 @@
 //! a dedicated thread and keeps a log of [`Effect`]s per container, which the
 //! caller drains at turn boundaries and feeds to [`classify`].
 //!
+//! Writes through descriptors and shared mappings are reported once per
+//! process and file per turn, whenever the file was opened: a drain moves the
+//! kernel's turn boundary (the `writes` module says how no write is lost at the cut).
+//!
 //! ```no_run
 //! # async fn turn() -> Result<(), crab::inspector::InspectorError> {
 //! use crab::inspector::*;
@@ -23,8 +27,9 @@ mod classify;
 mod effect;
 mod mounts;
 mod record;
+mod writes;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
@@ -43,11 +48,12 @@ pub use cgroup::{
 pub use classify::{
     Classification, ClassifyOptions, DEFAULT_IGNORED_PREFIXES, Reason, TurnClass, classify,
 };
-pub use effect::{Effect, EffectKind, EffectPath, SockAddr};
+pub use effect::{Effect, EffectKind, EffectPath, SockAddr, WriteVia};
 pub use mounts::{MountEntry, MountTable, MountsError};
 pub use record::RecordError;
 
 use record::{FsTypeLookup, NoFsTypes};
+use writes::{ProcFs, SeenAtDrain, WriteKey, WriteMemory, WriteSeen};
 
 mod skel {
     #![allow(
@@ -144,6 +150,7 @@ struct ContainerLog {
     undecodable: u64,
     /// Lost records already reported by `take_lost_events`.
     lost_reported: u64,
+    writes: WriteMemory,
 }
 
 impl ContainerLog {
@@ -154,6 +161,7 @@ impl ContainerLog {
             mounts: None,
             undecodable: 0,
             lost_reported: 0,
+            writes: WriteMemory::default(),
         };
         log.refresh_mounts();
         log
@@ -179,6 +187,10 @@ impl ContainerLog {
         match record::decode(bytes, lookup) {
             Ok(decoded) => {
                 let remount = decoded.effect.kind.is_mount_change();
+                self.writes.observe(&decoded.effect);
+                if let Some(inode_key) = decoded.opened_inode {
+                    self.writes.observe_open(&decoded.effect, inode_key);
+                }
                 self.effects.push(decoded.effect);
                 if remount {
                     self.refresh_mounts();
@@ -228,6 +240,7 @@ pub struct Inspector {
     logs: Arc<Logs>,
     watched: MapHandle,
     lost: MapHandle,
+    written: MapHandle,
     /// Every map of the BPF object, to report kernel memory use.
     all_maps: Vec<MapHandle>,
     programs: Vec<(String, OwnedFd)>,
@@ -239,6 +252,7 @@ pub struct Inspector {
 struct ReaderHandles {
     watched: MapHandle,
     lost: MapHandle,
+    written: MapHandle,
     all_maps: Vec<MapHandle>,
     programs: Vec<(String, OwnedFd)>,
 }
@@ -273,6 +287,7 @@ impl Inspector {
             logs,
             watched: handles.watched,
             lost: handles.lost,
+            written: handles.written,
             all_maps: handles.all_maps,
             programs: handles.programs,
             commands,
@@ -297,13 +312,7 @@ impl Inspector {
             tracing::info!(container = %container.id, cgroup_id, "watching container");
             logs.insert(cgroup_id, ContainerLog::new(container));
         }
-        let result = self
-            .watched
-            .update(&cgroup_id.to_ne_bytes(), &[1u8], MapFlags::ANY)
-            .map_err(|source| InspectorError::Map {
-                map: "watched",
-                source,
-            });
+        let result = self.set_epoch(cgroup_id, 0, MapFlags::ANY);
         if result.is_err() {
             self.logs.lock().remove(&cgroup_id);
         }
@@ -378,13 +387,23 @@ impl Inspector {
     }
 
     /// Flushes, then takes the effects up to `until_ns` and the records lost
-    /// meanwhile: everything a turn classification needs.
+    /// meanwhile: everything a turn classification needs. `until_ns` is the
+    /// turn boundary: the kernel reports the first write of each process to
+    /// each file again after it. A boundary in the future means now.
     pub async fn drain(
         &self,
         container: &str,
         until_ns: u64,
     ) -> Result<TurnEffects, InspectorError> {
+        // Records after the boundary stay for the next drain, and so must the
+        // dedup entries made after it: both halves cut at the same instant.
+        let until_ns = until_ns.min(monotonic_now_ns());
+        let cgroup_id = self.cgroup_of(container)?;
+        // Before the flush: writes recorded after this point are on the ring
+        // buffer by the time the written map is read.
+        self.set_epoch(cgroup_id, until_ns, MapFlags::EXIST)?;
         self.flush().await?;
+        self.settle_writes(container, cgroup_id, until_ns)?;
         Ok(TurnEffects {
             effects: self.take_effects_until(container, until_ns)?,
             lost_events: self.take_lost_events(container)?,
@@ -422,6 +441,81 @@ impl Inspector {
             .iter()
             .map(|(id, log)| (*id, log.container.clone()))
             .collect()
+    }
+
+    fn set_epoch(
+        &self,
+        cgroup_id: u64,
+        epoch_ns: u64,
+        flags: MapFlags,
+    ) -> Result<(), InspectorError> {
+        self.watched
+            .update(&cgroup_id.to_ne_bytes(), &epoch_ns.to_ne_bytes(), flags)
+            .map_err(|source| InspectorError::Map {
+                map: "watched",
+                source,
+            })
+    }
+
+    /// At a drain up to `until_ns`: deletes the container's dedup entries of
+    /// turns up to the cut, carries writes the kernel skipped after the cut
+    /// into the next turn, and adds the writes through shared mappings of
+    /// earlier turns (see the `writes` module).
+    fn settle_writes(
+        &self,
+        container: &str,
+        cgroup_id: u64,
+        until_ns: u64,
+    ) -> Result<(), InspectorError> {
+        let map_error = |source| InspectorError::Map {
+            map: "written",
+            source,
+        };
+        // Deleting while walking the keys would restart the walk.
+        let keys: Vec<Vec<u8>> = self.written.keys().collect();
+        let mut live = HashSet::new();
+        let mut carried = Vec::new();
+        for raw_key in keys {
+            let Some(value) = self
+                .written
+                .lookup(&raw_key, MapFlags::ANY)
+                .map_err(map_error)?
+            else {
+                continue; // evicted meanwhile
+            };
+            let (Some(key), Some(seen)) = (
+                WriteKey::from_bytes(&raw_key),
+                WriteSeen::from_bytes(&value),
+            ) else {
+                continue;
+            };
+            if seen.cgroup_id != cgroup_id {
+                continue;
+            }
+            match writes::seen_at_drain(&seen, until_ns) {
+                SeenAtDrain::NextTurn => {
+                    live.insert(key);
+                    continue;
+                }
+                SeenAtDrain::SkippedAfterCut { at_ns } => carried.push((key, at_ns)),
+                SeenAtDrain::Stale => {}
+            }
+            // Already gone (evicted, or the process wrote again and the entry was replaced): fine either way.
+            let _ = self.written.delete(&raw_key);
+        }
+        let mut logs = self.logs.lock();
+        let log = find_log(&mut logs, container)?;
+        for (key, at_ns) in carried {
+            let effect = log.writes.carry_over(&key, at_ns);
+            tracing::debug!(container, pid = key.pid, %effect, "write after the turn's cut carried into the next turn");
+            log.effects.push(effect);
+        }
+        log.writes.keep_only(&live);
+        let mapped = log
+            .writes
+            .mapped_writes(until_ns, monotonic_now_ns(), &ProcFs);
+        log.effects.extend(mapped);
+        Ok(())
     }
 
     fn cgroup_of(&self, container: &str) -> Result<u64, InspectorError> {
@@ -487,6 +581,7 @@ fn run_reader(
         let handles = ReaderHandles {
             watched: map_handle(&skel.maps.watched, "watched")?,
             lost: map_handle(&skel.maps.lost, "lost")?,
+            written: map_handle(&skel.maps.written, "written")?,
             all_maps: skel
                 .object()
                 .maps()

@@ -5,7 +5,7 @@ use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
-use super::effect::{Effect, EffectKind, EffectPath, SockAddr};
+use super::effect::{Effect, EffectKind, EffectPath, SockAddr, WriteVia};
 
 // Mirrors `enum record_kind`.
 const KIND_OPEN: u32 = 1;
@@ -22,6 +22,7 @@ const KIND_SETXATTR: u32 = 11;
 const KIND_REMOVEXATTR: u32 = 12;
 const KIND_MKNOD: u32 = 13;
 const KIND_UTIMES: u32 = 14;
+const KIND_WRITE: u32 = 15;
 const KIND_BIND: u32 = 32;
 const KIND_LISTEN: u32 = 33;
 const KIND_CONNECT: u32 = 34;
@@ -68,6 +69,8 @@ pub enum RecordError {
     Short { len: usize },
     #[error("record kind {kind} is unknown")]
     UnknownKind { kind: u32 },
+    #[error("write record names an unknown way of writing ({via})")]
+    UnknownWriteVia { via: u64 },
     #[error(
         "path {index} of a {kind} record points outside the record's data ({start}..{end} of {len})"
     )]
@@ -85,6 +88,9 @@ pub enum RecordError {
 pub struct Record {
     pub cgroup_id: u64,
     pub effect: Effect,
+    /// For an open of a regular file for writing: the inode's kernel address,
+    /// under which the kernel dedups the writes through the new descriptor.
+    pub opened_inode: Option<u64>,
 }
 
 /// Tells the file system type of the mount an absolute container path is on.
@@ -121,8 +127,10 @@ pub fn decode(bytes: &[u8], mounts: &dyn FsTypeLookup) -> Result<Record, RecordE
     };
     let kind = raw.effect_kind()?;
     let comm = &bytes[OFF_COMM..OFF_COMM + 16];
+    let opened_inode = (raw.kind == KIND_OPEN && raw.arg(2) != 0).then(|| raw.arg(2));
     Ok(Record {
         cgroup_id: u64_at(bytes, OFF_CGROUP),
+        opened_inode,
         effect: Effect {
             time_ns: u64_at(bytes, OFF_TS),
             pid: u32_at(bytes, OFF_PID),
@@ -299,6 +307,13 @@ impl<'a> RawRecord<'a> {
             },
             KIND_UTIMES => EffectKind::Utimes {
                 path: self.path(0)?,
+            },
+            KIND_WRITE => EffectKind::Write {
+                path: self.path(0)?,
+                via: WriteVia::from_raw(self.arg(0))
+                    .ok_or(RecordError::UnknownWriteVia { via: self.arg(0) })?,
+                inode_key: self.arg(1),
+                ino: self.arg(2),
             },
             KIND_BIND => EffectKind::Bind {
                 addr: self.sockaddr()?,
@@ -478,6 +493,7 @@ mod tests {
             .bytes();
         let record = decode(&bytes, &NoFsTypes).unwrap();
         assert_eq!(record.cgroup_id, 7);
+        assert_eq!(record.opened_inode, None);
         assert_eq!(record.effect.pid, 42);
         assert_eq!(record.effect.comm, "sh");
         assert_eq!(
@@ -528,6 +544,33 @@ mod tests {
             panic!("not an unlink")
         };
         assert!(!path.resolved);
+    }
+
+    #[test]
+    fn write_through_a_descriptor_names_the_file() {
+        let bytes = RecordBuilder::new(KIND_WRITE)
+            .arg(0, 6)
+            .arg(1, 0xffff_8880_1234_5678)
+            .arg(2, 77)
+            .path(0, &["var", "log", "nginx", "access.log"], "", 0)
+            .bytes();
+        assert_eq!(
+            kind_of(&bytes),
+            EffectKind::Write {
+                path: EffectPath::resolved("/var/log/nginx/access.log"),
+                via: WriteVia::SharedMapping,
+                inode_key: 0xffff_8880_1234_5678,
+                ino: 77,
+            }
+        );
+        let unknown = RecordBuilder::new(KIND_WRITE)
+            .arg(0, 99)
+            .path(0, &["f"], "", 0)
+            .bytes();
+        assert_eq!(
+            decode(&unknown, &NoFsTypes),
+            Err(RecordError::UnknownWriteVia { via: 99 })
+        );
     }
 
     #[test]

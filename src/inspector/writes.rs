@@ -1,0 +1,521 @@
+//! Writes through descriptors and shared mappings across turn boundaries.
+//!
+//! The kernel side reports the first write of a process to a file per turn
+//! and remembers it in the `written` map (`struct write_key` ->
+//! `struct write_seen` in `bpf/inspector.h`); the turn boundary it compares
+//! against is the `epoch_ns` the reader sets at each drain. Two things only the
+//! reader can settle:
+//!
+//! - Writes between a turn's end (`until_ns`) and the drain that sets the new
+//!   boundary are still compared against the old one, so the kernel may skip
+//!   them as repeats of a record that belongs to the turn before. It notes
+//!   their time (`last_ns`); the drain finds them and carries the write into
+//!   the next turn ([`WriteMemory::carry_over`]).
+//! - A shared mapping lets a process change a file with no syscall at all, in
+//!   any later turn. The reader keeps the live mappings and, at each drain,
+//!   reports those whose process used CPU since the previous drain.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+
+use super::effect::{Effect, EffectKind, EffectPath, WriteVia};
+
+/// Byte layout of `struct write_key`.
+pub(crate) const WRITE_KEY_LEN: usize = 16;
+/// Byte layout of `struct write_seen`.
+pub(crate) const WRITE_SEEN_LEN: usize = 24;
+
+/// A process and a file it wrote, as the kernel keys them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct WriteKey {
+    pub inode_key: u64,
+    pub pid: u32,
+    pub mapping: bool,
+}
+
+impl WriteKey {
+    pub fn of(effect: &Effect) -> Option<Self> {
+        match effect.kind {
+            EffectKind::Write { inode_key, via, .. } => Some(Self {
+                inode_key,
+                pid: effect.pid,
+                mapping: via.is_mapping(),
+            }),
+            _ => None,
+        }
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != WRITE_KEY_LEN {
+            return None;
+        }
+        Some(Self {
+            inode_key: u64::from_ne_bytes(bytes[0..8].try_into().ok()?),
+            pid: u32::from_ne_bytes(bytes[8..12].try_into().ok()?),
+            mapping: u32::from_ne_bytes(bytes[12..16].try_into().ok()?) != 0,
+        })
+    }
+}
+
+/// Decoded `struct write_seen`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WriteSeen {
+    pub recorded_ns: u64,
+    pub last_ns: u64,
+    pub cgroup_id: u64,
+}
+
+impl WriteSeen {
+    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != WRITE_SEEN_LEN {
+            return None;
+        }
+        let at = |i: usize| bytes[i..i + 8].try_into().ok().map(u64::from_ne_bytes);
+        Some(Self {
+            recorded_ns: at(0)?,
+            last_ns: at(8)?,
+            cgroup_id: at(16)?,
+        })
+    }
+}
+
+/// What the kernel's dedup entry of one key means at a drain up to `until_ns`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SeenAtDrain {
+    /// Recorded after the cut: it dedups the next turn's writes rightly. Keep.
+    NextTurn,
+    /// Recorded up to the cut, nothing after: delete it so that the next
+    /// turn's first write is recorded again.
+    Stale,
+    /// Recorded up to the cut, but written again after it without a record:
+    /// the next turn wrote the file. Delete it and carry the write over.
+    SkippedAfterCut { at_ns: u64 },
+}
+
+pub(crate) fn seen_at_drain(seen: &WriteSeen, until_ns: u64) -> SeenAtDrain {
+    if seen.recorded_ns > until_ns {
+        SeenAtDrain::NextTurn
+    } else if seen.last_ns > until_ns {
+        SeenAtDrain::SkippedAfterCut {
+            at_ns: seen.last_ns,
+        }
+    } else {
+        SeenAtDrain::Stale
+    }
+}
+
+/// A shared mapping of a file a process may still be storing through.
+#[derive(Debug, Clone)]
+struct LiveMapping {
+    /// The record that reported it (path, inode, process).
+    effect: Effect,
+    /// CPU time of the process at the previous drain; None before the first.
+    cpu_ns_at_drain: Option<u64>,
+}
+
+/// Per container: the latest write record per key, and the live shared mappings.
+#[derive(Debug, Default)]
+pub(crate) struct WriteMemory {
+    latest: HashMap<WriteKey, Effect>,
+    mappings: HashMap<(u32, u64), LiveMapping>,
+}
+
+impl WriteMemory {
+    /// Follows a decoded effect: remembers writes and mappings, and the
+    /// processes that inherit or drop mappings.
+    pub fn observe(&mut self, effect: &Effect) {
+        match &effect.kind {
+            EffectKind::Write { via, inode_key, .. } => {
+                if let Some(key) = WriteKey::of(effect) {
+                    self.latest.insert(key, effect.clone());
+                }
+                if *via == WriteVia::SharedMapping {
+                    self.mappings
+                        .entry((effect.pid, *inode_key))
+                        .or_insert_with(|| LiveMapping {
+                            effect: effect.clone(),
+                            cpu_ns_at_drain: None,
+                        });
+                }
+            }
+            // A forked child shares its parent's MAP_SHARED mappings.
+            EffectKind::Fork { child } => {
+                let inherited: Vec<LiveMapping> = self
+                    .mappings
+                    .iter()
+                    .filter(|((pid, _), _)| *pid == effect.pid)
+                    .map(|(_, mapping)| {
+                        let mut effect = mapping.effect.clone();
+                        effect.pid = *child;
+                        effect.tid = *child;
+                        LiveMapping {
+                            effect,
+                            cpu_ns_at_drain: None,
+                        }
+                    })
+                    .collect();
+                for mapping in inherited {
+                    let key = (*child, write_inode(&mapping.effect));
+                    self.mappings.insert(key, mapping);
+                }
+            }
+            // execve replaces the address space.
+            EffectKind::Exec { .. } => self.mappings.retain(|(pid, _), _| *pid != effect.pid),
+            EffectKind::Exit { .. } => {
+                self.mappings.retain(|(pid, _), _| *pid != effect.pid);
+                self.latest.retain(|key, _| key.pid != effect.pid);
+            }
+            _ => {}
+        }
+    }
+
+    /// Follows an open for writing that the kernel took as the record of the
+    /// writes through its descriptor (`inode_key`, see `Record::opened_inode`).
+    pub fn observe_open(&mut self, effect: &Effect, inode_key: u64) {
+        let EffectKind::Open { path, .. } = &effect.kind else {
+            return;
+        };
+        let as_write = Effect {
+            kind: EffectKind::Write {
+                path: path.clone(),
+                via: WriteVia::Write,
+                inode_key,
+                ino: 0,
+            },
+            ..effect.clone()
+        };
+        let key = WriteKey {
+            inode_key,
+            pid: effect.pid,
+            mapping: false,
+        };
+        self.latest.insert(key, as_write);
+    }
+
+    /// The write effect to put in the next turn for a write the kernel skipped
+    /// after the cut. Without the record it repeats (lost or undecodable), the
+    /// file is unknown: an unresolved path, which escalates.
+    pub fn carry_over(&self, key: &WriteKey, at_ns: u64) -> Effect {
+        match self.latest.get(key) {
+            Some(recorded) => Effect {
+                time_ns: at_ns,
+                ..recorded.clone()
+            },
+            None => Effect {
+                time_ns: at_ns,
+                pid: key.pid,
+                tid: key.pid,
+                comm: String::new(),
+                result: 0,
+                kind: EffectKind::Write {
+                    path: EffectPath {
+                        path: PathBuf::new(),
+                        resolved: false,
+                        fs_type: None,
+                    },
+                    via: if key.mapping {
+                        WriteVia::SharedMapping
+                    } else {
+                        WriteVia::Write
+                    },
+                    inode_key: key.inode_key,
+                    ino: 0,
+                },
+            },
+        }
+    }
+
+    /// Forgets write records whose kernel entry is gone (deleted at a drain or evicted).
+    pub fn keep_only(&mut self, live: &HashSet<WriteKey>) {
+        self.latest.retain(|key, _| live.contains(key));
+    }
+
+    /// Writes through shared mappings of earlier turns whose processes ran
+    /// since the previous drain, for the turn up to `until_ns` and, because
+    /// the process may also have run after that cut, for the next turn
+    /// (`now_ns`). Mappings that are gone are forgotten.
+    pub fn mapped_writes(
+        &mut self,
+        until_ns: u64,
+        now_ns: u64,
+        probe: &dyn ProcessProbe,
+    ) -> Vec<Effect> {
+        let mut effects = Vec::new();
+        self.mappings.retain(|(pid, _), mapping| {
+            let EffectKind::Write { ino, .. } = mapping.effect.kind else {
+                return false;
+            };
+            let Some(cpu_ns) = probe.cpu_ns(*pid) else {
+                return false; // the process is gone
+            };
+            if probe.maps_shared(*pid, ino) == Some(false) {
+                return false;
+            }
+            if mapping
+                .cpu_ns_at_drain
+                .is_some_and(|before| before != cpu_ns)
+            {
+                for time_ns in [until_ns, now_ns] {
+                    let mut effect = mapping.effect.clone();
+                    effect.time_ns = time_ns;
+                    if let EffectKind::Write { via, .. } = &mut effect.kind {
+                        *via = WriteVia::EarlierSharedMapping;
+                    }
+                    effects.push(effect);
+                }
+            }
+            mapping.cpu_ns_at_drain = Some(cpu_ns);
+            true
+        });
+        effects
+    }
+}
+
+fn write_inode(effect: &Effect) -> u64 {
+    match effect.kind {
+        EffectKind::Write { inode_key, .. } => inode_key,
+        _ => 0,
+    }
+}
+
+/// What the reader asks the host about a process with a shared mapping.
+pub(crate) trait ProcessProbe {
+    /// CPU time of all threads of `pid` (ns), None when it is gone.
+    fn cpu_ns(&self, pid: u32) -> Option<u64>;
+    /// Whether `pid` still has a shared mapping of inode number `ino`; None
+    /// when that cannot be told (then the mapping is kept).
+    fn maps_shared(&self, pid: u32, ino: u64) -> Option<bool>;
+}
+
+/// Reads `/proc` (host pid namespace).
+pub(crate) struct ProcFs;
+
+impl ProcessProbe for ProcFs {
+    fn cpu_ns(&self, pid: u32) -> Option<u64> {
+        // Per thread: /proc/PID/schedstat covers the main thread only.
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+        let mut total = 0u64;
+        for task in tasks.flatten() {
+            let Ok(text) = std::fs::read_to_string(task.path().join("schedstat")) else {
+                continue; // the thread just ended
+            };
+            total += text.split_whitespace().next()?.parse::<u64>().ok()?;
+        }
+        Some(total)
+    }
+
+    fn maps_shared(&self, pid: u32, ino: u64) -> Option<bool> {
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+        Some(maps_has_shared_inode(&maps, ino))
+    }
+}
+
+/// True when a `/proc/PID/maps` text has a shared mapping of inode `ino`.
+fn maps_has_shared_inode(maps: &str, ino: u64) -> bool {
+    maps.lines().any(|line| {
+        let mut fields = line.split_whitespace();
+        let perms = fields.nth(1).unwrap_or("");
+        let inode = fields.nth(2).and_then(|f| f.parse::<u64>().ok());
+        perms.ends_with('s') && inode == Some(ino)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    fn write(pid: u32, inode_key: u64, via: WriteVia, time_ns: u64) -> Effect {
+        Effect {
+            time_ns,
+            pid,
+            tid: pid,
+            comm: "nginx".into(),
+            result: 0,
+            kind: EffectKind::Write {
+                path: EffectPath::resolved("/var/log/nginx/access.log"),
+                via,
+                inode_key,
+                ino: 12,
+            },
+        }
+    }
+
+    fn process(pid: u32, kind: EffectKind) -> Effect {
+        Effect {
+            time_ns: 0,
+            pid,
+            tid: pid,
+            comm: "sh".into(),
+            result: 0,
+            kind,
+        }
+    }
+
+    #[test]
+    fn key_and_seen_decode_the_kernel_layout() {
+        let mut key = Vec::new();
+        key.extend_from_slice(&0xffff_8880_0000_1000u64.to_ne_bytes());
+        key.extend_from_slice(&42u32.to_ne_bytes());
+        key.extend_from_slice(&1u32.to_ne_bytes());
+        assert_eq!(
+            WriteKey::from_bytes(&key),
+            Some(WriteKey {
+                inode_key: 0xffff_8880_0000_1000,
+                pid: 42,
+                mapping: true
+            })
+        );
+        assert_eq!(WriteKey::from_bytes(&key[..15]), None);
+        let seen: Vec<u8> = [5u64, 9, 7].iter().flat_map(|v| v.to_ne_bytes()).collect();
+        assert_eq!(
+            WriteSeen::from_bytes(&seen),
+            Some(WriteSeen {
+                recorded_ns: 5,
+                last_ns: 9,
+                cgroup_id: 7
+            })
+        );
+    }
+
+    #[test]
+    fn a_write_skipped_after_the_cut_is_carried_over() {
+        let seen = |recorded_ns, last_ns| WriteSeen {
+            recorded_ns,
+            last_ns,
+            cgroup_id: 1,
+        };
+        assert_eq!(seen_at_drain(&seen(150, 160), 100), SeenAtDrain::NextTurn);
+        assert_eq!(seen_at_drain(&seen(50, 100), 100), SeenAtDrain::Stale);
+        assert_eq!(
+            seen_at_drain(&seen(50, 130), 100),
+            SeenAtDrain::SkippedAfterCut { at_ns: 130 }
+        );
+
+        let mut memory = WriteMemory::default();
+        memory.observe(&write(7, 0xa0, WriteVia::Write, 50));
+        let key = WriteKey {
+            inode_key: 0xa0,
+            pid: 7,
+            mapping: false,
+        };
+        let carried = memory.carry_over(&key, 130);
+        assert_eq!(carried, write(7, 0xa0, WriteVia::Write, 130));
+        // An open for writing stands for the writes through its descriptor.
+        let open = Effect {
+            kind: EffectKind::Open {
+                path: EffectPath::resolved("/app/out.log"),
+                flags: 0o1101,
+                mode: 0o644,
+            },
+            ..write(9, 0xb0, WriteVia::Write, 60)
+        };
+        memory.observe_open(&open, 0xb0);
+        let from_open = memory.carry_over(
+            &WriteKey {
+                inode_key: 0xb0,
+                pid: 9,
+                mapping: false,
+            },
+            140,
+        );
+        assert_eq!(from_open.time_ns, 140);
+        assert!(
+            matches!(&from_open.kind, EffectKind::Write { path, via: WriteVia::Write, .. }
+            if path == &EffectPath::resolved("/app/out.log"))
+        );
+        // Without the record, the file is unknown: the carried write escalates.
+        memory.keep_only(&HashSet::new());
+        assert!(memory.carry_over(&key, 130).has_unresolved_path());
+    }
+
+    /// A probe with scripted answers.
+    #[derive(Default)]
+    struct FakeProbe {
+        cpu: RefCell<HashMap<u32, u64>>,
+        unmapped: HashSet<u32>,
+    }
+
+    impl ProcessProbe for FakeProbe {
+        fn cpu_ns(&self, pid: u32) -> Option<u64> {
+            self.cpu.borrow().get(&pid).copied()
+        }
+        fn maps_shared(&self, pid: u32, _ino: u64) -> Option<bool> {
+            Some(!self.unmapped.contains(&pid))
+        }
+    }
+
+    #[test]
+    fn a_mapping_counts_in_later_turns_only_when_its_process_ran() {
+        let mut memory = WriteMemory::default();
+        memory.observe(&write(7, 0xa0, WriteVia::SharedMapping, 10));
+        let probe = FakeProbe::default();
+        probe.cpu.borrow_mut().insert(7, 1000);
+        // The turn that mapped it reports the mmap itself; this drain sets the baseline.
+        assert!(memory.mapped_writes(100, 110, &probe).is_empty());
+        // Idle since: nothing.
+        assert!(memory.mapped_writes(200, 210, &probe).is_empty());
+        // Ran: this turn and the next one (it may have run after the cut).
+        probe.cpu.borrow_mut().insert(7, 1500);
+        let effects = memory.mapped_writes(300, 310, &probe);
+        let times: Vec<u64> = effects.iter().map(|e| e.time_ns).collect();
+        assert_eq!(times, vec![300, 310]);
+        assert!(effects.iter().all(|e| matches!(
+            e.kind,
+            EffectKind::Write {
+                via: WriteVia::EarlierSharedMapping,
+                ..
+            }
+        )));
+        // Gone: forgotten.
+        probe.cpu.borrow_mut().remove(&7);
+        assert!(memory.mapped_writes(400, 410, &probe).is_empty());
+        probe.cpu.borrow_mut().insert(7, 9999);
+        assert!(memory.mapped_writes(500, 510, &probe).is_empty());
+    }
+
+    #[test]
+    fn children_inherit_mappings_and_exec_drops_them() {
+        let mut memory = WriteMemory::default();
+        memory.observe(&write(7, 0xa0, WriteVia::SharedMapping, 10));
+        memory.observe(&process(7, EffectKind::Fork { child: 8 }));
+        memory.observe(&process(
+            7,
+            EffectKind::Exec {
+                path: EffectPath::resolved("/bin/true"),
+                filename: "true".into(),
+            },
+        ));
+        let probe = FakeProbe::default();
+        probe.cpu.borrow_mut().extend([(7, 1), (8, 1)]);
+        memory.mapped_writes(100, 110, &probe);
+        probe.cpu.borrow_mut().extend([(7, 2), (8, 2)]);
+        let pids: Vec<u32> = memory
+            .mapped_writes(200, 210, &probe)
+            .iter()
+            .map(|e| e.pid)
+            .collect();
+        assert_eq!(pids, vec![8, 8]);
+    }
+
+    #[test]
+    fn an_unmapped_file_is_forgotten() {
+        let mut memory = WriteMemory::default();
+        memory.observe(&write(7, 0xa0, WriteVia::SharedMapping, 10));
+        let mut probe = FakeProbe::default();
+        probe.cpu.borrow_mut().insert(7, 1);
+        memory.mapped_writes(100, 110, &probe);
+        probe.unmapped.insert(7);
+        probe.cpu.borrow_mut().insert(7, 2);
+        assert!(memory.mapped_writes(200, 210, &probe).is_empty());
+    }
+
+    #[test]
+    fn maps_lines_match_shared_mappings_by_inode() {
+        let maps = "7f00-7f01 rw-s 00000000 00:2a 12 /app/data.bin\n\
+                    7f02-7f03 r--p 00000000 00:2a 13 /usr/lib/x.so\n";
+        assert!(maps_has_shared_inode(maps, 12));
+        assert!(!maps_has_shared_inode(maps, 13));
+        assert!(!maps_has_shared_inode(maps, 14));
+    }
+}
