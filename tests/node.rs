@@ -437,7 +437,7 @@ async fn first_client_starts_crabd_and_concurrent_starts_leave_one() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn acquire_waits_for_the_bucket_cancel_withdraws_and_a_missing_crabd_does_not_block() {
+async fn acquire_draws_chunks_supersedes_cancels_and_a_missing_crabd_does_not_block() {
     let crabd = Crabd::start("bucket", &["--rate-mib-per-s", "4", "--burst-mib", "1"]);
     let client = NodeClient::connect(client_options(&crabd.socket)).await.unwrap();
     const MIB: u64 = 1 << 20;
@@ -450,26 +450,64 @@ async fn acquire_waits_for_the_bucket_cancel_withdraws_and_a_missing_crabd_does_
     // 1 MiB at 4 MiB/s is 250 ms.
     assert!((200.0..600.0).contains(&elapsed) && waited >= 200.0, "second MiB after {elapsed} ms (crabd: {waited})");
 
-    // A commit bigger than the burst goes once a burst is there, and leaves a
-    // debt of 63 MiB: about 16 s before anything else is granted.
-    let mut debtor = hello(&crabd.socket).unwrap();
-    let dump = Request::Acquire { sandbox: "debtor".into(), bytes: 64 * MIB, kind: CommitKind::Proc, turn: 1 };
-    debtor.write_all(&frame(&dump)).unwrap();
-    assert!(matches!(read_reply(&mut debtor), Some(Reply::Granted { .. })));
+    // A dump bigger than the burst is paid in 1 MiB chunks (the burst caps
+    // the chunk): 8 MiB at 4 MiB/s take about 2 s, and the bucket is never in debt.
+    let dump_started = Instant::now();
+    let mut dumper = hello(&crabd.socket).unwrap();
+    let dump = Request::Acquire { sandbox: "dumper".into(), bytes: 8 * MIB, kind: CommitKind::Proc, turn: 1, supersedable: false };
+    dumper.write_all(&frame(&dump)).unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    let partway = status(&crabd.socket);
+    let d = partway.bucket.sandboxes.iter().find(|s| s.sandbox == "dumper").expect("the dump is listed");
+    assert_eq!(d.waiting, 1, "{d:?}");
+    assert!(d.waiting_bytes < 8 * MIB && d.granted_chunks >= 1, "chunks are paid as tokens accrue: {d:?}");
+    assert!(partway.bucket.tokens >= -1.0, "no debt: {}", partway.bucket.tokens);
+    assert_eq!(partway.bucket.chunk_bytes, MIB);
+
+    // A small delta of another sandbox goes between two chunks of the dump.
+    let started = Instant::now();
+    client.acquire_bandwidth("b", MIB / 2, CommitKind::Fs, 1).await.unwrap();
+    let elapsed = started.elapsed();
+    assert!(elapsed < Duration::from_millis(800), "delta waited {elapsed:?} behind the dump");
+
+    // A waiting process checkpoint is superseded by a newer one of the same
+    // sandbox when both may be dropped; the newer one is granted.
+    let mut older = hello(&crabd.socket).unwrap();
+    let old_dump = Request::Acquire { sandbox: "s".into(), bytes: MIB, kind: CommitKind::Proc, turn: 4, supersedable: true };
+    older.write_all(&frame(&old_dump)).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let newer = {
+        let client = NodeClient::connect(client_options(&crabd.socket)).await.unwrap();
+        tokio::spawn(async move { client.acquire_supersedable("s", MIB, 5).await })
+    };
+    match read_reply(&mut older) {
+        Some(Reply::Superseded { by_turn, waited_ms }) => assert!(by_turn == 5 && waited_ms >= 50.0, "{by_turn} {waited_ms}"),
+        other => panic!("the older dump got {other:?}"),
+    }
+    let s = status(&crabd.socket).bucket.sandboxes.into_iter().find(|s| s.sandbox == "s").unwrap();
+    assert_eq!((s.superseded, s.superseded_bytes, s.waiting), (1, MIB, 1), "{s:?}");
 
     // An explicit cancel while waiting.
     let mut stream = hello(&crabd.socket).unwrap();
-    let acquire = Request::Acquire { sandbox: "b".into(), bytes: MIB, kind: CommitKind::Fs, turn: 1 };
+    let acquire = Request::Acquire { sandbox: "c".into(), bytes: MIB, kind: CommitKind::Proc, turn: 1, supersedable: false };
     stream.write_all(&frame(&acquire)).unwrap();
     // A waiting request shows up in the status with its lag.
     std::thread::sleep(Duration::from_millis(300));
     let waiting = status(&crabd.socket);
-    let b = waiting.bucket.sandboxes.iter().find(|s| s.sandbox == "b").expect("b is listed");
-    assert_eq!((b.waiting, b.waiting_bytes), (1, MIB));
-    assert!(b.lag_ms >= 250.0, "lag {}", b.lag_ms);
-    assert!(waiting.bucket.tokens < -((60 * MIB) as f64), "the debt shows: {}", waiting.bucket.tokens);
+    let c = waiting.bucket.sandboxes.iter().find(|s| s.sandbox == "c").expect("c is listed");
+    assert_eq!((c.waiting, c.waiting_bytes, c.oldest_waiting_turn), (1, MIB, Some(1)));
+    assert!(c.lag_ms >= 250.0 && c.max_lag_ms >= c.lag_ms, "lag {} max {}", c.lag_ms, c.max_lag_ms);
     stream.write_all(&frame(&Request::Cancel)).unwrap();
     assert_eq!(read_reply(&mut stream), Some(Reply::Cancelled));
+
+    // The dump and the newer checkpoint are granted in the end, at the bucket's pace.
+    assert!(matches!(read_reply(&mut dumper), Some(Reply::Granted { .. })));
+    let dump_took = dump_started.elapsed().as_secs_f64();
+    assert!(dump_took >= 1.5, "8 MiB at 4 MiB/s with 1 MiB in the bucket granted after {dump_took} s");
+    match newer.await.unwrap().unwrap() {
+        crab::node::Acquired::Granted { .. } => {}
+        other => panic!("the newer dump got {other:?}"),
+    }
 
     // A closed connection withdraws too.
     let mut stream = hello(&crabd.socket).unwrap();
@@ -480,19 +518,59 @@ async fn acquire_waits_for_the_bucket_cancel_withdraws_and_a_missing_crabd_does_
     std::thread::sleep(Duration::from_millis(100));
     let after = status(&crabd.socket);
     assert_eq!(after.bucket.sandboxes.iter().map(|s| s.waiting).sum::<u64>(), 0, "{after:?}");
+    assert_eq!(after.bucket.superseded, 1);
+    assert!(after.bucket.max_lag_ms >= dump_took * 1e3 - 100.0, "node max lag {} ms", after.bucket.max_lag_ms);
 
     // Eviction marks show in the status.
     crab::node::set_eviction(&crabd.socket, "c", true).await.unwrap();
     let status_now = crab::node::status_report(&crabd.socket).await.unwrap();
     assert!(status_now.bucket.sandboxes.iter().any(|s| s.sandbox == "c" && s.evicting));
     let text = crab::node::render_status(&status_now);
-    assert!(text.contains("SANDBOX") && text.contains("yes"), "{text}");
+    assert!(text.contains("SANDBOX") && text.contains("yes") && text.contains("SUPERSEDED"), "{text}");
 
     // With crabd gone, a commit goes ahead at once instead of waiting.
     drop(crabd);
     let started = Instant::now();
     CommitGate::acquire(&client, "a", 10 * MIB, CommitKind::Fs, 3).await;
     assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_waiting_when_crabd_is_killed_is_granted_by_the_crabd_started_again() {
+    const MIB: u64 = 1 << 20;
+    let mut crabd = Crabd::start("acquire-restart", &["--rate-mib-per-s", "1", "--burst-mib", "1"]);
+    let socket = crabd.socket.clone();
+    let options = ClientOptions { spawn: true, ..client_options(&socket) };
+    let client = std::sync::Arc::new(NodeClient::connect(options).await.unwrap());
+    client.acquire_bandwidth("a", MIB, CommitKind::Fs, 1).await.unwrap();
+    // 2 MiB at 1 MiB/s from an empty bucket: about 2 s, far longer than the kill below.
+    let waiting = {
+        let client = client.clone();
+        tokio::spawn(async move { client.acquire_bandwidth("a", 2 * MIB, CommitKind::Proc, 2).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let old_pid = crabd.pid();
+    // SIGKILL: no clean-up, the socket file stays behind and refuses connections.
+    crabd.kill();
+    let granted = tokio::time::timeout(Duration::from_secs(20), waiting).await.expect("the acquire ends").unwrap();
+    let waited_ms = granted.expect("granted by the new crabd");
+    let new = status(&socket);
+    let _guard = scopeguard(new.pid);
+    assert_ne!(new.pid, old_pid, "a new crabd serves the socket");
+    let a = new.bucket.sandboxes.iter().find(|s| s.sandbox == "a").expect("the commit went through the new crabd");
+    assert_eq!((a.granted_bytes, a.granted_requests), (2 * MIB, 1), "{a:?} (waited {waited_ms} ms there)");
+}
+
+/// Kills the crabd of `pid` (one a test caused to start) on drop.
+fn scopeguard(pid: u32) -> impl Drop {
+    struct KillOnDrop(u32);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            // SAFETY: kill(2) on a pid this test's client started.
+            unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
+        }
+    }
+    KillOnDrop(pid)
 }
 
 /// Benchmark, not run by default (`cargo test --release --test node -- --ignored --nocapture`):

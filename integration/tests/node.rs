@@ -10,11 +10,11 @@ use std::time::Duration;
 
 use crab_integration::{Container, HarnessError, Outcome, Runtime, ensure, ensure_eq, wait_until};
 
+/// The tests here share the node's crabd and one kills it: they run one at a time.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The program crabd's inspector attaches to every syscall entry.
 const MARKER_PROGRAM: &str = "on_sys_enter";
-/// The default crab state dir (the private containerd passes no crab config).
-const TURNS_DIR: &str = "/var/lib/crab/turns";
-const CRABD_SOCKET: &str = "/run/crab/crabd.sock";
 
 /// Ids of the loaded BPF programs named `name`, from `bpftool prog list`.
 fn program_ids(name: &str) -> Outcome<Vec<u64>> {
@@ -64,7 +64,7 @@ fn holders(programs: &[u64]) -> Vec<(u32, String, usize)> {
 
 /// The classes in a sandbox's turn log, in turn order.
 fn turn_classes(id: &str) -> Vec<(u64, String)> {
-    let text = std::fs::read_to_string(Path::new(TURNS_DIR).join(format!("{id}.jsonl"))).unwrap_or_default();
+    let text = std::fs::read_to_string(state_dir().join("turns").join(format!("{id}.jsonl"))).unwrap_or_default();
     text.lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
         .filter_map(|r| Some((r["turn"].as_u64()?, r["class"].as_str()?.to_string())))
@@ -105,6 +105,7 @@ async fn remove(container: &Container) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_sandboxes_share_one_crabd_and_one_set_of_bpf_programs() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let runtime = Runtime::parse("crab").unwrap();
     let first = Container::new(&runtime, "node-a");
     let second = Container::new(&runtime, "node-b");
@@ -112,12 +113,11 @@ async fn two_sandboxes_share_one_crabd_and_one_set_of_bpf_programs() {
         let (a, b) = tokio::join!(run_turns(&first), run_turns(&second));
         a?;
         b?;
-        ensure!(Path::new(CRABD_SOCKET).exists(), "{CRABD_SOCKET} exists once a crab sandbox ran");
-
+        // crabd answers on the socket of the crab config (CRAB_CONFIG, else the default).
+        let crabd = node_status()?["pid"].as_u64().unwrap_or(0) as u32;
         let programs = program_ids(MARKER_PROGRAM)?;
         let holders = holders(&programs);
-        let crabd = crab_integration::host::unix_listener_pid(Path::new(CRABD_SOCKET))?;
-        ensure_eq!(comm(crabd), "crabd", "the process serving {CRABD_SOCKET}");
+        ensure_eq!(comm(crabd), "crabd", "the process answering `crabctl node`");
         let held = holders.iter().find(|(pid, _, _)| *pid == crabd).map_or(0, |h| h.2);
         ensure_eq!(held, 1, "copies of {MARKER_PROGRAM} the node's crabd holds (all holders: {holders:?})");
         for container in [&first, &second] {
@@ -136,6 +136,204 @@ async fn two_sandboxes_share_one_crabd_and_one_set_of_bpf_programs() {
     .await;
     remove(&first).await;
     remove(&second).await;
+    if let Err(e) = outcome {
+        panic!("{e}");
+    }
+}
+
+/// crabd's view as `crabctl node --json` prints it (the crab config of
+/// `CRAB_CONFIG` names the socket).
+fn node_status() -> Outcome<serde_json::Value> {
+    let output = std::process::Command::new(crabctl())
+        .args(["node", "--json"])
+        .output()
+        .map_err(|e| HarnessError::io("running crabctl node", e))?;
+    ensure!(output.status.success(), "crabctl node: {}", String::from_utf8_lossy(&output.stderr));
+    serde_json::from_slice(&output.stdout)
+        .map_err(|e| HarnessError::Parse { what: "crabctl node --json".into(), detail: e.to_string() })
+}
+
+/// `crabctl` beside the shim containerd starts (`CRAB_SHIM_DIR`), else on PATH.
+fn crabctl() -> std::path::PathBuf {
+    std::env::var_os("CRAB_SHIM_DIR")
+        .map(|dir| Path::new(&dir).join("crabctl"))
+        .filter(|p| p.is_file())
+        .unwrap_or_else(|| "crabctl".into())
+}
+
+fn state_dir() -> std::path::PathBuf {
+    std::env::var_os("CRAB_STATE_DIR").map_or_else(|| "/var/lib/crab".into(), Into::into)
+}
+
+/// Every complete record of a sandbox's turn log: (turn, class, checkpoint turn, reasons).
+fn turn_records(id: &str) -> Vec<(u64, String, Option<u64>, Vec<String>)> {
+    let path = state_dir().join("turns").join(format!("{id}.jsonl"));
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let complete = text.rsplit_once('\n').map_or("", |(lines, _)| lines);
+    complete
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter_map(|r| {
+            let reasons = r["reasons"].as_array().into_iter().flatten().filter_map(|v| v.as_str().map(str::to_string)).collect();
+            Some((r["turn"].as_u64()?, r["class"].as_str()?.to_string(), r["checkpoint_turn"].as_u64(), reasons))
+        })
+        .collect()
+}
+
+/// Bytes in the checkpoint store now (blobs, manifests, tmp files of commits
+/// under way): what checkpoints have written, measured on disk, not counted by
+/// crabd. (A shim's /proc/PID/io would also count its reaped children: the
+/// agent's own exec processes and CRIU.)
+fn store_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries
+        .flatten()
+        .map(|entry| match entry.file_type() {
+            Ok(kind) if kind.is_dir() => store_bytes(&entry.path()),
+            Ok(kind) if kind.is_file() => entry.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
+}
+
+/// The turn of a sandbox at step `turn`: every fourth leaves a process behind
+/// (a proc turn: CRIU dump), the others write 2 MiB of fresh random bytes (fs).
+fn turn_script(turn: u64) -> String {
+    if turn % 4 == 3 {
+        format!("sleep 1000 >/dev/null 2>&1 & echo started-{turn}")
+    } else {
+        format!("head -c 2097152 /dev/urandom > /app/data-{turn}.bin")
+    }
+}
+
+const KILL_SANDBOXES: usize = 4;
+const KILL_TURNS: u64 = 12;
+/// crabd is killed once this many turns are recorded over all sandboxes.
+const KILL_AT_RECORDS: usize = KILL_SANDBOXES * 5;
+/// Grant-to-write slack in the rate bound: a commit writes after its grant.
+const GRANT_TO_WRITE_S: f64 = 0.5;
+
+/// Several sandboxes commit turns while crabd is SIGKILLed: the shims start
+/// it again, every turn gets its record and a checkpoint, every chain
+/// verifies, the new crabd grants the later commits, and until the kill the
+/// shims' measured write rate stays within the bucket's rate and burst.
+///
+/// Kills the crabd of the crab config in `CRAB_CONFIG` (default /run/crab/crabd.sock):
+/// give this containerd a config of its own on a shared host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crabd_killed_mid_run_loses_no_turn_and_publishes_nothing_half_written() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    use crab_integration::sandbox::{Sandbox, TERMINAL_IMAGE};
+    let mut sandboxes = Vec::new();
+    for i in 0..KILL_SANDBOXES {
+        sandboxes.push(Sandbox::start(&format!("node-kill-{i}"), TERMINAL_IMAGE, &[("io.crab.policy", "crab")], &[]).await.unwrap());
+    }
+    let ids: Vec<String> = sandboxes.iter().map(|s| s.id().to_string()).collect();
+    let outcome = async {
+        let before = node_status()?;
+        let old_pid = before["pid"].as_u64().unwrap_or(0);
+        let rate = before["bucket"]["rate_bytes_per_s"].as_f64().unwrap_or(0.0);
+        let burst = before["bucket"]["burst_bytes"].as_f64().unwrap_or(0.0);
+        ensure!(old_pid > 0 && rate > 0.0, "crabd status: {before}");
+
+        let runs = sandboxes.into_iter().map(|mut sandbox| {
+            tokio::spawn(async move {
+                for turn in 1..=KILL_TURNS {
+                    let (output, n) = sandbox.exec(&turn_script(turn)).await?;
+                    ensure_eq!(n, turn, "turn number of {}", sandbox.id());
+                    ensure!(output.status.success(), "turn {turn} of {}: {output:?}", sandbox.id());
+                    // The next turn starts once this one is recorded: each sandbox
+                    // has at most one commit in flight, as with an agent.
+                    sandbox.verdict(turn).await?;
+                }
+                Ok::<Sandbox, HarnessError>(sandbox)
+            })
+        });
+        let runs: Vec<_> = runs.collect();
+
+        // Sample the shims' writes until the kill.
+        let started = std::time::Instant::now();
+        let mut samples: Vec<(f64, u64)> = Vec::new();
+        loop {
+            samples.push((started.elapsed().as_secs_f64(), store_bytes(&state_dir())));
+            let recorded: usize = ids.iter().map(|id| turn_records(id).len()).sum();
+            if recorded >= KILL_AT_RECORDS {
+                break;
+            }
+            ensure!(started.elapsed() < Duration::from_secs(300), "only {recorded} turns recorded after 300 s");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // SAFETY: kill(2) of the node's crabd, which this test is about.
+        ensure!(unsafe { libc::kill(old_pid as i32, libc::SIGKILL) } == 0, "SIGKILL crabd {old_pid}");
+        eprintln!("SIGKILLed crabd {old_pid} after {:.1} s", started.elapsed().as_secs_f64());
+
+        let mut finished = Vec::new();
+        for run in runs {
+            finished.push(run.await.map_err(|e| HarnessError::Expectation(format!("sandbox task: {e}")))??);
+        }
+
+        // Measured, not counted by crabd: bytes the store grew by in any window
+        // between two samples before the kill (a commit writes after its grant).
+        let mut worst = 0f64;
+        for (i, (t0, b0)) in samples.iter().enumerate() {
+            for (t1, b1) in &samples[i + 1..] {
+                let allowed = rate * (t1 - t0 + GRANT_TO_WRITE_S) + burst;
+                worst = worst.max(b1.saturating_sub(*b0) as f64 - allowed);
+            }
+        }
+        let total = samples.last().map_or(0, |s| s.1) - samples[0].1;
+        let span = samples.last().map_or(0.0, |s| s.0);
+        eprintln!(
+            "before the kill: {:.1} MiB in {span:.1} s ({:.2} MiB/s mean) against {:.1} MiB/s + {:.1} MiB burst; worst excess {:.2} MiB",
+            total as f64 / 1048576.0,
+            total as f64 / 1048576.0 / span.max(1e-9),
+            rate / 1048576.0,
+            burst / 1048576.0,
+            worst / 1048576.0,
+        );
+        ensure!(worst <= 1048576.0, "measured writes exceeded the bucket by {:.2} MiB", worst / 1048576.0);
+
+        // Every turn has exactly one record and its own checkpoint.
+        for id in &ids {
+            let records = turn_records(id);
+            let turns: Vec<u64> = records.iter().map(|r| r.0).collect();
+            ensure_eq!(turns, (1..=KILL_TURNS).collect::<Vec<_>>(), "turns recorded for {id}");
+            for (turn, class, checkpoint, reasons) in &records {
+                ensure!(!reasons.iter().any(|r| r.starts_with("checkpoint failed")), "{id} turn {turn}: {reasons:?}");
+                ensure!(class != "clean", "{id} turn {turn} changed files but was recorded clean");
+                ensure_eq!(*checkpoint, Some(*turn), "checkpoint of {id} turn {turn} ({class})");
+            }
+            let verify = std::process::Command::new(crabctl())
+                .args(["verify", id.as_str(), "--state-dir"])
+                .arg(state_dir())
+                .output()
+                .map_err(|e| HarnessError::io("running crabctl verify", e))?;
+            ensure!(
+                verify.status.success(),
+                "crabctl verify {id}: {}{}",
+                String::from_utf8_lossy(&verify.stdout),
+                String::from_utf8_lossy(&verify.stderr)
+            );
+        }
+
+        // A new crabd serves the socket, and the commits after the kill went through it.
+        let after = node_status()?;
+        let new_pid = after["pid"].as_u64().unwrap_or(0);
+        ensure!(new_pid != 0 && new_pid != old_pid, "crabd after the kill: pid {new_pid} (was {old_pid})");
+        ensure_eq!(comm(new_pid as u32), "crabd", "the process serving crabd's socket");
+        let sandboxes_seen = after["bucket"]["sandboxes"].as_array().cloned().unwrap_or_default();
+        for id in &ids {
+            let granted = sandboxes_seen
+                .iter()
+                .find(|s| s["sandbox"] == id.as_str())
+                .and_then(|s| s["granted_requests"].as_u64())
+                .unwrap_or(0);
+            ensure!(granted >= 1, "no commit of {id} went through the new crabd: {after}");
+        }
+        drop(finished);
+        Ok::<(), HarnessError>(())
+    }
+    .await;
     if let Err(e) = outcome {
         panic!("{e}");
     }

@@ -1,20 +1,32 @@
 //! The node's commit bandwidth: a token bucket and the order of the commits
 //! waiting for it.
 //!
-//! Tokens (bytes) accrue at `rate` up to `burst`. Only the first waiting
-//! request in the order below can be granted, once the bucket holds
-//! `min(bytes, burst)`; its bytes are then taken, so a request bigger than the
-//! burst leaves the bucket in debt and the next grant waits for it to be paid
-//! back. Over any window of length T the granted bytes are therefore at most
-//! `burst + rate·T` (plus, once, the excess of a single request over the burst).
+//! Tokens (bytes) accrue at `rate` up to `burst`. A commit draws its bytes in
+//! chunks of at most `chunk_bytes` (never more than the burst): each time the
+//! first waiting commit in the order below can pay for its next chunk, the
+//! chunk's tokens are taken, and the commit is granted once its last chunk is
+//! paid. Between two chunks of a large CRIU dump the order is decided again,
+//! so a small delta of another sandbox goes in between instead of waiting for
+//! the whole dump. The bucket never goes into debt: over any window of length
+//! T the tokens taken are at most `burst + rate·T`.
 //!
-//! Order of waiting requests, first to last:
-//! 1. requests that have waited at least `aging`, oldest first: no sandbox
+//! Order of waiting commits, first to last:
+//! 1. commits that have waited at least `aging`, oldest first: no sandbox
 //!    waits without bound, whatever keeps arriving;
-//! 2. requests of sandboxes marked for eviction, oldest first;
-//! 3. file-system deltas, smallest first (a small delta should not sit behind
-//!    a memory image);
+//! 2. commits of sandboxes marked for eviction, oldest first;
+//! 3. file-system deltas, fewest bytes still to pay first (a small delta
+//!    should not sit behind a memory image);
 //! 4. process checkpoints (CRIU images), oldest first.
+//!
+//! Superseding: a waiting process checkpoint of a sandbox is dropped (its
+//! waiter hears `Superseded`) when a newer process checkpoint of the same
+//! sandbox arrives and both were marked `supersedable` by their shim. Only a
+//! shim can promise that: the newer commit must cover every path the dropped
+//! one would have written (CRIU images are whole, but the file-system part of
+//! a turn's commit only holds that turn's paths). File-system deltas are
+//! never dropped here: the newer delta lacks the older one's paths, and
+//! merging them needs the older paths' contents as of the newer turn's end,
+//! which only the shim can read, before the turn after it runs.
 //!
 //! The scheduler is plain data driven by explicit instants, so its maths is
 //! tested without a clock; [`super::server`] drives it in real time.
@@ -34,12 +46,19 @@ pub enum CommitKind {
     Proc,
 }
 
+/// Default size of the chunks a commit draws: large enough that a 100 MiB
+/// dump is a few dozen grants, small enough that a delta queued behind a
+/// chunk waits milliseconds at typical rates.
+pub const DEFAULT_CHUNK_BYTES: u64 = 4 << 20;
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct BucketConfig {
     pub rate_bytes_per_s: f64,
     pub burst_bytes: u64,
     /// A request waiting this long goes before every fresher one.
     pub aging: Duration,
+    /// Largest draw of one commit at a time (capped at the burst).
+    pub chunk_bytes: u64,
 }
 
 impl BucketConfig {
@@ -48,7 +67,13 @@ impl BucketConfig {
             rate_bytes_per_s: config.rate_mib_per_s as f64 * (1u64 << 20) as f64,
             burst_bytes: config.burst_mib << 20,
             aging: Duration::from_millis(config.aging_ms),
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
         }
+    }
+
+    /// The chunk actually drawn: at least a byte, at most the burst.
+    fn chunk(&self) -> u64 {
+        self.chunk_bytes.clamp(1, self.burst_bytes.max(1))
     }
 }
 
@@ -58,15 +83,28 @@ pub struct CommitRequest {
     pub bytes: u64,
     pub kind: CommitKind,
     pub turn: u64,
+    /// The shim may drop this commit for a newer process checkpoint of the
+    /// same sandbox (see the module documentation for what that promises).
+    pub supersedable: bool,
 }
 
 /// Identifies a waiting request (for grants and cancellation).
 pub type Ticket = u64;
 
+/// How a waiting commit ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every chunk is paid: write.
+    Granted,
+    /// Dropped for the newer commit of turn `by_turn`: do not write.
+    Superseded { by_turn: u64 },
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Grant {
+pub struct Decision {
     pub ticket: Ticket,
     pub waited: Duration,
+    pub outcome: Outcome,
 }
 
 /// How far back the per-sandbox recent rate looks.
@@ -75,25 +113,42 @@ const RECENT_WINDOW: Duration = Duration::from_secs(10);
 struct Waiting {
     request: CommitRequest,
     enqueued: Instant,
+    /// Bytes not yet paid for.
+    remaining: u64,
 }
 
 #[derive(Default)]
 struct SandboxTotals {
     granted_bytes: u64,
     granted_requests: u64,
-    /// Grants within [`RECENT_WINDOW`]: (when, bytes).
+    chunks: u64,
+    superseded: u64,
+    superseded_bytes: u64,
+    /// Longest wait of any commit that has left the queue.
+    max_lag: Duration,
+    /// Draws within [`RECENT_WINDOW`]: (when, bytes).
     recent: VecDeque<(Instant, u64)>,
 }
 
 pub struct Scheduler {
     config: BucketConfig,
-    /// May be negative: the debt of a request bigger than the burst.
     tokens: f64,
     refilled_at: Instant,
     waiting: BTreeMap<Ticket, Waiting>,
     next_ticket: Ticket,
     evicting: HashSet<String>,
     totals: HashMap<String, SandboxTotals>,
+    /// Superseded since the last poll, reported by it.
+    dropped: Vec<Decision>,
+    /// What forgotten sandboxes contributed to the node's totals.
+    gone: GoneTotals,
+}
+
+#[derive(Default)]
+struct GoneTotals {
+    max_lag: Duration,
+    superseded: u64,
+    granted_bytes: u64,
 }
 
 /// Where a request stands in the order (smaller goes first).
@@ -116,6 +171,8 @@ impl Scheduler {
             next_ticket: 1,
             evicting: HashSet::new(),
             totals: HashMap::new(),
+            dropped: Vec::new(),
+            gone: GoneTotals::default(),
         }
     }
 
@@ -123,10 +180,35 @@ impl Scheduler {
         &self.config
     }
 
+    /// Queues `request`; older supersedable process checkpoints of its
+    /// sandbox are dropped when it is one too (the next poll reports them).
     pub fn enqueue(&mut self, request: CommitRequest, now: Instant) -> Ticket {
+        if request.kind == CommitKind::Proc && request.supersedable {
+            let older: Vec<Ticket> = self
+                .waiting
+                .iter()
+                .filter(|(_, w)| {
+                    w.request.sandbox == request.sandbox
+                        && w.request.kind == CommitKind::Proc
+                        && w.request.supersedable
+                        && w.request.turn < request.turn
+                })
+                .map(|(ticket, _)| *ticket)
+                .collect();
+            for ticket in older {
+                let w = self.waiting.remove(&ticket).expect("listed above");
+                let waited = now.saturating_duration_since(w.enqueued);
+                let totals = self.totals.entry(w.request.sandbox).or_default();
+                totals.superseded += 1;
+                totals.superseded_bytes += w.remaining;
+                totals.max_lag = totals.max_lag.max(waited);
+                self.dropped.push(Decision { ticket, waited, outcome: Outcome::Superseded { by_turn: request.turn } });
+            }
+        }
         let ticket = self.next_ticket;
         self.next_ticket += 1;
-        self.waiting.insert(ticket, Waiting { request, enqueued: now });
+        let remaining = request.bytes;
+        self.waiting.insert(ticket, Waiting { request, enqueued: now, remaining });
         ticket
     }
 
@@ -143,26 +225,34 @@ impl Scheduler {
         }
     }
 
-    /// Grants, in order, every request the bucket can pay for at `now`, and
-    /// tells when to call again (None: nothing is waiting).
-    pub fn poll(&mut self, now: Instant) -> (Vec<Grant>, Option<Instant>) {
+    /// Pays, in order, every chunk the bucket can pay for at `now`; returns
+    /// the commits that are now fully granted or were superseded, and when to
+    /// call again (None: nothing is waiting).
+    pub fn poll(&mut self, now: Instant) -> (Vec<Decision>, Option<Instant>) {
         self.refill(now);
-        let mut grants = Vec::new();
-        while let Some((ticket, needed)) = self.head(now) {
+        let mut decisions = std::mem::take(&mut self.dropped);
+        while let Some((ticket, chunk)) = self.head(now) {
             // A byte of slack: float sums of refills must not stall a grant.
-            if self.tokens + 1.0 < needed {
+            if self.tokens + 1.0 < chunk as f64 {
                 break;
             }
-            let waiting = self.waiting.remove(&ticket).expect("head is waiting");
-            self.tokens -= waiting.request.bytes as f64;
-            let totals = self.totals.entry(waiting.request.sandbox).or_default();
-            totals.granted_bytes += waiting.request.bytes;
-            totals.granted_requests += 1;
-            totals.recent.push_back((now, waiting.request.bytes));
-            grants.push(Grant { ticket, waited: now.saturating_duration_since(waiting.enqueued) });
+            self.tokens -= chunk as f64;
+            let waiting = self.waiting.get_mut(&ticket).expect("head is waiting");
+            waiting.remaining -= chunk;
+            let totals = self.totals.entry(waiting.request.sandbox.clone()).or_default();
+            totals.granted_bytes += chunk;
+            totals.chunks += 1;
+            totals.recent.push_back((now, chunk));
+            if waiting.remaining == 0 {
+                let waiting = self.waiting.remove(&ticket).expect("head is waiting");
+                let waited = now.saturating_duration_since(waiting.enqueued);
+                totals.granted_requests += 1;
+                totals.max_lag = totals.max_lag.max(waited);
+                decisions.push(Decision { ticket, waited, outcome: Outcome::Granted });
+            }
         }
-        let next = self.head(now).map(|(_, needed)| {
-            let short = (needed - self.tokens).max(0.0);
+        let next = self.head(now).map(|(_, chunk)| {
+            let short = (chunk as f64 - self.tokens).max(0.0);
             // Rounded up, and at least a nanosecond ahead, so that time moves on.
             let refill_at = now + Duration::from_nanos((short / self.config.rate_bytes_per_s * 1e9).ceil() as u64 + 1);
             // A request reaching its age may change the head before then.
@@ -174,15 +264,15 @@ impl Scheduler {
                 .min();
             next_aging.map_or(refill_at, |aging| aging.min(refill_at))
         });
-        (grants, next)
+        (decisions, next)
     }
 
-    /// The request that goes next and the tokens it needs.
-    fn head(&self, now: Instant) -> Option<(Ticket, f64)> {
+    /// The request that goes next and the size of its next chunk.
+    fn head(&self, now: Instant) -> Option<(Ticket, u64)> {
         self.waiting
             .iter()
             .min_by_key(|(ticket, w)| self.rank(**ticket, w, now))
-            .map(|(ticket, w)| (*ticket, w.request.bytes.min(self.config.burst_bytes) as f64))
+            .map(|(ticket, w)| (*ticket, w.remaining.min(self.config.chunk())))
     }
 
     fn rank(&self, ticket: Ticket, w: &Waiting, now: Instant) -> Rank {
@@ -193,7 +283,7 @@ impl Scheduler {
             Rank::Evicting { enqueued, ticket }
         } else {
             match w.request.kind {
-                CommitKind::Fs => Rank::Fs { bytes: w.request.bytes, ticket },
+                CommitKind::Fs => Rank::Fs { bytes: w.remaining, ticket },
                 CommitKind::Proc => Rank::Proc { enqueued, ticket },
             }
         }
@@ -213,8 +303,12 @@ impl Scheduler {
         for w in self.waiting.values() {
             let s = sandboxes.entry(&w.request.sandbox).or_insert_with(|| blank(&w.request.sandbox));
             s.waiting += 1;
-            s.waiting_bytes += w.request.bytes;
-            s.lag_ms = s.lag_ms.max(now.saturating_duration_since(w.enqueued).as_secs_f64() * 1e3);
+            s.waiting_bytes += w.remaining;
+            let lag_ms = now.saturating_duration_since(w.enqueued).as_secs_f64() * 1e3;
+            if lag_ms >= s.lag_ms {
+                s.lag_ms = lag_ms;
+                s.oldest_waiting_turn = Some(w.request.turn);
+            }
         }
         for (name, totals) in &mut self.totals {
             while totals.recent.front().is_some_and(|(at, _)| now.saturating_duration_since(*at) > RECENT_WINDOW) {
@@ -223,6 +317,10 @@ impl Scheduler {
             let s = sandboxes.entry(name).or_insert_with(|| blank(name));
             s.granted_bytes = totals.granted_bytes;
             s.granted_requests = totals.granted_requests;
+            s.granted_chunks = totals.chunks;
+            s.superseded = totals.superseded;
+            s.superseded_bytes = totals.superseded_bytes;
+            s.max_lag_ms = totals.max_lag.as_secs_f64() * 1e3;
             s.recent_rate_bytes_per_s =
                 totals.recent.iter().map(|(_, b)| *b as f64).sum::<f64>() / RECENT_WINDOW.as_secs_f64();
         }
@@ -230,12 +328,21 @@ impl Scheduler {
             sandboxes.entry(name).or_insert_with(|| blank(name)).evicting = true;
         }
         let mut sandboxes: Vec<_> = sandboxes.into_values().collect();
+        for s in &mut sandboxes {
+            // A commit still waiting may already be the longest wait.
+            s.max_lag_ms = s.max_lag_ms.max(s.lag_ms);
+        }
         sandboxes.sort_by(|a, b| a.sandbox.cmp(&b.sandbox));
+        let gone = &self.gone;
         super::protocol::BucketStatus {
             rate_bytes_per_s: self.config.rate_bytes_per_s,
             burst_bytes: self.config.burst_bytes,
+            chunk_bytes: self.config.chunk(),
             aging_ms: self.config.aging.as_millis() as u64,
             tokens: self.tokens,
+            max_lag_ms: sandboxes.iter().map(|s| s.max_lag_ms).fold(gone.max_lag.as_secs_f64() * 1e3, f64::max),
+            superseded: gone.superseded + sandboxes.iter().map(|s| s.superseded).sum::<u64>(),
+            granted_bytes: gone.granted_bytes + sandboxes.iter().map(|s| s.granted_bytes).sum::<u64>(),
             sandboxes,
         }
     }
@@ -243,7 +350,11 @@ impl Scheduler {
     /// Forgets the totals of a sandbox that is gone (nothing waiting, no mark).
     pub fn forget(&mut self, sandbox: &str) {
         if !self.waiting.values().any(|w| w.request.sandbox == sandbox) {
-            self.totals.remove(sandbox);
+            if let Some(totals) = self.totals.remove(sandbox) {
+                self.gone.max_lag = self.gone.max_lag.max(totals.max_lag);
+                self.gone.superseded += totals.superseded;
+                self.gone.granted_bytes += totals.granted_bytes;
+            }
             self.evicting.remove(sandbox);
         }
     }
@@ -260,11 +371,12 @@ mod tests {
             rate_bytes_per_s: (rate_mib * MIB) as f64,
             burst_bytes: burst_mib * MIB,
             aging: Duration::from_millis(aging_ms),
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
         }
     }
 
     fn request(sandbox: &str, bytes: u64, kind: CommitKind) -> CommitRequest {
-        CommitRequest { sandbox: sandbox.into(), bytes, kind, turn: 1 }
+        CommitRequest { sandbox: sandbox.into(), bytes, kind, turn: 1, supersedable: false }
     }
 
     /// Deterministic pseudo-random numbers (xorshift), so a failure replays.
@@ -278,14 +390,28 @@ mod tests {
         }
     }
 
+    /// What a simulated run produced: finished commits (time, bytes, label,
+    /// outcome) and every draw from the bucket (time, bytes).
+    struct Run {
+        decisions: Vec<(Duration, u64, String, Outcome)>,
+        draws: Vec<(Duration, u64)>,
+    }
+
+    impl Run {
+        fn granted(&self) -> Vec<&(Duration, u64, String, Outcome)> {
+            self.decisions.iter().filter(|d| d.3 == Outcome::Granted).collect()
+        }
+    }
+
     /// Runs `arrivals` (offset, request) through a scheduler, polling exactly
-    /// when it asks to be polled and at each arrival; returns (grant time, bytes, ticket order).
-    fn simulate(config: BucketConfig, arrivals: Vec<(Duration, CommitRequest)>) -> Vec<(Duration, u64, String)> {
+    /// when it asks to be polled and at each arrival.
+    fn simulate(config: BucketConfig, arrivals: Vec<(Duration, CommitRequest)>) -> Run {
         let start = Instant::now();
         let mut scheduler = Scheduler::new(config, start);
         let mut pending: VecDeque<_> = arrivals.into_iter().collect();
         let mut names = HashMap::new();
-        let mut granted = Vec::new();
+        let mut run = Run { decisions: Vec::new(), draws: Vec::new() };
+        let mut paid = 0;
         let mut wake: Option<Instant> = None;
         loop {
             let next_arrival = pending.front().map(|(at, _)| start + *at);
@@ -301,24 +427,29 @@ mod tests {
                 let bytes = req.bytes;
                 names.insert(scheduler.enqueue(req, now), (label, bytes));
             }
-            let (grants, next) = scheduler.poll(now);
-            for g in grants {
-                let (label, bytes) = names[&g.ticket].clone();
-                granted.push((now - start, bytes, label));
+            let (decisions, next) = scheduler.poll(now);
+            for d in decisions {
+                let (label, bytes) = names[&d.ticket].clone();
+                run.decisions.push((now - start, bytes, label, d.outcome));
+            }
+            let total = scheduler.status(now).granted_bytes;
+            if total > paid {
+                run.draws.push((now - start, total - paid));
+                paid = total;
             }
             wake = next;
         }
-        granted
+        run
     }
 
-    /// Max over every window [a, b] between grants of (granted bytes - rate·(b-a)).
-    fn worst_excess(rate: f64, grants: &[(Duration, u64, String)]) -> f64 {
+    /// Max over every window [a, b] between draws of (drawn bytes - rate·(b-a)).
+    fn worst_excess(rate: f64, draws: &[(Duration, u64)]) -> f64 {
         let mut worst = 0f64;
-        for i in 0..grants.len() {
+        for i in 0..draws.len() {
             let mut sum = 0f64;
-            for j in i..grants.len() {
-                sum += grants[j].1 as f64;
-                let window = (grants[j].0 - grants[i].0).as_secs_f64();
+            for j in i..draws.len() {
+                sum += draws[j].1 as f64;
+                let window = (draws[j].0 - draws[i].0).as_secs_f64();
                 worst = worst.max(sum - rate * window);
             }
         }
@@ -326,7 +457,7 @@ mod tests {
     }
 
     #[test]
-    fn granted_bytes_never_exceed_burst_plus_rate_over_any_window() {
+    fn drawn_bytes_never_exceed_burst_plus_rate_over_any_window() {
         let config = config(200, 64, 2_000);
         let mut rng = Rng(0x9e3779b97f4a7c15);
         let mut at = Duration::ZERO;
@@ -334,42 +465,49 @@ mod tests {
             .map(|i| {
                 at += Duration::from_micros(rng.next() % 40_000);
                 let kind = if i % 5 == 0 { CommitKind::Proc } else { CommitKind::Fs };
-                let bytes = 1 + rng.next() % (48 * MIB);
+                // Some commits are bigger than the burst.
+                let bytes = 1 + rng.next() % (96 * MIB);
                 (at, request(&format!("s{}", i % 16), bytes, kind))
             })
             .collect();
         let total: u64 = arrivals.iter().map(|(_, r)| r.bytes).sum();
-        let grants = simulate(config.clone(), arrivals);
-        assert_eq!(grants.len(), 400, "every request is granted in the end");
-        let excess = worst_excess(config.rate_bytes_per_s, &grants);
+        let run = simulate(config.clone(), arrivals);
+        assert_eq!(run.granted().len(), 400, "every request is granted in the end");
+        assert_eq!(run.draws.iter().map(|d| d.1).sum::<u64>(), total, "every byte is drawn exactly once");
+        let excess = worst_excess(config.rate_bytes_per_s, &run.draws);
         assert!(excess <= config.burst_bytes as f64 + 1.0, "window excess {excess} > burst {}", config.burst_bytes);
         // The offered load is above the rate, so the bucket is what paces it:
         // the whole run takes at least (total - burst) / rate.
-        let span = grants.last().unwrap().0.as_secs_f64();
+        let span = run.draws.last().unwrap().0.as_secs_f64();
         let floor = (total - config.burst_bytes) as f64 / config.rate_bytes_per_s;
         assert!(span >= floor - 1e-3, "span {span} s < {floor} s: rate exceeded");
         assert!(span <= floor + 0.5, "span {span} s far above {floor} s: the bucket idles");
     }
 
     #[test]
-    fn a_request_above_the_burst_waits_for_its_debt() {
+    fn a_dump_bigger_than_the_burst_is_paid_in_chunks_with_deltas_in_between() {
+        // 100 MiB/s, 10 MiB burst, 4 MiB chunks: the 40 MiB dump needs ten draws.
         let config = config(100, 10, 60_000);
         let arrivals = vec![
-            (Duration::ZERO, request("big", 110 * MIB, CommitKind::Proc)),
-            (Duration::ZERO, request("small", MIB, CommitKind::Fs)),
-            (Duration::from_millis(20), request("next", MIB, CommitKind::Fs)),
+            (Duration::ZERO, request("big", 40 * MIB, CommitKind::Proc)),
+            (Duration::from_millis(50), request("small", MIB, CommitKind::Fs)),
         ];
-        let grants = simulate(config.clone(), arrivals);
-        // The small delta goes first, then the big dump once 10 MiB accrued
-        // again, then the debt of 100 MiB takes a second to repay.
-        assert_eq!(grants[0].2, format!("small:{}", MIB));
-        assert_eq!(grants[1].2, format!("big:{}", 110 * MIB));
-        let big_at = grants[1].0.as_secs_f64();
-        assert!((big_at - 0.01).abs() < 0.002, "big granted at {big_at}");
-        let next_at = grants[2].0.as_secs_f64();
-        assert!((next_at - (big_at + 1.01)).abs() < 0.002, "next granted at {next_at}");
-        let excess = worst_excess(config.rate_bytes_per_s, &grants);
-        assert!(excess <= (110 * MIB) as f64 + 1.0, "excess {excess}");
+        let run = simulate(config.clone(), arrivals);
+        let granted = run.granted();
+        // The delta arrived while the dump was half paid and did not wait for the rest.
+        assert_eq!(granted[0].2, format!("small:{}", MIB));
+        let small_at = granted[0].0.as_secs_f64();
+        assert!(small_at < 0.07, "delta granted at {small_at} s");
+        assert_eq!(granted[1].2, format!("big:{}", 40 * MIB));
+        // 40 + 1 MiB at 100 MiB/s with 10 MiB in the bucket at the start.
+        let big_at = granted[1].0.as_secs_f64();
+        assert!((big_at - 0.31).abs() < 0.005, "dump granted at {big_at} s");
+        // Polls see what the bucket holds: two chunks from the full bucket at
+        // first, then one chunk each time 4 MiB have accrued.
+        assert!(run.draws.iter().all(|d| d.1 <= 10 * MIB), "no draw above the burst: {:?}", run.draws);
+        assert!(run.draws.len() >= 9, "the dump is paid over time: {:?}", run.draws);
+        assert_eq!(run.draws.iter().map(|d| d.1).sum::<u64>(), 41 * MIB);
+        assert!(worst_excess(config.rate_bytes_per_s, &run.draws) <= (10 * MIB) as f64 + 1.0);
     }
 
     #[test]
@@ -379,7 +517,7 @@ mod tests {
         let mut s = Scheduler::new(config, start);
         // Empty the bucket so that everything below has to wait.
         let drain = s.enqueue(request("x", MIB, CommitKind::Fs), start);
-        assert_eq!(s.poll(start).0, vec![Grant { ticket: drain, waited: Duration::ZERO }]);
+        assert_eq!(s.poll(start).0, vec![Decision { ticket: drain, waited: Duration::ZERO, outcome: Outcome::Granted }]);
         let dump = s.enqueue(request("a", 900_000, CommitKind::Proc), start);
         let big_fs = s.enqueue(request("b", 800_000, CommitKind::Fs), start);
         let small_fs = s.enqueue(request("c", 1_000, CommitKind::Fs), start);
@@ -405,13 +543,61 @@ mod tests {
             arrivals.push((Duration::from_millis(i * 5), request(&format!("fs{}", i % 8), 100_000, CommitKind::Fs)));
         }
         arrivals.sort_by_key(|(at, _)| *at);
-        let grants = simulate(config, arrivals);
-        let dump = grants.iter().find(|g| g.2.starts_with("dumper")).expect("the dump is granted");
-        // It ages at 2.005 s, then waits for what aged before it and for 1 MiB of tokens.
+        let run = simulate(config, arrivals);
+        let granted = run.granted();
+        let dump = granted.iter().find(|g| g.2.starts_with("dumper")).expect("the dump is granted");
+        // It ages at 2.005 s, then waits for what aged before it and for its
+        // five 1 MiB chunks (0.1 s each at 10 MiB/s).
         let at = dump.0.as_secs_f64();
-        assert!((2.0..2.5).contains(&at), "dump granted at {at} s");
+        assert!((2.0..3.0).contains(&at), "dump granted at {at} s");
         // Whatever arrived after it but was granted before is newer and small (fs first until aging).
-        assert!(grants.iter().filter(|g| g.0 < dump.0).all(|g| g.2.starts_with("fs")));
+        assert!(granted.iter().filter(|g| g.0 < dump.0).all(|g| g.2.starts_with("fs")));
+    }
+
+    #[test]
+    fn a_newer_supersedable_dump_drops_the_waiting_one_but_never_an_fs_delta() {
+        let config = config(1, 1, 60_000);
+        let start = Instant::now();
+        let mut s = Scheduler::new(config, start);
+        let blocker = s.enqueue(request("x", MIB, CommitKind::Fs), start);
+        assert_eq!(s.poll(start).0.len(), 1, "{blocker} empties the bucket");
+        let dump = |turn, supersedable| CommitRequest {
+            sandbox: "a".into(),
+            bytes: 300_000,
+            kind: CommitKind::Proc,
+            turn,
+            supersedable,
+        };
+        let fs = s.enqueue(CommitRequest { turn: 1, ..request("a", 200_000, CommitKind::Fs) }, start);
+        let pinned = s.enqueue(dump(2, false), start);
+        let old = s.enqueue(dump(3, true), start);
+        let other_sandbox = s.enqueue(CommitRequest { sandbox: "b".into(), ..dump(3, true) }, start);
+        let later = start + Duration::from_millis(100);
+        let new = s.enqueue(dump(4, true), later);
+        let (decisions, _) = s.poll(later);
+        assert_eq!(
+            decisions,
+            vec![Decision { ticket: old, waited: Duration::from_millis(100), outcome: Outcome::Superseded { by_turn: 4 } }]
+        );
+        let status = s.status(later);
+        let a = status.sandboxes.iter().find(|x| x.sandbox == "a").unwrap();
+        assert_eq!((a.superseded, a.superseded_bytes, a.waiting), (1, 300_000, 3));
+        assert_eq!(status.superseded, 1);
+        // Everything else is granted in the end: the fs delta, the dump not
+        // marked supersedable, the other sandbox's dump and the newer one.
+        let mut granted = Vec::new();
+        let mut now = later;
+        while granted.len() < 4 {
+            let (decisions, next) = s.poll(now);
+            assert!(decisions.iter().all(|d| d.outcome == Outcome::Granted));
+            granted.extend(decisions.into_iter().map(|d| d.ticket));
+            match next {
+                Some(at) => now = at,
+                None => break,
+            }
+        }
+        granted.sort();
+        assert_eq!(granted, vec![fs, pinned, other_sandbox, new]);
     }
 
     #[test]
@@ -431,14 +617,14 @@ mod tests {
     }
 
     #[test]
-    fn status_reports_lag_of_the_oldest_waiting_request_and_rates() {
+    fn status_reports_lag_max_lag_and_rates_and_keeps_node_totals_of_forgotten_sandboxes() {
         let config = config(1, 1, 60_000);
         let start = Instant::now();
         let mut s = Scheduler::new(config, start);
         s.enqueue(request("a", MIB, CommitKind::Fs), start);
         s.poll(start);
-        s.enqueue(request("b", MIB, CommitKind::Fs), start + Duration::from_millis(100));
-        s.enqueue(request("b", MIB, CommitKind::Fs), start + Duration::from_millis(300));
+        s.enqueue(CommitRequest { turn: 7, ..request("b", MIB, CommitKind::Fs) }, start + Duration::from_millis(100));
+        s.enqueue(CommitRequest { turn: 8, ..request("b", MIB, CommitKind::Fs) }, start + Duration::from_millis(300));
         s.set_evicting("c", true);
         let status = s.status(start + Duration::from_millis(500));
         let by_name: HashMap<_, _> = status.sandboxes.iter().map(|s| (s.sandbox.as_str(), s)).collect();
@@ -446,7 +632,25 @@ mod tests {
         assert!((by_name["a"].recent_rate_bytes_per_s - MIB as f64 / 10.0).abs() < 1.0);
         assert_eq!(by_name["b"].waiting, 2);
         assert!((by_name["b"].lag_ms - 400.0).abs() < 1e-6, "lag {}", by_name["b"].lag_ms);
+        assert_eq!(by_name["b"].oldest_waiting_turn, Some(7));
+        assert!((by_name["b"].max_lag_ms - 400.0).abs() < 1e-6);
         assert!(by_name["c"].evicting);
         assert!((status.tokens - MIB as f64 / 2.0).abs() < 1.0, "tokens {}", status.tokens);
+
+        // b's first commit is granted after 1 s of waiting (it needs a full MiB),
+        // its second waits on; then b is forgotten once nothing of it waits.
+        let (decisions, _) = s.poll(start + Duration::from_millis(1_100));
+        assert_eq!(decisions.len(), 1);
+        let status = s.status(start + Duration::from_millis(1_200));
+        let b = status.sandboxes.iter().find(|x| x.sandbox == "b").unwrap();
+        assert!((b.max_lag_ms - 1_000.0).abs() < 1e-6, "max lag {}", b.max_lag_ms);
+        assert!((b.lag_ms - 900.0).abs() < 1e-6, "lag {}", b.lag_ms);
+        let (decisions, _) = s.poll(start + Duration::from_millis(2_100));
+        assert_eq!(decisions.len(), 1);
+        s.forget("b");
+        let status = s.status(start + Duration::from_millis(2_200));
+        assert!(status.sandboxes.iter().all(|x| x.sandbox != "b"));
+        assert!((status.max_lag_ms - 1_800.0).abs() < 1e-6, "node max lag {}", status.max_lag_ms);
+        assert_eq!(status.granted_bytes, 3 * MIB);
     }
 }

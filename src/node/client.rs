@@ -244,18 +244,60 @@ impl NodeClient {
     /// Waits for the bandwidth to commit `bytes`; Err when crabd cannot be
     /// reached or answers something else than a grant.
     pub async fn acquire_bandwidth(&self, sandbox: &str, bytes: u64, kind: CommitKind, turn: u64) -> Result<f64, NodeError> {
-        let mut connection = Connection::open(&self.options.socket, self.options.timeout).await?;
-        let request = Request::Acquire { sandbox: sandbox.into(), bytes, kind, turn };
-        // Dropping this future closes the connection, which withdraws the request.
-        match connection.exchange(&request).await?.pop() {
-            Some(Reply::Granted { waited_ms }) => Ok(waited_ms),
-            Some(Reply::Error { message }) => Err(NodeError::Remote(message)),
-            other => Err(NodeError::UnexpectedReply {
-                request: "acquire",
-                got: other.map_or("nothing", |r| r.name()).into(),
-            }),
+        let request = Request::Acquire { sandbox: sandbox.into(), bytes, kind, turn, supersedable: false };
+        match self.acquire(request).await? {
+            Acquired::Granted { waited_ms } => Ok(waited_ms),
+            Acquired::Superseded { .. } => {
+                Err(NodeError::UnexpectedReply { request: "acquire", got: "superseded (not asked for)".into() })
+            }
         }
     }
+
+    /// Like [`Self::acquire_bandwidth`] for a process checkpoint the caller
+    /// may drop: a newer supersedable process checkpoint of `sandbox` ends
+    /// this wait with [`Acquired::Superseded`]. The caller promises that the
+    /// newer commit covers every path this one would have written.
+    pub async fn acquire_supersedable(&self, sandbox: &str, bytes: u64, turn: u64) -> Result<Acquired, NodeError> {
+        self.acquire(Request::Acquire { sandbox: sandbox.into(), bytes, kind: CommitKind::Proc, turn, supersedable: true })
+            .await
+    }
+
+    /// One acquire on a connection of its own (dropping the future closes it,
+    /// which withdraws the request). When crabd dies while the request waits,
+    /// it is asked again of the crabd that replaces it, started if need be.
+    async fn acquire(&self, request: Request) -> Result<Acquired, NodeError> {
+        let mut last_error = None;
+        for attempt in 0..2 {
+            let outcome = async {
+                let mut connection = self.open_or_spawn().await?;
+                connection.exchange(&request).await
+            }
+            .await;
+            let error = match outcome.map(|mut replies| replies.pop()) {
+                Ok(Some(Reply::Granted { waited_ms })) => return Ok(Acquired::Granted { waited_ms }),
+                Ok(Some(Reply::Superseded { by_turn, waited_ms })) => return Ok(Acquired::Superseded { by_turn, waited_ms }),
+                Ok(Some(Reply::Error { message })) => return Err(NodeError::Remote(message)),
+                Ok(other) => {
+                    return Err(NodeError::UnexpectedReply {
+                        request: "acquire",
+                        got: other.map_or("nothing", |r| r.name()).into(),
+                    });
+                }
+                Err(error) => error,
+            };
+            tracing::warn!(attempt, %error, "acquire: crabd connection lost");
+            last_error = Some(error);
+        }
+        Err(last_error.expect("two failed attempts"))
+    }
+}
+
+/// How an acquire ended.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Acquired {
+    Granted { waited_ms: f64 },
+    /// Dropped for the newer commit of turn `by_turn`: do not write this one.
+    Superseded { by_turn: u64, waited_ms: f64 },
 }
 
 #[async_trait::async_trait]

@@ -23,8 +23,8 @@ pub mod server;
 
 use std::path::{Path, PathBuf};
 
-pub use bucket::{BucketConfig, CommitKind};
-pub use client::{ClientOptions, NodeClient};
+pub use bucket::{BucketConfig, CommitKind, DEFAULT_CHUNK_BYTES};
+pub use client::{Acquired, ClientOptions, NodeClient};
 pub use estimate::estimate_commit_bytes;
 pub use protocol::{NodeStatus, PROTOCOL_VERSION};
 
@@ -112,13 +112,21 @@ pub fn render_status(status: &NodeStatus) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "crabd pid {} (protocol {}, up {:.0} s): bucket {:.1} MiB/s, burst {:.1} MiB, {:.1} MiB available",
+        "crabd pid {} (protocol {}, up {:.0} s): bucket {:.1} MiB/s, burst {:.1} MiB, chunk {:.1} MiB, {:.1} MiB available",
         status.pid,
         status.version,
         status.uptime_s,
         status.bucket.rate_bytes_per_s / MIB,
         status.bucket.burst_bytes as f64 / MIB,
+        status.bucket.chunk_bytes as f64 / MIB,
         status.bucket.tokens / MIB,
+    );
+    let _ = writeln!(
+        out,
+        "granted {:.1} MiB, longest wait {:.0} ms, superseded commits {}",
+        status.bucket.granted_bytes as f64 / MIB,
+        status.bucket.max_lag_ms,
+        status.bucket.superseded,
     );
     let _ = writeln!(out, "watched containers: {}", status.watched.len());
     for w in &status.watched {
@@ -126,19 +134,21 @@ pub fn render_status(status: &NodeStatus) -> String {
     }
     let _ = writeln!(
         out,
-        "{:<40} {:>7} {:>12} {:>9} {:>12} {:>10} {:>5}",
-        "SANDBOX", "WAITING", "WAITING_MIB", "LAG_MS", "GRANTED_MIB", "MIB/S_10S", "EVICT"
+        "{:<40} {:>7} {:>12} {:>9} {:>10} {:>12} {:>10} {:>10} {:>5}",
+        "SANDBOX", "WAITING", "WAITING_MIB", "LAG_MS", "MAX_LAG_MS", "GRANTED_MIB", "MIB/S_10S", "SUPERSEDED", "EVICT"
     );
     for s in &status.bucket.sandboxes {
         let _ = writeln!(
             out,
-            "{:<40} {:>7} {:>12.1} {:>9.0} {:>12.1} {:>10.2} {:>5}",
+            "{:<40} {:>7} {:>12.1} {:>9.0} {:>10.0} {:>12.1} {:>10.2} {:>10} {:>5}",
             s.sandbox,
             s.waiting,
             s.waiting_bytes as f64 / MIB,
             s.lag_ms,
+            s.max_lag_ms,
             s.granted_bytes as f64 / MIB,
             s.recent_rate_bytes_per_s / MIB,
+            s.superseded,
             if s.evicting { "yes" } else { "" },
         );
     }

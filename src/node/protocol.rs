@@ -49,8 +49,18 @@ pub enum Request {
     /// Take the effects of `container` up to `until_ns` (CLOCK_MONOTONIC).
     Drain { container: String, until_ns: u64 },
     Unwatch { container: String },
-    /// Wait for bandwidth to commit `bytes` of `sandbox`'s turn `turn`.
-    Acquire { sandbox: String, bytes: u64, kind: CommitKind, turn: u64 },
+    /// Wait for bandwidth to commit `bytes` of `sandbox`'s turn `turn`; crabd
+    /// draws them from the bucket in chunks and answers once all are paid.
+    /// `supersedable`: a newer supersedable process checkpoint of the same
+    /// sandbox may replace this one (answer `superseded`); absent means false.
+    Acquire {
+        sandbox: String,
+        bytes: u64,
+        kind: CommitKind,
+        turn: u64,
+        #[serde(default)]
+        supersedable: bool,
+    },
     /// Withdraw the acquire this connection is waiting for.
     Cancel,
     /// Mark (or unmark) a sandbox for eviction: its commits go first.
@@ -83,6 +93,8 @@ pub enum Reply {
     Ok,
     Effects { effects: Vec<Effect>, lost_events: u64, more: bool },
     Granted { waited_ms: f64 },
+    /// The commit was dropped for the newer one of turn `by_turn`: do not write it.
+    Superseded { by_turn: u64, waited_ms: f64 },
     Cancelled,
     Status(Box<NodeStatus>),
     Error { message: String },
@@ -96,6 +108,7 @@ impl Reply {
             Reply::Ok => "ok",
             Reply::Effects { .. } => "effects",
             Reply::Granted { .. } => "granted",
+            Reply::Superseded { .. } => "superseded",
             Reply::Cancelled => "cancelled",
             Reply::Status(_) => "status",
             Reply::Error { .. } => "error",
@@ -130,9 +143,17 @@ pub struct WatchedStatus {
 pub struct BucketStatus {
     pub rate_bytes_per_s: f64,
     pub burst_bytes: u64,
+    /// Largest draw of one commit at a time.
+    pub chunk_bytes: u64,
     pub aging_ms: u64,
-    /// Bytes available now (negative: the debt of a commit bigger than the burst).
+    /// Bytes available now.
     pub tokens: f64,
+    /// Longest any commit has waited since crabd started (sandboxes gone included).
+    pub max_lag_ms: f64,
+    /// Commits dropped for a newer one since crabd started.
+    pub superseded: u64,
+    /// Bytes granted since crabd started.
+    pub granted_bytes: u64,
     pub sandboxes: Vec<SandboxStatus>,
 }
 
@@ -142,10 +163,20 @@ pub struct SandboxStatus {
     /// Commits waiting for bandwidth.
     pub waiting: u64,
     pub waiting_bytes: u64,
-    /// How long the oldest waiting commit has waited.
+    /// How long the oldest waiting commit has waited (0: none waits).
     pub lag_ms: f64,
+    /// The turn of that commit.
+    pub oldest_waiting_turn: Option<u64>,
+    /// Longest wait of any commit of this sandbox, waiting ones included.
+    pub max_lag_ms: f64,
     pub granted_bytes: u64,
+    /// Fully granted commits.
     pub granted_requests: u64,
+    /// Chunks drawn (a commit draws one or more).
+    pub granted_chunks: u64,
+    /// Commits dropped for a newer one of the same sandbox, and their unpaid bytes.
+    pub superseded: u64,
+    pub superseded_bytes: u64,
     /// Bytes granted over the last 10 s, per second.
     pub recent_rate_bytes_per_s: f64,
     pub evicting: bool,
@@ -244,9 +275,14 @@ mod tests {
     fn requests_are_tagged_by_op_and_reject_unknown_fields() {
         let text = r#"{"op":"acquire","sandbox":"s","bytes":10,"kind":"proc","turn":3}"#;
         let req: Request = serde_json::from_str(text).unwrap();
-        assert_eq!(req, Request::Acquire { sandbox: "s".into(), bytes: 10, kind: CommitKind::Proc, turn: 3 });
+        assert_eq!(req, Request::Acquire { sandbox: "s".into(), bytes: 10, kind: CommitKind::Proc, turn: 3, supersedable: false });
         assert!(serde_json::from_str::<Request>(r#"{"op":"drain","container":"c","until_ns":1,"x":1}"#).is_err());
         assert!(serde_json::from_str::<Request>(r#"{"op":"format_disk"}"#).is_err());
+        // A client of this version may mark a process checkpoint supersedable.
+        let text = r#"{"op":"acquire","sandbox":"s","bytes":10,"kind":"proc","turn":3,"supersedable":true}"#;
+        assert!(matches!(serde_json::from_str(text).unwrap(), Request::Acquire { supersedable: true, .. }));
+        let reply = Reply::Superseded { by_turn: 4, waited_ms: 1.5 };
+        assert_eq!(serde_json::from_slice::<Reply>(&encode(&reply).unwrap()[4..]).unwrap(), reply);
     }
 
     #[test]

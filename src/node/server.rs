@@ -17,7 +17,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{Notify, mpsc, oneshot};
 
 use super::NodeError;
-use super::bucket::{BucketConfig, CommitRequest, Scheduler, Ticket};
+use super::bucket::{BucketConfig, CommitRequest, Decision, Outcome, Scheduler, Ticket};
 use super::protocol::{
     self, MAX_REQUEST_BYTES, NodeStatus, PROTOCOL_VERSION, ProtocolError, Reply, Request, WatchedStatus,
 };
@@ -210,8 +210,8 @@ async fn serve_connection(node: Arc<Node>, stream: UnixStream) {
                 let _ = protocol::write_message(&mut writer, &reply).await;
                 return;
             }
-            (true, Request::Acquire { sandbox, bytes, kind, turn }) => {
-                let request = CommitRequest { sandbox, bytes, kind, turn };
+            (true, Request::Acquire { sandbox, bytes, kind, turn, supersedable }) => {
+                let request = CommitRequest { sandbox, bytes, kind, turn, supersedable };
                 match acquire_while_listening(&node, request, &mut incoming).await {
                     Some(reply) => vec![reply],
                     None => return,
@@ -235,14 +235,23 @@ async fn acquire_while_listening(
     request: CommitRequest,
     incoming: &mut mpsc::Receiver<Incoming>,
 ) -> Option<Reply> {
-    let (sandbox, bytes) = (request.sandbox.clone(), request.bytes);
-    let grant = node.bandwidth.acquire(request);
-    tokio::pin!(grant);
+    let (sandbox, bytes, turn) = (request.sandbox.clone(), request.bytes, request.turn);
+    let decision = node.bandwidth.acquire(request);
+    tokio::pin!(decision);
     loop {
         tokio::select! {
-            waited = &mut grant => {
-                tracing::debug!(%sandbox, bytes, waited_ms = waited.as_secs_f64() * 1e3, "bandwidth granted");
-                return Some(Reply::Granted { waited_ms: waited.as_secs_f64() * 1e3 });
+            decision = &mut decision => {
+                let waited_ms = decision.waited.as_secs_f64() * 1e3;
+                return Some(match decision.outcome {
+                    Outcome::Granted => {
+                        tracing::debug!(%sandbox, turn, bytes, waited_ms, "bandwidth granted");
+                        Reply::Granted { waited_ms }
+                    }
+                    Outcome::Superseded { by_turn } => {
+                        tracing::info!(%sandbox, turn, by_turn, bytes, waited_ms, "waiting commit superseded");
+                        Reply::Superseded { by_turn, waited_ms }
+                    }
+                });
             }
             message = incoming.recv() => match message {
                 Some(Ok(Request::Cancel)) => return Some(Reply::Cancelled),
@@ -376,7 +385,7 @@ struct BandwidthShared {
 
 struct BandwidthState {
     scheduler: Scheduler,
-    waiters: HashMap<Ticket, oneshot::Sender<Duration>>,
+    waiters: HashMap<Ticket, oneshot::Sender<Decision>>,
 }
 
 /// Withdraws a request whose waiter gave up (dropped future).
@@ -405,8 +414,8 @@ impl Bandwidth {
         Self { shared }
     }
 
-    /// Resolves, with the time waited, when `request` may write its bytes.
-    fn acquire(&self, request: CommitRequest) -> impl std::future::Future<Output = Duration> + use<> {
+    /// Resolves when `request` may write its bytes, or is superseded.
+    fn acquire(&self, request: CommitRequest) -> impl std::future::Future<Output = Decision> + use<> {
         let (tx, rx) = oneshot::channel();
         let ticket = {
             let mut state = self.shared.state.lock().expect("bandwidth lock");
@@ -417,9 +426,10 @@ impl Bandwidth {
         self.shared.changed.notify_one();
         let guard = PendingGrant { shared: self.shared.clone(), ticket };
         async move {
-            let waited = rx.await.unwrap_or_default();
+            // The driver never drops a waiter it has not answered.
+            let decision = rx.await.unwrap_or(Decision { ticket, waited: Duration::ZERO, outcome: Outcome::Granted });
             drop(guard);
-            waited
+            decision
         }
     }
 
@@ -441,10 +451,10 @@ async fn drive(shared: Arc<BandwidthShared>) {
     loop {
         let next = {
             let mut state = shared.state.lock().expect("bandwidth lock");
-            let (grants, next) = state.scheduler.poll(Instant::now());
-            for grant in grants {
-                if let Some(waiter) = state.waiters.remove(&grant.ticket) {
-                    let _ = waiter.send(grant.waited);
+            let (decisions, next) = state.scheduler.poll(Instant::now());
+            for decision in decisions {
+                if let Some(waiter) = state.waiters.remove(&decision.ticket) {
+                    let _ = waiter.send(decision);
                 }
             }
             next
