@@ -504,6 +504,100 @@ fn identical_content_is_stored_once_across_turns_and_containers() {
     assert_eq!(total.written_bytes, big.len() as u64);
 }
 
+// ---------- capture and write-out ----------
+
+/// The next turn may change files as soon as a turn is staged: what is published later is the
+/// state at the capture. Nothing is visible before the publish, a dropped staged turn leaves
+/// nothing behind, and GC waits for a staged turn instead of deleting its blobs.
+#[test]
+fn a_staged_turn_publishes_the_state_at_its_capture() {
+    let sb = Sandbox::new();
+    write(&sb.live, "/app/notes.txt", b"turn one");
+    let one = sb
+        .store
+        .stage_turn(&TurnInput {
+            container: "s",
+            turn: 1,
+            rootfs: Some(&sb.live),
+            changed: &[c("/app/notes.txt")],
+            criu_images: None,
+        })
+        .unwrap();
+    assert_eq!(one.staged_bytes(), 8);
+    // The next turn runs while turn 1 waits for its write-out.
+    write(&sb.live, "/app/notes.txt", b"turn two!");
+    let two = sb
+        .store
+        .stage_turn(&TurnInput {
+            container: "s",
+            turn: 2,
+            rootfs: Some(&sb.live),
+            changed: &[m("/app/notes.txt")],
+            criu_images: None,
+        })
+        .unwrap();
+    assert_eq!(sb.store.head("s").unwrap(), None, "nothing is visible before a publish");
+
+    // GC needs the store to itself: it waits until the staged turns are published.
+    let gc = std::thread::spawn({
+        let state = sb.state.clone();
+        move || {
+            CheckpointStore::open(state)
+                .unwrap()
+                .gc(&RetentionPolicy { keep_last: 10 })
+                .unwrap()
+        }
+    });
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert!(!gc.is_finished(), "GC waits for staged turns");
+    let first = sb.store.publish(one).unwrap();
+    let second = sb.store.publish(two).unwrap();
+    assert_eq!((first.turn, second.turn), (1, 2));
+    assert_eq!(gc.join().unwrap().blobs_removed, 0);
+
+    for (turn, content) in [(1, &b"turn one"[..]), (2, &b"turn two!"[..])] {
+        let target = sb.fresh_target(&format!("t{turn}"));
+        sb.store.materialize("s", turn, &target).unwrap();
+        assert_eq!(fs::read(target.join("app/notes.txt")).unwrap(), content);
+    }
+
+    // A staged turn that is never published leaves neither blobs nor tmp files.
+    write(&sb.live, "/app/notes.txt", b"abandoned");
+    let abandoned = sb
+        .store
+        .stage_turn(&TurnInput {
+            container: "s",
+            turn: 3,
+            rootfs: Some(&sb.live),
+            changed: &[m("/app/notes.txt")],
+            criu_images: None,
+        })
+        .unwrap();
+    drop(abandoned);
+    assert_eq!(fs::read_dir(sb.state.join("tmp")).unwrap().count(), 0);
+    assert!(!sb.store.blobs().contains(&crab::checkpoint::Digest::of(b"abandoned")));
+    assert_eq!(sb.store.head("s").unwrap().map(|h| h.turn), Some(2));
+
+    // Turns publish in order: a staged turn older than the head is refused by name.
+    write(&sb.live, "/app/notes.txt", b"late");
+    let late = sb
+        .store
+        .stage_turn(&TurnInput {
+            container: "s",
+            turn: 4,
+            rootfs: Some(&sb.live),
+            changed: &[m("/app/notes.txt")],
+            criu_images: None,
+        })
+        .unwrap();
+    sb.commit("s", 5, &[m("/app/notes.txt")]);
+    let err = sb.store.publish(late).unwrap_err();
+    assert!(
+        matches!(err, CheckpointError::TurnNotAfterHead { turn: 4, head: 5, .. }),
+        "{err}"
+    );
+}
+
 // ---------- integrity ----------
 
 #[test]

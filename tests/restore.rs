@@ -26,9 +26,17 @@ struct Sandbox {
 
 impl Sandbox {
     async fn start(name: &str) -> Sandbox {
+        Self::start_with(name, &[]).await
+    }
+
+    /// Starts with extra `ctr run` flags (annotations).
+    async fn start_with(name: &str, flags: &[&str]) -> Sandbox {
         let id = format!("{name}-{}", std::process::id());
         let ctr = Ctr::from_env();
-        ctr.run(&["run", "-d", "--runtime", "io.containerd.crab.v2", IMAGE, &id, "sleep", "3600"])
+        let mut args = vec!["run", "-d", "--runtime", "io.containerd.crab.v2"];
+        args.extend_from_slice(flags);
+        args.extend_from_slice(&[IMAGE, &id, "sleep", "3600"]);
+        ctr.run(&args)
             .await
             .unwrap_or_else(|e| panic!("starting {id} (is the private containerd up with the busybox image?): {e}"));
         Sandbox { ctr, id, execs: 0, extra: Vec::new() }
@@ -111,6 +119,7 @@ impl Drop for Sandbox {
                     let _ = ctr.run(&["containers", "delete", id]).await;
                     let _ = crab::checkpoint::CheckpointStore::open(state_dir()).and_then(|s| s.remove_container(id));
                     let _ = crab::turns::TurnLog::open(&state_dir(), id).map(|l| l.reset());
+                    let _ = crab::checkpoint::remove_full_checkpoints(&state_dir(), id);
                 }
             });
         });
@@ -143,8 +152,9 @@ async fn fs_turns_come_back_exactly_after_the_processes_die() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_counter_process_continues_from_its_value_after_recover() {
     let mut sb = Sandbox::start("rs-proc").await;
-    // The secret lives only in the shell's memory; the file shows it is still there.
-    sb.turn("mkdir -p /data; (s=secret-$$; i=0; while :; do i=$((i+1)); echo \"$s $i\" > /data/counter; sleep 0.1; done) >/dev/null 2>&1 &").await;
+    // The secret lives only in the shell's memory; the file shows it is still there. It is
+    // replaced by a rename, so a read never sees it half written.
+    sb.turn("mkdir -p /data; (s=secret-$$; i=0; while :; do i=$((i+1)); echo \"$s $i\" > /data/c.tmp && mv /data/c.tmp /data/counter; sleep 0.1; done) >/dev/null 2>&1 &").await;
     tokio::time::sleep(Duration::from_millis(600)).await;
     sb.turn("cat /data/counter").await;
     let turns = sb.turns(2).await;
@@ -251,4 +261,29 @@ async fn a_corrupted_blob_is_refused_with_its_name() {
     sb.extra.push(fork.clone());
     let refused = ctl.fork(&sb.id, 1, &fork).await;
     assert!(refused.is_err(), "a fork from a corrupted checkpoint must fail");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_turn_writes_the_whole_checkpoint_again_without_dedup() {
+    let mut sb = Sandbox::start_with("rs-every", &["--annotation", "io.crab.policy=every-turn"]).await;
+    sb.turn("mkdir -p /data && head -c 300000 /dev/urandom > /data/blob").await;
+    sb.turn("true").await;
+    let turns = sb.settled().await;
+    for t in &turns {
+        assert_eq!((t.class, t.checkpoint_turn), (RecordedClass::Proc, Some(t.turn)), "{t:?}");
+    }
+    // Turn 2 changed nothing, yet writes as much as turn 1: the same dump and rootfs diff again.
+    let (first, second) = (turns[0].bytes_written, turns[1].bytes_written);
+    assert!(first > 300_000, "{turns:?}");
+    assert!(second.abs_diff(first) < first / 5, "turn 1 wrote {first} B, turn 2 {second} B");
+    let full = state_dir().join("full").join(&sb.id);
+    let latest = full.join("turn-2");
+    assert!(latest.join("criu/inventory.img").is_file(), "a plain CRIU image directory");
+    assert!(!full.join("turn-1").exists(), "only the newest is kept");
+    // Read before the next exec: its own checkpoint replaces this one.
+    let copied = std::process::Command::new("sh").arg("-c").arg("md5sum < rw/data/blob").current_dir(&latest).output().unwrap();
+    let in_container = sb.exec_in(&sb.id.clone(), "md5sum < /data/blob").await;
+    assert_eq!(String::from_utf8_lossy(&copied.stdout), in_container, "the rootfs diff holds the file");
+    // Nothing went through the deduplicating store.
+    assert_eq!(sb.ctl().store.head(&sb.id).unwrap(), None);
 }

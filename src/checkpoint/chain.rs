@@ -27,7 +27,7 @@ use super::manifest::{
     direct_blobs, seal, unseal,
 };
 use super::path::RelPath;
-use super::store::{BlobStore, Digest, Durability, Traffic, publish_file};
+use super::store::{BlobStore, Digest, Durability, PendingBlobs, Traffic, publish_file};
 use super::sys;
 
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/crab";
@@ -62,6 +62,51 @@ pub struct CommitReport {
     /// Blob traffic of this turn: logical bytes captured versus new bytes written.
     pub traffic: Traffic,
     pub manifest_bytes: u64,
+}
+
+/// A turn captured but not yet written out (see [`CheckpointStore::stage_turn`]). It holds the
+/// store's shared lock, so GC leaves its tmp blobs alone until it is published or dropped.
+pub struct StagedTurn {
+    container: String,
+    turn: u64,
+    class: TurnClass,
+    fs_delta: Vec<FsEntry>,
+    blobs: PendingBlobs,
+    criu_images: Option<PathBuf>,
+    _lock: File,
+}
+
+impl StagedTurn {
+    pub fn turn(&self) -> u64 {
+        self.turn
+    }
+
+    pub fn class(&self) -> TurnClass {
+        self.class
+    }
+
+    /// New blob bytes captured so far (CRIU images not counted: they are chunked at write-out).
+    pub fn staged_bytes(&self) -> u64 {
+        self.blobs.new_bytes()
+    }
+
+    pub fn criu_images(&self) -> Option<&Path> {
+        self.criu_images.as_deref()
+    }
+
+    /// An upper bound of what the write-out writes, for bandwidth accounting: the staged blobs
+    /// plus every CRIU image byte (chunk dedup only shows at write-out).
+    pub fn estimated_write_bytes(&self) -> u64 {
+        let images = self.criu_images.as_deref().map_or(0, |dir| {
+            fs::read_dir(dir)
+                .into_iter()
+                .flatten()
+                .filter_map(|d| d.ok()?.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        });
+        self.staged_bytes() + images
+    }
 }
 
 /// A summary of one checkpoint in a chain.
@@ -460,23 +505,25 @@ impl CheckpointStore {
     /// A crash before the head moves leaves the previous head in place and only garbage behind.
     /// Turns of one container must be committed one at a time.
     pub fn commit_turn(&self, input: &TurnInput<'_>) -> Result<CommitReport> {
+        let staged = self.stage_turn(input)?;
+        self.publish(staged)
+    }
+
+    /// The capture half of [`commit_turn`](Self::commit_turn): what must be consistent with the
+    /// turn's end. The changed files are read into tmp blobs (hashed, not flushed); CRIU images
+    /// stay in their dump directory, which must outlive the [`StagedTurn`]. Nothing is visible
+    /// until [`publish`](Self::publish); dropping the staged turn removes what it wrote.
+    pub fn stage_turn(&self, input: &TurnInput<'_>) -> Result<StagedTurn> {
         valid_container_id(input.container)?;
-        let _lock = self.lock(false)?;
-        let parent = self.head(input.container)?;
-        if let Some(head) = &parent {
-            if input.turn <= head.turn {
-                return Err(CheckpointError::TurnNotAfterHead {
-                    container: input.container.to_owned(),
-                    turn: input.turn,
-                    head: head.turn,
-                });
-            }
-            if self.load_manifest(&head.manifest)?.is_none() {
-                return Err(CheckpointError::BrokenChain {
-                    container: input.container.to_owned(),
-                    missing: format!("head manifest {} is missing", head.manifest),
-                });
-            }
+        let lock = self.lock(false)?;
+        if let Some(head) = self.head(input.container)?
+            && input.turn <= head.turn
+        {
+            return Err(CheckpointError::TurnNotAfterHead {
+                container: input.container.to_owned(),
+                turn: input.turn,
+                head: head.turn,
+            });
         }
         let class = match (input.criu_images.is_some(), input.changed.is_empty()) {
             (true, _) => TurnClass::Proc,
@@ -493,16 +540,56 @@ impl CheckpointStore {
                 ));
             }
         };
-        let images = input
-            .criu_images
-            .map(|dir| images::store_images(dir, &mut batch))
+        Ok(StagedTurn {
+            container: input.container.to_owned(),
+            turn: input.turn,
+            class,
+            fs_delta,
+            blobs: batch.set_aside(),
+            criu_images: input.criu_images.map(Path::to_owned),
+            _lock: lock,
+        })
+    }
+
+    /// The write-out half of [`commit_turn`](Self::commit_turn): stores the CRIU images, makes
+    /// every blob durable, publishes the manifest, then moves the head. The parent is the head
+    /// at this moment, so write-outs of one container must run in turn order.
+    pub fn publish(&self, staged: StagedTurn) -> Result<CommitReport> {
+        let StagedTurn {
+            container,
+            turn,
+            class,
+            fs_delta,
+            blobs,
+            criu_images,
+            _lock,
+        } = staged;
+        let parent = self.head(&container)?;
+        if let Some(head) = &parent {
+            if turn <= head.turn {
+                return Err(CheckpointError::TurnNotAfterHead {
+                    container,
+                    turn,
+                    head: head.turn,
+                });
+            }
+            if self.load_manifest(&head.manifest)?.is_none() {
+                return Err(CheckpointError::BrokenChain {
+                    container,
+                    missing: format!("head manifest {} is missing", head.manifest),
+                });
+            }
+        }
+        let mut batch = self.blobs.resume(blobs);
+        let images = criu_images
+            .map(|dir| images::store_images(&dir, &mut batch))
             .transpose()?;
         let traffic = batch.commit()?;
 
         let manifest = Manifest {
             version: MANIFEST_VERSION,
-            container: input.container.to_owned(),
-            turn: input.turn,
+            container: container.clone(),
+            turn,
             class,
             parent: parent.map(|h| ParentRef {
                 manifest: h.manifest,
@@ -525,17 +612,10 @@ impl CheckpointStore {
                 "simulated crash before HEAD".into(),
             ));
         }
-        self.set_head(
-            input.container,
-            &Head {
-                manifest: id,
-                turn: input.turn,
-            },
-            Durability::Flushed,
-        )?;
+        self.set_head(&container, &Head { manifest: id, turn }, Durability::Flushed)?;
         let report = CommitReport {
             id,
-            turn: input.turn,
+            turn,
             class,
             fs_entries: manifest.fs_delta.len(),
             traffic,
@@ -545,7 +625,7 @@ impl CheckpointStore {
             .lock()
             .expect("manifest cache poisoned")
             .insert(id, Arc::new(manifest));
-        info!(container = input.container, turn = input.turn, ?class, id = %id,
+        info!(container = %container, turn, ?class, id = %id,
               new_bytes = traffic.written_bytes, logical_bytes = traffic.logical_bytes, "checkpoint committed");
         Ok(report)
     }

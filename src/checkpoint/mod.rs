@@ -4,6 +4,7 @@
 //! Pure library over a state directory (default [`DEFAULT_STATE_DIR`]); all calls block on file
 //! I/O, so async callers go through [`CheckpointStore::run_blocking`].
 
+mod baseline;
 mod chain;
 mod error;
 mod fsdelta;
@@ -11,12 +12,14 @@ mod gc;
 mod images;
 mod manifest;
 mod path;
+mod pipeline;
 mod store;
 mod sys;
 
+pub use baseline::{FullCheckpoint, overlay_upperdir, remove_full_checkpoints, write_full_checkpoint};
 pub use chain::{
     CheckpointInfo, CheckpointStore, CommitReport, DEFAULT_STATE_DIR, Head, RollbackReport,
-    RollbackRequest, TurnInput, VerifyReport,
+    RollbackRequest, StagedTurn, TurnInput, VerifyReport,
 };
 pub use error::{CheckpointError, Result};
 pub use fsdelta::{ApplyStats, ChangedPath};
@@ -27,4 +30,5 @@ pub use manifest::{
     ParentRef, Snapshot, TurnClass,
 };
 pub use path::{Bytes, RelPath};
+pub use pipeline::{Carried, TurnPipeline, TurnSlot};
 pub use store::{BlobStore, Digest, Traffic, WriteBatch};

@@ -186,11 +186,31 @@ impl BlobStore {
     }
 
     pub fn batch(&self) -> WriteBatch<'_> {
-        WriteBatch {
-            store: self,
-            pending: Vec::new(),
-            seen: HashSet::new(),
-            traffic: Traffic::default(),
+        self.resume(PendingBlobs::default())
+    }
+
+    /// Continues a batch set aside with [`WriteBatch::set_aside`].
+    pub(crate) fn resume(&self, blobs: PendingBlobs) -> WriteBatch<'_> {
+        WriteBatch { store: self, blobs }
+    }
+
+    /// Creates a tmp file for a new blob and fills it through `fill`; the file is removed when
+    /// anything fails, so a full disk leaves no half blob behind.
+    fn write_tmp<T>(&self, fill: impl FnOnce(&mut File, &Path) -> Result<T>) -> Result<(PathBuf, T)> {
+        let tmp = self.tmp_path("blob");
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o444)
+            .open(&tmp)
+            .io_ctx("create", &tmp)?;
+        match fill(&mut file, &tmp) {
+            Ok(value) => Ok((tmp, value)),
+            Err(e) => {
+                drop(file);
+                let _ = fs::remove_file(&tmp);
+                Err(e)
+            }
         }
     }
 
@@ -285,31 +305,60 @@ fn hash_reader(r: &mut impl Read) -> std::io::Result<([u8; 32], u64)> {
     }
 }
 
-/// Blobs of one turn, written to tmp files and made visible together by [`WriteBatch::commit`].
-/// Dropping an uncommitted batch removes its tmp files.
-pub struct WriteBatch<'a> {
-    store: &'a BlobStore,
+/// Blobs written to tmp files but not yet visible: the state of a [`WriteBatch`], owned so that
+/// a captured turn can wait for its write-out without borrowing the store. Dropping it removes
+/// its tmp files.
+#[derive(Default)]
+pub(crate) struct PendingBlobs {
     pending: Vec<(PathBuf, PathBuf)>,
     seen: HashSet<Digest>,
     traffic: Traffic,
 }
 
+impl PendingBlobs {
+    /// Bytes that publishing these blobs will write.
+    pub(crate) fn new_bytes(&self) -> u64 {
+        self.traffic.written_bytes
+    }
+}
+
+impl Drop for PendingBlobs {
+    fn drop(&mut self) {
+        for (tmp, _) in self.pending.drain(..) {
+            let _ = fs::remove_file(tmp);
+        }
+    }
+}
+
+/// Blobs of one turn, written to tmp files and made visible together by [`WriteBatch::commit`].
+/// Dropping an uncommitted batch removes its tmp files.
+pub struct WriteBatch<'a> {
+    store: &'a BlobStore,
+    blobs: PendingBlobs,
+}
+
 impl WriteBatch<'_> {
     /// True when the digest is already stored or queued here; counts the dedup.
     fn known(&mut self, digest: &Digest, len: u64) -> bool {
-        self.traffic.logical_bytes += len;
-        if self.seen.contains(digest) || self.store.contains(digest) {
-            self.traffic.blobs_deduplicated += 1;
+        self.blobs.traffic.logical_bytes += len;
+        if self.blobs.seen.contains(digest) || self.store.contains(digest) {
+            self.blobs.traffic.blobs_deduplicated += 1;
             return true;
         }
         false
     }
 
     fn queue(&mut self, digest: Digest, tmp: PathBuf, len: u64) {
-        self.seen.insert(digest);
-        self.pending.push((tmp, self.store.path_of(&digest)));
-        self.traffic.written_bytes += len;
-        self.traffic.blobs_written += 1;
+        let blobs = &mut self.blobs;
+        blobs.seen.insert(digest);
+        blobs.pending.push((tmp, self.store.path_of(&digest)));
+        blobs.traffic.written_bytes += len;
+        blobs.traffic.blobs_written += 1;
+    }
+
+    /// Keeps what was written so far, unflushed, for [`BlobStore::resume`].
+    pub(crate) fn set_aside(self) -> PendingBlobs {
+        self.blobs
     }
 
     pub fn put_bytes(&mut self, data: &[u8]) -> Result<Digest> {
@@ -317,14 +366,9 @@ impl WriteBatch<'_> {
         if self.known(&digest, data.len() as u64) {
             return Ok(digest);
         }
-        let tmp = self.store.tmp_path("blob");
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o444)
-            .open(&tmp)
-            .io_ctx("create", &tmp)?;
-        f.write_all(data).io_ctx("write", &tmp)?;
+        let (tmp, ()) = self
+            .store
+            .write_tmp(|f, tmp| f.write_all(data).io_ctx("write", tmp))?;
         self.queue(digest, tmp, data.len() as u64);
         Ok(digest)
     }
@@ -340,28 +384,23 @@ impl WriteBatch<'_> {
             let digest = self.put_bytes(&head)?;
             return Ok((digest, head.len() as u64));
         }
-        let tmp = self.store.tmp_path("blob");
-        let mut out = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o444)
-            .open(&tmp)
-            .io_ctx("create", &tmp)?;
-        let mut hasher = Sha256::new();
-        hasher.update(&head);
-        out.write_all(&head).io_ctx("write", &tmp)?;
-        let mut total = head.len() as u64;
-        let mut buf = vec![0u8; 256 * 1024];
-        loop {
-            let n = src.read(&mut buf).io_ctx("read", src_path)?;
-            if n == 0 {
-                break;
+        let (tmp, (digest, total)) = self.store.write_tmp(|out, tmp| {
+            let mut hasher = Sha256::new();
+            hasher.update(&head);
+            out.write_all(&head).io_ctx("write", tmp)?;
+            let mut total = head.len() as u64;
+            let mut buf = vec![0u8; 256 * 1024];
+            loop {
+                let n = src.read(&mut buf).io_ctx("read", src_path)?;
+                if n == 0 {
+                    break;
+                }
+                hasher.update(&buf[..n]);
+                out.write_all(&buf[..n]).io_ctx("write", tmp)?;
+                total += n as u64;
             }
-            hasher.update(&buf[..n]);
-            out.write_all(&buf[..n]).io_ctx("write", &tmp)?;
-            total += n as u64;
-        }
-        let digest = Digest(hasher.finalize().into());
+            Ok((Digest(hasher.finalize().into()), total))
+        })?;
         if self.known(&digest, total) {
             fs::remove_file(&tmp).io_ctx("remove", &tmp)?;
         } else {
@@ -372,14 +411,14 @@ impl WriteBatch<'_> {
 
     /// Makes every queued blob durable and visible; returns this batch's traffic.
     pub fn commit(mut self) -> Result<Traffic> {
-        if self.pending.len() <= PER_FILE_FLUSH_LIMIT {
+        if self.blobs.pending.len() <= PER_FILE_FLUSH_LIMIT {
             self.flush_per_file()?;
         } else {
             self.flush_whole_fs()?;
         }
-        self.pending.clear();
-        self.store.record(&self.traffic);
-        Ok(self.traffic)
+        self.blobs.pending.clear();
+        self.store.record(&self.blobs.traffic);
+        Ok(self.blobs.traffic)
     }
 
     /// A typical fs turn: a few blobs. `syncfs` would also flush every other tenant's dirty
@@ -387,17 +426,18 @@ impl WriteBatch<'_> {
     /// each (after the first journal commit the rest are cheap), rename, fsync the fan-out
     /// directories touched.
     fn flush_per_file(&self) -> Result<()> {
-        let mut files = Vec::with_capacity(self.pending.len());
-        for (tmp, _) in &self.pending {
+        let pending = &self.blobs.pending;
+        let mut files = Vec::with_capacity(pending.len());
+        for (tmp, _) in pending {
             let file = File::open(tmp).io_ctx("open", tmp)?;
             sys::start_writeback(&file).io_ctx("sync_file_range", tmp)?;
             files.push(file);
         }
-        for (file, (tmp, _)) in files.iter().zip(&self.pending) {
+        for (file, (tmp, _)) in files.iter().zip(pending) {
             file.sync_all().io_ctx("fsync", tmp)?;
         }
         let mut dirs = std::collections::BTreeSet::new();
-        for (tmp, dst) in &self.pending {
+        for (tmp, dst) in pending {
             fs::rename(tmp, dst).io_ctx("rename", dst)?;
             dirs.insert(
                 dst.parent()
@@ -415,18 +455,10 @@ impl WriteBatch<'_> {
     fn flush_whole_fs(&self) -> Result<()> {
         let tmp_dir = File::open(&self.store.tmp).io_ctx("open", &self.store.tmp)?;
         sys::syncfs(tmp_dir.as_fd()).io_ctx("syncfs", &self.store.tmp)?;
-        for (tmp, dst) in &self.pending {
+        for (tmp, dst) in &self.blobs.pending {
             fs::rename(tmp, dst).io_ctx("rename", dst)?;
         }
         sys::syncfs(tmp_dir.as_fd()).io_ctx("syncfs", self.store.blobs_dir())
-    }
-}
-
-impl Drop for WriteBatch<'_> {
-    fn drop(&mut self) {
-        for (tmp, _) in self.pending.drain(..) {
-            let _ = fs::remove_file(tmp);
-        }
     }
 }
 
