@@ -1,6 +1,7 @@
 //! The aggregation behind `scripts/eval` (scripts/lib/eval_report.py) on a
-//! small synthetic evaluation: two traces under four policies, one failed
-//! trace, and crab's turn classes for one trace.
+//! small synthetic evaluation: two traces under four policies and two fault
+//! kinds, a fault-free batch at real think times, one failed trace, and
+//! crab's turn classes for one trace.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -52,42 +53,45 @@ fn aggregates_the_synthetic_matrix() {
     let summary: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap())
             .unwrap();
+    // Traces a and b; a under kill-processes and fault-free at real think
+    // times (raw/realtime/), b under kill-processes and node-loss.
     assert_eq!(summary["traces"], 2);
+    assert_eq!(summary["reports"], 4);
     assert_eq!(summary["failed_traces"][0]["trace"], "c");
     let policies = &summary["policies"];
     assert_eq!(policies.as_object().unwrap().len(), 4);
 
-    assert!(close(&policies["off"]["correct_pct"], 0.0));
-    assert!(close(&policies["chat-only"]["correct_pct"], 50.0));
-    assert!(close(&policies["every-turn"]["correct_pct"], 100.0));
+    // Correctness per policy and fault kind; fault-free reports do not count.
+    let correctness = &summary["correctness"];
+    assert!(close(&correctness["crab"]["kill-processes"]["pct"], 50.0));
+    assert_eq!(correctness["crab"]["kill-processes"]["failed"][0], "b");
+    assert!(close(&correctness["crab"]["node-loss"]["pct"], 100.0));
+    assert!(close(&correctness["every-turn"]["kill-processes"]["pct"], 100.0));
+    assert!(close(&correctness["every-turn"]["node-loss"]["pct"], 0.0));
+    assert!(correctness["crab"].get("none").is_none());
     assert_eq!(
-        (
-            policies["crab"]["correct"].as_u64(),
-            policies["crab"]["faulted"].as_u64()
-        ),
-        (Some(1), Some(2))
+        (policies["crab"]["correct"].as_u64(), policies["crab"]["faulted"].as_u64()),
+        (Some(2), Some(3))
     );
+    assert!(close(&policies["off"]["correct_pct"], 0.0));
 
-    assert_eq!(policies["every-turn"]["checkpoint_bytes"], 4000);
-    assert_eq!(policies["crab"]["checkpoint_bytes"], 400);
-    assert!(close(&policies["crab"]["bytes_vs_every_turn"], 0.1));
+    // Bytes against every-turn's in the same reports: crab's fault-free run
+    // has no every-turn beside it and stays out of the ratio.
+    assert_eq!(policies["every-turn"]["checkpoint_bytes"], 7000);
+    assert_eq!(policies["crab"]["checkpoint_bytes"], 800);
+    assert!(close(&policies["crab"]["bytes_vs_every_turn"], 700.0 / 7000.0));
     assert!(close(&policies["every-turn"]["bytes_vs_every_turn"], 1.0));
 
-    // Baseline: one reference run per trace (2 runs of 20 s and of 40 s) = 10 s + 20 s.
-    assert!(close(&policies["crab"]["baseline_s"], 30.0));
-    assert!(close(
-        &policies["crab"]["run_time_vs_fault_free"],
-        31.0 / 30.0
-    ));
-    assert!(close(
-        &policies["every-turn"]["run_time_vs_fault_free"],
-        40.0 / 30.0
-    ));
+    // Run time against off in the same report, fault-free and faulted apart.
+    let run_time = &summary["run_time_vs_off"];
+    assert!(close(&run_time["fault-free x1"]["crab"]["vs_off"], 100.5 / 100.0));
+    assert!(close(&run_time["faulted x0"]["every-turn"]["vs_off"], 66.0 / 50.0));
+    assert_eq!(run_time["faulted x0"]["crab"]["runs"], 3);
 
-    // Nearest-rank percentiles of crab's per-turn delays 0.1, 0.3, 0.2, 0.4.
+    // Nearest-rank percentiles of crab's per-turn delays 0.1, 0.3, 0.2, 0.4, 0.2, 0.4, 0, 0.
     assert!(close(&policies["crab"]["delay_p50_s"], 0.2));
     assert!(close(&policies["crab"]["delay_p99_s"], 0.4));
-    assert_eq!(policies["crab"]["turns"], 4);
+    assert_eq!(policies["crab"]["turns"], 8);
 
     let classes = &summary["classes"];
     assert_eq!(classes["turns"], 4);
@@ -97,7 +101,7 @@ fn aggregates_the_synthetic_matrix() {
     assert_eq!(classes["bytes"], 400);
 
     let report = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
-    // Policies appear in the table from least to most protection.
+    // Policies appear in the tables from least to most protection.
     let rows: Vec<usize> = ["| off |", "| chat-only |", "| every-turn |", "| crab |"]
         .iter()
         .map(|row| {
@@ -107,12 +111,15 @@ fn aggregates_the_synthetic_matrix() {
         })
         .collect();
     assert!(rows.windows(2).all(|pair| pair[0] < pair[1]), "{report}");
+    assert!(report.contains("| policy | kill-processes | node-loss | all faults |"), "{report}");
+    assert!(report.contains("| crab | 50% (1/2) | 100% (1/1) | **67%** (2/3) |"), "{report}");
     assert!(
-        report
-            .contains("| crab | 50% (1/2) | 4 (0) | 400 B | 10.0% | 1.033x | 0.200 s | 0.400 s |"),
+        report.contains("| crab | 67% (2/3) | 8 (0) | 800 B | 0.100x | 0.200 s | 0.400 s | 0.400 s |"),
         "{report}"
     );
-    assert!(report.contains("| checkpoint traffic | up to 87% less checkpoint traffic than every-turn | 90.0% less than every-turn |"), "{report}");
+    assert!(report.contains("| fault-free x1 | crab | 100.5 s | 100.0 s | 1.005x | 1 |"), "{report}");
+    assert!(report.contains("| checkpoint traffic | up to 87% less checkpoint traffic than every-turn | 90.0% less than every-turn (0.100x) |"), "{report}");
+    assert!(report.contains("| run time | within 1.9% of fault-free run time | +0.5% vs off (fault-free, think times x1) |"), "{report}");
     assert!(
         report.contains("`c`: image crab.local/missing not found"),
         "{report}"

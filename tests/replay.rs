@@ -2,14 +2,21 @@
 //! CRAB_CTRD_SOCK / CRAB_NS) with the `crab.local/terminal:latest` image:
 //! a short trace that leaves a file and a background process behind, killed
 //! after turn 2, under each recovery policy and each runtime of
-//! CRAB_TEST_RUNTIMES (runc, crab or full names; default both).
+//! CRAB_TEST_RUNTIMES (runc, crab or full names; default both); then every
+//! fault kind against the crab policy. restart-containerd restarts that
+//! containerd with `scripts/containerd start` (CRAB_CTRD_DIR etc. from the
+//! environment), so the tests that use containerd take turns.
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use crab::containerd::ctr::Ctr;
-use crab::replay::report::PolicyRun;
-use crab::replay::{FaultKind, FaultTurn, PolicyKind, ReplayError, ReplayOptions, replay};
+use crab::replay::policy::RecoveryMethod;
+use crab::replay::report::{PolicyRun, TraceReport};
+use crab::replay::{Daemons, FaultKind, FaultTurn, PolicyKind, ReplayError, ReplayOptions, replay};
+
+/// restart-containerd takes containerd away from everything else running on it.
+static CONTAINERD: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const TRACE: &str = r#"{"trace": "replay-itest", "source": "crab tests", "mode": "exec", "workdir": "/app", "image": "terminal", "turns": 4}
 {"turn": 1, "think_s": 0.5, "cmd": "mkdir -p data && echo hello > data/a.txt && chmod 600 data/a.txt", "timeout_s": 30}
@@ -45,12 +52,16 @@ fn options(traces: Vec<PathBuf>, runtime: &str) -> ReplayOptions {
     ReplayOptions {
         traces,
         policies: vec![PolicyKind::EveryTurn, PolicyKind::ChatOnly, PolicyKind::Off],
-        fault: FaultKind::KillProcesses,
+        faults: vec![FaultKind::KillProcesses],
         fault_turn: FaultTurn::Fixed(2),
         think_scale: 0.0,
         runtime: runtime.to_string(),
         ref_runs: 2,
         ctr: Ctr::from_env(),
+        daemons: Daemons {
+            containerd_start: Some(format!("bash {}/scripts/containerd start", env!("CARGO_MANIFEST_DIR"))),
+            ..Daemons::from_env()
+        },
     }
 }
 
@@ -60,6 +71,7 @@ fn run_of(runs: &[PolicyRun], policy: PolicyKind) -> &PolicyRun {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_turn_restores_exactly_and_chat_only_loses_files_and_processes() {
+    let _containerd = CONTAINERD.lock().await;
     let file = trace_file(TRACE);
     for runtime in runtimes() {
         let reports = replay(&options(vec![file.path().to_path_buf()], &runtime))
@@ -159,4 +171,94 @@ async fn a_fault_turn_past_the_end_is_rejected() {
             .ends_with("fault turn 5 is outside the trace (turns 1..=4)"),
         "{error}"
     );
+}
+
+fn report_for(reports: &[TraceReport], fault: FaultKind) -> &TraceReport {
+    reports.iter().find(|report| report.fault == fault).unwrap_or_else(|| panic!("no report for {fault}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crab_recovers_from_every_fault_kind_and_the_later_turns_match() {
+    let _containerd = CONTAINERD.lock().await;
+    let file = trace_file(TRACE);
+    let mut options = options(vec![file.path().to_path_buf()], "io.containerd.crab.v2");
+    options.policies = vec![PolicyKind::Crab];
+    options.faults = vec![
+        FaultKind::KillProcesses,
+        FaultKind::KillShim,
+        FaultKind::RestartContainerd,
+        FaultKind::KillCrabd,
+        FaultKind::NodeLoss,
+    ];
+    let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
+    assert_eq!(reports.len(), 5, "one report per fault");
+    for kind in &options.faults {
+        let report = report_for(&reports, *kind);
+        assert_eq!(report.fault_turn, Some(2));
+        let crab = run_of(&report.runs, PolicyKind::Crab);
+        let fault = crab.fault.as_ref().unwrap();
+        let verdict = fault.verdict.as_ref().unwrap_or_else(|| panic!("{kind}: recovery failed: {:?}", fault.error));
+        assert_eq!(crab.recovered_correctly, Some(true), "{kind}: {verdict:?} {fault:?}");
+        // The state right after recovery and both later turns, file and restored process included.
+        assert!(verdict.state_equal, "{kind}: {:?}", verdict.state_differences);
+        assert_eq!(verdict.turns_compared, [3, 4], "{kind}");
+        assert!(verdict.rc_mismatches.is_empty() && verdict.output_mismatches.is_empty(), "{kind}: {verdict:?}");
+        assert_eq!(crab.turns.len(), 4, "{kind}: the replay went on after the fault");
+        assert_eq!(crab.turns[2].rc, Some(0), "{kind}: `pgrep` found the background sleep on turn 3");
+        let expected = match kind {
+            FaultKind::RestartContainerd | FaultKind::KillCrabd => RecoveryMethod::NotNeeded,
+            _ => RecoveryMethod::Checkpoint { turn: 2 },
+        };
+        assert_eq!(fault.recovery.as_ref(), Some(&expected), "{kind}: {}", fault.detail);
+        let store = crab.store.as_ref().expect("crab verifies its store");
+        assert!(store.ok, "{kind}: {store:?}");
+        assert_eq!(fault.later_checkpoint_failures, 0, "{kind}");
+    }
+    let shim = report_for(&reports, FaultKind::KillShim);
+    assert!(run_of(&shim.runs, PolicyKind::Crab).fault.as_ref().unwrap().detail.contains("SIGKILL to its shim (pid "));
+    let restart = run_of(&report_for(&reports, FaultKind::RestartContainerd).runs, PolicyKind::Crab).fault.clone().unwrap();
+    assert!(restart.detail.contains("started again") && restart.detail.ends_with("task RUNNING"), "{}", restart.detail);
+    // crabd is gone, yet turn 4 (it appends to a file) was checkpointed and
+    // the chain verifies up to it. The shim numbers turns by exec, and the
+    // oracle's look at the sandbox after the fault is one: replay turn 4 is
+    // the shim's turn 5.
+    let crabd = run_of(&report_for(&reports, FaultKind::KillCrabd).runs, PolicyKind::Crab);
+    assert!(crabd.fault.as_ref().unwrap().detail.starts_with("SIGKILL to crabd (pid "), "{:?}", crabd.fault);
+    assert_eq!(crabd.store.as_ref().unwrap().head_turn, Some(5), "{:?}", crabd.store);
+    assert!(crabd.turns[3].checkpoint_bytes > 0, "{:?}", crabd.turns[3]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_node_loss_every_turn_lost_its_image_and_chat_only_its_state() {
+    let _containerd = CONTAINERD.lock().await;
+    let file = trace_file(TRACE);
+    let mut options = options(vec![file.path().to_path_buf()], "io.containerd.crab.v2");
+    options.policies = vec![PolicyKind::EveryTurn, PolicyKind::ChatOnly];
+    options.faults = vec![FaultKind::NodeLoss];
+    options.ref_runs = 1;
+    let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
+    let report = report_for(&reports, FaultKind::NodeLoss);
+    for policy in [PolicyKind::EveryTurn, PolicyKind::ChatOnly] {
+        let run = run_of(&report.runs, policy);
+        let fault = run.fault.as_ref().unwrap();
+        assert_eq!(run.recovered_correctly, Some(false), "{policy}: {fault:?}");
+        assert_eq!(fault.recovery, Some(RecoveryMethod::BaseImage), "{policy}");
+        let keys: Vec<&str> =
+            fault.verdict.as_ref().unwrap().state_differences.iter().map(|d| d.key.as_str()).collect();
+        assert!(keys.contains(&"file:/app/data/a.txt") && keys.contains(&"process:sleep 4321"), "{policy}: {keys:?}");
+    }
+    let lost = run_of(&report.runs, PolicyKind::EveryTurn).fault.as_ref().unwrap().lost.clone();
+    assert_eq!(lost.as_deref(), Some("checkpoint image of turn 2 lost with containerd's content store"));
+    assert_eq!(run_of(&report.runs, PolicyKind::ChatOnly).fault.as_ref().unwrap().lost, None);
+}
+
+#[tokio::test]
+async fn restart_containerd_without_a_start_command_fails_before_any_sandbox() {
+    let file = trace_file(TRACE);
+    let mut options = options(vec![file.path().to_path_buf()], "io.containerd.crab.v2");
+    options.faults = vec![FaultKind::KillProcesses, FaultKind::RestartContainerd];
+    options.daemons.containerd_start = None;
+    let error = replay(&options).await.unwrap_err();
+    assert!(matches!(error, ReplayError::Fault { fault: FaultKind::RestartContainerd, .. }), "{error:?}");
+    assert!(error.to_string().contains("--containerd-start"), "{error}");
 }

@@ -4,10 +4,20 @@ an evaluation run into report.md, summary.json and SVG plots.
 
 Usage: eval_report.py OUTDIR
 
-Reads OUTDIR/raw/*.json (one list of trace reports per file),
-OUTDIR/errors.jsonl (traces whose replay failed: {"trace", "error"}) and
-OUTDIR/classes/*.jsonl (the crab shim's turn classes: {"trace", "turn",
-"class", "bytes"}). Standard library only, so it runs wherever python3 does.
+Reads OUTDIR/raw/**/*.json (one list of trace reports per file: one report per
+trace and fault kind), OUTDIR/errors.jsonl (traces whose replay failed:
+{"trace", "error"}), OUTDIR/classes/*.jsonl (the crab shim's turn classes:
+{"trace", "turn", "class", "bytes"}) and OUTDIR/meta.json or OUTDIR/meta/*.json
+(what each batch ran). Standard library only, so it runs wherever python3 does.
+
+Figures:
+- recovery correctness per policy and fault kind (reports with a fault);
+- checkpoint bytes per policy and their ratio to every-turn over the same
+  (trace, fault) reports;
+- run time per policy against `off` in the same report, per think-time scale
+  (the fault-free reports are the measure; faulted ones include recovery);
+- agent-visible delay per turn (what the agent waited beyond its think time);
+- crab's turn class distribution.
 """
 
 import json
@@ -16,6 +26,7 @@ import sys
 from pathlib import Path
 
 POLICY_ORDER = ["off", "chat-only", "every-turn", "crab"]
+FAULT_ORDER = ["kill-processes", "kill-shim", "restart-containerd", "kill-crabd", "node-loss"]
 CLASS_ORDER = ["clean", "fs", "proc"]
 
 # The paper's headline figures, shown beside ours.
@@ -24,6 +35,29 @@ PAPER = {
     "traffic": "up to 87% less checkpoint traffic than every-turn",
     "run_time": "within 1.9% of fault-free run time",
 }
+
+
+# How each fault strikes and how each policy recovers: the rules the figures above were measured under.
+FAULT_MODEL = [
+    "How each fault strikes (after the fault turn's checkpoint is durable) and how the policies recover:", "",
+    "- kill-processes: SIGKILL to every process of the sandbox. off: lost; chat-only: a fresh sandbox from "
+    "the base image; every-turn: `ctr containers restore` of its last `ctr containers checkpoint --task --rw` "
+    "image; crab: `crabctl recover` (the container recreated with `io.crab.restore-from`).",
+    "- kill-shim: SIGKILL to the sandbox's shim (the parent of its init); containerd reports the task gone "
+    "and the policies recover as above.",
+    "- restart-containerd: SIGKILL to containerd (the process listening on its socket), then its start "
+    "command; shims and tasks keep running, so every policy finds the task RUNNING and recovers nothing; the "
+    "oracle still compares the state and every later turn, which run through the restarted containerd.",
+    "- kill-crabd: SIGKILL to crabd (the process on `node.socket`); sandboxes keep running. For crab the "
+    "run is only correct if every later turn's checkpoint was taken and `crabctl verify` passes on its chain.",
+    "- node-loss: SIGKILL to the sandbox's processes and shim, then containerd forgets the container and its "
+    "snapshot. What lives in containerd is lost with it, and that includes every-turn's checkpoint image in "
+    "containerd's content store: every-turn then has only the base image, as chat-only. crab recovers "
+    "from its store under the state dir alone (`crabctl recover --image`). An every-turn that exported "
+    "each checkpoint out of containerd (`ctr images export`, a whole image per turn) would survive too, at "
+    "the cost of writing that image again every turn; that variant is not measured here.",
+    "",
+]
 
 
 class EvalInputError(Exception):
@@ -42,7 +76,7 @@ def percentile(values, fraction):
 
 def load_reports(raw_dir):
     reports = []
-    for path in sorted(raw_dir.glob("*.json")):
+    for path in sorted(raw_dir.rglob("*.json")):
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as error:
@@ -74,58 +108,119 @@ def load_classes(classes_dir):
     return rows
 
 
-def reference_time_per_run(report):
-    reference = report["reference"]
-    runs = max(1, reference["runs"])
-    return reference["run_time_s"] / runs
+def load_meta(out):
+    """meta.json of a single batch, or meta/<batch>.json of several."""
+    batches = {}
+    if (out / "meta.json").exists():
+        batches["run"] = json.loads((out / "meta.json").read_text())
+    if (out / "meta").is_dir():
+        for path in sorted((out / "meta").glob("*.json")):
+            batches[path.stem] = json.loads(path.read_text())
+    return batches
+
+
+def rank(order, name):
+    return order.index(name) if name in order else len(order)
+
+
+def pct(part, whole):
+    return 100.0 * part / whole if whole else None
+
+
+def ratio(part, whole):
+    return part / whole if whole else None
+
+
+def unstable_traces(reports):
+    """Traces the oracle cannot judge: `off` lost nothing (its sandbox survived
+    the fault) and was still found to differ from the reference, so the trace
+    differs from run to run in a way the two reference runs did not show
+    (e.g. `ls -l` times of the minute the turn ran in)."""
+    unstable = set()
+    for report in reports:
+        for run in report["runs"]:
+            fault = run.get("fault") or {}
+            if (run["policy"] == "off" and run["recovered_correctly"] is False
+                    and (fault.get("recovery") or {}).get("method") == "not-needed"):
+                unstable.add(report["trace"])
+    return sorted(unstable)
+
+
+def correctness_cells(reports):
+    correctness = {}
+    for report in reports:
+        for run in report["runs"]:
+            if run["recovered_correctly"] is None:
+                continue
+            cell = correctness.setdefault(run["policy"], {}).setdefault(
+                report.get("fault", "none"), {"correct": 0, "faulted": 0, "failed": []})
+            cell["faulted"] += 1
+            if run["recovered_correctly"]:
+                cell["correct"] += 1
+            else:
+                cell["failed"].append(report["trace"])
+    for cells in correctness.values():
+        for cell in cells.values():
+            cell["pct"] = pct(cell["correct"], cell["faulted"])
+    return {name: dict(sorted(cells.items(), key=lambda item: rank(FAULT_ORDER, item[0])))
+            for name, cells in sorted(correctness.items(), key=lambda item: rank(POLICY_ORDER, item[0]))}
 
 
 def aggregate(reports, errors, classes):
-    """Per-policy totals over all traces. Run-time overhead compares each
-    policy's faulted run with one fault-free reference run of the same trace
-    (the replay has no separate `off` run without a fault)."""
     policies = {}
+    run_time = {}
     for report in reports:
-        baseline_s = reference_time_per_run(report)
-        for run in report["runs"]:
-            name = run["policy"]
+        fault = report.get("fault", "none")
+        scale = report.get("think_scale", 0.0)
+        by_policy = {run["policy"]: run for run in report["runs"]}
+        every_turn = by_policy.get("every-turn")
+        off = by_policy.get("off")
+        for name, run in by_policy.items():
             stats = policies.setdefault(name, {
-                "traces": 0, "faulted": 0, "correct": 0,
-                "checkpoints": 0, "checkpoint_failures": 0,
-                "checkpoint_bytes": 0, "run_time_s": 0.0,
-                "baseline_s": 0.0, "delays": [], "first_checkpoint_error": None,
+                "runs": 0, "faulted": 0, "correct": 0,
+                "checkpoints": 0, "checkpoint_failures": 0, "checkpoint_bytes": 0,
+                "paired_bytes": 0, "every_turn_bytes": 0,
+                "delays": [], "first_checkpoint_error": None,
             })
-            stats["traces"] += 1
-            if run["recovered_correctly"] is not None:
-                stats["faulted"] += 1
-                stats["correct"] += 1 if run["recovered_correctly"] else 0
+            stats["runs"] += 1
             stats["checkpoints"] += run["checkpoints"]
             stats["checkpoint_failures"] += run["checkpoint_failures"]
             stats["checkpoint_bytes"] += run["checkpoint_bytes"]
-            stats["run_time_s"] += run["run_time_s"]
-            stats["baseline_s"] += baseline_s
+            if every_turn is not None:
+                stats["paired_bytes"] += run["checkpoint_bytes"]
+                stats["every_turn_bytes"] += every_turn["checkpoint_bytes"]
             stats["delays"].extend(turn["agent_visible_delay_s"] for turn in run["turns"])
             if stats["first_checkpoint_error"] is None:
                 stats["first_checkpoint_error"] = next(
                     (f"{report['trace']} turn {turn['turn']}: {turn['checkpoint_error']}"
                      for turn in run["turns"] if turn.get("checkpoint_error")), None)
+            if run["recovered_correctly"] is not None:
+                stats["faulted"] += 1
+                stats["correct"] += 1 if run["recovered_correctly"] else 0
+            if off is not None:
+                kind = "fault-free" if fault == "none" else "faulted"
+                group = run_time.setdefault(f"{kind} x{scale:g}", {}).setdefault(name, {"run_time_s": 0.0, "off_s": 0.0, "runs": 0})
+                group["run_time_s"] += run["run_time_s"]
+                group["off_s"] += off["run_time_s"]
+                group["runs"] += 1
 
-    every_turn_bytes = policies.get("every-turn", {}).get("checkpoint_bytes")
     summary = {}
-    for name in sorted(policies, key=policy_rank):
+    for name in sorted(policies, key=lambda n: rank(POLICY_ORDER, n)):
         stats = policies[name]
         delays = stats.pop("delays")
         summary[name] = {
             **stats,
             "correct_pct": pct(stats["correct"], stats["faulted"]),
-            "bytes_vs_every_turn": (stats["checkpoint_bytes"] / every_turn_bytes
-                                    if every_turn_bytes else None),
-            "run_time_vs_fault_free": (stats["run_time_s"] / stats["baseline_s"]
-                                       if stats["baseline_s"] > 0 else None),
+            "bytes_vs_every_turn": ratio(stats["paired_bytes"], stats["every_turn_bytes"]),
             "delay_p50_s": percentile(delays, 0.50),
             "delay_p99_s": percentile(delays, 0.99),
+            "delay_max_s": max(delays) if delays else None,
             "turns": len(delays),
         }
+    unstable = unstable_traces(reports)
+    for groups in run_time.values():
+        for group in groups.values():
+            group["vs_off"] = ratio(group["run_time_s"], group["off_s"])
 
     class_counts = {name: 0 for name in CLASS_ORDER}
     class_bytes = 0
@@ -134,9 +229,14 @@ def aggregate(reports, errors, classes):
         class_bytes += row.get("bytes") or 0
     total_classified = sum(class_counts.values())
     return {
-        "traces": len(reports),
+        "traces": len({report["trace"] for report in reports}),
+        "reports": len(reports),
         "failed_traces": errors,
         "policies": summary,
+        "correctness": correctness_cells(reports),
+        "oracle_unstable_traces": unstable,
+        "correctness_judgeable": correctness_cells([r for r in reports if r["trace"] not in unstable]),
+        "run_time_vs_off": dict(sorted(run_time.items())),
         "classes": {
             "turns": total_classified,
             "counts": class_counts,
@@ -144,14 +244,6 @@ def aggregate(reports, errors, classes):
             "bytes": class_bytes,
         } if total_classified else None,
     }
-
-
-def policy_rank(name):
-    return POLICY_ORDER.index(name) if name in POLICY_ORDER else len(POLICY_ORDER)
-
-
-def pct(part, whole):
-    return 100.0 * part / whole if whole else None
 
 
 def human_bytes(count):
@@ -167,15 +259,52 @@ def fmt(value, pattern, missing="-"):
     return missing if value is None else pattern.format(value)
 
 
+def correctness_table(correctness):
+    faults = sorted({fault for cells in correctness.values() for fault in cells},
+                    key=lambda fault: rank(FAULT_ORDER, fault))
+    if not faults:
+        return ["No faulted runs.", ""]
+    lines = ["| policy | " + " | ".join(faults) + " | all faults |",
+             "|---|" + "---|" * (len(faults) + 1)]
+    for name, cells in correctness.items():
+        row = [f"{fmt(cells[f]['pct'], '{:.0f}%')} ({cells[f]['correct']}/{cells[f]['faulted']})"
+               if f in cells else "-" for f in faults]
+        correct = sum(cell["correct"] for cell in cells.values())
+        faulted = sum(cell["faulted"] for cell in cells.values())
+        row.append(f"**{fmt(pct(correct, faulted), '{:.0f}%')}** ({correct}/{faulted})")
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    lines.append("")
+    failures = [(name, fault, cell["failed"]) for name, cells in correctness.items()
+                for fault, cell in cells.items() if cell["failed"]]
+    if failures:
+        lines += ["Incorrect recoveries (trace names):", ""]
+        for name, fault, traces in failures:
+            lines.append(f"- {name} / {fault}: {', '.join(sorted(set(traces)))}")
+        lines.append("")
+    return lines
+
+
 def render_markdown(summary, meta):
     lines = ["# Crab evaluation", ""]
-    for key, value in meta.items():
-        lines.append(f"- {key}: {value}")
-    lines += [f"- traces replayed: {summary['traces']}, failed: {len(summary['failed_traces'])}", ""]
+    for batch, values in meta.items():
+        lines.append(f"- batch `{batch}`: " + "; ".join(f"{key}: {value}" for key, value in values.items()))
+    lines += [f"- traces replayed: {summary['traces']} ({summary['reports']} trace x fault reports), "
+              f"failed: {len(summary['failed_traces'])}", ""]
+
+    lines += ["## Recovery correctness per policy and fault kind", ""]
+    lines += correctness_table(summary["correctness"])
+    if summary["oracle_unstable_traces"]:
+        lines += ["Without the traces the oracle cannot judge (`off` lost nothing in a fault, its sandbox kept "
+                  "running, and it still differed from the reference: the trace's output changes from run to run "
+                  "in a way the two reference runs did not catch): "
+                  + ", ".join(f"`{trace}`" for trace in summary["oracle_unstable_traces"]), ""]
+        lines += correctness_table(summary["correctness_judgeable"])
+    lines += FAULT_MODEL
+
     lines += [
         "## Per policy", "",
         "| policy | recovered correctly | checkpoints (failed) | checkpoint bytes | bytes vs every-turn "
-        "| run time vs fault-free | delay p50 / turn | delay p99 / turn |",
+        "| delay p50 / turn | delay p99 / turn | delay max |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, stats in summary["policies"].items():
@@ -184,18 +313,29 @@ def render_markdown(summary, meta):
         lines.append(
             f"| {name} | {correct} | {stats['checkpoints']} ({stats['checkpoint_failures']}) "
             f"| {human_bytes(stats['checkpoint_bytes'])} "
-            f"| {fmt(stats['bytes_vs_every_turn'], '{:.1%}')} "
-            f"| {fmt(stats['run_time_vs_fault_free'], '{:.3f}x')} "
-            f"| {fmt(stats['delay_p50_s'], '{:.3f} s')} | {fmt(stats['delay_p99_s'], '{:.3f} s')} |"
+            f"| {fmt(stats['bytes_vs_every_turn'], '{:.3f}x')} "
+            f"| {fmt(stats['delay_p50_s'], '{:.3f} s')} | {fmt(stats['delay_p99_s'], '{:.3f} s')} "
+            f"| {fmt(stats['delay_max_s'], '{:.3f} s')} |"
         )
     lines += [
         "",
-        "Run time vs fault-free: the replay has no separate fault-free `off` run, so the baseline is the "
-        "reference run's wall time (one run; with `--ref-runs 2` the reference time is halved). The reference "
-        "run also fingerprints the sandbox after every turn, so it is slower than a bare run and the ratio "
-        "understates the overhead; the faulted runs include the fault, the recovery and the replayed turns.",
+        "Bytes vs every-turn: the policy's checkpoint bytes over every-turn's in the same (trace, fault) "
+        "reports. Delay: what the agent waited for the policy's checkpoint beyond its (scaled) think time "
+        "before the next turn; with think times scaled to 0 it is the whole checkpoint time.",
         "",
     ]
+
+    lines += ["## Run time vs off", "",
+              "| runs | policy | run time | off | ratio | runs compared |", "|---|---|---|---|---|---|"]
+    for group, policies in summary["run_time_vs_off"].items():
+        for name in sorted(policies, key=lambda n: rank(POLICY_ORDER, n)):
+            stats = policies[name]
+            lines.append(f"| {group} | {name} | {stats['run_time_s']:.1f} s | {stats['off_s']:.1f} s "
+                         f"| {fmt(stats['vs_off'], '{:.3f}x')} | {stats['runs']} |")
+    lines += ["", "Each policy's run against the `off` run of the same trace and fault, summed; x<scale> is "
+              "the factor the recorded think times were replayed at. Fault-free runs measure the overhead; "
+              "faulted ones also include the fault and the recovery.", ""]
+
     failing = [(name, stats) for name, stats in summary["policies"].items() if stats["first_checkpoint_error"]]
     if failing:
         lines += ["Checkpoint failures (they count in the delays and run times above):", ""]
@@ -215,17 +355,15 @@ def render_markdown(summary, meta):
 
     policies = summary["policies"]
     lines += ["## Beside the paper", "", "| figure | paper | ours |", "|---|---|---|"]
-    chat, crab, every = policies.get("chat-only"), policies.get("crab"), policies.get("every-turn")
+    chat, crab = policies.get("chat-only"), policies.get("crab")
     ours_correct = (f"chat-only {fmt(chat and chat['correct_pct'], '{:.0f}%', 'n/a')} -> "
                     f"crab {fmt(crab and crab['correct_pct'], '{:.0f}%', 'n/a')}")
     cut = crab and crab["bytes_vs_every_turn"]
-    ours_traffic = f"{(1 - cut):.1%} less than every-turn" if cut is not None else "n/a"
-    overhead = crab and crab["run_time_vs_fault_free"]
-    ours_time = f"{(overhead - 1):+.1%} vs fault-free reference" if overhead is not None else "n/a"
+    ours_traffic = f"{(1 - cut):.1%} less than every-turn ({cut:.3f}x)" if cut is not None else "n/a"
     lines += [
         f"| recovery correctness | {PAPER['correctness']} | {ours_correct} |",
         f"| checkpoint traffic | {PAPER['traffic']} | {ours_traffic} |",
-        f"| run time | {PAPER['run_time']} | {ours_time} |",
+        f"| run time | {PAPER['run_time']} | {headline_run_time(summary)} |",
         "",
     ]
     if summary["failed_traces"]:
@@ -238,27 +376,40 @@ def render_markdown(summary, meta):
     return "\n".join(lines)
 
 
+def headline_run_time(summary):
+    """crab against off in fault-free runs at the largest think-time scale measured."""
+    candidates = []
+    for group, policies in summary["run_time_vs_off"].items():
+        kind, _, scale = group.partition(" x")
+        if kind == "fault-free" and policies.get("crab", {}).get("vs_off") is not None:
+            candidates.append((float(scale), group, policies["crab"]["vs_off"]))
+    if not candidates:
+        return "n/a"
+    scale, group, value = max(candidates)
+    return f"{value - 1:+.1%} vs off (fault-free, think times x{scale:g})"
+
+
 def svg_bars(title, unit, bars):
     """A horizontal bar chart; bars is a list of (label, value or None)."""
-    width, left, row, top = 560, 110, 28, 40
+    width, left, row, top = 620, 230, 24, 40
     height = top + row * max(1, len(bars)) + 20
     values = [value for _, value in bars if value is not None]
     scale_max = max(values) if values and max(values) > 0 else 1.0
-    plot_width = width - left - 120
+    plot_width = width - left - 110
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'font-family="sans-serif" font-size="13">',
+        f'font-family="sans-serif" font-size="12">',
         f'<text x="10" y="22" font-weight="bold">{escape(title)}</text>',
     ]
     for index, (label, value) in enumerate(bars):
         y = top + index * row
-        parts.append(f'<text x="{left - 8}" y="{y + 15}" text-anchor="end">{escape(label)}</text>')
+        parts.append(f'<text x="{left - 8}" y="{y + 14}" text-anchor="end">{escape(label)}</text>')
         if value is None:
-            parts.append(f'<text x="{left + 4}" y="{y + 15}" fill="#888">n/a</text>')
+            parts.append(f'<text x="{left + 4}" y="{y + 14}" fill="#888">n/a</text>')
             continue
         length = max(0.0, value) / scale_max * plot_width
-        parts.append(f'<rect x="{left}" y="{y + 2}" width="{length:.1f}" height="{row - 8}" fill="#3b78c2"/>')
-        parts.append(f'<text x="{left + length + 6:.1f}" y="{y + 15}">{escape(unit(value))}</text>')
+        parts.append(f'<rect x="{left}" y="{y + 2}" width="{length:.1f}" height="{row - 7}" fill="#3b78c2"/>')
+        parts.append(f'<text x="{left + length + 6:.1f}" y="{y + 14}">{escape(unit(value))}</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
 
@@ -270,15 +421,18 @@ def escape(text):
 def write_plots(summary, plots_dir):
     plots_dir.mkdir(parents=True, exist_ok=True)
     policies = summary["policies"]
+    run_time_bars = [(f"{name} ({group})", None if stats["vs_off"] is None else 100.0 * (stats["vs_off"] - 1))
+                     for group, groups in summary["run_time_vs_off"].items()
+                     for name, stats in groups.items() if name != "off"]
+    correctness_bars = [(f"{name} / {fault}", cell["pct"])
+                        for name, cells in summary["correctness"].items() for fault, cell in cells.items()]
     plots = {
         "bytes.svg": svg_bars("Checkpoint bytes per policy", human_bytes,
                               [(name, stats["checkpoint_bytes"]) for name, stats in policies.items()]),
-        "run_time.svg": svg_bars(
-            "Run-time overhead vs fault-free reference", lambda value: f"{value:+.1f}%",
-            [(name, None if stats["run_time_vs_fault_free"] is None
-              else 100.0 * (stats["run_time_vs_fault_free"] - 1)) for name, stats in policies.items()]),
+        "run_time.svg": svg_bars("Run-time overhead vs off", lambda value: f"{value:+.1f}%",
+                                 run_time_bars or [("no data", None)]),
         "correctness.svg": svg_bars("Recovered correctly", lambda value: f"{value:.0f}%",
-                                    [(name, stats["correct_pct"]) for name, stats in policies.items()]),
+                                    correctness_bars or [("no data", None)]),
     }
     classes = summary["classes"]
     plots["classes.svg"] = svg_bars(
@@ -296,11 +450,10 @@ def main(argv):
     try:
         if not (out / "raw").is_dir():
             raise EvalInputError(f"{out / 'raw'}: no such directory (nothing was replayed?)")
-        meta_path = out / "meta.json"
-        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        meta = load_meta(out)
         summary = aggregate(load_reports(out / "raw"), load_jsonl(out / "errors.jsonl"),
                             load_classes(out / "classes"))
-    except (EvalInputError, KeyError, TypeError, OSError) as error:
+    except (EvalInputError, KeyError, TypeError, OSError, json.JSONDecodeError) as error:
         print(f"eval_report.py: error: {error!r}", file=sys.stderr)
         return 1
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

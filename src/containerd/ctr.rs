@@ -70,6 +70,15 @@ impl Ctr {
         }
     }
 
+    /// The containerd socket this client talks to.
+    pub fn socket(&self) -> &std::path::Path {
+        &self.socket
+    }
+
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
     /// `CRAB_CTRD_SOCK` and `CRAB_NS`, defaulting to the private containerd of `scripts/containerd`.
     pub fn from_env() -> Ctr {
         let socket = std::env::var("CRAB_CTRD_SOCK")

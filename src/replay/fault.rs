@@ -5,20 +5,55 @@ use std::str::FromStr;
 
 use serde::Serialize;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum FaultKind {
     None,
     /// SIGKILL every process of the sandbox after the turn (and its checkpoint, if any) finished.
     KillProcesses,
+    /// SIGKILL the sandbox's shim; containerd reports the task exited.
+    KillShim,
+    /// SIGKILL containerd and start it again; shims and tasks keep running.
+    RestartContainerd,
+    /// SIGKILL crabd, the node engine the crab shims share; the shims go on without it.
+    KillCrabd,
+    /// The sandbox's processes and shim die and containerd forgets the
+    /// container and its snapshot (and the checkpoint images in its content
+    /// store); only what lies outside containerd, crab's store, is left.
+    NodeLoss,
 }
 
 impl FaultKind {
+    pub const ALL: [FaultKind; 6] = [
+        FaultKind::None,
+        FaultKind::KillProcesses,
+        FaultKind::KillShim,
+        FaultKind::RestartContainerd,
+        FaultKind::KillCrabd,
+        FaultKind::NodeLoss,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             FaultKind::None => "none",
             FaultKind::KillProcesses => "kill-processes",
+            FaultKind::KillShim => "kill-shim",
+            FaultKind::RestartContainerd => "restart-containerd",
+            FaultKind::KillCrabd => "kill-crabd",
+            FaultKind::NodeLoss => "node-loss",
         }
+    }
+
+    /// Whether the fault wipes what containerd stores for the sandbox,
+    /// checkpoint images in its content store included.
+    pub fn loses_containerd_state(self) -> bool {
+        self == FaultKind::NodeLoss
+    }
+
+    /// Whether the fault strikes the checkpoint pipeline rather than the
+    /// sandbox, so a correct run also needs every later checkpoint complete.
+    pub fn strikes_checkpointing(self) -> bool {
+        self == FaultKind::KillCrabd
     }
 }
 
@@ -29,14 +64,14 @@ impl fmt::Display for FaultKind {
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("unknown fault {0:?} (expected kill-processes or none)")]
+#[error("unknown fault {0:?} (expected one of: none, kill-processes, kill-shim, restart-containerd, kill-crabd, node-loss)")]
 pub struct UnknownFault(pub String);
 
 impl FromStr for FaultKind {
     type Err = UnknownFault;
 
     fn from_str(text: &str) -> Result<FaultKind, UnknownFault> {
-        [FaultKind::None, FaultKind::KillProcesses]
+        FaultKind::ALL
             .into_iter()
             .find(|kind| kind.name() == text)
             .ok_or_else(|| UnknownFault(text.to_string()))
@@ -109,11 +144,20 @@ mod tests {
     }
 
     #[test]
-    fn fault_names_parse() {
-        assert_eq!(
-            "kill-processes".parse::<FaultKind>().unwrap(),
-            FaultKind::KillProcesses
-        );
-        assert!("reboot".parse::<FaultKind>().is_err());
+    fn fault_names_round_trip_and_unknown_ones_are_named() {
+        for kind in FaultKind::ALL {
+            assert_eq!(kind.name().parse::<FaultKind>().unwrap(), kind);
+            assert_eq!(kind.to_string(), kind.name());
+        }
+        let error = "reboot".parse::<FaultKind>().unwrap_err().to_string();
+        assert!(error.contains("\"reboot\"") && error.contains("node-loss"), "{error}");
+    }
+
+    #[test]
+    fn only_node_loss_takes_containerd_state_and_only_kill_crabd_needs_later_checkpoints() {
+        let lossy: Vec<FaultKind> = FaultKind::ALL.into_iter().filter(|k| k.loses_containerd_state()).collect();
+        assert_eq!(lossy, [FaultKind::NodeLoss]);
+        let pipeline: Vec<FaultKind> = FaultKind::ALL.into_iter().filter(|k| k.strikes_checkpointing()).collect();
+        assert_eq!(pipeline, [FaultKind::KillCrabd]);
     }
 }

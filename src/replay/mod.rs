@@ -5,13 +5,17 @@
 //! - [`trace`]: parsing and validation of the JSONL turn traces.
 //! - [`sandbox`]: a container driven with `ctr` (create, exec, checkpoint, restore).
 //! - [`fingerprint`]: what the next turn can observe of a sandbox.
-//! - [`policy`]: recovery policies (`off`, `chat-only`, `every-turn`).
+//! - [`policy`]: recovery policies (`off`, `chat-only`, `every-turn`, `crab`).
+//! - [`fault`]: which fault strikes after which turn; [`injector`]: striking it
+//!   (processes, shim, containerd, crabd, node loss).
 //! - [`oracle`]: the correctness verdict against the reference.
 //! - [`runner`]: one trace under each policy; [`report`]: tables and JSON.
+//! - [`cli`]: `crabctl replay`.
 
-
+pub mod cli;
 pub mod fault;
 pub mod fingerprint;
+pub mod injector;
 pub mod oracle;
 pub mod policy;
 pub mod report;
@@ -22,6 +26,7 @@ pub mod trace;
 use std::path::PathBuf;
 
 pub use fault::{FaultKind, FaultTurn};
+pub use injector::Daemons;
 pub use policy::PolicyKind;
 pub use report::TraceReport;
 pub use runner::{ReplayOptions, replay};
@@ -51,6 +56,12 @@ pub enum ReplayError {
         file: PathBuf,
         turn: u32,
         turns: u32,
+    },
+    #[error("fault {fault}: {source}")]
+    Fault {
+        fault: FaultKind,
+        #[source]
+        source: injector::InjectError,
     },
     #[error("crab policy: {0}")]
     Policy(String),

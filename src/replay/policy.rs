@@ -54,7 +54,7 @@ impl PolicyKind {
             PolicyKind::Off => Box::new(FreshSandbox { launch, kind: self }),
             PolicyKind::ChatOnly => Box::new(FreshSandbox { launch, kind: self }),
             PolicyKind::EveryTurn => Box::new(EveryTurn { launch, last: None }),
-            PolicyKind::Crab => Box::new(CrabPolicy { launch, seen: 0 }),
+            PolicyKind::Crab => Box::new(CrabPolicy { launch }),
         }
     }
 }
@@ -109,6 +109,25 @@ pub enum RecoveryMethod {
     Checkpoint { turn: u32 },
     /// A new sandbox from the base image; the agent keeps only its history.
     BaseImage,
+    /// The sandbox survived the fault (its task kept running): nothing to do.
+    NotNeeded,
+}
+
+/// `crabctl verify` of a sandbox's checkpoint chain at the end of a run.
+#[derive(Debug, Clone, Serialize)]
+pub struct StoreCheck {
+    pub ok: bool,
+    pub head_turn: Option<u64>,
+    pub manifests: u64,
+    pub blobs: u64,
+    pub bytes: u64,
+    pub error: Option<String>,
+}
+
+impl StoreCheck {
+    fn failed(error: String) -> StoreCheck {
+        StoreCheck { ok: false, head_turn: None, manifests: 0, blobs: 0, bytes: 0, error: Some(error) }
+    }
 }
 
 pub struct Recovery {
@@ -128,6 +147,18 @@ pub trait RecoveryPolicy: Send {
 
     /// Brings the sandbox back after its processes were killed; `dead` is the killed one.
     async fn recover(&mut self, dead: Sandbox) -> Result<Recovery, ReplayError>;
+
+    /// The node lost containerd's state: whatever the policy kept in
+    /// containerd is gone. Says what was lost, if anything.
+    async fn lose_containerd_state(&mut self) -> Result<Option<String>, ReplayError> {
+        Ok(None)
+    }
+
+    /// Checks what the policy stored for `container` is complete and intact,
+    /// where it keeps a store of its own to check.
+    async fn check_store(&mut self, _container: &str) -> Option<StoreCheck> {
+        None
+    }
 
     /// Frees what the policy stored (checkpoint images).
     async fn cleanup(&mut self) -> Result<(), ReplayError>;
@@ -244,6 +275,14 @@ impl RecoveryPolicy for EveryTurn {
         })
     }
 
+    /// `ctr c checkpoint` keeps the image in containerd's content store, which
+    /// goes with the node: the image is removed as the fault's part.
+    async fn lose_containerd_state(&mut self) -> Result<Option<String>, ReplayError> {
+        let Some((turn, reference)) = self.last.take() else { return Ok(None) };
+        remove_image(&self.launch.ctr, &reference).await?;
+        Ok(Some(format!("checkpoint image of turn {turn} lost with containerd's content store")))
+    }
+
     async fn cleanup(&mut self) -> Result<(), ReplayError> {
         if let Some((_, reference)) = self.last.take() {
             remove_image(&self.launch.ctr, &reference).await?;
@@ -256,8 +295,6 @@ impl RecoveryPolicy for EveryTurn {
 /// CRIU dump, as the inspector saw the turn) while the agent thinks.
 struct CrabPolicy {
     launch: Launch,
-    /// Turn-log records already matched to replayed turns.
-    seen: usize,
 }
 
 /// How long a turn's checkpoint may take before the replay gives up on it.
@@ -269,8 +306,14 @@ impl CrabPolicy {
     }
 }
 
+/// Where the crab shims keep their store: `CRAB_STATE_DIR` as for the other
+/// crabctl commands, else the state dir of crab's configuration (`CRAB_CONFIG`).
 fn crab_state_dir() -> std::path::PathBuf {
-    std::env::var_os("CRAB_STATE_DIR").map(Into::into).unwrap_or_else(|| crate::checkpoint::DEFAULT_STATE_DIR.into())
+    std::env::var_os("CRAB_STATE_DIR").map(Into::into).unwrap_or_else(|| {
+        crate::config::Config::load(None)
+            .map(|config| config.checkpoint.state_dir)
+            .unwrap_or_else(|_| crate::checkpoint::DEFAULT_STATE_DIR.into())
+    })
 }
 
 #[async_trait]
@@ -288,11 +331,10 @@ impl RecoveryPolicy for CrabPolicy {
         let log = crate::turns::TurnLog::open(&crab_state_dir(), sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?;
         let deadline = Instant::now() + CRAB_CHECKPOINT_WAIT;
         loop {
+            // Matched by exec id, which the replay never reuses in a sandbox: a
+            // sandbox recovered from the base image starts a new turn log.
             let records = log.read().map_err(|e| ReplayError::Policy(e.to_string()))?;
-            if let Some((index, record)) =
-                records.iter().enumerate().skip(self.seen).find(|(_, r)| r.exec_id.as_deref() == Some(exec_id.as_str()))
-            {
-                self.seen = index + 1;
+            if let Some(record) = records.iter().rev().find(|r| r.exec_id.as_deref() == Some(exec_id.as_str())) {
                 return Ok(TurnCost { blocking_s: record.checkpoint_ms / 1e3, bytes: record.bytes_written });
             }
             if Instant::now() > deadline {
@@ -316,6 +358,22 @@ impl RecoveryPolicy for CrabPolicy {
             None => RecoveryMethod::BaseImage,
         };
         Ok(Recovery { sandbox, method, possible: true })
+    }
+
+    async fn check_store(&mut self, container: &str) -> Option<StoreCheck> {
+        let verified = self.ctl().and_then(|ctl| ctl.verify(Some(container)).map_err(|e| ReplayError::Policy(e.to_string())));
+        Some(match verified.map(|rows| rows.into_iter().next()) {
+            Ok(Some(row)) => StoreCheck {
+                ok: row.ok,
+                head_turn: row.head_turn,
+                manifests: row.manifests,
+                blobs: row.blobs,
+                bytes: row.bytes,
+                error: row.error,
+            },
+            Ok(None) => StoreCheck::failed(format!("no checkpoint chain for {container}")),
+            Err(error) => StoreCheck::failed(error.to_string()),
+        })
     }
 
     async fn cleanup(&mut self) -> Result<(), ReplayError> {

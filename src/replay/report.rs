@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use super::fault::FaultKind;
 use super::oracle::Verdict;
-use super::policy::{PolicyKind, RecoveryMethod};
+use super::policy::{PolicyKind, RecoveryMethod, StoreCheck};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct TraceReport {
@@ -18,6 +18,8 @@ pub struct TraceReport {
     pub turns: u32,
     pub fault: FaultKind,
     pub fault_turn: Option<u32>,
+    /// The factor the recorded think times were replayed at.
+    pub think_scale: f64,
     pub reference: ReferenceSummary,
     pub runs: Vec<PolicyRun>,
 }
@@ -42,6 +44,8 @@ pub struct PolicyRun {
     pub checkpoint_failures: u32,
     /// Sum over all checkpoints of the bytes each one stored.
     pub checkpoint_bytes: u64,
+    /// The policy's own check of its checkpoint store after the run (crab: `crabctl verify`).
+    pub store: Option<StoreCheck>,
     pub run_time_s: f64,
     pub agent_delay: DelaySummary,
     pub turns: Vec<TurnReport>,
@@ -51,6 +55,10 @@ pub struct PolicyRun {
 pub struct FaultReport {
     pub kind: FaultKind,
     pub turn: u32,
+    /// What the fault did (which process got SIGKILL, how long a restart took).
+    pub detail: String,
+    /// What the policy had kept in containerd and lost with it (node loss).
+    pub lost: Option<String>,
     /// `None` when the recovery failed (see `error`); the run ends there.
     pub recovery: Option<RecoveryMethod>,
     pub recovery_s: f64,
@@ -59,6 +67,8 @@ pub struct FaultReport {
     pub state_after: Option<String>,
     pub reference_state: Option<String>,
     pub verdict: Option<Verdict>,
+    /// Turns after the fault whose checkpoint failed.
+    pub later_checkpoint_failures: u32,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -69,7 +79,8 @@ pub struct TurnReport {
     pub exec_s: f64,
     pub checkpoint_s: f64,
     pub checkpoint_bytes: u64,
-    /// Added to the turn before the agent can go on: the policy's checkpoint.
+    /// What the agent waited for the policy before its next turn: the part
+    /// of the checkpoint that outlasted the (scaled) think time before it.
     pub agent_visible_delay_s: f64,
     /// Why the policy could not save after this turn.
     pub checkpoint_error: Option<String>,
@@ -268,7 +279,7 @@ fn render_trace(out: &mut String, report: &TraceReport) {
         let (Some(verdict), Some(recovery)) = (&fault.verdict, &fault.recovery) else {
             continue;
         };
-        if verdict.correct {
+        if run.recovered_correctly == Some(true) {
             continue;
         }
         let _ = writeln!(out);
@@ -277,6 +288,7 @@ fn render_trace(out: &mut String, report: &TraceReport) {
                 format!("restored the checkpoint of turn {turn}")
             }
             RecoveryMethod::BaseImage => "started a fresh sandbox from the base image".to_string(),
+            RecoveryMethod::NotNeeded => "found the sandbox still running".to_string(),
         };
         let _ = writeln!(
             out,
@@ -313,6 +325,25 @@ fn render_trace(out: &mut String, report: &TraceReport) {
                 "  outputs differ from the reference on turns {:?}",
                 verdict.output_mismatches
             );
+        }
+        if fault.kind.strikes_checkpointing() && fault.later_checkpoint_failures > 0 {
+            let _ = writeln!(out, "  {} checkpoints after the fault failed", fault.later_checkpoint_failures);
+        }
+        if let Some(store) = run.store.as_ref().filter(|store| !store.ok) {
+            let _ = writeln!(out, "  the checkpoint store does not verify: {}", store.error.as_deref().unwrap_or("?"));
+        }
+    }
+    let mut faulted = report.runs.iter().filter_map(|run| Some((run, run.fault.as_ref()?))).peekable();
+    if faulted.peek().is_some() {
+        let _ = writeln!(out);
+        let _ = writeln!(out, "what the fault did, and what each policy had left:");
+        for (run, fault) in faulted {
+            let lost = fault.lost.as_deref().map(|lost| format!("; {lost}")).unwrap_or_default();
+            let store = run.store.as_ref().map_or(String::new(), |store| match (store.ok, store.head_turn) {
+                (true, head) => format!("; store verifies (head turn {})", head.map_or("-".to_string(), |t| t.to_string())),
+                (false, _) => format!("; store does NOT verify: {}", store.error.as_deref().unwrap_or("?")),
+            });
+            let _ = writeln!(out, "  {:<11} {}{lost}{store}", run.policy.name(), fault.detail);
         }
     }
     let _ = writeln!(out);

@@ -1,0 +1,90 @@
+//! `crabctl replay`: arguments to [`ReplayOptions`], reports to stdout.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::{Daemons, FaultKind, FaultTurn, PolicyKind, ReplayOptions, report};
+use crate::containerd::ctr::Ctr;
+
+#[derive(Args)]
+pub struct ReplayArgs {
+    /// Trace files (JSONL: a header line, then one line per turn).
+    #[arg(required = true)]
+    traces: Vec<PathBuf>,
+    /// Recovery policies to compare, comma-separated or repeated: off, chat-only, every-turn, crab.
+    #[arg(long, value_delimiter = ',', default_value = "every-turn")]
+    policy: Vec<PolicyKind>,
+    /// Faults injected after the fault turn, comma-separated or repeated: none, kill-processes,
+    /// kill-shim, restart-containerd, kill-crabd, node-loss. Each fault gets its own policy runs;
+    /// the fault-free reference runs are shared.
+    #[arg(long, value_delimiter = ',', default_value = "kill-processes")]
+    fault: Vec<FaultKind>,
+    /// Inject the fault after this turn (default: the middle turn).
+    #[arg(long, conflicts_with = "fault_random")]
+    fault_turn: Option<u32>,
+    /// Draw the fault turn from this seed (and the trace name).
+    #[arg(long)]
+    fault_random: Option<u64>,
+    /// Scale of the recorded think times: 0 replays back to back, 1 waits in real time.
+    #[arg(long, default_value_t = 0.0)]
+    think_scale: f64,
+    /// containerd runtime of the sandboxes.
+    #[arg(long, default_value = "io.containerd.crab.v2")]
+    runtime: String,
+    /// Fault-free reference runs: 2 finds and excludes nondeterministic turns and files.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2))]
+    ref_runs: u8,
+    /// Shell command that starts containerd again after restart-containerd killed it
+    /// (for the private one: `scripts/containerd start` with the same CRAB_CTRD_* environment).
+    #[arg(long, env = "CRAB_CTRD_START_CMD", value_name = "CMD")]
+    containerd_start: Option<String>,
+    /// Print the report as JSON instead of tables.
+    #[arg(long)]
+    json: bool,
+    /// Also write the JSON report to this file.
+    #[arg(long, value_name = "FILE")]
+    json_out: Option<PathBuf>,
+}
+
+fn dedup<T: PartialEq>(items: Vec<T>) -> Vec<T> {
+    let mut unique = Vec::new();
+    for item in items {
+        if !unique.contains(&item) {
+            unique.push(item);
+        }
+    }
+    unique
+}
+
+pub async fn run(args: ReplayArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let fault_turn = match (args.fault_turn, args.fault_random) {
+        (Some(turn), _) => FaultTurn::Fixed(turn),
+        (None, Some(seed)) => FaultTurn::Random(seed),
+        (None, None) => FaultTurn::Middle,
+    };
+    let mut daemons = Daemons::from_env();
+    daemons.containerd_start = args.containerd_start.filter(|command| !command.trim().is_empty());
+    let options = ReplayOptions {
+        traces: args.traces,
+        policies: dedup(args.policy),
+        faults: dedup(args.fault),
+        fault_turn,
+        think_scale: args.think_scale,
+        runtime: args.runtime,
+        ref_runs: args.ref_runs,
+        ctr: Ctr::from_env(),
+        daemons,
+    };
+    let reports = super::replay(&options).await?;
+    let json = serde_json::to_string_pretty(&reports)?;
+    if let Some(path) = &args.json_out {
+        std::fs::write(path, format!("{json}\n")).map_err(|error| format!("cannot write {}: {error}", path.display()))?;
+    }
+    if args.json {
+        println!("{json}");
+    } else {
+        print!("{}", report::render(&reports));
+    }
+    Ok(())
+}
