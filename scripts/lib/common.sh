@@ -41,3 +41,24 @@ ensure_cargo() {
   cargo --version >/dev/null 2>&1 ||
     die "cargo is present but does not run (rustup has no default toolchain? try: rustup default stable)"
 }
+
+# crab-init runs as PID 1 inside containers whose images may have no libc
+# (busybox), so it is linked statically. It is built for the explicit host
+# target: that keeps it in its own directory, where no later
+# `cargo build --workspace` replaces it with a dynamically linked one.
+CRAB_INIT_INSTALL="${CRAB_INIT_INSTALL:-/usr/local/lib/crab/crab-init}"
+install_crab_init() {
+  local target_dir="${CARGO_TARGET_DIR:-$CRAB_ROOT/target}" triple built
+  triple=$(rustc -vV | awk '/^host:/ {print $2}')
+  [ -n "$triple" ] || die "cannot tell the host target from rustc -vV"
+  log "building static crab-init ($triple)"
+  (cd "$CRAB_ROOT" && RUSTFLAGS="-C target-feature=+crt-static" \
+    cargo build --release --quiet -p crab-init --bin crab-init --target "$triple")
+  built="$target_dir/$triple/release/crab-init"
+  if readelf -l "$built" | grep -q 'Requesting program interpreter'; then
+    die "$built is dynamically linked; containers without libc could not run it"
+  fi
+  install -D -m 0755 "$built" "$CRAB_INIT_INSTALL.tmp"
+  mv -f "$CRAB_INIT_INSTALL.tmp" "$CRAB_INIT_INSTALL"
+  log "crab-init installed at $CRAB_INIT_INSTALL"
+}

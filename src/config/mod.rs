@@ -10,6 +10,8 @@ use serde::Deserialize;
 
 /// Where the shim looks when containerd passes no `ConfigPath`.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/crab/crab.toml";
+/// Environment variable naming the config file when no path is given.
+pub const CONFIG_ENV: &str = "CRAB_CONFIG";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -37,6 +39,11 @@ pub struct RuntimeConfig {
     pub root: PathBuf,
     /// Pass `--systemd-cgroup` to the runtime.
     pub systemd_cgroup: bool,
+    /// crab-init, a static binary run in front of each container's
+    /// entrypoint so exec sessions are children of the container's own
+    /// process tree (and in its checkpoints). Empty: execs go through the
+    /// runtime's `exec`, which checkpoints leave out.
+    pub init: PathBuf,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -93,7 +100,13 @@ impl Default for NodeConfig {
 
 impl Default for RuntimeConfig {
     fn default() -> Self {
-        Self { binary: "runc".into(), root: "/run/crab/runc".into(), systemd_cgroup: false }
+        Self {
+            binary: "runc".into(),
+            root: "/run/crab/runc".into(),
+            systemd_cgroup: false,
+            // Off until the spawner's fast-exit race is fixed (see shim-config/crab.toml).
+            init: PathBuf::new(),
+        }
     }
 }
 
@@ -122,8 +135,11 @@ impl Config {
 
     /// Loads `path`. The default path may be absent; an explicit one may not.
     pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
-        let (path, explicit) = match path {
-            Some(p) => (p.to_path_buf(), true),
+        // CRAB_CONFIG: one containerd's shims (they inherit its environment) and the tools
+        // beside them share a config without ConfigPath in every container's runtime options.
+        let from_env = std::env::var_os(CONFIG_ENV).filter(|p| !p.is_empty()).map(PathBuf::from);
+        let (path, explicit) = match path.map(Path::to_path_buf).or(from_env) {
+            Some(p) => (p, true),
             None => (PathBuf::from(DEFAULT_CONFIG_PATH), false),
         };
         match std::fs::read_to_string(&path) {
@@ -142,6 +158,12 @@ impl Config {
             if !dir.is_absolute() {
                 return Err(invalid(format!("{key}: {} is not an absolute path", dir.display())));
             }
+        }
+        if !self.runtime.init.as_os_str().is_empty() && !self.runtime.init.is_absolute() {
+            return Err(invalid(format!(
+                "runtime.init: {} is not an absolute path (\"\" disables crab-init)",
+                self.runtime.init.display()
+            )));
         }
         if crate::turns::parse_policy(&self.checkpoint.policy).is_none() {
             return Err(invalid(format!(
@@ -217,6 +239,14 @@ mod tests {
         assert!(err.to_string().contains("node.socket"), "{err}");
         let err = Config::parse("[node]\nburst = 1\n", Path::new("c.toml")).unwrap_err();
         assert!(err.to_string().contains("burst"), "{err}");
+    }
+
+    #[test]
+    fn init_is_an_absolute_path_or_disabled() {
+        let c = Config::parse("[runtime]\ninit = \"\"\n", Path::new("c.toml")).unwrap();
+        assert!(c.runtime.init.as_os_str().is_empty());
+        let err = Config::parse("[runtime]\ninit = \"crab-init\"\n", Path::new("c.toml")).unwrap_err();
+        assert!(err.to_string().contains("runtime.init"), "{err}");
     }
 
     #[test]

@@ -65,6 +65,14 @@ pub enum CheckpointCommand {
         #[command(flatten)]
         common: Common,
     },
+    /// Acts on a sandbox's turns: `mark` ends the current turn (it is
+    /// checkpointed) and begins the next.
+    Turn {
+        container: String,
+        action: TurnAction,
+        #[command(flatten)]
+        common: Common,
+    },
     /// Starts a new sandbox from another's turn N; the source keeps running.
     Fork {
         container: String,
@@ -76,6 +84,12 @@ pub enum CheckpointCommand {
         #[command(flatten)]
         common: Common,
     },
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+pub enum TurnAction {
+    /// End the current turn and begin the next.
+    Mark,
 }
 
 fn print<T: Serialize>(json: bool, value: &T, table: impl FnOnce(&T) -> String) {
@@ -95,6 +109,7 @@ impl CheckpointCommand {
             | Self::Gc { common, .. }
             | Self::Recover { common, .. }
             | Self::Rollback { common, .. }
+            | Self::Turn { common, .. }
             | Self::Fork { common, .. } => common,
         }
     }
@@ -105,11 +120,12 @@ impl CheckpointCommand {
         let ctl = Ctl::open(&common.state_dir, Ctr::from_env())?;
         match &self {
             Self::Turns { container, .. } => print(json, &ctl.turns(container)?, |turns| {
-                let mut out = format!("{:>5} {:<6} {:>3} {:>10} {:>9} {:>10}  {}\n", "turn", "class", "ext", "ckpt", "bytes", "ckpt ms", "reasons");
+                let mut out = format!("{:>5} {:<6} {:<6} {:>3} {:>10} {:>9} {:>10}  {}\n", "turn", "source", "class", "ext", "ckpt", "bytes", "ckpt ms", "reasons");
                 for t in turns {
                     out += &format!(
-                        "{:>5} {:<6} {:>3} {:>10} {:>9} {:>10.1}  {}\n",
+                        "{:>5} {:<6} {:<6} {:>3} {:>10} {:>9} {:>10.1}  {}\n",
                         t.turn,
+                        t.source,
                         format!("{:?}", t.class).to_lowercase(),
                         if t.external { "yes" } else { "" },
                         t.checkpoint_turn.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
@@ -189,6 +205,20 @@ impl CheckpointCommand {
             Self::Rollback { container, turn, .. } => {
                 let r = ctl.rollback(container, *turn).await?;
                 print(json, &r, restore_line);
+            }
+            Self::Turn { container, action: TurnAction::Mark, .. } => {
+                let r = ctl.mark_turn(container).await?;
+                print(json, &r, |r| match &r.ended {
+                    Some(t) => format!(
+                        "{}: turn {} ended ({}, checkpoint {}) in {:.1} ms\n",
+                        r.container,
+                        t.turn,
+                        format!("{:?}", t.class).to_lowercase(),
+                        t.checkpoint_turn.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
+                        r.elapsed_ms
+                    ),
+                    None => format!("{}: no turn was open\n", r.container),
+                });
             }
             Self::Fork { container, turn, new_id, .. } => {
                 let r = ctl.fork(container, *turn, new_id).await?;

@@ -78,6 +78,16 @@ pub struct RestoreReport {
     pub elapsed_ms: f64,
 }
 
+/// What an explicit turn mark ended.
+#[derive(Debug, Serialize)]
+pub struct MarkReport {
+    pub container: String,
+    /// The turn the mark ended (None when the sandbox had no turn open).
+    pub ended: Option<TurnRecord>,
+    /// From the request until the ended turn was checkpointed.
+    pub elapsed_ms: f64,
+}
+
 /// How a container was run, to run it again.
 #[derive(Debug, Clone)]
 struct SandboxInfo {
@@ -96,6 +106,26 @@ impl Ctl {
 
     pub fn turns(&self, container: &str) -> Result<Vec<TurnRecord>> {
         Ok(TurnLog::open(&self.state_dir, container)?.read()?)
+    }
+
+    /// Ends the sandbox's current turn and begins the next: a Task Update
+    /// through containerd carrying `io.crab.turn=mark`. Returns once the
+    /// ended turn is checkpointed.
+    pub async fn mark_turn(&self, container: &str) -> Result<MarkReport> {
+        let log = TurnLog::open(&self.state_dir, container)?;
+        let last_before = log.read()?.last().map(|r| r.turn).unwrap_or(0);
+        let started = Instant::now();
+        crate::containerd::grpc::Containerd::new(self.ctr.socket(), self.ctr.namespace())
+            .turn_request(container, crate::turns::TurnRequest::Mark)
+            .await
+            .map_err(|e| CtlError::Containerd(e.to_string()))?;
+        let elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
+        let ended = log
+            .read()?
+            .into_iter()
+            .filter(|r| r.turn > last_before && r.source == crate::turns::TurnSource::Mark)
+            .last();
+        Ok(MarkReport { container: container.into(), ended, elapsed_ms })
     }
 
     pub fn checkpoints(&self, container: &str) -> Result<Vec<CheckpointRow>> {

@@ -1,26 +1,43 @@
 //! The checkpoint engine of one sandbox: it follows turns, asks the inspector
 //! what each did, and checkpoints exactly that at the turn's end.
 //!
-//! A turn opens when its first exec starts and closes when its last exec
-//! exits. Closing hands the turn to a background job (classify, capture,
-//! commit) and returns at once, so the exit reaches the agent without delay.
-//! The next turn's first exec waits for that job: only a turn that arrives
-//! before the previous checkpoint is durable sees any delay (the agent's LLM
-//! wait normally hides it).
+//! Turns come from three sources (the sandbox's `io.crab.turns` mode picks
+//! which count):
+//! - execs: a turn opens when its first exec starts and closes when its last
+//!   exec exits (`exec`, `auto`);
+//! - stdin sessions: a long-lived exec fed through its stdin; a burst of
+//!   input opens a turn, which closes when the session waits for input again
+//!   with nothing left running (`stdin`, `auto`; see [`crate::turns::stdin`]).
+//!   In `auto` an exec becomes a session when it first waits for input while
+//!   alive: its exec turn closes then;
+//! - explicit marks: end the open turn and begin the next (every mode; the
+//!   only source in `explicit`).
+//!
+//! A turn closes while execs or sessions still hold it only by a mark, and
+//! then the next turn inherits them. Closing hands the turn to a background
+//! job (classify, capture, commit) and returns at once, so the exit reaches
+//! the agent without delay. A job captures first (the changed files read into
+//! the store's staging area, the CRIU dump), then writes out (hashing, blob
+//! writes, fsync, bandwidth) after the previous job's write-out, in turn
+//! order. The next exec or stdin burst that opens a turn waits only for the
+//! capture (see [`crate::checkpoint::TurnPipeline`]); the write-out runs in
+//! the agent's LLM wait.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, Notify, watch};
+use tokio_util::sync::CancellationToken;
 
-use crate::checkpoint::{ChangedPath, CheckpointStore, TurnInput};
+use crate::checkpoint::{ChangedPath, CheckpointStore, TurnInput, TurnPipeline, TurnSlot};
 use crate::inspector::{
     ClassifyOptions, Effect, EffectKind, Inspector, TurnClass, TurnEffects, classify, monotonic_now_ns,
 };
 use crate::runtime::{CheckpointOptions, OciRuntime};
-use crate::turns::{Policy, RecordedClass, SandboxPolicy, TurnLog, TurnRecord, unix_ms};
+use crate::turns::stdin::{DetectorConfig, ForwardedBytes, IdleKind, IdleReport, ProcFs, StdinObserver};
+use crate::turns::{Policy, RecordedClass, SandboxPolicy, TurnLog, TurnRecord, TurnSource, TurnsMode, unix_ms};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -32,6 +49,41 @@ pub enum EngineError {
     Runtime(#[from] crate::runtime::RuntimeError),
     #[error("{0}")]
     Other(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TurnRequestError {
+    #[error(transparent)]
+    Invalid(#[from] crate::turns::AnnotationError),
+    #[error("container {0} follows no turns (checkpoint policy off)")]
+    NoEngine(String),
+}
+
+impl From<TurnRequestError> for crate::shim::ShimError {
+    fn from(e: TurnRequestError) -> Self {
+        match e {
+            TurnRequestError::Invalid(_) => Self::InvalidArgument(e.to_string()),
+            TurnRequestError::NoEngine(_) => Self::FailedPrecondition(e.to_string()),
+        }
+    }
+}
+
+/// A Task Update carrying [`crate::turns::ANNOTATION_TURN`]: returns the turn
+/// a mark ended (None when none was open), once it is checkpointed.
+pub async fn turn_request(
+    container: &str,
+    engine: Option<&Arc<SandboxEngine>>,
+    value: &str,
+) -> Result<Option<u64>, TurnRequestError> {
+    let request = crate::turns::TurnRequest::parse(value)?;
+    let engine = engine.ok_or_else(|| TurnRequestError::NoEngine(container.into()))?;
+    match request {
+        crate::turns::TurnRequest::Mark => {
+            let ended = engine.mark().await;
+            tracing::info!(container, turn = ?ended, "turn mark");
+            Ok(ended)
+        }
+    }
 }
 
 /// Where a sandbox's effects come from: the inspector loaded in this
@@ -85,7 +137,9 @@ pub struct EngineContext {
 
 struct OpenTurn {
     turn: u64,
-    exec_id: String,
+    source: TurnSource,
+    /// The exec that opened it, or the session whose input did.
+    exec_id: Option<String>,
     started: SystemTime,
     running_execs: usize,
     /// The container's processes when the turn opened: one of them ending is
@@ -93,11 +147,33 @@ struct OpenTurn {
     processes_before: Option<std::collections::HashSet<u32>>,
 }
 
+/// A long-lived exec whose stdin the client feeds.
+struct Session {
+    /// Still starting up: it has not waited for input yet.
+    starting: bool,
+    /// Working on input it was sent: it holds the open turn.
+    busy: bool,
+    forwarded: Arc<ForwardedBytes>,
+    /// Wakes the session's detector when input arrives.
+    wake: Arc<Notify>,
+    stop: CancellationToken,
+}
+
 struct State {
     next_turn: u64,
     open: Option<OpenTurn>,
-    /// The checkpoint job of the last closed turn; the next turn waits for it.
-    pending: Option<tokio::task::JoinHandle<()>>,
+    /// Checkpoint jobs in turn order; a new turn waits for the last one's capture only.
+    pipeline: TurnPipeline,
+    /// Checkpoint jobs started so far (compare with `SandboxEngine::jobs_done`).
+    jobs_started: u64,
+    sessions: HashMap<String, Session>,
+}
+
+impl State {
+    /// Whether anything still holds the open turn.
+    fn held(&self) -> bool {
+        self.open.as_ref().is_some_and(|o| o.running_execs > 0) || self.sessions.values().any(|s| s.busy)
+    }
 }
 
 pub struct SandboxEngine {
@@ -109,6 +185,10 @@ pub struct SandboxEngine {
     work_dir: PathBuf,
     log: TurnLog,
     state: Mutex<State>,
+    /// Checkpoint jobs finished, in order.
+    jobs_done: watch::Sender<u64>,
+    /// Stops every session detector (the container is going away).
+    stop: CancellationToken,
 }
 
 impl SandboxEngine {
@@ -167,18 +247,34 @@ impl SandboxEngine {
             state: Mutex::new(State {
                 next_turn: last_turn + 1,
                 open: None,
-                pending: None,
+                pipeline: TurnPipeline::new(),
+                jobs_started: 0,
+                sessions: HashMap::new(),
             }),
+            jobs_done: watch::channel(0).0,
+            stop: CancellationToken::new(),
         }))
     }
 
     /// The init has started: what it did to get going belongs to no turn
-    /// (restoring turn 0 means starting the container from its image).
+    /// (restoring turn 0 means starting the container from its image). In
+    /// `explicit` mode the first turn begins now.
     pub async fn container_started(&self) {
+        self.set_aside_effects("start-up").await;
+        if self.policy.turns == TurnsMode::Explicit {
+            let mut state = self.state.lock().await;
+            if state.open.is_none() {
+                self.open_turn(&mut state, TurnSource::Mark, None, 0);
+            }
+        }
+    }
+
+    /// Drains the inspector's effects so far into no turn.
+    async fn set_aside_effects(&self, what: &str) {
         let Some(inspector) = &self.ctx.inspector else { return };
         match inspector.drain(&self.container, monotonic_now_ns()).await {
-            Ok(start) => tracing::debug!(container = %self.container, effects = start.effects.len(), "start-up effects set aside"),
-            Err(e) => tracing::debug!(container = %self.container, error = %e, "no start-up effects"),
+            Ok(set) => tracing::debug!(container = %self.container, what, effects = set.effects.len(), "effects set aside"),
+            Err(e) => tracing::debug!(container = %self.container, what, error = %e, "no effects to set aside"),
         }
     }
 
@@ -186,76 +282,278 @@ impl SandboxEngine {
         &self.policy
     }
 
+    /// Whether execs make turns in this sandbox.
+    fn execs_make_turns(&self) -> bool {
+        matches!(self.policy.turns, TurnsMode::Auto | TurnsMode::Exec)
+    }
+
+    /// Opens the next turn. The caller holds the state lock.
+    fn open_turn(&self, state: &mut State, source: TurnSource, exec_id: Option<&str>, running_execs: usize) {
+        let turn = state.next_turn;
+        state.next_turn += 1;
+        self.log.mark_busy(true);
+        tracing::debug!(container = %self.container, turn, %source, exec = ?exec_id, "turn opened");
+        state.open = Some(OpenTurn {
+            turn,
+            source,
+            exec_id: exec_id.map(str::to_string),
+            started: SystemTime::now(),
+            running_execs,
+            // crab-init's spawner runs for the runtime, not the workload.
+            processes_before: container_processes(self.init_pid)
+                .map(|before| &before - &self.runtime.helper_pids()),
+        });
+    }
+
+    /// Waits until every checkpoint job started so far is done.
+    async fn wait_for_checkpoints(&self) -> std::time::Duration {
+        let waited = Instant::now();
+        let target = self.state.lock().await.jobs_started;
+        let mut done = self.jobs_done.subscribe();
+        let _ = done.wait_for(|d| *d >= target).await;
+        waited.elapsed()
+    }
+
+    /// Waits until the last closed turn is captured; its write-out may still run.
+    async fn wait_for_capture(&self, exec_id: &str) -> std::time::Duration {
+        let waited = Instant::now();
+        let captured = self.state.lock().await.pipeline.capture_wait();
+        captured.await;
+        let waited = waited.elapsed();
+        tracing::debug!(container = %self.container, exec = exec_id, waited_us = waited.as_micros() as u64, "turn start waited for the previous capture");
+        waited
+    }
+
     /// An exec starts: it opens a turn or joins the open one. Returns how long
     /// it waited for the previous turn's checkpoint (agent-visible delay).
     pub async fn exec_started(&self, exec_id: &str) -> std::time::Duration {
-        let waited = Instant::now();
-        // The job takes the state lock to finish: wait for it without holding the lock.
-        let pending = self.state.lock().await.pending.take();
-        if let Some(pending) = pending {
-            let _ = pending.await;
+        if !self.execs_make_turns() {
+            return std::time::Duration::ZERO;
         }
-        let delay = waited.elapsed();
+        let delay = self.wait_for_capture(exec_id).await;
         let mut state = self.state.lock().await;
         match &mut state.open {
             Some(open) => open.running_execs += 1,
-            None => {
-                let turn = state.next_turn;
-                state.next_turn += 1;
-                self.log.mark_busy(true);
-                state.open = Some(OpenTurn {
-                    turn,
-                    exec_id: exec_id.into(),
-                    started: SystemTime::now(),
-                    running_execs: 1,
-                    processes_before: container_processes(self.init_pid),
-                });
-            }
+            None => self.open_turn(&mut state, TurnSource::Exec, Some(exec_id), 1),
         }
         delay
     }
 
-    /// An exec exited: the turn closes when it was the last one running, and
-    /// its checkpoint starts in the background.
-    pub async fn exec_exited(self: &Arc<Self>) {
-        let end_ns = monotonic_now_ns();
-        let ended = SystemTime::now();
+    /// An exec exited (or failed to start): the turn closes when nothing
+    /// holds it any more, and its checkpoint starts in the background.
+    pub async fn exec_exited(self: &Arc<Self>, exec_id: &str) {
         let mut state = self.state.lock().await;
-        let Some(open) = &mut state.open else { return };
-        open.running_execs = open.running_execs.saturating_sub(1);
-        if open.running_execs > 0 {
-            return;
+        let session = state.sessions.remove(exec_id);
+        if let Some(session) = &session {
+            session.stop.cancel();
         }
-        let open = state.open.take().expect("checked above");
+        // A session past its start-up stopped counting as a running exec then.
+        let counted = session.as_ref().is_none_or(|s| s.starting) && self.execs_make_turns();
+        if counted && let Some(open) = &mut state.open {
+            open.running_execs = open.running_execs.saturating_sub(1);
+        }
+        if state.open.is_some() && !state.held() && self.policy.turns != TurnsMode::Explicit {
+            self.close_turn(&mut state, monotonic_now_ns(), SystemTime::now(), None);
+        }
+    }
+
+    /// Ends the open turn now and begins the next, which inherits whatever
+    /// still holds it (in `explicit` mode a turn is always open). Returns the
+    /// turn it ended, once that turn's checkpoint is durable; None when no
+    /// turn was open.
+    pub async fn mark(self: &Arc<Self>) -> Option<u64> {
+        let closed = {
+            let mut state = self.state.lock().await;
+            let open = state.open.as_ref()?;
+            let (turn, source, exec_id, running) = (open.turn, open.source, open.exec_id.clone(), open.running_execs);
+            self.close_turn(&mut state, monotonic_now_ns(), SystemTime::now(), Some(TurnSource::Mark));
+            if self.policy.turns == TurnsMode::Explicit {
+                self.open_turn(&mut state, TurnSource::Mark, None, 0);
+            } else if running > 0 || state.sessions.values().any(|s| s.busy) {
+                self.open_turn(&mut state, source, exec_id.as_deref(), running);
+            }
+            turn
+        };
+        self.wait_for_checkpoints().await;
+        Some(closed)
+    }
+
+    /// Hands the open turn to a checkpoint job that runs after the previous
+    /// one. The caller holds the state lock.
+    fn close_turn(self: &Arc<Self>, state: &mut State, end_ns: u64, ended: SystemTime, closed_by: Option<TurnSource>) {
+        let Some(mut open) = state.open.take() else { return };
+        if let Some(source) = closed_by {
+            open.source = source;
+        }
+        state.jobs_started += 1;
+        let job = state.jobs_started;
+        let mut slot = state.pipeline.begin(open.turn);
         let engine = self.clone();
-        state.pending = Some(tokio::spawn(async move {
-            let record = match engine.checkpoint_turn(&open, end_ns, ended).await {
-                Ok(record) => record,
-                Err((mut record, e)) => {
-                    tracing::error!(container = %engine.container, turn = open.turn, error = %e, "turn checkpoint failed");
-                    // The turn still happened: keep its class and why, and say
-                    // that its state is only as recent as the previous checkpoint.
-                    record.reasons.push(format!("checkpoint failed: {e}"));
-                    record.checkpoint_turn = engine.ctx.store.head(&engine.container).ok().flatten().map(|h| h.turn);
-                    record
-                }
-            };
+        state.pipeline.set_job(tokio::spawn(async move {
+            // Counted even if the job panics, so waiters are never stranded.
+            let _done = JobDone(engine.jobs_done.clone());
+            let record = engine.record_turn(&open, end_ns, ended, &mut slot).await;
             if let Err(e) = engine.log.append(&record) {
                 tracing::error!(container = %engine.container, turn = record.turn, error = %e, "turn record not written");
             }
-            // Settled unless the next turn opened meanwhile (it holds the mark then).
+            // Settled unless a later turn is open or closing (it holds the mark then).
             let state = engine.state.lock().await;
-            if state.open.is_none() {
+            if state.open.is_none() && state.jobs_started == job {
                 engine.log.mark_busy(false);
             }
         }));
     }
 
-    /// Waits for the last turn's checkpoint and stops watching (the container is being deleted).
+    /// Checkpoints a closed turn and returns its record, also when the checkpoint failed.
+    /// It captures at once; its write-out runs after the previous turn's.
+    async fn record_turn(&self, open: &OpenTurn, end_ns: u64, ended: SystemTime, slot: &mut TurnSlot) -> TurnRecord {
+        let outcome = self.checkpoint_turn(open, end_ns, ended, slot).await;
+        // Records go in turn order, and the head read below includes the previous turn's checkpoint.
+        slot.previous_written().await;
+        let head = self.ctx.store.head(&self.container).ok().flatten().map(|h| h.turn);
+        match outcome {
+            Ok(record) if record.checkpoint_turn.is_some() => record,
+            // Clean (or not checkpointed by policy): the head stands for it.
+            Ok(record) => TurnRecord { checkpoint_turn: head, ..record },
+            Err((mut record, e)) => {
+                tracing::error!(container = %self.container, turn = open.turn, error = %e, "turn checkpoint failed");
+                if record.class == RecordedClass::Proc {
+                    slot.processes_lost();
+                }
+                // The turn still happened: keep its class and why, and say
+                // that its state is only as recent as the previous checkpoint.
+                record.reasons.push(format!("checkpoint failed: {e}"));
+                record.checkpoint_turn = head;
+                record
+            }
+        }
+    }
+
+    /// A started exec whose stdin the client feeds: follows it as a session
+    /// (`auto` and `stdin` modes). Returns the hook for the shim's stdin copy.
+    pub async fn stdin_session(self: &Arc<Self>, exec_id: &str, pid: u32) -> Option<StdinObserver> {
+        if !matches!(self.policy.turns, TurnsMode::Auto | TurnsMode::Stdin) {
+            return None;
+        }
+        let cgroup_dir = match container_cgroup_dir(self.init_pid) {
+            Some(dir) => dir,
+            None => {
+                tracing::warn!(container = %self.container, exec = exec_id, "no cgroup v2 directory: stdin turns off for this exec");
+                return None;
+            }
+        };
+        let session = Session {
+            starting: true,
+            busy: false,
+            forwarded: Arc::default(),
+            wake: Arc::default(),
+            stop: self.stop.child_token(),
+        };
+        let (forwarded, wake, stop) = (session.forwarded.clone(), session.wake.clone(), session.stop.clone());
+        self.state.lock().await.sessions.insert(exec_id.to_string(), session);
+        let engine = self.clone();
+        let id = exec_id.to_string();
+        tokio::spawn(async move { engine.follow_session(id, pid, cgroup_dir, forwarded, wake, stop).await });
+        let engine = self.clone();
+        let id = exec_id.to_string();
+        Some(Arc::new(move |bytes| {
+            let (engine, id) = (engine.clone(), id.clone());
+            Box::pin(async move { engine.stdin_burst(&id, bytes).await })
+        }))
+    }
+
+    /// Input for a session is about to be forwarded: it opens a turn (after
+    /// the previous checkpoint) or joins the open one.
+    async fn stdin_burst(&self, exec_id: &str, bytes: usize) {
+        if self.state.lock().await.open.is_none() {
+            let waited = self.wait_for_capture(exec_id).await;
+            if waited > std::time::Duration::from_millis(1) {
+                tracing::info!(container = %self.container, exec = exec_id, waited_ms = waited.as_secs_f64() * 1e3,
+                    "input waited for the previous turn's checkpoint");
+            }
+        }
+        let mut state = self.state.lock().await;
+        let Some(session) = state.sessions.get_mut(exec_id) else { return };
+        session.forwarded.add(bytes);
+        session.busy = true;
+        session.wake.notify_one();
+        if state.open.is_none() {
+            self.open_turn(&mut state, TurnSource::Stdin, Some(exec_id), 0);
+        }
+    }
+
+    /// The detector of one session: whenever the session has work (start-up,
+    /// or input), sample until it is idle.
+    async fn follow_session(
+        self: Arc<Self>,
+        exec_id: String,
+        pid: u32,
+        cgroup_dir: PathBuf,
+        forwarded: Arc<ForwardedBytes>,
+        wake: Arc<Notify>,
+        stop: CancellationToken,
+    ) {
+        let config = DetectorConfig::default();
+        loop {
+            let active = match self.state.lock().await.sessions.get(&exec_id) {
+                Some(s) => s.starting || s.busy,
+                None => return,
+            };
+            if !active {
+                tokio::select! {
+                    _ = wake.notified() => continue,
+                    _ = stop.cancelled() => return,
+                }
+            }
+            let idle = tokio::select! {
+                idle = crate::turns::stdin::wait_until_idle(&ProcFs, pid, &cgroup_dir, forwarded.counter(), &config) => idle,
+                _ = stop.cancelled() => return,
+            };
+            match idle {
+                Ok(report) => self.session_idle(&exec_id, report).await,
+                Err(e) => {
+                    // Gone (its exit closes its turn), or /proc unreadable: only exits bound its turns now.
+                    tracing::debug!(container = %self.container, exec = %exec_id, error = %e, "session detector stopped");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A session waits for input with nothing running: the turn it held closes
+    /// (unless new input came meanwhile, or something else holds it).
+    async fn session_idle(self: &Arc<Self>, exec_id: &str, report: IdleReport) {
+        let ended = SystemTime::now();
+        let mut state = self.state.lock().await;
+        let Some(session) = state.sessions.get_mut(exec_id) else { return };
+        if session.forwarded.get() != report.forwarded {
+            return;
+        }
+        let was_starting = std::mem::replace(&mut session.starting, false);
+        session.busy = false;
+        let execs_make_turns = self.execs_make_turns();
+        if was_starting && execs_make_turns && let Some(open) = &mut state.open {
+            open.running_execs = open.running_execs.saturating_sub(1);
+        }
+        tracing::info!(container = %self.container, exec = exec_id, starting = was_starting, samples = report.samples,
+            background_busy = report.kind == IdleKind::BackgroundBusy, "session waits for input");
+        if state.open.is_some() && !state.held() {
+            self.close_turn(&mut state, report.confirmed_ns, ended, None);
+        } else if was_starting && state.open.is_none() {
+            drop(state);
+            // `stdin` mode: a session coming up is not a turn.
+            self.set_aside_effects("session start-up").await;
+        }
+    }
+
+    /// Waits for the last turn's checkpoint and stops watching (the container
+    /// is being deleted). A turn still open (explicit mode) is dropped: the
+    /// container is gone and there is nothing left to checkpoint.
     pub async fn settle(&self) {
-        let pending = self.state.lock().await.pending.take();
-        if let Some(p) = pending {
-            let _ = p.await;
+        self.stop.cancel();
+        self.wait_for_checkpoints().await;
+        if let Some(open) = self.state.lock().await.open.take() {
+            tracing::debug!(container = %self.container, turn = open.turn, "open turn dropped with the container");
         }
         if let Some(inspector) = &self.ctx.inspector {
             let _ = inspector.unwatch(&self.container).await;
@@ -269,20 +567,21 @@ impl SandboxEngine {
         open: &OpenTurn,
         end_ns: u64,
         ended: SystemTime,
+        slot: &mut TurnSlot,
     ) -> Result<TurnRecord, (TurnRecord, EngineError)> {
         let clock = Instant::now();
-        // Read, not cached: a rollback may have moved the head since the last turn.
-        let previous = self.ctx.store.head(&self.container).ok().flatten().map(|h| h.turn);
         let mut record = TurnRecord {
             turn: open.turn,
-            exec_id: Some(open.exec_id.clone()),
+            exec_id: open.exec_id.clone(),
+            source: open.source,
             started_unix_ms: unix_ms(open.started),
             ended_unix_ms: unix_ms(ended),
             class: RecordedClass::Proc,
             external: false,
             escalated: false,
             reasons: Vec::new(),
-            checkpoint_turn: previous,
+            // Set by record_turn from the head once the previous turn is written, unless checkpointed here.
+            checkpoint_turn: None,
             bytes_written: 0,
             capture_ms: 0.0,
             checkpoint_ms: 0.0,
@@ -300,6 +599,7 @@ impl SandboxEngine {
             }
             Policy::Crab => self.inspect(end_ns, open, &mut record).await,
         };
+        let (class, changed) = carry_unpublished(slot, class, changed, &mut record.reasons);
         record.class = match class {
             TurnClass::Clean => RecordedClass::Clean,
             TurnClass::Fs => RecordedClass::Fs,
@@ -338,28 +638,49 @@ impl SandboxEngine {
         } else {
             None
         };
-        let rootfs = PathBuf::from(format!("/proc/{}/root", self.init_pid));
-        if let Some(gate) = &self.ctx.commit_gate {
-            let bytes = crate::node::estimate_commit_bytes(&rootfs, &changed, images.as_deref()).await;
-            let kind = if images.is_some() { crate::node::CommitKind::Proc } else { crate::node::CommitKind::Fs };
-            gate.acquire(&self.container, bytes, kind, open.turn).await;
+        if let (Policy::EveryTurn, Some(dir)) = (self.policy.policy, &images) {
+            let written = self.write_full_checkpoint(open.turn, dir).await;
+            let _ = tokio::fs::remove_dir_all(dir).await;
+            let _ = tokio::fs::remove_dir_all(self.work_dir.join(format!("dump-{}-work", open.turn))).await;
+            let full = match written {
+                Ok(full) => full,
+                Err(e) => return Err((record, e)),
+            };
+            record.checkpoint_turn = Some(open.turn);
+            record.bytes_written = full.bytes_written;
+            record.checkpoint_ms = clock.elapsed().as_secs_f64() * 1e3;
+            return Ok(record);
         }
-        let container = self.container.clone();
-        let turn = open.turn;
-        let images_for_commit = images.clone();
-        let report = self
+        let rootfs = PathBuf::from(format!("/proc/{}/root", self.init_pid));
+        let (container, turn, images_for_stage) = (self.container.clone(), open.turn, images.clone());
+        slot.capturing(&changed);
+        let staging = Instant::now();
+        let staged = self
             .ctx
             .store
             .run_blocking(move |store| {
-                store.commit_turn(&TurnInput {
+                store.stage_turn(&TurnInput {
                     container: &container,
                     turn,
                     rootfs: Some(&rootfs),
                     changed: &changed,
-                    criu_images: images_for_commit.as_deref(),
+                    criu_images: images_for_stage.as_deref(),
                 })
             })
             .await;
+        record.capture_ms += staging.elapsed().as_secs_f64() * 1e3;
+        // The turn's state is captured: the next turn may run while this one is written out.
+        slot.previous_written().await;
+        let report = match staged {
+            Ok(staged) => {
+                if let Some(gate) = &self.ctx.commit_gate {
+                    let kind = if images.is_some() { crate::node::CommitKind::Proc } else { crate::node::CommitKind::Fs };
+                    gate.acquire(&self.container, staged.estimated_write_bytes(), kind, turn).await;
+                }
+                self.ctx.store.run_blocking(move |store| store.publish(staged)).await
+            }
+            Err(e) => Err(e),
+        };
         if let Some(dir) = &images {
             let _ = tokio::fs::remove_dir_all(dir).await;
             let _ = tokio::fs::remove_dir_all(self.work_dir.join(format!("dump-{turn}-work"))).await;
@@ -368,12 +689,27 @@ impl SandboxEngine {
             Ok(r) => r,
             Err(e) => return Err((record, e.into())),
         };
+        slot.published(images.is_some());
         record.checkpoint_turn = Some(turn);
         record.bytes_written = report.traffic.written_bytes + report.manifest_bytes;
         record.checkpoint_ms = clock.elapsed().as_secs_f64() * 1e3;
         tracing::info!(container = %self.container, turn, class = ?record.class, bytes = record.bytes_written,
             ms = record.checkpoint_ms, "turn checkpointed");
         Ok(record)
+    }
+
+    /// The `every-turn` baseline: the dump plus the whole rootfs diff, written again without
+    /// dedup while the next turn waits, as a plain containerd checkpoint would be.
+    async fn write_full_checkpoint(&self, turn: u64, dump: &Path) -> Result<crate::checkpoint::FullCheckpoint, EngineError> {
+        let (state_dir, container, dump, pid) =
+            (self.ctx.store.state_dir().to_owned(), self.container.clone(), dump.to_owned(), self.init_pid);
+        tokio::task::spawn_blocking(move || {
+            let diff = crate::checkpoint::overlay_upperdir(pid)?;
+            crate::checkpoint::write_full_checkpoint(&state_dir, &container, turn, &dump, &diff)
+        })
+        .await
+        .map_err(|e| EngineError::Other(format!("every-turn checkpoint task: {e}")))?
+        .map_err(EngineError::from)
     }
 
     /// Classifies the turn from the inspector's effects; fills the record's
@@ -395,12 +731,22 @@ impl SandboxEngine {
         // The init's own execve races the end of Start (runc start returns
         // before the init execs the entrypoint): it is the container coming
         // up, which turn 0 (the image) stands for, not something a turn did.
+        // CRIU's parasite code runs inside the container's processes during a
+        // dump and writes its log to our work directory, a host path: the
+        // previous turn's checkpoint, not this turn.
         let init_pid = self.init_pid;
+        let by_checkpoint = |e: &Effect| {
+            let paths = e.kind.paths();
+            !paths.is_empty() && paths.iter().all(|p| !p.resolved && p.path.starts_with(&self.work_dir))
+        };
+        let helpers = self.runtime.helper_pids();
         let effects = TurnEffects {
             effects: effects
                 .effects
                 .into_iter()
                 .filter(|e| !(e.pid == init_pid && matches!(e.kind, EffectKind::Exec { .. })))
+                .filter(|e| !by_checkpoint(e))
+                .filter(|e| !helpers.contains(&e.pid))
                 .collect(),
             lost_events: effects.lost_events,
         };
@@ -418,14 +764,61 @@ impl SandboxEngine {
         if verdict.reasons.len() > 32 {
             record.reasons.push(format!("... and {} more", verdict.reasons.len() - 32));
         }
+        let mut class = verdict.class;
+        // A session that worked on input changed its own memory (variables,
+        // cwd, imports) in ways no syscall shows; only its dump brings that back.
+        if open.source == TurnSource::Stdin
+            && let Some(session) = &open.exec_id
+        {
+            class = TurnClass::Proc;
+            record.reasons.insert(0, format!("session {session} ran its input: its memory is process state"));
+        }
         let changed = changed_paths(&effects.effects, &self.policy.ignore);
-        (verdict.class, changed)
+        (class, changed)
     }
+}
+
+/// Marks one finished checkpoint job when dropped.
+struct JobDone(watch::Sender<u64>);
+
+impl Drop for JobDone {
+    fn drop(&mut self) {
+        self.0.send_modify(|done| *done += 1);
+    }
+}
+
+/// The cgroup v2 directory of `init_pid` (the container's), or None when it cannot be found.
+fn container_cgroup_dir(init_pid: u32) -> Option<PathBuf> {
+    let relative = crate::inspector::cgroup2_path_of_pid(init_pid).ok()?;
+    Some(crate::inspector::cgroup2_mount().ok()?.join(relative))
+}
+
+/// Adds to a turn what earlier turns changed but no durable checkpoint holds (their checkpoint
+/// failed or is still being written), raising its class when that needs more.
+fn carry_unpublished(
+    slot: &TurnSlot,
+    mut class: TurnClass,
+    mut changed: Vec<ChangedPath>,
+    reasons: &mut Vec<String>,
+) -> (TurnClass, Vec<ChangedPath>) {
+    let carried = slot.carried();
+    if let Some(turn) = carried.processes_of
+        && class != TurnClass::Proc
+    {
+        reasons.push(format!("processes of turn {turn} are not checkpointed: dumping them"));
+        class = TurnClass::Proc;
+    }
+    if !carried.paths.is_empty() && class == TurnClass::Clean {
+        reasons.push(format!("{} paths of earlier turns are not checkpointed", carried.paths.len()));
+        class = TurnClass::Fs;
+    }
+    changed.extend(carried.paths);
+    (class, changed)
 }
 
 /// Host pids in the cgroup v2 group of `init_pid`, or None when it cannot be read.
 fn container_processes(init_pid: u32) -> Option<std::collections::HashSet<u32>> {
-    let dir = crate::inspector::cgroup2_path_of_pid(init_pid).ok()?;
+    let dir = container_cgroup_dir(init_pid)?;
     let text = std::fs::read_to_string(dir.join("cgroup.procs")).ok()?;
     Some(text.lines().filter_map(|l| l.trim().parse().ok()).collect())
 }
@@ -478,6 +871,150 @@ pub fn changed_paths(effects: &[Effect], ignore: &[PathBuf]) -> Vec<ChangedPath>
 mod tests {
     use super::*;
     use crate::inspector::EffectPath;
+    use crate::turns::stdin::IdleKind;
+
+    /// An engine with checkpointing off (records, no inspector, no runtime
+    /// calls): what is left is the turn bookkeeping of each mode.
+    async fn engine(dir: &Path, turns: TurnsMode) -> Arc<SandboxEngine> {
+        let ctx = Arc::new(EngineContext {
+            store: Arc::new(CheckpointStore::open(&dir.join("state")).unwrap()),
+            inspector: None,
+            commit_gate: None,
+            state_dir: dir.join("state"),
+        });
+        let runtime = OciRuntime::new("runc", dir.join("runc"), false, crate::runtime::Reaper::default());
+        let policy = SandboxPolicy { turns, policy: Policy::Off, ..Default::default() };
+        SandboxEngine::new("c1", policy, ctx, runtime, std::process::id(), dir.join("bundle/crab"), true).await.unwrap()
+    }
+
+    /// Settles the jobs and returns (turn, source, exec id) of every record.
+    async fn turns(engine: &SandboxEngine) -> Vec<(u64, TurnSource, Option<String>)> {
+        engine.wait_for_checkpoints().await;
+        engine.log.read().unwrap().into_iter().map(|r| (r.turn, r.source, r.exec_id)).collect()
+    }
+
+    /// A session as `stdin_session` registers it, without its detector (the tests play it).
+    async fn add_session(engine: &SandboxEngine, exec_id: &str) {
+        let session = Session {
+            starting: true,
+            busy: false,
+            forwarded: Arc::default(),
+            wake: Arc::default(),
+            stop: CancellationToken::new(),
+        };
+        engine.state.lock().await.sessions.insert(exec_id.into(), session);
+    }
+
+    fn idle(forwarded: u64) -> IdleReport {
+        IdleReport { kind: IdleKind::Quiet, confirmed_ns: monotonic_now_ns(), forwarded, samples: 2 }
+    }
+
+    fn exec(id: &str) -> Option<String> {
+        Some(id.into())
+    }
+
+    #[tokio::test]
+    async fn exec_turns_span_overlapping_execs() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path(), TurnsMode::Exec).await;
+        e.exec_started("a").await;
+        e.exec_started("b").await;
+        e.exec_exited("a").await;
+        assert!(turns(&e).await.is_empty(), "b still runs");
+        e.exec_exited("b").await;
+        e.exec_started("c").await;
+        e.exec_exited("c").await;
+        assert_eq!(turns(&e).await, vec![(1, TurnSource::Exec, exec("a")), (2, TurnSource::Exec, exec("c"))]);
+        assert!(!e.log.is_busy());
+    }
+
+    #[tokio::test]
+    async fn a_mark_splits_the_open_turn_and_the_rest_stays_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path(), TurnsMode::Exec).await;
+        assert_eq!(e.mark().await, None, "no turn open: nothing to end");
+        e.exec_started("a").await;
+        assert_eq!(e.mark().await, Some(1));
+        assert!(e.log.is_busy(), "a still holds turn 2");
+        e.exec_exited("a").await;
+        assert_eq!(turns(&e).await, vec![(1, TurnSource::Mark, exec("a")), (2, TurnSource::Exec, exec("a"))]);
+    }
+
+    #[tokio::test]
+    async fn explicit_mode_turns_are_only_marks() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path(), TurnsMode::Explicit).await;
+        e.container_started().await;
+        assert_eq!(e.exec_started("a").await, std::time::Duration::ZERO);
+        e.exec_exited("a").await;
+        assert!(turns(&e).await.is_empty(), "execs bound nothing");
+        assert_eq!(e.mark().await, Some(1));
+        assert_eq!(e.mark().await, Some(2));
+        assert_eq!(turns(&e).await, vec![(1, TurnSource::Mark, None), (2, TurnSource::Mark, None)]);
+        assert!(e.log.is_busy(), "turn 3 is open");
+    }
+
+    #[tokio::test]
+    async fn stdin_mode_turns_are_bursts_and_start_up_is_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path(), TurnsMode::Stdin).await;
+        e.exec_started("s").await;
+        add_session(&e, "s").await;
+        e.session_idle("s", idle(0)).await;
+        assert!(turns(&e).await.is_empty(), "the session coming up is no turn");
+        e.stdin_burst("s", 8).await;
+        e.session_idle("s", idle(8)).await;
+        e.stdin_burst("s", 4).await;
+        e.exec_exited("s").await;
+        assert_eq!(turns(&e).await, vec![(1, TurnSource::Stdin, exec("s")), (2, TurnSource::Stdin, exec("s"))]);
+    }
+
+    #[tokio::test]
+    async fn auto_mode_session_start_is_an_exec_turn_then_bursts() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path(), TurnsMode::Auto).await;
+        e.exec_started("s").await;
+        add_session(&e, "s").await;
+        e.session_idle("s", idle(0)).await;
+        assert_eq!(turns(&e).await, vec![(1, TurnSource::Exec, exec("s"))]);
+        e.stdin_burst("s", 5).await;
+        // Idle samples taken before more input came: not the end of the burst.
+        e.stdin_burst("s", 5).await;
+        e.session_idle("s", idle(5)).await;
+        assert_eq!(turns(&e).await.len(), 1, "a stale idle report ends nothing");
+        e.session_idle("s", idle(10)).await;
+        // A short exec beside the session, while the session works on a burst: one turn for both.
+        e.stdin_burst("s", 1).await;
+        e.exec_started("x").await;
+        e.exec_exited("x").await;
+        assert_eq!(turns(&e).await.len(), 2, "the session's burst still holds turn 3");
+        e.session_idle("s", idle(11)).await;
+        // Exiting idle closes nothing; exiting mid-burst closes the burst's turn.
+        e.stdin_burst("s", 1).await;
+        e.exec_exited("s").await;
+        assert_eq!(
+            turns(&e).await,
+            vec![
+                (1, TurnSource::Exec, exec("s")),
+                (2, TurnSource::Stdin, exec("s")),
+                (3, TurnSource::Stdin, exec("s")),
+                (4, TurnSource::Stdin, exec("s")),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn bad_turn_requests_name_the_annotation() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path(), TurnsMode::Exec).await;
+        let err = turn_request("c1", Some(&e), "undo").await.unwrap_err();
+        assert!(matches!(err, TurnRequestError::Invalid(_)));
+        assert!(err.to_string().contains("io.crab.turn") && err.to_string().contains("undo"), "{err}");
+        let shim: crate::shim::ShimError = err.into();
+        assert_eq!(shim.code(), containerd_shim_protos::ttrpc::Code::INVALID_ARGUMENT);
+        let err = turn_request("c1", None, "mark").await.unwrap_err();
+        assert!(matches!(err, TurnRequestError::NoEngine(_)), "{err}");
+    }
 
     fn effect(kind: EffectKind) -> Effect {
         Effect { time_ns: 1, pid: 10, tid: 10, comm: "sh".into(), result: 0, kind }

@@ -7,7 +7,9 @@
 //! `waitpid(-1)`, so a second waiter (tokio's own child handling) would race it
 //! and lose exit statuses.
 
+pub mod init;
 mod reaper;
+pub mod spawner;
 
 use std::ffi::OsString;
 use std::os::fd::OwnedFd;
@@ -50,6 +52,19 @@ pub struct OciRuntime {
     systemd_cgroup: bool,
     reaper: Reaper,
     exclusive: std::sync::Arc<tokio::sync::Mutex<()>>,
+    dump_hooks: std::sync::Arc<std::sync::Mutex<Option<std::sync::Arc<dyn DumpHooks>>>>,
+    /// Host pid of the runtime's own process inside the container (crab-init's
+    /// spawner): it is not the workload's, whatever it does.
+    helper_pid: std::sync::Arc<std::sync::atomic::AtomicU32>,
+}
+
+/// What must happen around every CRIU dump of the container, whoever asks
+/// for it (containerd's Checkpoint or the turn engine): the spawner's
+/// connection to the shim would be an external socket CRIU refuses.
+#[async_trait::async_trait]
+pub trait DumpHooks: Send + Sync + std::fmt::Debug {
+    async fn before_dump(&self);
+    async fn after_dump(&self);
 }
 
 /// The container process's standard streams, as the runtime sees them.
@@ -103,7 +118,25 @@ impl OciRuntime {
             systemd_cgroup,
             reaper,
             exclusive: Default::default(),
+            dump_hooks: Default::default(),
+            helper_pid: Default::default(),
         }
+    }
+
+    /// Shared by every clone: the container sets them once its spawner is up.
+    pub fn set_dump_hooks(&self, hooks: std::sync::Arc<dyn DumpHooks>) {
+        *self.dump_hooks.lock().expect("dump hooks lock") = Some(hooks);
+    }
+
+    /// Records the spawner's host pid (it changes with a restore); 0 for none.
+    pub fn set_helper_pid(&self, pid: u32) {
+        self.helper_pid.store(pid, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The runtime's own processes in the container, to leave out of what a turn did.
+    pub fn helper_pids(&self) -> std::collections::HashSet<u32> {
+        let pid = self.helper_pid.load(std::sync::atomic::Ordering::SeqCst);
+        (pid != 0).then_some(pid).into_iter().collect()
     }
 
     pub fn binary(&self) -> &Path {
@@ -215,7 +248,15 @@ impl OciRuntime {
         }
         args.push(id.into());
         let _exclusive = self.exclusive.lock().await;
-        self.run(id, &args, ProcessStdio::default()).await.map(drop)
+        let hooks = self.dump_hooks.lock().expect("dump hooks lock").clone();
+        if let Some(hooks) = &hooks {
+            hooks.before_dump().await;
+        }
+        let dumped = self.run(id, &args, ProcessStdio::default()).await.map(drop);
+        if let Some(hooks) = &hooks {
+            hooks.after_dump().await;
+        }
+        dumped
     }
 
     /// Restores a container from `opts.image_path` and leaves it running.
@@ -257,7 +298,7 @@ impl OciRuntime {
         RuntimeError::Output { binary: self.binary_name(), verb: verb.into(), detail: e.to_string() }
     }
 
-    fn binary_name(&self) -> String {
+    pub fn binary_name(&self) -> String {
         self.binary.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
     }
 

@@ -7,9 +7,19 @@ use std::sync::{Arc, Mutex};
 
 use super::ShimError;
 use super::cgroup::Cgroup;
-use super::io::{IoOwner, ProcessIo, StdioUris};
+use super::io::{IoOwner, ParentEnds, ProcessIo, StdioUris};
 use super::process::{Process, Status};
-use crate::runtime::{CheckpointOptions, LaunchOptions, OciRuntime, Reaper};
+use crate::runtime::spawner::{SpawnerClient, SpawnerError};
+use crate::runtime::{CheckpointOptions, Exit, LaunchOptions, OciRuntime, Reaper, RuntimeError};
+
+/// How a started process's exit will be learned.
+pub type ExitFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Exit> + Send>>;
+
+/// How long after the init starts the spawner may take to listen.
+const SPAWNER_CONNECT_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
+/// Rounds (each up to the patience above, or 50 ms while the container is
+/// paused) to get the spawner back after a dump.
+const SPAWNER_RECONNECT_ATTEMPTS: usize = 600;
 
 /// Settings fixed at Create.
 #[derive(Debug, Clone)]
@@ -23,6 +33,23 @@ pub struct ContainerConfig {
     pub no_new_keyring: bool,
     pub io_uid: u32,
     pub io_gid: u32,
+    /// crab-init to put in front of the entrypoint, when enabled and usable.
+    pub init_binary: Option<PathBuf>,
+}
+
+type Execs = Arc<Mutex<HashMap<String, Arc<Process>>>>;
+
+/// The container's spawner, when crab-init runs in it.
+struct SpawnerSlot {
+    client: Arc<SpawnerClient>,
+    /// [`crate::runtime::init::process_identity`] of the init: execs that
+    /// differ (another user, capabilities...) go through the runtime.
+    init_identity: serde_json::Value,
+    /// One connect at a time; also orders the adoption of restored sessions
+    /// before any Exec can look for them.
+    connecting: tokio::sync::Mutex<()>,
+    /// Restored from a checkpoint: list the sessions once connected.
+    adopt: std::sync::atomic::AtomicBool,
 }
 
 pub struct Container {
@@ -30,7 +57,8 @@ pub struct Container {
     pub runtime: OciRuntime,
     reaper: Reaper,
     pub init: Arc<Process>,
-    execs: Mutex<HashMap<String, Arc<Process>>>,
+    execs: Execs,
+    spawner: std::sync::OnceLock<Arc<SpawnerSlot>>,
     cgroup: Mutex<Option<Cgroup>>,
     /// Policy kept from Create until a restored init's pid is known at Start.
     pub pending_policy: Mutex<Option<(crate::turns::SandboxPolicy, Option<Arc<crate::engine::EngineContext>>)>>,
@@ -48,7 +76,8 @@ impl Container {
             runtime,
             reaper,
             init: Process::new("", init_uris, None),
-            execs: Mutex::new(HashMap::new()),
+            execs: Default::default(),
+            spawner: std::sync::OnceLock::new(),
             cgroup: Mutex::new(None),
             engine: std::sync::OnceLock::new(),
             pending_policy: Mutex::new(None),
@@ -102,10 +131,93 @@ impl Container {
         self.cgroup.lock().expect("cgroup lock").clone()
     }
 
+    /// Puts crab-init in front of the entrypoint (a restore needs the same
+    /// mounts as the dump had, so restoring creates do it too).
+    fn install_init(&self) -> Result<(), ShimError> {
+        let Some(init) = &self.config.init_binary else { return Ok(()) };
+        let restoring = self.config.restore_from.is_some();
+        match crate::runtime::init::install(&self.config.bundle, init, !restoring) {
+            Ok(Some(installed)) => {
+                let client = SpawnerClient::new(&crate::runtime::init::spawner_dir(&self.config.bundle));
+                let slot = Arc::new(SpawnerSlot {
+                    client: client.clone(),
+                    init_identity: installed.identity,
+                    connecting: Default::default(),
+                    adopt: restoring.into(),
+                });
+                self.runtime.set_dump_hooks(Arc::new(QuiesceForDump {
+                    slot: slot.clone(),
+                    execs: self.execs.clone(),
+                    init: self.init.clone(),
+                }));
+                let _ = self.spawner.set(slot);
+                Ok(())
+            }
+            Ok(None) => {
+                tracing::info!(container = %self.id(), "no tmpfs at /dev in the spec: execs go through the runtime");
+                Ok(())
+            }
+            Err(crate::runtime::init::InitError::Entrypoint(message)) => Err(RuntimeError::Failed {
+                binary: self.runtime.binary_name(),
+                verb: "create".into(),
+                status: 1,
+                message,
+            }
+            .into()),
+            Err(e) => {
+                tracing::warn!(container = %self.id(), error = %e, "crab-init not installed: execs go through the runtime");
+                Ok(())
+            }
+        }
+    }
+
+    /// Connects to the spawner unless connected (once the init runs). None
+    /// when the container has no spawner or it does not answer.
+    async fn spawner(&self) -> Option<Arc<SpawnerClient>> {
+        let slot = self.spawner.get()?;
+        let _connecting = slot.connecting.lock().await;
+        if slot.client.is_connected().await {
+            return Some(slot.client.clone());
+        }
+        if !matches!(self.init.status(), Status::Running | Status::Paused) {
+            return None;
+        }
+        if let Err(e) = slot.client.connect(SPAWNER_CONNECT_PATIENCE).await {
+            tracing::warn!(container = %self.id(), error = %e, "spawner unavailable: execs go through the runtime");
+            return None;
+        }
+        self.runtime.set_helper_pid(slot.client.host_pid().unwrap_or(0));
+        if slot.adopt.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            match slot.client.adopt_sessions().await {
+                Ok(n) => tracing::info!(container = %self.id(), sessions = n, "restored exec sessions await re-attach"),
+                Err(e) => tracing::warn!(container = %self.id(), error = %e, "restored exec sessions not listed"),
+            }
+        }
+        Some(slot.client.clone())
+    }
+
+    /// The init runs: connect to its spawner in the background, so the first
+    /// Exec finds it ready.
+    pub fn spawner_started(self: &Arc<Self>) {
+        if self.spawner.get().is_none() {
+            return;
+        }
+        let container = self.clone();
+        tokio::spawn(async move {
+            container.spawner().await;
+        });
+    }
+
+    /// The spawner's host pid: the runtime's own helper, hidden from Pids and Stats.
+    pub fn spawner_pid(&self) -> Option<u32> {
+        self.spawner.get().and_then(|slot| slot.client.host_pid())
+    }
+
     /// Creates the init process (runtime `create`), unless it will be restored at Start.
     pub async fn create(&self) -> Result<u32, ShimError> {
         let dir = self.work_dir();
         tokio::fs::create_dir_all(&dir).await.map_err(|e| ShimError::io(&dir, e))?;
+        self.install_init()?;
         if self.config.restore_from.is_some() {
             return Ok(0);
         }
@@ -195,10 +307,81 @@ impl Container {
         Ok(())
     }
 
-    pub async fn start_exec(&self, process: &Arc<Process>) -> Result<u32, ShimError> {
+    /// Starts an exec: through the spawner when the container has one and
+    /// the exec runs as the init does, else through the runtime's `exec`.
+    pub async fn start_exec(&self, process: &Arc<Process>) -> Result<(u32, ExitFuture), ShimError> {
         if process.status() != Status::Created {
             return Err(ShimError::FailedPrecondition(format!("exec {} already started", process.exec_id)));
         }
+        let spec: serde_json::Value = serde_json::from_slice(process.spec.as_deref().unwrap_or_default())
+            .map_err(|e| ShimError::InvalidArgument(format!("exec {} process spec: {e}", process.exec_id)))?;
+        if let Some(slot) = self.spawner.get() {
+            let identity = crate::runtime::init::process_identity(&spec);
+            if identity != slot.init_identity {
+                tracing::info!(container = %self.id(), exec = %process.exec_id,
+                    "exec differs from the init in user, capabilities, LSM labels or no-new-privileges: started by the runtime");
+            } else if let Some(spawner) = self.spawner().await {
+                return self.start_exec_in_spawner(&spawner, process, &spec).await;
+            }
+        }
+        let pid = self.start_exec_with_runtime(process).await?;
+        Ok((pid, Box::pin(self.reaper.wait_for(pid))))
+    }
+
+    async fn start_exec_in_spawner(
+        &self,
+        spawner: &Arc<SpawnerClient>,
+        process: &Arc<Process>,
+        spec: &serde_json::Value,
+    ) -> Result<(u32, ExitFuture), ShimError> {
+        let exec_id = &process.exec_id;
+        let request = spawn_request(exec_id, spec, &process.uris)?;
+        let exit = spawner.exit_of(exec_id);
+        let session = match spawner.attach_restored(exec_id, &request.args).await {
+            Some(attached) => {
+                tracing::info!(container = %self.id(), exec = %exec_id, "re-attached a restored exec session");
+                attached
+            }
+            None => spawner.spawn(request).await,
+        };
+        let session = session.map_err(|e| match e {
+            // The process could not start: the same error the runtime gives.
+            SpawnerError::Refused(message) => ShimError::Runtime(RuntimeError::Failed {
+                binary: self.runtime.binary_name(),
+                verb: "exec".into(),
+                status: 1,
+                message,
+            }),
+            e => ShimError::Other(format!("exec {exec_id} through the spawner: {e}")),
+        })?;
+        let pid = crate::runtime::spawner::pidfd_pid(&session.pidfd)
+            .ok_or_else(|| ShimError::Other(format!("exec {exec_id}: no pid behind the spawner's pidfd")))?;
+        let ends = ParentEnds { stdin: session.stdin, stdout: session.stdout, stderr: session.stderr, console: session.console };
+        let io = ProcessIo::from_parent_ends(&process.uris, &self.owner(), ends, &self.reaper).await?;
+        process.set_io(io.clone());
+        let pidfd = Arc::new(session.pidfd);
+        process.set_pidfd(pidfd.clone());
+        process.set_running(pid);
+        if !process.uris.stdin.is_empty() && !process.uris.terminal {
+            // The spawner holds a writer too: the process sees end of file
+            // only once both are closed.
+            let (spawner, exec_id, closed) = (spawner.clone(), exec_id.clone(), io.stdin_closed());
+            tokio::spawn(async move {
+                closed.await;
+                if let Err(e) = spawner.close_stdin(&exec_id).await {
+                    tracing::debug!(exec = %exec_id, error = %e, "spawner's stdin copy not closed");
+                }
+            });
+        }
+        let spawner = spawner.clone();
+        let exit = async move {
+            let status = spawned_exit_status(exit, &pidfd, &spawner).await;
+            Exit { pid, status, at: std::time::SystemTime::now() }
+        };
+        Ok((pid, Box::pin(exit)))
+    }
+
+    async fn start_exec_with_runtime(&self, process: &Arc<Process>) -> Result<u32, ShimError> {
         let dir = self.work_dir();
         let spec_path = dir.join(format!("exec-{}.json", process.exec_id));
         tokio::fs::create_dir_all(&dir).await.map_err(|e| ShimError::io(&dir, e))?;
@@ -236,6 +419,13 @@ impl Container {
         }
         if snap.pid == 0 {
             return Err(ShimError::FailedPrecondition(format!("exec {} is not started", process.exec_id)));
+        }
+        if let Some(pidfd) = process.pidfd() {
+            return crate::runtime::spawner::pidfd_signal(&pidfd, signal as i32).map_err(|e| match e.raw_os_error() {
+                Some(libc::ESRCH) => ShimError::NotFound(format!("process {} already finished", describe(process))),
+                Some(libc::EINVAL) => ShimError::InvalidArgument(format!("signal {signal}")),
+                _ => ShimError::Other(format!("kill {}: {e}", snap.pid)),
+            });
         }
         nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(snap.pid as i32),
@@ -293,7 +483,19 @@ impl Container {
 
     pub async fn pause(&self) -> Result<(), ShimError> {
         let _guard = self.lifecycle.lock().await;
-        self.runtime.pause(&self.config.id).await?;
+        // A frozen spawner cannot let go of the shim's connection, and a
+        // dump of the paused container (containerd's checkpoint) would find
+        // it: let go before the freeze. Exits are queued meanwhile.
+        if let Some(slot) = self.spawner.get() {
+            detach_spawner(slot).await;
+        }
+        let paused = self.runtime.pause(&self.config.id).await;
+        if let Some(slot) = self.spawner.get()
+            && slot.client.is_suspended()
+        {
+            reconnect_when_running(slot.clone(), self.init.clone());
+        }
+        paused?;
         self.init.set_paused(true);
         Ok(())
     }
@@ -328,8 +530,10 @@ impl Container {
     pub async fn pids(&self) -> Result<Vec<(u32, Option<String>)>, ShimError> {
         let pids = self.runtime.ps(&self.config.id).await?;
         let execs = self.execs();
+        let spawner = self.spawner_pid();
         Ok(pids
             .into_iter()
+            .filter(|pid| Some(*pid) != spawner)
             .map(|pid| (pid, execs.iter().find(|e| e.pid() == pid).map(|e| e.exec_id.clone())))
             .collect())
     }
@@ -408,5 +612,159 @@ pub fn unmount_rootfs(bundle: &Path) {
         if nix::mount::umount2(&rootfs, nix::mount::MntFlags::MNT_DETACH).is_err() {
             break;
         }
+    }
+}
+
+/// The spawner's request for an exec's OCI process spec.
+fn spawn_request(
+    exec_id: &str,
+    spec: &serde_json::Value,
+    uris: &StdioUris,
+) -> Result<crab_init::protocol::SpawnRequest, ShimError> {
+    let strings = |key: &str| -> Vec<String> {
+        spec.get(key)
+            .and_then(serde_json::Value::as_array)
+            .map(|a| a.iter().filter_map(serde_json::Value::as_str).map(String::from).collect())
+            .unwrap_or_default()
+    };
+    let args = strings("args");
+    if args.is_empty() {
+        return Err(ShimError::InvalidArgument(format!("exec {exec_id}: process spec has no args")));
+    }
+    let user = spec.get("user");
+    let number = |key: &str| user.and_then(|u| u.get(key)).and_then(serde_json::Value::as_u64);
+    let console_size = spec.get("consoleSize").and_then(|c| {
+        Some(crab_init::protocol::ConsoleSize {
+            height: c.get("height")?.as_u64()? as u16,
+            width: c.get("width")?.as_u64()? as u16,
+        })
+    });
+    Ok(crab_init::protocol::SpawnRequest {
+        exec_id: exec_id.to_string(),
+        args,
+        env: strings("env"),
+        cwd: spec.get("cwd").and_then(serde_json::Value::as_str).unwrap_or("/").to_string(),
+        uid: number("uid").unwrap_or(0) as u32,
+        gid: number("gid").unwrap_or(0) as u32,
+        additional_gids: user
+            .and_then(|u| u.get("additionalGids"))
+            .and_then(serde_json::Value::as_array)
+            .map(|a| a.iter().filter_map(|g| g.as_u64().map(|g| g as u32)).collect())
+            .unwrap_or_default(),
+        umask: number("umask").map(|m| m as u32),
+        terminal: uris.terminal,
+        console_size,
+        stdin: !uris.stdin.is_empty(),
+        stdout: !uris.stdout.is_empty(),
+        stderr: !uris.stderr.is_empty(),
+    })
+}
+
+/// The exit status of a spawned exec: the spawner's report, or, when the
+/// process ended and no report comes (the spawner died with the pid
+/// namespace, which the kernel ends with SIGKILL), 128 + SIGKILL.
+async fn spawned_exit_status(
+    mut report: tokio::sync::oneshot::Receiver<i32>,
+    pidfd: &std::os::fd::OwnedFd,
+    spawner: &SpawnerClient,
+) -> i32 {
+    const KILLED: i32 = 128 + libc::SIGKILL;
+    tokio::select! {
+        reported = &mut report => return reported.map(crab_init::exit_status).unwrap_or(KILLED),
+        _ = crate::runtime::spawner::pidfd_exited(pidfd) => {}
+    }
+    loop {
+        match tokio::time::timeout(std::time::Duration::from_secs(2), &mut report).await {
+            Ok(reported) => return reported.map(crab_init::exit_status).unwrap_or(KILLED),
+            // Detached for a dump: the report is queued in the spawner.
+            Err(_) if spawner.is_suspended() => continue,
+            Err(_) => return KILLED,
+        }
+    }
+}
+
+/// Around a CRIU dump: the spawner closes its connection to the shim (an
+/// external socket CRIU refuses), and output copies hold still so what the
+/// dump takes from a pipe is not also delivered; afterwards both resume.
+#[derive(Clone)]
+struct QuiesceForDump {
+    slot: Arc<SpawnerSlot>,
+    execs: Execs,
+    init: Arc<Process>,
+}
+
+impl std::fmt::Debug for QuiesceForDump {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("QuiesceForDump")
+    }
+}
+
+impl QuiesceForDump {
+    fn hold_output(&self, held: bool) {
+        let execs: Vec<_> = self.execs.lock().expect("execs lock").values().cloned().collect();
+        for io in execs.iter().filter(|p| p.pidfd().is_some()).filter_map(|p| p.io()) {
+            io.hold_output(held);
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::runtime::DumpHooks for QuiesceForDump {
+    async fn before_dump(&self) {
+        self.hold_output(true);
+        // A paused container's spawner let go at Pause already.
+        detach_spawner(&self.slot).await;
+    }
+
+    async fn after_dump(&self) {
+        self.hold_output(false);
+        if self.slot.client.is_suspended() {
+            reconnect_when_running(self.slot.clone(), self.init.clone());
+        }
+    }
+}
+
+/// Has the spawner close its connection to the shim (it must be running to).
+async fn detach_spawner(slot: &SpawnerSlot) {
+    let _connecting = slot.connecting.lock().await;
+    if !slot.client.is_connected().await {
+        return;
+    }
+    if let Err(e) = slot.client.detach().await {
+        tracing::warn!(error = %e, "spawner detach failed; hanging up");
+        slot.client.disconnect().await;
+    }
+}
+
+/// Reconnects to the spawner in the background once the container runs
+/// again (a frozen one cannot say hello).
+fn reconnect_when_running(slot: Arc<SpawnerSlot>, init: Arc<Process>) {
+    {
+        tokio::spawn(async move {
+            // Bounded: a spawner that never answers again must not keep
+            // exits waiting (they then fall back to the pidfd).
+            for _ in 0..SPAWNER_RECONNECT_ATTEMPTS {
+                match init.status() {
+                    Status::Stopped => break,
+                    Status::Paused | Status::Created => {
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        continue;
+                    }
+                    Status::Running => {}
+                }
+                let _connecting = slot.connecting.lock().await;
+                if slot.client.is_connected().await {
+                    return;
+                }
+                match slot.client.connect(SPAWNER_CONNECT_PATIENCE).await {
+                    Ok(()) => return,
+                    Err(e) => tracing::debug!(error = %e, "spawner not back yet after the dump"),
+                }
+                drop(_connecting);
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            tracing::info!("spawner not back after the dump (the container stopped, or the spawner is gone)");
+            slot.client.resume_without_connection();
+        });
     }
 }

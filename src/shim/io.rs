@@ -202,9 +202,20 @@ impl Sink {
     }
 }
 
-async fn copy_out(source: AsyncRaw, mut sinks: Vec<Sink>) {
+/// While true, output copies hold still (a CRIU dump is reading the pipes).
+type Hold = tokio::sync::watch::Receiver<bool>;
+
+async fn copy_out(source: AsyncRaw, mut sinks: Vec<Sink>, mut hold: Hold) {
     let mut buf = vec![0u8; 32 * 1024];
     loop {
+        // Wait for data first and for the hold to lift second: a read must
+        // not race the dump that copies what is in the pipe.
+        if source.0.readable().await.is_err() {
+            break;
+        }
+        if hold.wait_for(|held| !held).await.is_err() {
+            break;
+        }
         match source.read(&mut buf).await {
             Ok(0) => break,
             Ok(n) => {
@@ -224,8 +235,10 @@ async fn copy_out(source: AsyncRaw, mut sinks: Vec<Sink>) {
 
 /// The writer into the container's stdin, shared by the copy task and CloseIO.
 type StdinWriter = Arc<Mutex<Option<AsyncRaw>>>;
+/// Set once the turn engine follows the process as a stdin session.
+type StdinObserverSlot = Arc<std::sync::OnceLock<crate::turns::stdin::StdinObserver>>;
 
-async fn copy_stdin(fifo: PathBuf, writer: StdinWriter) {
+async fn copy_stdin(fifo: PathBuf, writer: StdinWriter, observer: StdinObserverSlot) {
     // Non-blocking read-only open returns at once. Before any writer came, the
     // fifo is never readable (the kernel reports hang-up only for writers that
     // came after our open and left), so waiting for readiness waits for the
@@ -242,6 +255,9 @@ async fn copy_stdin(fifo: PathBuf, writer: StdinWriter) {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
+        if let Some(observe) = observer.get() {
+            observe(n).await;
+        }
         let guard = writer.lock().await;
         let Some(w) = guard.as_ref() else { return };
         if w.write_all(&buf[..n]).await.is_err() {
@@ -319,6 +335,21 @@ pub struct ProcessIo {
     /// Stdin copies end only when the client closes its end.
     inputs: std::sync::Mutex<Vec<JoinHandle<()>>>,
     uris: StdioUris,
+    stdin_observer: StdinObserverSlot,
+    /// Fires when the process's stdin is closed (client EOF or CloseIO), for
+    /// whoever holds another writer (the spawner keeps one).
+    stdin_closed: tokio_util::sync::CancellationToken,
+    hold: tokio::sync::watch::Sender<bool>,
+}
+
+/// The shim's ends of a process's streams when someone else made them (the
+/// spawner): writer of stdin, readers of stdout and stderr, or a pty master.
+#[derive(Default)]
+pub struct ParentEnds {
+    pub stdin: Option<OwnedFd>,
+    pub stdout: Option<OwnedFd>,
+    pub stderr: Option<OwnedFd>,
+    pub console: Option<OwnedFd>,
 }
 
 /// What the runtime needs to launch the process with these streams.
@@ -336,6 +367,19 @@ pub struct IoOwner<'a> {
 }
 
 impl ProcessIo {
+    fn new(uris: &StdioUris) -> Arc<ProcessIo> {
+        Arc::new(ProcessIo {
+            stdin: Arc::new(Mutex::new(None)),
+            console: std::sync::Mutex::new(None),
+            outputs: std::sync::Mutex::new(Vec::new()),
+            inputs: std::sync::Mutex::new(Vec::new()),
+            uris: uris.clone(),
+            stdin_observer: Default::default(),
+            stdin_closed: Default::default(),
+            hold: tokio::sync::watch::channel(false).0,
+        })
+    }
+
     /// Prepares pipes (or a console socket) and starts copying output.
     pub async fn prepare(
         uris: &StdioUris,
@@ -343,13 +387,7 @@ impl ProcessIo {
         console_dir: &Path,
         reaper: &Reaper,
     ) -> Result<(Arc<ProcessIo>, LaunchIo), IoError> {
-        let io = Arc::new(ProcessIo {
-            stdin: Arc::new(Mutex::new(None)),
-            console: std::sync::Mutex::new(None),
-            outputs: std::sync::Mutex::new(Vec::new()),
-            inputs: std::sync::Mutex::new(Vec::new()),
-            uris: uris.clone(),
-        });
+        let io = Self::new(uris);
         let stdin_t = parse_uri(&uris.stdin)?;
         let stdout_t = parse_uri(&uris.stdout)?;
         let stderr_t = parse_uri(&uris.stderr)?;
@@ -369,21 +407,20 @@ impl ProcessIo {
         }
 
         let mut stdio = ProcessStdio::default();
+        let mut ends = ParentEnds::default();
         stdio.stdin = Some(match &stdin_t {
             Target::Null => dev_null(false).map_err(os("/dev/null"))?,
-            Target::Fifo(path) => {
+            Target::Fifo(_) => {
                 let (r, w) = pipe().map_err(os("stdin pipe"))?;
                 chown_fd(&r, owner.uid, owner.gid)?;
-                *io.stdin.lock().await = Some(AsyncRaw::new(w).map_err(os("stdin pipe"))?);
-                io.spawn_input(copy_stdin(path.clone(), io.stdin.clone()));
+                ends.stdin = Some(w);
                 r
             }
             other => return Err(IoError::Scheme { uri: format!("{other:?} for stdin") }),
         });
-
-        let logger_needed = matches!(stdout_t, Target::Binary { .. }) || matches!(stderr_t, Target::Binary { .. });
-        let mut logger_fds: Vec<OwnedFd> = Vec::new();
-        for (target, slot) in [(&stdout_t, &mut stdio.stdout), (&stderr_t, &mut stdio.stderr)] {
+        for (target, slot, end) in
+            [(&stdout_t, &mut stdio.stdout, &mut ends.stdout), (&stderr_t, &mut stdio.stderr, &mut ends.stderr)]
+        {
             if *target == Target::Null {
                 *slot = Some(dev_null(true).map_err(os("/dev/null"))?);
                 continue;
@@ -391,12 +428,52 @@ impl ProcessIo {
             let (r, w) = pipe().map_err(os("output pipe"))?;
             chown_fd(&w, owner.uid, owner.gid)?;
             *slot = Some(w);
+            *end = Some(r);
+        }
+        io.connect_pipes(ends, owner, reaper).await?;
+        Ok((io, LaunchIo { stdio, console: None }))
+    }
+
+    /// Copies between the client's streams and ends made elsewhere (the
+    /// spawner's session): the counterpart of [`Self::prepare`].
+    pub async fn from_parent_ends(
+        uris: &StdioUris,
+        owner: &IoOwner<'_>,
+        mut ends: ParentEnds,
+        reaper: &Reaper,
+    ) -> Result<Arc<ProcessIo>, IoError> {
+        let io = Self::new(uris);
+        if let Some(master) = ends.console.take() {
+            io.attach_console(master)?;
+            return Ok(io);
+        }
+        for end in [&ends.stdin, &ends.stdout, &ends.stderr].into_iter().flatten() {
+            chown_fd(end, owner.uid, owner.gid)?;
+        }
+        io.connect_pipes(ends, owner, reaper).await?;
+        Ok(io)
+    }
+
+    /// Starts the copies over pipe ends: stdin from its fifo, outputs to
+    /// their sinks or to one logging binary.
+    async fn connect_pipes(self: &Arc<Self>, ends: ParentEnds, owner: &IoOwner<'_>, reaper: &Reaper) -> Result<(), IoError> {
+        let stdin_t = parse_uri(&self.uris.stdin)?;
+        let stdout_t = parse_uri(&self.uris.stdout)?;
+        let stderr_t = parse_uri(&self.uris.stderr)?;
+        if let (Target::Fifo(path), Some(writer)) = (&stdin_t, ends.stdin) {
+            *self.stdin.lock().await = Some(AsyncRaw::new(writer).map_err(os("stdin pipe"))?);
+            self.spawn_stdin_copy(path.clone());
+        }
+        let logger_needed = matches!(stdout_t, Target::Binary { .. }) || matches!(stderr_t, Target::Binary { .. });
+        let mut logger_fds: Vec<OwnedFd> = Vec::new();
+        for (target, end) in [(&stdout_t, ends.stdout), (&stderr_t, ends.stderr)] {
+            let Some(reader) = end else { continue };
             if logger_needed {
-                logger_fds.push(r);
+                logger_fds.push(reader);
             } else {
                 let sink = Sink::open(target).await?.into_iter().collect();
-                let source = AsyncRaw::new(r).map_err(os("output pipe"))?;
-                io.spawn_output(copy_out(source, sink));
+                let source = AsyncRaw::new(reader).map_err(os("output pipe"))?;
+                self.spawn_output(copy_out(source, sink, self.hold.subscribe()));
             }
         }
         if logger_needed {
@@ -405,7 +482,25 @@ impl ProcessIo {
             };
             start_logger(path, args, owner, logger_fds, reaper).await?;
         }
-        Ok((io, LaunchIo { stdio, console: None }))
+        Ok(())
+    }
+
+    fn spawn_stdin_copy(&self, fifo: PathBuf) {
+        let (stdin, observer, closed) = (self.stdin.clone(), self.stdin_observer.clone(), self.stdin_closed.clone());
+        self.spawn_input(async move {
+            copy_stdin(fifo, stdin, observer).await;
+            closed.cancel();
+        });
+    }
+
+    /// Resolves once stdin is closed by the client or by CloseIO.
+    pub fn stdin_closed(&self) -> tokio_util::sync::WaitForCancellationFutureOwned {
+        self.stdin_closed.clone().cancelled_owned()
+    }
+
+    /// Holds output copying still (true) or lets it go on (false).
+    pub fn hold_output(&self, held: bool) {
+        self.hold.send_replace(held);
     }
 
     fn spawn_output(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
@@ -422,20 +517,22 @@ impl ProcessIo {
         let reader = AsyncRaw::new(master.try_clone().map_err(os("dup pty master"))?).map_err(os("pty master"))?;
         *self.console.lock().expect("io lock") = Some(for_resize);
         let uris = self.uris.clone();
+        let hold = self.hold.subscribe();
         let io = self.clone();
         io.spawn_output(async move {
             let sink = match Sink::open(&parse_uri(&uris.stdout).unwrap_or(Target::Null)).await {
                 Ok(s) => s.into_iter().collect(),
                 Err(e) => return tracing::warn!(error = %e, "console output"),
             };
-            copy_out(reader, sink).await;
+            copy_out(reader, sink, hold).await;
         });
         if let Ok(Target::Fifo(path)) = parse_uri(&self.uris.stdin) {
             let writer = AsyncRaw::new(master).map_err(os("pty master"))?;
-            let stdin = self.stdin.clone();
+            let (stdin, observer, closed) = (self.stdin.clone(), self.stdin_observer.clone(), self.stdin_closed.clone());
             self.spawn_input(async move {
                 *stdin.lock().await = Some(writer);
-                copy_stdin(path, stdin).await;
+                copy_stdin(path, stdin, observer).await;
+                closed.cancel();
             });
         }
         Ok(())
@@ -456,9 +553,15 @@ impl ProcessIo {
         Ok(())
     }
 
+    /// Tells `observer` of every chunk of input before it is forwarded (stdin turns).
+    pub fn observe_stdin(&self, observer: crate::turns::stdin::StdinObserver) {
+        let _ = self.stdin_observer.set(observer);
+    }
+
     /// Closes the process's stdin (CloseIO): it reads end of file.
     pub async fn close_stdin(&self) {
         self.stdin.lock().await.take();
+        self.stdin_closed.cancel();
     }
 
     /// Waits until output copying finished (the process and all holders of

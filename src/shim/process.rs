@@ -33,6 +33,9 @@ pub struct Process {
     state: Mutex<Snapshot>,
     exited: watch::Sender<Option<Exit>>,
     io: Mutex<Option<Arc<ProcessIo>>>,
+    /// Set for an exec the spawner started: signals go through it, so they
+    /// cannot reach a process that reused the pid.
+    pidfd: Mutex<Option<Arc<std::os::fd::OwnedFd>>>,
 }
 
 impl Process {
@@ -44,7 +47,16 @@ impl Process {
             state: Mutex::new(Snapshot { status: Status::Created, pid: 0, exit: None }),
             exited: watch::channel(None).0,
             io: Mutex::new(None),
+            pidfd: Mutex::new(None),
         })
+    }
+
+    pub fn set_pidfd(&self, pidfd: Arc<std::os::fd::OwnedFd>) {
+        *self.pidfd.lock().expect("process lock") = Some(pidfd);
+    }
+
+    pub fn pidfd(&self) -> Option<Arc<std::os::fd::OwnedFd>> {
+        self.pidfd.lock().expect("process lock").clone()
     }
 
     pub fn snapshot(&self) -> Snapshot {

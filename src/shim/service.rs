@@ -83,8 +83,13 @@ impl TaskService {
 
     /// Watches a started process: when it exits, drain its output, record the
     /// exit and publish TaskExit.
-    fn watch_exit(&self, container: &Arc<Container>, process: &Arc<Process>, pid: u32) {
-        let exit = self.reaper.wait_for(pid);
+    fn watch_exit(
+        &self,
+        container: &Arc<Container>,
+        process: &Arc<Process>,
+        pid: u32,
+        exit: impl std::future::Future<Output = Exit> + Send + 'static,
+    ) {
         let events = self.events.clone();
         let container_id = container.id().to_string();
         let process = process.clone();
@@ -98,7 +103,7 @@ impl TaskService {
                 && let Some(engine) = container.engine()
             {
                 // Before the exit is published: the agent's next exec must find the turn closed.
-                engine.exec_exited().await;
+                engine.exec_exited(&process.exec_id).await;
             }
             if process.exec_id.is_empty() {
                 // With the init gone, the kernel killed the rest of the pid
@@ -253,6 +258,7 @@ impl TaskService {
                 no_new_keyring: opts.no_new_keyring,
                 io_uid: opts.io_uid,
                 io_gid: opts.io_gid,
+                init_binary: usable_init(&config),
             },
             runtime,
             self.reaper.clone(),
@@ -269,7 +275,7 @@ impl TaskService {
         };
         self.containers.lock().expect("containers lock").insert(req.id.clone(), container.clone());
         if pid != 0 {
-            self.watch_exit(&container, &container.init, pid);
+            self.watch_exit(&container, &container.init, pid, self.reaper.wait_for(pid));
             let fresh = policy.restore_from.as_ref().is_none_or(|r| r.container != req.id);
             self.attach_engine(&container, engine_ctx.as_ref(), &policy, pid, fresh).await?;
         } else {
@@ -302,13 +308,14 @@ impl TaskService {
             let restoring = container.config.restore_from.is_some();
             let pid = container.start().await?;
             if restoring {
-                self.watch_exit(&container, &container.init, pid);
+                self.watch_exit(&container, &container.init, pid, self.reaper.wait_for(pid));
                 let pending = container.pending_policy.lock().expect("policy lock").take();
                 if let Some((policy, ctx)) = pending {
                     let fresh = policy.restore_from.as_ref().is_none_or(|r| r.container != req.id);
                     self.attach_engine(&container, ctx.as_ref(), &policy, pid, fresh).await?;
                 }
             }
+            container.spawner_started();
             if let Some(engine) = container.engine() {
                 engine.container_started().await;
             }
@@ -324,16 +331,21 @@ impl TaskService {
                     "exec waited for the previous turn's checkpoint");
             }
         }
-        let pid = match container.start_exec(&process).await {
-            Ok(pid) => pid,
+        let (pid, exit) = match container.start_exec(&process).await {
+            Ok(started) => started,
             Err(e) => {
                 if let Some(engine) = container.engine() {
-                    engine.exec_exited().await;
+                    engine.exec_exited(&req.exec_id).await;
                 }
                 return Err(e);
             }
         };
-        self.watch_exit(&container, &process, pid);
+        self.watch_exit(&container, &process, pid, exit);
+        if let (Some(engine), Some(io), false) = (container.engine(), process.io(), process.uris.stdin.is_empty())
+            && let Some(observer) = engine.stdin_session(&req.exec_id, pid).await
+        {
+            io.observe_stdin(observer);
+        }
         self.events
             .publish(TaskExecStarted { container_id: req.id, exec_id: req.exec_id, pid, ..Default::default() })
             .await;
@@ -406,7 +418,12 @@ impl TaskService {
         let cgroup = container
             .cgroup()
             .ok_or_else(|| ShimError::FailedPrecondition(format!("container {} has no cgroup yet", req.id)))?;
-        let stats = cgroup.metrics().map_err(|e| ShimError::Other(e.to_string()))?;
+        let mut stats = cgroup.metrics().map_err(|e| ShimError::Other(e.to_string()))?;
+        if container.spawner_pid().is_some() {
+            // The spawner is the runtime's own helper (as the shim is), not
+            // the workload's: a container shows the pids it would under runc.
+            stats = without_one_pid(stats);
+        }
         Ok(StatsResponse { stats: MessageField::some(stats), ..Default::default() })
     }
 
@@ -433,6 +450,49 @@ impl TaskService {
             .collect();
         Ok(PidsResponse { processes, ..Default::default() })
     }
+}
+
+/// crab-init from the config, if it is enabled and fit to run in any image.
+fn usable_init(config: &Config) -> Option<PathBuf> {
+    let path = &config.runtime.init;
+    if path.as_os_str().is_empty() {
+        return None;
+    }
+    match crate::runtime::init::check_static_binary(path) {
+        Ok(()) => Some(path.clone()),
+        Err(e) => {
+            tracing::warn!(error = %e, "exec sessions go through the runtime and are left out of checkpoints");
+            None
+        }
+    }
+}
+
+/// Metrics with the spawner taken out of the current pid count.
+fn without_one_pid(mut stats: Any) -> Any {
+    use containerd_shim_protos::cgroups::metrics as v1;
+    use containerd_shim_protos::cgroups_v2::metrics as v2;
+    fn adjust<M: Message>(stats: &mut Any, f: impl FnOnce(&mut M)) {
+        if let Ok(mut m) = M::parse_from_bytes(&stats.value) {
+            f(&mut m);
+            if let Ok(bytes) = m.write_to_bytes() {
+                stats.value = bytes;
+            }
+        }
+    }
+    if stats.type_url.ends_with("v1.Metrics") {
+        adjust::<v1::Metrics>(&mut stats, |m| {
+            if let Some(p) = m.pids.as_mut() {
+                p.current = p.current.saturating_sub(1);
+            }
+        });
+    } else if stats.type_url.ends_with("v2.Metrics") {
+        adjust::<v2::Metrics>(&mut stats, |m| {
+            if let Some(p) = m.pids.as_mut() {
+                p.current = p.current.saturating_sub(1);
+            }
+        });
+    }
+    stats
 }
 
 /// The sandbox's checkpoint policy from its spec's `io.crab.*` annotations.
@@ -629,6 +689,12 @@ impl Task for TaskService {
 
     async fn update(&self, _ctx: &TtrpcContext, req: UpdateTaskRequest) -> TtrpcResult<Empty> {
         let container = self.container(&req.id)?;
+        if let Some(value) = req.annotations.get(crate::turns::ANNOTATION_TURN)
+            && req.resources.as_ref().is_none_or(|r| r.value.is_empty())
+        {
+            crate::engine::turn_request(container.id(), container.engine(), value).await.map_err(ShimError::from)?;
+            return empty();
+        }
         let resources = req
             .resources
             .as_ref()

@@ -1,6 +1,8 @@
 //! Turns: what a sandbox asks of crab (annotations), and the record of each
 //! turn (its class, why, and which checkpoint holds its state).
 
+pub mod stdin;
+
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -12,6 +14,47 @@ pub const ANNOTATION_POLICY: &str = "io.crab.policy";
 pub const ANNOTATION_IGNORE: &str = "io.crab.ignore";
 /// `<container>:<turn>`: create this container from another's checkpoint (fork, recover).
 pub const ANNOTATION_RESTORE_FROM: &str = "io.crab.restore-from";
+/// On a Task Update: a request about turns (`mark`: end the current turn, begin the next).
+pub const ANNOTATION_TURN: &str = "io.crab.turn";
+
+/// What a Task Update's `io.crab.turn` annotation asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TurnRequest {
+    Mark,
+}
+
+impl TurnRequest {
+    pub fn parse(value: &str) -> Result<Self, AnnotationError> {
+        match value {
+            "mark" => Ok(TurnRequest::Mark),
+            _ => Err(choice(ANNOTATION_TURN, value, "mark")),
+        }
+    }
+}
+
+/// What bounded a turn.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TurnSource {
+    /// An exec's lifecycle: from its start until it exited (or, for a
+    /// session, until it first waited for input).
+    #[default]
+    Exec,
+    /// A burst of bytes to a session's stdin, until the session waited for input again.
+    Stdin,
+    /// An explicit mark ended it.
+    Mark,
+}
+
+impl std::fmt::Display for TurnSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(match self {
+            TurnSource::Exec => "exec",
+            TurnSource::Stdin => "stdin",
+            TurnSource::Mark => "mark",
+        })
+    }
+}
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum AnnotationError {
@@ -151,8 +194,11 @@ pub enum RecordedClass {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TurnRecord {
     pub turn: u64,
-    /// The exec that made the turn, if it was one.
+    /// The exec that made the turn, or the session whose stdin did.
     pub exec_id: Option<String>,
+    /// Records from before turn sources existed are exec turns.
+    #[serde(default)]
+    pub source: TurnSource,
     pub started_unix_ms: u64,
     pub ended_unix_ms: u64,
     pub class: RecordedClass,
@@ -336,6 +382,7 @@ mod tests {
         let rec = TurnRecord {
             turn: 1,
             exec_id: Some("e1".into()),
+            source: TurnSource::Stdin,
             started_unix_ms: 1,
             ended_unix_ms: 2,
             class: RecordedClass::Fs,
@@ -355,6 +402,22 @@ mod tests {
         let got = log.read().unwrap();
         assert_eq!(got.len(), 2);
         assert_eq!(got[1].turn, 2);
+        assert_eq!(got[1].source, TurnSource::Stdin);
+    }
+
+    #[test]
+    fn records_without_a_source_are_exec_turns() {
+        let line = r#"{"turn":1,"exec_id":"e","started_unix_ms":1,"ended_unix_ms":2,"class":"clean","external":false,
+            "escalated":false,"reasons":[],"checkpoint_turn":null,"bytes_written":0,"capture_ms":0.0,"checkpoint_ms":0.0,"policy":"crab"}"#;
+        let rec: TurnRecord = serde_json::from_str(line).unwrap();
+        assert_eq!(rec.source, TurnSource::Exec);
+    }
+
+    #[test]
+    fn turn_requests_parse_and_name_bad_values() {
+        assert_eq!(TurnRequest::parse("mark").unwrap(), TurnRequest::Mark);
+        let err = TurnRequest::parse("rollback").unwrap_err().to_string();
+        assert!(err.contains(ANNOTATION_TURN) && err.contains("rollback") && err.contains("mark"), "{err}");
     }
 
     #[test]

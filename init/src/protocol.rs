@@ -1,0 +1,308 @@
+//! The spawner's wire protocol: frames of a 4-byte big-endian length and a
+//! JSON object that carries the protocol version in `v`. File descriptors
+//! travel as SCM_RIGHTS on the first byte of the frame that lists them in
+//! `fds`, in that order.
+//!
+//! The shim sends [`Request`]s; the spawner answers each with one reply
+//! [`Message`] (in order), and sends [`Message::Exit`] events in between
+//! whenever a session's process ends.
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+pub const VERSION: u32 = 1;
+/// No legitimate frame comes near this; a larger length means a corrupt stream.
+pub const MAX_FRAME_BYTES: usize = 1 << 20;
+pub const LENGTH_BYTES: usize = 4;
+/// The most descriptors one message carries (stdin, stdout, stderr, pidfd).
+pub const MAX_FDS: usize = 4;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case")]
+pub enum Request {
+    /// Start a process in the container.
+    Spawn(SpawnRequest),
+    /// Drop the spawner's copy of the session's stdin writer (CloseIO).
+    CloseStdin { exec_id: String },
+    /// Send the session's descriptors and a pidfd again.
+    Attach { exec_id: String },
+    /// The sessions alive (or exited and not yet reported).
+    List,
+    /// The spawner replies, then closes this connection (before a dump).
+    Detach,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SpawnRequest {
+    pub exec_id: String,
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: Vec<String>,
+    #[serde(default = "root_dir")]
+    pub cwd: String,
+    #[serde(default)]
+    pub uid: u32,
+    #[serde(default)]
+    pub gid: u32,
+    #[serde(default)]
+    pub additional_gids: Vec<u32>,
+    #[serde(default)]
+    pub umask: Option<u32>,
+    #[serde(default)]
+    pub terminal: bool,
+    #[serde(default)]
+    pub console_size: Option<ConsoleSize>,
+    /// Which streams the shim copies; the others are /dev/null (no terminal).
+    #[serde(default)]
+    pub stdin: bool,
+    #[serde(default)]
+    pub stdout: bool,
+    #[serde(default)]
+    pub stderr: bool,
+}
+
+fn root_dir() -> String {
+    "/".into()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsoleSize {
+    pub height: u16,
+    pub width: u16,
+}
+
+/// What each descriptor of a message is, from the shim's side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FdRole {
+    /// Writer into the process's stdin.
+    Stdin,
+    /// Reader of its stdout.
+    Stdout,
+    /// Reader of its stderr.
+    Stderr,
+    /// The pty master of a terminal session.
+    Console,
+    /// A pidfd of the process (or of the spawner in [`Message::Hello`]).
+    Pidfd,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionInfo {
+    pub exec_id: String,
+    pub args: Vec<String>,
+    /// The pid in the container's pid namespace.
+    pub pid: i32,
+    pub terminal: bool,
+    /// Set once the process ended (its exit event is still to be delivered).
+    #[serde(default)]
+    pub exited: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum Message {
+    /// First message of an accepted connection, with a pidfd of the spawner.
+    Hello { pid: i32, fds: Vec<FdRole> },
+    /// Reply to spawn and attach: the session's descriptors follow.
+    Session { session: SessionInfo, fds: Vec<FdRole> },
+    /// Reply to list.
+    Sessions { sessions: Vec<SessionInfo> },
+    /// Reply to close-stdin and detach.
+    Done,
+    /// Reply to a request that failed; `message` says why.
+    Error { message: String },
+    /// Event: a session's process ended with this raw wait status.
+    Exit { exec_id: String, wait_status: i32 },
+}
+
+impl Message {
+    /// The descriptors this message carries, in order.
+    pub fn fds(&self) -> &[FdRole] {
+        match self {
+            Message::Hello { fds, .. } | Message::Session { fds, .. } => fds,
+            _ => &[],
+        }
+    }
+
+    /// Events arrive between replies; everything else answers a request.
+    pub fn is_event(&self) -> bool {
+        matches!(self, Message::Exit { .. })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FrameError {
+    /// The length prefix exceeds [`MAX_FRAME_BYTES`].
+    TooLarge { len: usize, max: usize },
+    /// The payload is not a JSON object of the expected shape.
+    Json { detail: String },
+    /// The object has no numeric `v` field.
+    NoVersion,
+    /// The peer speaks another protocol version.
+    Version { got: u64, expected: u32 },
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::TooLarge { len, max } => {
+                write!(f, "spawner frame length {len} exceeds the limit of {max} bytes")
+            }
+            FrameError::Json { detail } => write!(f, "spawner frame is not a valid message: {detail}"),
+            FrameError::NoVersion => write!(f, "spawner frame has no protocol version field \"v\""),
+            FrameError::Version { got, expected } => {
+                write!(f, "spawner frame has protocol version {got}, this side speaks {expected}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for FrameError {}
+
+/// One frame: length prefix, then `{"v": VERSION, ...message}`.
+pub fn encode<T: Serialize>(message: &T) -> Vec<u8> {
+    let mut value = serde_json::to_value(message).expect("protocol messages serialize");
+    if let serde_json::Value::Object(map) = &mut value {
+        map.insert("v".into(), VERSION.into());
+    }
+    let body = serde_json::to_vec(&value).expect("protocol messages serialize");
+    let mut frame = Vec::with_capacity(LENGTH_BYTES + body.len());
+    frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&body);
+    frame
+}
+
+/// The payload of the first complete frame in `buf` and the bytes it takes,
+/// or None while the frame is incomplete.
+pub fn split_frame(buf: &[u8]) -> Result<Option<(&[u8], usize)>, FrameError> {
+    let Some(prefix) = buf.get(..LENGTH_BYTES) else { return Ok(None) };
+    let len = u32::from_be_bytes(prefix.try_into().expect("4 bytes")) as usize;
+    if len > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge { len, max: MAX_FRAME_BYTES });
+    }
+    Ok(buf.get(LENGTH_BYTES..LENGTH_BYTES + len).map(|payload| (payload, LENGTH_BYTES + len)))
+}
+
+/// Decodes a payload after checking its version.
+pub fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, FrameError> {
+    let value: serde_json::Value =
+        serde_json::from_slice(payload).map_err(|e| FrameError::Json { detail: e.to_string() })?;
+    match value.get("v").and_then(serde_json::Value::as_u64) {
+        None => return Err(FrameError::NoVersion),
+        Some(v) if v != u64::from(VERSION) => return Err(FrameError::Version { got: v, expected: VERSION }),
+        Some(_) => {}
+    }
+    serde_json::from_value(value).map_err(|e| FrameError::Json { detail: e.to_string() })
+}
+
+/// Who may talk to the spawner: the shim, which is outside the container's
+/// pid namespace (its pid reads as 0 from inside) and root. A process of the
+/// container, even root, could otherwise start processes behind the shim's back.
+pub fn authorize_peer(pid: i32, uid: u32) -> Result<(), String> {
+    if pid != 0 {
+        return Err(format!(
+            "connection refused: peer pid {pid} is inside the container (only the shim may use the spawner)"
+        ));
+    }
+    if uid != 0 {
+        return Err(format!("connection refused: peer uid {uid} is not root"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip<T: Serialize + DeserializeOwned>(message: &T) -> T {
+        let frame = encode(message);
+        let (payload, used) = split_frame(&frame).unwrap().unwrap();
+        assert_eq!(used, frame.len());
+        decode(payload).unwrap()
+    }
+
+    #[test]
+    fn requests_and_messages_round_trip() {
+        let spawn = Request::Spawn(SpawnRequest {
+            exec_id: "e1".into(),
+            args: vec!["sh".into(), "-c".into(), "echo hi".into()],
+            env: vec!["PATH=/bin".into()],
+            cwd: "/app".into(),
+            uid: 1000,
+            gid: 1000,
+            additional_gids: vec![10],
+            umask: Some(0o22),
+            terminal: true,
+            console_size: Some(ConsoleSize { height: 24, width: 80 }),
+            stdin: true,
+            stdout: true,
+            stderr: false,
+        });
+        assert_eq!(roundtrip(&spawn), spawn);
+        for request in [Request::List, Request::Detach, Request::Attach { exec_id: "x".into() }] {
+            assert_eq!(roundtrip(&request), request);
+        }
+        let session = Message::Session {
+            session: SessionInfo { exec_id: "e1".into(), args: vec!["sh".into()], pid: 7, terminal: false, exited: false },
+            fds: vec![FdRole::Stdin, FdRole::Stdout, FdRole::Pidfd],
+        };
+        assert_eq!(roundtrip(&session), session);
+        assert_eq!(session.fds().len(), 3);
+        let exit = Message::Exit { exec_id: "e1".into(), wait_status: 256 };
+        assert!(roundtrip(&exit).is_event());
+    }
+
+    #[test]
+    fn wire_format_is_length_prefixed_versioned_json() {
+        let frame = encode(&Request::List);
+        let len = u32::from_be_bytes(frame[..4].try_into().unwrap()) as usize;
+        assert_eq!(len, frame.len() - 4);
+        let value: serde_json::Value = serde_json::from_slice(&frame[4..]).unwrap();
+        assert_eq!(value["op"], "list");
+        assert_eq!(value["v"], VERSION);
+    }
+
+    #[test]
+    fn incomplete_frames_wait_for_more_bytes() {
+        let frame = encode(&Request::Detach);
+        assert_eq!(split_frame(&frame[..2]).unwrap(), None);
+        assert_eq!(split_frame(&frame[..frame.len() - 1]).unwrap(), None);
+        let mut two = frame.clone();
+        two.extend_from_slice(&frame);
+        let (_, used) = split_frame(&two).unwrap().unwrap();
+        assert_eq!(used, frame.len());
+    }
+
+    #[test]
+    fn oversized_length_is_refused_with_its_size() {
+        let mut frame = ((MAX_FRAME_BYTES + 1) as u32).to_be_bytes().to_vec();
+        frame.extend_from_slice(b"{}");
+        let err = split_frame(&frame).unwrap_err();
+        assert_eq!(err, FrameError::TooLarge { len: MAX_FRAME_BYTES + 1, max: MAX_FRAME_BYTES });
+        assert!(err.to_string().contains(&(MAX_FRAME_BYTES + 1).to_string()), "{err}");
+    }
+
+    #[test]
+    fn bad_payloads_name_what_is_wrong() {
+        let err = decode::<Request>(b"not json").unwrap_err();
+        assert!(matches!(err, FrameError::Json { .. }), "{err}");
+        let err = decode::<Request>(br#"{"op":"list"}"#).unwrap_err();
+        assert_eq!(err, FrameError::NoVersion);
+        assert!(err.to_string().contains("\"v\""), "{err}");
+        let err = decode::<Request>(br#"{"v":99,"op":"list"}"#).unwrap_err();
+        assert_eq!(err, FrameError::Version { got: 99, expected: VERSION });
+        let err = decode::<Request>(br#"{"v":1,"op":"format-disk"}"#).unwrap_err();
+        assert!(err.to_string().contains("format-disk"), "{err}");
+        let err = decode::<Request>(br#"{"v":1,"op":"spawn","exec_id":"e"}"#).unwrap_err();
+        assert!(err.to_string().contains("args"), "{err}");
+    }
+
+    #[test]
+    fn only_root_outside_the_container_is_authorized() {
+        assert!(authorize_peer(0, 0).is_ok());
+        let err = authorize_peer(12, 0).unwrap_err();
+        assert!(err.contains("pid 12"), "{err}");
+        assert!(authorize_peer(0, 1000).unwrap_err().contains("uid 1000"));
+    }
+}

@@ -1,0 +1,345 @@
+//! Puts crab-init in front of a container's entrypoint by rewriting its
+//! bundle's `config.json` at Create (see the `crab_init` crate for why).
+
+use std::path::{Component, Path, PathBuf};
+
+use serde_json::{Value, json};
+
+#[derive(Debug, thiserror::Error)]
+pub enum InitError {
+    #[error("crab-init {path} is unusable: {reason}")]
+    Unusable { path: PathBuf, reason: String },
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {detail}")]
+    Spec { path: PathBuf, detail: String },
+    /// The entrypoint does not exist in the rootfs; worded as runc words it.
+    #[error("{0}")]
+    Entrypoint(String),
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> InitError + '_ {
+    move |source| InitError::Io { path: path.to_path_buf(), source }
+}
+
+/// Checks that `path` is an executable, statically linked ELF (no program
+/// interpreter): it runs inside images that may have no libc at all.
+pub fn check_static_binary(path: &Path) -> Result<(), InitError> {
+    use std::os::unix::fs::PermissionsExt;
+    let unusable = |reason: &str| InitError::Unusable { path: path.to_path_buf(), reason: reason.into() };
+    let meta = std::fs::metadata(path).map_err(|e| unusable(&e.to_string()))?;
+    if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
+        return Err(unusable("not an executable file"));
+    }
+    let bytes = std::fs::read(path).map_err(|e| unusable(&e.to_string()))?;
+    match elf_has_interpreter(&bytes) {
+        Ok(false) => Ok(()),
+        Ok(true) => Err(unusable("dynamically linked (has PT_INTERP); build it with +crt-static")),
+        Err(reason) => Err(unusable(reason)),
+    }
+}
+
+/// Whether a 64-bit little-endian ELF image declares a program interpreter.
+fn elf_has_interpreter(elf: &[u8]) -> Result<bool, &'static str> {
+    const PT_INTERP: u32 = 3;
+    if elf.get(..4) != Some(b"\x7fELF".as_slice()) {
+        return Err("not an ELF file");
+    }
+    if elf.get(4) != Some(&2) || elf.get(5) != Some(&1) {
+        return Err("not a 64-bit little-endian ELF file");
+    }
+    let u16_at = |o: usize| elf.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    let u32_at = |o: usize| elf.get(o..o + 4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
+    let u64_at = |o: usize| elf.get(o..o + 8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
+    let truncated = "truncated ELF header";
+    let phoff = u64_at(0x20).ok_or(truncated)? as usize;
+    let phentsize = u16_at(0x36).ok_or(truncated)? as usize;
+    let phnum = u16_at(0x38).ok_or(truncated)? as usize;
+    for i in 0..phnum {
+        let kind = u32_at(phoff + i * phentsize).ok_or("truncated program headers")?;
+        if kind == PT_INTERP {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// The parts of the init's process spec an exec must share to be started by
+/// the spawner (a child of the init's process, with its credentials).
+pub fn process_identity(process: &Value) -> Value {
+    json!({
+        "user": process.get("user"),
+        "capabilities": process.get("capabilities"),
+        "apparmorProfile": process.get("apparmorProfile"),
+        "selinuxLabel": process.get("selinuxLabel"),
+        "noNewPrivileges": process.get("noNewPrivileges").and_then(Value::as_bool).unwrap_or(false),
+    })
+}
+
+/// The host directory bind-mounted at `/dev/.crab`: the spawner's socket lives there.
+pub fn spawner_dir(bundle: &Path) -> PathBuf {
+    bundle.join("crab").join("spawner")
+}
+
+/// What [`install`] did.
+pub struct Installed {
+    /// [`process_identity`] of the original process.
+    pub identity: Value,
+}
+
+/// Rewrites `bundle/config.json` so `init` runs first: `process.args`
+/// becomes `[/dev/.crab/init, --, <args>]` and two mounts follow all others
+/// (the spawner directory at `/dev/.crab`, the binary read-only at
+/// `/dev/.crab/init`). Returns None, leaving the bundle alone, when the spec
+/// has no tmpfs at /dev to put them on. A spec already rewritten (a saved
+/// one recovered) is unwrapped first, so the rewrite is idempotent.
+/// `check_entrypoint` fails like runc when the entrypoint is not in the rootfs.
+pub fn install(bundle: &Path, init: &Path, check_entrypoint: bool) -> Result<Option<Installed>, InitError> {
+    let path = bundle.join("config.json");
+    let bytes = std::fs::read(&path).map_err(io_error(&path))?;
+    let spec_error = |detail: &str| InitError::Spec { path: path.clone(), detail: detail.into() };
+    let mut spec: Value = serde_json::from_slice(&bytes).map_err(|e| spec_error(&e.to_string()))?;
+    let Some(Value::Array(mut mounts)) = spec.get_mut("mounts").map(Value::take) else { return Ok(None) };
+    let is_ours = |m: &Value| {
+        let dest = m.get("destination").and_then(Value::as_str).unwrap_or_default();
+        Path::new(dest) == Path::new(crab_init::MOUNT_DIR) || Path::new(dest) == Path::new(crab_init::INIT_PATH)
+    };
+    mounts.retain(|m| !is_ours(m));
+    let dev_is_tmpfs = mounts.iter().any(|m| {
+        m.get("destination").and_then(Value::as_str).is_some_and(|d| Path::new(d) == Path::new("/dev"))
+            && m.get("type").and_then(Value::as_str) == Some("tmpfs")
+    });
+    if !dev_is_tmpfs {
+        return Ok(None);
+    }
+    let dir = spawner_dir(bundle);
+    std::fs::create_dir_all(&dir).map_err(io_error(&dir))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).map_err(io_error(&dir))?;
+    }
+    let mount_point = dir.join(crab_init::INIT_NAME);
+    std::fs::write(&mount_point, b"").map_err(io_error(&mount_point))?;
+    mounts.push(json!({
+        "destination": crab_init::MOUNT_DIR,
+        "type": "bind",
+        "source": dir,
+        "options": ["rbind", "rw", "nosuid", "nodev"],
+    }));
+    mounts.push(json!({
+        "destination": crab_init::INIT_PATH,
+        "type": "bind",
+        "source": init,
+        "options": ["bind", "ro", "nosuid", "nodev"],
+    }));
+    let process = spec.get("process").and_then(Value::as_object).ok_or_else(|| spec_error("no process"))?;
+    let mut args: Vec<String> = process
+        .get("args")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).map(String::from).collect())
+        .unwrap_or_default();
+    if args.first().map(String::as_str) == Some(crab_init::INIT_PATH) && args.get(1).map(String::as_str) == Some("--") {
+        args.drain(..2);
+    }
+    if args.is_empty() {
+        return Err(spec_error("process.args is empty"));
+    }
+    let identity = process_identity(&Value::Object(process.clone()));
+    if check_entrypoint {
+        let env: Vec<String> = process
+            .get("env")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_str).map(String::from).collect())
+            .unwrap_or_default();
+        let cwd = process.get("cwd").and_then(Value::as_str).unwrap_or("/").to_string();
+        let rootfs = spec.get("root").and_then(|r| r.get("path")).and_then(Value::as_str).unwrap_or("rootfs");
+        let rootfs = bundle.join(rootfs);
+        let mount_points: Vec<String> = mounts
+            .iter()
+            .filter_map(|m| m.get("destination").and_then(Value::as_str).map(String::from))
+            .collect();
+        check_entrypoint_exists(&rootfs, &args[0], &env, &cwd, &mount_points)?;
+    }
+    spec["mounts"] = Value::Array(mounts);
+    let wrapped: Vec<String> = [crab_init::INIT_PATH.to_string(), "--".to_string()].into_iter().chain(args).collect();
+    spec["process"]["args"] = json!(wrapped);
+    let text = serde_json::to_vec_pretty(&spec).map_err(|e| spec_error(&e.to_string()))?;
+    let tmp = bundle.join("config.json.crab-tmp");
+    std::fs::write(&tmp, text).map_err(io_error(&tmp))?;
+    std::fs::rename(&tmp, &path).map_err(io_error(&path))?;
+    Ok(Some(Installed { identity }))
+}
+
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// runc resolves the entrypoint inside the container when it starts; with
+/// crab-init in front, a missing one would only show as crab-init exiting.
+/// Checks it up front so Create fails as runc's does. A program that could
+/// come from another mount than the rootfs is given the benefit of the doubt.
+fn check_entrypoint_exists(
+    rootfs: &Path,
+    arg0: &str,
+    env: &[String],
+    cwd: &str,
+    mount_points: &[String],
+) -> Result<(), InitError> {
+    let under_a_mount = |container_path: &Path| {
+        mount_points.iter().any(|m| Path::new(m) != Path::new("/") && container_path.starts_with(m))
+    };
+    let candidates: Vec<PathBuf> = if arg0.contains('/') {
+        vec![Path::new(cwd).join(arg0)]
+    } else {
+        let path = env.iter().rev().find_map(|e| e.strip_prefix("PATH=")).unwrap_or(DEFAULT_PATH);
+        path.split(':').filter(|d| !d.is_empty()).map(|d| Path::new(d).join(arg0)).collect()
+    };
+    for candidate in &candidates {
+        if under_a_mount(candidate) {
+            return Ok(());
+        }
+        if let Some(host) = resolve_in_root(rootfs, candidate)
+            && is_executable(&host)
+        {
+            return Ok(());
+        }
+    }
+    let message = if arg0.contains('/') {
+        format!("exec: {arg0:?}: no such file or directory")
+    } else {
+        format!("exec: {arg0:?}: executable file not found in $PATH")
+    };
+    Err(InitError::Entrypoint(format!("runc create failed: unable to start container process: {message}")))
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    path.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// The host path of `path` as the container would see it under `root`:
+/// symbolic links are followed with `root` as `/`, and `..` stops at `root`,
+/// so the result never leaves it. None when a component is missing or links
+/// loop.
+pub fn resolve_in_root(root: &Path, path: &Path) -> Option<PathBuf> {
+    const MAX_LINKS: usize = 40;
+    let mut resolved = PathBuf::new();
+    let mut pending: Vec<std::ffi::OsString> =
+        path.components().rev().filter_map(|c| match c {
+            Component::Normal(n) => Some(n.to_os_string()),
+            Component::ParentDir => Some("..".into()),
+            _ => None,
+        }).collect();
+    let mut links = 0;
+    while let Some(name) = pending.pop() {
+        if name == ".." {
+            resolved.pop();
+            continue;
+        }
+        let host = root.join(&resolved).join(&name);
+        match std::fs::symlink_metadata(&host) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                links += 1;
+                if links > MAX_LINKS {
+                    return None;
+                }
+                let target = std::fs::read_link(&host).ok()?;
+                if target.is_absolute() {
+                    resolved = PathBuf::new();
+                }
+                pending.extend(target.components().rev().filter_map(|c| match c {
+                    Component::Normal(n) => Some(n.to_os_string()),
+                    Component::ParentDir => Some("..".into()),
+                    _ => None,
+                }));
+            }
+            Ok(_) => resolved.push(&name),
+            Err(_) => return None,
+        }
+    }
+    Some(root.join(resolved))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bundle_with(spec: Value) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), serde_json::to_vec(&spec).unwrap()).unwrap();
+        let bin = dir.path().join("rootfs/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::write(bin.join("busybox"), b"#!").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(bin.join("busybox"), std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::os::unix::fs::symlink("/bin/busybox", bin.join("sh")).unwrap();
+        dir
+    }
+
+    fn spec(args: &[&str]) -> Value {
+        json!({
+            "root": {"path": "rootfs"},
+            "process": {"args": args, "env": ["PATH=/usr/bin:/bin"], "cwd": "/", "user": {"uid": 0, "gid": 0}},
+            "mounts": [{"destination": "/proc", "type": "proc"}, {"destination": "/dev", "type": "tmpfs"}],
+        })
+    }
+
+    fn read(dir: &Path) -> Value {
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn entrypoint_is_wrapped_and_mounts_go_last_idempotently() {
+        let bundle = bundle_with(spec(&["sh", "-c", "sleep 1"]));
+        let init = Path::new("/usr/local/lib/crab/crab-init");
+        assert!(install(bundle.path(), init, true).unwrap().is_some());
+        assert!(install(bundle.path(), init, true).unwrap().is_some());
+        let spec = read(bundle.path());
+        assert_eq!(spec["process"]["args"], json!(["/dev/.crab/init", "--", "sh", "-c", "sleep 1"]));
+        let mounts = spec["mounts"].as_array().unwrap();
+        assert_eq!(mounts.len(), 4);
+        assert_eq!(mounts[2]["destination"], "/dev/.crab");
+        assert_eq!(mounts[3]["destination"], "/dev/.crab/init");
+        assert_eq!(mounts[3]["source"], "/usr/local/lib/crab/crab-init");
+        assert!(spawner_dir(bundle.path()).join("init").exists());
+    }
+
+    #[test]
+    fn without_a_dev_tmpfs_the_bundle_is_left_alone() {
+        let mut s = spec(&["sh"]);
+        s["mounts"] = json!([{"destination": "/proc", "type": "proc"}]);
+        let bundle = bundle_with(s.clone());
+        assert!(install(bundle.path(), Path::new("/x"), true).unwrap().is_none());
+        assert_eq!(read(bundle.path())["process"], s["process"]);
+    }
+
+    #[test]
+    fn missing_entrypoint_fails_with_runcs_message() {
+        let bundle = bundle_with(spec(&["crab-no-such-binary"]));
+        let err = install(bundle.path(), Path::new("/x"), true).err().unwrap();
+        assert_eq!(
+            err.to_string(),
+            "runc create failed: unable to start container process: exec: \"crab-no-such-binary\": executable file not found in $PATH"
+        );
+        assert_eq!(read(bundle.path())["process"]["args"], json!(["crab-no-such-binary"]));
+    }
+
+    #[test]
+    fn resolution_never_leaves_the_root() {
+        let bundle = bundle_with(spec(&["sh"]));
+        let root = bundle.path().join("rootfs");
+        assert_eq!(resolve_in_root(&root, Path::new("/bin/sh")).unwrap(), root.join("bin/busybox"));
+        std::os::unix::fs::symlink("../../../../../../etc", root.join("bin/escape")).unwrap();
+        // /etc of the root, not of the host: it does not exist there.
+        assert_eq!(resolve_in_root(&root, Path::new("/bin/escape/passwd")), None);
+        assert_eq!(resolve_in_root(&root, Path::new("/../../bin/busybox")).unwrap(), root.join("bin/busybox"));
+    }
+
+    #[test]
+    fn static_binaries_are_told_from_dynamic_ones() {
+        assert!(matches!(elf_has_interpreter(b"#!/bin/sh"), Err(_)));
+        let sh = std::fs::read("/bin/sh").unwrap();
+        assert_eq!(elf_has_interpreter(&sh), Ok(true));
+        let err = check_static_binary(Path::new("/bin/sh")).unwrap_err();
+        assert!(err.to_string().contains("PT_INTERP"), "{err}");
+        assert!(check_static_binary(Path::new("/nonexistent/crab-init")).is_err());
+    }
+}
