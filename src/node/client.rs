@@ -238,7 +238,7 @@ impl NodeClient {
             }
             last_error = Some(error);
         }
-        Err(last_error.expect("two failed attempts"))
+        Err(last_error.expect("every attempt failed"))
     }
 
     /// Waits for the bandwidth to commit `bytes`; Err when crabd cannot be
@@ -266,8 +266,15 @@ impl NodeClient {
     /// which withdraws the request). When crabd dies while the request waits,
     /// it is asked again of the crabd that replaces it, started if need be.
     async fn acquire(&self, request: Request) -> Result<Acquired, NodeError> {
+        // A crabd killed a moment ago can still hold its listening socket
+        // while it exits (a connect then lands in its backlog and is reset):
+        // a few spaced attempts reach the one that replaces it.
+        const ATTEMPTS: u32 = 5;
         let mut last_error = None;
-        for attempt in 0..2 {
+        for attempt in 0..ATTEMPTS {
+            if attempt > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(100 * u64::from(attempt))).await;
+            }
             let outcome = async {
                 let mut connection = self.open_or_spawn().await?;
                 connection.exchange(&request).await
@@ -288,7 +295,7 @@ impl NodeClient {
             tracing::warn!(attempt, %error, "acquire: crabd connection lost");
             last_error = Some(error);
         }
-        Err(last_error.expect("two failed attempts"))
+        Err(last_error.expect("every attempt failed"))
     }
 }
 
