@@ -294,14 +294,7 @@ mod tests {
     use crate::inspector::effect::EffectPath;
 
     fn effect(pid: u32, kind: EffectKind) -> Effect {
-        Effect {
-            time_ns: 0,
-            pid,
-            tid: pid,
-            comm: "sh".into(),
-            result: 0,
-            kind,
-        }
+        Effect::of_shell(pid, kind)
     }
 
     fn open(path: &str) -> EffectKind {

@@ -158,6 +158,14 @@ pub struct Effect {
     pub kind: EffectKind,
 }
 
+#[cfg(test)]
+impl Effect {
+    /// An effect of `sh` with pid `pid` (its own thread) at time 0, for unit tests.
+    pub(crate) fn of_shell(pid: u32, kind: EffectKind) -> Self {
+        Self { time_ns: 0, pid, tid: pid, comm: "sh".into(), result: 0, kind }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EffectKind {

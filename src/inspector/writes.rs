@@ -342,14 +342,7 @@ mod tests {
     }
 
     fn process(pid: u32, kind: EffectKind) -> Effect {
-        Effect {
-            time_ns: 0,
-            pid,
-            tid: pid,
-            comm: "sh".into(),
-            result: 0,
-            kind,
-        }
+        Effect::of_shell(pid, kind)
     }
 
     #[test]
