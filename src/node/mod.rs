@@ -11,13 +11,11 @@
 //! - [`server`]: crabd itself (`src/bin/crabd.rs` is its entry point).
 //! - [`client`]: the shim's side: an [`crate::engine::EffectSource`] and a
 //!   [`crate::engine::CommitGate`] over the socket, starting crabd on demand.
-//! - [`estimate`]: how many bytes a turn's commit will write.
 //! - [`cli`]: `crabctl node` (status, eviction marks).
 
 pub mod bucket;
 pub mod cli;
 pub mod client;
-pub mod estimate;
 pub mod protocol;
 pub mod server;
 
@@ -25,7 +23,6 @@ use std::path::{Path, PathBuf};
 
 pub use bucket::{BucketConfig, CommitKind, DEFAULT_CHUNK_BYTES};
 pub use client::{Acquired, ClientOptions, NodeClient};
-pub use estimate::estimate_commit_bytes;
 pub use protocol::{NodeStatus, PROTOCOL_VERSION};
 
 /// Where crabd listens unless configured otherwise. The directory is root's
