@@ -4,10 +4,12 @@
  * the OS (file changes, processes, sockets, mounts).
  *
  * Only tracepoints are used because kprobes, fentry and lsm programs are not
- * available on every host crab runs on. Syscalls go through the two raw
- * syscall tracepoints, dispatched by tail call on the syscall number: raw
- * tracepoint links detach without the per-event RCU grace periods that ~90
- * perf-attached syscalls:sys_enter_* tracepoints cost (seconds at shutdown).
+ * available on every host crab runs on. Each syscall the inspector needs has
+ * its own thin program on its syscalls:sys_enter_<name> tracepoint (and
+ * sys_exit_<name> when the record waits for the result), all calling the
+ * same shared handlers below: syscalls nobody needs (read, stat, getdents,
+ * futex, ...) run no BPF at all. The raw sys_enter/sys_exit tracepoints would
+ * run a program for every syscall of every task on the node.
  *
  * Syscall arguments are captured at sys_enter (paths are resolved there,
  * before e.g. an unlink removes the dentry) and kept per thread; sys_exit
@@ -19,7 +21,6 @@
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
-#include <asm/unistd.h>
 #include "inspector.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
@@ -44,6 +45,9 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define VM_SHARED 0x8
 /* Error pointers (MNT_NS_INTERNAL is ERR_PTR(-EINVAL)) are the top 4095 addresses. */
 #define MAX_ERRNO 4095
+#define IORING_SETUP_SQPOLL (1U << 1)
+
+extern void *bpf_rdonly_cast(const void *obj, __u32 btf_id) __ksym;
 
 /* Scratch slots: syscall programs and sched programs never share one, so a
  * sched tracepoint firing inside a syscall cannot clobber a half-built record. */
@@ -246,16 +250,17 @@ static __always_inline __u32 walk_path(struct path_ref *ref, __u32 slot, __u32 o
 	return w.off;
 }
 
+/* The open file behind descriptor `fd` of the current task, or NULL. The
+ * task's own fields are read directly (BTF pointer loads); only the slot of
+ * the descriptor array, which BTF types as a plain pointer, takes a copy. */
 static __always_inline struct file *fd_file(int fd)
 {
-	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
-	struct fdtable *fdt = BPF_CORE_READ(task, files, fdt);
-	unsigned int max_fds = BPF_CORE_READ(fdt, max_fds);
-	if (fd < 0 || (unsigned int)fd >= max_fds)
+	struct task_struct *task = bpf_get_current_task_btf();
+	struct fdtable *fdt = task->files->fdt;
+	if (fd < 0 || (unsigned int)fd >= fdt->max_fds)
 		return NULL;
-	struct file **fds = BPF_CORE_READ(fdt, fd);
 	struct file *file = NULL;
-	bpf_probe_read_kernel(&file, sizeof(file), &fds[fd]);
+	bpf_probe_read_kernel(&file, sizeof(file), &fdt->fd[fd]);
 	return file;
 }
 
@@ -464,22 +469,28 @@ static __always_inline int finish(long ret)
 }
 
 /*
- * A syscall handler: a raw tracepoint program reached by tail call from
- * on_sys_enter. `regs` are the user registers; ARG(n) reads argument n.
+ * A syscall's program on its own syscalls:sys_enter_<call> tracepoint. The
+ * body maps the call's arguments (ARG(n)) onto the shared handlers; with
+ * everything inlined, each program is compiled for its one call.
  */
 #define ENTER(call) \
-	static __always_inline int handle_##call(struct pt_regs *regs); \
-	SEC("raw_tp") int enter_##call(struct bpf_raw_tracepoint_args *ctx) \
+	static __always_inline int handle_##call(struct trace_event_raw_sys_enter *ctx); \
+	SEC("tp/syscalls/sys_enter_" #call) int enter_##call(struct trace_event_raw_sys_enter *ctx) \
 	{ \
-		return handle_##call((struct pt_regs *)ctx->args[0]); \
+		return handle_##call(ctx); \
 	} \
-	static __always_inline int handle_##call(struct pt_regs *regs)
-#define ARG(n) ARG_##n
-#define ARG_0 PT_REGS_PARM1_CORE_SYSCALL(regs)
-#define ARG_1 PT_REGS_PARM2_CORE_SYSCALL(regs)
-#define ARG_2 PT_REGS_PARM3_CORE_SYSCALL(regs)
-#define ARG_3 PT_REGS_PARM4_CORE_SYSCALL(regs)
-#define ARG_4 PT_REGS_PARM5_CORE_SYSCALL(regs)
+	static __always_inline int handle_##call(struct trace_event_raw_sys_enter *ctx)
+
+/* Calls whose record waits for their result (see stash) also get a program
+ * on sys_exit_<call>, which publishes it. */
+#define ENTER_EXIT(call) \
+	SEC("tp/syscalls/sys_exit_" #call) int exit_##call(struct trace_event_raw_sys_exit *ctx) \
+	{ \
+		return finish(ctx->ret); \
+	} \
+	ENTER(call)
+
+#define ARG(n) (ctx->args[n])
 #define STR(n) ((const char *)ARG(n))
 
 /* Opens a record for the current task or returns from the program. */
@@ -491,7 +502,7 @@ static __always_inline int finish(long ret)
 
 /* Calls whose single path argument is `dfd`-relative, with two plain arguments kept. */
 #define AT_CALL(call, kind, dfd, path, a0, a1) \
-	ENTER(call) \
+	ENTER_EXIT(call) \
 	{ \
 		BEGIN(r, kind); \
 		r->h.arg[0] = a0; \
@@ -502,7 +513,7 @@ static __always_inline int finish(long ret)
 
 /* Calls on an open file descriptor. */
 #define FD_CALL(call, kind, fd, a0, a1) \
-	ENTER(call) \
+	ENTER_EXIT(call) \
 	{ \
 		BEGIN(r, kind); \
 		r->h.arg[0] = a0; \
@@ -528,10 +539,10 @@ static __always_inline int open_common(long dfd,
 	return stash(r, off);
 }
 
-ENTER(open) { return open_common(AT_FDCWD, STR(0), ARG(1), ARG(2)); }
-ENTER(openat) { return open_common(ARG(0), STR(1), ARG(2), ARG(3)); }
-ENTER(creat) { return open_common(AT_FDCWD, STR(0), O_CREAT | O_WRONLY | O_TRUNC, ARG(1)); }
-ENTER(openat2)
+ENTER_EXIT(open) { return open_common(AT_FDCWD, STR(0), ARG(1), ARG(2)); }
+ENTER_EXIT(openat) { return open_common(ARG(0), STR(1), ARG(2), ARG(3)); }
+ENTER_EXIT(creat) { return open_common(AT_FDCWD, STR(0), O_CREAT | O_WRONLY | O_TRUNC, ARG(1)); }
+ENTER_EXIT(openat2)
 {
 	__u64 flags = 0;
 	struct open_how *how = (struct open_how *)ARG(2);
@@ -565,7 +576,7 @@ AT_CALL(utimensat, KIND_UTIMES, ARG(0), STR(1), ARG(3), 0)
 
 /* Two-path calls: path0 is the name the call creates or changes. */
 #define TWO_PATH_CALL(call, kind, dfd0, path0, dfd1, path1, a0) \
-	ENTER(call) \
+	ENTER_EXIT(call) \
 	{ \
 		BEGIN(r, kind); \
 		r->h.arg[0] = a0; \
@@ -581,14 +592,14 @@ TWO_PATH_CALL(link, KIND_LINK, AT_FDCWD, STR(1), AT_FDCWD, STR(0), 0)
 TWO_PATH_CALL(linkat, KIND_LINK, ARG(2), STR(3), ARG(0), STR(1), ARG(4))
 TWO_PATH_CALL(move_mount, KIND_MOVE_MOUNT, ARG(2), STR(3), ARG(0), STR(1), ARG(4))
 
-ENTER(symlink)
+ENTER_EXIT(symlink)
 {
 	BEGIN(r, KIND_SYMLINK);
 	off = capture_at(r, 0, SCRATCH_SYSCALL, off, AT_FDCWD, STR(1));
 	off = capture_verbatim(r, 1, off, STR(0));
 	return stash(r, off);
 }
-ENTER(symlinkat)
+ENTER_EXIT(symlinkat)
 {
 	BEGIN(r, KIND_SYMLINK);
 	off = capture_at(r, 0, SCRATCH_SYSCALL, off, ARG(1), STR(2));
@@ -598,7 +609,7 @@ ENTER(symlinkat)
 
 /* xattr calls keep the attribute name in `extra`. */
 #define XATTR_CALL(call, kind, capture, name) \
-	ENTER(call) \
+	ENTER_EXIT(call) \
 	{ \
 		BEGIN(r, kind); \
 		bpf_probe_read_user_str(r->h.extra, sizeof(r->h.extra), name); \
@@ -638,48 +649,69 @@ static __always_inline bool is_named_regular_file(struct file *file)
 	return ns && ns < (unsigned long)-MAX_ERRNO;
 }
 
-/* Marks (current process, inode) as recorded in this turn at `now`. */
+/* True when `key` was recorded in this turn already; then notes the time of
+ * this repeat, which lets the reader find the repeats it must carry into the
+ * next turn (see drain). */
+static __always_inline bool recorded_this_turn(struct write_key *key, __u64 cgroup_id,
+					       struct watch *watch, __u64 now)
+{
+	struct write_seen *seen = bpf_map_lookup_elem(&written, key);
+	if (seen && seen->cgroup_id == cgroup_id && seen->recorded_ns > watch->epoch_ns) {
+		seen->last_ns = now;
+		return true;
+	}
+	return false;
+}
+
+/* Marks `key` as recorded in this turn at `now`. */
+static __always_inline void note_recorded(struct write_key *key, __u64 cgroup_id, __u64 now)
+{
+	struct write_seen fresh = { .recorded_ns = now, .last_ns = now, .cgroup_id = cgroup_id };
+	bpf_map_update_elem(&written, key, &fresh, BPF_ANY);
+}
+
 static __always_inline void note_written(__u64 cgroup_id, struct inode *inode, bool mapping, __u64 now)
 {
 	struct write_key key = {
 		.inode = (__u64)inode,
 		.pid = bpf_get_current_pid_tgid() >> 32,
-		.mapping = mapping,
+		.channel = mapping ? CHANNEL_MAPPING : CHANNEL_DESCRIPTOR,
 	};
-	struct write_seen fresh = { .recorded_ns = now, .last_ns = now, .cgroup_id = cgroup_id };
-	bpf_map_update_elem(&written, &key, &fresh, BPF_ANY);
+	note_recorded(&key, cgroup_id, now);
 }
 
-static __always_inline int record_file_write(struct file *file, __u32 via)
+/*
+ * The hot path (a process writing a file in a loop) is the test that the
+ * write repeats one already recorded in this turn: it comes first, after only
+ * direct loads through a BTF view of the file, before any path work.
+ */
+static __always_inline int record_file_write(__u64 cgroup_id, struct watch *watch,
+					     struct file *file, __u32 via)
 {
 	if (!file)
 		return 0;
-	struct watch *watch;
-	__u64 cgroup_id = current_watch(&watch);
-	if (!cgroup_id || !watch)
+	struct file *f = bpf_rdonly_cast(file, bpf_core_type_id_kernel(struct file));
+	if (!(f->f_mode & FMODE_WRITE))
 		return 0;
-	if (!(BPF_CORE_READ(file, f_mode) & FMODE_WRITE) || !is_named_regular_file(file))
+	struct inode *inode = f->f_inode;
+	if (!inode || (inode->i_mode & S_IFMT) != S_IFREG)
 		return 0;
-	struct inode *inode = BPF_CORE_READ(file, f_inode);
 	struct write_key key = {
 		.inode = (__u64)inode,
 		.pid = bpf_get_current_pid_tgid() >> 32,
-		.mapping = via == VIA_SHARED_MAPPING,
+		.channel = via == VIA_SHARED_MAPPING ? CHANNEL_MAPPING : CHANNEL_DESCRIPTOR,
 	};
 	__u64 now = bpf_ktime_get_ns();
-	struct write_seen *seen = bpf_map_lookup_elem(&written, &key);
-	/* Recorded in this turn already: only note the time, which lets the
-	 * reader find writes it must carry into the next turn (see drain). */
-	if (seen && seen->cgroup_id == cgroup_id && seen->recorded_ns > watch->epoch_ns) {
-		seen->last_ns = now;
+	if (recorded_this_turn(&key, cgroup_id, watch, now))
 		return 0;
-	}
+	if (!is_named_regular_file(file))
+		return 0;
 	struct record *r = begin_in(cgroup_id, KIND_WRITE, SCRATCH_SYSCALL);
 	if (!r)
 		return 0;
 	r->h.arg[0] = via;
 	r->h.arg[1] = (__u64)inode;
-	r->h.arg[2] = BPF_CORE_READ(inode, i_ino);
+	r->h.arg[2] = inode->i_ino;
 	struct path_ref *ref = &r->h.path[0];
 	ref->flags |= PATH_PRESENT;
 	r->h.data_len = walk_path(ref, SCRATCH_SYSCALL, 0, BPF_CORE_READ(file, f_path.dentry),
@@ -687,27 +719,43 @@ static __always_inline int record_file_write(struct file *file, __u32 via)
 	/* A checkpoint's parasite code runs inside the dumped task, ptrace-attached
 	 * by CRIU, and logs through CRIU's descriptor of a host file: CRIU's doing,
 	 * not the sandbox's. Any other file outside the root stays unresolved. */
-	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
-	if ((ref->flags & PATH_OUTSIDE_ROOT) && BPF_CORE_READ(task, ptrace))
+	struct task_struct *task = bpf_get_current_task_btf();
+	if ((ref->flags & PATH_OUTSIDE_ROOT) && task->ptrace)
 		return 0;
 	r->h.ts_ns = now;
 	/* Not published (ring buffer full, counted lost): the next write tries again. */
 	if (!publish(r))
-		note_written(cgroup_id, inode, key.mapping, now);
+		note_recorded(&key, cgroup_id, now);
 	return 0;
 }
 
+/* Opens `watch` for the current task or returns from the program: the first
+ * test of every write-like call, before the descriptor is looked at. */
+#define WATCHED(cgroup_id, watch) \
+	struct watch *watch; \
+	__u64 cgroup_id = current_watch(&watch); \
+	if (!cgroup_id || !watch) \
+		return 0
+
 #define FD_WRITE_CALL(call, fd, via) \
-	ENTER(call) { return record_file_write(fd_file((int)(fd)), via); }
+	ENTER(call) \
+	{ \
+		WATCHED(cgroup_id, watch); \
+		return record_file_write(cgroup_id, watch, fd_file((int)(fd)), via); \
+	}
 
 /* Kept for its result like the path-based truncate, but only for files that
  * can be found by path (a memfd sized for a mapping is no file change). */
-ENTER(ftruncate)
+ENTER_EXIT(ftruncate)
 {
+	WATCHED(cgroup_id, watch);
 	struct file *file = fd_file((int)ARG(0));
 	if (!file || !is_named_regular_file(file))
 		return 0;
-	BEGIN(r, KIND_TRUNCATE);
+	struct record *r = begin_in(cgroup_id, KIND_TRUNCATE, SCRATCH_SYSCALL);
+	if (!r)
+		return 0;
+	__u32 off = 0;
 	r->h.arg[0] = ARG(1);
 	off = capture_fd(r, 0, SCRATCH_SYSCALL, off, ARG(0));
 	return stash(r, off);
@@ -719,7 +767,7 @@ FD_WRITE_CALL(writev, ARG(0), VIA_WRITE)
 FD_WRITE_CALL(pwritev, ARG(0), VIA_WRITE)
 FD_WRITE_CALL(pwritev2, ARG(0), VIA_WRITE)
 FD_WRITE_CALL(fallocate, ARG(0), VIA_FALLOCATE)
-FD_WRITE_CALL(sendfile, ARG(0), VIA_SENDFILE)
+FD_WRITE_CALL(sendfile64, ARG(0), VIA_SENDFILE)
 FD_WRITE_CALL(splice, ARG(2), VIA_SPLICE)
 FD_WRITE_CALL(copy_file_range, ARG(2), VIA_COPY_FILE_RANGE)
 
@@ -735,7 +783,8 @@ ENTER(mmap)
 	__u64 type = ARG(3) & MAP_TYPE;
 	if (type != MAP_SHARED && type != MAP_SHARED_VALIDATE)
 		return 0;
-	return record_file_write(fd_file((int)ARG(4)), VIA_SHARED_MAPPING);
+	WATCHED(cgroup_id, watch);
+	return record_file_write(cgroup_id, watch, fd_file((int)ARG(4)), VIA_SHARED_MAPPING);
 }
 
 /* bpf_find_vma callback: the file of a shared writable mapping, into `ctx` (a struct file **). */
@@ -750,18 +799,62 @@ static long shared_writable_file(struct task_struct *task, struct vm_area_struct
 /* msync says the process wrote through a shared writable mapping. */
 ENTER(msync)
 {
+	WATCHED(cgroup_id, watch);
 	struct file *file = NULL;
 	bpf_find_vma(bpf_get_current_task_btf(), ARG(0), shared_writable_file, &file, 0);
-	if (!file)
-		return 0;
-	return record_file_write(file, VIA_MSYNC);
+	return record_file_write(cgroup_id, watch, file, VIA_MSYNC);
 }
+
+/* --- asynchronous I/O ------------------------------------------------------ */
+
+/*
+ * io_uring and Linux AIO do their reads and writes in the kernel, later and
+ * without the syscalls above: the inspector cannot tell what they change.
+ * Using them is the effect; it escalates the turn. Recorded at sys_enter, once
+ * per process and call per turn (the written map dedups, as for writes), a
+ * call that then fails included (over, never under).
+ */
+static __always_inline int record_async_io(__u32 call, __u64 setup_flags)
+{
+	WATCHED(cgroup_id, watch);
+	struct write_key key = {
+		.inode = call,
+		.pid = bpf_get_current_pid_tgid() >> 32,
+		.channel = CHANNEL_ASYNC_IO,
+	};
+	__u64 now = bpf_ktime_get_ns();
+	if (recorded_this_turn(&key, cgroup_id, watch, now))
+		return 0;
+	struct record *r = begin_in(cgroup_id, KIND_ASYNC_IO, SCRATCH_SYSCALL);
+	if (!r)
+		return 0;
+	r->h.arg[0] = call;
+	r->h.arg[1] = setup_flags;
+	r->h.ts_ns = now;
+	if (!publish(r))
+		note_recorded(&key, cgroup_id, now);
+	return 0;
+}
+
+ENTER(io_uring_setup)
+{
+	/* struct io_uring_params: sq_entries, cq_entries, flags. Unreadable:
+	 * assume a polling ring, which needs no syscall to submit. */
+	__u32 flags;
+	const __u32 *params = (const __u32 *)ARG(1);
+	if (bpf_probe_read_user(&flags, sizeof(flags), &params[2]))
+		flags = IORING_SETUP_SQPOLL;
+	return record_async_io(ASYNC_IO_URING_SETUP, flags);
+}
+ENTER(io_uring_enter) { return record_async_io(ASYNC_IO_URING_ENTER, 0); }
+ENTER(io_uring_register) { return record_async_io(ASYNC_IO_URING_REGISTER, 0); }
+ENTER(io_submit) { return record_async_io(ASYNC_IO_SUBMIT, 0); }
 
 /* --- sockets ---------------------------------------------------------- */
 
 /* Copies a sockaddr from user memory into `extra`; an AF_UNIX path goes to
  * path0 (resolved against the cwd like any other path). */
-static __always_inline int socket_addr_call(struct pt_regs *regs, __u32 kind)
+static __always_inline int socket_addr_call(struct trace_event_raw_sys_enter *ctx, __u32 kind)
 {
 	const struct sockaddr *uaddr = (const struct sockaddr *)ARG(1);
 	__u16 family = 0;
@@ -792,11 +885,11 @@ static __always_inline int socket_addr_call(struct pt_regs *regs, __u32 kind)
 	return stash(r, off);
 }
 
-ENTER(bind) { return socket_addr_call(regs, KIND_BIND); }
-ENTER(connect) { return socket_addr_call(regs, KIND_CONNECT); }
+ENTER_EXIT(bind) { return socket_addr_call(ctx, KIND_BIND); }
+ENTER_EXIT(connect) { return socket_addr_call(ctx, KIND_CONNECT); }
 
 /* listen() takes no address: read the bound one from the socket. */
-ENTER(listen)
+ENTER_EXIT(listen)
 {
 	BEGIN(r, KIND_LISTEN);
 	r->h.arg[0] = ARG(1);
@@ -820,7 +913,7 @@ ENTER(listen)
 
 /* --- mounts --------------------------------------------------------------- */
 
-ENTER(mount)
+ENTER_EXIT(mount)
 {
 	BEGIN(r, KIND_MOUNT);
 	r->h.arg[0] = ARG(3);
@@ -829,7 +922,7 @@ ENTER(mount)
 	off = capture_verbatim(r, 1, off, STR(0));
 	return stash(r, off);
 }
-AT_CALL(umount2, KIND_UMOUNT, AT_FDCWD, STR(0), ARG(1), 0)
+AT_CALL(umount, KIND_UMOUNT, AT_FDCWD, STR(0), ARG(1), 0)
 
 /* --- processes ------------------------------------------------------------ */
 
@@ -887,63 +980,4 @@ int BPF_PROG(on_exit, struct task_struct *task)
 	r->h.ts_ns = bpf_ktime_get_ns();
 	publish(r);
 	return 0;
-}
-
-/* --- dispatch ------------------------------------------------------------- */
-
-/* Numbers newer than some build hosts' headers; the same on every architecture. */
-#ifndef __NR_fchmodat2
-#define __NR_fchmodat2 452
-#endif
-#ifndef __NR_setxattrat
-#define __NR_setxattrat 463
-#endif
-#ifndef __NR_removexattrat
-#define __NR_removexattrat 466
-#endif
-
-#define HANDLER(call) [__NR_##call] = (void *)&enter_##call
-
-struct {
-	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
-	__uint(max_entries, 512);
-	__uint(key_size, sizeof(__u32));
-	__array(values, int(void *));
-} syscall_handlers SEC(".maps") = {
-	.values = {
-		HANDLER(openat), HANDLER(openat2), HANDLER(truncate), HANDLER(ftruncate),
-		HANDLER(unlinkat), HANDLER(mkdirat), HANDLER(fchmodat), HANDLER(fchmodat2),
-		HANDLER(fchmod), HANDLER(fchownat), HANDLER(fchown), HANDLER(mknodat),
-		HANDLER(utimensat), HANDLER(renameat), HANDLER(renameat2), HANDLER(linkat),
-		HANDLER(move_mount), HANDLER(symlinkat), HANDLER(setxattr), HANDLER(lsetxattr),
-		HANDLER(fsetxattr), HANDLER(setxattrat), HANDLER(removexattr),
-		HANDLER(lremovexattr), HANDLER(fremovexattr), HANDLER(removexattrat),
-		HANDLER(bind), HANDLER(connect), HANDLER(listen), HANDLER(mount),
-		HANDLER(umount2), HANDLER(write), HANDLER(pwrite64), HANDLER(writev),
-		HANDLER(pwritev), HANDLER(pwritev2), HANDLER(fallocate), HANDLER(sendfile),
-		HANDLER(splice), HANDLER(copy_file_range), HANDLER(mmap), HANDLER(msync),
-/* Calls that only older architectures (x86_64) still have. */
-#ifdef __NR_open
-		HANDLER(open), HANDLER(creat), HANDLER(unlink), HANDLER(rmdir), HANDLER(mkdir),
-		HANDLER(chmod), HANDLER(chown), HANDLER(lchown), HANDLER(mknod), HANDLER(utimes),
-		HANDLER(utime), HANDLER(futimesat), HANDLER(rename), HANDLER(link),
-		HANDLER(symlink),
-#endif
-	},
-};
-
-/* Every syscall of every task passes here: an unhandled number costs one
- * failed tail call. The handlers check the cgroup. */
-SEC("raw_tp/sys_enter")
-int on_sys_enter(struct bpf_raw_tracepoint_args *ctx)
-{
-	bpf_tail_call(ctx, &syscall_handlers, (__u32)ctx->args[1]);
-	return 0;
-}
-
-/* Only threads inside a watched call have a pending record. */
-SEC("raw_tp/sys_exit")
-int on_sys_exit(struct bpf_raw_tracepoint_args *ctx)
-{
-	return finish((long)ctx->args[1]);
 }

@@ -41,6 +41,11 @@ enum record_kind {
 	 * write_via; arg1: the inode's kernel address (the dedup key, stable
 	 * while the file is open); arg2: the inode number. */
 	KIND_WRITE = 15,
+	/* A call that hands I/O to the kernel to do later, out of the
+	 * inspector's sight (io_uring, Linux AIO): what it writes is unknown.
+	 * arg0: enum async_io_call; arg1: io_uring_setup's flags (SQPOLL: the
+	 * process can submit with no syscall at all from then on). */
+	KIND_ASYNC_IO = 16,
 
 	KIND_BIND = 32,    /* extra: sockaddr; AF_UNIX path in path0 */
 	KIND_LISTEN = 33,  /* extra: sockaddr of the bound address, arg0: backlog */
@@ -65,6 +70,13 @@ enum write_via {
 	VIA_MSYNC = 7,
 };
 
+enum async_io_call {
+	ASYNC_IO_URING_SETUP = 1,
+	ASYNC_IO_URING_ENTER = 2,
+	ASYNC_IO_URING_REGISTER = 3,
+	ASYNC_IO_SUBMIT = 4,
+};
+
 /* Value of the `watched` map: per watched cgroup. */
 struct watch {
 	/* Turn boundary (CLOCK_MONOTONIC ns): the first write of a process to a
@@ -72,12 +84,20 @@ struct watch {
 	__u64 epoch_ns;
 };
 
+/* What a `written` key counts: writes to one file, or calls of one kind. */
+enum write_channel {
+	CHANNEL_DESCRIPTOR = 0,
+	CHANNEL_MAPPING = 1, /* VIA_SHARED_MAPPING (tracked apart: it outlives the call) */
+	CHANNEL_ASYNC_IO = 2, /* `inode` holds the enum async_io_call instead */
+};
+
 /* Key and value of the `written` map, which keeps a tight write loop from
- * flooding the ring buffer: one KIND_WRITE record per key per turn. */
+ * flooding the ring buffer: one KIND_WRITE (or KIND_ASYNC_IO) record per key
+ * per turn. */
 struct write_key {
 	__u64 inode; /* kernel address of the file's inode */
 	__u32 pid;   /* thread group id */
-	__u32 mapping; /* 1 for VIA_SHARED_MAPPING (tracked apart: it outlives the call) */
+	__u32 channel; /* enum write_channel */
 };
 
 struct write_seen {

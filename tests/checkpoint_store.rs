@@ -897,6 +897,73 @@ fn chunked_images_round_trip_and_second_dump_is_nearly_free() {
     assert_eq!(sb.store.restore_images("c1", 3, &out).unwrap(), Some(2));
 }
 
+/// A page image of several reassembly jobs (thousands of chunks, repeated zero pages spread
+/// over them, a short last chunk) comes back byte for byte; a corrupt chunk, unique or
+/// repeated, is refused by name and leaves no image directory behind.
+#[test]
+fn large_page_images_reassemble_exactly_and_refuse_a_corrupt_chunk() {
+    let sb = Sandbox::new();
+    let dump = sb._tmp.path().join("dump");
+    fs::create_dir_all(&dump).unwrap();
+    let page = 4096usize;
+    let mut pages = Vec::new();
+    for i in 0..3000usize {
+        if i % 7 == 0 {
+            pages.extend(std::iter::repeat_n(0u8, page));
+        } else {
+            pages.extend((0..page).map(|j| (((i * page + j) as u32).wrapping_mul(2654435761) >> 13) as u8));
+        }
+    }
+    pages.extend_from_slice(&[9u8; 123]);
+    fs::write(dump.join("pages-1.img"), &pages).unwrap();
+    fs::write(dump.join("core-1.img"), b"core").unwrap();
+    fs::set_permissions(dump.join("core-1.img"), fs::Permissions::from_mode(0o640)).unwrap();
+    sb.store
+        .commit_turn(&TurnInput {
+            container: "c1",
+            turn: 1,
+            rootfs: None,
+            changed: &[],
+            criu_images: Some(&dump),
+        })
+        .unwrap();
+    let out = sb._tmp.path().join("restored");
+    assert_eq!(sb.store.restore_images("c1", 1, &out).unwrap(), Some(1));
+    assert_same_dir(&out, &dump);
+    let (_, report) = sb
+        .store
+        .restore_images_report("c1", 1, &sb._tmp.path().join("restored-again"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(report.chunks, 3001);
+    assert!(
+        report.chunks_read < report.chunks,
+        "repeated zero pages are read once per worker: {report:?}"
+    );
+
+    let unique = page * 2048; // in the second job of 1024 chunks
+    let zero = page * 7 * 200;
+    for (offset, len) in [(unique, page), (zero, page)] {
+        let digest = crab::checkpoint::Digest::of(&pages[offset..offset + len]);
+        let path = sb.store.blobs().path_of(&digest);
+        let good = fs::read(&path).unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+        let mut bad = good.clone();
+        bad[100] ^= 1;
+        fs::write(&path, &bad).unwrap();
+        let out = sb._tmp.path().join(format!("refused-{offset}"));
+        let err = sb.store.restore_images("c1", 1, &out).unwrap_err();
+        assert!(
+            matches!(err, CheckpointError::CorruptBlob { .. }) && err.to_string().contains(&digest.to_hex()),
+            "{err}"
+        );
+        assert!(!out.exists(), "no image directory from a corrupt checkpoint");
+        let partial = sb._tmp.path().join(format!("refused-{offset}.partial"));
+        assert!(!partial.exists(), "the partial directory is removed");
+        fs::write(&path, &good).unwrap();
+    }
+}
+
 struct Victim(Child);
 
 impl Drop for Victim {

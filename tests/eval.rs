@@ -133,6 +133,108 @@ fn aggregates_the_synthetic_matrix() {
     }
 }
 
+/// One trace under kill-shim whose verdicts name normalised and differing
+/// turns, as `crabctl replay --json-out` writes them.
+const ORACLE_REPORT: &str = r#"[{"trace": "t", "file": "t.jsonl", "image": "terminal", "runtime": "io.containerd.crab.v2",
+  "turns": 4, "fault": "kill-shim", "fault_turn": 1, "think_scale": 0.05,
+  "reference": {"runs": 2, "run_time_s": 8.0, "nondeterministic_turns": [4], "normalised_turns": [2],
+                "turns_with_wall_clock": [2, 3], "final_state": null},
+  "runs": [
+    {"policy": "crab", "recovered_correctly": true, "checkpoints": 4, "checkpoint_failures": 0,
+     "checkpoint_bytes": 10, "run_time_s": 4.0, "agent_delay": {"total_s": 0, "mean_s": 0, "median_s": 0, "max_s": 0},
+     "turns": [],
+     "fault": {"kind": "kill-shim", "turn": 1, "verdict": {"turns_compared": [2, 3], "turns_excluded": [4],
+       "turns_normalised_wall_clock": [2], "turns_normalised_stderr_order": [3], "rc_mismatches": [],
+       "output_mismatches": [], "output_differences": []}}},
+    {"policy": "chat-only", "recovered_correctly": false, "checkpoints": 0, "checkpoint_failures": 0,
+     "checkpoint_bytes": 0, "run_time_s": 4.0, "agent_delay": {"total_s": 0, "mean_s": 0, "median_s": 0, "max_s": 0},
+     "turns": [],
+     "fault": {"kind": "kill-shim", "turn": 1, "verdict": {"turns_compared": [2, 3], "turns_excluded": [4],
+       "turns_normalised_wall_clock": [2], "turns_normalised_stderr_order": [], "rc_mismatches": [3],
+       "output_mismatches": [3], "output_differences": [{"turn": 3, "stream": "stdout", "line": 1,
+       "expected": "hello", "got": ""}]}}}
+  ]}]
+"#;
+
+#[test]
+fn reports_what_the_oracle_compared_normalised_and_found() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("raw/oracle")).unwrap();
+    std::fs::write(dir.path().join("raw/oracle/t.json"), ORACLE_REPORT).unwrap();
+    std::fs::create_dir_all(dir.path().join("meta")).unwrap();
+    std::fs::write(dir.path().join("meta/oracle.json"), r#"{"reference spacing (s)": "61"}"#).unwrap();
+    let output = run_report(dir.path());
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
+    let crab = &summary["oracle"]["policies"]["crab"];
+    assert_eq!(
+        (&crab["turns_compared"], &crab["turns_excluded"], &crab["normalised_wall_clock"], &crab["normalised_stderr_order"]),
+        (&Value::from(2), &Value::from(1), &Value::from(1), &Value::from(1))
+    );
+    assert_eq!(summary["oracle"]["traces"]["t"]["normalised_turns"], serde_json::json!([2]));
+    // Only incorrect runs list where their output differed.
+    let differences = summary["oracle"]["output_differences"].as_array().unwrap();
+    assert_eq!(differences.len(), 1);
+    assert_eq!((&differences[0]["policy"], &differences[0]["turn"]), (&Value::from("chat-only"), &Value::from(3)));
+
+    let report = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    assert!(report.contains("| crab | 1 | 2 | 1 | 1 | 1 | 0 | 0 |"), "{report}");
+    assert!(report.contains("| chat-only | 1 | 2 | 1 | 1 | 0 | 1 | 1 |"), "{report}");
+    assert!(report.contains("| t | 4 | 4 | 2, 3 | 2 |"), "{report}");
+    assert!(report.contains("at least 61 s apart"), "{report}");
+    assert!(
+        report.contains("- chat-only / kill-shim / `t` turn 3 stdout line 1: expected `hello`, got ``"),
+        "{report}"
+    );
+}
+
+#[test]
+fn a_rerun_batch_replaces_the_reports_it_reran_and_only_those() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |path: &str, text: &str| {
+        let path = dir.path().join(path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    };
+    // The first batch judged crab incorrect under kill-shim; its rerun of
+    // kill-shim judged it correct. The first batch's node-loss report stays.
+    let incorrect = ORACLE_REPORT.replace(r#""recovered_correctly": true"#, r#""recovered_correctly": false"#);
+    let node_loss = ORACLE_REPORT.replace("kill-shim", "node-loss");
+    write("raw/first/t.json", &format!("[{}, {}]", strip_list(&incorrect), strip_list(&node_loss)));
+    write("raw/rerun/t.json", ORACLE_REPORT);
+    write("meta/first.json", r#"{"faults": "kill-shim,node-loss"}"#);
+    write("meta/rerun.json", r#"{"faults": "kill-shim", "replaces": "first"}"#);
+    let output = run_report(dir.path());
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["reports"], 2);
+    assert_eq!(summary["correctness"]["crab"]["kill-shim"]["correct"], 1);
+    assert_eq!(summary["correctness"]["crab"]["kill-shim"]["faulted"], 1);
+    assert_eq!(summary["correctness"]["crab"]["node-loss"]["faulted"], 1);
+    assert_eq!(
+        summary["replaced_reports"],
+        serde_json::json!([{"batch": "first", "trace": "t", "fault": "kill-shim", "by": "rerun"}])
+    );
+    let report = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    assert!(report.contains("1 kill-shim report(s) of batch `first` replaced by batch `rerun`"), "{report}");
+
+    // Replacing a batch that does not exist is a mistake worth stopping for.
+    write("meta/rerun.json", r#"{"faults": "kill-shim", "replaces": "frist"}"#);
+    let output = run_report(dir.path());
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("replaces batch frist"), "{stderr}");
+}
+
+/// The one report inside a JSON list.
+fn strip_list(list: &str) -> &str {
+    let list = list.trim();
+    &list[1..list.len() - 1]
+}
+
 #[test]
 fn missing_raw_results_are_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();

@@ -11,8 +11,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crab::inspector::{
-    ClassifyOptions, Effect, EffectKind, EffectPath, Inspector, InspectorConfig, Reason, SockAddr,
-    TurnClass, WatchedContainer, cgroup_id_of_dir, cgroup2_mount, classify,
+    AsyncIoCall, ClassifyOptions, Effect, EffectKind, EffectPath, Inspector, InspectorConfig,
+    Reason, SockAddr, TurnClass, WatchedContainer, cgroup_id_of_dir, cgroup2_mount, classify,
 };
 
 const PYTHON: &str = "/usr/bin/python3";
@@ -831,16 +831,102 @@ fn malloc_trimmed_rss_kib() -> u64 {
     rss_kib()
 }
 
-struct Samples {
-    without: Vec<Duration>,
-    loaded: Vec<Duration>,
-    watching: Vec<Duration>,
-    records: usize,
-    lost: u64,
+/// Wall-clock and CPU (user + system) time of one run. The BPF programs run
+/// inside the workload's syscalls, so their cost is its system time: CPU
+/// time shows it even when other load makes wall-clock time noisy.
+#[derive(Debug, Clone, Copy)]
+struct Timing {
+    wall: Duration,
+    cpu: Duration,
 }
 
-/// Alternates runs without the inspector, with it loaded but watching another
-/// cgroup, and with it watching, so drift on the machine hits all three alike.
+/// CPU time of the waited-for children of this process so far.
+fn children_cpu() -> Duration {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage fills the struct we own.
+    let usage = unsafe {
+        assert_eq!(
+            libc::getrusage(libc::RUSAGE_CHILDREN, usage.as_mut_ptr()),
+            0
+        );
+        usage.assume_init()
+    };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(usage.ru_utime) + tv(usage.ru_stime)
+}
+
+struct Samples {
+    without: Vec<Timing>,
+    loaded: Vec<Timing>,
+    watching: Vec<Timing>,
+    records: usize,
+    lost: u64,
+    /// Inspector::start (load and attach) and drop (detach) times.
+    starts: Vec<Duration>,
+    stops: Vec<Duration>,
+}
+
+#[derive(Clone, Copy)]
+enum Variant {
+    Without,
+    Loaded,
+    Watching,
+}
+
+const BENCH_CONTAINER: &str = "bench";
+
+/// The inspector state a variant runs under, changed only when needed.
+#[derive(Default)]
+struct BenchState {
+    inspector: Option<Inspector>,
+    watching: bool,
+}
+
+impl BenchState {
+    async fn enter(&mut self, variant: Variant, cgroup: &TestCgroup, samples: &mut Samples) {
+        if matches!(variant, Variant::Without) {
+            if let Some(inspector) = self.inspector.take() {
+                self.take_turn(&inspector, samples).await;
+                let start = Instant::now();
+                drop(inspector);
+                samples.stops.push(start.elapsed());
+                self.watching = false;
+            }
+            return;
+        }
+        if self.inspector.is_none() {
+            let start = Instant::now();
+            self.inspector = Some(Inspector::start(InspectorConfig::default()).await.unwrap());
+            samples.starts.push(start.elapsed());
+        }
+        let inspector = self.inspector.as_ref().unwrap();
+        let want_watching = matches!(variant, Variant::Watching);
+        if want_watching && !self.watching {
+            let container = WatchedContainer {
+                id: BENCH_CONTAINER.into(),
+                root_pid: None,
+                rootfs: None,
+            };
+            inspector.watch(cgroup.id, container).unwrap();
+        } else if !want_watching && self.watching {
+            self.take_turn(inspector, samples).await;
+            inspector.unwatch(BENCH_CONTAINER).await.unwrap();
+        }
+        self.watching = want_watching;
+    }
+
+    async fn take_turn(&self, inspector: &Inspector, samples: &mut Samples) {
+        if self.watching {
+            let turn = inspector.drain(BENCH_CONTAINER, u64::MAX).await.unwrap();
+            samples.records += turn.effects.len();
+            samples.lost += turn.lost_events;
+        }
+    }
+}
+
+/// Runs without the inspector, with it loaded but watching another cgroup,
+/// and with it watching, in an order that rotates each round: drift on the
+/// machine and caches warmed by the previous run favour no variant.
 async fn compare(cgroup: &TestCgroup, script: &str, rounds: usize) -> Samples {
     let mut samples = Samples {
         without: vec![],
@@ -848,66 +934,78 @@ async fn compare(cgroup: &TestCgroup, script: &str, rounds: usize) -> Samples {
         watching: vec![],
         records: 0,
         lost: 0,
+        starts: vec![],
+        stops: vec![],
     };
-    let timed = |samples: &mut Vec<Duration>| {
-        let start = Instant::now();
-        cgroup.run("/bin/sh", &["-c", script]);
-        samples.push(start.elapsed());
-    };
-    for _ in 0..rounds {
-        timed(&mut samples.without);
-        let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
-        timed(&mut samples.loaded);
-        inspector
-            .watch(
-                cgroup.id,
-                WatchedContainer {
-                    id: "bench".into(),
-                    root_pid: None,
-                    rootfs: None,
-                },
-            )
-            .unwrap();
-        timed(&mut samples.watching);
-        let turn = inspector.drain("bench", u64::MAX).await.unwrap();
-        samples.records += turn.effects.len();
-        samples.lost += turn.lost_events;
+    let mut state = BenchState::default();
+    let order = [Variant::Without, Variant::Loaded, Variant::Watching];
+    for round in 0..rounds {
+        for i in 0..order.len() {
+            let variant = order[(round + i) % order.len()];
+            state.enter(variant, cgroup, &mut samples).await;
+            let (start, cpu_start) = (Instant::now(), children_cpu());
+            cgroup.run("/bin/sh", &["-c", script]);
+            let elapsed = Timing {
+                wall: start.elapsed(),
+                cpu: children_cpu() - cpu_start,
+            };
+            match variant {
+                Variant::Without => samples.without.push(elapsed),
+                Variant::Loaded => samples.loaded.push(elapsed),
+                Variant::Watching => samples.watching.push(elapsed),
+            }
+        }
     }
+    state.enter(Variant::Without, cgroup, &mut samples).await;
     samples
 }
 
 fn report(title: &str, samples: &Samples) {
-    let watching_total: Duration = samples.watching.iter().sum();
-    let (without, loaded, watching) = (
-        median(samples.without.clone()),
-        median(samples.loaded.clone()),
-        median(samples.watching.clone()),
-    );
-    let ratio = |d: Duration| d.as_secs_f64() / without.as_secs_f64();
+    let watching_total: Duration = samples.watching.iter().map(|t| t.wall).sum();
+    let medians = |timings: &[Timing]| {
+        (
+            median(timings.iter().map(|t| t.wall).collect()),
+            median(timings.iter().map(|t| t.cpu).collect()),
+        )
+    };
+    let without = medians(&samples.without);
     println!("{title} (median of {})", samples.without.len());
-    println!("  no inspector          {:>8.3} s", without.as_secs_f64());
     println!(
-        "  loaded, not watching  {:>8.3} s  ratio {:.3}",
-        loaded.as_secs_f64(),
-        ratio(loaded)
+        "  no inspector          {:>8.3} s wall {:>8.3} s cpu",
+        without.0.as_secs_f64(),
+        without.1.as_secs_f64()
     );
-    println!(
-        "  watching              {:>8.3} s  ratio {:.3}",
-        watching.as_secs_f64(),
-        ratio(watching)
-    );
+    for (name, timings) in [
+        ("loaded, not watching", &samples.loaded),
+        ("watching", &samples.watching),
+    ] {
+        let (wall, cpu) = medians(timings);
+        println!(
+            "  {name:<21} {:>8.3} s wall {:>8.3} s cpu  ratio {:.3} wall {:.3} cpu",
+            wall.as_secs_f64(),
+            cpu.as_secs_f64(),
+            wall.as_secs_f64() / without.0.as_secs_f64(),
+            cpu.as_secs_f64() / without.1.as_secs_f64()
+        );
+    }
     println!(
         "  records while watching: {} ({:.0}/s), lost {}",
         samples.records,
         samples.records as f64 / watching_total.as_secs_f64(),
         samples.lost
     );
+    println!(
+        "  inspector start (load + attach) {:.0} ms, stop (detach) {:.0} ms (medians)",
+        median(samples.starts.clone()).as_secs_f64() * 1e3,
+        median(samples.stops.clone()).as_secs_f64() * 1e3
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "benchmark: cargo test --release --test inspector -- --ignored --nocapture"]
 async fn inspector_overhead_benchmark() {
-    const ROUNDS: usize = 5;
+    // A multiple of 3: each variant runs in each position of the rotation alike.
+    const ROUNDS: usize = 6;
     const FILES: usize = 20_000;
     const WRITES: usize = 200_000;
     let repo = bench_repo();
@@ -1403,4 +1501,182 @@ async fn metadata_calls_on_descriptors_name_the_file() {
             "`{code}`: {effects:#?}"
         );
     }
+}
+
+/// Keeps an inspector loaded for `CRAB_HOLD_SECS` seconds, watching the
+/// cgroup v2 directory `CRAB_HOLD_CGROUP` when set: for measuring other
+/// programs against it by hand.
+#[tokio::test]
+#[ignore = "manual: CRAB_HOLD_SECS=30 cargo test --release --test inspector -- --ignored hold_inspector"]
+async fn hold_inspector() {
+    let secs: u64 = std::env::var("CRAB_HOLD_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30);
+    let start = Instant::now();
+    let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
+    println!("loaded and attached in {:?}", start.elapsed());
+    if let Ok(dir) = std::env::var("CRAB_HOLD_CGROUP") {
+        let container = WatchedContainer {
+            id: "held".into(),
+            root_pid: None,
+            rootfs: None,
+        };
+        inspector
+            .watch(cgroup_id_of_dir(Path::new(&dir)).unwrap(), container)
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    let start = Instant::now();
+    drop(inspector);
+    println!("detached in {:?}", start.elapsed());
+}
+
+/// The helper that writes files through io_uring and AIO (see its header).
+const ASYNC_IO_HELPER_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/bpf/testdata");
+
+/// The asynchronous I/O calls of `pid` in `effects`, as (call, polling ring).
+fn async_io_of(effects: &[Effect], pid: u32) -> Vec<(AsyncIoCall, bool)> {
+    effects
+        .iter()
+        .filter(|e| e.pid == pid)
+        .filter_map(|e| match e.kind {
+            EffectKind::AsyncIo { call, polling_ring } => Some((call, polling_ring)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// An interpreter with the asynchronous I/O helper imported.
+fn async_io_interpreter(cgroup: &TestCgroup) -> Interpreter {
+    let mut interpreter = Interpreter::start(cgroup);
+    interpreter.run(&format!(
+        "sys.path.insert(0, '{ASYNC_IO_HELPER_DIR}'); import async_io"
+    ));
+    interpreter
+}
+
+/// What classify says of a turn whose file changes only the kernel saw.
+fn assert_escalated_naming(effects: &[Effect], call: &str) {
+    let verdict = classify(effects, &ClassifyOptions::default());
+    assert_eq!(
+        (verdict.class, verdict.escalated),
+        (TurnClass::Fs, true),
+        "{verdict:#?}"
+    );
+    assert!(
+        verdict
+            .reasons
+            .iter()
+            .any(|r| matches!(r, Reason::AsyncIo { call: c, .. } if *c == call)),
+        "no reason names {call}: {verdict:#?}"
+    );
+}
+
+#[tokio::test]
+async fn io_uring_and_aio_escalate_the_turns_they_write_in() {
+    let cgroup = TestCgroup::new("async-io");
+    let scratch = Scratch::new("async-io");
+    let inspector = watching("async-io", &cgroup).await;
+    let mut daemon = async_io_interpreter(&cgroup);
+    turn(&inspector, "async-io").await;
+
+    // io_uring opens and writes the file itself: no open or write syscall.
+    let ring_file = scratch.path("ring.txt");
+    daemon.run(&format!(
+        "async_io.Ring().write_file('{}', 'through the ring')",
+        ring_file.display()
+    ));
+    let ring_turn = turn(&inspector, "async-io").await;
+    assert_eq!(
+        std::fs::read_to_string(&ring_file).unwrap(),
+        "through the ring"
+    );
+    assert!(
+        file_changes_under(&ring_turn, &scratch.0).is_empty(),
+        "the ring's own open and write are invisible: {ring_turn:#?}"
+    );
+    assert_eq!(
+        async_io_of(&ring_turn, daemon.pid()),
+        vec![
+            (AsyncIoCall::IoUringSetup, false),
+            (AsyncIoCall::IoUringEnter, false)
+        ]
+    );
+    assert_escalated_naming(&ring_turn, "io_uring_enter");
+
+    // AIO through a descriptor of an earlier turn: io_submit is the only sign.
+    let aio_file = scratch.path("aio.txt");
+    daemon.run(&format!(
+        "fd = os.open('{}', os.O_WRONLY | os.O_CREAT, 0o644)",
+        aio_file.display()
+    ));
+    turn(&inspector, "async-io").await;
+    daemon.run("async_io.aio_write(fd, 'through aio')");
+    let aio_turn = turn(&inspector, "async-io").await;
+    assert_eq!(std::fs::read_to_string(&aio_file).unwrap(), "through aio");
+    assert!(
+        file_changes_under(&aio_turn, &scratch.0).is_empty(),
+        "{aio_turn:#?}"
+    );
+    assert_eq!(
+        async_io_of(&aio_turn, daemon.pid()),
+        vec![(AsyncIoCall::IoSubmit, false)]
+    );
+    assert_escalated_naming(&aio_turn, "io_submit");
+
+    // Nothing asynchronous any more: the process's turns are clean again.
+    daemon.run("x = sum(range(1000))");
+    let quiet = turn(&inspector, "async-io").await;
+    assert!(async_io_of(&quiet, daemon.pid()).is_empty(), "{quiet:#?}");
+}
+
+#[tokio::test]
+async fn a_polling_ring_escalates_every_turn_its_process_runs_in() {
+    let cgroup = TestCgroup::new("sqpoll");
+    let scratch = Scratch::new("sqpoll");
+    let inspector = watching("sqpoll", &cgroup).await;
+    let mut daemon = async_io_interpreter(&cgroup);
+    turn(&inspector, "sqpoll").await;
+
+    // The ring's kernel thread polls for 10 s after each request (the first
+    // may need a wake-up syscall when the thread went to sleep before it).
+    daemon.run("ring = async_io.Ring(async_io.IORING_SETUP_SQPOLL, 10_000); ring.nop()");
+    let setup = turn(&inspector, "sqpoll").await;
+    assert_eq!(
+        async_io_of(&setup, daemon.pid()).first(),
+        Some(&(AsyncIoCall::IoUringSetup, true)),
+        "{setup:#?}"
+    );
+
+    // Polling, it takes the next requests from memory: no syscall at all,
+    // and still the turn is not clean.
+    let file = scratch.path("polled.txt");
+    daemon.run(&format!(
+        "ring.write_file('{}', 'no syscall')",
+        file.display()
+    ));
+    let polled = turn(&inspector, "sqpoll").await;
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "no syscall");
+    let calls = async_io_of(&polled, daemon.pid());
+    assert!(
+        calls.contains(&(AsyncIoCall::EarlierPollingRing, true)),
+        "{polled:#?}"
+    );
+    assert!(
+        !calls.contains(&(AsyncIoCall::IoUringEnter, false)),
+        "the request needed no syscall: {polled:#?}"
+    );
+    assert_escalated_naming(&polled, "io_uring (polling ring of an earlier turn)");
+
+    // Gone with its process.
+    drop(daemon);
+    turn(&inspector, "sqpoll").await;
+    let after = turn(&inspector, "sqpoll").await;
+    assert!(
+        !after
+            .iter()
+            .any(|e| matches!(e.kind, EffectKind::AsyncIo { .. })),
+        "{after:#?}"
+    );
 }

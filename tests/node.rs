@@ -487,6 +487,20 @@ async fn acquire_draws_chunks_supersedes_cancels_and_a_missing_crabd_does_not_bl
     let s = status(&crabd.socket).bucket.sandboxes.into_iter().find(|s| s.sandbox == "s").unwrap();
     assert_eq!((s.superseded, s.superseded_bytes, s.waiting), (1, MIB, 1), "{s:?}");
 
+    // A newer process capture reported on the control connection supersedes
+    // a waiting draw of an earlier turn of that sandbox.
+    let mut draw = hello(&crabd.socket).unwrap();
+    let old_draw = Request::Acquire { sandbox: "p".into(), bytes: MIB, kind: CommitKind::Proc, turn: 7, supersedable: true };
+    draw.write_all(&frame(&old_draw)).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    CommitGate::process_captured(&client, "p", 8).await;
+    match read_reply(&mut draw) {
+        Some(Reply::Superseded { by_turn: 8, .. }) => {}
+        other => panic!("the draw of turn 7 got {other:?}"),
+    }
+    // The client draws in the chunk its crabd names (the burst caps it here).
+    assert_eq!(CommitGate::chunk_bytes(&client), MIB);
+
     // An explicit cancel while waiting.
     let mut stream = hello(&crabd.socket).unwrap();
     let acquire = Request::Acquire { sandbox: "c".into(), bytes: MIB, kind: CommitKind::Proc, turn: 1, supersedable: false };
@@ -518,7 +532,7 @@ async fn acquire_draws_chunks_supersedes_cancels_and_a_missing_crabd_does_not_bl
     std::thread::sleep(Duration::from_millis(100));
     let after = status(&crabd.socket);
     assert_eq!(after.bucket.sandboxes.iter().map(|s| s.waiting).sum::<u64>(), 0, "{after:?}");
-    assert_eq!(after.bucket.superseded, 1);
+    assert_eq!(after.bucket.superseded, 2);
     assert!(after.bucket.max_lag_ms >= dump_took * 1e3 - 100.0, "node max lag {} ms", after.bucket.max_lag_ms);
 
     // Eviction marks show in the status.
@@ -531,7 +545,8 @@ async fn acquire_draws_chunks_supersedes_cancels_and_a_missing_crabd_does_not_bl
     // With crabd gone, a commit goes ahead at once instead of waiting.
     drop(crabd);
     let started = Instant::now();
-    CommitGate::acquire(&client, "a", 10 * MIB, CommitKind::Fs, 3).await;
+    let acquired = CommitGate::acquire(&client, "a", 10 * MIB, CommitKind::Fs, 3, false).await;
+    assert!(matches!(acquired, crab::node::Acquired::Granted { .. }), "{acquired:?}");
     assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
 }
 

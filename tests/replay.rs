@@ -57,6 +57,7 @@ fn options(traces: Vec<PathBuf>, runtime: &str) -> ReplayOptions {
         think_scale: 0.0,
         runtime: runtime.to_string(),
         ref_runs: 2,
+        ref_spacing: std::time::Duration::ZERO,
         ctr: Ctr::from_env(),
         daemons: Daemons {
             containerd_start: Some(format!("bash {}/scripts/containerd start", env!("CARGO_MANIFEST_DIR"))),

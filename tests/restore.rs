@@ -22,6 +22,8 @@ struct Sandbox {
     id: String,
     execs: u32,
     extra: Vec<String>,
+    /// The checkpoint store its shim writes to.
+    state: std::path::PathBuf,
 }
 
 impl Sandbox {
@@ -31,6 +33,11 @@ impl Sandbox {
 
     /// Starts with extra `ctr run` flags (annotations).
     async fn start_with(name: &str, flags: &[&str]) -> Sandbox {
+        Self::start_in(name, flags, state_dir()).await
+    }
+
+    /// Starts with extra `ctr run` flags whose crab config puts the store at `state`.
+    async fn start_in(name: &str, flags: &[&str], state: std::path::PathBuf) -> Sandbox {
         let id = format!("{name}-{}", std::process::id());
         let ctr = Ctr::from_env();
         let mut args = vec!["run", "-d", "--runtime", "io.containerd.crab.v2"];
@@ -39,7 +46,7 @@ impl Sandbox {
         ctr.run(&args)
             .await
             .unwrap_or_else(|e| panic!("starting {id} (is the private containerd up with the busybox image?): {e}"));
-        Sandbox { ctr, id, execs: 0, extra: Vec::new() }
+        Sandbox { ctr, id, execs: 0, extra: Vec::new(), state }
     }
 
     /// Runs one turn; returns its stdout.
@@ -70,7 +77,7 @@ impl Sandbox {
 
     /// Waits until the shim recorded `n` turns and returns them.
     async fn turns(&self, n: usize) -> Vec<TurnRecord> {
-        let ctl = Ctl::open(&state_dir(), self.ctr.clone()).unwrap();
+        let ctl = self.ctl();
         for _ in 0..400 {
             let turns = ctl.turns(&self.id).unwrap();
             if turns.len() >= n {
@@ -94,7 +101,7 @@ impl Sandbox {
     }
 
     fn ctl(&self) -> Ctl {
-        Ctl::open(&state_dir(), self.ctr.clone()).unwrap()
+        Ctl::open(&self.state, self.ctr.clone()).unwrap()
     }
 }
 
@@ -102,6 +109,7 @@ impl Drop for Sandbox {
     fn drop(&mut self) {
         let ctr = self.ctr.clone();
         let ids: Vec<String> = std::iter::once(self.id.clone()).chain(self.extra.drain(..)).collect();
+        let state = self.state.clone();
         let cleanup = std::thread::spawn(move || {
             let rt = tokio::runtime::Runtime::new().unwrap();
             rt.block_on(async {
@@ -117,9 +125,9 @@ impl Drop for Sandbox {
                         tokio::time::sleep(Duration::from_millis(50)).await;
                     }
                     let _ = ctr.run(&["containers", "delete", id]).await;
-                    let _ = crab::checkpoint::CheckpointStore::open(state_dir()).and_then(|s| s.remove_container(id));
-                    let _ = crab::turns::TurnLog::open(&state_dir(), id).map(|l| l.reset());
-                    let _ = crab::checkpoint::remove_full_checkpoints(&state_dir(), id);
+                    let _ = crab::checkpoint::CheckpointStore::open(&state).and_then(|s| s.remove_container(id));
+                    let _ = crab::turns::TurnLog::open(&state, id).map(|l| l.reset());
+                    let _ = crab::checkpoint::remove_full_checkpoints(&state, id);
                 }
             });
         });
@@ -286,4 +294,36 @@ async fn every_turn_writes_the_whole_checkpoint_again_without_dedup() {
     assert_eq!(String::from_utf8_lossy(&copied.stdout), in_container, "the rootfs diff holds the file");
     // Nothing went through the deduplicating store.
     assert_eq!(sb.ctl().store.head(&sb.id).unwrap(), None);
+}
+
+/// A sandbox run with its own crab config (`--runtime-config-path`) keeps it when crabctl
+/// recreates it: the restored shim must read the same store, not the default one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recover_keeps_the_sandboxs_own_config_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let config = dir.path().join("crab.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[checkpoint]\nstate_dir = \"{}\"\n[node]\nsocket = \"{}\"\nspawn = false\n",
+            state.display(),
+            dir.path().join("no-crabd.sock").display()
+        ),
+    )
+    .unwrap();
+    let mut sb = Sandbox::start_in("rs-cfg", &["--runtime-config-path", config.to_str().unwrap()], state.clone()).await;
+    sb.turn("mkdir -p /data && echo kept > /data/k").await;
+    let turns = sb.settled().await;
+    assert_eq!(turns[0].class, RecordedClass::Fs, "{turns:?}");
+    assert!(sb.ctl().store.head(&sb.id).unwrap().is_some(), "the checkpoint is in the sandbox's own store");
+
+    sb.kill_processes().await;
+    let report = sb.ctl().recover(&sb.id, None).await.unwrap();
+    assert_eq!(report.checkpoint_turn, Some(1));
+    assert_eq!(sb.exec_in(&sb.id.clone(), "cat /data/k").await, "kept\n");
+    // The recreated sandbox goes on checkpointing into the same store.
+    sb.turn("echo more > /data/m").await;
+    let turns = sb.settled().await;
+    assert_eq!(turns.last().unwrap().checkpoint_turn, Some(turns.last().unwrap().turn), "{turns:?}");
 }

@@ -26,6 +26,11 @@ pub enum Request {
     CloseStdin { exec_id: String },
     /// Send the session's descriptors and a pidfd again.
     Attach { exec_id: String },
+    /// The shim has read the session's host pid from the pidfd of a spawn or
+    /// attach reply. Until then the spawner leaves the process unreaped when
+    /// it exits: a reaped pid reads as -1 through a pidfd, so an exec that
+    /// exits at once would have no pid for the shim.
+    Release { exec_id: String },
     /// The sessions alive (or exited and not yet reported).
     List,
     /// The spawner replies, then closes this connection (before a dump).
@@ -108,7 +113,7 @@ pub enum Message {
     Session { session: SessionInfo, fds: Vec<FdRole> },
     /// Reply to list.
     Sessions { sessions: Vec<SessionInfo> },
-    /// Reply to close-stdin and detach.
+    /// Reply to close-stdin, release and detach.
     Done,
     /// Reply to a request that failed; `message` says why.
     Error { message: String },
@@ -240,7 +245,9 @@ mod tests {
             stderr: false,
         });
         assert_eq!(roundtrip(&spawn), spawn);
-        for request in [Request::List, Request::Detach, Request::Attach { exec_id: "x".into() }] {
+        for request in
+            [Request::List, Request::Detach, Request::Attach { exec_id: "x".into() }, Request::Release { exec_id: "x".into() }]
+        {
             assert_eq!(roundtrip(&request), request);
         }
         let session = Message::Session {

@@ -21,6 +21,9 @@ pub struct Session {
     console: Option<OwnedFd>,
     /// Raw wait status once reaped.
     pub exit: Option<i32>,
+    /// A pidfd of the process went to the shim, which has not yet released
+    /// it: the process must stay reapable-but-unreaped until then.
+    pub held: bool,
 }
 
 impl Session {
@@ -236,6 +239,7 @@ pub fn spawn(req: &SpawnRequest) -> Result<Session, String> {
         stderr,
         console,
         exit: None,
+        held: false,
     })
 }
 

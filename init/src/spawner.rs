@@ -31,7 +31,8 @@ pub fn listen(path: &str) -> std::io::Result<OwnedFd> {
     let c_path = CString::new(path).map_err(std::io::Error::other)?;
     // SAFETY: plain socket calls with checked results; the address is built in place.
     unsafe {
-        let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        // Non-blocking: a backlog is drained until empty (see `drain_backlog`).
+        let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0);
         if fd < 0 {
             return Err(os_error());
         }
@@ -129,11 +130,12 @@ impl Spawner {
         self.flush_exits();
     }
 
-    fn accept(&mut self) {
+    /// Takes one pending connection; false once the backlog is empty.
+    fn accept(&mut self) -> bool {
         // SAFETY: accept4 on our listener; the result is owned at once.
         let fd = unsafe { libc::accept4(self.listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC) };
         if fd < 0 {
-            return;
+            return false;
         }
         let socket = unsafe { OwnedFd::from_raw_fd(fd) };
         set_send_timeout(&socket);
@@ -150,17 +152,30 @@ impl Spawner {
         };
         if let Err(message) = authorized {
             let _ = send(&socket, &Message::Error { message }, &[]);
-            return;
+            return true;
         }
-        // A newer shim (after a restart or a restore) takes over.
-        self.client = Some(Client { socket, inbox: Vec::new() });
         let pidfd = pidfd_open(unsafe { libc::getpid() });
         let (roles, fds): (Vec<FdRole>, Vec<BorrowedFd>) = match &pidfd {
             Some(fd) => (vec![FdRole::Pidfd], vec![fd.as_fd()]),
             None => (Vec::new(), Vec::new()),
         };
         let hello = Message::Hello { pid: unsafe { libc::getpid() }, fds: roles };
-        self.reply(&hello, &fds);
+        // A shim that gave up waiting (this spawner was frozen or slow) has
+        // closed its end: such a connection must not replace a live one.
+        if send(&socket, &hello, &fds).is_ok() {
+            // A newer shim (after a restart or a restore) takes over.
+            self.drop_client();
+            self.client = Some(Client { socket, inbox: Vec::new() });
+        }
+        true
+    }
+
+    /// Closes connections the shim abandoned in the backlog: CRIU cannot dump
+    /// a listening socket with a closed connection in flight.
+    fn drain_backlog(&mut self) {
+        while self.client.is_none() && self.accept() {}
+        // A live connection that came meanwhile is the shim's again: nothing
+        // dumps while the shim is connected, as it detaches first.
     }
 
     fn read_client(&mut self) {
@@ -169,7 +184,7 @@ impl Spawner {
         // SAFETY: reading into our buffer; poll said the socket is readable.
         let n = unsafe { libc::read(client.socket.as_raw_fd(), chunk.as_mut_ptr().cast(), chunk.len()) };
         if n <= 0 {
-            self.client = None;
+            self.drop_client();
             return;
         }
         client.inbox.extend_from_slice(&chunk[..n as usize]);
@@ -181,7 +196,7 @@ impl Spawner {
                 Err(e) => {
                     // The stream has lost its framing: nothing after this can be trusted.
                     self.reply(&Message::Error { message: e.to_string() }, &[]);
-                    self.client = None;
+                    self.drop_client();
                     return;
                 }
             };
@@ -213,6 +228,14 @@ impl Spawner {
                 Some(_) => self.reply(&Message::Error { message: format!("exec {exec_id} has exited") }, &[]),
                 None => self.reply(&Message::Error { message: format!("no exec session {exec_id}") }, &[]),
             },
+            Request::Release { exec_id } => match self.find(&exec_id) {
+                Some(i) => {
+                    self.sessions[i].held = false;
+                    self.reap_sessions();
+                    self.reply(&Message::Done, &[]);
+                }
+                None => self.reply(&Message::Error { message: format!("no exec session {exec_id}") }, &[]),
+            },
             Request::CloseStdin { exec_id } => match self.find(&exec_id) {
                 Some(i) => {
                     self.sessions[i].close_stdin();
@@ -226,7 +249,8 @@ impl Spawner {
             }
             Request::Detach => {
                 self.reply(&Message::Done, &[]);
-                self.client = None;
+                self.drop_client();
+                self.drain_backlog();
             }
         }
     }
@@ -248,33 +272,47 @@ impl Spawner {
         let (roles, fds): (Vec<FdRole>, Vec<BorrowedFd>) = entries.into_iter().unzip();
         let message = Message::Session { session: session.info.clone(), fds: roles };
         let Some(client) = &self.client else { return };
-        if send(&client.socket, &message, &fds).is_err() {
-            self.client = None;
+        match send(&client.socket, &message, &fds) {
+            Ok(()) => self.sessions[index].held = true,
+            Err(_) => self.drop_client(),
         }
     }
 
     fn reply(&mut self, message: &Message, fds: &[BorrowedFd]) {
         let Some(client) = &self.client else { return };
         if send(&client.socket, message, fds).is_err() {
-            self.client = None;
+            self.drop_client();
         }
     }
 
     fn reap(&mut self) {
         while let Ok(Some(_)) = self.signals.read_signal() {}
-        loop {
+        self.reap_sessions();
+    }
+
+    /// Reaps each ended session the shim is not holding. Only sessions are
+    /// the spawner's children, so waiting pid by pid misses nothing, and a
+    /// held zombie cannot stand in the way of the others.
+    fn reap_sessions(&mut self) {
+        for session in self.sessions.iter_mut().filter(|s| s.exit.is_none() && !s.held) {
             let mut status = 0;
-            // SAFETY: non-blocking reap of any child.
-            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
-            if pid <= 0 {
-                return;
-            }
-            if let Some(session) = self.sessions.iter_mut().find(|s| s.info.pid == pid && s.exit.is_none()) {
+            // SAFETY: non-blocking wait for one child of ours.
+            if unsafe { libc::waitpid(session.info.pid, &mut status, libc::WNOHANG) } == session.info.pid {
                 session.exit = Some(status);
                 session.info.exited = true;
                 self.exited.push_back(session.info.exec_id.clone());
             }
         }
+    }
+
+    /// Forgets the shim's connection; what it held is released with it (a
+    /// new shim re-attaches and holds again).
+    fn drop_client(&mut self) {
+        self.client = None;
+        for session in &mut self.sessions {
+            session.held = false;
+        }
+        self.reap_sessions();
     }
 
     /// Reports exits to the connected shim; a reported session is forgotten
@@ -288,7 +326,7 @@ impl Spawner {
             };
             let wait_status = self.sessions[index].exit.unwrap_or(0);
             if send(&client.socket, &Message::Exit { exec_id, wait_status }, &[]).is_err() {
-                self.client = None;
+                self.drop_client();
                 return;
             }
             self.exited.pop_front();

@@ -1,6 +1,7 @@
 //! A sandbox on the crab runtime for turn-level tests: a container from any image whose execs are
 //! turns, the shim's record of each turn, and the host's own view of what a turn changed (files under
-//! the container's root, live processes in its cgroup) to hold those records against.
+//! the container's root, live processes in its cgroup and the CPU time each used) to hold those
+//! records against.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -275,8 +276,11 @@ impl Sandbox {
     }
 
     /// What the host sees of the sandbox now: every file under its root (outside kernel
-    /// interfaces, devices and ignored paths) and its live processes.
+    /// interfaces, devices and ignored paths), its live processes and their CPU times.
     pub fn observe(&self) -> Outcome<HostView> {
+        // CPU times first: right after a turn, before the shim's checkpoint of it (a CRIU dump
+        // runs code in every process) has had long to start.
+        let cpu = self.process_cpu_times()?;
         let root = PathBuf::from(format!("/proc/{}/root", self.init_pid));
         let mut files = BTreeMap::new();
         walk(&root, Path::new("/"), &self.ignored, &mut files)?;
@@ -286,12 +290,26 @@ impl Sandbox {
                 e,
             )
         })?;
-        let pids = procs
+        let pids: BTreeSet<u32> = procs
             .lines()
             .filter_map(|l| l.trim().parse().ok())
             .filter(|pid| host::process_running(*pid))
             .collect();
-        Ok(HostView { files, pids })
+        Ok(HostView { files, pids, cpu })
+    }
+
+    fn process_cpu_times(&self) -> Outcome<BTreeMap<u32, (u64, u64)>> {
+        let procs = std::fs::read_to_string(self.cgroup_dir.join("cgroup.procs")).map_err(|e| {
+            HarnessError::io(
+                format!("reading {}/cgroup.procs", self.cgroup_dir.display()),
+                e,
+            )
+        })?;
+        Ok(procs
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .filter_map(|pid| Some((pid, process_cpu(pid)?)))
+            .collect())
     }
 }
 
@@ -323,13 +341,51 @@ struct FileState {
     link_target: Option<PathBuf>,
 }
 
+/// A process's start time (clock ticks since boot, field 22 of `/proc/PID/stat`: a reused pid is
+/// another process) and the CPU time of all its threads, ended ones included (its CPU clock).
+fn process_cpu(pid: u32) -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let start = stat.rsplit_once(')')?.1.split_whitespace().nth(22 - 3)?.parse().ok()?;
+    let mut clock: libc::clockid_t = 0;
+    // SAFETY: both calls write one value into a local we own.
+    let cpu = unsafe {
+        if libc::clock_getcpuclockid(pid as libc::pid_t, &mut clock) != 0 {
+            return None;
+        }
+        let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        if libc::clock_gettime(clock, &mut now) != 0 {
+            return None;
+        }
+        now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+    };
+    Some((start, cpu))
+}
+
 /// The host's view of a sandbox at one moment.
 pub struct HostView {
     files: BTreeMap<PathBuf, FileState>,
     pids: BTreeSet<u32>,
+    /// pid -> (start, CPU ns).
+    cpu: BTreeMap<u32, (u64, u64)>,
 }
 
 impl HostView {
+    /// Processes of `before` still alive (the same process) that got CPU time since, as
+    /// `pid +N us`. Such a process may have changed its memory; but the shim's checkpoint of a turn
+    /// (a CRIU dump) also runs code in every process, so this is evidence of a run, not proof that
+    /// the workload ran.
+    pub fn processes_ran_since(&self, before: &HostView) -> Vec<String> {
+        before
+            .cpu
+            .iter()
+            .filter_map(|(pid, (start, old))| {
+                let (now_start, now) = self.cpu.get(pid)?;
+                (now_start == start && now > old)
+                    .then(|| format!("{pid} +{} us", (now - old) / 1000))
+            })
+            .collect()
+    }
+
     /// The class of what changed between `before` and `self`, and the first few changes.
     pub fn changes_since(&self, before: &HostView) -> (TurnClass, Vec<String>) {
         let mut changes = Vec::new();

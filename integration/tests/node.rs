@@ -13,8 +13,9 @@ use crab_integration::{Container, HarnessError, Outcome, Runtime, ensure, ensure
 /// The tests here share the node's crabd and one kills it: they run one at a time.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The program crabd's inspector attaches to every syscall entry.
-const MARKER_PROGRAM: &str = "on_sys_enter";
+/// A program of crabd's inspector (the `sched_process_exec` handler): its
+/// syscall programs have been reorganised, this one has kept its name.
+const MARKER_PROGRAM: &str = "on_exec";
 
 /// Ids of the loaded BPF programs named `name`, from `bpftool prog list`.
 fn program_ids(name: &str) -> Outcome<Vec<u64>> {
@@ -182,18 +183,24 @@ fn turn_records(id: &str) -> Vec<(u64, String, Option<u64>, Vec<String>)> {
 
 /// Bytes in the checkpoint store now (blobs, manifests, tmp files of commits
 /// under way): what checkpoints have written, measured on disk, not counted by
-/// crabd. (A shim's /proc/PID/io would also count its reaped children: the
-/// agent's own exec processes and CRIU.)
+/// crabd. Each file counts once by its inode: a blob renamed from tmp/ into
+/// blobs/ while the walk is between the two would otherwise count twice.
+/// (A shim's /proc/PID/io would also count its reaped children: the agent's
+/// own exec processes and CRIU.)
 fn store_bytes(dir: &Path) -> u64 {
-    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
-    entries
-        .flatten()
-        .map(|entry| match entry.file_type() {
-            Ok(kind) if kind.is_dir() => store_bytes(&entry.path()),
-            Ok(kind) if kind.is_file() => entry.metadata().map_or(0, |m| m.len()),
-            _ => 0,
-        })
-        .sum()
+    fn walk(dir: &Path, seen: &mut std::collections::HashSet<u64>) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+        entries
+            .flatten()
+            .map(|entry| match entry.file_type() {
+                Ok(kind) if kind.is_dir() => walk(&entry.path(), seen),
+                Ok(kind) if kind.is_file() => entry.metadata().map_or(0, |m| if seen.insert(m.ino()) { m.len() } else { 0 }),
+                _ => 0,
+            })
+            .sum()
+    }
+    walk(dir, &mut std::collections::HashSet::new())
 }
 
 /// The turn of a sandbox at step `turn`: every fourth leaves a process behind
@@ -331,6 +338,168 @@ async fn crabd_killed_mid_run_loses_no_turn_and_publishes_nothing_half_written()
             ensure!(granted >= 1, "no commit of {id} went through the new crabd: {after}");
         }
         drop(finished);
+        Ok::<(), HarnessError>(())
+    }
+    .await;
+    if let Err(e) = outcome {
+        panic!("{e}");
+    }
+}
+
+/// A crabd of the config's socket with a bucket of its own, started by a
+/// test in place of the running one; stopped (SIGTERM) when dropped, after
+/// which the shims start the configured one again on demand.
+struct TinyCrabd {
+    child: std::process::Child,
+}
+
+impl TinyCrabd {
+    async fn replace_running(rate_kib: u64, burst_kib: u64) -> Outcome<TinyCrabd> {
+        // No crabd may be running yet (none started since containerd came up).
+        let old = node_status().ok().and_then(|s| s["pid"].as_u64()).unwrap_or(0) as i32;
+        if old > 0 {
+            // SAFETY: kill(2) of the node's crabd, which this test replaces.
+            unsafe { libc::kill(old, libc::SIGTERM) };
+            wait_until("the old crabd to exit", Duration::from_secs(10), || async {
+                Ok((!Path::new(&format!("/proc/{old}")).exists()).then_some(()))
+            })
+            .await?;
+        }
+        let binary = crabctl().with_file_name("crabd");
+        let log = std::fs::File::create(std::env::temp_dir().join("crab-tiny-crabd.log"))
+            .map_err(|e| HarnessError::io("creating the tiny crabd's log", e))?;
+        // crabd reads the socket from CRAB_CONFIG, which this process shares with containerd.
+        let child = std::process::Command::new(&binary)
+            .args(["--rate-kib-per-s", &rate_kib.to_string(), "--burst-kib", &burst_kib.to_string()])
+            .stdout(log.try_clone().map_err(|e| HarnessError::io("log", e))?)
+            .stderr(log)
+            .spawn()
+            .map_err(|e| HarnessError::io(format!("starting {}", binary.display()), e))?;
+        let pid = u64::from(child.id());
+        let tiny = TinyCrabd { child };
+        wait_until("the tiny crabd to answer", Duration::from_secs(20), || async {
+            Ok(node_status().ok().filter(|s| s["pid"].as_u64() == Some(pid)).map(drop))
+        })
+        .await?;
+        Ok(tiny)
+    }
+}
+
+impl Drop for TinyCrabd {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) of the crabd this test started.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+/// Every turn record of a sandbox as JSON.
+fn records(id: &str) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(state_dir().join("turns").join(format!("{id}.jsonl"))).unwrap_or_default();
+    let complete = text.rsplit_once('\n').map_or("", |(lines, _)| lines);
+    complete.lines().filter_map(|line| serde_json::from_str(line).ok()).collect()
+}
+
+fn run_crabctl(args: &[&str]) -> Outcome<std::process::Output> {
+    std::process::Command::new(crabctl())
+        .args(args)
+        .arg("--state-dir")
+        .arg(state_dir())
+        .output()
+        .map_err(|e| HarnessError::io(format!("running crabctl {args:?}"), e))
+}
+
+/// What recovery must bring back: each turn's file and each turn's process.
+const FINGERPRINT: &str = "cat /app/turn-*; ps -eo args | grep -c '^sleep 100[0-9]'";
+
+const SUPERSEDE_TURNS: u64 = 5;
+
+/// A bucket of a few dozen KiB/s makes each process checkpoint wait while
+/// the next turn runs and dumps: waiting checkpoints are superseded, their
+/// turns say by which turn (and refuse a rollback), and recover brings the
+/// newest state back exactly: every turn's file, the superseded ones'
+/// included, and every turn's process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_process_checkpoints_are_superseded_and_recover_restores_the_newest_state() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    use crab_integration::sandbox::{Sandbox, TERMINAL_IMAGE};
+    let outcome = async {
+        let _tiny = TinyCrabd::replace_running(32, 64).await?;
+        let mut sandbox = Sandbox::start("node-supersede", TERMINAL_IMAGE, &[("io.crab.policy", "crab")], &[]).await?;
+        let id = sandbox.id().to_string();
+        // Back to back, as an agent that does not think: each exec starts once
+        // the previous turn is captured, while its write-out still waits.
+        for turn in 1..=SUPERSEDE_TURNS {
+            let script = format!("sleep 100{turn} >/dev/null 2>&1 & echo written-in-turn-{turn} > /app/turn-{turn}");
+            let (output, n) = sandbox.exec(&script).await?;
+            ensure!(output.status.success() && n == turn, "turn {turn} of {id}: {output:?}");
+        }
+        // Writing the last checkpoint at 32 KiB/s takes a while.
+        wait_until("every turn's record", Duration::from_secs(240), || async {
+            Ok((records(&id).len() as u64 >= SUPERSEDE_TURNS).then_some(()))
+        })
+        .await?;
+        let records = records(&id);
+        let mut superseded = Vec::new();
+        for r in &records {
+            let turn = r["turn"].as_u64().unwrap_or(0);
+            ensure_eq!(r["class"].as_str(), Some("proc"), "class of turn {turn}: {r}");
+            match r["superseded_by"].as_u64() {
+                Some(by) => {
+                    ensure!(by > turn && by <= SUPERSEDE_TURNS, "turn {turn} superseded by {by}");
+                    ensure!(r["checkpoint_turn"].is_null(), "a superseded turn has no checkpoint: {r}");
+                    superseded.push((turn, by));
+                }
+                None => ensure_eq!(r["checkpoint_turn"].as_u64(), Some(turn), "checkpoint of turn {turn}: {r}"),
+            }
+        }
+        eprintln!("superseded (turn, by): {superseded:?}");
+        ensure!(!superseded.is_empty(), "no checkpoint was superseded: {records:?}");
+        let last = records.last().expect("records");
+        ensure!(last["superseded_by"].is_null(), "the last turn is never superseded: {last}");
+
+        // crabd counted them; `crabctl checkpoints` shows them pointing at the newer turn.
+        let status = node_status()?;
+        let counted = status["bucket"]["sandboxes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|s| s["sandbox"] == id.as_str())
+            .and_then(|s| s["superseded"].as_u64())
+            .unwrap_or(0);
+        ensure!(counted >= superseded.len() as u64, "crabd counted {counted} superseded commits of {id}: {status}");
+        let listed = run_crabctl(&["checkpoints", &id, "--json"])?;
+        let rows: serde_json::Value = serde_json::from_slice(&listed.stdout)
+            .map_err(|e| HarnessError::Parse { what: "crabctl checkpoints --json".into(), detail: e.to_string() })?;
+        for (turn, by) in &superseded {
+            let row = rows.as_array().into_iter().flatten().find(|r| r["turn"].as_u64() == Some(*turn));
+            ensure!(
+                row.is_some_and(|r| r["superseded_by"].as_u64() == Some(*by) && r["class"] == "superseded"),
+                "checkpoints row of turn {turn}: {rows}"
+            );
+        }
+        let text = run_crabctl(&["checkpoints", &id])?;
+        ensure!(String::from_utf8_lossy(&text.stdout).contains(&format!("-> turn {}", superseded[0].1)), "{text:?}");
+        let (turn, by) = superseded[0];
+        let refused = run_crabctl(&["rollback", &id, "--turn", &turn.to_string()])?;
+        let message = String::from_utf8_lossy(&refused.stderr);
+        ensure!(!refused.status.success() && message.contains(&format!("superseded by turn {by}")), "rollback to {turn}: {message}");
+
+        // The newest state, recovered after the processes are killed.
+        let (before, _) = sandbox.exec(FINGERPRINT).await?;
+        let before = before.stdout;
+        ensure!(before.contains(&format!("written-in-turn-{turn}")) && before.trim_end().ends_with(&SUPERSEDE_TURNS.to_string()), "{before}");
+        let ctr = crab_integration::TestEnv::get().ctr();
+        ctr.invoke(["tasks", "kill", "--all", "--signal", "SIGKILL", id.as_str()]).success().await?;
+        wait_until("the killed sandbox to stop", Duration::from_secs(20), || async {
+            let out = ctr.invoke(["tasks", "ls"]).output().await?.stdout;
+            Ok(out.lines().any(|l| l.starts_with(&format!("{id} ")) && l.contains("STOPPED")).then_some(()))
+        })
+        .await?;
+        let recovered = run_crabctl(&["recover", &id])?;
+        ensure!(recovered.status.success(), "crabctl recover: {}", String::from_utf8_lossy(&recovered.stderr));
+        let (after, _) = sandbox.exec(FINGERPRINT).await?;
+        ensure_eq!(after.stdout, before, "the sandbox after recover");
         Ok::<(), HarnessError>(())
     }
     .await;

@@ -7,8 +7,13 @@
 //! long the shim took to see the turn was over. The test requires every turn with the right source
 //! and class, and every detection within `DETECTION_BOUND`, and prints the latencies.
 //!
+//! `stdin_detection_cost` (ignored: a measurement, about three minutes) times the detection of
+//! quick and slower commands and the shim's CPU time while a session waits for input and while it
+//! runs a quiet command for a minute.
+//!
 //! ```sh
 //! cargo test -p crab-integration --test turn_boundaries -- --nocapture --test-threads=1
+//! cargo test -p crab-integration --test turn_boundaries -- --ignored --nocapture stdin_detection_cost
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -21,8 +26,9 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use TurnClass::{Clean, Fs, Proc};
 
-/// The detector samples every 5 ms and wants two idle samples in a row (~10 ms by design); the
-/// turn's end is stamped in whole milliseconds. This bound holds on an idle machine; see
+/// The detector samples every 5 ms for the first 50 ms after input (then backs off to 100 ms) and
+/// wants two idle samples in a row: ~10 ms by design for the quick commands used here; the turn's
+/// end is stamped in whole milliseconds. This bound holds on an idle machine; see
 /// [`detection_bound_ms`] for a loaded one.
 const DETECTION_BOUND_MS: f64 = 50.0;
 
@@ -149,10 +155,13 @@ impl Session {
 
     /// Sends `line` followed by a statement that prints the clock; returns the stamp (unix ms).
     async fn run(&mut self, line: &str, stamp: &str) -> Outcome<i64> {
+        self.run_within(line, stamp, Duration::from_secs(30)).await
+    }
+
+    async fn run_within(&mut self, line: &str, stamp: &str, deadline: Duration) -> Outcome<i64> {
         let text = format!("{line}\n{stamp}\n");
         self.stdin.write_all(text.as_bytes()).await.map_err(|e| HarnessError::io("writing to the session", e))?;
         self.stdin.flush().await.map_err(|e| HarnessError::io("writing to the session", e))?;
-        let deadline = Duration::from_secs(30);
         loop {
             let next = tokio::time::timeout(deadline, self.lines.next_line())
                 .await
@@ -392,6 +401,72 @@ async fn a_mark_splits_a_running_exec_turn() {
         // They end in the second part, which the exec's exit closes.
         ensure_eq!((second.source.as_str(), second.class), ("exec", Proc), "second part, reasons {:?}", second.reasons);
         ensure!(second.reasons.iter().any(|r| r.contains("/app/two")), "second part: {:?}", second.reasons);
+        Ok::<_, HarnessError>(())
+    };
+    run.await.unwrap();
+}
+
+/// Detection latencies by percentile: (p50, p99, max) in ms.
+fn percentiles(latencies: &[i64]) -> (i64, i64, i64) {
+    let mut sorted = latencies.to_vec();
+    sorted.sort_unstable();
+    let at = |q: f64| sorted[((sorted.len() - 1) as f64 * q).round() as usize];
+    (at(0.5), at(0.99), *sorted.last().expect("latencies"))
+}
+
+/// User plus system CPU time of `pid` in ms (`/proc/PID/stat` fields 14 and 15, in clock ticks).
+fn cpu_ms(pid: u32) -> Outcome<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|e| HarnessError::io(format!("reading /proc/{pid}/stat"), e))?;
+    let fields: Vec<&str> = stat.rsplit_once(')').map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+    // SAFETY: sysconf only reads a configuration value.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    // Fields 14 and 15 counted from 1; the slice starts at field 3.
+    Ok((ticks(14 - 3) + ticks(15 - 3)) as f64 * 1000.0 / hz)
+}
+
+/// The stdin detector's cost: detection latency (p50/p99 over 40 quick commands and 30 that take
+/// 0.3 s) and the shim's CPU time over 60 s while a session waits at its prompt, and while it runs
+/// a quiet 60 s command (the detector samples all that time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn stdin_detection_cost() {
+    let run = async {
+        let sandbox = Sandbox::start("stdin-cost", TERMINAL_IMAGE, &[("io.crab.turns", "stdin")], &[]).await?;
+        let mut session = Session::start(&sandbox, "session", &["sh"]).await?;
+        tokio::time::sleep(SESSION_START).await;
+        let mut turn = 0;
+        for (name, line, count) in [("quick (true)", "true", 40), ("0.3 s (sleep 0.3)", "sleep 0.3", 30)] {
+            let mut latencies = Vec::new();
+            for _ in 0..count {
+                turn += 1;
+                let done_ms = session.run(line, SHELL_STAMP).await?;
+                let rec = record(sandbox.id(), turn).await?;
+                latencies.push(rec.ended_unix_ms - done_ms);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let (p50, p99, max) = percentiles(&latencies);
+            println!("detection latency, {name}, {count} turns: p50 {p50} ms, p99 {p99} ms, max {max} ms");
+        }
+        let env = TestEnv::get();
+        let shims = crab_integration::host::shim_daemons(&env.namespace, sandbox.id());
+        let shim = *shims.first().ok_or_else(|| HarnessError::Expectation(format!("no shim serves {}", sandbox.id())))?;
+        let minute = Duration::from_secs(60);
+        let before = cpu_ms(shim)?;
+        tokio::time::sleep(minute).await;
+        let waiting = cpu_ms(shim)? - before;
+        println!("shim CPU while the session waits for input for 60 s: {waiting:.0} ms");
+        // The middle 60 s of a 62 s command: its turn's start and end (and checkpoint) fall outside.
+        let quiet = async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let before = cpu_ms(shim)?;
+            tokio::time::sleep(minute).await;
+            Ok::<_, HarnessError>(cpu_ms(shim)? - before)
+        };
+        let (ran, running) = tokio::join!(session.run_within("sleep 62", SHELL_STAMP, Duration::from_secs(90)), quiet);
+        ran?;
+        println!("shim CPU while the session runs a quiet command, 60 s: {:.0} ms", running?);
+        session.close().await?;
         Ok::<_, HarnessError>(())
     };
     run.await.unwrap();

@@ -105,17 +105,46 @@ ctrd_start() {
   # setsid + nohup: the daemon must outlive the shell (and terminal) that started it.
   PATH="$CRAB_SHIM_DIR:$PATH" setsid nohup containerd --config "$CRAB_CTRD_CONFIG" \
     </dev/null >>"$CRAB_CTRD_LOG" 2>&1 &
-  echo $! >"$CRAB_CTRD_PIDFILE"
+  local launched=$!
+  echo "$launched" >"$CRAB_CTRD_PIDFILE"
   echo "$CRAB_SHIM_DIR" >"$CRAB_CTRD_DIR/shim-dir"
   local deadline=$((SECONDS + CRAB_CTRD_START_TIMEOUT))
   until ctrd_answers; do
-    if [ -z "$(ctrd_pid)" ]; then
+    # Until setsid and nohup have exec'd containerd, the launched pid still
+    # runs another command line, so ctrd_pid cannot tell it from a dead one
+    # (under load that window is long): what counts is whether the launched
+    # process or a containerd of our config is alive.
+    if ! pid_alive "$launched" && [ -z "$(ctrd_find_pid)" ]; then
       tail -20 "$CRAB_CTRD_LOG" >&2
       die "containerd exited during start-up (log: $CRAB_CTRD_LOG)"
     fi
     [ "$SECONDS" -lt "$deadline" ] || die "containerd did not answer within ${CRAB_CTRD_START_TIMEOUT}s (log: $CRAB_CTRD_LOG)"
     sleep 0.2
   done
+  # setsid forks when it is started as a process-group leader, so the
+  # launched pid need not be containerd's: record the one that answers.
+  pid=$(ctrd_find_pid)
+  [ -n "$pid" ] && echo "$pid" >"$CRAB_CTRD_PIDFILE"
+  return 0
+}
+
+# True while the process runs; a zombie (exited, not yet reaped) is not alive.
+pid_alive() {
+  local state
+  state=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) || return 1
+  [ -n "$state" ] && [ "$state" != Z ]
+}
+
+# Pid of a running containerd started with our config, whatever the pid file says.
+ctrd_find_pid() {
+  local p cmd
+  for p in /proc/[0-9]*; do
+    cmd=$(tr '\0' ' ' 2>/dev/null <"$p/cmdline") || continue
+    case "$cmd" in
+      "containerd --config $CRAB_CTRD_CONFIG "*) echo "${p#/proc/}"; return 0 ;;
+    esac
+  done
+  return 0
 }
 
 # A running instance keeps the shim directory it was started with.

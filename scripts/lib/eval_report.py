@@ -8,7 +8,9 @@ Reads OUTDIR/raw/**/*.json (one list of trace reports per file: one report per
 trace and fault kind), OUTDIR/errors.jsonl (traces whose replay failed:
 {"trace", "error"}), OUTDIR/classes/*.jsonl (the crab shim's turn classes:
 {"trace", "turn", "class", "bytes"}) and OUTDIR/meta.json or OUTDIR/meta/*.json
-(what each batch ran). Standard library only, so it runs wherever python3 does.
+(what each batch ran; a batch whose meta has "replaces": "B1,B2" is a rerun,
+and its reports replace those batches' reports of the same trace and fault).
+Standard library only, so it runs wherever python3 does.
 
 Figures:
 - recovery correctness per policy and fault kind (reports with a fault);
@@ -17,7 +19,9 @@ Figures:
 - run time per policy against `off` in the same report, per think-time scale
   (the fault-free reports are the measure; faulted ones include recovery);
 - agent-visible delay per turn (what the agent waited beyond its think time);
-- crab's turn class distribution.
+- crab's turn class distribution;
+- what the oracle compared, excluded and matched only after normalising
+  wall-clock stamps or stderr line order, and where incorrect runs differed.
 """
 
 import json
@@ -74,8 +78,11 @@ def percentile(values, fraction):
     return ordered[rank - 1]
 
 
-def load_reports(raw_dir):
-    reports = []
+def load_reports(raw_dir, meta=None):
+    """The trace reports under raw_dir, and the ones left out because a rerun
+    batch replaced them: a batch whose meta lists `replaces` (batch names)
+    stands for those batches' reports of the same trace and fault kind."""
+    by_batch = {}
     for path in sorted(raw_dir.rglob("*.json")):
         try:
             data = json.loads(path.read_text())
@@ -83,8 +90,27 @@ def load_reports(raw_dir):
             raise EvalInputError(f"{path}: not JSON: {error}") from error
         if not isinstance(data, list):
             raise EvalInputError(f"{path}: expected a list of trace reports")
-        reports.extend(data)
-    return reports
+        batch = path.parent.relative_to(raw_dir).as_posix()
+        by_batch.setdefault("run" if batch == "." else batch, []).extend(data)
+    replaced_keys = {}
+    for batch, values in (meta or {}).items():
+        replaces = values.get("replaces") or []
+        if isinstance(replaces, str):
+            replaces = [name for name in replaces.split(",") if name]
+        for old in replaces:
+            if old not in by_batch:
+                raise EvalInputError(f"batch {batch} replaces batch {old}, which has no results under {raw_dir}")
+            for report in by_batch.get(batch, []):
+                replaced_keys.setdefault(old, {})[(report["trace"], report.get("fault", "none"))] = batch
+    reports, replaced = [], []
+    for batch, batch_reports in by_batch.items():
+        for report in batch_reports:
+            by = replaced_keys.get(batch, {}).get((report["trace"], report.get("fault", "none")))
+            if by is None:
+                reports.append(report)
+            else:
+                replaced.append({"batch": batch, "trace": report["trace"], "fault": report.get("fault", "none"), "by": by})
+    return reports, replaced
 
 
 def load_jsonl(path):
@@ -166,6 +192,46 @@ def correctness_cells(reports):
             for name, cells in sorted(correctness.items(), key=lambda item: rank(POLICY_ORDER, item[0]))}
 
 
+def oracle_summary(reports):
+    """What the oracle compared, excluded as nondeterministic and matched only
+    after normalising (wall-clock stamps, stderr line order), per policy over
+    its judged faulted runs and per trace from the reference runs; and where the
+    output of each incorrect run first differed."""
+    policies = {}
+    traces = {}
+    differences = []
+    for report in reports:
+        reference = report.get("reference") or {}
+        traces.setdefault(report["trace"], {
+            "turns": report["turns"],
+            "nondeterministic_turns": reference.get("nondeterministic_turns", []),
+            "normalised_turns": reference.get("normalised_turns", []),
+            "turns_with_wall_clock": reference.get("turns_with_wall_clock", []),
+        })
+        for run in report["runs"]:
+            verdict = (run.get("fault") or {}).get("verdict")
+            if not verdict:
+                continue
+            stats = policies.setdefault(run["policy"], {
+                "verdicts": 0, "turns_compared": 0, "turns_excluded": 0, "normalised_wall_clock": 0,
+                "normalised_stderr_order": 0, "rc_mismatches": 0, "output_mismatches": 0})
+            stats["verdicts"] += 1
+            for key, field in [("turns_compared", "turns_compared"), ("turns_excluded", "turns_excluded"),
+                               ("normalised_wall_clock", "turns_normalised_wall_clock"),
+                               ("normalised_stderr_order", "turns_normalised_stderr_order"),
+                               ("rc_mismatches", "rc_mismatches"), ("output_mismatches", "output_mismatches")]:
+                stats[key] += len(verdict.get(field) or [])
+            if run["recovered_correctly"] is False:
+                for difference in (verdict.get("output_differences") or [])[:3]:
+                    differences.append({"trace": report["trace"], "fault": report.get("fault", "none"),
+                                        "policy": run["policy"], **difference})
+    return {
+        "policies": {name: policies[name] for name in sorted(policies, key=lambda n: rank(POLICY_ORDER, n))},
+        "traces": dict(sorted(traces.items())),
+        "output_differences": differences,
+    }
+
+
 def aggregate(reports, errors, classes):
     policies = {}
     run_time = {}
@@ -236,6 +302,7 @@ def aggregate(reports, errors, classes):
         "correctness": correctness_cells(reports),
         "oracle_unstable_traces": unstable,
         "correctness_judgeable": correctness_cells([r for r in reports if r["trace"] not in unstable]),
+        "oracle": oracle_summary(reports),
         "run_time_vs_off": dict(sorted(run_time.items())),
         "classes": {
             "turns": total_classified,
@@ -289,7 +356,14 @@ def render_markdown(summary, meta):
     for batch, values in meta.items():
         lines.append(f"- batch `{batch}`: " + "; ".join(f"{key}: {value}" for key, value in values.items()))
     lines += [f"- traces replayed: {summary['traces']} ({summary['reports']} trace x fault reports), "
-              f"failed: {len(summary['failed_traces'])}", ""]
+              f"failed: {len(summary['failed_traces'])}"]
+    replaced = summary.get("replaced_reports") or []
+    if replaced:
+        pairs = sorted({(r["batch"], r["by"], r["fault"]) for r in replaced})
+        lines += [f"- rerun: {len([r for r in replaced if (r['batch'], r['by'], r['fault']) == pair])} {pair[2]} "
+                  f"report(s) of batch `{pair[0]}` replaced by batch `{pair[1]}` (the replaced results stay in "
+                  f"raw/{pair[0]}/, they are not counted)" for pair in pairs]
+    lines.append("")
 
     lines += ["## Recovery correctness per policy and fault kind", ""]
     lines += correctness_table(summary["correctness"])
@@ -300,6 +374,7 @@ def render_markdown(summary, meta):
                   + ", ".join(f"`{trace}`" for trace in summary["oracle_unstable_traces"]), ""]
         lines += correctness_table(summary["correctness_judgeable"])
     lines += FAULT_MODEL
+    lines += oracle_lines(summary["oracle"], meta)
 
     lines += [
         "## Per policy", "",
@@ -374,6 +449,45 @@ def render_markdown(summary, meta):
     lines += ["## Plots", "", "![bytes](plots/bytes.svg) ![run time](plots/run_time.svg) "
               "![correctness](plots/correctness.svg) ![classes](plots/classes.svg)", ""]
     return "\n".join(lines)
+
+
+def oracle_lines(oracle, meta):
+    if not oracle["policies"]:
+        return []
+    spacings = sorted({values["reference spacing (s)"] for values in meta.values() if "reference spacing (s)" in values})
+    spacing = (f" The two reference runs of a trace started at least {' / '.join(spacings)} s apart, so clock "
+               "output the normaliser does not know shows up as nondeterministic." if spacings else "")
+    lines = ["## What the oracle compared", "",
+             "Turns after the fault, summed over each policy's judged runs: compared, excluded as "
+             "nondeterministic (they differed between the two fault-free reference runs), and compared turns "
+             "that matched the reference only after normalising: wall-clock stamps replaced (`ls -l` times, "
+             "`date`, ISO 8601, HTTP and log dates, HH:MM:SS) or stderr taken in any line order (the members of "
+             "a pipeline write to it concurrently)." + spacing, "",
+             "| policy | judged runs | turns compared | excluded | matched after stamps | after stderr order "
+             "| exit code mismatches | output mismatches |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, stats in oracle["policies"].items():
+        lines.append(f"| {name} | {stats['verdicts']} | {stats['turns_compared']} | {stats['turns_excluded']} "
+                     f"| {stats['normalised_wall_clock']} | {stats['normalised_stderr_order']} "
+                     f"| {stats['rc_mismatches']} | {stats['output_mismatches']} |")
+    lines += ["", "Per trace, from the reference runs (turn numbers):", "",
+              "| trace | turns | nondeterministic (excluded) | print the clock | differed only in stamps or stderr order |",
+              "|---|---|---|---|---|"]
+    for trace, info in oracle["traces"].items():
+        lines.append(f"| {trace} | {info['turns']} | {turn_list(info['nondeterministic_turns'])} "
+                     f"| {turn_list(info['turns_with_wall_clock'])} | {turn_list(info['normalised_turns'])} |")
+    lines.append("")
+    if oracle["output_differences"]:
+        lines += ["Where the output of incorrect runs first differed (normalised):", ""]
+        for d in oracle["output_differences"]:
+            lines.append(f"- {d['policy']} / {d['fault']} / `{d['trace']}` turn {d['turn']} {d['stream']} line "
+                         f"{d['line']}: expected `{d['expected']}`, got `{d['got']}`")
+        lines.append("")
+    return lines
+
+
+def turn_list(turns):
+    return ", ".join(str(turn) for turn in turns) if turns else "-"
 
 
 def headline_run_time(summary):
@@ -451,8 +565,9 @@ def main(argv):
         if not (out / "raw").is_dir():
             raise EvalInputError(f"{out / 'raw'}: no such directory (nothing was replayed?)")
         meta = load_meta(out)
-        summary = aggregate(load_reports(out / "raw"), load_jsonl(out / "errors.jsonl"),
-                            load_classes(out / "classes"))
+        reports, replaced = load_reports(out / "raw", meta)
+        summary = aggregate(reports, load_jsonl(out / "errors.jsonl"), load_classes(out / "classes"))
+        summary["replaced_reports"] = replaced
     except (EvalInputError, KeyError, TypeError, OSError, json.JSONDecodeError) as error:
         print(f"eval_report.py: error: {error!r}", file=sys.stderr)
         return 1

@@ -20,11 +20,17 @@ struct Cli {
     #[arg(long)]
     socket: Option<PathBuf>,
     /// Commit bandwidth of the node in MiB/s (overrides node.rate_mib_per_s).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "rate_kib_per_s")]
     rate_mib_per_s: Option<u64>,
     /// Token bucket burst in MiB (overrides node.burst_mib).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "burst_kib")]
     burst_mib: Option<u64>,
+    /// Commit bandwidth in KiB/s, for buckets below 1 MiB/s (tests, contention benchmarks).
+    #[arg(long)]
+    rate_kib_per_s: Option<u64>,
+    /// Token bucket burst in KiB (the largest draw is capped at it).
+    #[arg(long)]
+    burst_kib: Option<u64>,
     /// Age after which a waiting commit goes first (overrides node.aging_ms).
     #[arg(long)]
     aging_ms: Option<u64>,
@@ -48,15 +54,18 @@ async fn main() -> ExitCode {
     node.rate_mib_per_s = cli.rate_mib_per_s.unwrap_or(node.rate_mib_per_s);
     node.burst_mib = cli.burst_mib.unwrap_or(node.burst_mib);
     node.aging_ms = cli.aging_ms.unwrap_or(node.aging_ms);
-    if node.rate_mib_per_s == 0 || node.burst_mib == 0 || !cli.ring_buffer_mib.is_power_of_two() {
-        eprintln!("crabd: --rate-mib-per-s and --burst-mib must be at least 1, --ring-buffer-mib a power of two");
+    let mut bucket = BucketConfig::from_node_config(&node);
+    if let Some(kib) = cli.rate_kib_per_s {
+        bucket.rate_bytes_per_s = (kib << 10) as f64;
+    }
+    if let Some(kib) = cli.burst_kib {
+        bucket.burst_bytes = kib << 10;
+    }
+    if bucket.rate_bytes_per_s < 1.0 || bucket.burst_bytes == 0 || !cli.ring_buffer_mib.is_power_of_two() {
+        eprintln!("crabd: the rate and the burst must be at least 1 (MiB or KiB), --ring-buffer-mib a power of two");
         return ExitCode::FAILURE;
     }
-    let options = ServerOptions {
-        socket: node.socket.clone(),
-        bucket: BucketConfig::from_node_config(&node),
-        ring_buffer_bytes: cli.ring_buffer_mib << 20,
-    };
+    let options = ServerOptions { socket: node.socket.clone(), bucket, ring_buffer_bytes: cli.ring_buffer_mib << 20 };
     match run(options).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

@@ -21,13 +21,13 @@ use tracing::{debug, info};
 
 use super::error::{CheckpointError, IoContext, Result};
 use super::fsdelta::{self, Applier, ApplyStats, ChangedPath, Root};
-use super::images;
+use super::images::{self, RestoredImages};
 use super::manifest::{
     FsEntry, FsNode, ImageSet, MANIFEST_VERSION, Manifest, ParentRef, Snapshot, TurnClass,
     direct_blobs, seal, unseal,
 };
 use super::path::RelPath;
-use super::store::{BlobStore, Digest, Durability, PendingBlobs, Traffic, publish_file};
+use super::store::{BlobStore, Digest, Durability, PendingBlobs, Traffic, Unlimited, WriteTokens, publish_file};
 use super::sys;
 
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/crab";
@@ -555,6 +555,12 @@ impl CheckpointStore {
     /// every blob durable, publishes the manifest, then moves the head. The parent is the head
     /// at this moment, so write-outs of one container must run in turn order.
     pub fn publish(&self, staged: StagedTurn) -> Result<CommitReport> {
+        self.publish_paced(staged, &mut Unlimited)
+    }
+
+    /// [`publish`](Self::publish) with the new blob bytes drawn from `tokens` chunk by chunk as
+    /// they go to the disk (manifest and HEAD, a few KiB, are not drawn).
+    pub fn publish_paced(&self, staged: StagedTurn, tokens: &mut dyn WriteTokens) -> Result<CommitReport> {
         let StagedTurn {
             container,
             turn,
@@ -584,7 +590,7 @@ impl CheckpointStore {
         let images = criu_images
             .map(|dir| images::store_images(&dir, &mut batch))
             .transpose()?;
-        let traffic = batch.commit()?;
+        let traffic = batch.commit_paced(tokens)?;
 
         let manifest = Manifest {
             version: MANIFEST_VERSION,
@@ -733,13 +739,29 @@ impl CheckpointStore {
     /// Recreates the CRIU image directory in effect at `turn` (the newest proc turn at or below
     /// it) into `dest`. Returns the turn whose images were restored, `None` if there are none.
     pub fn restore_images(&self, container: &str, turn: u64, dest: &Path) -> Result<Option<u64>> {
+        Ok(self
+            .restore_images_report(container, turn, dest)?
+            .map(|(images_turn, _)| images_turn))
+    }
+
+    /// [`restore_images`](Self::restore_images), also saying what was written.
+    pub fn restore_images_report(
+        &self,
+        container: &str,
+        turn: u64,
+        dest: &Path,
+    ) -> Result<Option<(u64, RestoredImages)>> {
         let _lock = self.lock(false)?;
         let (_, chain) = self.chain(container)?;
         let Some((images_turn, set)) = chain.images_at(chain.index_of(container, turn)?) else {
             return Ok(None);
         };
-        images::restore_images(set, &self.blobs, dest)?;
-        Ok(Some(images_turn))
+        let clock = std::time::Instant::now();
+        let restored = images::restore_images(set, &self.blobs, dest)?;
+        debug!(container, turn = images_turn, files = restored.files, bytes = restored.bytes,
+               chunks = restored.chunks, chunks_read = restored.chunks_read,
+               ms = clock.elapsed().as_secs_f64() * 1e3, "CRIU images reassembled and verified");
+        Ok(Some((images_turn, restored)))
     }
 
     /// Starts container `new` from `source`'s checkpoint at `turn`. Nothing is copied: the new

@@ -84,6 +84,11 @@ pub enum CheckpointError {
 
     #[error("blocking task of the checkpoint store failed: {0}")]
     Join(String),
+
+    /// The write-out's token source refused further bytes (e.g. a newer checkpoint superseded
+    /// it); nothing of the write-out was published.
+    #[error("write-out stopped: {0}")]
+    WriteOutStopped(String),
 }
 
 pub type Result<T, E = CheckpointError> = std::result::Result<T, E>;

@@ -3,10 +3,12 @@
 //! CRIU (without soft-dirty tracking) writes every page again. Other image files are small and
 //! are stored whole.
 
+use std::collections::{HashMap, HashSet};
 use std::fs::{self, File, OpenOptions};
-use std::io::{Read, Write};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::path::Path;
+use std::io::Read;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use super::error::{CheckpointError, IoContext, Result};
 use super::manifest::{ImageContent, ImageFile, ImageSet, valid_image_name};
@@ -102,77 +104,328 @@ fn read_full(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(filled)
 }
 
-/// Recreates an image set into `dest` (created if missing; it must not already hold any of the
-/// files), byte for byte.
-pub(crate) fn restore_images(set: &ImageSet, blobs: &BlobStore, dest: &Path) -> Result<u64> {
-    fs::create_dir_all(dest).io_ctx("create", dest)?;
-    let mut total = 0;
+/// What [`restore_images`] wrote.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RestoredImages {
+    pub files: u64,
+    pub bytes: u64,
+    /// Chunks of the page images.
+    pub chunks: u64,
+    /// Chunk blobs read and hashed: fewer than `chunks` when pages repeat (zero pages).
+    pub chunks_read: u64,
+}
+
+/// Chunks per unit of work: large enough that a worker writes in big runs, small enough
+/// that a 64 MiB page image spreads over every worker.
+const CHUNKS_PER_JOB: usize = 1024;
+
+/// Bytes gathered before one positioned write.
+const WRITE_RUN: usize = 256 * CHUNK_SIZE;
+
+/// One image file being recreated.
+struct Target<'a> {
+    image: &'a ImageFile,
+    path: PathBuf,
+    file: File,
+    /// For page images: the verified chunk list and the chunk size.
+    chunks: Option<(Vec<u8>, u64)>,
+}
+
+/// A unit of reassembly work: a whole small image, or a run of chunks of a page image.
+#[derive(Clone, Copy)]
+enum Job {
+    Whole { target: usize },
+    Chunks { target: usize, first: usize, count: usize },
+}
+
+/// Recreates an image set as the directory `dest` (which must not exist, or be empty), byte
+/// for byte. Every blob is hashed before its bytes are written. The files are written into a
+/// sibling directory renamed to `dest` once all of them are complete, so `dest` never holds a
+/// partial image set: a failed restore leaves no `dest` behind.
+pub(crate) fn restore_images(
+    set: &ImageSet,
+    blobs: &BlobStore,
+    dest: &Path,
+) -> Result<RestoredImages> {
+    let Some(name) = dest.file_name() else {
+        return Err(bad_dir(dest, "not a directory name"));
+    };
+    let mut partial_name = name.to_owned();
+    partial_name.push(".partial");
+    let partial = dest.with_file_name(partial_name);
+    match fs::remove_dir_all(&partial) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).io_ctx("remove", &partial),
+    }
+    fs::create_dir_all(&partial).io_ctx("create", &partial)?;
+    let written = write_image_files(set, blobs, &partial)
+        .and_then(|restored| fs::rename(&partial, dest).io_ctx("rename", dest).map(|()| restored));
+    if written.is_err() {
+        let _ = fs::remove_dir_all(&partial);
+    }
+    written
+}
+
+/// Writes every file of `set` into the empty directory `dest`. Page images are reassembled by
+/// several threads, each writing its own runs of chunks at their offsets.
+fn write_image_files(set: &ImageSet, blobs: &BlobStore, dest: &Path) -> Result<RestoredImages> {
+    let mut targets = Vec::with_capacity(set.files.len());
     for image in &set.files {
-        if !valid_image_name(&image.name) {
-            return Err(bad_dir(
-                dest,
-                format!("image name {:?} is not a plain file name", image.name),
-            ));
+        targets.push(open_target(image, blobs, dest)?);
+    }
+    let mut jobs = Vec::new();
+    // Page images first: they are the long jobs, the small whole files fill in around them.
+    for (index, target) in targets.iter().enumerate() {
+        if let Some((list, _)) = &target.chunks {
+            let chunks = list.len() / 32;
+            for first in (0..chunks).step_by(CHUNKS_PER_JOB) {
+                let count = CHUNKS_PER_JOB.min(chunks - first);
+                jobs.push(Job::Chunks { target: index, first, count });
+            }
         }
-        let path = dest.join(&image.name);
-        let mut out = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .io_ctx("create", &path)?;
-        let written = match &image.content {
-            ImageContent::Whole { blob } => blobs.copy_verified(blob, &mut out, &path)?,
-            ImageContent::Chunked {
-                chunk_list, chunks, ..
-            } => {
-                let list = blobs.read(chunk_list)?;
-                if list.len() as u64 != chunks * 32 {
-                    return Err(bad_dir(
-                        dest,
-                        format!(
-                            "chunk list of {} has {} bytes for {chunks} chunks",
-                            image.name,
-                            list.len()
-                        ),
-                    ));
+    }
+    for (index, target) in targets.iter().enumerate() {
+        if target.chunks.is_none() {
+            jobs.push(Job::Whole { target: index });
+        }
+    }
+    let repeated = repeated_chunks(&targets);
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 4)
+        .min(jobs.len().max(1));
+    let next_job = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let chunks_read = AtomicU64::new(0);
+    let worker = || -> Result<()> {
+        let mut cache: HashMap<Digest, Vec<u8>> = HashMap::new();
+        let mut scratch = Vec::new();
+        let mut run = Vec::with_capacity(WRITE_RUN);
+        let mut read = 0u64;
+        let result = loop {
+            if failed.load(Ordering::Relaxed) {
+                break Ok(());
+            }
+            let Some(job) = jobs.get(next_job.fetch_add(1, Ordering::Relaxed)) else {
+                break Ok(());
+            };
+            let done = match *job {
+                Job::Whole { target } => {
+                    let t = &targets[target];
+                    let ImageContent::Whole { blob } = &t.image.content else {
+                        unreachable!("whole jobs are made for whole images")
+                    };
+                    blobs
+                        .copy_verified(blob, &t.file, &t.path)
+                        .and_then(|written| check_size(t, written, dest))
                 }
-                let mut pending = Vec::with_capacity(256 * CHUNK_SIZE);
-                let mut written = 0u64;
-                for digest in list.chunks_exact(32) {
-                    let digest = Digest(digest.try_into().expect("chunks_exact yields 32 bytes"));
-                    pending.extend_from_slice(&blobs.read(&digest)?);
-                    if pending.len() >= 256 * CHUNK_SIZE {
-                        out.write_all(&pending).io_ctx("write", &path)?;
-                        written += pending.len() as u64;
-                        pending.clear();
-                    }
-                }
-                out.write_all(&pending).io_ctx("write", &path)?;
-                written + pending.len() as u64
+                Job::Chunks { target, first, count } => write_chunks(
+                    &targets[target],
+                    first,
+                    count,
+                    ChunkIo { blobs, repeated: &repeated, cache: &mut cache, scratch: &mut scratch, run: &mut run },
+                    dest,
+                )
+                .map(|n| read += n),
+            };
+            if let Err(e) = done {
+                failed.store(true, Ordering::Relaxed);
+                break Err(e);
             }
         };
-        if written != image.size {
+        chunks_read.fetch_add(read, Ordering::Relaxed);
+        result
+    };
+    let results: Vec<Result<()>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (1..workers).map(|_| scope.spawn(&worker)).collect();
+        let mut results = vec![worker()];
+        results.extend(
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))),
+        );
+        results
+    });
+    results.into_iter().collect::<Result<Vec<()>>>()?;
+
+    let mut restored = RestoredImages {
+        chunks_read: chunks_read.into_inner(),
+        ..Default::default()
+    };
+    for target in &targets {
+        fs::set_permissions(&target.path, fs::Permissions::from_mode(target.image.mode))
+            .io_ctx("chmod", &target.path)?;
+        restored.files += 1;
+        restored.bytes += target.image.size;
+        restored.chunks += target.chunks.as_ref().map_or(0, |(list, _)| list.len() as u64 / 32);
+    }
+    Ok(restored)
+}
+
+/// Creates one image file, sized already for page images, and loads its verified chunk list.
+fn open_target<'a>(image: &'a ImageFile, blobs: &BlobStore, dest: &Path) -> Result<Target<'a>> {
+    if !valid_image_name(&image.name) {
+        return Err(bad_dir(
+            dest,
+            format!("image name {:?} is not a plain file name", image.name),
+        ));
+    }
+    let chunks = match &image.content {
+        ImageContent::Whole { .. } => None,
+        ImageContent::Chunked {
+            chunk_list,
+            chunks,
+            chunk_size,
+        } => {
+            let list = blobs.read(chunk_list)?;
+            if list.len() as u64 != chunks * 32 {
+                return Err(bad_dir(
+                    dest,
+                    format!(
+                        "chunk list of {} has {} bytes for {chunks} chunks",
+                        image.name,
+                        list.len()
+                    ),
+                ));
+            }
+            let chunk_size = u64::from(*chunk_size);
+            // Every chunk but the last is full: offsets follow from the index alone.
+            let fits = match *chunks {
+                0 => image.size == 0,
+                n => chunk_size > 0 && image.size > (n - 1) * chunk_size && image.size <= n * chunk_size,
+            };
+            if !fits {
+                return Err(bad_dir(
+                    dest,
+                    format!(
+                        "{} has {} bytes, which {chunks} chunks of {chunk_size} bytes cannot hold",
+                        image.name, image.size
+                    ),
+                ));
+            }
+            Some((list, chunk_size))
+        }
+    };
+    let path = dest.join(&image.name);
+    let file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .io_ctx("create", &path)?;
+    if chunks.is_some() {
+        file.set_len(image.size).io_ctx("truncate", &path)?;
+    }
+    Ok(Target {
+        image,
+        path,
+        file,
+        chunks,
+    })
+}
+
+/// Digests that occur more than once among the chunks: only these are worth keeping in
+/// memory once verified.
+fn repeated_chunks(targets: &[Target<'_>]) -> HashSet<Digest> {
+    let mut seen = HashSet::new();
+    let mut repeated = HashSet::new();
+    for (list, _) in targets.iter().filter_map(|t| t.chunks.as_ref()) {
+        for digest in list.chunks_exact(32) {
+            let digest = Digest(digest.try_into().expect("chunks_exact yields 32 bytes"));
+            if !seen.insert(digest) {
+                repeated.insert(digest);
+            }
+        }
+    }
+    repeated
+}
+
+fn check_size(target: &Target<'_>, written: u64, dest: &Path) -> Result<()> {
+    if written != target.image.size {
+        return Err(bad_dir(
+            dest,
+            format!(
+                "{} restored to {written} bytes, manifest says {}",
+                target.image.name, target.image.size
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A worker's buffers and what it shares with the others.
+struct ChunkIo<'w> {
+    blobs: &'w BlobStore,
+    repeated: &'w HashSet<Digest>,
+    /// Repeated chunks this worker already verified in this restore.
+    cache: &'w mut HashMap<Digest, Vec<u8>>,
+    scratch: &'w mut Vec<u8>,
+    run: &'w mut Vec<u8>,
+}
+
+/// Verifies chunks `first..first + count` of a page image and writes them at their offset.
+/// Returns how many chunk blobs were read.
+fn write_chunks(
+    target: &Target<'_>,
+    first: usize,
+    count: usize,
+    io: ChunkIo<'_>,
+    dest: &Path,
+) -> Result<u64> {
+    let (list, chunk_size) = target.chunks.as_ref().expect("chunk jobs are made for page images");
+    let chunk_size = *chunk_size;
+    let last = (list.len() / 32) as u64 - 1;
+    let mut offset = first as u64 * chunk_size;
+    let mut read = 0;
+    io.run.clear();
+    for (k, digest) in list[first * 32..(first + count) * 32].chunks_exact(32).enumerate() {
+        let index = (first + k) as u64;
+        let digest = Digest(digest.try_into().expect("chunks_exact yields 32 bytes"));
+        let data: &[u8] = match io.cache.get(&digest) {
+            Some(data) => data,
+            None => {
+                io.scratch.resize(chunk_size as usize + 1, 0);
+                let n = io.blobs.read_small_into(&digest, io.scratch)?;
+                read += 1;
+                if io.repeated.contains(&digest) {
+                    io.cache.insert(digest, io.scratch[..n].to_vec());
+                }
+                &io.scratch[..n]
+            }
+        };
+        let expected = if index == last {
+            target.image.size - last * chunk_size
+        } else {
+            chunk_size
+        };
+        if data.len() as u64 != expected {
             return Err(bad_dir(
                 dest,
                 format!(
-                    "{} restored to {written} bytes, manifest says {}",
-                    image.name, image.size
+                    "chunk {index} of {} ({digest}) has {} bytes, expected {expected}",
+                    target.image.name,
+                    data.len()
                 ),
             ));
         }
-        fs::set_permissions(&path, fs::Permissions::from_mode(image.mode))
-            .io_ctx("chmod", &path)?;
-        total += written;
+        io.run.extend_from_slice(data);
+        if io.run.len() >= WRITE_RUN {
+            target.file.write_all_at(io.run, offset).io_ctx("write", &target.path)?;
+            offset += io.run.len() as u64;
+            io.run.clear();
+        }
     }
-    Ok(total)
+    target.file.write_all_at(io.run, offset).io_ctx("write", &target.path)?;
+    io.run.clear();
+    Ok(read)
 }
 
 /// Every blob behind an image set, chunks included (for GC).
 pub(crate) fn referenced_blobs(
     set: &ImageSet,
     blobs: &BlobStore,
-    out: &mut std::collections::HashSet<Digest>,
+    out: &mut HashSet<Digest>,
 ) -> Result<()> {
     for image in &set.files {
         match &image.content {

@@ -24,11 +24,11 @@ pub use chain::{
 pub use error::{CheckpointError, Result};
 pub use fsdelta::{ApplyStats, ChangedPath};
 pub use gc::{GcReport, RetentionPolicy};
-pub use images::CHUNK_SIZE;
+pub use images::{CHUNK_SIZE, RestoredImages};
 pub use manifest::{
     FsEntry, FsNode, ImageContent, ImageFile, ImageSet, MANIFEST_VERSION, Manifest, Meta,
     ParentRef, Snapshot, TurnClass,
 };
 pub use path::{Bytes, RelPath};
-pub use pipeline::{Carried, TurnPipeline, TurnSlot};
-pub use store::{BlobStore, Digest, Traffic, WriteBatch};
+pub use pipeline::{Carried, TurnPipeline, TurnSlot, WrittenOut};
+pub use store::{BlobStore, Digest, Traffic, Unlimited, WriteBatch, WriteTokens};

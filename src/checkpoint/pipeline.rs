@@ -8,15 +8,31 @@
 //! A checkpoint that fails (a full disk, a failed dump) must not lose what its turn changed: the
 //! changes stay "unpublished" and every later capture takes them in, until a checkpoint that
 //! includes them is durable.
+//!
+//! The write-out draws the node's bandwidth chunk by chunk as its bytes go to the disk
+//! ([`TurnSlot::write_out`]). A process checkpoint still waiting for bandwidth when a newer turn
+//! of the same sandbox has captured a process dump is superseded (the node decides, see
+//! [`crate::node::bucket`]): nothing of it is published. What it loses is nothing of the newest
+//! state: the newer dump holds the processes, and the newer capture already took in the
+//! superseded turn's paths, re-read as of the newer turn's end, because they were unpublished
+//! when it captured (and they stay so until a checkpoint holding them is durable). What is lost
+//! is a rollback to the superseded turn itself: its record says which turn superseded it, and
+//! rollback and fork to it are refused with that reason.
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use super::chain::{CheckpointStore, CommitReport, StagedTurn};
+use super::error::{CheckpointError, Result};
 use super::fsdelta::ChangedPath;
+use super::manifest::TurnClass;
+use super::store::WriteTokens;
+use crate::engine::CommitGate;
+use crate::node::{Acquired, CommitKind};
 
 /// Changes of turns whose checkpoint is not durable (yet).
 #[derive(Default)]
@@ -162,6 +178,94 @@ impl TurnSlot {
     pub fn processes_lost(&self) {
         self.unpublished().processes_since.get_or_insert(self.turn);
     }
+
+    /// This turn's process capture (dump and file-system delta) is complete: waiting process
+    /// write-outs of earlier turns of the sandbox, which it covers, may be dropped.
+    pub async fn process_captured(&self, gate: Option<&dyn CommitGate>, sandbox: &str) {
+        if let Some(gate) = gate {
+            gate.process_captured(sandbox, self.turn).await;
+        }
+    }
+
+    /// Writes the captured turn out (call after [`previous_written`](Self::previous_written)),
+    /// drawing `gate`'s bandwidth chunk by chunk as the bytes go to the disk. A process
+    /// checkpoint may be superseded while it waits: then nothing of it is published and its
+    /// changes stay unpublished for the newer checkpoint that holds them.
+    pub async fn write_out(
+        &self,
+        store: &Arc<CheckpointStore>,
+        gate: Option<Arc<dyn CommitGate>>,
+        sandbox: &str,
+        staged: StagedTurn,
+    ) -> Result<WrittenOut> {
+        let with_processes = staged.class() == TurnClass::Proc;
+        let report = match gate {
+            None => store.run_blocking(move |store| store.publish(staged)).await?,
+            Some(gate) => {
+                let superseded = Arc::new(OnceLock::new());
+                let mut tokens = GateTokens {
+                    chunk: gate.chunk_bytes().max(1),
+                    gate,
+                    runtime: tokio::runtime::Handle::current(),
+                    sandbox: sandbox.to_string(),
+                    turn: self.turn,
+                    kind: if with_processes { CommitKind::Proc } else { CommitKind::Fs },
+                    superseded: Arc::clone(&superseded),
+                };
+                match store.run_blocking(move |store| store.publish_paced(staged, &mut tokens)).await {
+                    Ok(report) => report,
+                    Err(CheckpointError::WriteOutStopped(_)) if superseded.get().is_some() => {
+                        let by_turn = *superseded.get().expect("checked above");
+                        tracing::info!(sandbox, turn = self.turn, by_turn, "process checkpoint superseded while waiting for bandwidth");
+                        return Ok(WrittenOut::Superseded { by_turn });
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        };
+        self.published(with_processes);
+        Ok(WrittenOut::Published(report))
+    }
+}
+
+/// How a turn's write-out ended.
+#[derive(Debug)]
+pub enum WrittenOut {
+    Published(CommitReport),
+    /// Dropped for the newer process checkpoint of turn `by_turn`, which holds this turn's
+    /// changes once it is durable.
+    Superseded { by_turn: u64 },
+}
+
+/// The store's write-out drawing from the node's bucket: the store's code blocks, the gate is
+/// async, so each draw waits on the runtime that started the write-out.
+struct GateTokens {
+    gate: Arc<dyn CommitGate>,
+    runtime: tokio::runtime::Handle,
+    sandbox: String,
+    turn: u64,
+    kind: CommitKind,
+    chunk: u64,
+    /// Set when the node dropped this write-out for a newer one.
+    superseded: Arc<OnceLock<u64>>,
+}
+
+impl WriteTokens for GateTokens {
+    fn chunk_bytes(&self) -> Option<u64> {
+        Some(self.chunk)
+    }
+
+    fn draw(&mut self, bytes: u64) -> Result<()> {
+        let supersedable = self.kind == CommitKind::Proc;
+        let acquired = self.runtime.block_on(self.gate.acquire(&self.sandbox, bytes, self.kind, self.turn, supersedable));
+        match acquired {
+            Acquired::Granted { .. } => Ok(()),
+            Acquired::Superseded { by_turn, .. } => {
+                let _ = self.superseded.set(by_turn);
+                Err(CheckpointError::WriteOutStopped(format!("turn {} superseded by turn {by_turn}", self.turn)))
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -232,6 +336,177 @@ mod tests {
         three.published(true);
         let four = pipeline.begin(4);
         assert!(four.carried().is_empty(), "{:?}", four.carried());
+    }
+
+    /// A node that grants every draw at once (recording it), except that a supersedable draw
+    /// waits until a newer process capture of its sandbox is reported, and is then superseded.
+    #[derive(Default)]
+    struct HeldNode {
+        captured: Mutex<Option<u64>>,
+        reported: tokio::sync::Notify,
+        draws: Mutex<Vec<(u64, u64)>>,
+    }
+
+    #[async_trait::async_trait]
+    impl CommitGate for HeldNode {
+        fn chunk_bytes(&self) -> u64 {
+            8192
+        }
+
+        async fn acquire(&self, _sandbox: &str, bytes: u64, _kind: CommitKind, turn: u64, supersedable: bool) -> Acquired {
+            loop {
+                let notified = self.reported.notified();
+                let newest = *self.captured.lock().unwrap();
+                match newest {
+                    Some(by_turn) if supersedable && by_turn > turn => return Acquired::Superseded { by_turn, waited_ms: 0.0 },
+                    _ if !supersedable => {
+                        self.draws.lock().unwrap().push((turn, bytes));
+                        return Acquired::Granted { waited_ms: 0.0 };
+                    }
+                    _ => notified.await,
+                }
+            }
+        }
+
+        async fn process_captured(&self, _sandbox: &str, turn: u64) {
+            *self.captured.lock().unwrap() = Some(turn);
+            self.reported.notify_waiters();
+        }
+    }
+
+    fn write(root: &std::path::Path, name: &str, data: &[u8]) {
+        std::fs::write(root.join(name), data).unwrap();
+    }
+
+    /// A flat directory standing for a CRIU dump (the store only needs regular files).
+    fn dump_dir(parent: &std::path::Path, turn: u64) -> std::path::PathBuf {
+        let dir = parent.join(format!("dump-{turn}"));
+        std::fs::create_dir(&dir).unwrap();
+        // Distinct pages (a linear congruential sequence), so no chunk deduplicates.
+        let mut x = turn as u32;
+        let pages: Vec<u8> = (0..40_000)
+            .map(|_| {
+                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (x >> 24) as u8
+            })
+            .collect();
+        write(&dir, "pages-1.img", &pages);
+        write(&dir, "core-1.img", format!("core of turn {turn}").as_bytes());
+        dir
+    }
+
+    /// Turn 1's process checkpoint waits for bandwidth when turn 2 captures a newer dump: turn 1
+    /// is dropped, turn 2's checkpoint holds turn 1's paths as of turn 2, and it was written in
+    /// draws of at most the node's chunk.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_superseded_process_checkpoint_leaves_its_paths_to_the_newer_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (state, root, dumps) = (dir.path().join("state"), dir.path().join("root"), dir.path().join("dumps"));
+        for d in [&root, &dumps] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let store = Arc::new(CheckpointStore::open(&state).unwrap());
+        let node = Arc::new(HeldNode::default());
+        let gate: Arc<dyn CommitGate> = node.clone();
+        let stage = |turn: u64, changed: Vec<ChangedPath>, images: std::path::PathBuf| {
+            let (store, root) = (store.clone(), root.clone());
+            async move {
+                store
+                    .run_blocking(move |s| {
+                        s.stage_turn(&super::super::chain::TurnInput {
+                            container: "c1",
+                            turn,
+                            rootfs: Some(&root),
+                            changed: &changed,
+                            criu_images: Some(&images),
+                        })
+                    })
+                    .await
+                    .unwrap()
+            }
+        };
+        let mut pipeline = TurnPipeline::new();
+
+        write(&root, "a", b"a as of turn 1");
+        let mut one = pipeline.begin(1);
+        let changed_one = vec![ChangedPath::created("/a")];
+        one.capturing(&changed_one);
+        let staged_one = stage(1, changed_one, dump_dir(&dumps, 1)).await;
+        one.process_captured(Some(gate.as_ref()), "c1").await;
+        one.previous_written().await;
+        let job_one = {
+            let (store, gate) = (store.clone(), gate.clone());
+            tokio::spawn(async move { one.write_out(&store, Some(gate), "c1", staged_one).await.map(|w| format!("{w:?}")) })
+        };
+
+        // Turn 2 changes a again and makes b; it carries turn 1's unwritten paths.
+        write(&root, "a", b"a as of turn 2");
+        write(&root, "b", b"b of turn 2");
+        let two = pipeline.begin(2);
+        let carried = two.carried();
+        assert_eq!(paths(&carried), ["/a"], "turn 1's paths are carried while it is not durable");
+        let mut changed_two = vec![ChangedPath::created("/b")];
+        changed_two.extend(carried.paths);
+        two.capturing(&changed_two);
+        let staged_two = stage(2, changed_two, dump_dir(&dumps, 2)).await;
+        assert!(!job_one.is_finished(), "turn 1 waits for bandwidth");
+        two.process_captured(Some(gate.as_ref()), "c1").await;
+        let one_ended = tokio::time::timeout(Duration::from_secs(10), job_one).await.unwrap().unwrap().unwrap();
+        assert_eq!(one_ended, "Superseded { by_turn: 2 }");
+        assert!(store.head("c1").unwrap().is_none(), "nothing of turn 1 is published");
+
+        // Turn 2 is not superseded by its own report, and is written in bounded draws.
+        let gate_two: Arc<dyn CommitGate> = Arc::new(Ungated(node.clone()));
+        let written = two.write_out(&store, Some(gate_two), "c1", staged_two).await.unwrap();
+        let WrittenOut::Published(report) = written else { panic!("turn 2: {written:?}") };
+        let draws = node.draws.lock().unwrap().clone();
+        assert!(draws.len() >= 5 && draws.iter().all(|(turn, bytes)| *turn == 2 && *bytes <= 8192), "{draws:?}");
+        assert_eq!(draws.iter().map(|d| d.1).sum::<u64>(), report.traffic.written_bytes, "every new byte drawn once");
+
+        let history = store.history("c1").unwrap();
+        assert_eq!(history.iter().map(|c| c.turn).collect::<Vec<_>>(), [2]);
+        let target = dir.path().join("restored");
+        std::fs::create_dir(&target).unwrap();
+        store.materialize("c1", 2, &target).unwrap();
+        assert_eq!(std::fs::read(target.join("a")).unwrap(), b"a as of turn 2");
+        assert_eq!(std::fs::read(target.join("b")).unwrap(), b"b of turn 2");
+        assert!(pipeline.begin(3).carried().is_empty(), "turn 2 holds everything");
+        assert_eq!(std::fs::read_dir(state.join("tmp")).unwrap().count(), 0, "the dropped write-out left no tmp files");
+    }
+
+    /// A gate that never supersedes: the turn that reported the newest capture draws through it.
+    struct Ungated(Arc<HeldNode>);
+
+    #[async_trait::async_trait]
+    impl CommitGate for Ungated {
+        fn chunk_bytes(&self) -> u64 {
+            self.0.chunk_bytes()
+        }
+
+        async fn acquire(&self, sandbox: &str, bytes: u64, kind: CommitKind, turn: u64, _supersedable: bool) -> Acquired {
+            self.0.acquire(sandbox, bytes, kind, turn, false).await
+        }
+
+        async fn process_captured(&self, sandbox: &str, turn: u64) {
+            self.0.process_captured(sandbox, turn).await
+        }
+    }
+
+    #[test]
+    fn when_the_superseding_checkpoint_fails_the_next_turn_carries_both() {
+        let mut pipeline = TurnPipeline::new();
+        let one = pipeline.begin(1);
+        one.capturing(&[ChangedPath::created("/a")]);
+        // Turn 1 superseded: neither published nor failed.
+        let two = pipeline.begin(2);
+        let mut changed = vec![ChangedPath::modified("/b")];
+        changed.extend(two.carried().paths);
+        two.capturing(&changed);
+        two.processes_lost();
+        let carried = pipeline.begin(3).carried();
+        assert_eq!(paths(&carried), ["/a", "/b"]);
+        assert!(carried.paths[0].created, "a stays created: captured whole");
+        assert_eq!(carried.processes_of, Some(2));
     }
 
     #[test]

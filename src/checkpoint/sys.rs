@@ -353,6 +353,18 @@ pub(crate) fn copy_file_range_all(src: &File, dst: &File, len: u64) -> io::Resul
     Ok(())
 }
 
+/// Starts writing `len` bytes at `offset` of a file back to the disk, or (`wait`) writes them
+/// and waits until they are written. No metadata, no cache flush: a later fsync or syncfs still
+/// makes them durable.
+pub(crate) fn write_back_range(file: &File, offset: u64, len: u64, wait: bool) -> io::Result<()> {
+    let flags = if wait {
+        libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER
+    } else {
+        libc::SYNC_FILE_RANGE_WRITE
+    };
+    check(unsafe { libc::sync_file_range(file.as_raw_fd(), offset as i64, len as i64, flags) }).map(drop)
+}
+
 /// Starts writeback of a whole file without waiting for it.
 pub(crate) fn start_writeback(file: &File) -> io::Result<()> {
     check(unsafe { libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) })

@@ -104,7 +104,7 @@ impl Default for RuntimeConfig {
             binary: "runc".into(),
             root: "/run/crab/runc".into(),
             systemd_cgroup: false,
-            // Off until the spawner's fast-exit race is fixed (see shim-config/crab.toml).
+            // Off until every suite passes with it on (see shim-config/crab.toml).
             init: PathBuf::new(),
         }
     }

@@ -137,15 +137,19 @@ impl CheckpointCommand {
                 out
             }),
             Self::Checkpoints { container, .. } => print(json, &ctl.checkpoints(container)?, |rows| {
-                let mut out = format!("{:>5} {:<6} {:>8} {:<6} {}\n", "turn", "class", "entries", "images", "id");
+                let mut out = format!("{:>5} {:<10} {:>8} {:<6} {}\n", "turn", "class", "entries", "images", "id");
                 for r in rows {
+                    let id = match r.superseded_by {
+                        Some(by) => format!("-> turn {by} (dropped before it was written)"),
+                        None => r.id[..16].to_string(),
+                    };
                     out += &format!(
-                        "{:>5} {:<6} {:>8} {:<6} {}\n",
+                        "{:>5} {:<10} {:>8} {:<6} {}\n",
                         r.turn,
                         r.class,
                         r.fs_entries,
                         if r.has_images { "yes" } else { "" },
-                        &r.id[..16]
+                        id
                     );
                 }
                 out

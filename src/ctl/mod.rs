@@ -52,6 +52,9 @@ pub struct CheckpointRow {
     pub created_unix_ms: u64,
     pub fs_entries: usize,
     pub has_images: bool,
+    /// A turn whose checkpoint was dropped for the newer one of this turn (no id then).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub superseded_by: Option<u64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -97,6 +100,9 @@ struct SandboxInfo {
     args: Vec<String>,
     cwd: Option<String>,
     env: Vec<String>,
+    /// The crab config the sandbox's shim was given (`ConfigPath` of its runtime options),
+    /// so the restored one reads the same store.
+    config_path: Option<String>,
 }
 
 impl Ctl {
@@ -128,8 +134,9 @@ impl Ctl {
         Ok(MarkReport { container: container.into(), ended, elapsed_ms })
     }
 
+    /// The chain's checkpoints and the turns whose checkpoint a newer one superseded, newest first.
     pub fn checkpoints(&self, container: &str) -> Result<Vec<CheckpointRow>> {
-        Ok(self
+        let mut rows: Vec<CheckpointRow> = self
             .store
             .history(container)?
             .into_iter()
@@ -140,8 +147,22 @@ impl Ctl {
                 created_unix_ms: c.created_unix_ms,
                 fs_entries: c.fs_entries,
                 has_images: c.has_images,
+                superseded_by: None,
             })
-            .collect())
+            .collect();
+        rows.extend(self.turns(container)?.into_iter().filter_map(|r| {
+            Some(CheckpointRow {
+                superseded_by: Some(r.superseded_by?),
+                turn: r.turn,
+                class: "superseded".into(),
+                id: String::new(),
+                created_unix_ms: r.ended_unix_ms,
+                fs_entries: 0,
+                has_images: false,
+            })
+        }));
+        rows.sort_by(|a, b| b.turn.cmp(&a.turn));
+        Ok(rows)
     }
 
     /// Verifies every blob of each container's chain (all containers when none is named).
@@ -190,6 +211,14 @@ impl Ctl {
         let history = self.store.history(container)?;
         let newest = history.iter().map(|c| c.turn).filter(|t| *t <= turn).max();
         let turns = self.turns(container)?;
+        if let Some(by) = turns.iter().find(|r| r.turn == turn).and_then(|r| r.superseded_by) {
+            let before = newest.map_or("0 (the image)".to_string(), |t| t.to_string());
+            return Err(CtlError::Invalid(format!(
+                "turn {turn} of {container:?} cannot be restored: its checkpoint was superseded by turn {by}'s \
+                 while it waited for write bandwidth, so no checkpoint holds turn {turn} itself; \
+                 use turn {by} or turn {before} or earlier"
+            )));
+        }
         if !turns.is_empty() && !turns.iter().any(|r| r.turn == turn) && newest != Some(turn) {
             return Err(CtlError::Invalid(format!("container {container:?} has no turn {turn}")));
         }
@@ -217,13 +246,21 @@ impl Ctl {
             image: String,
             #[serde(rename = "Spec")]
             spec: Option<Spec>,
+            #[serde(rename = "Runtime")]
+            runtime: Option<RuntimeInfo>,
         }
         let from_containerd = self.ctr.run(&["containers", "info", container]).await;
-        let (image, spec) = match from_containerd {
+        let (image, spec, config_path) = match from_containerd {
             Ok(out) => {
                 let info: Info = serde_json::from_str(&out.stdout_text())
                     .map_err(|e| CtlError::Containerd(format!("container info of {container}: {e}")))?;
-                (image_override.map(str::to_string).unwrap_or(info.image), info.spec)
+                let config_path = match info.runtime.and_then(|r| r.options) {
+                    Some(options) => options.config_path().map_err(|e| {
+                        CtlError::Containerd(format!("runtime options of {container}: {e}"))
+                    })?,
+                    None => None,
+                };
+                (image_override.map(str::to_string).unwrap_or(info.image), info.spec, config_path)
             }
             Err(_) => {
                 // Node loss: containerd forgot the sandbox. The shim kept its spec.
@@ -235,7 +272,10 @@ impl Ctl {
                     .map_err(|e| CtlError::Invalid(format!("no saved spec for {container:?} at {}: {e}", path.display())))?;
                 let spec: Spec = serde_json::from_slice(&bytes)
                     .map_err(|e| CtlError::Invalid(format!("saved spec {}: {e}", path.display())))?;
-                (image.to_string(), Some(spec))
+                // containerd's record of the runtime options is gone with it; the config
+                // crabctl itself was pointed at is the best guess.
+                let config_path = std::env::var(crate::config::CONFIG_ENV).ok().filter(|p| !p.is_empty());
+                (image.to_string(), Some(spec), config_path)
             }
         };
         let annotations = spec
@@ -258,6 +298,7 @@ impl Ctl {
             args: process.as_ref().map(|p| p.args.clone()).unwrap_or_default(),
             cwd: process.as_ref().and_then(|p| p.cwd.clone()),
             env: process.map(|p| p.env).unwrap_or_default(),
+            config_path,
         })
     }
 
@@ -279,6 +320,10 @@ impl Ctl {
     /// Creates `new` on the crab runtime from `source`'s state at `turn`.
     async fn run_restored(&self, info: &SandboxInfo, source: &str, turn: u64, new: &str) -> Result<()> {
         let mut args: Vec<String> = vec!["run".into(), "-d".into(), "--runtime".into(), CRAB_RUNTIME.into()];
+        if let Some(config) = &info.config_path {
+            args.push("--runtime-config-path".into());
+            args.push(config.clone());
+        }
         if turn > 0 {
             args.push("--annotation".into());
             args.push(format!("{ANNOTATION_RESTORE_FROM}={source}:{turn}"));
@@ -418,6 +463,60 @@ impl Ctl {
     }
 }
 
+/// A container's runtime options as `ctr containers info` prints them: a protobuf `Any`
+/// with its bytes in base64.
+#[derive(serde::Deserialize)]
+struct RuntimeInfo {
+    #[serde(rename = "Options")]
+    options: Option<RuntimeOptionsJson>,
+}
+
+#[derive(serde::Deserialize)]
+struct RuntimeOptionsJson {
+    type_url: String,
+    #[serde(default)]
+    value: String,
+}
+
+impl RuntimeOptionsJson {
+    /// The `ConfigPath` in these options, decoded as the shim decodes them.
+    fn config_path(&self) -> std::result::Result<Option<String>, String> {
+        use containerd_shim_protos::protobuf::well_known_types::any::Any;
+        let mut any = Any::new();
+        any.type_url = self.type_url.clone();
+        any.value = decode_base64(&self.value)?;
+        let options = crate::shim::options::CreateOptions::decode(Some(&any)).map_err(|e| e.to_string())?;
+        Ok(options.config_path.map(|p| p.to_string_lossy().into_owned()))
+    }
+}
+
+/// Standard base64 with optional padding (how Go's JSON encodes `[]byte`).
+fn decode_base64(text: &str) -> std::result::Result<Vec<u8>, String> {
+    let value = |c: u8| -> std::result::Result<u32, String> {
+        Ok(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return Err(format!("{:?} is not a base64 character", c as char)),
+        } as u32)
+    };
+    let digits = text.trim_end_matches('=').as_bytes();
+    if digits.len() % 4 == 1 {
+        return Err(format!("base64 of {} characters is truncated", text.len()));
+    }
+    let mut out = Vec::with_capacity(digits.len() * 3 / 4);
+    for group in digits.chunks(4) {
+        let mut bits = 0u32;
+        for (i, &c) in group.iter().enumerate() {
+            bits |= value(c)? << (18 - 6 * i);
+        }
+        out.extend_from_slice(&bits.to_be_bytes()[1..group.len()]);
+    }
+    Ok(out)
+}
+
 /// The image layer a container's overlay root starts from: the base of an
 /// in-place rollback for paths no checkpoint recorded. Only a single lower
 /// layer can serve as a plain directory.
@@ -427,4 +526,34 @@ fn overlay_lowerdir(pid: u32) -> Option<PathBuf> {
     let opts = root.rsplit(" - ").next()?;
     let lower = opts.split(',').find_map(|o| o.strip_prefix("lowerdir="))?;
     (!lower.contains(':')).then(|| PathBuf::from(lower))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_decodes_what_go_encodes() {
+        assert_eq!(decode_base64("").unwrap(), b"");
+        assert_eq!(decode_base64("Zg==").unwrap(), b"f");
+        assert_eq!(decode_base64("Zm8=").unwrap(), b"fo");
+        assert_eq!(decode_base64("Zm9v").unwrap(), b"foo");
+        assert_eq!(decode_base64("Zm9vYmFy").unwrap(), b"foobar");
+        assert!(decode_base64("Zm9v!A").unwrap_err().contains("'!'"));
+        assert!(decode_base64("Z").is_err());
+    }
+
+    #[test]
+    fn config_path_comes_from_runtimeoptions_as_ctr_prints_them() {
+        // What `ctr containers info` printed for `--runtime-config-path /tmp/store/cfgtest.toml`.
+        let options = RuntimeOptionsJson {
+            type_url: "runtimeoptions.v1.Options".into(),
+            value: "EhcvdG1wL3N0b3JlL2NmZ3Rlc3QudG9tbA==".into(),
+        };
+        assert_eq!(options.config_path().unwrap().as_deref(), Some("/tmp/store/cfgtest.toml"));
+        let none = RuntimeOptionsJson { type_url: "runtimeoptions.v1.Options".into(), value: String::new() };
+        assert_eq!(none.config_path().unwrap(), None);
+        let bad = RuntimeOptionsJson { type_url: "example.Unknown".into(), value: String::new() };
+        assert!(bad.config_path().unwrap_err().contains("example.Unknown"));
+    }
 }

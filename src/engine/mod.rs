@@ -13,6 +13,10 @@
 //! - explicit marks: end the open turn and begin the next (every mode; the
 //!   only source in `explicit`).
 //!
+//! At a turn's start and end the engine reads the CPU clocks of the
+//! container's processes (see [`crate::turns::cpu`]): one from before the
+//! turn that ran during it makes it a process turn.
+//!
 //! A turn closes while execs or sessions still hold it only by a mark, and
 //! then the next turn inherits them. Closing hands the turn to a background
 //! job (classify, capture, commit) and returns at once, so the exit reaches
@@ -33,10 +37,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::checkpoint::{ChangedPath, CheckpointStore, TurnInput, TurnPipeline, TurnSlot};
 use crate::inspector::{
-    ClassifyOptions, Effect, EffectKind, Inspector, TurnClass, TurnEffects, classify, monotonic_now_ns,
+    ClassifyOptions, Effect, EffectKind, Inspector, ProcessRan, TurnClass, TurnEffects, classify, monotonic_now_ns,
 };
 use crate::runtime::{CheckpointOptions, OciRuntime};
-use crate::turns::stdin::{DetectorConfig, ForwardedBytes, IdleKind, IdleReport, ProcFs, StdinObserver};
+use crate::turns::cpu::{CpuSnapshot, DumpCharges, ProcCpuClock, ran_between};
+use crate::turns::stdin::{DetectorConfig, ForwardedBytes, IdleKind, IdleReport, ProcFs, StdinObserver, busy_threads};
 use crate::turns::{Policy, RecordedClass, SandboxPolicy, TurnLog, TurnRecord, TurnSource, TurnsMode, unix_ms};
 
 #[derive(Debug, thiserror::Error)]
@@ -116,12 +121,21 @@ impl EffectSource for Inspector {
     }
 }
 
-/// The node's commit bandwidth (crabd's token bucket): a commit asks for its
-/// bytes first. It always returns; when the node cannot grant in time the
-/// commit goes ahead (the gate logs it).
+/// The node's commit bandwidth (crabd's token bucket): a write-out draws its
+/// bytes chunk by chunk as it writes them (see [`crate::checkpoint::TurnSlot::write_out`]).
+/// A draw always returns; when the node cannot grant in time the bytes go
+/// ahead (the gate logs it).
 #[async_trait::async_trait]
 pub trait CommitGate: Send + Sync {
-    async fn acquire(&self, sandbox: &str, bytes: u64, kind: crate::node::CommitKind, turn: u64);
+    /// Largest draw the node grants at once.
+    fn chunk_bytes(&self) -> u64;
+    /// Waits until `bytes` more of turn `turn`'s write-out may go to disk. A
+    /// `supersedable` process checkpoint may hear instead that a newer one replaces it.
+    async fn acquire(&self, sandbox: &str, bytes: u64, kind: crate::node::CommitKind, turn: u64, supersedable: bool)
+    -> crate::node::Acquired;
+    /// Turn `turn` of `sandbox` holds a full process capture: waiting process
+    /// write-outs of its earlier turns may be dropped.
+    async fn process_captured(&self, sandbox: &str, turn: u64);
 }
 
 /// Shared by every sandbox of one shim.
@@ -145,10 +159,16 @@ struct OpenTurn {
     /// The container's processes when the turn opened: one of them ending is
     /// a change of process state.
     processes_before: Option<std::collections::HashSet<u32>>,
+    /// Their CPU times then (None: unreadable).
+    cpu_before: Option<CpuSnapshot>,
+    /// Set when the turn closes: those of them alive at its end that ran
+    /// meanwhile (None: the CPU times could not be read).
+    processes_ran: Option<Vec<ProcessRan>>,
 }
 
 /// A long-lived exec whose stdin the client feeds.
 struct Session {
+    pid: u32,
     /// Still starting up: it has not waited for input yet.
     starting: bool,
     /// Working on input it was sent: it holds the open turn.
@@ -182,6 +202,10 @@ pub struct SandboxEngine {
     ctx: Arc<EngineContext>,
     runtime: OciRuntime,
     init_pid: u32,
+    /// The container's cgroup v2 directory (None: not found).
+    cgroup_dir: Option<PathBuf>,
+    /// CPU time crab's dumps made the container's processes spend.
+    dump_charges: std::sync::Mutex<DumpCharges>,
     work_dir: PathBuf,
     log: TurnLog,
     state: Mutex<State>,
@@ -242,6 +266,8 @@ impl SandboxEngine {
             ctx,
             runtime,
             init_pid,
+            cgroup_dir: container_cgroup_dir(init_pid),
+            dump_charges: Default::default(),
             work_dir,
             log,
             state: Mutex::new(State {
@@ -260,6 +286,9 @@ impl SandboxEngine {
     /// (restoring turn 0 means starting the container from its image). In
     /// `explicit` mode the first turn begins now.
     pub async fn container_started(&self) {
+        if self.policy.policy == Policy::Crab {
+            self.wait_until_quiet(&Default::default(), "start-up").await;
+        }
         self.set_aside_effects("start-up").await;
         if self.policy.turns == TurnsMode::Explicit {
             let mut state = self.state.lock().await;
@@ -293,16 +322,50 @@ impl SandboxEngine {
         state.next_turn += 1;
         self.log.mark_busy(true);
         tracing::debug!(container = %self.container, turn, %source, exec = ?exec_id, "turn opened");
+        let cpu_before = self.cpu_snapshot().map(|s| s.without(&self.dump_charges.lock().expect("dump charges lock")));
         state.open = Some(OpenTurn {
             turn,
             source,
             exec_id: exec_id.map(str::to_string),
             started: SystemTime::now(),
             running_execs,
-            // crab-init's spawner runs for the runtime, not the workload.
-            processes_before: container_processes(self.init_pid)
-                .map(|before| &before - &self.runtime.helper_pids()),
+            processes_before: cpu_before.as_ref().map(CpuSnapshot::pids),
+            cpu_before,
+            processes_ran: None,
         });
+    }
+
+    /// The CPU times of the container's processes now, crab-init's spawner
+    /// left out (it runs for the runtime, not the workload).
+    fn cpu_snapshot(&self) -> Option<CpuSnapshot> {
+        let dir = self.cgroup_dir.as_ref()?;
+        CpuSnapshot::take(&ProcCpuClock, dir, &self.runtime.helper_pids())
+            .inspect_err(|e| tracing::warn!(container = %self.container, error = %e, "no CPU times: the turn counts as a process turn"))
+            .ok()
+    }
+
+    /// Threads of the container that are runnable or in uninterruptible sleep (none when unreadable).
+    fn busy_threads(&self) -> std::collections::HashSet<u32> {
+        let Some(dir) = &self.cgroup_dir else { return Default::default() };
+        busy_threads(&ProcFs, dir).map(|busy| busy.into_iter().map(|(tid, _)| tid).collect()).unwrap_or_default()
+    }
+
+    /// Waits (boundedly) until no thread but those of `busy_before` is
+    /// runnable, so that what crab set off is over before a turn measures
+    /// CPU times: after a dump, CRIU has thawed the container and each process
+    /// runs a little once the scheduler gets to it (leaving the freezer,
+    /// restarting its system call; seen 20 ms after runc returned on a loaded
+    /// machine); after Start, the init is still exec'ing its program.
+    async fn wait_until_quiet(&self, busy_before: &std::collections::HashSet<u32>, what: &str) {
+        const QUIET_LIMIT: std::time::Duration = std::time::Duration::from_millis(200);
+        let started = Instant::now();
+        while started.elapsed() < QUIET_LIMIT {
+            if self.busy_threads().is_subset(busy_before) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        tracing::debug!(container = %self.container, what, "threads still busy: their run counts in the next turn");
     }
 
     /// Waits until every checkpoint job started so far is done.
@@ -385,6 +448,18 @@ impl SandboxEngine {
         if let Some(source) = closed_by {
             open.source = source;
         }
+        let cpu_after = self.cpu_snapshot().map(|s| s.without(&self.dump_charges.lock().expect("dump charges lock")));
+        // A stdin turn's session ran its input: that is its own reason (see `inspect`).
+        let session_pid = match (open.source, &open.exec_id) {
+            (TurnSource::Stdin, Some(id)) => state.sessions.get(id).map(|s| s.pid),
+            _ => None,
+        };
+        open.processes_ran = match (&open.cpu_before, &cpu_after) {
+            (Some(before), Some(after)) => {
+                Some(ran_between(before, after).into_iter().filter(|p| Some(p.pid) != session_pid).collect())
+            }
+            _ => None,
+        };
         state.jobs_started += 1;
         let job = state.jobs_started;
         let mut slot = state.pipeline.begin(open.turn);
@@ -412,7 +487,8 @@ impl SandboxEngine {
         slot.previous_written().await;
         let head = self.ctx.store.head(&self.container).ok().flatten().map(|h| h.turn);
         match outcome {
-            Ok(record) if record.checkpoint_turn.is_some() => record,
+            // A superseded turn has no checkpoint of its own, and the head does not hold it either.
+            Ok(record) if record.checkpoint_turn.is_some() || record.superseded_by.is_some() => record,
             // Clean (or not checkpointed by policy): the head stands for it.
             Ok(record) => TurnRecord { checkpoint_turn: head, ..record },
             Err((mut record, e)) => {
@@ -435,7 +511,7 @@ impl SandboxEngine {
         if !matches!(self.policy.turns, TurnsMode::Auto | TurnsMode::Stdin) {
             return None;
         }
-        let cgroup_dir = match container_cgroup_dir(self.init_pid) {
+        let cgroup_dir = match self.cgroup_dir.clone() {
             Some(dir) => dir,
             None => {
                 tracing::warn!(container = %self.container, exec = exec_id, "no cgroup v2 directory: stdin turns off for this exec");
@@ -443,6 +519,7 @@ impl SandboxEngine {
             }
         };
         let session = Session {
+            pid,
             starting: true,
             busy: false,
             forwarded: Arc::default(),
@@ -582,6 +659,7 @@ impl SandboxEngine {
             reasons: Vec::new(),
             // Set by record_turn from the head once the previous turn is written, unless checkpointed here.
             checkpoint_turn: None,
+            superseded_by: None,
             bytes_written: 0,
             capture_ms: 0.0,
             checkpoint_ms: 0.0,
@@ -599,7 +677,18 @@ impl SandboxEngine {
             }
             Policy::Crab => self.inspect(end_ns, open, &mut record).await,
         };
-        let (class, changed) = carry_unpublished(slot, class, changed, &mut record.reasons);
+        let (class, mut changed) = carry_unpublished(slot, class, changed, &mut record.reasons);
+        if record.escalated && class != TurnClass::Clean {
+            // The inspector could not see every change (lost events, async
+            // I/O, an unresolved path): take every path the rootfs diff holds.
+            match upperdir_changes(self.init_pid).await {
+                Ok(all) => {
+                    record.reasons.push(format!("escalated: the fs delta takes all {} paths of the rootfs diff", all.len()));
+                    changed.extend(all);
+                }
+                Err(e) => return Err((record, e)),
+            }
+        }
         record.class = match class {
             TurnClass::Clean => RecordedClass::Clean,
             TurnClass::Fs => RecordedClass::Fs,
@@ -614,6 +703,8 @@ impl SandboxEngine {
             let dir = self.work_dir.join(format!("dump-{}", open.turn));
             let _ = tokio::fs::remove_dir_all(&dir).await;
             let capture = Instant::now();
+            let cpu_before_dump = self.cpu_snapshot();
+            let busy_before_dump = self.busy_threads();
             let dumped = self
                 .runtime
                 .checkpoint(
@@ -630,6 +721,13 @@ impl SandboxEngine {
                 )
                 .await;
             record.capture_ms = capture.elapsed().as_secs_f64() * 1e3;
+            // The dump ran CRIU's code in every process; the turns around it did not.
+            self.wait_until_quiet(&busy_before_dump, "after the dump").await;
+            if let (Some(before), Some(after)) = (&cpu_before_dump, self.cpu_snapshot()) {
+                let mut charges = self.dump_charges.lock().expect("dump charges lock");
+                charges.add_dump(before, &after);
+                charges.retain_live(&after);
+            }
             if let Err(e) = dumped {
                 let _ = tokio::fs::remove_dir_all(&dir).await;
                 return Err((record, e.into()));
@@ -669,16 +767,13 @@ impl SandboxEngine {
             })
             .await;
         record.capture_ms += staging.elapsed().as_secs_f64() * 1e3;
+        if images.is_some() && staged.is_ok() {
+            slot.process_captured(self.ctx.commit_gate.as_deref(), &self.container).await;
+        }
         // The turn's state is captured: the next turn may run while this one is written out.
         slot.previous_written().await;
         let report = match staged {
-            Ok(staged) => {
-                if let Some(gate) = &self.ctx.commit_gate {
-                    let kind = if images.is_some() { crate::node::CommitKind::Proc } else { crate::node::CommitKind::Fs };
-                    gate.acquire(&self.container, staged.estimated_write_bytes(), kind, turn).await;
-                }
-                self.ctx.store.run_blocking(move |store| store.publish(staged)).await
-            }
+            Ok(staged) => slot.write_out(&self.ctx.store, self.ctx.commit_gate.clone(), &self.container, staged).await,
             Err(e) => Err(e),
         };
         if let Some(dir) = &images {
@@ -686,10 +781,17 @@ impl SandboxEngine {
             let _ = tokio::fs::remove_dir_all(self.work_dir.join(format!("dump-{turn}-work"))).await;
         }
         let report = match report {
-            Ok(r) => r,
+            Ok(crate::checkpoint::WrittenOut::Published(r)) => r,
+            Ok(crate::checkpoint::WrittenOut::Superseded { by_turn }) => {
+                record.superseded_by = Some(by_turn);
+                record.reasons.push(format!(
+                    "checkpoint superseded by turn {by_turn} while it waited for write bandwidth (turn {by_turn} holds its changes and a newer process dump)"
+                ));
+                record.checkpoint_ms = clock.elapsed().as_secs_f64() * 1e3;
+                return Ok(record);
+            }
             Err(e) => return Err((record, e.into())),
         };
-        slot.published(images.is_some());
         record.checkpoint_turn = Some(turn);
         record.bytes_written = report.traffic.written_bytes + report.manifest_bytes;
         record.checkpoint_ms = clock.elapsed().as_secs_f64() * 1e3;
@@ -740,11 +842,25 @@ impl SandboxEngine {
             !paths.is_empty() && paths.iter().all(|p| !p.resolved && p.path.starts_with(&self.work_dir))
         };
         let helpers = self.runtime.helper_pids();
+        // Before the init execs the entrypoint it is the runtime's (or
+        // crab-init's) start-up code: crab-init binds its control socket and
+        // forks the spawner there. That is the container coming up too, as is
+        // the fork that made the init and the spawner.
+        let init_exec_ns = effects
+            .effects
+            .iter()
+            .filter(|e| e.pid == init_pid && matches!(e.kind, EffectKind::Exec { .. }))
+            .map(|e| e.time_ns)
+            .max();
+        let start_up = |e: &Effect| {
+            (e.pid == init_pid && init_exec_ns.is_some_and(|exec| e.time_ns <= exec))
+                || matches!(e.kind, EffectKind::Fork { child } if child == init_pid || helpers.contains(&child))
+        };
         let effects = TurnEffects {
             effects: effects
                 .effects
                 .into_iter()
-                .filter(|e| !(e.pid == init_pid && matches!(e.kind, EffectKind::Exec { .. })))
+                .filter(|e| !start_up(e))
                 .filter(|e| !by_checkpoint(e))
                 .filter(|e| !helpers.contains(&e.pid))
                 .collect(),
@@ -756,6 +872,8 @@ impl SandboxEngine {
                 ignored_prefixes: self.policy.ignore.clone(),
                 lost_events: effects.lost_events,
                 processes_before: open.processes_before.clone(),
+                cpu_times_unknown: open.processes_ran.is_none(),
+                processes_ran: open.processes_ran.clone().unwrap_or_default(),
             },
         );
         record.external = verdict.external;
@@ -816,13 +934,6 @@ fn carry_unpublished(
     (class, changed)
 }
 
-/// Host pids in the cgroup v2 group of `init_pid`, or None when it cannot be read.
-fn container_processes(init_pid: u32) -> Option<std::collections::HashSet<u32>> {
-    let dir = container_cgroup_dir(init_pid)?;
-    let text = std::fs::read_to_string(dir.join("cgroup.procs")).ok()?;
-    Some(text.lines().filter_map(|l| l.trim().parse().ok()).collect())
-}
-
 /// Where the shim keeps a copy of a sandbox's OCI spec (the id was validated by the turn log).
 pub fn sandbox_spec_path(state_dir: &Path, container: &str) -> PathBuf {
     state_dir.join("sandboxes").join(format!("{container}.json"))
@@ -830,6 +941,33 @@ pub fn sandbox_spec_path(state_dir: &Path, container: &str) -> PathBuf {
 
 /// The distinct paths a turn changed, outside ignored prefixes. A path is
 /// "created" when the turn made it (so a new directory is captured whole).
+/// Every path in the container's overlay upperdir, as changed paths of the
+/// container's root (a whiteout is a path that is gone, which the fs delta
+/// records as a deletion).
+async fn upperdir_changes(init_pid: u32) -> Result<Vec<ChangedPath>, EngineError> {
+    tokio::task::spawn_blocking(move || -> Result<Vec<ChangedPath>, EngineError> {
+        use std::os::unix::ffi::OsStrExt;
+        let upper = crate::checkpoint::overlay_upperdir(init_pid)?;
+        let mut changed = Vec::new();
+        let mut dirs = vec![upper.clone()];
+        while let Some(dir) = dirs.pop() {
+            let entries = std::fs::read_dir(&dir).map_err(|e| EngineError::Other(format!("rootfs diff {}: {e}", dir.display())))?;
+            for entry in entries {
+                let entry = entry.map_err(|e| EngineError::Other(format!("rootfs diff {}: {e}", dir.display())))?;
+                let path = entry.path();
+                let rel = Path::new("/").join(path.strip_prefix(&upper).unwrap_or(&path));
+                changed.push(ChangedPath::modified(rel.as_os_str().as_bytes()));
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    dirs.push(path);
+                }
+            }
+        }
+        Ok(changed)
+    })
+    .await
+    .map_err(|e| EngineError::Other(format!("rootfs diff task: {e}")))?
+}
+
 pub fn changed_paths(effects: &[Effect], ignore: &[PathBuf]) -> Vec<ChangedPath> {
     const O_CREAT: u64 = libc::O_CREAT as u64;
     let ignored = |p: &Path| {
@@ -896,6 +1034,7 @@ mod tests {
     /// A session as `stdin_session` registers it, without its detector (the tests play it).
     async fn add_session(engine: &SandboxEngine, exec_id: &str) {
         let session = Session {
+            pid: 0,
             starting: true,
             busy: false,
             forwarded: Arc::default(),

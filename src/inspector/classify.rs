@@ -57,6 +57,26 @@ pub enum Reason {
         pid: u32,
         addr: String,
     },
+    /// A process that was running before the turn and still is got CPU time
+    /// during it: its memory may have changed (a server answered, a job advanced).
+    ProcessRan(ProcessRan),
+    /// The processes' CPU times could not be read: any of them may have run.
+    CpuTimesUnknown,
+    /// io_uring or Linux AIO: the kernel did I/O for the process that the
+    /// inspector cannot see, so any file may have changed.
+    AsyncIo {
+        pid: u32,
+        call: &'static str,
+    },
+}
+
+/// A process from before a turn, alive at its end, that ran during it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessRan {
+    pub pid: u32,
+    pub comm: String,
+    /// CPU time it used during the turn.
+    pub cpu_ns: u64,
 }
 
 impl fmt::Display for Reason {
@@ -74,6 +94,17 @@ impl fmt::Display for Reason {
             Reason::MountChanged { op, target } => write!(f, "{op} {}", target.display()),
             Reason::LostEvents { count } => write!(f, "{count} inspector records lost"),
             Reason::ExternalConnect { pid, addr } => write!(f, "process {pid} connected to {addr}"),
+            Reason::ProcessRan(ProcessRan { pid, comm, cpu_ns }) => write!(
+                f,
+                "process {pid} ({comm}) from before the turn ran {:.3} ms",
+                *cpu_ns as f64 / 1e6
+            ),
+            Reason::CpuTimesUnknown => {
+                write!(f, "CPU times of the processes unreadable: any may have run")
+            }
+            Reason::AsyncIo { pid, call } => {
+                write!(f, "process {pid} used {call}: files it changed through it are not seen")
+            }
         }
     }
 }
@@ -119,6 +150,11 @@ pub struct ClassifyOptions {
     /// Without it, a process that exits without a fork or exec in the turn's
     /// effects is taken to be one from before.
     pub processes_before: Option<HashSet<u32>>,
+    /// Processes from before the turn, alive at its end, that got CPU time
+    /// during it (the caller compares their CPU clocks).
+    pub processes_ran: Vec<ProcessRan>,
+    /// The caller could not read the CPU clocks: a process may have run unseen.
+    pub cpu_times_unknown: bool,
 }
 
 pub fn classify(effects: &[Effect], options: &ClassifyOptions) -> Classification {
@@ -142,6 +178,16 @@ pub fn classify(effects: &[Effect], options: &ClassifyOptions) -> Classification
                     addr: addr.to_string(),
                 });
             }
+            // Whatever the kernel did for it is file work (io_uring and AIO
+            // cannot start processes or mount): escalate to fs, like a
+            // change at an unresolved path.
+            EffectKind::AsyncIo { call, .. } => verdict.escalate(
+                TurnClass::Fs,
+                Reason::AsyncIo {
+                    pid: effect.pid,
+                    call: call.name(),
+                },
+            ),
             kind if kind.is_mount_change() => {
                 let target = kind
                     .paths()
@@ -239,6 +285,12 @@ fn classify_processes(effects: &[Effect], options: &ClassifyOptions, verdict: &m
     }
     for pid in ended {
         verdict.raise(TurnClass::Proc, Reason::ProcessEnded { pid });
+    }
+    for ran in &options.processes_ran {
+        verdict.raise(TurnClass::Proc, Reason::ProcessRan(ran.clone()));
+    }
+    if options.cpu_times_unknown {
+        verdict.escalate(TurnClass::Proc, Reason::CpuTimesUnknown);
     }
     for effect in effects {
         if let EffectKind::Listen { addr, .. } = &effect.kind
@@ -473,6 +525,32 @@ mod tests {
     }
 
     #[test]
+    fn a_process_from_before_that_ran_is_proc() {
+        let ran = ProcessRan {
+            pid: 40,
+            comm: "python3".into(),
+            cpu_ns: 1_250_000,
+        };
+        let options = ClassifyOptions {
+            processes_ran: vec![ran.clone()],
+            ..Default::default()
+        };
+        let c = classify(&[], &options);
+        assert_eq!((c.class, c.escalated), (TurnClass::Proc, false));
+        assert_eq!(c.reasons, vec![Reason::ProcessRan(ran)]);
+        assert_eq!(
+            c.reasons[0].to_string(),
+            "process 40 (python3) from before the turn ran 1.250 ms"
+        );
+        let unknown = ClassifyOptions {
+            cpu_times_unknown: true,
+            ..Default::default()
+        };
+        let c = classify(&[], &unknown);
+        assert_eq!((c.class, c.escalated), (TurnClass::Proc, true));
+    }
+
+    #[test]
     fn a_runtime_init_whose_exec_failed_is_not_from_before() {
         let failed = Effect {
             comm: "runc:[2:INIT]".into(),
@@ -551,6 +629,33 @@ mod tests {
         let remote = classify_plain(&[connect("93.184.216.34:443")]);
         assert!(remote.external);
         assert_eq!(remote.class, TurnClass::Clean);
+    }
+
+    #[test]
+    fn asynchronous_io_escalates_naming_the_call() {
+        use crate::inspector::effect::AsyncIoCall;
+        for call in [
+            AsyncIoCall::IoUringSetup,
+            AsyncIoCall::IoUringEnter,
+            AsyncIoCall::IoUringRegister,
+            AsyncIoCall::IoSubmit,
+            AsyncIoCall::EarlierPollingRing,
+        ] {
+            let kind = EffectKind::AsyncIo {
+                call,
+                polling_ring: false,
+            };
+            let c = classify_plain(&[effect(4, kind)]);
+            assert_eq!((c.class, c.escalated), (TurnClass::Fs, true));
+            assert_eq!(
+                c.reasons,
+                vec![Reason::AsyncIo {
+                    pid: 4,
+                    call: call.name()
+                }]
+            );
+            assert!(c.reasons[0].to_string().contains(call.name()));
+        }
     }
 
     #[test]

@@ -143,6 +143,56 @@ impl WriteVia {
     }
 }
 
+/// A call that hands I/O to the kernel to do later, where the inspector cannot
+/// see it (mirrors `enum async_io_call`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AsyncIoCall {
+    IoUringSetup,
+    IoUringEnter,
+    IoUringRegister,
+    /// Linux AIO.
+    IoSubmit,
+    /// A submission-polling io_uring ring set up in an earlier turn whose
+    /// process ran in this one: it can submit I/O with no syscall at all
+    /// (added by the reader, not the kernel).
+    EarlierPollingRing,
+}
+
+impl AsyncIoCall {
+    pub(crate) fn from_raw(raw: u64) -> Option<Self> {
+        Some(match raw {
+            1 => AsyncIoCall::IoUringSetup,
+            2 => AsyncIoCall::IoUringEnter,
+            3 => AsyncIoCall::IoUringRegister,
+            4 => AsyncIoCall::IoSubmit,
+            _ => return None,
+        })
+    }
+
+    /// The value the kernel keys its dedup entries with (`enum async_io_call`).
+    pub(crate) fn raw(self) -> u64 {
+        match self {
+            AsyncIoCall::IoUringSetup => 1,
+            AsyncIoCall::IoUringEnter => 2,
+            AsyncIoCall::IoUringRegister => 3,
+            AsyncIoCall::IoSubmit => 4,
+            AsyncIoCall::EarlierPollingRing => 0,
+        }
+    }
+
+    /// The syscall, for logs and reasons.
+    pub fn name(self) -> &'static str {
+        match self {
+            AsyncIoCall::IoUringSetup => "io_uring_setup",
+            AsyncIoCall::IoUringEnter => "io_uring_enter",
+            AsyncIoCall::IoUringRegister => "io_uring_register",
+            AsyncIoCall::IoSubmit => "io_submit",
+            AsyncIoCall::EarlierPollingRing => "io_uring (polling ring of an earlier turn)",
+        }
+    }
+}
+
 /// One thing a process in a watched container did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Effect {
@@ -241,6 +291,14 @@ pub enum EffectKind {
         /// The file's inode number.
         ino: u64,
     },
+    /// io_uring or Linux AIO: the process had the kernel do I/O the
+    /// inspector cannot see (files written, renamed, removed: any of them).
+    AsyncIo {
+        call: AsyncIoCall,
+        /// The ring polls its submission queue (`IORING_SETUP_SQPOLL`): the
+        /// process can submit later with no syscall.
+        polling_ring: bool,
+    },
     Bind {
         addr: SockAddr,
     },
@@ -299,6 +357,7 @@ impl EffectKind {
             EffectKind::Mknod { .. } => "mknod",
             EffectKind::Utimes { .. } => "utimes",
             EffectKind::Write { via, .. } => via.name(),
+            EffectKind::AsyncIo { call, .. } => call.name(),
             EffectKind::Bind { .. } => "bind",
             EffectKind::Listen { .. } => "listen",
             EffectKind::Connect { .. } => "connect",

@@ -5,7 +5,7 @@ use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
-use super::effect::{Effect, EffectKind, EffectPath, SockAddr, WriteVia};
+use super::effect::{AsyncIoCall, Effect, EffectKind, EffectPath, SockAddr, WriteVia};
 
 // Mirrors `enum record_kind`.
 const KIND_OPEN: u32 = 1;
@@ -23,6 +23,10 @@ const KIND_REMOVEXATTR: u32 = 12;
 const KIND_MKNOD: u32 = 13;
 const KIND_UTIMES: u32 = 14;
 const KIND_WRITE: u32 = 15;
+const KIND_ASYNC_IO: u32 = 16;
+
+/// io_uring_setup's flag for a ring whose submission queue a kernel thread polls.
+const IORING_SETUP_SQPOLL: u64 = 1 << 1;
 const KIND_BIND: u32 = 32;
 const KIND_LISTEN: u32 = 33;
 const KIND_CONNECT: u32 = 34;
@@ -71,6 +75,8 @@ pub enum RecordError {
     UnknownKind { kind: u32 },
     #[error("write record names an unknown way of writing ({via})")]
     UnknownWriteVia { via: u64 },
+    #[error("asynchronous I/O record names an unknown call ({call})")]
+    UnknownAsyncIoCall { call: u64 },
     #[error(
         "path {index} of a {kind} record points outside the record's data ({start}..{end} of {len})"
     )]
@@ -314,6 +320,11 @@ impl<'a> RawRecord<'a> {
                     .ok_or(RecordError::UnknownWriteVia { via: self.arg(0) })?,
                 inode_key: self.arg(1),
                 ino: self.arg(2),
+            },
+            KIND_ASYNC_IO => EffectKind::AsyncIo {
+                call: AsyncIoCall::from_raw(self.arg(0))
+                    .ok_or(RecordError::UnknownAsyncIoCall { call: self.arg(0) })?,
+                polling_ring: self.arg(1) & IORING_SETUP_SQPOLL != 0,
             },
             KIND_BIND => EffectKind::Bind {
                 addr: self.sockaddr()?,
@@ -570,6 +581,34 @@ mod tests {
         assert_eq!(
             decode(&unknown, &NoFsTypes),
             Err(RecordError::UnknownWriteVia { via: 99 })
+        );
+    }
+
+    #[test]
+    fn asynchronous_io_names_the_call_and_a_polling_ring() {
+        let setup = RecordBuilder::new(KIND_ASYNC_IO)
+            .arg(0, 1)
+            .arg(1, IORING_SETUP_SQPOLL | 1)
+            .bytes();
+        assert_eq!(
+            kind_of(&setup),
+            EffectKind::AsyncIo {
+                call: AsyncIoCall::IoUringSetup,
+                polling_ring: true,
+            }
+        );
+        let submit = RecordBuilder::new(KIND_ASYNC_IO).arg(0, 4).bytes();
+        assert_eq!(
+            kind_of(&submit),
+            EffectKind::AsyncIo {
+                call: AsyncIoCall::IoSubmit,
+                polling_ring: false,
+            }
+        );
+        let unknown = RecordBuilder::new(KIND_ASYNC_IO).arg(0, 0).bytes();
+        assert_eq!(
+            decode(&unknown, &NoFsTypes),
+            Err(RecordError::UnknownAsyncIoCall { call: 0 })
         );
     }
 

@@ -1,4 +1,4 @@
-//! Writes through descriptors and shared mappings across turn boundaries.
+//! Writes through descriptors, shared mappings and asynchronous I/O across turn boundaries.
 //!
 //! The kernel side reports the first write of a process to a file per turn
 //! and remembers it in the `written` map (`struct write_key` ->
@@ -13,24 +13,52 @@
 //!   the next turn ([`WriteMemory::carry_over`]).
 //! - A shared mapping lets a process change a file with no syscall at all, in
 //!   any later turn. The reader keeps the live mappings and, at each drain,
-//!   reports those whose process used CPU since the previous drain.
+//!   reports those whose process used CPU since the previous drain. A
+//!   submission-polling io_uring ring is the same: its kernel thread takes
+//!   requests from memory.
+//!
+//! Asynchronous I/O calls (io_uring, AIO) share the kernel's dedup map with
+//! writes, keyed by call instead of file ([`Channel::AsyncIo`]).
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 
-use super::effect::{Effect, EffectKind, EffectPath, WriteVia};
+use super::effect::{AsyncIoCall, Effect, EffectKind, EffectPath, WriteVia};
 
 /// Byte layout of `struct write_key`.
 pub(crate) const WRITE_KEY_LEN: usize = 16;
 /// Byte layout of `struct write_seen`.
 pub(crate) const WRITE_SEEN_LEN: usize = 24;
 
-/// A process and a file it wrote, as the kernel keys them.
+/// What a dedup key counts (mirrors `enum write_channel`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Channel {
+    /// Writes through a descriptor.
+    Descriptor,
+    /// A shared mapping, which outlives the call.
+    Mapping,
+    /// Calls of one kind of asynchronous I/O; the key's `inode_key` is the call.
+    AsyncIo,
+}
+
+impl Channel {
+    fn from_raw(raw: u32) -> Option<Self> {
+        Some(match raw {
+            0 => Channel::Descriptor,
+            1 => Channel::Mapping,
+            2 => Channel::AsyncIo,
+            _ => return None,
+        })
+    }
+}
+
+/// A process and a file it wrote (or an asynchronous I/O call it made), as
+/// the kernel keys them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct WriteKey {
     pub inode_key: u64,
     pub pid: u32,
-    pub mapping: bool,
+    pub channel: Channel,
 }
 
 impl WriteKey {
@@ -39,8 +67,19 @@ impl WriteKey {
             EffectKind::Write { inode_key, via, .. } => Some(Self {
                 inode_key,
                 pid: effect.pid,
-                mapping: via.is_mapping(),
+                channel: if via.is_mapping() {
+                    Channel::Mapping
+                } else {
+                    Channel::Descriptor
+                },
             }),
+            EffectKind::AsyncIo { call, .. } if call != AsyncIoCall::EarlierPollingRing => {
+                Some(Self {
+                    inode_key: call.raw(),
+                    pid: effect.pid,
+                    channel: Channel::AsyncIo,
+                })
+            }
             _ => None,
         }
     }
@@ -52,7 +91,7 @@ impl WriteKey {
         Some(Self {
             inode_key: u64::from_ne_bytes(bytes[0..8].try_into().ok()?),
             pid: u32::from_ne_bytes(bytes[8..12].try_into().ok()?),
-            mapping: u32::from_ne_bytes(bytes[12..16].try_into().ok()?) != 0,
+            channel: Channel::from_raw(u32::from_ne_bytes(bytes[12..16].try_into().ok()?))?,
         })
     }
 }
@@ -104,7 +143,11 @@ pub(crate) fn seen_at_drain(seen: &WriteSeen, until_ns: u64) -> SeenAtDrain {
     }
 }
 
-/// A shared mapping of a file a process may still be storing through.
+/// Key of a live polling io_uring ring among the mappings: no inode has address 0.
+const RING_KEY: u64 = 0;
+
+/// A shared mapping of a file a process may still be storing through, or a
+/// polling io_uring ring it may still be submitting through.
 #[derive(Debug, Clone)]
 struct LiveMapping {
     /// The record that reported it (path, inode, process).
@@ -125,6 +168,22 @@ impl WriteMemory {
     /// processes that inherit or drop mappings.
     pub fn observe(&mut self, effect: &Effect) {
         match &effect.kind {
+            EffectKind::AsyncIo { call, polling_ring } => {
+                if let Some(key) = WriteKey::of(effect) {
+                    self.latest.insert(key, effect.clone());
+                }
+                // The ring's kernel thread takes submissions with no syscall
+                // for as long as the process keeps it (its descriptor is
+                // close-on-exec, so until exec or exit).
+                if *call == AsyncIoCall::IoUringSetup && *polling_ring {
+                    self.mappings
+                        .entry((effect.pid, RING_KEY))
+                        .or_insert_with(|| LiveMapping {
+                            effect: effect.clone(),
+                            cpu_ns_at_drain: None,
+                        });
+                }
+            }
             EffectKind::Write { via, inode_key, .. } => {
                 if let Some(key) = WriteKey::of(effect) {
                     self.latest.insert(key, effect.clone());
@@ -187,7 +246,7 @@ impl WriteMemory {
         let key = WriteKey {
             inode_key,
             pid: effect.pid,
-            mapping: false,
+            channel: Channel::Descriptor,
         };
         self.latest.insert(key, as_write);
     }
@@ -201,27 +260,39 @@ impl WriteMemory {
                 time_ns: at_ns,
                 ..recorded.clone()
             },
-            None => Effect {
-                time_ns: at_ns,
-                pid: key.pid,
-                tid: key.pid,
-                comm: String::new(),
-                result: 0,
-                kind: EffectKind::Write {
-                    path: EffectPath {
-                        path: PathBuf::new(),
-                        resolved: false,
-                        fs_type: None,
+            None => {
+                let unresolved = EffectPath {
+                    path: PathBuf::new(),
+                    resolved: false,
+                    fs_type: None,
+                };
+                let kind = match key.channel {
+                    Channel::Descriptor | Channel::Mapping => EffectKind::Write {
+                        path: unresolved,
+                        via: if key.channel == Channel::Mapping {
+                            WriteVia::SharedMapping
+                        } else {
+                            WriteVia::Write
+                        },
+                        inode_key: key.inode_key,
+                        ino: 0,
                     },
-                    via: if key.mapping {
-                        WriteVia::SharedMapping
-                    } else {
-                        WriteVia::Write
+                    // The kernel keys only the calls it knows.
+                    Channel::AsyncIo => EffectKind::AsyncIo {
+                        call: AsyncIoCall::from_raw(key.inode_key)
+                            .unwrap_or(AsyncIoCall::IoUringEnter),
+                        polling_ring: false,
                     },
-                    inode_key: key.inode_key,
-                    ino: 0,
-                },
-            },
+                };
+                Effect {
+                    time_ns: at_ns,
+                    pid: key.pid,
+                    tid: key.pid,
+                    comm: String::new(),
+                    result: 0,
+                    kind,
+                }
+            }
         }
     }
 
@@ -242,13 +313,12 @@ impl WriteMemory {
     ) -> Vec<Effect> {
         let mut effects = Vec::new();
         self.mappings.retain(|(pid, _), mapping| {
-            let EffectKind::Write { ino, .. } = mapping.effect.kind else {
-                return false;
-            };
             let Some(cpu_ns) = probe.cpu_ns(*pid) else {
                 return false; // the process is gone
             };
-            if probe.maps_shared(*pid, ino) == Some(false) {
+            if let EffectKind::Write { ino, .. } = mapping.effect.kind
+                && probe.maps_shared(*pid, ino) == Some(false)
+            {
                 return false;
             }
             if mapping
@@ -258,8 +328,10 @@ impl WriteMemory {
                 for time_ns in [until_ns, now_ns] {
                     let mut effect = mapping.effect.clone();
                     effect.time_ns = time_ns;
-                    if let EffectKind::Write { via, .. } = &mut effect.kind {
-                        *via = WriteVia::EarlierSharedMapping;
+                    match &mut effect.kind {
+                        EffectKind::Write { via, .. } => *via = WriteVia::EarlierSharedMapping,
+                        EffectKind::AsyncIo { call, .. } => *call = AsyncIoCall::EarlierPollingRing,
+                        _ => {}
                     }
                     effects.push(effect);
                 }
@@ -356,7 +428,7 @@ mod tests {
             Some(WriteKey {
                 inode_key: 0xffff_8880_0000_1000,
                 pid: 42,
-                mapping: true
+                channel: Channel::Mapping
             })
         );
         assert_eq!(WriteKey::from_bytes(&key[..15]), None);
@@ -390,7 +462,7 @@ mod tests {
         let key = WriteKey {
             inode_key: 0xa0,
             pid: 7,
-            mapping: false,
+            channel: Channel::Descriptor,
         };
         let carried = memory.carry_over(&key, 130);
         assert_eq!(carried, write(7, 0xa0, WriteVia::Write, 130));
@@ -408,7 +480,7 @@ mod tests {
             &WriteKey {
                 inode_key: 0xb0,
                 pid: 9,
-                mapping: false,
+                channel: Channel::Descriptor,
             },
             140,
         );

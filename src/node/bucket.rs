@@ -18,15 +18,20 @@
 //!    should not sit behind a memory image);
 //! 4. process checkpoints (CRIU images), oldest first.
 //!
-//! Superseding: a waiting process checkpoint of a sandbox is dropped (its
-//! waiter hears `Superseded`) when a newer process checkpoint of the same
-//! sandbox arrives and both were marked `supersedable` by their shim. Only a
-//! shim can promise that: the newer commit must cover every path the dropped
-//! one would have written (CRIU images are whole, but the file-system part of
-//! a turn's commit only holds that turn's paths). File-system deltas are
-//! never dropped here: the newer delta lacks the older one's paths, and
-//! merging them needs the older paths' contents as of the newer turn's end,
-//! which only the shim can read, before the turn after it runs.
+//! Superseding: a waiting process checkpoint of a sandbox (marked
+//! `supersedable` by its shim) is dropped, its waiter hearing `Superseded`,
+//! once the shim reports a newer full process capture of the same sandbox
+//! ([`Scheduler::supersede`], or a newer supersedable request arriving). A
+//! request of an older turn that arrives after that report is dropped as
+//! soon as it would have to wait; one the bucket can pay at once still goes.
+//! Only the shim can promise what dropping needs: the newer capture holds a
+//! whole CRIU dump, and its file-system delta holds every path of the
+//! sandbox's earlier turns that no durable checkpoint has (the shim carries
+//! them into each capture, re-read as of the newer turn's end; see
+//! [`crate::checkpoint::TurnPipeline`]). So the newest state stays exact;
+//! what is lost is a rollback to the dropped turn itself, which the turn log
+//! then refuses by name. File-system deltas are never dropped: they are
+//! small, and each keeps its turn reachable for rollback.
 //!
 //! The scheduler is plain data driven by explicit instants, so its maths is
 //! tested without a clock; [`super::server`] drives it in real time.
@@ -72,7 +77,7 @@ impl BucketConfig {
     }
 
     /// The chunk actually drawn: at least a byte, at most the burst.
-    fn chunk(&self) -> u64 {
+    pub fn chunk(&self) -> u64 {
         self.chunk_bytes.clamp(1, self.burst_bytes.max(1))
     }
 }
@@ -140,6 +145,8 @@ pub struct Scheduler {
     totals: HashMap<String, SandboxTotals>,
     /// Superseded since the last poll, reported by it.
     dropped: Vec<Decision>,
+    /// Per sandbox, the newest turn with a full process capture reported.
+    captured: HashMap<String, u64>,
     /// What forgotten sandboxes contributed to the node's totals.
     gone: GoneTotals,
 }
@@ -172,6 +179,7 @@ impl Scheduler {
             evicting: HashSet::new(),
             totals: HashMap::new(),
             dropped: Vec::new(),
+            captured: HashMap::new(),
             gone: GoneTotals::default(),
         }
     }
@@ -184,32 +192,51 @@ impl Scheduler {
     /// sandbox are dropped when it is one too (the next poll reports them).
     pub fn enqueue(&mut self, request: CommitRequest, now: Instant) -> Ticket {
         if request.kind == CommitKind::Proc && request.supersedable {
-            let older: Vec<Ticket> = self
-                .waiting
-                .iter()
-                .filter(|(_, w)| {
-                    w.request.sandbox == request.sandbox
-                        && w.request.kind == CommitKind::Proc
-                        && w.request.supersedable
-                        && w.request.turn < request.turn
-                })
-                .map(|(ticket, _)| *ticket)
-                .collect();
-            for ticket in older {
-                let w = self.waiting.remove(&ticket).expect("listed above");
-                let waited = now.saturating_duration_since(w.enqueued);
-                let totals = self.totals.entry(w.request.sandbox).or_default();
-                totals.superseded += 1;
-                totals.superseded_bytes += w.remaining;
-                totals.max_lag = totals.max_lag.max(waited);
-                self.dropped.push(Decision { ticket, waited, outcome: Outcome::Superseded { by_turn: request.turn } });
-            }
+            self.supersede(&request.sandbox, request.turn, now);
         }
         let ticket = self.next_ticket;
         self.next_ticket += 1;
         let remaining = request.bytes;
         self.waiting.insert(ticket, Waiting { request, enqueued: now, remaining });
         ticket
+    }
+
+    /// Turn `turn` of `sandbox` has a full process capture: its waiting
+    /// supersedable process checkpoints of earlier turns are dropped now (the
+    /// next poll reports them), later ones when they would wait. Returns how
+    /// many were dropped now.
+    pub fn supersede(&mut self, sandbox: &str, turn: u64, now: Instant) -> usize {
+        let newest = self.captured.entry(sandbox.to_string()).or_insert(turn);
+        *newest = (*newest).max(turn);
+        let dropped = self.drop_superseded(now);
+        let count = dropped.len();
+        self.dropped.extend(dropped);
+        count
+    }
+
+    /// Removes every waiting request that a reported newer capture supersedes.
+    fn drop_superseded(&mut self, now: Instant) -> Vec<Decision> {
+        let superseded: Vec<(Ticket, u64)> = self
+            .waiting
+            .iter()
+            .filter(|(_, w)| w.request.kind == CommitKind::Proc && w.request.supersedable)
+            .filter_map(|(ticket, w)| {
+                let newest = *self.captured.get(&w.request.sandbox)?;
+                (newest > w.request.turn).then_some((*ticket, newest))
+            })
+            .collect();
+        superseded
+            .into_iter()
+            .map(|(ticket, by_turn)| {
+                let w = self.waiting.remove(&ticket).expect("listed above");
+                let waited = now.saturating_duration_since(w.enqueued);
+                let totals = self.totals.entry(w.request.sandbox).or_default();
+                totals.superseded += 1;
+                totals.superseded_bytes += w.remaining;
+                totals.max_lag = totals.max_lag.max(waited);
+                Decision { ticket, waited, outcome: Outcome::Superseded { by_turn } }
+            })
+            .collect()
     }
 
     /// Withdraws a waiting request; false when it was granted or unknown.
@@ -251,6 +278,8 @@ impl Scheduler {
                 decisions.push(Decision { ticket, waited, outcome: Outcome::Granted });
             }
         }
+        // What arrived after a newer capture was reported and could not be paid at once.
+        decisions.extend(self.drop_superseded(now));
         let next = self.head(now).map(|(_, chunk)| {
             let short = (chunk as f64 - self.tokens).max(0.0);
             // Rounded up, and at least a nanosecond ahead, so that time moves on.
@@ -356,6 +385,7 @@ impl Scheduler {
                 self.gone.granted_bytes += totals.granted_bytes;
             }
             self.evicting.remove(sandbox);
+            self.captured.remove(sandbox);
         }
     }
 }
@@ -598,6 +628,60 @@ mod tests {
         }
         granted.sort();
         assert_eq!(granted, vec![fs, pinned, other_sandbox, new]);
+    }
+
+    #[test]
+    fn a_reported_capture_drops_waiting_dumps_of_earlier_turns_and_later_ones_that_would_wait() {
+        let config = config(1, 1, 60_000);
+        let start = Instant::now();
+        let mut s = Scheduler::new(config, start);
+        let draw = |sandbox: &str, turn, kind, supersedable| CommitRequest {
+            sandbox: sandbox.into(),
+            bytes: 300_000,
+            kind,
+            turn,
+            supersedable,
+        };
+        let blocker = s.enqueue(request("x", MIB, CommitKind::Fs), start);
+        assert_eq!(s.poll(start).0.len(), 1, "{blocker} empties the bucket");
+        let waiting_dump = s.enqueue(draw("a", 4, CommitKind::Proc, true), start);
+        let fs_same_turn = s.enqueue(draw("a", 4, CommitKind::Fs, false), start);
+        let pinned = s.enqueue(draw("a", 3, CommitKind::Proc, false), start);
+        let other_sandbox = s.enqueue(draw("b", 4, CommitKind::Proc, true), start);
+        let later = start + Duration::from_millis(50);
+        // Turn 5 of a is captured (a newer dump): only a's waiting supersedable dump goes.
+        assert_eq!(s.supersede("a", 5, later), 1);
+        let (decisions, _) = s.poll(later);
+        assert_eq!(
+            decisions,
+            vec![Decision { ticket: waiting_dump, waited: Duration::from_millis(50), outcome: Outcome::Superseded { by_turn: 5 } }]
+        );
+        // A draw of the same turn 4 arriving later, while the bucket is empty: dropped at once.
+        let late_draw = s.enqueue(draw("a", 4, CommitKind::Proc, true), later);
+        let (decisions, _) = s.poll(later);
+        assert_eq!(decisions.iter().map(|d| (d.ticket, d.outcome)).collect::<Vec<_>>(), vec![(late_draw, Outcome::Superseded { by_turn: 5 })]);
+        // Turn 5's own draws are not superseded by its own report.
+        let own = s.enqueue(draw("a", 5, CommitKind::Proc, true), later);
+        // Once the bucket has refilled, a draw of an older turn that can be paid at once still goes.
+        let mut now = later;
+        let mut granted = Vec::new();
+        while granted.len() < 4 {
+            let (decisions, next) = s.poll(now);
+            assert!(decisions.iter().all(|d| d.outcome == Outcome::Granted), "{decisions:?}");
+            granted.extend(decisions.into_iter().map(|d| d.ticket));
+            if granted.len() < 4 {
+                now = next.expect("something waits");
+            }
+        }
+        granted.sort();
+        assert_eq!(granted, vec![fs_same_turn, pinned, other_sandbox, own]);
+        let idle = now + Duration::from_secs(5);
+        s.poll(idle);
+        let paid_at_once = s.enqueue(draw("a", 4, CommitKind::Proc, true), idle);
+        let (decisions, _) = s.poll(idle);
+        assert_eq!(decisions, vec![Decision { ticket: paid_at_once, waited: Duration::ZERO, outcome: Outcome::Granted }]);
+        let a = s.status(idle).sandboxes.into_iter().find(|x| x.sandbox == "a").unwrap();
+        assert_eq!((a.superseded, a.superseded_bytes), (2, 600_000));
     }
 
     #[test]

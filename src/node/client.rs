@@ -14,12 +14,13 @@ use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::net::UnixStream;
 
 use super::NodeError;
-use super::bucket::CommitKind;
+use super::bucket::{CommitKind, DEFAULT_CHUNK_BYTES};
 use super::protocol::{self, MAX_REPLY_BYTES, PROTOCOL_VERSION, ProtocolError, Reply, Request};
 use crate::engine::{CommitGate, EffectSource};
 use crate::inspector::{Effect, TurnEffects};
@@ -66,6 +67,8 @@ impl ClientOptions {
 struct Connection {
     stream: UnixStream,
     instance: String,
+    /// The largest draw it grants at once, when it says.
+    chunk_bytes: Option<u64>,
 }
 
 impl Connection {
@@ -76,7 +79,7 @@ impl Connection {
                 .map_err(|source| NodeError::Connect { path: socket.into(), source })?;
             protocol::write_message(&mut stream, &Request::Hello { version: PROTOCOL_VERSION }).await?;
             match protocol::read_message(&mut stream, MAX_REPLY_BYTES).await? {
-                Reply::Hello { instance, .. } => Ok(Self { stream, instance }),
+                Reply::Hello { instance, chunk_bytes, .. } => Ok(Self { stream, instance, chunk_bytes }),
                 Reply::Unsupported { supported } => Err(NodeError::Unsupported { supported }),
                 Reply::Error { message } => Err(NodeError::Remote(message)),
                 other => Err(NodeError::UnexpectedReply { request: "hello", got: other.name().into() }),
@@ -133,6 +136,8 @@ pub struct NodeClient {
     /// Containers whose records may have been lost (crabd restarted, or a
     /// drain broke off): their next drain reports a lost record.
     gaps: Mutex<HashSet<String>>,
+    /// The largest draw the crabd last talked to grants at once.
+    chunk_bytes: AtomicU64,
 }
 
 impl NodeClient {
@@ -143,6 +148,7 @@ impl NodeClient {
             control: tokio::sync::Mutex::new(Control { connection: None, instance: None }),
             watches: Mutex::new(HashMap::new()),
             gaps: Mutex::new(HashSet::new()),
+            chunk_bytes: AtomicU64::new(DEFAULT_CHUNK_BYTES),
         };
         {
             let mut control = client.control.lock().await;
@@ -162,6 +168,7 @@ impl NodeClient {
 
     async fn reconnect(&self, control: &mut Control) -> Result<(), NodeError> {
         let mut connection = self.open_or_spawn().await?;
+        self.note_chunk(&connection);
         let restarted = control.instance.as_deref() != Some(connection.instance.as_str());
         if restarted {
             let watches: Vec<(String, WatchArgs)> =
@@ -182,6 +189,11 @@ impl NodeClient {
         }
         control.connection = Some(connection);
         Ok(())
+    }
+
+    fn note_chunk(&self, connection: &Connection) {
+        let chunk = connection.chunk_bytes.unwrap_or(DEFAULT_CHUNK_BYTES).max(1);
+        self.chunk_bytes.store(chunk, Ordering::Relaxed);
     }
 
     async fn open_or_spawn(&self) -> Result<Connection, NodeError> {
@@ -245,7 +257,7 @@ impl NodeClient {
     /// reached or answers something else than a grant.
     pub async fn acquire_bandwidth(&self, sandbox: &str, bytes: u64, kind: CommitKind, turn: u64) -> Result<f64, NodeError> {
         let request = Request::Acquire { sandbox: sandbox.into(), bytes, kind, turn, supersedable: false };
-        match self.acquire(request).await? {
+        match self.acquire_request(request).await? {
             Acquired::Granted { waited_ms } => Ok(waited_ms),
             Acquired::Superseded { .. } => {
                 Err(NodeError::UnexpectedReply { request: "acquire", got: "superseded (not asked for)".into() })
@@ -258,14 +270,14 @@ impl NodeClient {
     /// this wait with [`Acquired::Superseded`]. The caller promises that the
     /// newer commit covers every path this one would have written.
     pub async fn acquire_supersedable(&self, sandbox: &str, bytes: u64, turn: u64) -> Result<Acquired, NodeError> {
-        self.acquire(Request::Acquire { sandbox: sandbox.into(), bytes, kind: CommitKind::Proc, turn, supersedable: true })
+        self.acquire_request(Request::Acquire { sandbox: sandbox.into(), bytes, kind: CommitKind::Proc, turn, supersedable: true })
             .await
     }
 
     /// One acquire on a connection of its own (dropping the future closes it,
     /// which withdraws the request). When crabd dies while the request waits,
     /// it is asked again of the crabd that replaces it, started if need be.
-    async fn acquire(&self, request: Request) -> Result<Acquired, NodeError> {
+    async fn acquire_request(&self, request: Request) -> Result<Acquired, NodeError> {
         // A crabd killed a moment ago can still hold its listening socket
         // while it exits (a connect then lands in its backlog and is reset):
         // a few spaced attempts reach the one that replaces it.
@@ -277,6 +289,7 @@ impl NodeClient {
             }
             let outcome = async {
                 let mut connection = self.open_or_spawn().await?;
+                self.note_chunk(&connection);
                 connection.exchange(&request).await
             }
             .await;
@@ -344,14 +357,35 @@ impl EffectSource for NodeClient {
 
 #[async_trait::async_trait]
 impl CommitGate for NodeClient {
-    async fn acquire(&self, sandbox: &str, bytes: u64, kind: CommitKind, turn: u64) {
+    fn chunk_bytes(&self) -> u64 {
+        self.chunk_bytes.load(Ordering::Relaxed)
+    }
+
+    async fn acquire(&self, sandbox: &str, bytes: u64, kind: CommitKind, turn: u64, supersedable: bool) -> Acquired {
         let started = Instant::now();
-        match tokio::time::timeout(self.options.max_wait, self.acquire_bandwidth(sandbox, bytes, kind, turn)).await {
-            Ok(Ok(waited_ms)) => tracing::debug!(sandbox, turn, bytes, waited_ms, "commit bandwidth granted"),
-            Ok(Err(error)) => tracing::warn!(sandbox, turn, bytes, %error,
-                waited_ms = started.elapsed().as_secs_f64() * 1e3, "crabd unavailable: committing without a bandwidth grant"),
-            Err(_) => tracing::warn!(sandbox, turn, bytes, max_wait_ms = self.options.max_wait.as_millis() as u64,
-                "no bandwidth grant in time: committing anyway"),
+        let request = Request::Acquire { sandbox: sandbox.into(), bytes, kind, turn, supersedable };
+        let waited_ms = || started.elapsed().as_secs_f64() * 1e3;
+        match tokio::time::timeout(self.options.max_wait, self.acquire_request(request)).await {
+            Ok(Ok(acquired)) => {
+                tracing::debug!(sandbox, turn, bytes, ?acquired, "commit bandwidth answered");
+                acquired
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(sandbox, turn, bytes, %error, waited_ms = waited_ms(), "crabd unavailable: writing without a bandwidth grant");
+                Acquired::Granted { waited_ms: waited_ms() }
+            }
+            Err(_) => {
+                tracing::warn!(sandbox, turn, bytes, max_wait_ms = self.options.max_wait.as_millis() as u64,
+                    "no bandwidth grant in time: writing anyway");
+                Acquired::Granted { waited_ms: waited_ms() }
+            }
+        }
+    }
+
+    async fn process_captured(&self, sandbox: &str, turn: u64) {
+        // Only an optimisation: without it the older write-out is written in full.
+        if let Err(error) = self.call(Request::ProcessCaptured { sandbox: sandbox.into(), turn }).await {
+            tracing::warn!(sandbox, turn, %error, "crabd did not hear of the newer process capture");
         }
     }
 }

@@ -8,6 +8,12 @@
 //! last), and `acquire`, which may wait: while it waits the client may send
 //! `cancel` (reply `cancelled`) or close the connection.
 //!
+//! A write-out acquires its bytes chunk by chunk as it writes them, each
+//! acquire at most the `chunk_bytes` crabd names in its hello (absent from
+//! older crabds: then [`super::DEFAULT_CHUNK_BYTES`]). `process_captured`
+//! tells crabd that a sandbox has a newer full process capture, which
+//! supersedes its waiting process write-outs of earlier turns.
+//!
 //! A frame longer than the limit, a frame that is not a request, or a peer
 //! that is not root gets an `error` reply and the connection is closed.
 
@@ -63,6 +69,11 @@ pub enum Request {
     },
     /// Withdraw the acquire this connection is waiting for.
     Cancel,
+    /// Turn `turn` of `sandbox` has a full process capture (a CRIU dump)
+    /// whose file-system delta holds every path of the sandbox's unwritten
+    /// earlier turns: its waiting supersedable acquires of earlier turns are
+    /// answered `superseded`, now or as soon as they would have to wait.
+    ProcessCaptured { sandbox: String, turn: u64 },
     /// Mark (or unmark) a sandbox for eviction: its commits go first.
     Evict { sandbox: String, evicting: bool },
     Status,
@@ -77,6 +88,7 @@ impl Request {
             Request::Unwatch { .. } => "unwatch",
             Request::Acquire { .. } => "acquire",
             Request::Cancel => "cancel",
+            Request::ProcessCaptured { .. } => "process_captured",
             Request::Evict { .. } => "evict",
             Request::Status => "status",
         }
@@ -88,7 +100,14 @@ impl Request {
 pub enum Reply {
     /// `instance` changes whenever crabd restarts: a client that sees a new
     /// one knows its watches and the effects recorded so far are gone.
-    Hello { version: u32, instance: String, pid: u32 },
+    /// `chunk_bytes`: the largest acquire it grants as one draw.
+    Hello {
+        version: u32,
+        instance: String,
+        pid: u32,
+        #[serde(default)]
+        chunk_bytes: Option<u64>,
+    },
     Unsupported { supported: Vec<u32> },
     Ok,
     Effects { effects: Vec<Effect>, lost_events: u64, more: bool },
@@ -283,6 +302,11 @@ mod tests {
         assert!(matches!(serde_json::from_str(text).unwrap(), Request::Acquire { supersedable: true, .. }));
         let reply = Reply::Superseded { by_turn: 4, waited_ms: 1.5 };
         assert_eq!(serde_json::from_slice::<Reply>(&encode(&reply).unwrap()[4..]).unwrap(), reply);
+        let text = r#"{"op":"process_captured","sandbox":"s","turn":5}"#;
+        assert_eq!(serde_json::from_str::<Request>(text).unwrap(), Request::ProcessCaptured { sandbox: "s".into(), turn: 5 });
+        // The hello of a crabd that does not name its chunk still parses.
+        let old_hello = r#"{"reply":"hello","version":1,"instance":"i","pid":7}"#;
+        assert!(matches!(serde_json::from_str(old_hello).unwrap(), Reply::Hello { chunk_bytes: None, .. }));
     }
 
     #[test]

@@ -198,7 +198,12 @@ async fn serve_connection(node: Arc<Node>, stream: UnixStream) {
         let replies = match (greeted, request) {
             (false, Request::Hello { version }) if version == PROTOCOL_VERSION => {
                 greeted = true;
-                vec![Reply::Hello { version: PROTOCOL_VERSION, instance: node.instance.clone(), pid: std::process::id() }]
+                vec![Reply::Hello {
+                    version: PROTOCOL_VERSION,
+                    instance: node.instance.clone(),
+                    pid: std::process::id(),
+                    chunk_bytes: Some(node.bandwidth.chunk_bytes()),
+                }]
             }
             (false, Request::Hello { version }) => {
                 tracing::warn!(version, "client speaks an unsupported protocol version");
@@ -284,6 +289,11 @@ impl Node {
                     Ok(_) => Reply::Ok,
                     Err(e) => Reply::error(e),
                 }
+            }
+            Request::ProcessCaptured { sandbox, turn } => {
+                let dropped = self.bandwidth.supersede(&sandbox, turn);
+                tracing::debug!(%sandbox, turn, dropped, "newer process capture reported");
+                Reply::Ok
             }
             Request::Evict { sandbox, evicting } => {
                 self.bandwidth.set_evicting(&sandbox, evicting);
@@ -436,6 +446,17 @@ impl Bandwidth {
     fn set_evicting(&self, sandbox: &str, evicting: bool) {
         self.shared.state.lock().expect("bandwidth lock").scheduler.set_evicting(sandbox, evicting);
         self.shared.changed.notify_one();
+    }
+
+    fn supersede(&self, sandbox: &str, turn: u64) -> usize {
+        let dropped = self.shared.state.lock().expect("bandwidth lock").scheduler.supersede(sandbox, turn, Instant::now());
+        // The driver answers the dropped waiters at its next poll.
+        self.shared.changed.notify_one();
+        dropped
+    }
+
+    fn chunk_bytes(&self) -> u64 {
+        self.shared.state.lock().expect("bandwidth lock").scheduler.config().chunk()
     }
 
     fn forget(&self, sandbox: &str) {

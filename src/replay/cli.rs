@@ -35,6 +35,11 @@ pub struct ReplayArgs {
     /// Fault-free reference runs: 2 finds and excludes nondeterministic turns and files.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2))]
     ref_runs: u8,
+    /// Least seconds between the starts of the two reference runs, so that
+    /// output showing the time of day differs between them (and is excluded)
+    /// even where the normaliser does not replace it.
+    #[arg(long, default_value_t = 61.0)]
+    ref_spacing: f64,
     /// Shell command that starts containerd again after restart-containerd killed it
     /// (for the private one: `scripts/containerd start` with the same CRAB_CTRD_* environment).
     #[arg(long, env = "CRAB_CTRD_START_CMD", value_name = "CMD")]
@@ -73,6 +78,8 @@ pub async fn run(args: ReplayArgs) -> Result<(), Box<dyn std::error::Error>> {
         think_scale: args.think_scale,
         runtime: args.runtime,
         ref_runs: args.ref_runs,
+        ref_spacing: std::time::Duration::try_from_secs_f64(args.ref_spacing)
+            .map_err(|_| format!("--ref-spacing must be a number of seconds >= 0, not {}", args.ref_spacing))?,
         ctr: Ctr::from_env(),
         daemons,
     };

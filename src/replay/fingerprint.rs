@@ -18,6 +18,15 @@ use sha2::{Digest, Sha256};
 /// while the script has no children of its own; the script itself is skipped.
 pub const SCRIPT: &str = r#"set -u
 self=$$
+# A sandbox that was just started or recovered shows its init as `runc init`
+# until the runtime lets it exec its command (a while, under load): that is
+# not a state of the sandbox, so wait for it, for at most 5 s.
+for ((wait = 0; wait < 100; wait++)); do
+  init=()
+  mapfile -d '' -t init < /proc/1/cmdline 2>/dev/null || break
+  [ "${init[*]}" = "runc init" ] || break
+  sleep 0.05
+done
 for dir in /proc/[0-9]*; do
   [ "${dir#/proc/}" = "$self" ] && continue
   args=()

@@ -140,8 +140,9 @@ impl FaultInjector {
             }
             FaultKind::KillShim => {
                 let shim = self.shim_of(container).await?;
+                let bundle = bundle_of(shim, container)?;
                 kill_and_wait(shim, "the container's shim").await?;
-                self.wait_task_gone(container).await?;
+                self.wait_task_gone(container, &bundle).await?;
                 Injected { detail: format!("SIGKILL to its shim (pid {shim})"), task_running: false }
             }
             FaultKind::RestartContainerd => self.restart_containerd(container).await?,
@@ -169,9 +170,10 @@ impl FaultInjector {
     /// would not know it. What lies outside containerd (crab's store) stays.
     async fn lose_node(&self, container: &str) -> Result<Injected, InjectError> {
         let shim = self.shim_of(container).await?;
+        let bundle = bundle_of(shim, container)?;
         self.ctr.run(&["tasks", "kill", "--all", "--signal", "SIGKILL", container]).await?;
         kill_and_wait(shim, "the container's shim").await?;
-        self.wait_task_gone(container).await?;
+        self.wait_task_gone(container, &bundle).await?;
         remove_container(&self.ctr, container).await?;
         if self.ctr.run(&["containers", "info", container]).await.is_ok() {
             return Err(InjectError::StillKnown { container: container.into() });
@@ -259,9 +261,26 @@ impl FaultInjector {
     }
 
     /// Waits until containerd dropped the task of a dead shim: until then a
-    /// new task under the same id is refused ("already exists").
-    async fn wait_task_gone(&self, container: &str) -> Result<(), InjectError> {
-        self.wait_task(container, |status| status.is_none()).await
+    /// new task under the same id is refused ("already exists"). `tasks ls`
+    /// (and `tasks ps`) stop showing the task as soon as its shim stops
+    /// answering, but containerd lets it go only after running the shim's
+    /// `delete` (seconds under load), and it removes the task's `bundle`
+    /// directory right before it does: so the bundle's disappearance is
+    /// what is waited for.
+    async fn wait_task_gone(&self, container: &str, bundle: &Path) -> Result<(), InjectError> {
+        self.wait_task(container, |status| status.is_none()).await?;
+        let started = Instant::now();
+        while bundle.exists() {
+            if started.elapsed() > SETTLE {
+                return Err(InjectError::TaskStillRunning {
+                    container: container.into(),
+                    status: format!("not yet released (its bundle {} is still there)", bundle.display()),
+                    after: SETTLE,
+                });
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        Ok(())
     }
 
     async fn wait_task(&self, container: &str, settled: impl Fn(Option<&str>) -> bool) -> Result<(), InjectError> {
@@ -278,6 +297,23 @@ impl FaultInjector {
             tokio::time::sleep(POLL).await;
         }
     }
+}
+
+/// The task's bundle directory: containerd starts each shim in it, and it
+/// is named after the container.
+fn bundle_of(shim: u32, container: &str) -> Result<PathBuf, InjectError> {
+    let cwd = PathBuf::from(format!("/proc/{shim}/cwd"));
+    let bundle = std::fs::read_link(&cwd).map_err(|source| InjectError::Proc { path: cwd.clone(), source })?;
+    if bundle.file_name().is_none_or(|name| name != container) {
+        return Err(InjectError::Proc {
+            path: cwd,
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("the shim runs in {}, not in a bundle named {container}", bundle.display()),
+            ),
+        });
+    }
+    Ok(bundle)
 }
 
 fn read_proc(path: &Path) -> Result<String, InjectError> {
@@ -382,6 +418,16 @@ pub fn task_entry(listing: &str, container: &str) -> Option<(u32, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_bundle_is_the_shims_working_directory_named_after_the_container() {
+        // This test process stands in for a shim: its working directory is the "bundle".
+        let cwd = std::env::current_dir().unwrap();
+        let name = cwd.file_name().unwrap().to_str().unwrap().to_string();
+        assert_eq!(bundle_of(std::process::id(), &name).unwrap(), cwd);
+        let error = bundle_of(std::process::id(), "another-container").unwrap_err().to_string();
+        assert!(error.contains("not in a bundle named another-container"), "{error}");
+    }
 
     const UNIX_TABLE: &str = "Num       RefCount Protocol Flags    Type St Inode Path
 0000000000000000: 00000002 00000000 00010000 0001 01 41230 /run/crab-a/containerd.sock

@@ -8,7 +8,8 @@
 //! - [`policy`]: recovery policies (`off`, `chat-only`, `every-turn`, `crab`).
 //! - [`fault`]: which fault strikes after which turn; [`injector`]: striking it
 //!   (processes, shim, containerd, crabd, node loss).
-//! - [`oracle`]: the correctness verdict against the reference.
+//! - [`oracle`]: the correctness verdict against the reference; [`normalize`]:
+//!   wall-clock stamps and stderr order, which the oracle does not judge.
 //! - [`runner`]: one trace under each policy; [`report`]: tables and JSON.
 //! - [`cli`]: `crabctl replay`.
 
@@ -16,6 +17,7 @@ pub mod cli;
 pub mod fault;
 pub mod fingerprint;
 pub mod injector;
+pub mod normalize;
 pub mod oracle;
 pub mod policy;
 pub mod report;

@@ -4,12 +4,17 @@
 //!
 //! With two reference runs, what differs between them is nondeterministic:
 //! such turns are not compared, and such fingerprint entries are masked.
+//!
+//! Outputs are compared with their wall-clock stamps normalised, and stderr
+//! also without its line order (see [`super::normalize`]); the verdict names
+//! the turns that matched only that way, so the leniency stays visible.
 
 use std::collections::BTreeSet;
 
 use serde::Serialize;
 
 use super::fingerprint::{Difference, Fingerprint};
+use super::normalize;
 
 /// What the agent saw of one turn.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -19,6 +24,89 @@ pub struct TurnResult {
     pub timed_out: bool,
     pub stdout_sha256: String,
     pub stderr_sha256: String,
+    /// The output with its wall-clock stamps replaced.
+    #[serde(skip)]
+    pub stdout: String,
+    #[serde(skip)]
+    pub stderr: String,
+    /// How many stamps were replaced in stdout and stderr together.
+    pub wall_clock_stamps: usize,
+}
+
+impl TurnResult {
+    pub fn new(turn: u32, rc: Option<i32>, timed_out: bool, stdout: &[u8], stderr: &[u8]) -> TurnResult {
+        let (stdout_text, stderr_text) = (normalize::wall_clock(stdout), normalize::wall_clock(stderr));
+        TurnResult {
+            turn,
+            rc,
+            timed_out,
+            stdout_sha256: sha256_hex(stdout),
+            stderr_sha256: sha256_hex(stderr),
+            wall_clock_stamps: stdout_text.stamps + stderr_text.stamps,
+            stdout: stdout_text.text,
+            stderr: stderr_text.text,
+        }
+    }
+
+    fn same_exit(&self, other: &TurnResult) -> bool {
+        (self.rc, self.timed_out) == (other.rc, other.timed_out)
+    }
+
+    /// How this turn's output compares with `other`'s.
+    pub fn output_match(&self, other: &TurnResult) -> OutputMatch {
+        if (&self.stdout_sha256, &self.stderr_sha256) == (&other.stdout_sha256, &other.stderr_sha256) {
+            OutputMatch::Exact
+        } else if self.stdout != other.stdout {
+            OutputMatch::Differs
+        } else if self.stderr == other.stderr {
+            OutputMatch::WallClock
+        } else if normalize::lines_in_any_order(&self.stderr) == normalize::lines_in_any_order(&other.stderr) {
+            OutputMatch::StderrOrder
+        } else {
+            OutputMatch::Differs
+        }
+    }
+
+    /// The first line where this output differs from `expected`'s (after
+    /// normalising), for the report.
+    fn difference_from(&self, expected: &TurnResult) -> Option<OutputDifference> {
+        let (stream, got, wanted) = if self.stdout != expected.stdout {
+            ("stdout", &self.stdout, &expected.stdout)
+        } else {
+            ("stderr", &self.stderr, &expected.stderr)
+        };
+        let (line, expected_line, got_line) = normalize::first_difference(wanted, got, 160)?;
+        Some(OutputDifference { turn: self.turn, stream, line, expected: expected_line, got: got_line })
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// How two outputs of the same turn compare.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputMatch {
+    /// Byte for byte.
+    Exact,
+    /// Equal once wall-clock stamps are replaced.
+    WallClock,
+    /// Equal once wall-clock stamps are replaced and stderr's lines are
+    /// taken in any order.
+    StderrOrder,
+    Differs,
+}
+
+/// Where a compared turn's output first differs from the reference's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OutputDifference {
+    pub turn: u32,
+    pub stream: &'static str,
+    /// 1-based line number in the normalised output.
+    pub line: usize,
+    pub expected: String,
+    pub got: String,
 }
 
 /// A fault-free run: one result and one fingerprint per turn.
@@ -55,8 +143,14 @@ pub struct Verdict {
     pub turns_compared: Vec<u32>,
     /// Turns after the fault whose results differ between reference runs.
     pub turns_excluded: Vec<u32>,
+    /// Compared turns whose output matched only with wall-clock stamps replaced.
+    pub turns_normalised_wall_clock: Vec<u32>,
+    /// Compared turns whose output matched only with stderr's lines in any order.
+    pub turns_normalised_stderr_order: Vec<u32>,
     pub rc_mismatches: Vec<u32>,
     pub output_mismatches: Vec<u32>,
+    /// The first differing line of each output mismatch.
+    pub output_differences: Vec<OutputDifference>,
     /// False when the policy had no way to recover, whatever the state looked like.
     pub recovery_possible: bool,
     pub correct: bool,
@@ -92,18 +186,30 @@ impl Reference {
             .get(turn.checked_sub(1)? as usize)
     }
 
-    /// Turns whose agent-visible result differs between reference runs.
+    /// Turns whose agent-visible result differs between reference runs,
+    /// normalised as the oracle compares.
     pub fn nondeterministic_turns(&self) -> BTreeSet<u32> {
+        self.turns_between_runs(|a, b| !a.same_exit(b) || a.output_match(b) == OutputMatch::Differs)
+    }
+
+    /// Turns whose outputs differ between reference runs byte for byte but
+    /// not once normalised: without normalising, they would be excluded.
+    pub fn normalised_turns(&self) -> BTreeSet<u32> {
+        self.turns_between_runs(|a, b| {
+            a.same_exit(b) && matches!(a.output_match(b), OutputMatch::WallClock | OutputMatch::StderrOrder)
+        })
+    }
+
+    /// Turns whose reference output holds wall-clock stamps.
+    pub fn turns_with_wall_clock(&self) -> BTreeSet<u32> {
+        self.primary().results.iter().filter(|result| result.wall_clock_stamps > 0).map(|result| result.turn).collect()
+    }
+
+    fn turns_between_runs(&self, differs: impl Fn(&TurnResult, &TurnResult) -> bool) -> BTreeSet<u32> {
         let primary = &self.primary().results;
         self.runs[1..]
             .iter()
-            .flat_map(|run| {
-                run.results
-                    .iter()
-                    .zip(primary)
-                    .filter(|(a, b)| a != b)
-                    .map(|(a, _)| a.turn)
-            })
+            .flat_map(|run| run.results.iter().zip(primary).filter(|(a, b)| differs(a, b)).map(|(a, _)| a.turn))
             .collect()
     }
 
@@ -148,8 +254,11 @@ impl Reference {
             masked_entries: volatile.len(),
             turns_compared: Vec::new(),
             turns_excluded: Vec::new(),
+            turns_normalised_wall_clock: Vec::new(),
+            turns_normalised_stderr_order: Vec::new(),
             rc_mismatches: Vec::new(),
             output_mismatches: Vec::new(),
+            output_differences: Vec::new(),
             recovery_possible,
             correct: false,
         };
@@ -167,13 +276,17 @@ impl Reference {
                 continue;
             }
             verdict.turns_compared.push(result.turn);
-            if (result.rc, result.timed_out) != (expected.rc, expected.timed_out) {
+            if !result.same_exit(expected) {
                 verdict.rc_mismatches.push(result.turn);
             }
-            if (&result.stdout_sha256, &result.stderr_sha256)
-                != (&expected.stdout_sha256, &expected.stderr_sha256)
-            {
-                verdict.output_mismatches.push(result.turn);
+            match result.output_match(expected) {
+                OutputMatch::Exact => {}
+                OutputMatch::WallClock => verdict.turns_normalised_wall_clock.push(result.turn),
+                OutputMatch::StderrOrder => verdict.turns_normalised_stderr_order.push(result.turn),
+                OutputMatch::Differs => {
+                    verdict.output_mismatches.push(result.turn);
+                    verdict.output_differences.extend(result.difference_from(expected));
+                }
             }
         }
         verdict.correct = recovery_possible
@@ -189,13 +302,11 @@ mod tests {
     use super::*;
 
     fn result(turn: u32, rc: i32, stdout: &str) -> TurnResult {
-        TurnResult {
-            turn,
-            rc: Some(rc),
-            timed_out: false,
-            stdout_sha256: stdout.to_string(),
-            stderr_sha256: String::new(),
-        }
+        TurnResult::new(turn, Some(rc), false, stdout.as_bytes(), b"")
+    }
+
+    fn result_with_stderr(turn: u32, stdout: &str, stderr: &str) -> TurnResult {
+        TurnResult::new(turn, Some(0), false, stdout.as_bytes(), stderr.as_bytes())
     }
 
     fn state(records: &[&str]) -> Fingerprint {
@@ -300,6 +411,71 @@ mod tests {
             .judge(2, &state(&["F d 0755 0:0 4096 /app"]), &[], true)
             .unwrap();
         assert!(!lost.correct);
+    }
+
+    #[test]
+    fn wall_clock_output_matches_and_is_named() {
+        // `ls -la` after turn 2 in the reference, and a minute later after a recovery.
+        let listing = |time: &str| format!("total 8\ndrwxr-xr-x 1 root root 4096 Nov 29 {time} .\n");
+        let mut first = run(["a", "b", "c"], [EMPTY, WITH_FILE, WITH_FILE]);
+        first.results[2] = result(3, 0, &listing("19:11"));
+        let mut second = first.clone();
+        second.results[2] = result(3, 0, &listing("19:12"));
+        let reference = Reference::new(vec![first, second]).unwrap();
+        assert!(reference.nondeterministic_turns().is_empty());
+        assert_eq!(reference.normalised_turns(), BTreeSet::from([3]));
+        assert_eq!(reference.turns_with_wall_clock(), BTreeSet::from([3]));
+        let verdict = reference
+            .judge(2, &state(WITH_FILE), &[result(3, 0, &listing("20:40"))], true)
+            .unwrap();
+        assert!(verdict.correct, "{verdict:?}");
+        assert_eq!((verdict.turns_compared.as_slice(), verdict.turns_normalised_wall_clock.as_slice()), (&[3][..], &[3][..]));
+        // Normalising hides the time, not the rest of the line.
+        let lost = reference
+            .judge(2, &state(WITH_FILE), &[result(3, 0, "total 0\n")], true)
+            .unwrap();
+        assert!(!lost.correct);
+        assert_eq!(lost.output_mismatches, [3]);
+        assert_eq!(
+            lost.output_differences,
+            [OutputDifference {
+                turn: 3,
+                stream: "stdout",
+                line: 1,
+                expected: "total 8".to_string(),
+                got: "total 0".to_string()
+            }]
+        );
+    }
+
+    #[test]
+    fn stderr_lines_in_another_order_match_but_stdout_order_counts() {
+        let expected = result_with_stderr(1, "one\ntwo\n", "grep: usage\nbash: not found\n");
+        let raced = result_with_stderr(1, "one\ntwo\n", "bash: not found\ngrep: usage\n");
+        assert_eq!(raced.output_match(&expected), OutputMatch::StderrOrder);
+        let swapped = result_with_stderr(1, "two\none\n", "grep: usage\nbash: not found\n");
+        assert_eq!(swapped.output_match(&expected), OutputMatch::Differs);
+        let missing = result_with_stderr(1, "one\ntwo\n", "grep: usage\n");
+        assert_eq!(missing.output_match(&expected), OutputMatch::Differs);
+        assert_eq!(expected.clone().output_match(&expected), OutputMatch::Exact);
+    }
+
+    #[test]
+    fn a_stderr_race_between_reference_runs_is_not_nondeterminism() {
+        let first = ReferenceRun {
+            results: vec![result(1, 0, "a"), result_with_stderr(2, "", "x: failed\ny: failed\n")],
+            fingerprints: vec![state(EMPTY), state(EMPTY)],
+        };
+        let mut second = first.clone();
+        second.results[1] = result_with_stderr(2, "", "y: failed\nx: failed\n");
+        let reference = Reference::new(vec![first, second]).unwrap();
+        assert!(reference.nondeterministic_turns().is_empty());
+        assert_eq!(reference.normalised_turns(), BTreeSet::from([2]));
+        let verdict = reference
+            .judge(1, &state(EMPTY), &[result_with_stderr(2, "", "y: failed\nx: failed\n")], true)
+            .unwrap();
+        assert!(verdict.correct);
+        assert_eq!(verdict.turns_normalised_stderr_order, [2]);
     }
 
     #[test]

@@ -27,9 +27,15 @@ pub struct TraceReport {
 #[derive(Debug, Clone, Serialize)]
 pub struct ReferenceSummary {
     pub runs: usize,
-    /// Wall time of all reference runs, fingerprints after every turn included.
+    /// Wall time of all reference runs, fingerprints after every turn and the
+    /// spacing between the runs included.
     pub run_time_s: f64,
     pub nondeterministic_turns: Vec<u32>,
+    /// Turns whose outputs differed between reference runs only in wall-clock
+    /// stamps or stderr line order: compared (normalised), not excluded.
+    pub normalised_turns: Vec<u32>,
+    /// Turns whose output holds wall-clock stamps (compared with them replaced).
+    pub turns_with_wall_clock: Vec<u32>,
     /// Fingerprint digest after the last turn.
     pub final_state: Option<String>,
 }
@@ -86,6 +92,8 @@ pub struct TurnReport {
     pub checkpoint_error: Option<String>,
     pub stdout_sha256: String,
     pub stderr_sha256: String,
+    /// Wall-clock stamps the oracle replaced in this turn's output.
+    pub wall_clock_stamps: usize,
 }
 
 #[derive(Debug, Clone, Copy, Default, Serialize)]
@@ -209,6 +217,14 @@ fn render_trace(out: &mut String, report: &TraceReport) {
         "reference: {} fault-free run(s) in {:.1} s, nondeterministic turns: {nondeterministic}",
         report.reference.runs, report.reference.run_time_s
     );
+    if !report.reference.turns_with_wall_clock.is_empty() || !report.reference.normalised_turns.is_empty() {
+        let _ = writeln!(
+            out,
+            "outputs compared with wall-clock stamps replaced (turns {:?} print the clock); turns {:?} differed \
+             between reference runs only in stamps or stderr line order",
+            report.reference.turns_with_wall_clock, report.reference.normalised_turns
+        );
+    }
     let _ = writeln!(out);
     let _ = writeln!(
         out,
@@ -325,6 +341,13 @@ fn render_trace(out: &mut String, report: &TraceReport) {
                 "  outputs differ from the reference on turns {:?}",
                 verdict.output_mismatches
             );
+            for difference in verdict.output_differences.iter().take(SHOWN) {
+                let _ = writeln!(
+                    out,
+                    "    turn {} {} line {}: expected {:?}, got {:?}",
+                    difference.turn, difference.stream, difference.line, difference.expected, difference.got
+                );
+            }
         }
         if fault.kind.strikes_checkpointing() && fault.later_checkpoint_failures > 0 {
             let _ = writeln!(out, "  {} checkpoints after the fault failed", fault.later_checkpoint_failures);

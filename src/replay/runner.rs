@@ -32,6 +32,10 @@ pub struct ReplayOptions {
     pub runtime: String,
     /// Fault-free runs to compare against; with 2, what differs between them is ignored.
     pub ref_runs: u8,
+    /// Least time between the starts of two reference runs: output that
+    /// prints the clock in a form the normaliser does not know (minutes in
+    /// `ps`) then differs between them and the turn counts as nondeterministic.
+    pub ref_spacing: Duration,
     pub ctr: Ctr,
     /// How faults reach containerd and crabd.
     pub daemons: Daemons,
@@ -106,6 +110,13 @@ async fn replay_trace(
     let mut runs_done = 0;
     let mut reference_runs = Vec::new();
     for index in 0..options.ref_runs {
+        if index > 0 {
+            let spaced = started + options.ref_spacing * u32::from(index);
+            if let Some(wait) = spaced.checked_duration_since(Instant::now()) {
+                info!(trace = %trace.header.trace, wait_s = wait.as_secs_f64(), "spacing the reference runs apart");
+                tokio::time::sleep(wait).await;
+            }
+        }
         runs_done += 1;
         info!(trace = %trace.header.trace, run = runs_done, of = runs_total, "progress: reference run (fault-free, no checkpoints)");
         let launch = launch(options, trace, PolicyKind::Off, "ref");
@@ -119,7 +130,6 @@ async fn replay_trace(
             true,
         )
         .await?;
-        let _ = index;
         reference_runs.push(ReferenceRun {
             results: outcome.results(),
             fingerprints: outcome.fingerprints,
@@ -135,6 +145,8 @@ async fn replay_trace(
         runs: reference.runs(),
         run_time_s: reference_time.as_secs_f64(),
         nondeterministic_turns: reference.nondeterministic_turns().into_iter().collect(),
+        normalised_turns: reference.normalised_turns().into_iter().collect(),
+        turns_with_wall_clock: reference.turns_with_wall_clock().into_iter().collect(),
         final_state: reference.fingerprint(trace.header.turns).map(Fingerprint::digest),
     };
 
@@ -189,6 +201,8 @@ fn launch(options: &ReplayOptions, trace: &Trace, policy: PolicyKind, role: &str
 struct TurnOutcome {
     turn: u32,
     exec: ExecResult,
+    /// The exec's result as the oracle compares it.
+    result: TurnResult,
     checkpoint_s: f64,
     checkpoint_bytes: u64,
     checkpoint_error: Option<String>,
@@ -225,17 +239,7 @@ struct RunOutcome {
 
 impl RunOutcome {
     fn results(&self) -> Vec<TurnResult> {
-        self.turns.iter().map(turn_result).collect()
-    }
-}
-
-fn turn_result(turn: &TurnOutcome) -> TurnResult {
-    TurnResult {
-        turn: turn.turn,
-        rc: turn.exec.rc,
-        timed_out: turn.exec.timed_out,
-        stdout_sha256: turn.exec.stdout_sha256.clone(),
-        stderr_sha256: turn.exec.stderr_sha256.clone(),
+        self.turns.iter().map(|turn| turn.result.clone()).collect()
     }
 }
 
@@ -342,6 +346,7 @@ async fn run(
         );
         turns.push(TurnOutcome {
             turn: turn.turn,
+            result: TurnResult::new(turn.turn, exec.rc, exec.timed_out, &exec.stdout, &exec.stderr),
             exec,
             checkpoint_s: cost.blocking_s,
             checkpoint_bytes: cost.bytes,
@@ -428,7 +433,7 @@ fn policy_report(
                 .turns
                 .iter()
                 .filter(|turn| turn.turn > fault.turn)
-                .map(turn_result)
+                .map(|turn| turn.result.clone())
                 .collect();
             let mut report = FaultReport {
                 kind: fault.kind,
@@ -477,8 +482,9 @@ fn policy_report(
             checkpoint_bytes: turn.checkpoint_bytes,
             agent_visible_delay_s: turn.agent_visible_delay_s,
             checkpoint_error: turn.checkpoint_error.clone(),
-            stdout_sha256: turn.exec.stdout_sha256.clone(),
-            stderr_sha256: turn.exec.stderr_sha256.clone(),
+            stdout_sha256: turn.result.stdout_sha256.clone(),
+            stderr_sha256: turn.result.stderr_sha256.clone(),
+            wall_clock_stamps: turn.result.wall_clock_stamps,
         })
         .collect();
     let fault = fault.map(|mut fault| {
@@ -538,8 +544,11 @@ mod tests {
                 masked_entries: 0,
                 turns_compared: vec![3],
                 turns_excluded: Vec::new(),
+                turns_normalised_wall_clock: Vec::new(),
+                turns_normalised_stderr_order: Vec::new(),
                 rc_mismatches: Vec::new(),
                 output_mismatches: Vec::new(),
+                output_differences: Vec::new(),
                 recovery_possible: true,
                 correct,
             }),

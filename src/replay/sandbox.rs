@@ -4,7 +4,6 @@
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
-use sha2::{Digest, Sha256};
 use tracing::{debug, warn};
 
 use crate::containerd::ctr::{Ctr, CtrError, CtrOutput};
@@ -43,8 +42,8 @@ pub struct ExecResult {
     pub rc: Option<i32>,
     pub timed_out: bool,
     pub duration: Duration,
-    pub stdout_sha256: String,
-    pub stderr_sha256: String,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
 }
 
 /// A checkpoint image in containerd's content store.
@@ -183,8 +182,8 @@ impl Sandbox {
             rc: if timed_out { None } else { output.code },
             timed_out,
             duration,
-            stdout_sha256: sha256_hex(&output.stdout),
-            stderr_sha256: sha256_hex(&output.stderr),
+            stdout: output.stdout,
+            stderr: output.stderr,
         })
     }
 
@@ -323,8 +322,4 @@ fn is_ctr_failure(output: &CtrOutput) -> bool {
             .lines()
             .last()
             .is_some_and(|line| line.starts_with("ctr: "))
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    hex::encode(Sha256::digest(bytes))
 }

@@ -256,7 +256,7 @@ impl OciRuntime {
         if let Some(hooks) = &hooks {
             hooks.after_dump().await;
         }
-        dumped
+        dumped.map_err(|e| self.with_criu_error(id, e, opts.work_path.as_deref().unwrap_or(&opts.image_path).join("dump.log")))
     }
 
     /// Restores a container from `opts.image_path` and leaves it running.
@@ -291,7 +291,27 @@ impl OciRuntime {
         }
         args.push(id.into());
         let _exclusive = self.exclusive.lock().await;
-        self.run(id, &args, launch.stdio).await.map(drop)
+        let restored = self.run(id, &args, launch.stdio).await.map(drop);
+        restored.map_err(|e| self.with_criu_error(id, e, opts.work_path.as_deref().unwrap_or(&opts.image_path).join("restore.log")))
+    }
+
+    /// runc reports only "criu failed" and the log's name, and the caller may
+    /// remove the directory holding it: the message gets CRIU's own last
+    /// error line, and the whole log is kept beside the runtime's own log.
+    fn with_criu_error(&self, id: &str, error: RuntimeError, log: PathBuf) -> RuntimeError {
+        let RuntimeError::Failed { binary, verb, status, message } = error else { return error };
+        let Ok(text) = std::fs::read_to_string(&log) else {
+            return RuntimeError::Failed { binary, verb, status, message };
+        };
+        // The last line only says "Dumping FAILED."; the cause is the error before it.
+        let is_cause = |l: &&str| l.contains("Error (") && !l.contains("FAILED.");
+        let cause = text.lines().rev().find(is_cause).map(str::trim).unwrap_or("no error line");
+        let kept = self.root.join(format!("{id}.criu-{verb}.log"));
+        let message = match std::fs::write(&kept, &text) {
+            Ok(()) => format!("{message}; criu: {cause} (log kept at {})", kept.display()),
+            Err(_) => format!("{message}; criu: {cause}"),
+        };
+        RuntimeError::Failed { binary, verb, status, message }
     }
 
     fn output_error(&self, verb: &str, e: impl std::fmt::Display) -> RuntimeError {

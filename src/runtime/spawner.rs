@@ -34,9 +34,14 @@ pub enum SpawnerError {
     Unexpected { got: String, expected: &'static str },
     #[error("spawner message lists {listed} descriptors but carried {carried}")]
     MissingFds { listed: usize, carried: usize },
+    #[error("exec {exec_id}: no pid behind the spawner's pidfd")]
+    NoPid { exec_id: String },
 }
 
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Generous: a connection given up before the hello stays in the spawner's
+/// backlog until it runs again, and a loaded host can be slow to schedule it.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A session's descriptors as the shim holds them.
 pub struct SessionFds {
@@ -46,6 +51,8 @@ pub struct SessionFds {
     pub stderr: Option<OwnedFd>,
     pub console: Option<OwnedFd>,
     pub pidfd: OwnedFd,
+    /// The process's pid on the host, read from the pidfd.
+    pub pid: u32,
 }
 
 struct Received {
@@ -122,7 +129,7 @@ impl SpawnerClient {
         let stream = Arc::new(stream);
         let (tx, mut replies) = mpsc::unbounded_channel();
         let reader = tokio::spawn(read_loop(stream.clone(), tx, self.events.clone()));
-        let hello = tokio::time::timeout(Duration::from_secs(5), replies.recv()).await;
+        let hello = tokio::time::timeout(HELLO_TIMEOUT, replies.recv()).await;
         let Ok(Some(hello)) = hello else {
             reader.abort();
             return Err(SpawnerError::Closed);
@@ -183,7 +190,22 @@ impl SpawnerClient {
 
     pub async fn spawn(&self, request: SpawnRequest) -> Result<SessionFds, SpawnerError> {
         let received = self.request(&Request::Spawn(request)).await?;
-        session_fds(received)
+        self.take_session(received).await
+    }
+
+    /// Reads the host pid behind the reply's pidfd, then lets the spawner
+    /// reap the process (it holds an exited one until this release).
+    async fn take_session(&self, received: Received) -> Result<SessionFds, SpawnerError> {
+        let exec_id = match &received.message {
+            Message::Session { session, .. } => Some(session.exec_id.clone()),
+            _ => None,
+        };
+        let session = session_fds(received);
+        let Some(exec_id) = exec_id else { return session };
+        let released = self.request(&Request::Release { exec_id }).await;
+        let session = session?;
+        released?;
+        Ok(session)
     }
 
     /// Takes over a session that was restored, if `exec_id` names one with these args.
@@ -193,8 +215,11 @@ impl SpawnerClient {
             return None;
         }
         self.restored.lock().expect("spawner lock").remove(exec_id);
-        let attached = self.request(&Request::Attach { exec_id: exec_id.into() }).await;
-        Some(attached.and_then(session_fds))
+        let attached = match self.request(&Request::Attach { exec_id: exec_id.into() }).await {
+            Ok(received) => self.take_session(received).await,
+            Err(e) => Err(e),
+        };
+        Some(attached)
     }
 
     pub async fn close_stdin(&self, exec_id: &str) -> Result<(), SpawnerError> {
@@ -280,7 +305,8 @@ fn session_fds(received: Received) -> Result<SessionFds, SpawnerError> {
         *slot = Some(fd);
     }
     let pidfd = pidfd.ok_or(SpawnerError::MissingFds { listed: 0, carried: 0 })?;
-    Ok(SessionFds { info: session, stdin, stdout, stderr, console, pidfd })
+    let pid = pidfd_pid(&pidfd).ok_or_else(|| SpawnerError::NoPid { exec_id: session.exec_id.clone() })?;
+    Ok(SessionFds { info: session, stdin, stdout, stderr, console, pidfd, pid })
 }
 
 /// The host pid behind a pidfd (its `Pid:` line in fdinfo).

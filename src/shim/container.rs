@@ -46,8 +46,10 @@ struct SpawnerSlot {
     /// differ (another user, capabilities...) go through the runtime.
     init_identity: serde_json::Value,
     /// One connect at a time; also orders the adoption of restored sessions
-    /// before any Exec can look for them.
-    connecting: tokio::sync::Mutex<()>,
+    /// before any Exec can look for them. Held across a dump and a pause, so
+    /// no connection (a lazy one for an Exec, a reconnect after the previous
+    /// dump) lands while CRIU or the freezer has the container.
+    connecting: Arc<tokio::sync::Mutex<()>>,
     /// Restored from a checkpoint: list the sessions once connected.
     adopt: std::sync::atomic::AtomicBool,
 }
@@ -149,6 +151,7 @@ impl Container {
                     slot: slot.clone(),
                     execs: self.execs.clone(),
                     init: self.init.clone(),
+                    no_connect: Default::default(),
                 }));
                 let _ = self.spawner.set(slot);
                 Ok(())
@@ -354,8 +357,7 @@ impl Container {
             }),
             e => ShimError::Other(format!("exec {exec_id} through the spawner: {e}")),
         })?;
-        let pid = crate::runtime::spawner::pidfd_pid(&session.pidfd)
-            .ok_or_else(|| ShimError::Other(format!("exec {exec_id}: no pid behind the spawner's pidfd")))?;
+        let pid = session.pid;
         let ends = ParentEnds { stdin: session.stdin, stdout: session.stdout, stderr: session.stderr, console: session.console };
         let io = ProcessIo::from_parent_ends(&process.uris, &self.owner(), ends, &self.reaper).await?;
         process.set_io(io.clone());
@@ -486,18 +488,27 @@ impl Container {
         // A frozen spawner cannot let go of the shim's connection, and a
         // dump of the paused container (containerd's checkpoint) would find
         // it: let go before the freeze. Exits are queued meanwhile.
-        if let Some(slot) = self.spawner.get() {
-            detach_spawner(slot).await;
-        }
+        let no_connect = match self.spawner.get() {
+            Some(slot) => {
+                let guard = slot.connecting.clone().lock_owned().await;
+                detach_spawner(slot).await;
+                Some(guard)
+            }
+            None => None,
+        };
         let paused = self.runtime.pause(&self.config.id).await;
+        if paused.is_ok() {
+            // Before the lock goes: a reconnect that sees Running would
+            // connect to a frozen spawner and leave its attempt in the backlog.
+            self.init.set_paused(true);
+        }
+        drop(no_connect);
         if let Some(slot) = self.spawner.get()
             && slot.client.is_suspended()
         {
             reconnect_when_running(slot.clone(), self.init.clone());
         }
-        paused?;
-        self.init.set_paused(true);
-        Ok(())
+        Ok(paused?)
     }
 
     pub async fn resume(&self) -> Result<(), ShimError> {
@@ -691,6 +702,8 @@ struct QuiesceForDump {
     slot: Arc<SpawnerSlot>,
     execs: Execs,
     init: Arc<Process>,
+    /// The slot's `connecting` lock from before the dump to after it.
+    no_connect: Arc<std::sync::Mutex<Option<tokio::sync::OwnedMutexGuard<()>>>>,
 }
 
 impl std::fmt::Debug for QuiesceForDump {
@@ -712,11 +725,14 @@ impl QuiesceForDump {
 impl crate::runtime::DumpHooks for QuiesceForDump {
     async fn before_dump(&self) {
         self.hold_output(true);
+        let guard = self.slot.connecting.clone().lock_owned().await;
         // A paused container's spawner let go at Pause already.
         detach_spawner(&self.slot).await;
+        *self.no_connect.lock().expect("dump guard lock") = Some(guard);
     }
 
     async fn after_dump(&self) {
+        self.no_connect.lock().expect("dump guard lock").take();
         self.hold_output(false);
         if self.slot.client.is_suspended() {
             reconnect_when_running(self.slot.clone(), self.init.clone());
@@ -725,8 +741,8 @@ impl crate::runtime::DumpHooks for QuiesceForDump {
 }
 
 /// Has the spawner close its connection to the shim (it must be running to).
+/// The caller holds `slot.connecting` until the dump or freeze is over.
 async fn detach_spawner(slot: &SpawnerSlot) {
-    let _connecting = slot.connecting.lock().await;
     if !slot.client.is_connected().await {
         return;
     }
@@ -744,15 +760,18 @@ fn reconnect_when_running(slot: Arc<SpawnerSlot>, init: Arc<Process>) {
             // Bounded: a spawner that never answers again must not keep
             // exits waiting (they then fall back to the pidfd).
             for _ in 0..SPAWNER_RECONNECT_ATTEMPTS {
+                // The state is read under the lock: Pause and dumps hold it
+                // while they freeze or detach.
+                let connecting = slot.connecting.lock().await;
                 match init.status() {
                     Status::Stopped => break,
                     Status::Paused | Status::Created => {
+                        drop(connecting);
                         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                         continue;
                     }
                     Status::Running => {}
                 }
-                let _connecting = slot.connecting.lock().await;
                 if slot.client.is_connected().await {
                     return;
                 }
@@ -760,7 +779,7 @@ fn reconnect_when_running(slot: Arc<SpawnerSlot>, init: Arc<Process>) {
                     Ok(()) => return,
                     Err(e) => tracing::debug!(error = %e, "spawner not back yet after the dump"),
                 }
-                drop(_connecting);
+                drop(connecting);
                 tokio::time::sleep(std::time::Duration::from_millis(200)).await;
             }
             tracing::info!("spawner not back after the dump (the container stopped, or the spawner is gone)");

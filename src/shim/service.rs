@@ -225,29 +225,45 @@ impl TaskService {
         }
         let bundle = PathBuf::from(&req.bundle);
         let policy = sandbox_policy(&bundle, &config)?;
-        let engine_ctx = match policy.policy {
-            Policy::Off => None,
-            _ => Some(self.engine_context(&config).await?),
-        };
-        let rootfs_mounted = mount_rootfs(&bundle, &req.rootfs).await?;
-        tokio::fs::create_dir_all(runtime.root()).await.map_err(|e| ShimError::io(runtime.root(), e))?;
-        let mut restore_from = (!req.checkpoint.is_empty()).then(|| PathBuf::from(&req.checkpoint));
-        if let Some(source) = &policy.restore_from {
-            let ctx = match &engine_ctx {
-                Some(ctx) => ctx.clone(),
-                None => self.engine_context(&config).await?,
-            };
-            let prepared = prepare_restore(&ctx, source, &req.id, &bundle).await;
-            match prepared {
-                Ok(images) => restore_from = images.or(restore_from),
-                Err(e) => {
-                    if rootfs_mounted {
-                        super::container::unmount_rootfs(&bundle);
-                    }
-                    return Err(e);
-                }
-            }
+        if policy.restore_from.is_some() {
+            tracing::debug!(container = %req.id, "create of a restored container");
         }
+        let rootfs_mounted = mount_rootfs(&bundle, &req.rootfs).await?;
+        // A restore reassembles its images while the engine loads (its inspector's BPF
+        // programs when there is no crabd): neither needs the other, and both take a while.
+        let clock = std::time::Instant::now();
+        let (engine_ctx, prepared) = tokio::join!(
+            async {
+                let ctx = match policy.policy {
+                    Policy::Off => None,
+                    _ => Some(self.engine_context(&config).await?),
+                };
+                Ok::<_, ShimError>((ctx, clock.elapsed()))
+            },
+            async {
+                match &policy.restore_from {
+                    Some(source) => prepare_restore(&config.checkpoint.state_dir, source, &req.id, &bundle).await,
+                    None => Ok(None),
+                }
+            },
+        );
+        let (engine_ctx, prepared) = match (engine_ctx, prepared) {
+            (Ok((ctx, engine_took)), Ok(prepared)) => {
+                if policy.restore_from.is_some() {
+                    tracing::info!(container = %req.id, engine_ms = engine_took.as_secs_f64() * 1e3,
+                        overlapped_ms = clock.elapsed().as_secs_f64() * 1e3, "restore prepared beside the engine");
+                }
+                (ctx, prepared)
+            }
+            (Err(e), _) | (_, Err(e)) => {
+                if rootfs_mounted {
+                    super::container::unmount_rootfs(&bundle);
+                }
+                return Err(e);
+            }
+        };
+        tokio::fs::create_dir_all(runtime.root()).await.map_err(|e| ShimError::io(runtime.root(), e))?;
+        let restore_from = prepared.or_else(|| (!req.checkpoint.is_empty()).then(|| PathBuf::from(&req.checkpoint)));
         let container = Container::new(
             ContainerConfig {
                 id: req.id.clone(),
@@ -306,8 +322,11 @@ impl TaskService {
         let container = self.container(&req.id)?;
         if req.exec_id.is_empty() {
             let restoring = container.config.restore_from.is_some();
+            let clock = std::time::Instant::now();
             let pid = container.start().await?;
             if restoring {
+                tracing::info!(container = %req.id, pid, runtime_restore_ms = clock.elapsed().as_secs_f64() * 1e3,
+                    "restored by the runtime");
                 self.watch_exit(&container, &container.init, pid, self.reaper.wait_for(pid));
                 let pending = container.pending_policy.lock().expect("policy lock").take();
                 if let Some((policy, ctx)) = pending {
@@ -516,9 +535,10 @@ fn sandbox_policy(bundle: &Path, config: &Config) -> Result<SandboxPolicy, ShimE
 /// Prepares a container created from another's checkpoint: writes the
 /// source's rootfs as at the turn onto the fresh rootfs, points the new
 /// chain at that checkpoint, and returns the CRIU images to restore at Start
-/// (None when the chain has no process checkpoint up to that turn).
+/// (None when the chain has no process checkpoint up to that turn). Opens the
+/// store itself, so it does not wait for the engine (and its inspector).
 async fn prepare_restore(
-    ctx: &Arc<EngineContext>,
+    state_dir: &Path,
     source: &crate::turns::RestoreFrom,
     new_id: &str,
     bundle: &Path,
@@ -526,21 +546,35 @@ async fn prepare_restore(
     let rootfs = bundle.join("rootfs");
     let images_dir = bundle.join("crab").join("restore-images");
     let (src, turn, new) = (source.container.clone(), source.turn, new_id.to_string());
-    let dest = images_dir.clone();
-    let restored = ctx
-        .store
-        .run_blocking(move |store| {
-            store.materialize(&src, turn, &rootfs)?;
-            let _ = std::fs::remove_dir_all(&dest);
-            let images = store.restore_images(&src, turn, &dest)?;
-            if src != new {
-                store.fork(&src, turn, &new)?;
-            }
-            Ok(images)
-        })
-        .await
-        .map_err(|e| ShimError::FailedPrecondition(format!("restore from {}:{}: {e}", source.container, source.turn)))?;
-    tracing::info!(container = new_id, source = %source.container, turn = source.turn, images_turn = ?restored, "restoring from checkpoint");
+    let (state_dir, dest) = (state_dir.to_path_buf(), images_dir.clone());
+    let ms = |since: std::time::Instant| since.elapsed().as_secs_f64() * 1e3;
+    let failed = |e: &dyn std::fmt::Display| {
+        ShimError::FailedPrecondition(format!("restore from {}:{}: {e}", source.container, source.turn))
+    };
+    let restored = tokio::task::spawn_blocking(move || {
+        let store = crate::checkpoint::CheckpointStore::open(&state_dir)?;
+        let clock = std::time::Instant::now();
+        store.materialize(&src, turn, &rootfs)?;
+        let rootfs_ms = ms(clock);
+        let clock = std::time::Instant::now();
+        let _ = std::fs::remove_dir_all(&dest);
+        let images = store.restore_images_report(&src, turn, &dest)?;
+        let images_ms = ms(clock);
+        let clock = std::time::Instant::now();
+        if src != new {
+            store.fork(&src, turn, &new)?;
+        }
+        tracing::info!(container = %new, source = %src, turn, images_turn = ?images.map(|(t, _)| t),
+            rootfs_ms, images_ms, fork_ms = ms(clock),
+            image_bytes = images.map_or(0, |(_, r)| r.bytes),
+            chunks = images.map_or(0, |(_, r)| r.chunks),
+            chunks_read = images.map_or(0, |(_, r)| r.chunks_read),
+            "restoring from checkpoint");
+        Ok::<_, crate::checkpoint::CheckpointError>(images)
+    })
+    .await
+    .map_err(|e| failed(&e))?
+    .map_err(|e| failed(&e))?;
     Ok(restored.map(|_| images_dir))
 }
 

@@ -1,6 +1,7 @@
 //! Turns: what a sandbox asks of crab (annotations), and the record of each
 //! turn (its class, why, and which checkpoint holds its state).
 
+pub mod cpu;
 pub mod stdin;
 
 use std::collections::HashMap;
@@ -209,6 +210,11 @@ pub struct TurnRecord {
     /// The checkpoint turn that holds this turn's state (this turn, or an
     /// earlier one for a clean turn); None when nothing is checkpointed.
     pub checkpoint_turn: Option<u64>,
+    /// The turn whose process checkpoint replaced this turn's before it was
+    /// written (it holds this turn's changes): no checkpoint holds this
+    /// turn's own state, so it cannot be rolled back to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub superseded_by: Option<u64>,
     /// New bytes the checkpoint wrote (the checkpoint traffic).
     pub bytes_written: u64,
     /// Time the container was held for capture (frozen for a CRIU dump).
@@ -390,6 +396,7 @@ mod tests {
             escalated: false,
             reasons: vec!["write /app/x".into()],
             checkpoint_turn: Some(1),
+            superseded_by: None,
             bytes_written: 10,
             capture_ms: 0.5,
             checkpoint_ms: 1.0,

@@ -137,18 +137,30 @@ pub fn take_sample(reader: &dyn ProcReader, pid: u32, cgroup_dir: &Path, forward
     if sample.stdin_queued > 0 {
         return Ok(sample);
     }
-    sample.busy = reader
+    sample.busy = busy_threads(reader, cgroup_dir)?;
+    Ok(sample)
+}
+
+/// Threads of the cgroup that are runnable or in uninterruptible sleep.
+pub fn busy_threads(reader: &dyn ProcReader, cgroup_dir: &Path) -> Result<Vec<(u32, ThreadState)>, StdinError> {
+    Ok(reader
         .cgroup_threads(cgroup_dir)?
         .into_iter()
         .filter_map(|tid| reader.thread_state(tid).filter(|s| is_busy(*s)).map(|s| (tid, s)))
-        .collect();
-    Ok(sample)
+        .collect())
 }
 
 #[derive(Debug, Clone)]
 pub struct DetectorConfig {
-    /// Time between samples.
+    /// Time between samples right after input arrived, and before the sample
+    /// that confirms an idle-looking one.
     pub interval: Duration,
+    /// How long after input the detector samples every `interval`; after
+    /// that the interval doubles per sample up to `max_interval`, so that a
+    /// session busy with a long command costs next to nothing.
+    pub fast_for: Duration,
+    /// The longest time between samples: bounds how late a long command's end is seen.
+    pub max_interval: Duration,
     /// Idle samples in a row that end a turn.
     pub idle_samples: u32,
     /// A session that waits for input this long ends its turn even though
@@ -159,7 +171,48 @@ pub struct DetectorConfig {
 
 impl Default for DetectorConfig {
     fn default() -> Self {
-        Self { interval: Duration::from_millis(5), idle_samples: 2, background_grace: Duration::from_secs(1) }
+        Self {
+            interval: Duration::from_millis(5),
+            fast_for: Duration::from_millis(50),
+            max_interval: Duration::from_millis(100),
+            idle_samples: 2,
+            background_grace: Duration::from_secs(1),
+        }
+    }
+}
+
+/// When the detector samples: every `interval` for `fast_for` after input
+/// (most commands are over by then), then backing off by doubling up to
+/// `max_interval`. An idle-looking sample is confirmed after `interval`
+/// whatever the back-off, so a turn's end is seen at most one slow interval
+/// plus one fast one after it came.
+#[derive(Debug)]
+pub struct SampleSchedule {
+    config: DetectorConfig,
+    /// The clock reading (any monotonic origin) of the last input.
+    input_at: Duration,
+    backoff: Duration,
+}
+
+impl SampleSchedule {
+    pub fn new(config: DetectorConfig, now: Duration) -> Self {
+        let backoff = config.interval;
+        Self { config, input_at: now, backoff }
+    }
+
+    /// Input arrived at `now`: sample fast again.
+    pub fn input(&mut self, now: Duration) {
+        self.input_at = now;
+        self.backoff = self.config.interval;
+    }
+
+    /// The wait after a sample taken at `now`; `looked_idle`: that sample looked idle.
+    pub fn next_wait(&mut self, now: Duration, looked_idle: bool) -> Duration {
+        if looked_idle || now.saturating_sub(self.input_at) < self.config.fast_for {
+            return self.config.interval;
+        }
+        self.backoff = (self.backoff * 2).min(self.config.max_interval.max(self.config.interval));
+        self.backoff
     }
 }
 
@@ -228,16 +281,25 @@ pub async fn wait_until_idle(
 ) -> Result<IdleReport, StdinError> {
     let mut detector = IdleDetector::new(config.clone());
     let origin = std::time::Instant::now();
+    let mut schedule = SampleSchedule::new(config.clone(), Duration::ZERO);
+    let mut wait = config.interval;
+    let mut seen_forwarded = forwarded.load(Ordering::SeqCst);
     let mut samples = 0;
     loop {
-        tokio::time::sleep(config.interval).await;
+        tokio::time::sleep(wait).await;
         let count = forwarded.load(Ordering::SeqCst);
         let sample = take_sample(reader, pid, cgroup_dir, count)?;
         samples += 1;
-        if let Some(kind) = detector.observe(&sample, origin.elapsed()) {
+        let now = origin.elapsed();
+        if let Some(kind) = detector.observe(&sample, now) {
             let confirmed_ns = crate::inspector::monotonic_now_ns();
             return Ok(IdleReport { kind, confirmed_ns, forwarded: count, samples });
         }
+        if count != seen_forwarded {
+            seen_forwarded = count;
+            schedule.input(now);
+        }
+        wait = schedule.next_wait(now, sample.is_idle());
     }
 }
 
@@ -472,6 +534,40 @@ mod tests {
         assert_eq!(d.observe(&sample(false, 0, 1, 3), ms(60)), None);
         assert_eq!(d.observe(&sample(true, 0, 1, 3), ms(110)), None);
         assert_eq!(d.observe(&sample(true, 0, 1, 3), ms(215)), Some(IdleKind::BackgroundBusy));
+    }
+
+    #[test]
+    fn sampling_backs_off_after_the_fast_phase_and_speeds_up_on_input() {
+        let mut schedule = SampleSchedule::new(DetectorConfig::default(), ms(0));
+        let mut now = ms(0);
+        let mut waits = Vec::new();
+        for _ in 0..16 {
+            let wait = schedule.next_wait(now, false);
+            waits.push(wait.as_millis() as u64);
+            now += wait;
+        }
+        assert_eq!(waits, [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 10, 20, 40, 80, 100, 100]);
+        // An idle-looking sample is confirmed fast, without losing the back-off.
+        assert_eq!(schedule.next_wait(now, true), ms(5));
+        assert_eq!(schedule.next_wait(now, false), ms(100));
+        schedule.input(now);
+        assert_eq!(schedule.next_wait(now + ms(49), false), ms(5));
+        assert_eq!(schedule.next_wait(now + ms(50), false), ms(10));
+    }
+
+    #[tokio::test]
+    async fn a_long_command_is_sampled_ever_more_rarely() {
+        // Working for 40 samples, then back at its prompt.
+        let mut states = vec![blocked(libc::SYS_wait4, [0; 6]); 40];
+        states.push(READ_STDIN);
+        let fake = FakeProc::session_then(&states);
+        let forwarded = AtomicU64::new(1);
+        let config = DetectorConfig { interval: ms(1), fast_for: ms(10), max_interval: ms(20), ..Default::default() };
+        let started = std::time::Instant::now();
+        let report = wait_until_idle(&fake, 1, Path::new("/x"), &forwarded, &config).await.unwrap();
+        assert_eq!(report.samples, 42);
+        // At least ~10 fast samples, then 2, 4, 8, 16 and 20 ms waits for the rest.
+        assert!(started.elapsed() >= ms(10 + 2 + 4 + 8 + 16 + 20 * 25), "took {:?}", started.elapsed());
     }
 
     #[test]
