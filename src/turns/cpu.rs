@@ -287,7 +287,17 @@ mod tests {
         let idle = Command::new("sleep").arg("30").spawn().unwrap();
         let (busy_pid, idle_pid) = (busy.id(), idle.id());
         let read = |pid| ProcCpuClock.process(pid).expect("child is alive");
-        let (b0, i0) = (read(busy_pid), read(idle_pid));
+        // `sleep` runs while it starts (exec, loader); wait until it blocks.
+        let mut i0 = read(idle_pid);
+        for _ in 0..100 {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let again = read(idle_pid);
+            if again.cpu_ns == i0.cpu_ns {
+                break;
+            }
+            i0 = again;
+        }
+        let b0 = read(busy_pid);
         std::thread::sleep(std::time::Duration::from_millis(200));
         let (b1, i1) = (read(busy_pid), read(idle_pid));
         for mut child in [busy, idle] {
