@@ -243,6 +243,9 @@ async fn crabd_killed_mid_run_loses_no_turn_and_publishes_nothing_half_written()
         let burst = before["bucket"]["burst_bytes"].as_f64().unwrap_or(0.0);
         ensure!(old_pid > 0 && rate > 0.0, "crabd status: {before}");
 
+        // The baseline before any turn runs (a walk of a large store takes seconds).
+        let started = std::time::Instant::now();
+        let mut samples: Vec<(f64, u64)> = vec![(0.0, store_bytes(&state_dir()))];
         let runs = sandboxes.into_iter().map(|mut sandbox| {
             tokio::spawn(async move {
                 for turn in 1..=KILL_TURNS {
@@ -258,18 +261,18 @@ async fn crabd_killed_mid_run_loses_no_turn_and_publishes_nothing_half_written()
         });
         let runs: Vec<_> = runs.collect();
 
-        // Sample the shims' writes until the kill.
-        let started = std::time::Instant::now();
-        let mut samples: Vec<(f64, u64)> = Vec::new();
+        // Sample the shims' writes until the kill, which comes as soon as
+        // enough turns are recorded (checked before each sample).
         loop {
-            samples.push((started.elapsed().as_secs_f64(), store_bytes(&state_dir())));
             let recorded: usize = ids.iter().map(|id| turn_records(id).len()).sum();
             if recorded >= KILL_AT_RECORDS {
                 break;
             }
             ensure!(started.elapsed() < Duration::from_secs(300), "only {recorded} turns recorded after 300 s");
+            samples.push((started.elapsed().as_secs_f64(), store_bytes(&state_dir())));
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        samples.push((started.elapsed().as_secs_f64(), store_bytes(&state_dir())));
         // SAFETY: kill(2) of the node's crabd, which this test is about.
         ensure!(unsafe { libc::kill(old_pid as i32, libc::SIGKILL) } == 0, "SIGKILL crabd {old_pid}");
         eprintln!("SIGKILLed crabd {old_pid} after {:.1} s", started.elapsed().as_secs_f64());
