@@ -153,22 +153,73 @@ fn dev_null(write: bool) -> io::Result<OwnedFd> {
     Ok(std::fs::OpenOptions::new().read(!write).write(write).open("/dev/null")?.into())
 }
 
-/// Output fifos are opened read-write: that never blocks, and the shim's own
-/// read side keeps the fifo usable while containerd is down, so a container
-/// keeps running (and its output keeps flowing) across a containerd restart.
-fn open_output_fifo(path: &Path) -> Result<AsyncRaw, IoError> {
-    let file = std::fs::OpenOptions::new()
+/// How long an output copy waits for the client to open its end of a fifo
+/// before it writes anyway (into the fifo's buffer, as the client may come later).
+const FIFO_READER_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Checks that an output fifo exists, so a bad path fails the call that named it.
+fn check_output_fifo(path: &Path) -> Result<(), IoError> {
+    use std::os::unix::fs::FileTypeExt;
+    let meta = std::fs::metadata(path).map_err(os(format!("open fifo {}", path.display())))?;
+    if !meta.file_type().is_fifo() {
+        let source = io::Error::new(io::ErrorKind::InvalidInput, "not a fifo");
+        return Err(IoError::Os { what: format!("open fifo {}", path.display()), source });
+    }
+    Ok(())
+}
+
+/// Opens an output fifo for the copy once the client reads it. Bytes written
+/// into a fifo that no reader has opened yet are discarded when the last
+/// writer closes it: a process that exits within milliseconds (an exec
+/// through crab-init) would lose its output if the client, whose open runs
+/// concurrently with its Start call, has not opened its side yet. A
+/// non-blocking write-only open succeeds only once a reader exists, so it is
+/// tried until then (bounded). Then the shim opens a read side of its own: it
+/// keeps the fifo usable while containerd is down, so a container keeps
+/// running (and its output keeps flowing) across a containerd restart.
+async fn open_output_fifo(path: &Path) -> Result<FifoSink, IoError> {
+    let what = || format!("open fifo {}", path.display());
+    let deadline = tokio::time::Instant::now() + FIFO_READER_WAIT;
+    let mut pause = std::time::Duration::from_micros(200);
+    let writer: OwnedFd = loop {
+        match std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(path) {
+            Ok(file) => break file.into(),
+            Err(e) if e.raw_os_error() == Some(libc::ENXIO) && tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(std::time::Duration::from_millis(20));
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {
+                tracing::debug!(fifo = %path.display(), "no reader on the output fifo yet: writing into its buffer");
+                let file = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .custom_flags(libc::O_NONBLOCK)
+                    .open(path)
+                    .map_err(os(what()))?;
+                break file.into();
+            }
+            Err(e) => return Err(os(what())(e)),
+        }
+    };
+    let keep_reader = std::fs::OpenOptions::new()
         .read(true)
-        .write(true)
         .custom_flags(libc::O_NONBLOCK)
         .open(path)
-        .map_err(os(format!("open fifo {}", path.display())))?;
-    AsyncRaw::new(file.into()).map_err(os("register fifo"))
+        .map_err(os(what()))?;
+    Ok(FifoSink { writer: AsyncRaw::new(writer).map_err(os("register fifo"))?, _keep_reader: keep_reader.into() })
+}
+
+/// A client's output fifo, with the shim's own read side held open.
+struct FifoSink {
+    writer: AsyncRaw,
+    _keep_reader: OwnedFd,
 }
 
 /// The copy destination of one output stream.
 enum Sink {
-    Async(AsyncRaw),
+    /// Opened by the copy itself, once the client reads (see [`open_output_fifo`]).
+    PendingFifo(PathBuf),
+    Fifo(FifoSink),
     File(std::fs::File),
 }
 
@@ -186,14 +237,28 @@ impl Sink {
                     .map_err(os(format!("open {}", path.display())))?;
                 Ok(Some(Sink::File(f)))
             }
-            Target::Fifo(path) => Ok(Some(Sink::Async(open_output_fifo(path)?))),
+            Target::Fifo(path) => {
+                check_output_fifo(path)?;
+                Ok(Some(Sink::PendingFifo(path.clone())))
+            }
             Target::Null | Target::Binary { .. } => Ok(None),
+        }
+    }
+
+    /// Waits for what the copy needs before its first write.
+    async fn connect(&mut self) {
+        if let Sink::PendingFifo(path) = self {
+            match open_output_fifo(path).await {
+                Ok(fifo) => *self = Sink::Fifo(fifo),
+                Err(e) => tracing::warn!(error = %e, "stdio copy: output dropped"),
+            }
         }
     }
 
     async fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
         match self {
-            Sink::Async(raw) => raw.write_all(buf).await,
+            Sink::PendingFifo(_) => Ok(()),
+            Sink::Fifo(fifo) => fifo.writer.write_all(buf).await,
             Sink::File(f) => {
                 use std::io::Write;
                 f.write_all(buf)
@@ -206,6 +271,9 @@ impl Sink {
 type Hold = tokio::sync::watch::Receiver<bool>;
 
 async fn copy_out(source: AsyncRaw, mut sinks: Vec<Sink>, mut hold: Hold) {
+    for sink in &mut sinks {
+        sink.connect().await;
+    }
     let mut buf = vec![0u8; 32 * 1024];
     loop {
         // Wait for data first and for the hold to lift second: a read must
@@ -665,6 +733,39 @@ mod tests {
         );
         let err = parse_uri("http://x/y").unwrap_err();
         assert!(err.to_string().contains("http://x/y"), "{err}");
+    }
+
+    /// A process that wrote and exited before the client opened its fifo (an
+    /// exec through crab-init can take two milliseconds) still has its output
+    /// delivered: the copy waits for the reader instead of writing into a fifo
+    /// whose buffer is dropped at its last close.
+    #[tokio::test]
+    async fn output_reaches_a_fifo_reader_that_opens_late() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("stdout");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let uris = StdioUris { stdout: fifo.display().to_string(), ..Default::default() };
+        let owner = IoOwner { namespace: "ns", container_id: "c", uid: 0, gid: 0 };
+        let (io, launch) = ProcessIo::prepare(&uris, &owner, dir.path(), &Reaper::default()).await.unwrap();
+        let mut out = std::fs::File::from(launch.stdio.stdout.unwrap());
+        std::io::Write::write_all(&mut out, b"early bytes\n").unwrap();
+        drop((out, launch.stdio.stdin, launch.stdio.stderr));
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let reader = {
+            let fifo = fifo.clone();
+            std::thread::spawn(move || std::fs::read_to_string(fifo).unwrap())
+        };
+        io.drain(std::time::Duration::from_secs(5)).await;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(reader.join().unwrap()));
+        let got = rx.recv_timeout(std::time::Duration::from_secs(5)).expect("the fifo reader got end of file");
+        assert_eq!(got, "early bytes\n");
+    }
+
+    #[test]
+    fn a_missing_output_fifo_is_an_error_naming_it() {
+        let err = check_output_fifo(Path::new("/nonexistent/crab/stdout")).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/crab/stdout"), "{err}");
     }
 
     #[tokio::test]
