@@ -105,7 +105,6 @@ async fn remove(container: &Container) -> Outcome<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs crab-init enabled ([runtime] init), off by default: run with a crab.toml that sets it"]
 async fn exec_session_is_in_the_checkpoint_and_reattaches_after_restore() {
     let runtime = crab();
     let original = Container::new(&runtime, "session");
@@ -179,7 +178,6 @@ async fn exec_session_is_in_the_checkpoint_and_reattaches_after_restore() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs crab-init enabled ([runtime] init), off by default: run with a crab.toml that sets it"]
 async fn exec_sessions_are_children_of_the_containers_tree() {
     let runtime = crab();
     let container = Container::new(&runtime, "session-tree");
@@ -200,7 +198,6 @@ async fn exec_sessions_are_children_of_the_containers_tree() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs crab-init enabled ([runtime] init), off by default: run with a crab.toml that sets it"]
 async fn spawner_refuses_connections_from_inside_the_container() {
     let runtime = crab();
     let container = Container::new(&runtime, "spawner-refuses");

@@ -98,14 +98,16 @@ impl Default for NodeConfig {
     }
 }
 
+/// Where `scripts/lib/common.sh` (install_crab_init) puts the static crab-init.
+pub const DEFAULT_INIT: &str = "/usr/local/lib/crab/crab-init";
+
 impl Default for RuntimeConfig {
     fn default() -> Self {
         Self {
             binary: "runc".into(),
             root: "/run/crab/runc".into(),
             systemd_cgroup: false,
-            // Off until every suite passes with it on (see shim-config/crab.toml).
-            init: PathBuf::new(),
+            init: DEFAULT_INIT.into(),
         }
     }
 }
