@@ -95,6 +95,25 @@ fn pipe() -> Result<(OwnedFd, OwnedFd), String> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
+/// The environment with HOME added as runc adds it when the process spec has
+/// none: the user's home directory from the container's passwd file, else "/".
+fn with_home(env: &[String], uid: u32, passwd: &str) -> Vec<String> {
+    let mut env = env.to_vec();
+    if !env.iter().any(|e| e.starts_with("HOME=")) {
+        let home = std::fs::read_to_string(passwd).ok().and_then(|text| home_of(&text, uid)).unwrap_or_else(|| "/".into());
+        env.push(format!("HOME={home}"));
+    }
+    env
+}
+
+/// The home directory of `uid` in passwd(5) text.
+fn home_of(passwd: &str, uid: u32) -> Option<String> {
+    passwd.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split(':').collect();
+        (fields.len() >= 7 && fields[2].parse::<u32>().ok() == Some(uid) && !fields[5].is_empty()).then(|| fields[5].to_string())
+    })
+}
+
 fn dev_null() -> Result<OwnedFd, String> {
     std::fs::OpenOptions::new()
         .read(true)
@@ -193,7 +212,7 @@ pub fn spawn(req: &SpawnRequest) -> Result<Session, String> {
     let plan = Plan {
         program: cstring(&program, "program")?,
         argv: req.args.iter().map(|a| cstring(a, "argument")).collect::<Result<_, _>>()?,
-        envp: req.env.iter().map(|e| cstring(e, "environment entry")).collect::<Result<_, _>>()?,
+        envp: with_home(&req.env, req.uid, "/etc/passwd").iter().map(|e| cstring(e, "environment entry")).collect::<Result<_, _>>()?,
         cwd: cstring(&req.cwd, "cwd")?,
         stdio,
         terminal: req.terminal,
@@ -324,6 +343,23 @@ mod tests {
     fn errno_text_reads_like_go() {
         assert_eq!(errno_text(libc::ENOENT), "no such file or directory");
         assert_eq!(errno_text(libc::EACCES), "permission denied");
+    }
+
+    #[test]
+    fn home_is_added_from_passwd_as_runc_does() {
+        let dir = std::env::temp_dir().join(format!("crab-init-passwd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let passwd = dir.join("passwd");
+        std::fs::write(&passwd, "root:x:0:0:root:/root:/bin/sh\nwww-data:x:33:33:www:/var/www:/usr/sbin/nologin\n").unwrap();
+        let passwd = passwd.to_str().unwrap();
+        let env = vec!["PATH=/bin".to_string()];
+        assert_eq!(with_home(&env, 0, passwd), vec!["PATH=/bin".to_string(), "HOME=/root".into()]);
+        assert_eq!(with_home(&env, 33, passwd).last().unwrap(), "HOME=/var/www");
+        assert_eq!(with_home(&env, 1000, passwd).last().unwrap(), "HOME=/");
+        assert_eq!(with_home(&env, 0, "/nonexistent/passwd").last().unwrap(), "HOME=/");
+        let given = vec!["HOME=/work".to_string()];
+        assert_eq!(with_home(&given, 0, passwd), given);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -80,6 +80,25 @@ async fn stdout_and_stderr_stay_separate() {
     .await;
 }
 
+/// An exec's environment is the one runc gives: the spec's variables plus HOME from the
+/// container's passwd file (ctr's exec spec has none), under both runtimes alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_environment_has_home_as_under_runc() {
+    across_runtimes("exec environment", |runtime| async move {
+        let container = Container::new(&runtime, "exec-env");
+        container.start(&["sleep", "100000"]).await?;
+        let seen = container.exec_ok("env", &["sh", "-c", "echo home=$HOME; echo path=$PATH"]).await;
+        container.kill("SIGKILL", true).await?;
+        container.wait_status("STOPPED", std::time::Duration::from_secs(10)).await?;
+        container.delete_task().await?;
+        container.delete_container().await?;
+        let seen = seen?;
+        ensure!(seen.contains("home=/root\n"), "HOME of a root exec: {seen:?}");
+        Ok(seen)
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stdin_is_forwarded_and_closed() {
     across_runtimes("stdin", |runtime| async move {
