@@ -184,6 +184,34 @@ async fn a_counter_process_continues_from_its_value_after_recover() {
     assert!(count_after + 10 >= count, "counter went from {count} back to {count_after}");
 }
 
+/// A process that dropped root (as a server's workers do) is in the checkpoint and comes back
+/// as the same user. Reading another user's rlimits needs CAP_SYS_RESOURCE, which this host
+/// withholds from root: the dump reads them from /proc instead (scripts/patches).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_of_another_user_is_checkpointed_and_comes_back() {
+    let mut sb = Sandbox::start("rs-user").await;
+    sb.turn("mkdir -p /data && chmod 777 /data; su -s /bin/sh -c 'i=0; while :; do i=$((i+1)); echo \"$(id -u) $i\" > /data/u.tmp && mv /data/u.tmp /data/u; sleep 0.1; done' nobody >/dev/null 2>&1 &").await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    sb.turn("cat /data/u").await;
+    let turns = sb.turns(2).await;
+    assert_eq!(turns[0].class, RecordedClass::Proc, "{:?}", turns[0].reasons);
+    assert_eq!(turns[0].checkpoint_turn, Some(1), "turn 1 has its own checkpoint: {:?}", turns[0].reasons);
+    let before = sb.exec_in(&sb.id.clone(), "cat /data/u").await;
+    let (uid, count) = before.trim().split_once(' ').unwrap();
+    assert_eq!(uid, "65534", "{before}");
+    let count: u64 = count.parse().unwrap();
+
+    sb.kill_processes().await;
+    sb.ctl().recover(&sb.id, None).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = sb.exec_in(&sb.id.clone(), "cat /data/u; ps -o user,args | grep -c '^nobody.*while'").await;
+    let mut lines = after.lines();
+    let (uid_after, count_after) = lines.next().unwrap().split_once(' ').unwrap();
+    assert_eq!(uid_after, "65534", "{after}");
+    assert!(count_after.parse::<u64>().unwrap() + 10 >= count, "the loop continues from its value: {before} then {after}");
+    assert_eq!(lines.next(), Some("1"), "the loop runs as nobody after the restore: {after}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rollback_puts_back_files_in_place_and_processes_by_restore() {
     let mut sb = Sandbox::start("rs-rb").await;
