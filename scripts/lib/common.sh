@@ -42,6 +42,26 @@ ensure_cargo() {
     die "cargo is present but does not run (rustup has no default toolchain? try: rustup default stable)"
 }
 
+# The binaries containerd runs, staged in one directory (CRAB_SHIM_DIR, on
+# containerd's PATH): the shim built for size ([profile.shim] in Cargo.toml:
+# one runs per container, so its resident size is paid per sandbox), crabd and
+# crabctl from the release build. Each is replaced by a rename, so shims that
+# are running keep their binary. Prints the directory.
+stage_crab_bins() {
+  local target_dir="${CARGO_TARGET_DIR:-$CRAB_ROOT/target}" dir b from
+  dir="$target_dir/crab-bin"
+  (cd "$CRAB_ROOT" && cargo build --release --quiet --bin crabd --bin crabctl &&
+    cargo build --profile shim --quiet --bin containerd-shim-crab-v2) >&2 || die "building the shim, crabd and crabctl failed"
+  mkdir -p "$dir"
+  for b in containerd-shim-crab-v2 crabd crabctl; do
+    from="$target_dir/release/$b"
+    [ "$b" = containerd-shim-crab-v2 ] && from="$target_dir/shim/$b"
+    install -m 0755 "$from" "$dir/.$b.tmp"
+    mv -f "$dir/.$b.tmp" "$dir/$b"
+  done
+  echo "$dir"
+}
+
 # crab-init runs as PID 1 inside containers whose images may have no libc
 # (busybox), so it is linked statically. It is built for the explicit host
 # target: that keeps it in its own directory, where no later

@@ -14,7 +14,8 @@ CRAB_CTRD_PIDFILE="$CRAB_CTRD_DIR/containerd.pid"
 CRAB_NS="${CRAB_NS:-crab}"
 # containerd resolves `io.containerd.crab.v2` to `containerd-shim-crab-v2` on
 # its own PATH when a task starts, so the shim may be built after containerd.
-CRAB_SHIM_DIR="${CRAB_SHIM_DIR:-$CRAB_ROOT/target/release}"
+# stage_crab_bins (common.sh) fills this directory.
+CRAB_SHIM_DIR="${CRAB_SHIM_DIR:-${CARGO_TARGET_DIR:-$CRAB_ROOT/target}/crab-bin}"
 CRAB_CTRD_START_TIMEOUT="${CRAB_CTRD_START_TIMEOUT:-30}"
 
 ctrd_ctr() {
