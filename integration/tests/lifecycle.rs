@@ -554,6 +554,47 @@ async fn events_follow_containerds_order() {
     .await;
 }
 
+/// An exec that outgrows the container's memory limit is OOM-killed: /tasks/oom, then its exit
+/// with 137, and the container goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oom_kill_is_one_event_before_the_exit() {
+    across_runtimes("OOM kill", |runtime| async move {
+        let container = Container::new(&runtime, "oom");
+        let events = EventStream::start(container.ctr()).await?;
+        container.start_with(&["--memory-limit", "33554432"], IDLE).await?;
+        // A 100 MB shell variable in a 32 MiB cgroup (this host has no swap).
+        let output = container.exec("hog", &["sh", "-c", "big=$(printf '%100000000s' x); echo ${#big}"]).await?;
+        ensure_eq!(output.code(), Some(137), "the hog's exit code");
+        events.wait_for(container.id(), "/tasks/oom", LONG, |_| true).await?;
+        // Notifications that arrive later than this are not part of the kill.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let alive = container.exec_ok("alive", &["true"]).await;
+        container.kill("SIGKILL", false).await?;
+        events.wait_init_exit(container.id(), SHORT).await?;
+        container.delete_task().await?;
+        container.delete_container().await?;
+        alive?;
+        let topics: Vec<String> = events
+            .for_container(container.id())
+            .into_iter()
+            .map(|e| e.topic)
+            .filter(|t| t == "/tasks/oom" || t == "/tasks/exit")
+            .collect();
+        ensure_eq!(
+            topics.first().map(String::as_str),
+            Some("/tasks/oom"),
+            "the OOM comes before the hog's exit: {topics:?}"
+        );
+        // The runc shim reports every notification of the kill (one to a dozen, as timing has
+        // it); crab reports the kill once.
+        if runtime.name() == crab_integration::env::CRAB_RUNTIME {
+            ensure_eq!(topics.iter().filter(|t| *t == "/tasks/oom").count(), 1, "OOM events of one kill: {topics:?}");
+        }
+        Ok((output.code(), "oom before exit"))
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_shim_is_cleaned_up_and_reported() {
     across_runtimes("shim SIGKILL", |runtime| async move {

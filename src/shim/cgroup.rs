@@ -164,14 +164,19 @@ impl Cgroup {
                     state.eventfd = Some(register_v1_oom(dir).ok()?);
                 }
                 let efd = state.eventfd.as_ref()?;
-                let mut guard = efd.readable().await.ok()?;
-                let mut buf = [0u8; 8];
-                let n = unsafe {
-                    libc::read(std::os::fd::AsRawFd::as_raw_fd(guard.get_inner()), buf.as_mut_ptr().cast(), 8)
-                };
-                guard.clear_ready();
+                // One OOM kill notifies many times: every allocation that fails
+                // before the victim is gone does. The first notification is
+                // the event (at once: it comes before the victim's exit, as
+                // the runc shim reports it); the rest of its burst is not.
+                if std::mem::take(&mut state.in_burst) {
+                    while let Ok(Some(true)) = tokio::time::timeout(OOM_BURST_QUIET, read_eventfd(efd)).await {}
+                }
+                if !read_eventfd(efd).await? {
+                    return None;
+                }
+                state.in_burst = true;
                 // The eventfd also fires when the cgroup is removed.
-                (n == 8 && dir.exists()).then_some(())
+                dir.exists().then_some(())
             }
             Cgroup::V2 { dir } => loop {
                 // memory.events is a pollable kernfs file: it signals POLLPRI on change.
@@ -190,10 +195,33 @@ impl Cgroup {
     }
 }
 
+/// Notifications of one OOM kill closer together than this are one event.
+const OOM_BURST_QUIET: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Waits for the eventfd and reads its counter: Some(true) for a notification,
+/// Some(false) for a failed read, None when it cannot be polled.
+async fn read_eventfd(efd: &tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>) -> Option<bool> {
+    loop {
+        let mut guard = efd.readable().await.ok()?;
+        let mut buf = [0u8; 8];
+        // SAFETY: reading 8 bytes into a buffer of 8 from a descriptor we own.
+        let n = unsafe { libc::read(std::os::fd::AsRawFd::as_raw_fd(guard.get_inner()), buf.as_mut_ptr().cast(), 8) };
+        if n == 8 {
+            return Some(true);
+        }
+        if std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock {
+            return Some(false);
+        }
+        guard.clear_ready();
+    }
+}
+
 /// Per-watcher state of [`Cgroup::next_oom`].
 #[derive(Default)]
 pub struct OomState {
     eventfd: Option<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>>,
+    /// An event was just reported: its burst of notifications is still coming.
+    in_burst: bool,
     last_v2_count: u64,
 }
 
