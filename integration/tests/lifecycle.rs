@@ -595,6 +595,39 @@ async fn oom_kill_is_one_event_before_the_exit() {
     .await;
 }
 
+/// Containers of one pod (the CRI's `io.kubernetes.cri.sandbox-id` annotation) share one shim:
+/// the second is served by the first one's shim, outlives the first's delete, and the shim
+/// exits with the last container of its pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn containers_of_one_pod_share_a_shim() {
+    across_runtimes("pod grouping", |runtime| async move {
+        let first = Container::new(&runtime, "pod-first");
+        let second = Container::new(&runtime, "pod-second");
+        let pod = format!("io.kubernetes.cri.sandbox-id={}", first.id());
+        first.start_with(&["--annotation", &pod], IDLE).await?;
+        second.start_with(&["--annotation", &pod], IDLE).await?;
+        let shim = first.shim_pid()?;
+        let own = host::shim_daemons(second.ctr().namespace(), second.id());
+        ensure!(own.is_empty(), "the pod's second container has a shim of its own: {own:?}");
+        ensure_eq!(second.exec_ok("second", &["echo", "two"]).await?, "two\n", "exec in the second container");
+
+        first.kill("SIGKILL", false).await?;
+        first.wait_status("STOPPED", SHORT).await?;
+        first.delete_task().await?;
+        first.delete_container().await?;
+        ensure!(host::process_running(shim), "the pod's shim exited while a container of the pod runs");
+        ensure_eq!(second.exec_ok("after", &["echo", "still"]).await?, "still\n", "exec after the first's delete");
+
+        second.kill("SIGKILL", false).await?;
+        second.wait_status("STOPPED", SHORT).await?;
+        second.delete_task().await?;
+        second.delete_container().await?;
+        wait_until("the pod's shim to exit", LONG, || async { Ok((!host::process_running(shim)).then_some(())) }).await?;
+        Ok("one shim per pod")
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_shim_is_cleaned_up_and_reported() {
     across_runtimes("shim SIGKILL", |runtime| async move {
