@@ -595,6 +595,44 @@ async fn oom_kill_is_one_event_before_the_exit() {
     .await;
 }
 
+/// `binary://` stdio: the shim starts the logging program with stdout on fd 3, stderr on fd 4
+/// and a pipe on fd 5 that it closes when ready, passing the URI's query as arguments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_log_uri_gets_stdout_and_stderr() {
+    across_runtimes("binary:// logger", |runtime| async move {
+        let container = Container::new(&runtime, "binlog");
+        let dir = std::env::temp_dir().join(format!("crab-binlog-{}", container.id()));
+        std::fs::create_dir_all(&dir).map_err(|e| crab_integration::HarnessError::io("creating the logger dir", e))?;
+        let logger = dir.join("logger");
+        let script = "#!/bin/sh\n# containerd's logging protocol: $1 $2 are the query's key and value.\nexec 5>&-\ncat <&3 > \"$2.out\" &\ncat <&4 > \"$2.err\"\nwait\n";
+        std::fs::write(&logger, script).map_err(|e| crab_integration::HarnessError::io("writing the logger", e))?;
+        std::fs::set_permissions(&logger, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .map_err(|e| crab_integration::HarnessError::io("chmod the logger", e))?;
+        let base = dir.join("log");
+        let uri = format!("binary://{}?file={}", logger.display(), base.display());
+        container
+            .ctr()
+            .invoke(container.run_args(&["-d", "--log-uri", &uri], &["sh", "-c", "echo to-out; echo to-err >&2"]))
+            .success()
+            .await?;
+        container.wait_status("STOPPED", LONG).await?;
+        let read = |suffix: &str| std::fs::read_to_string(dir.join(format!("log.{suffix}"))).unwrap_or_default();
+        let logged = wait_until("the logger to write both streams", SHORT, || async {
+            let (out, err) = (read("out"), read("err"));
+            Ok((out.ends_with('\n') && err.ends_with('\n')).then_some((out, err)))
+        })
+        .await;
+        container.delete_task().await?;
+        container.delete_container().await?;
+        let _ = std::fs::remove_dir_all(&dir);
+        let (out, err) = logged?;
+        ensure_eq!(out, "to-out\n", "stdout through the logger");
+        ensure_eq!(err, "to-err\n", "stderr through the logger");
+        Ok((out, err))
+    })
+    .await;
+}
+
 /// Containers of one pod (the CRI's `io.kubernetes.cri.sandbox-id` annotation) share one shim:
 /// the second is served by the first one's shim, outlives the first's delete, and the shim
 /// exits with the last container of its pod.
