@@ -234,7 +234,8 @@ fn register_v1_oom(dir: &Path) -> std::io::Result<tokio::io::unix::AsyncFd<std::
     let efd = unsafe { OwnedFd::from_raw_fd(efd) };
     let control = std::fs::File::open(dir.join("memory.oom_control"))?;
     std::fs::write(dir.join("cgroup.event_control"), format!("{} {}", efd.as_raw_fd(), control.as_raw_fd()))?;
-    tokio::io::unix::AsyncFd::new(efd)
+    // SAFETY: the AsyncFd owns `efd`, so the descriptor stays open and the same until it is dropped.
+    Ok(unsafe { tokio::io::unix::AsyncFd::register(efd) }?)
 }
 
 fn read_u64(dir: &Path, file: &str) -> u64 {

@@ -102,7 +102,8 @@ struct AsyncRaw(AsyncFd<OwnedFd>);
 impl AsyncRaw {
     fn new(fd: OwnedFd) -> io::Result<Self> {
         set_nonblocking(fd.as_raw_fd())?;
-        Ok(Self(AsyncFd::new(fd)?))
+        // SAFETY: the AsyncFd owns `fd`, so the descriptor stays open and the same until it is dropped.
+        Ok(Self(unsafe { AsyncFd::register(fd) }?))
     }
 
     /// Reads some bytes; 0 means end of stream. A pty master reports the
