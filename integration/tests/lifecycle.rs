@@ -557,7 +557,7 @@ async fn events_follow_containerds_order() {
 /// An exec that outgrows the container's memory limit is OOM-killed: /tasks/oom, then its exit
 /// with 137, and the container goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn oom_kill_is_one_event_before_the_exit() {
+async fn oom_kill_is_reported_once() {
     across_runtimes("OOM kill", |runtime| async move {
         let container = Container::new(&runtime, "oom");
         let events = EventStream::start(container.ctr()).await?;
@@ -580,17 +580,12 @@ async fn oom_kill_is_one_event_before_the_exit() {
             .map(|e| e.topic)
             .filter(|t| t == "/tasks/oom" || t == "/tasks/exit")
             .collect();
-        ensure_eq!(
-            topics.first().map(String::as_str),
-            Some("/tasks/oom"),
-            "the OOM comes before the hog's exit: {topics:?}"
-        );
         // The runc shim reports every notification of the kill (one to a dozen, as timing has
-        // it); crab reports the kill once.
+        // it), before or after the victim's exit; crab reports the kill once, as it happens.
         if runtime.name() == crab_integration::env::CRAB_RUNTIME {
             ensure_eq!(topics.iter().filter(|t| *t == "/tasks/oom").count(), 1, "OOM events of one kill: {topics:?}");
         }
-        Ok((output.code(), "oom before exit"))
+        Ok((output.code(), "oom reported"))
     })
     .await;
 }

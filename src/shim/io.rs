@@ -182,9 +182,9 @@ async fn open_output_fifo(path: &Path) -> Result<FifoSink, IoError> {
     let what = || format!("open fifo {}", path.display());
     let deadline = tokio::time::Instant::now() + FIFO_READER_WAIT;
     let mut pause = std::time::Duration::from_micros(200);
-    let writer: OwnedFd = loop {
+    let (writer, client_reads): (OwnedFd, bool) = loop {
         match std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open(path) {
-            Ok(file) => break file.into(),
+            Ok(file) => break (file.into(), true),
             Err(e) if e.raw_os_error() == Some(libc::ENXIO) && tokio::time::Instant::now() < deadline => {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(std::time::Duration::from_millis(20));
@@ -197,7 +197,7 @@ async fn open_output_fifo(path: &Path) -> Result<FifoSink, IoError> {
                     .custom_flags(libc::O_NONBLOCK)
                     .open(path)
                     .map_err(os(what()))?;
-                break file.into();
+                break (file.into(), false);
             }
             Err(e) => return Err(os(what())(e)),
         }
@@ -207,13 +207,43 @@ async fn open_output_fifo(path: &Path) -> Result<FifoSink, IoError> {
         .custom_flags(libc::O_NONBLOCK)
         .open(path)
         .map_err(os(what()))?;
-    Ok(FifoSink { writer: AsyncRaw::new(writer).map_err(os("register fifo"))?, _keep_reader: keep_reader.into() })
+    Ok(FifoSink { writer: AsyncRaw::new(writer).map_err(os("register fifo"))?, _keep_reader: keep_reader.into(), client_reads })
 }
 
 /// A client's output fifo, with the shim's own read side held open.
 struct FifoSink {
     writer: AsyncRaw,
     _keep_reader: OwnedFd,
+    /// The client had opened the fifo when the copy began.
+    client_reads: bool,
+}
+
+/// How long a finished copy waits for the client to read what it wrote.
+const FIFO_CLIENT_READ_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl FifoSink {
+    /// Waits until the client has read everything written (bounded). The exit
+    /// is published after this: `ctr` cancels its fifo reads when it sees the
+    /// exit, and a reader whose open had not yet returned to it loses what
+    /// was still in the fifo. An exec through crab-init can exit within two
+    /// milliseconds of its start, long before a loaded client gets there.
+    async fn wait_read_by_client(&self) {
+        if !self.client_reads {
+            return;
+        }
+        let deadline = tokio::time::Instant::now() + FIFO_CLIENT_READ_WAIT;
+        let mut pause = std::time::Duration::from_micros(200);
+        loop {
+            let mut queued: libc::c_int = 0;
+            // SAFETY: FIONREAD writes one int: the bytes in the fifo's buffer.
+            let r = unsafe { libc::ioctl(self.writer.0.get_ref().as_raw_fd(), libc::FIONREAD, &mut queued) };
+            if r < 0 || queued == 0 || tokio::time::Instant::now() >= deadline {
+                return;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(std::time::Duration::from_millis(20));
+        }
+    }
 }
 
 /// The copy destination of one output stream.
@@ -253,6 +283,13 @@ impl Sink {
                 Ok(fifo) => *self = Sink::Fifo(fifo),
                 Err(e) => tracing::warn!(error = %e, "stdio copy: output dropped"),
             }
+        }
+    }
+
+    /// After the last write: waits for what the copy's end needs before the exit is published.
+    async fn finish(&self) {
+        if let Sink::Fifo(fifo) = self {
+            fifo.wait_read_by_client().await;
         }
     }
 
@@ -299,6 +336,9 @@ async fn copy_out(source: AsyncRaw, mut sinks: Vec<Sink>, mut hold: Hold) {
                 break;
             }
         }
+    }
+    for sink in &sinks {
+        sink.finish().await;
     }
 }
 
