@@ -174,7 +174,8 @@ impl TaskService {
         let clock = std::time::Instant::now();
         let loading = (policy.policy != Policy::Off).then(|| {
             let (cell, config) = (self.engine_ctx.clone(), config.clone());
-            tokio::spawn(async move { engine_context(cell, config).await })
+            let yielding = policy.restore_from.is_some();
+            tokio::spawn(async move { engine_context(cell, config, yielding).await })
         });
         let prepared = match &policy.restore_from {
             Some(source) => prepare_restore(&config.checkpoint.state_dir, source, &req.id, &bundle).await,
@@ -416,9 +417,12 @@ impl TaskService {
 /// Store and inspector of this shim's checkpointed sandboxes, set up by the first one.
 /// The store and the inspector of this shim's checkpointed sandboxes, set up
 /// by the first one: crabd's connection, else BPF programs of this shim's own.
+/// `yielding`: a restore needs the CPU more than a BPF load does (see
+/// [`crate::inspector::Inspector::start_yielding`]).
 async fn engine_context(
     cell: Arc<tokio::sync::OnceCell<Arc<EngineContext>>>,
     config: Config,
+    yielding: bool,
 ) -> Result<Arc<EngineContext>, ShimError> {
     let state_dir = config.checkpoint.state_dir.clone();
     let node = crate::node::ClientOptions::from_config(&config.node);
@@ -438,10 +442,12 @@ async fn engine_context(
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "crabd unavailable: loading an inspector in this shim, commits not paced");
-                    let local = crate::inspector::Inspector::start(crate::inspector::InspectorConfig {
-                        ring_buffer_bytes: 4 << 20,
-                    })
-                    .await;
+                    let config = crate::inspector::InspectorConfig { ring_buffer_bytes: 4 << 20 };
+                    let local = if yielding {
+                        crate::inspector::Inspector::start_yielding(config).await
+                    } else {
+                        crate::inspector::Inspector::start(config).await
+                    };
                     match local {
                         Ok(i) => (Some(Arc::new(i) as Arc<dyn crate::engine::EffectSource>), None),
                         Err(e) => {
