@@ -1049,6 +1049,42 @@ fn newest_images_are_kept_assembled_and_restored_by_link_after_a_check() {
     assert!(!kept_c2.exists());
 }
 
+/// A dump on another file system than the store is not kept (a copy would write the whole
+/// image set again): the restore reassembles from the chunks.
+#[test]
+fn a_dump_on_another_file_system_is_not_kept() {
+    let sb = Sandbox::new();
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    if fs::metadata(shm.path()).unwrap().dev() == fs::metadata(&sb.state).unwrap().dev() {
+        eprintln!("/dev/shm is on the store's file system here: nothing to test");
+        return;
+    }
+    let dump = shm.path().join("dump");
+    synthetic_dump(&dump, 1);
+    commit_dump(&sb, "c1", 1, &dump);
+    let owner = sb.state.join("assembled/c1");
+    assert!(
+        !owner.exists() || fs::read_dir(&owner).unwrap().next().is_none(),
+        "nothing kept: {:?}",
+        fs::read_dir(&owner).map(|d| d.map(|e| e.unwrap().file_name()).collect::<Vec<_>>())
+    );
+    let out = sb._tmp.path().join("restored");
+    let (_, report) = sb.store.restore_images_report("c1", 1, &out).unwrap().unwrap();
+    assert!(!report.assembled && report.chunks_read > 0, "{report:?}");
+    assert_same_dir(&out, &dump);
+
+    // The other way round: a copy kept on the store's file system restored into a directory
+    // elsewhere is checked and linked symbolically (CRIU follows the links), not copied.
+    let local = sb._tmp.path().join("dump-local");
+    synthetic_dump(&local, 2);
+    commit_dump(&sb, "c2", 1, &local);
+    let out = shm.path().join("restored-elsewhere");
+    let (_, report) = sb.store.restore_images_report("c2", 1, &out).unwrap().unwrap();
+    assert!(report.assembled, "{report:?}");
+    assert!(fs::symlink_metadata(out.join("pages-1.img")).unwrap().file_type().is_symlink());
+    assert_same_dir(&out, &local);
+}
+
 /// A kept copy that does not match the manifest (a flipped byte in a page image, a truncated
 /// or swapped small file, a file missing, a symlink in place of a file) is refused and never
 /// used: the restore reassembles from the chunks, byte for byte, and drops the bad copy. A

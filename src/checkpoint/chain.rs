@@ -6,10 +6,10 @@
 //! - `snapshots/<sha256>.json`: a folded chain prefix ending at that manifest (written by GC);
 //! - `containers/<id>/HEAD`: the container's current checkpoint, updated last;
 //! - `assembled/<id>/<sha256>/`: the CRIU image files of container `<id>`'s newest published
-//!   process checkpoint (manifest `<sha256>`) as CRIU wrote them, kept so that a restore can
-//!   check them against the manifest and link them instead of reassembling every chunk. Only
-//!   an accelerator: never flushed, never trusted unchecked, rebuilt from the chunks when it
-//!   fails the check;
+//!   process checkpoint (manifest `<sha256>`), hard links to the files CRIU wrote (kept only
+//!   when the dump is on this file system), so that a restore can check them against the
+//!   manifest and link them instead of reassembling every chunk. Only an accelerator: never
+//!   flushed by itself, never trusted unchecked, replaced by the chunks when it fails the check;
 //! - `tmp/`: files being written; `lock`: shared by writers, exclusive for GC.
 //!
 //! A manifest names its parent by hash, so a chain is immutable once written; forks are heads
@@ -337,7 +337,9 @@ impl CheckpointStore {
             .io_ctx("create", &dir)
             .and_then(|()| images::keep_assembled(set, dump_dir, &dest));
         match kept {
-            Ok(linked) => debug!(container, id = %id, linked, "CRIU images kept assembled"),
+            Ok(true) => debug!(container, id = %id, "CRIU images kept assembled"),
+            Ok(false) => debug!(container, id = %id, dump = %dump_dir.display(),
+                "CRIU images not kept: the dump is on another file system than the store (a copy would cost a full write)"),
             Err(e) => tracing::warn!(container, id = %id, error = %e, "CRIU images not kept assembled: the next restore reassembles them"),
         }
         if let Ok(entries) = fs::read_dir(&dir) {

@@ -425,16 +425,16 @@ fn write_chunks(
 }
 
 /// Keeps the image files of a published checkpoint, as CRIU wrote them in `dump_dir`, as the
-/// directory `dest` (which must not exist): hard links where `dump_dir` is on the same file
-/// system, copies otherwise. Nothing is flushed: the copy is only ever used after
-/// [`restore_assembled`] has checked it against the manifest again. Returns whether the files
-/// were linked.
+/// directory `dest` (which must not exist), by hard links: nothing is copied or flushed, and
+/// the copy is only ever used after [`restore_assembled`] has checked it against the manifest
+/// again. Returns false, keeping nothing, when `dump_dir` is on another file system: a copy
+/// would cost a write of the whole image set per process checkpoint, the traffic the chunk
+/// store exists to avoid (on one file system the store's `syncfs` flushes the dump anyway).
 pub(crate) fn keep_assembled(set: &ImageSet, dump_dir: &Path, dest: &Path) -> Result<bool> {
     let partial = partial_of(dest)?;
     remove_if_present(&partial)?;
     fs::create_dir_all(&partial).io_ctx("create", &partial)?;
     let kept = (|| {
-        let mut linked = true;
         for image in &set.files {
             if !valid_image_name(&image.name) {
                 return Err(bad_dir(dump_dir, format!("image name {:?} is not a plain file name", image.name)));
@@ -442,17 +442,14 @@ pub(crate) fn keep_assembled(set: &ImageSet, dump_dir: &Path, dest: &Path) -> Re
             let (from, to) = (dump_dir.join(&image.name), partial.join(&image.name));
             match fs::hard_link(&from, &to) {
                 Ok(()) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
-                    linked = false;
-                    fs::copy(&from, &to).io_ctx("copy", &to)?;
-                }
+                Err(e) if e.raw_os_error() == Some(libc::EXDEV) => return Ok(false),
                 Err(e) => return Err(e).io_ctx("link", &to),
             }
         }
         fs::rename(&partial, dest).io_ctx("rename", dest)?;
-        Ok(linked)
+        Ok(true)
     })();
-    if kept.is_err() {
+    if !matches!(kept, Ok(true)) {
         let _ = fs::remove_dir_all(&partial);
     }
     kept
