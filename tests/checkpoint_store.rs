@@ -941,6 +941,8 @@ fn large_page_images_reassemble_exactly_and_refuse_a_corrupt_chunk() {
         "repeated zero pages are read once per worker: {report:?}"
     );
 
+    // The chunks themselves, not the copy the commit kept assembled (tested below).
+    fs::remove_dir_all(sb.state.join("assembled")).unwrap();
     let unique = page * 2048; // in the second job of 1024 chunks
     let zero = page * 7 * 200;
     for (offset, len) in [(unique, page), (zero, page)] {
@@ -962,6 +964,203 @@ fn large_page_images_reassemble_exactly_and_refuse_a_corrupt_chunk() {
         assert!(!partial.exists(), "the partial directory is removed");
         fs::write(&path, &good).unwrap();
     }
+}
+
+/// The kept copy of container `c`'s newest process checkpoint.
+fn kept_dir(sb: &Sandbox, container: &str) -> PathBuf {
+    let owner = sb.state.join("assembled").join(container);
+    let mut dirs: Vec<PathBuf> = fs::read_dir(&owner)
+        .unwrap_or_else(|e| panic!("{}: {e}", owner.display()))
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(dirs.len(), 1, "one kept image set per container: {dirs:?}");
+    dirs.pop().unwrap()
+}
+
+fn commit_dump(sb: &Sandbox, container: &str, turn: u64, dump: &Path) {
+    sb.store
+        .commit_turn(&TurnInput { container, turn, rootfs: None, changed: &[], criu_images: Some(dump) })
+        .unwrap();
+}
+
+/// The newest process checkpoint's image files are kept as CRIU wrote them (linked, not
+/// copied), and a restore checks them against the manifest and links them: no chunk is read.
+/// Only the newest is kept; an older turn, a fork's restore after the source moved on, and a
+/// removed container fall back to (or lose) the kept copy as they should.
+#[test]
+fn newest_images_are_kept_assembled_and_restored_by_link_after_a_check() {
+    let sb = Sandbox::new();
+    let (d1, d2) = (sb._tmp.path().join("dump1"), sb._tmp.path().join("dump2"));
+    synthetic_dump(&d1, 1);
+    synthetic_dump(&d2, 2);
+    commit_dump(&sb, "c1", 1, &d1);
+    let kept1 = kept_dir(&sb, "c1");
+    assert_eq!(
+        fs::metadata(kept1.join("pages-1.img")).unwrap().ino(),
+        fs::metadata(d1.join("pages-1.img")).unwrap().ino(),
+        "kept by a hard link to CRIU's own file"
+    );
+    let out = sb._tmp.path().join("restored1");
+    let (turn, report) = sb.store.restore_images_report("c1", 1, &out).unwrap().unwrap();
+    assert_eq!(turn, 1);
+    assert!(report.assembled, "{report:?}");
+    assert_eq!(report.chunks_read, 0, "{report:?}");
+    assert!(report.chunks > 500, "{report:?}");
+    assert_same_dir(&out, &d1);
+    // CRIU reads the dump's own bytes: nothing was copied.
+    assert_eq!(
+        fs::metadata(out.join("pages-1.img")).unwrap().ino(),
+        fs::metadata(d1.join("pages-1.img")).unwrap().ino()
+    );
+    // The engine removes its dump directory once published: the kept copy stays.
+    fs::remove_dir_all(&d1).unwrap();
+    let out = sb._tmp.path().join("restored1-again");
+    assert!(sb.store.restore_images_report("c1", 1, &out).unwrap().unwrap().1.assembled);
+
+    // A fork restores its source's kept copy too.
+    sb.store.fork("c1", 1, "f1").unwrap();
+    let out = sb._tmp.path().join("restored-fork");
+    assert!(sb.store.restore_images_report("f1", 1, &out).unwrap().unwrap().1.assembled);
+
+    // A newer process checkpoint replaces the kept copy.
+    commit_dump(&sb, "c1", 2, &d2);
+    let kept2 = kept_dir(&sb, "c1");
+    assert_ne!(kept1, kept2);
+    assert!(!kept1.exists());
+    let out = sb._tmp.path().join("restored2");
+    assert!(sb.store.restore_images_report("c1", 2, &out).unwrap().unwrap().1.assembled);
+    assert_same_dir(&out, &d2);
+    // Turn 1 is no longer kept: reassembled from its chunks, the same bytes.
+    let out = sb._tmp.path().join("restored1-chunks");
+    let (_, report) = sb.store.restore_images_report("c1", 1, &out).unwrap().unwrap();
+    assert!(!report.assembled && report.chunks_read > 0, "{report:?}");
+    synthetic_dump(&d1, 1);
+    assert_same_dir(&out, &d1);
+
+    // A removed container takes its kept copy along; GC drops the copy of a gone checkpoint.
+    sb.store.remove_container("c1").unwrap();
+    assert!(!sb.state.join("assembled/c1").exists());
+    commit_dump(&sb, "c2", 1, &d1);
+    let kept_c2 = kept_dir(&sb, "c2");
+    sb.store.remove_container("c2").unwrap();
+    fs::create_dir_all(&kept_c2).unwrap(); // as if a crash had left it behind
+    let report = sb.store.gc(&RetentionPolicy { keep_last: 1 }).unwrap();
+    assert_eq!(report.assembled_removed, 1, "{report:?}");
+    assert!(!kept_c2.exists());
+}
+
+/// A dump on another file system than the store is not kept (a copy would write the whole
+/// image set again): the restore reassembles from the chunks.
+#[test]
+fn a_dump_on_another_file_system_is_not_kept() {
+    let sb = Sandbox::new();
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    if fs::metadata(shm.path()).unwrap().dev() == fs::metadata(&sb.state).unwrap().dev() {
+        eprintln!("/dev/shm is on the store's file system here: nothing to test");
+        return;
+    }
+    let dump = shm.path().join("dump");
+    synthetic_dump(&dump, 1);
+    commit_dump(&sb, "c1", 1, &dump);
+    let owner = sb.state.join("assembled/c1");
+    assert!(
+        !owner.exists() || fs::read_dir(&owner).unwrap().next().is_none(),
+        "nothing kept: {:?}",
+        fs::read_dir(&owner).map(|d| d.map(|e| e.unwrap().file_name()).collect::<Vec<_>>())
+    );
+    let out = sb._tmp.path().join("restored");
+    let (_, report) = sb.store.restore_images_report("c1", 1, &out).unwrap().unwrap();
+    assert!(!report.assembled && report.chunks_read > 0, "{report:?}");
+    assert_same_dir(&out, &dump);
+
+    // The other way round: a copy kept on the store's file system restored into a directory
+    // elsewhere is checked and linked symbolically (CRIU follows the links), not copied.
+    let local = sb._tmp.path().join("dump-local");
+    synthetic_dump(&local, 2);
+    commit_dump(&sb, "c2", 1, &local);
+    let out = shm.path().join("restored-elsewhere");
+    let (_, report) = sb.store.restore_images_report("c2", 1, &out).unwrap().unwrap();
+    assert!(report.assembled, "{report:?}");
+    assert!(fs::symlink_metadata(out.join("pages-1.img")).unwrap().file_type().is_symlink());
+    assert_same_dir(&out, &local);
+}
+
+/// A kept copy that does not match the manifest (a flipped byte in a page image, a truncated
+/// or swapped small file, a file missing, a symlink in place of a file) is refused and never
+/// used: the restore reassembles from the chunks, byte for byte, and drops the bad copy. A
+/// corrupt chunk behind a corrupt kept copy still fails the restore, naming the chunk.
+#[test]
+fn a_corrupted_kept_copy_is_refused_and_the_chunks_restore_instead() {
+    type Damage = fn(&Path, &Path);
+    let damages: [(&str, Damage); 5] = [
+        ("flipped page byte", |kept, _| {
+            let path = kept.join("pages-1.img");
+            let mut bytes = fs::read(&path).unwrap();
+            bytes[4096 * 300 + 17] ^= 0x40;
+            // A new file under the same name: the dump's inode stays intact.
+            fs::remove_file(&path).unwrap();
+            fs::write(&path, &bytes).unwrap();
+        }),
+        ("truncated page image", |kept, _| {
+            let path = kept.join("pages-1.img");
+            let bytes = fs::read(&path).unwrap();
+            fs::remove_file(&path).unwrap();
+            fs::write(&path, &bytes[..bytes.len() - 1000]).unwrap();
+        }),
+        ("swapped small file", |kept, _| {
+            let path = kept.join("core-1.img");
+            fs::remove_file(&path).unwrap();
+            fs::write(&path, b"core 9").unwrap();
+        }),
+        ("missing file", |kept, _| fs::remove_file(kept.join("pagemap-1.img")).unwrap()),
+        ("symlink to a file of the same content elsewhere", |kept, elsewhere| {
+            let path = kept.join("core-1.img");
+            let outside = elsewhere.join("outside-core");
+            fs::copy(&path, &outside).unwrap();
+            fs::remove_file(&path).unwrap();
+            symlink(&outside, &path).unwrap();
+        }),
+    ];
+    for (what, damage) in damages {
+        let sb = Sandbox::new();
+        let dump = sb._tmp.path().join("dump");
+        synthetic_dump(&dump, 1);
+        commit_dump(&sb, "c1", 1, &dump);
+        let kept = kept_dir(&sb, "c1");
+        damage(&kept, sb._tmp.path());
+        let out = sb._tmp.path().join("restored");
+        let (_, report) = sb.store.restore_images_report("c1", 1, &out).unwrap().unwrap();
+        assert!(!report.assembled, "{what}: the damaged copy was used: {report:?}");
+        assert!(report.chunks_read > 0, "{what}: {report:?}");
+        assert_same_dir(&out, &dump);
+        assert!(!kept.exists(), "{what}: the damaged copy is dropped");
+        assert!(!sb._tmp.path().join("restored.partial").exists(), "{what}");
+    }
+
+    // Bad kept copy and a bad chunk: refused, naming the chunk, nothing left at the target.
+    let sb = Sandbox::new();
+    let dump = sb._tmp.path().join("dump");
+    synthetic_dump(&dump, 1);
+    commit_dump(&sb, "c1", 1, &dump);
+    let kept = kept_dir(&sb, "c1");
+    let pages = fs::read(dump.join("pages-1.img")).unwrap();
+    let chunk = &pages[4096 * 10..4096 * 11];
+    let digest = crab::checkpoint::Digest::of(chunk);
+    let path = sb.store.blobs().path_of(&digest);
+    fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+    let mut bad = chunk.to_vec();
+    bad[1] ^= 1;
+    fs::write(&path, &bad).unwrap();
+    let kept_pages = kept.join("pages-1.img");
+    fs::remove_file(&kept_pages).unwrap();
+    fs::write(&kept_pages, [&pages[..4096 * 10], &bad[..], &pages[4096 * 11..]].concat()).unwrap();
+    let out = sb._tmp.path().join("refused");
+    let err = sb.store.restore_images("c1", 1, &out).unwrap_err();
+    assert!(
+        matches!(err, CheckpointError::CorruptBlob { .. }) && err.to_string().contains(&digest.to_hex()),
+        "{err}"
+    );
+    assert!(!out.exists() && !sb._tmp.path().join("refused.partial").exists());
 }
 
 struct Victim(Child);

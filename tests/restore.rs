@@ -355,3 +355,42 @@ async fn recover_keeps_the_sandboxs_own_config_path() {
     let turns = sb.settled().await;
     assert_eq!(turns.last().unwrap().checkpoint_turn, Some(turns.last().unwrap().turn), "{turns:?}");
 }
+
+/// Without crabd the shim loads BPF programs of its own, and a restore does not wait for that:
+/// the engine attaches behind Start's reply. The first exec after the restore waits for it
+/// instead, so its turn is recorded, classified from what the inspector saw, and checkpointed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_turn_after_a_restore_without_crabd_is_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let config = dir.path().join("crab.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[checkpoint]\nstate_dir = \"{}\"\n[node]\nsocket = \"{}\"\nspawn = false\n",
+            state.display(),
+            dir.path().join("no-crabd.sock").display()
+        ),
+    )
+    .unwrap();
+    let mut sb = Sandbox::start_in("rs-first", &["--runtime-config-path", config.to_str().unwrap()], state.clone()).await;
+    sb.turn("sleep 100000 >/dev/null 2>&1 &").await;
+    let turns = sb.settled().await;
+    assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{turns:?}");
+
+    sb.kill_processes().await;
+    let report = sb.ctl().recover(&sb.id, None).await.unwrap();
+    assert_eq!(report.checkpoint_turn, Some(1));
+    // At once, while the restored shim may still be loading its inspector.
+    sb.turn("mkdir -p /data && echo first > /data/first").await;
+    let turns = sb.settled().await;
+    let first = turns.last().unwrap();
+    assert_eq!((first.turn, first.checkpoint_turn), (2, Some(2)), "{turns:?}");
+    assert_ne!(first.class, RecordedClass::Clean, "the inspector missed the turn's write: {turns:?}");
+    let (_, manifest) = sb.ctl().store.manifest_at(&sb.id, 2).unwrap();
+    assert!(
+        manifest.fs_delta.iter().any(|e| e.path.to_string() == "/data/first"),
+        "turn 2's checkpoint holds its file: {:?}",
+        manifest.fs_delta.iter().map(|e| e.path.to_string()).collect::<Vec<_>>()
+    );
+}

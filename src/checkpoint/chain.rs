@@ -5,6 +5,11 @@
 //! - `manifests/<sha256>.json`: sealed manifests, named by the hash of their body;
 //! - `snapshots/<sha256>.json`: a folded chain prefix ending at that manifest (written by GC);
 //! - `containers/<id>/HEAD`: the container's current checkpoint, updated last;
+//! - `assembled/<id>/<sha256>/`: the CRIU image files of container `<id>`'s newest published
+//!   process checkpoint (manifest `<sha256>`), hard links to the files CRIU wrote (kept only
+//!   when the dump is on this file system), so that a restore can check them against the
+//!   manifest and link them instead of reassembling every chunk. Only an accelerator: never
+//!   flushed by itself, never trusted unchecked, replaced by the chunks when it fails the check;
 //! - `tmp/`: files being written; `lock`: shared by writers, exclusive for GC.
 //!
 //! A manifest names its parent by hash, so a chain is immutable once written; forks are heads
@@ -187,6 +192,19 @@ impl Chain {
         state
     }
 
+    /// [`images_at`](Self::images_at), with the manifest holding the set (None when the set
+    /// comes from a snapshot).
+    pub(crate) fn images_source_at(&self, index: usize) -> Option<(u64, &ImageSet, Option<(&Digest, &Manifest)>)> {
+        for (id, manifest) in &self.links[index..] {
+            if let Some(set) = &manifest.images {
+                return Some((manifest.turn, set, Some((id, manifest.as_ref()))));
+            }
+        }
+        self.snapshot
+            .as_ref()
+            .and_then(|s| s.images.as_ref().map(|(turn, set)| (*turn, set, None)))
+    }
+
     /// The newest image set at or below link `index`, with its turn.
     pub(crate) fn images_at(&self, index: usize) -> Option<(u64, &ImageSet)> {
         for (_, manifest) in &self.links[index..] {
@@ -249,6 +267,7 @@ pub struct CheckpointStore {
     manifests: PathBuf,
     snapshots: PathBuf,
     containers: PathBuf,
+    assembled: PathBuf,
     cache: Mutex<HashMap<Digest, Arc<Manifest>>>,
 }
 
@@ -282,7 +301,8 @@ impl CheckpointStore {
         let manifests = state_dir.join("manifests");
         let snapshots = state_dir.join("snapshots");
         let containers = state_dir.join("containers");
-        for dir in [&manifests, &snapshots, &containers] {
+        let assembled = state_dir.join("assembled");
+        for dir in [&manifests, &snapshots, &containers, &assembled] {
             if !dir.is_dir() {
                 fs::create_dir_all(dir).io_ctx("create", dir)?;
                 sys::fsync_dir(&state_dir).io_ctx("fsync", &state_dir)?;
@@ -294,8 +314,41 @@ impl CheckpointStore {
             manifests,
             snapshots,
             containers,
+            assembled,
             cache: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Where the image files of `container`'s process checkpoint `manifest` are kept.
+    pub(crate) fn assembled_path(&self, container: &str, manifest: &Digest) -> PathBuf {
+        self.assembled.join(container).join(manifest.to_hex())
+    }
+
+    pub(crate) fn assembled_dir(&self) -> &Path {
+        &self.assembled
+    }
+
+    /// Keeps the image files of the process checkpoint just published as `id`, in place of
+    /// the container's previous ones. A failure costs only speed at the next restore.
+    fn keep_assembled(&self, container: &str, id: &Digest, set: &ImageSet, dump_dir: &Path) {
+        let dir = self.assembled.join(container);
+        let dest = self.assembled_path(container, id);
+        let kept = fs::create_dir_all(&dir)
+            .io_ctx("create", &dir)
+            .and_then(|()| images::keep_assembled(set, dump_dir, &dest));
+        match kept {
+            Ok(true) => debug!(container, id = %id, "CRIU images kept assembled"),
+            Ok(false) => debug!(container, id = %id, dump = %dump_dir.display(),
+                "CRIU images not kept: the dump is on another file system than the store (a copy would cost a full write)"),
+            Err(e) => tracing::warn!(container, id = %id, error = %e, "CRIU images not kept assembled: the next restore reassembles them"),
+        }
+        if let Ok(entries) = fs::read_dir(&dir) {
+            for entry in entries.flatten() {
+                if entry.path() != dest {
+                    let _ = fs::remove_dir_all(entry.path());
+                }
+            }
+        }
     }
 
     pub fn state_dir(&self) -> &Path {
@@ -588,7 +641,8 @@ impl CheckpointStore {
         }
         let mut batch = self.blobs.resume(blobs);
         let images = criu_images
-            .map(|dir| images::store_images(&dir, &mut batch))
+            .as_deref()
+            .map(|dir| images::store_images(dir, &mut batch))
             .transpose()?;
         let traffic = batch.commit_paced(tokens)?;
 
@@ -619,6 +673,9 @@ impl CheckpointStore {
             ));
         }
         self.set_head(&container, &Head { manifest: id, turn }, Durability::Flushed)?;
+        if let (Some(set), Some(dir)) = (&manifest.images, &criu_images) {
+            self.keep_assembled(&container, &id, set, dir);
+        }
         let report = CommitReport {
             id,
             turn,
@@ -753,10 +810,29 @@ impl CheckpointStore {
     ) -> Result<Option<(u64, RestoredImages)>> {
         let _lock = self.lock(false)?;
         let (_, chain) = self.chain(container)?;
-        let Some((images_turn, set)) = chain.images_at(chain.index_of(container, turn)?) else {
+        let Some((images_turn, set, source)) = chain.images_source_at(chain.index_of(container, turn)?) else {
             return Ok(None);
         };
         let clock = std::time::Instant::now();
+        if let Some((id, manifest)) = source {
+            let kept = self.assembled_path(&manifest.container, id);
+            if kept.is_dir() {
+                match images::restore_assembled(set, &self.blobs, &kept, dest) {
+                    Ok(restored) => {
+                        debug!(container, turn = images_turn, files = restored.files, bytes = restored.bytes,
+                               chunks = restored.chunks, ms = clock.elapsed().as_secs_f64() * 1e3,
+                               "CRIU images linked from the kept copy and verified");
+                        return Ok(Some((images_turn, restored)));
+                    }
+                    Err(e) => {
+                        // Not trusted again: the chunks are the checkpoint.
+                        tracing::warn!(container, turn = images_turn, error = %e,
+                            "kept CRIU images refused: reassembling them from the chunks");
+                        let _ = fs::remove_dir_all(&kept);
+                    }
+                }
+            }
+        }
         let restored = images::restore_images(set, &self.blobs, dest)?;
         debug!(container, turn = images_turn, files = restored.files, bytes = restored.bytes,
                chunks = restored.chunks, chunks_read = restored.chunks_read,
@@ -800,6 +876,7 @@ impl CheckpointStore {
     /// Forgets a container's head; GC then reclaims whatever only it referenced.
     pub fn remove_container(&self, container: &str) -> Result<()> {
         valid_container_id(container)?;
+        let _ = fs::remove_dir_all(self.assembled.join(container));
         let dir = self.containers.join(container);
         match fs::remove_dir_all(&dir) {
             Ok(()) => sys::fsync_dir(&self.containers).io_ctx("fsync", &self.containers),

@@ -34,6 +34,8 @@ pub struct GcReport {
     pub blobs_removed: u64,
     pub bytes_freed: u64,
     pub tmp_files_removed: u64,
+    /// Kept CRIU image directories of checkpoints no longer live.
+    pub assembled_removed: u64,
 }
 
 /// Digest-named files in a directory (`<hex><suffix>`), with their paths; other names are
@@ -132,6 +134,19 @@ impl CheckpointStore {
             if !live_snapshots.contains(&id) {
                 fs::remove_file(&path).io_ctx("remove", &path)?;
                 report.snapshots_removed += 1;
+            }
+        }
+        // Kept image files of checkpoints that are gone, or of containers without a head.
+        let heads: HashSet<String> = self.containers()?.into_iter().collect();
+        if let Ok(owners) = fs::read_dir(self.assembled_dir()) {
+            for owner in owners.flatten() {
+                let has_head = owner.file_name().to_str().is_some_and(|c| heads.contains(c));
+                for (id, path) in digest_files(&owner.path(), "", "").unwrap_or_default() {
+                    if !has_head || !live_manifests.contains(&id) {
+                        let _ = fs::remove_dir_all(&path);
+                        report.assembled_removed += 1;
+                    }
+                }
             }
         }
         let tmp = self.blobs().tmp_dir();

@@ -113,6 +113,9 @@ pub struct RestoredImages {
     pub chunks: u64,
     /// Chunk blobs read and hashed: fewer than `chunks` when pages repeat (zero pages).
     pub chunks_read: u64,
+    /// The files came from the kept assembled copy (verified against the manifest and
+    /// linked), not from the chunks.
+    pub assembled: bool,
 }
 
 /// Chunks per unit of work: large enough that a worker writes in big runs, small enough
@@ -419,6 +422,262 @@ fn write_chunks(
     target.file.write_all_at(io.run, offset).io_ctx("write", &target.path)?;
     io.run.clear();
     Ok(read)
+}
+
+/// Keeps the image files of a published checkpoint, as CRIU wrote them in `dump_dir`, as the
+/// directory `dest` (which must not exist), by hard links: nothing is copied or flushed, and
+/// the copy is only ever used after [`restore_assembled`] has checked it against the manifest
+/// again. Returns false, keeping nothing, when `dump_dir` is on another file system: a copy
+/// would cost a write of the whole image set per process checkpoint, the traffic the chunk
+/// store exists to avoid (on one file system the store's `syncfs` flushes the dump anyway).
+pub(crate) fn keep_assembled(set: &ImageSet, dump_dir: &Path, dest: &Path) -> Result<bool> {
+    let partial = partial_of(dest)?;
+    remove_if_present(&partial)?;
+    fs::create_dir_all(&partial).io_ctx("create", &partial)?;
+    let kept = (|| {
+        for image in &set.files {
+            if !valid_image_name(&image.name) {
+                return Err(bad_dir(dump_dir, format!("image name {:?} is not a plain file name", image.name)));
+            }
+            let (from, to) = (dump_dir.join(&image.name), partial.join(&image.name));
+            match fs::hard_link(&from, &to) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EXDEV) => return Ok(false),
+                Err(e) => return Err(e).io_ctx("link", &to),
+            }
+        }
+        fs::rename(&partial, dest).io_ctx("rename", dest)?;
+        Ok(true)
+    })();
+    if !matches!(kept, Ok(true)) {
+        let _ = fs::remove_dir_all(&partial);
+    }
+    kept
+}
+
+/// Recreates an image set as the directory `dest` from a copy kept by [`keep_assembled`] in
+/// `kept`: every file is checked against the manifest (type, size, and the sha256 of the whole
+/// blob or of each chunk, compared with the verified chunk list) and hard-linked into `dest`,
+/// so nothing is copied. On any mismatch nothing is left at `dest` and the error names the
+/// file; the caller then reassembles from the chunks. Like [`restore_images`], `dest` appears
+/// only complete.
+pub(crate) fn restore_assembled(
+    set: &ImageSet,
+    blobs: &BlobStore,
+    kept: &Path,
+    dest: &Path,
+) -> Result<RestoredImages> {
+    let partial = partial_of(dest)?;
+    remove_if_present(&partial)?;
+    let kept = fs::canonicalize(kept).io_ctx("resolve", kept)?;
+    fs::create_dir_all(&partial).io_ctx("create", &partial)?;
+    let restored = link_verified(set, blobs, &kept, &partial)
+        .and_then(|restored| fs::rename(&partial, dest).io_ctx("rename", dest).map(|()| restored));
+    if restored.is_err() {
+        let _ = fs::remove_dir_all(&partial);
+    }
+    restored
+}
+
+/// `<dest>.partial`, where a directory is filled before it is renamed to `dest`.
+fn partial_of(dest: &Path) -> Result<PathBuf> {
+    let Some(name) = dest.file_name() else {
+        return Err(bad_dir(dest, "not a directory name"));
+    };
+    let mut partial_name = name.to_owned();
+    partial_name.push(".partial");
+    Ok(dest.with_file_name(partial_name))
+}
+
+fn remove_if_present(dir: &Path) -> Result<()> {
+    match fs::remove_dir_all(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).io_ctx("remove", dir),
+    }
+}
+
+/// Bytes hashed per read while checking a kept page image.
+const VERIFY_RUN: usize = 256 * CHUNK_SIZE;
+
+/// Links every file of `set` from `kept` into `dest` and checks the linked files against the
+/// manifest, several threads hashing runs of chunks.
+fn link_verified(set: &ImageSet, blobs: &BlobStore, kept: &Path, dest: &Path) -> Result<RestoredImages> {
+    let refused = |name: &str, reason: String| bad_dir(kept, format!("kept copy of {name} refused: {reason}"));
+    let mut targets = Vec::with_capacity(set.files.len());
+    for image in &set.files {
+        if !valid_image_name(&image.name) {
+            return Err(bad_dir(kept, format!("image name {:?} is not a plain file name", image.name)));
+        }
+        let (from, path) = (kept.join(&image.name), dest.join(&image.name));
+        // A hard link; a symbolic one when `dest` is on another file system (CRIU follows
+        // it). Either way what is checked below is what CRIU will read through `dest`.
+        let nofollow = match fs::hard_link(&from, &path) {
+            Ok(()) => libc::O_NOFOLLOW,
+            Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+                std::os::unix::fs::symlink(&from, &path).io_ctx("symlink", &path)?;
+                0
+            }
+            Err(e) => return Err(e).io_ctx("link", &path),
+        };
+        let file = OpenOptions::new().read(true).custom_flags(nofollow).open(&path).io_ctx("open", &path)?;
+        let meta = file.metadata().io_ctx("stat", &path)?;
+        if !meta.file_type().is_file() {
+            return Err(refused(&image.name, "not a regular file".into()));
+        }
+        if meta.len() != image.size {
+            return Err(refused(&image.name, format!("{} bytes, manifest says {}", meta.len(), image.size)));
+        }
+        let chunks = match &image.content {
+            ImageContent::Whole { .. } => None,
+            ImageContent::Chunked { chunk_list, chunks, chunk_size } => {
+                let list = blobs.read(chunk_list)?;
+                let chunk_size = u64::from(*chunk_size);
+                let fits = match *chunks {
+                    0 => image.size == 0,
+                    n => chunk_size > 0 && image.size > (n - 1) * chunk_size && image.size <= n * chunk_size,
+                };
+                if list.len() as u64 != chunks * 32 || !fits {
+                    return Err(bad_dir(
+                        kept,
+                        format!("{}: chunk list of {} bytes does not describe {} bytes in {chunks} chunks", image.name, list.len(), image.size),
+                    ));
+                }
+                Some((list, chunk_size))
+            }
+        };
+        targets.push(Target { image, path, file, chunks });
+    }
+    let mut jobs = Vec::new();
+    for (index, target) in targets.iter().enumerate() {
+        match &target.chunks {
+            Some((list, _)) => {
+                let chunks = list.len() / 32;
+                for first in (0..chunks).step_by(CHUNKS_PER_JOB) {
+                    jobs.push(Job::Chunks { target: index, first, count: CHUNKS_PER_JOB.min(chunks - first) });
+                }
+            }
+            None => jobs.push(Job::Whole { target: index }),
+        }
+    }
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 4)
+        .min(jobs.len().max(1));
+    let next_job = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let worker = || -> Result<()> {
+        let mut buf = vec![0u8; VERIFY_RUN];
+        loop {
+            if failed.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            let Some(job) = jobs.get(next_job.fetch_add(1, Ordering::Relaxed)) else {
+                return Ok(());
+            };
+            let checked = match *job {
+                Job::Whole { target } => {
+                    let t = &targets[target];
+                    let ImageContent::Whole { blob } = &t.image.content else {
+                        unreachable!("whole jobs are made for whole images")
+                    };
+                    let mut file = &t.file;
+                    hash_reader_into(&mut file, &mut buf).io_ctx("read", &t.path).and_then(|(actual, size)| {
+                        if actual != blob.0 || size != t.image.size {
+                            Err(refused(&t.image.name, format!("content is not blob {blob}")))
+                        } else {
+                            Ok(())
+                        }
+                    })
+                }
+                Job::Chunks { target, first, count } => {
+                    check_chunks(&targets[target], first, count, &mut buf).map_err(|e| match e {
+                        ChunkCheck::Io(e) => e,
+                        ChunkCheck::Mismatch(reason) => refused(&targets[target].image.name, reason),
+                    })
+                }
+            };
+            if let Err(e) = checked {
+                failed.store(true, Ordering::Relaxed);
+                return Err(e);
+            }
+        }
+    };
+    let results: Vec<Result<()>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (1..workers).map(|_| scope.spawn(&worker)).collect();
+        let mut results = vec![worker()];
+        results.extend(
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))),
+        );
+        results
+    });
+    results.into_iter().collect::<Result<Vec<()>>>()?;
+    let mut restored = RestoredImages { assembled: true, ..Default::default() };
+    for target in &targets {
+        if target.file.metadata().io_ctx("stat", &target.path)?.mode() & 0o7777 != target.image.mode {
+            fs::set_permissions(&target.path, fs::Permissions::from_mode(target.image.mode))
+                .io_ctx("chmod", &target.path)?;
+        }
+        restored.files += 1;
+        restored.bytes += target.image.size;
+        restored.chunks += target.chunks.as_ref().map_or(0, |(list, _)| list.len() as u64 / 32);
+    }
+    Ok(restored)
+}
+
+enum ChunkCheck {
+    Io(CheckpointError),
+    Mismatch(String),
+}
+
+/// Hashes chunks `first..first + count` of a kept page image and compares each with its entry
+/// in the chunk list.
+fn check_chunks(target: &Target<'_>, first: usize, count: usize, buf: &mut [u8]) -> std::result::Result<(), ChunkCheck> {
+    let (list, chunk_size) = target.chunks.as_ref().expect("chunk jobs are made for page images");
+    let chunk_size = *chunk_size as usize;
+    let start = first as u64 * chunk_size as u64;
+    let end = ((first + count) as u64 * chunk_size as u64).min(target.image.size);
+    let per_read = (buf.len() / chunk_size).max(1) * chunk_size;
+    let mut offset = start;
+    let mut index = first;
+    while offset < end {
+        let len = per_read.min((end - offset) as usize);
+        let run = &mut buf[..len];
+        target
+            .file
+            .read_exact_at(run, offset)
+            .io_ctx("read", &target.path)
+            .map_err(ChunkCheck::Io)?;
+        for chunk in run.chunks(chunk_size) {
+            let expected = &list[index * 32..index * 32 + 32];
+            if Digest::of(chunk).0 != expected {
+                return Err(ChunkCheck::Mismatch(format!(
+                    "chunk {index} is not {}",
+                    hex::encode(expected)
+                )));
+            }
+            index += 1;
+        }
+        offset += len as u64;
+    }
+    Ok(())
+}
+
+fn hash_reader_into(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<([u8; 32], u64)> {
+    use sha2::Digest as _;
+    let mut hasher = sha2::Sha256::new();
+    let mut size = 0u64;
+    loop {
+        match r.read(buf)? {
+            0 => return Ok((hasher.finalize().into(), size)),
+            n => {
+                hasher.update(&buf[..n]);
+                size += n as u64;
+            }
+        }
+    }
 }
 
 /// Every blob behind an image set, chunks included (for GC).

@@ -283,6 +283,17 @@ pub struct ProgramStats {
 impl Inspector {
     /// Loads and attaches the BPF programs and starts reading their records.
     pub async fn start(config: InspectorConfig) -> Result<Self, InspectorError> {
+        Self::start_at(config, 0).await
+    }
+
+    /// [`start`](Self::start) with the program load (the kernel's verifier, CPU-bound for a
+    /// while) at a lower CPU priority, for a load that runs beside work that matters more (a
+    /// restore). The reader then drains at normal priority.
+    pub async fn start_yielding(config: InspectorConfig) -> Result<Self, InspectorError> {
+        Self::start_at(config, LOAD_NICE).await
+    }
+
+    async fn start_at(config: InspectorConfig, load_nice: i32) -> Result<Self, InspectorError> {
         let logs = Arc::new(Logs::default());
         let wake = Arc::new(new_eventfd()?);
         let (commands, command_rx) = mpsc::channel();
@@ -292,7 +303,7 @@ impl Inspector {
             let wake = wake.clone();
             std::thread::Builder::new()
                 .name("crab-inspector".into())
-                .spawn(move || run_reader(config, logs, wake, command_rx, ready_tx))
+                .spawn(move || run_reader(config, load_nice, logs, wake, command_rx, ready_tx))
                 .map_err(InspectorError::Thread)?
         };
         let handles = ready_rx.await.map_err(|_| InspectorError::ReaderGone)??;
@@ -583,13 +594,31 @@ fn find_log<'a>(
 
 /// The reader thread: owns the BPF objects (libbpf handles are not Send) for
 /// the inspector's whole life, and moves records into the logs.
+/// Nice value of a [`Inspector::start_yielding`] load.
+const LOAD_NICE: i32 = 10;
+
+/// Sets this thread's nice value (Linux: per thread); returns the previous one.
+fn set_thread_nice(nice: i32) -> i32 {
+    // SAFETY: plain syscalls on this thread's own id.
+    unsafe {
+        let tid = libc::gettid() as libc::id_t;
+        let before = libc::getpriority(libc::PRIO_PROCESS, tid);
+        if libc::setpriority(libc::PRIO_PROCESS, tid, nice) != 0 {
+            tracing::debug!(nice, error = %io::Error::last_os_error(), "inspector load priority unchanged");
+        }
+        before
+    }
+}
+
 fn run_reader(
     config: InspectorConfig,
+    load_nice: i32,
     logs: Arc<Logs>,
     wake: Arc<OwnedFd>,
     commands: mpsc::Receiver<Command>,
     ready: oneshot::Sender<Result<ReaderHandles, InspectorError>>,
 ) {
+    let normal = (load_nice != 0).then(|| set_thread_nice(load_nice));
     let mut storage = MaybeUninit::uninit();
     let loaded = load(&mut storage, &config).and_then(|skel| {
         let handles = ReaderHandles {
@@ -632,6 +661,10 @@ fn run_reader(
         })?;
         Ok((skel, ring, handles))
     });
+    if let Some(normal) = normal {
+        // Back to the priority it was spawned with: records are drained without delay.
+        set_thread_nice(normal);
+    }
     let (_skel, ring) = match loaded {
         Ok((skel, ring, handles)) => {
             if ready.send(Ok(handles)).is_err() {

@@ -12,6 +12,10 @@ use super::process::{Process, Status};
 use crate::runtime::spawner::{SpawnerClient, SpawnerError};
 use crate::runtime::{CheckpointOptions, Exit, LaunchOptions, OciRuntime, Reaper, RuntimeError};
 
+/// The engine context of a sandbox being set up in the background (crabd's
+/// connection, or the inspector's BPF programs when there is no crabd).
+pub type EngineLoad = tokio::task::JoinHandle<Result<Arc<crate::engine::EngineContext>, ShimError>>;
+
 /// How a started process's exit will be learned.
 pub type ExitFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Exit> + Send>>;
 
@@ -62,10 +66,16 @@ pub struct Container {
     execs: Execs,
     spawner: std::sync::OnceLock<Arc<SpawnerSlot>>,
     cgroup: Mutex<Option<Cgroup>>,
-    /// Policy kept from Create until a restored init's pid is known at Start.
-    pub pending_policy: Mutex<Option<(crate::turns::SandboxPolicy, Option<Arc<crate::engine::EngineContext>>)>>,
+    /// Policy kept from Create until a restored init's pid is known at Start,
+    /// with the engine context being set up meanwhile (None: policy off).
+    pub pending_policy: Mutex<Option<(crate::turns::SandboxPolicy, Option<EngineLoad>)>>,
     /// Set once the init's pid is known, when the sandbox is checkpointed.
     engine: std::sync::OnceLock<Arc<crate::engine::SandboxEngine>>,
+    /// Whether the engine question is settled: `Some(Ok)` once the engine is
+    /// attached (or the sandbox has none), `Some(Err)` when attaching failed.
+    /// A restored container attaches after Start has replied; until then
+    /// execs, marks and Delete wait here, so no turn runs unrecorded.
+    engine_settled: tokio::sync::watch::Sender<Option<Result<(), String>>>,
     /// Serialises verbs that change the container as a whole (start, pause,
     /// resume, checkpoint, delete). Exec, kill and queries do not take it.
     lifecycle: tokio::sync::Mutex<()>,
@@ -83,6 +93,7 @@ impl Container {
             cgroup: Mutex::new(None),
             engine: std::sync::OnceLock::new(),
             pending_policy: Mutex::new(None),
+            engine_settled: tokio::sync::watch::channel(Some(Ok(()))).0,
             lifecycle: tokio::sync::Mutex::new(()),
         })
     }
@@ -93,6 +104,31 @@ impl Container {
 
     pub fn set_engine(&self, engine: Arc<crate::engine::SandboxEngine>) {
         let _ = self.engine.set(engine);
+    }
+
+    /// The engine will be attached later (a restore, after Start replied):
+    /// [`Self::settled_engine`] waits until [`Self::engine_settled`].
+    pub fn engine_pending(&self) {
+        self.engine_settled.send_replace(None);
+    }
+
+    /// The engine is attached, or failed to attach (`Err` with the reason).
+    pub fn engine_settled(&self, outcome: Result<(), String>) {
+        self.engine_settled.send_replace(Some(outcome));
+    }
+
+    /// The engine once its attach is settled; an error when it failed, so
+    /// that no turn runs unrecorded in a sandbox that asked for checkpoints.
+    pub async fn settled_engine(&self) -> Result<Option<&Arc<crate::engine::SandboxEngine>>, ShimError> {
+        let mut settled = self.engine_settled.subscribe();
+        let outcome = settled.wait_for(Option::is_some).await.map(|o| o.clone()).ok().flatten();
+        match outcome {
+            Some(Err(e)) => Err(ShimError::FailedPrecondition(format!(
+                "container {}: checkpoint engine not attached after the restore: {e}",
+                self.id()
+            ))),
+            _ => Ok(self.engine()),
+        }
     }
 
     pub fn id(&self) -> &str {
@@ -460,8 +496,10 @@ impl Container {
 
     /// Deletes the container from the runtime and unmounts its rootfs.
     pub async fn delete(&self) -> Result<(), ShimError> {
+        // An attach still under way would watch a deleted container.
+        let engine = self.settled_engine().await.ok().flatten();
         // The last turn's checkpoint reads the container's root: let it finish.
-        if let Some(engine) = self.engine() {
+        if let Some(engine) = engine {
             engine.settle().await;
         }
         let _guard = self.lifecycle.lock().await;

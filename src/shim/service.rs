@@ -16,7 +16,7 @@ use containerd_shim_protos::ttrpc::{self, r#async::TtrpcContext};
 use tokio_util::sync::CancellationToken;
 
 use super::ShimError;
-use super::container::{Container, ContainerConfig};
+use super::container::{Container, ContainerConfig, EngineLoad};
 pub use super::events::EventSink;
 use super::io::StdioUris;
 use super::options::{self, CreateOptions};
@@ -33,7 +33,7 @@ const DRAIN_BEFORE_EXIT: Duration = Duration::from_secs(2);
 pub struct TaskService {
     namespace: String,
     /// Store and inspector, set up by the first checkpointed sandbox.
-    engine_ctx: tokio::sync::OnceCell<Arc<EngineContext>>,
+    engine_ctx: Arc<tokio::sync::OnceCell<Arc<EngineContext>>>,
     containers: Mutex<HashMap<String, Arc<Container>>>,
     events: EventSink,
     reaper: Reaper,
@@ -64,7 +64,7 @@ impl TaskService {
     pub fn new(namespace: &str, events: EventSink, reaper: Reaper, shutdown: CancellationToken) -> Self {
         Self {
             namespace: namespace.into(),
-            engine_ctx: tokio::sync::OnceCell::new(),
+            engine_ctx: Default::default(),
             containers: Mutex::new(HashMap::new()),
             events,
             reaper,
@@ -132,68 +132,6 @@ impl TaskService {
         });
     }
 
-    async fn engine_context(&self, config: &Config) -> Result<Arc<EngineContext>, ShimError> {
-        let state_dir = config.checkpoint.state_dir.clone();
-        let node = crate::node::ClientOptions::from_config(&config.node);
-        self.engine_ctx
-            .get_or_try_init(|| async move {
-                let store = crate::checkpoint::CheckpointStore::open(&state_dir).map_err(|e| {
-                    ShimError::FailedPrecondition(format!("checkpoint store {}: {e}", state_dir.display()))
-                })?;
-                // The node's inspector and bandwidth live in crabd; only without it
-                // does this shim load BPF programs of its own.
-                let (inspector, commit_gate) = match crate::node::NodeClient::connect(node).await {
-                    Ok(client) => {
-                        let client = Arc::new(client);
-                        tracing::info!(socket = %client.socket().display(), "using the node's crabd");
-                        (Some(client.clone() as Arc<dyn crate::engine::EffectSource>),
-                            Some(client as Arc<dyn crate::engine::CommitGate>))
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "crabd unavailable: loading an inspector in this shim, commits not paced");
-                        let local = crate::inspector::Inspector::start(crate::inspector::InspectorConfig {
-                            ring_buffer_bytes: 4 << 20,
-                        })
-                        .await;
-                        match local {
-                            Ok(i) => (Some(Arc::new(i) as Arc<dyn crate::engine::EffectSource>), None),
-                            Err(e) => {
-                                tracing::error!(error = %e, "inspector unavailable: every turn will be checkpointed in full");
-                                (None, None)
-                            }
-                        }
-                    }
-                };
-                Ok(Arc::new(EngineContext { store: Arc::new(store), inspector, commit_gate, state_dir }))
-            })
-            .await
-            .cloned()
-    }
-
-    async fn attach_engine(
-        &self,
-        container: &Arc<Container>,
-        ctx: Option<&Arc<EngineContext>>,
-        policy: &SandboxPolicy,
-        pid: u32,
-        fresh: bool,
-    ) -> Result<(), ShimError> {
-        let Some(ctx) = ctx else { return Ok(()) };
-        let engine = SandboxEngine::new(
-            container.id(),
-            policy.clone(),
-            ctx.clone(),
-            container.runtime.clone(),
-            pid,
-            container.work_dir(),
-            fresh,
-        )
-        .await
-        .map_err(|e| ShimError::FailedPrecondition(format!("checkpoint engine for {}: {e}", container.id())))?;
-        container.set_engine(engine);
-        Ok(())
-    }
-
     fn watch_oom(&self, container: &Arc<Container>) {
         let Some(cgroup) = container.cgroup() else { return };
         let events = self.events.clone();
@@ -229,33 +167,29 @@ impl TaskService {
             tracing::debug!(container = %req.id, "create of a restored container");
         }
         let rootfs_mounted = mount_rootfs(&bundle, &req.rootfs).await?;
-        // A restore reassembles its images while the engine loads (its inspector's BPF
-        // programs when there is no crabd): neither needs the other, and both take a while.
+        // The engine context (crabd's connection, or this shim's own BPF programs
+        // when there is no crabd) is set up in the background: a restore
+        // reassembles its images meanwhile and restores its processes without
+        // waiting for it; the engine attaches once both are done.
         let clock = std::time::Instant::now();
-        let (engine_ctx, prepared) = tokio::join!(
-            async {
-                let ctx = match policy.policy {
-                    Policy::Off => None,
-                    _ => Some(self.engine_context(&config).await?),
-                };
-                Ok::<_, ShimError>((ctx, clock.elapsed()))
-            },
-            async {
-                match &policy.restore_from {
-                    Some(source) => prepare_restore(&config.checkpoint.state_dir, source, &req.id, &bundle).await,
-                    None => Ok(None),
-                }
-            },
-        );
-        let (engine_ctx, prepared) = match (engine_ctx, prepared) {
-            (Ok((ctx, engine_took)), Ok(prepared)) => {
+        let loading = (policy.policy != Policy::Off).then(|| {
+            let (cell, config) = (self.engine_ctx.clone(), config.clone());
+            let yielding = policy.restore_from.is_some();
+            tokio::spawn(async move { engine_context(cell, config, yielding).await })
+        });
+        let prepared = match &policy.restore_from {
+            Some(source) => prepare_restore(&config.checkpoint.state_dir, source, &req.id, &bundle).await,
+            None => Ok(None),
+        };
+        let prepared = match prepared {
+            Ok(prepared) => {
                 if policy.restore_from.is_some() {
-                    tracing::info!(container = %req.id, engine_ms = engine_took.as_secs_f64() * 1e3,
-                        overlapped_ms = clock.elapsed().as_secs_f64() * 1e3, "restore prepared beside the engine");
+                    tracing::info!(container = %req.id, prepare_ms = clock.elapsed().as_secs_f64() * 1e3,
+                        engine_ready = loading.as_ref().is_some_and(|l| l.is_finished()), "restore prepared");
                 }
-                (ctx, prepared)
+                prepared
             }
-            (Err(e), _) | (_, Err(e)) => {
+            Err(e) => {
                 if rootfs_mounted {
                     super::container::unmount_rootfs(&bundle);
                 }
@@ -292,10 +226,17 @@ impl TaskService {
         self.containers.lock().expect("containers lock").insert(req.id.clone(), container.clone());
         if pid != 0 {
             self.watch_exit(&container, &container.init, pid, self.reaper.wait_for(pid));
+            let engine_ctx = match loading {
+                Some(loading) => Some(joined_engine_context(loading).await?),
+                None => None,
+            };
             let fresh = policy.restore_from.as_ref().is_none_or(|r| r.container != req.id);
-            self.attach_engine(&container, engine_ctx.as_ref(), &policy, pid, fresh).await?;
+            attach_engine(&container, engine_ctx.as_ref(), &policy, pid, fresh).await?;
         } else {
-            *container.pending_policy.lock().expect("policy lock") = Some((policy, engine_ctx));
+            if loading.is_some() {
+                container.engine_pending();
+            }
+            *container.pending_policy.lock().expect("policy lock") = Some((policy, loading));
         }
         tracing::info!(container = %req.id, pid, "created");
         self.events
@@ -324,18 +265,20 @@ impl TaskService {
             let restoring = container.config.restore_from.is_some();
             let clock = std::time::Instant::now();
             let pid = container.start().await?;
+            container.spawner_started();
             if restoring {
                 tracing::info!(container = %req.id, pid, runtime_restore_ms = clock.elapsed().as_secs_f64() * 1e3,
                     "restored by the runtime");
                 self.watch_exit(&container, &container.init, pid, self.reaper.wait_for(pid));
                 let pending = container.pending_policy.lock().expect("policy lock").take();
-                if let Some((policy, ctx)) = pending {
+                if let Some((policy, Some(loading))) = pending {
+                    // The processes run again: the engine attaches behind the reply
+                    // (what they do until then is start-up, set aside anyway), and
+                    // execs, marks and Delete wait for it.
                     let fresh = policy.restore_from.as_ref().is_none_or(|r| r.container != req.id);
-                    self.attach_engine(&container, ctx.as_ref(), &policy, pid, fresh).await?;
+                    attach_restored_engine(container.clone(), loading, policy, pid, fresh);
                 }
-            }
-            container.spawner_started();
-            if let Some(engine) = container.engine() {
+            } else if let Some(engine) = container.engine() {
                 engine.container_started().await;
             }
             self.watch_oom(&container);
@@ -343,7 +286,7 @@ impl TaskService {
             return Ok(StartResponse { pid, ..Default::default() });
         }
         let process = container.process(&req.exec_id)?;
-        if let Some(engine) = container.engine() {
+        if let Some(engine) = container.settled_engine().await? {
             let waited = engine.exec_started(&req.exec_id).await;
             if waited > Duration::from_millis(1) {
                 tracing::info!(container = %req.id, exec = %req.exec_id, waited_ms = waited.as_secs_f64() * 1e3,
@@ -469,6 +412,109 @@ impl TaskService {
             .collect();
         Ok(PidsResponse { processes, ..Default::default() })
     }
+}
+
+/// Store and inspector of this shim's checkpointed sandboxes, set up by the first one.
+/// The store and the inspector of this shim's checkpointed sandboxes, set up
+/// by the first one: crabd's connection, else BPF programs of this shim's own.
+/// `yielding`: a restore needs the CPU more than a BPF load does (see
+/// [`crate::inspector::Inspector::start_yielding`]).
+async fn engine_context(
+    cell: Arc<tokio::sync::OnceCell<Arc<EngineContext>>>,
+    config: Config,
+    yielding: bool,
+) -> Result<Arc<EngineContext>, ShimError> {
+    let state_dir = config.checkpoint.state_dir.clone();
+    let node = crate::node::ClientOptions::from_config(&config.node);
+    cell
+        .get_or_try_init(|| async move {
+            let store = crate::checkpoint::CheckpointStore::open(&state_dir).map_err(|e| {
+                ShimError::FailedPrecondition(format!("checkpoint store {}: {e}", state_dir.display()))
+            })?;
+            // The node's inspector and bandwidth live in crabd; only without it
+            // does this shim load BPF programs of its own.
+            let (inspector, commit_gate) = match crate::node::NodeClient::connect(node).await {
+                Ok(client) => {
+                    let client = Arc::new(client);
+                    tracing::info!(socket = %client.socket().display(), "using the node's crabd");
+                    (Some(client.clone() as Arc<dyn crate::engine::EffectSource>),
+                        Some(client as Arc<dyn crate::engine::CommitGate>))
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "crabd unavailable: loading an inspector in this shim, commits not paced");
+                    let config = crate::inspector::InspectorConfig { ring_buffer_bytes: 4 << 20 };
+                    let local = if yielding {
+                        crate::inspector::Inspector::start_yielding(config).await
+                    } else {
+                        crate::inspector::Inspector::start(config).await
+                    };
+                    match local {
+                        Ok(i) => (Some(Arc::new(i) as Arc<dyn crate::engine::EffectSource>), None),
+                        Err(e) => {
+                            tracing::error!(error = %e, "inspector unavailable: every turn will be checkpointed in full");
+                            (None, None)
+                        }
+                    }
+                }
+            };
+            Ok(Arc::new(EngineContext { store: Arc::new(store), inspector, commit_gate, state_dir }))
+        })
+        .await
+        .cloned()
+}
+
+async fn attach_engine(
+    container: &Arc<Container>,
+    ctx: Option<&Arc<EngineContext>>,
+    policy: &SandboxPolicy,
+    pid: u32,
+    fresh: bool,
+) -> Result<(), ShimError> {
+    let Some(ctx) = ctx else { return Ok(()) };
+    let engine = SandboxEngine::new(
+        container.id(),
+        policy.clone(),
+        ctx.clone(),
+        container.runtime.clone(),
+        pid,
+        container.work_dir(),
+        fresh,
+    )
+    .await
+    .map_err(|e| ShimError::FailedPrecondition(format!("checkpoint engine for {}: {e}", container.id())))?;
+    container.set_engine(engine);
+    Ok(())
+}
+
+/// The engine context a background set-up produced.
+async fn joined_engine_context(loading: EngineLoad) -> Result<Arc<EngineContext>, ShimError> {
+    loading.await.map_err(|e| ShimError::Other(format!("engine set-up: {e}")))?
+}
+
+/// Attaches the engine of a restored container once its context is set up,
+/// behind Start's reply; settles the container's engine either way.
+fn attach_restored_engine(container: Arc<Container>, loading: EngineLoad, policy: SandboxPolicy, pid: u32, fresh: bool) {
+    tokio::spawn(async move {
+        let clock = std::time::Instant::now();
+        let attached = match joined_engine_context(loading).await {
+            Ok(ctx) => attach_engine(&container, Some(&ctx), &policy, pid, fresh).await,
+            Err(e) => Err(e),
+        };
+        match attached {
+            Ok(()) => {
+                if let Some(engine) = container.engine() {
+                    engine.container_started().await;
+                }
+                tracing::info!(container = %container.id(), waited_ms = clock.elapsed().as_secs_f64() * 1e3,
+                    "engine attached to the restored container");
+                container.engine_settled(Ok(()));
+            }
+            Err(e) => {
+                tracing::error!(container = %container.id(), error = %e, "engine not attached to the restored container: its execs will fail");
+                container.engine_settled(Err(e.to_string()));
+            }
+        }
+    });
 }
 
 /// crab-init from the config, if it is enabled and fit to run in any image.
@@ -726,7 +772,8 @@ impl Task for TaskService {
         if let Some(value) = req.annotations.get(crate::turns::ANNOTATION_TURN)
             && req.resources.as_ref().is_none_or(|r| r.value.is_empty())
         {
-            crate::engine::turn_request(container.id(), container.engine(), value).await.map_err(ShimError::from)?;
+            let engine = container.settled_engine().await?;
+            crate::engine::turn_request(container.id(), engine, value).await.map_err(ShimError::from)?;
             return empty();
         }
         let resources = req
