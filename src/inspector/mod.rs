@@ -330,7 +330,9 @@ impl Inspector {
             tracing::info!(container = %container.id, cgroup_id, "watching container");
             logs.insert(cgroup_id, ContainerLog::new(container));
         }
-        let result = self.set_epoch(cgroup_id, 0, MapFlags::ANY);
+        // The first boundary is now: processes already running (the entrypoint)
+        // count as from an earlier turn, whose repeated writes are timed.
+        let result = self.set_epoch(cgroup_id, monotonic_now_ns(), MapFlags::ANY);
         if result.is_err() {
             self.logs.lock().remove(&cgroup_id);
         }
