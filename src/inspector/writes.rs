@@ -241,10 +241,10 @@ impl WriteMemory {
             }
             // execve replaces the address space.
             EffectKind::Exec { .. } => self.mappings.retain(|(pid, _), _| *pid != effect.pid),
-            EffectKind::Exit { .. } => {
-                self.mappings.retain(|(pid, _), _| *pid != effect.pid);
-                self.latest.retain(|key, _| key.pid != effect.pid);
-            }
+            // The latest writes stay until the drain that deletes their kernel
+            // entries (`keep_only`): a write carried over past the cut still
+            // names its file when the process exited before that drain.
+            EffectKind::Exit { .. } => self.mappings.retain(|(pid, _), _| *pid != effect.pid),
             _ => {}
         }
     }
@@ -540,6 +540,9 @@ mod tests {
             matches!(&from_open.kind, EffectKind::Write { path, via: WriteVia::Write, .. }
             if path == &EffectPath::resolved("/app/out.log"))
         );
+        // The process exited after the cut, before the drain: still named.
+        memory.observe(&process(7, EffectKind::Exit { status: 0 }));
+        assert_eq!(memory.carry_over(&key, 130), write(7, 0xa0, WriteVia::Write, 130));
         // Without the record, the file is unknown: the carried write escalates.
         memory.keep_only(&HashSet::new());
         assert!(memory.carry_over(&key, 130).has_unresolved_path());
