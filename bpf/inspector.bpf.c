@@ -649,24 +649,52 @@ static __always_inline bool is_named_regular_file(struct file *file)
 	return ns && ns < (unsigned long)-MAX_ERRNO;
 }
 
-/* True when `key` was recorded in this turn already; then notes the time of
- * this repeat, which lets the reader find the repeats it must carry into the
- * next turn (see drain). */
-static __always_inline bool recorded_this_turn(struct write_key *key, __u64 cgroup_id,
-					       struct watch *watch, __u64 now)
+/* Start time (CLOCK_MONOTONIC) of the current process: with the pid, it
+ * names the process even when the pid is used again. */
+static __always_inline __u64 current_start_ns(void)
 {
-	struct write_seen *seen = bpf_map_lookup_elem(&written, key);
-	if (seen && seen->cgroup_id == cgroup_id && seen->recorded_ns > watch->epoch_ns) {
-		seen->last_ns = now;
-		return true;
-	}
-	return false;
+	struct task_struct *task = bpf_get_current_task_btf();
+	return task->group_leader->start_time;
 }
 
-/* Marks `key` as recorded in this turn at `now`. */
+/*
+ * True when `key` was recorded in this turn already, by this very process.
+ * The repeat is then noted for the reader, which must find the repeats that
+ * came after the turn's cut but before the drain that moved the boundary
+ * (see drain), and carry them into the next turn.
+ *
+ * Taking the time is most of the cost of a repeat, so a process started in
+ * this turn does not: it only marks the key `untimed`. Such a process
+ * usually exits before the turn ends, and then none of its writes can be
+ * after the cut; the reader carries the write over when it cannot tell (no
+ * exit by the cut, or the exit record lost). A process from an earlier turn
+ * (a daemon, a shell session) stores the time of each repeat.
+ */
+static __always_inline bool recorded_this_turn(struct write_key *key, __u64 cgroup_id,
+					       struct watch *watch, __u64 start_ns)
+{
+	struct write_seen *seen = bpf_map_lookup_elem(&written, key);
+	if (!seen || seen->cgroup_id != cgroup_id || seen->recorded_ns <= watch->epoch_ns ||
+	    seen->start_ns != start_ns)
+		return false;
+	if (start_ns > watch->epoch_ns) {
+		if (!seen->untimed)
+			seen->untimed = 1;
+	} else {
+		seen->last_ns = bpf_ktime_get_ns();
+	}
+	return true;
+}
+
+/* Marks `key` as recorded in this turn at `now` by the current process. */
 static __always_inline void note_recorded(struct write_key *key, __u64 cgroup_id, __u64 now)
 {
-	struct write_seen fresh = { .recorded_ns = now, .last_ns = now, .cgroup_id = cgroup_id };
+	struct write_seen fresh = {
+		.recorded_ns = now,
+		.last_ns = now,
+		.cgroup_id = cgroup_id,
+		.start_ns = current_start_ns(),
+	};
 	bpf_map_update_elem(&written, key, &fresh, BPF_ANY);
 }
 
@@ -701,11 +729,11 @@ static __always_inline int record_file_write(__u64 cgroup_id, struct watch *watc
 		.pid = bpf_get_current_pid_tgid() >> 32,
 		.channel = via == VIA_SHARED_MAPPING ? CHANNEL_MAPPING : CHANNEL_DESCRIPTOR,
 	};
-	__u64 now = bpf_ktime_get_ns();
-	if (recorded_this_turn(&key, cgroup_id, watch, now))
+	if (recorded_this_turn(&key, cgroup_id, watch, current_start_ns()))
 		return 0;
 	if (!is_named_regular_file(file))
 		return 0;
+	__u64 now = bpf_ktime_get_ns();
 	struct record *r = begin_in(cgroup_id, KIND_WRITE, SCRATCH_SYSCALL);
 	if (!r)
 		return 0;
@@ -822,9 +850,9 @@ static __always_inline int record_async_io(__u32 call, __u64 setup_flags)
 		.pid = bpf_get_current_pid_tgid() >> 32,
 		.channel = CHANNEL_ASYNC_IO,
 	};
-	__u64 now = bpf_ktime_get_ns();
-	if (recorded_this_turn(&key, cgroup_id, watch, now))
+	if (recorded_this_turn(&key, cgroup_id, watch, current_start_ns()))
 		return 0;
+	__u64 now = bpf_ktime_get_ns();
 	struct record *r = begin_in(cgroup_id, KIND_ASYNC_IO, SCRATCH_SYSCALL);
 	if (!r)
 		return 0;
@@ -977,6 +1005,12 @@ int BPF_PROG(on_exit, struct task_struct *task)
 	if (!r)
 		return 0;
 	r->h.arg[0] = BPF_CORE_READ(task, exit_code);
+	/* The leader can exit before its other threads: only a process with no
+	 * live thread left has done all its writes. The count drops before this
+	 * tracepoint on the kernels that pass it `group_dead`; where it does not
+	 * yet, the process just never counts as gone (the reader then assumes
+	 * it may still write). */
+	r->h.arg[1] = BPF_CORE_READ(task, signal, live.counter) == 0;
 	r->h.ts_ns = bpf_ktime_get_ns();
 	publish(r);
 	return 0;

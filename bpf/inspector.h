@@ -57,7 +57,7 @@ enum record_kind {
 
 	KIND_FORK = 64, /* arg0: child pid */
 	KIND_EXEC = 65, /* path0: executable (resolved), path1: filename as passed */
-	KIND_EXIT = 66, /* arg0: exit code (wait status) */
+	KIND_EXIT = 66, /* arg0: exit code (wait status), arg1: 1 when no thread of the process is left */
 };
 
 enum write_via {
@@ -102,8 +102,17 @@ struct write_key {
 
 struct write_seen {
 	__u64 recorded_ns; /* time of the record last published for this key */
-	__u64 last_ns;	   /* time of the latest write, recorded or not */
+	__u64 last_ns;	   /* time of the latest timed write, recorded or not */
 	__u64 cgroup_id;
+	/* Start time of the writing process (its thread group leader): a hit
+	 * must come from the process that made the record, not from a later
+	 * one that reused its pid. */
+	__u64 start_ns;
+	/* 1 when a process started in the turn of the record wrote again after
+	 * it without taking the time (see recorded_this_turn): the reader then
+	 * asks whether the process was gone by the turn's end. */
+	__u32 untimed;
+	__u32 pad;
 };
 
 /* Per-path flags. */
@@ -160,7 +169,7 @@ struct record {
 _Static_assert(sizeof(struct path_ref) == 16, "path_ref layout");
 _Static_assert(sizeof(struct watch) == 8, "watch layout");
 _Static_assert(sizeof(struct write_key) == 16, "write_key layout");
-_Static_assert(sizeof(struct write_seen) == 24, "write_seen layout");
+_Static_assert(sizeof(struct write_seen) == 40, "write_seen layout");
 _Static_assert(sizeof(struct record_header) == 152, "record_header layout");
 _Static_assert(__builtin_offsetof(struct record_header, comm) == 64, "comm offset");
 _Static_assert(__builtin_offsetof(struct record_header, path) == 80, "path offset");

@@ -1385,6 +1385,145 @@ async fn a_write_between_the_cut_and_the_drain_lands_in_the_next_turn() {
     assert!(second.iter().all(|e| e.time_ns > until));
 }
 
+/// The kernel takes no time for the repeats of a process started in the
+/// turn of its record: the drain carries such a write into the next turn
+/// unless the process was gone by the cut. A process that keeps writing past
+/// the cut is in the next turn; one that exited before it is not.
+#[tokio::test]
+async fn repeats_of_a_process_from_this_turn_after_the_cut_land_in_the_next_turn() {
+    let cgroup = TestCgroup::new("untimed");
+    let scratch = Scratch::new("untimed");
+    let file = scratch.path("f");
+    std::fs::write(&file, "").unwrap();
+    let inspector = watching("untimed", &cgroup).await;
+    // A boundary before the process starts: it belongs to the next turn.
+    turn(&inspector, "untimed").await;
+    let mut writer = Interpreter::start(&cgroup);
+    writer.run(&format!(
+        "fd = os.open('{}', os.O_WRONLY | os.O_APPEND); os.write(fd, b'1'); os.write(fd, b'2')",
+        file.display()
+    ));
+    let until = crab::inspector::monotonic_now_ns();
+    // After the cut, before the drain: compared with the old boundary, a repeat.
+    writer.run("os.write(fd, b'3')");
+    let first = inspector.drain("untimed", until).await.unwrap().effects;
+    assert_eq!(
+        file_changes_under(&first, &scratch.0),
+        vec![("open", one(file.clone()))],
+        "{first:#?}"
+    );
+    let second = turn(&inspector, "untimed").await;
+    assert_eq!(
+        writes_of(&second, writer.pid()),
+        vec![("write", file.clone())],
+        "{second:#?}"
+    );
+    assert!(second.iter().all(|e| e.time_ns > until));
+    // From now on the writer is from an earlier turn: an idle turn is clean.
+    let idle = turn(&inspector, "untimed").await;
+    assert!(writes_of(&idle, writer.pid()).is_empty(), "{idle:#?}");
+
+    // A write loop that ends before the cut: its turn only.
+    let output = cgroup.run(
+        "/bin/sh",
+        &[
+            "-c",
+            &format!(
+                "dd if=/dev/zero of={} bs=512 count=2000 conv=notrunc status=none; echo $$",
+                file.display()
+            ),
+        ],
+    );
+    let shell: u32 = String::from_utf8_lossy(&output.stdout).trim().parse().unwrap();
+    let looped = turn(&inspector, "untimed").await;
+    assert_eq!(
+        file_changes_under(&looped, &scratch.0),
+        vec![("open", one(file.clone()))],
+        "{looped:#?}"
+    );
+    let after = turn(&inspector, "untimed").await;
+    assert!(
+        file_changes_under(&after, &scratch.0).is_empty(),
+        "dd (a child of {shell}) was gone by the cut: {after:#?}"
+    );
+    assert_eq!(
+        classify(&after, &ClassifyOptions::default()).class,
+        TurnClass::Clean
+    );
+}
+
+/// A write that repeats one already recorded in the turn is not recorded
+/// again, but what else happens to the file is: a rename, a truncation and a
+/// new open after such a repeat are each reported, within the turn and in the
+/// turns after.
+#[tokio::test]
+async fn a_file_renamed_truncated_or_rewritten_after_a_repeat_is_still_reported() {
+    for started_in_turn in [false, true] {
+        let name = if started_in_turn { "hitnew" } else { "hitold" };
+        let cgroup = TestCgroup::new(name);
+        let scratch = Scratch::new(name);
+        let (a, b) = (scratch.path("a"), scratch.path("b"));
+        std::fs::write(&a, "").unwrap();
+        let inspector = watching(name, &cgroup).await;
+        let mut writer = Interpreter::start(&cgroup);
+        if !started_in_turn {
+            writer.run(&format!("fd = os.open('{}', os.O_WRONLY)", a.display()));
+            turn(&inspector, name).await;
+        } else {
+            turn(&inspector, name).await;
+            writer.run(&format!("fd = os.open('{}', os.O_WRONLY)", a.display()));
+        }
+        let first_write = if started_in_turn {
+            ("open", one(a.clone()))
+        } else {
+            ("write", one(a.clone()))
+        };
+
+        // Written twice (the second a repeat), renamed, written again.
+        writer.run(&format!(
+            "os.write(fd, b'x'); os.write(fd, b'y'); os.rename('{}', '{}'); os.write(fd, b'z')",
+            a.display(),
+            b.display()
+        ));
+        let renamed = turn(&inspector, name).await;
+        assert_eq!(
+            file_changes_under(&renamed, &scratch.0),
+            vec![first_write.clone(), ("rename", vec![a.clone(), b.clone()])],
+            "{name}: {renamed:#?}"
+        );
+        let verdict = classify(&renamed, &ClassifyOptions::default());
+        assert_eq!(verdict.class, TurnClass::Fs, "{name}: {verdict:#?}");
+
+        // The next turn: the file under its new name, written after a repeat, then truncated.
+        writer.run("os.write(fd, b'1'); os.write(fd, b'2'); os.ftruncate(fd, 0); os.write(fd, b'3')");
+        let truncated = turn(&inspector, name).await;
+        assert_eq!(
+            file_changes_under(&truncated, &scratch.0),
+            vec![("write", one(b.clone())), ("truncate", one(b.clone()))],
+            "{name}: {truncated:#?}"
+        );
+
+        // Written after a repeat, then opened again with O_TRUNC and rewritten.
+        writer.run(&format!(
+            "os.write(fd, b'4'); os.write(fd, b'5'); g = os.open('{}', os.O_WRONLY | os.O_TRUNC); os.write(g, b'6'); os.close(g)",
+            b.display()
+        ));
+        let rewritten = turn(&inspector, name).await;
+        assert_eq!(
+            file_changes_under(&rewritten, &scratch.0),
+            vec![("write", one(b.clone())), ("open", one(b.clone()))],
+            "{name}: {rewritten:#?}"
+        );
+
+        // Nothing more: clean.
+        let idle = turn(&inspector, name).await;
+        assert!(
+            file_changes_under(&idle, &scratch.0).is_empty(),
+            "{name}: {idle:#?}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn writes_to_pipes_sockets_memfd_and_devices_are_not_file_effects() {
     let cgroup = TestCgroup::new("notfiles");

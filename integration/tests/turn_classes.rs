@@ -10,7 +10,7 @@
 //!
 //! Not covered: stdin mode (a long-lived shell fed through stdin), which the shim does not implement.
 //!
-//! `inspector_overhead` (ignored: a measurement, about a minute) runs a syscall-heavy workload in
+//! `inspector_overhead` (ignored: a measurement, about a minute) runs syscall-heavy workloads in
 //! two sandboxes, policy `off` and `crab`, interleaved, and prints the time ratio.
 //!
 //! ```sh
@@ -866,8 +866,9 @@ async fn corpus_classes_match_the_truth() {
 }
 
 /// The workloads of the overhead measurement: file-tree walks, `git status` over a few thousand
-/// tracked files, and a small build (byte-compiling a package tree, writing every output).
-const OVERHEAD_WORKLOADS: [(&str, &str); 3] = [
+/// tracked files, a small build (byte-compiling a package tree, writing every output), and a
+/// write loop (`dd` in 512-byte blocks: one traced `write` per block, all to one file).
+const OVERHEAD_WORKLOADS: [(&str, &str); 4] = [
     (
         "3x find / -xdev",
         "for i in 1 2 3; do find / -xdev | wc -l; done",
@@ -879,6 +880,10 @@ const OVERHEAD_WORKLOADS: [(&str, &str); 3] = [
     (
         "small build",
         "python3 -m compileall -q -f /app/big/lib/email /app/big/lib/json /app/big/lib/xml",
+    ),
+    (
+        "dd 100k x 512 B writes",
+        "dd if=/dev/zero of=/app/dd.out bs=512 count=100000 status=none",
     ),
 ];
 
@@ -941,8 +946,8 @@ fn median(samples: impl Iterator<Item = Duration>) -> Duration {
     sorted[sorted.len() / 2]
 }
 
-/// Inspector instances attached on this machine (each runs on every syscall of every process), by
-/// counting their `on_sys_enter` programs; None without bpftool.
+/// Inspector instances attached on this machine (each runs on every traced syscall of every
+/// process), by counting their `enter_write` programs; None without bpftool.
 fn attached_inspectors() -> Option<usize> {
     let listing = std::process::Command::new("bpftool")
         .args(["prog", "list"])
@@ -951,7 +956,7 @@ fn attached_inspectors() -> Option<usize> {
     let text = String::from_utf8_lossy(&listing.stdout);
     Some(
         text.lines()
-            .filter(|l| l.contains("name on_sys_enter "))
+            .filter(|l| l.contains("name enter_write "))
             .count(),
     )
 }

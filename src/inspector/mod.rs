@@ -205,6 +205,10 @@ impl ContainerLog {
                 if let Some(inode_key) = decoded.opened_inode {
                     self.writes.observe_open(&decoded.effect, inode_key);
                 }
+                if decoded.process_gone {
+                    self.writes
+                        .observe_gone(decoded.effect.pid, decoded.effect.time_ns);
+                }
                 self.effects.push(decoded.effect);
                 if remount {
                     self.refresh_mounts();
@@ -337,7 +341,9 @@ impl Inspector {
             tracing::info!(container = %container.id, cgroup_id, "watching container");
             logs.insert(cgroup_id, ContainerLog::new(container));
         }
-        let result = self.set_epoch(cgroup_id, 0, MapFlags::ANY);
+        // The first boundary is now: processes already running (the entrypoint)
+        // count as from an earlier turn, whose repeated writes are timed.
+        let result = self.set_epoch(cgroup_id, monotonic_now_ns(), MapFlags::ANY);
         if result.is_err() {
             self.logs.lock().remove(&cgroup_id);
         }
@@ -500,6 +506,9 @@ impl Inspector {
         let keys: Vec<Vec<u8>> = self.written.keys().collect();
         let mut live = HashSet::new();
         let mut carried = Vec::new();
+        // Exits are read from the log: everything up to the cut is in it after the flush.
+        let mut logs = self.logs.lock();
+        let log = find_log(&mut logs, container)?;
         for raw_key in keys {
             let Some(value) = self
                 .written
@@ -517,7 +526,10 @@ impl Inspector {
             if seen.cgroup_id != cgroup_id {
                 continue;
             }
-            match writes::seen_at_drain(&seen, until_ns) {
+            let gone = log
+                .writes
+                .gone_between(key.pid, seen.recorded_ns, until_ns);
+            match writes::seen_at_drain(&seen, until_ns, gone) {
                 SeenAtDrain::NextTurn => {
                     live.insert(key);
                     continue;
@@ -528,8 +540,7 @@ impl Inspector {
             // Already gone (evicted, or the process wrote again and the entry was replaced): fine either way.
             let _ = self.written.delete(&raw_key);
         }
-        let mut logs = self.logs.lock();
-        let log = find_log(&mut logs, container)?;
+        log.writes.forget_gone_until(until_ns);
         for (key, at_ns) in carried {
             let effect = log.writes.carry_over(&key, at_ns);
             tracing::debug!(container, pid = key.pid, %effect, "write after the turn's cut carried into the next turn");

@@ -97,6 +97,8 @@ pub struct Record {
     /// For an open of a regular file for writing: the inode's kernel address,
     /// under which the kernel dedups the writes through the new descriptor.
     pub opened_inode: Option<u64>,
+    /// For an exit: no thread of the process is left.
+    pub process_gone: bool,
 }
 
 /// Tells the file system type of the mount an absolute container path is on.
@@ -137,6 +139,7 @@ pub fn decode(bytes: &[u8], mounts: &dyn FsTypeLookup) -> Result<Record, RecordE
     Ok(Record {
         cgroup_id: u64_at(bytes, OFF_CGROUP),
         opened_inode,
+        process_gone: raw.kind == KIND_EXIT && raw.arg(1) != 0,
         effect: Effect {
             time_ns: u64_at(bytes, OFF_TS),
             pid: u32_at(bytes, OFF_PID),

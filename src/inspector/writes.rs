@@ -10,7 +10,11 @@
 //!   boundary are still compared against the old one, so the kernel may skip
 //!   them as repeats of a record that belongs to the turn before. It notes
 //!   their time (`last_ns`); the drain finds them and carries the write into
-//!   the next turn ([`WriteMemory::carry_over`]).
+//!   the next turn ([`WriteMemory::carry_over`]). Taking the time is most of
+//!   the cost of a repeat, so the repeats of a process started in the turn of
+//!   the record are only marked (`untimed`): the drain carries such a write
+//!   over unless the process was gone by the cut ([`WriteMemory::gone_between`]),
+//!   which a command run in the turn (the usual write loop) is.
 //! - A shared mapping lets a process change a file with no syscall at all, in
 //!   any later turn. The reader keeps the live mappings and, at each drain,
 //!   reports those whose process used CPU since the previous drain. A
@@ -28,7 +32,7 @@ use super::effect::{AsyncIoCall, Effect, EffectKind, EffectPath, WriteVia};
 /// Byte layout of `struct write_key`.
 pub(crate) const WRITE_KEY_LEN: usize = 16;
 /// Byte layout of `struct write_seen`.
-pub(crate) const WRITE_SEEN_LEN: usize = 24;
+pub(crate) const WRITE_SEEN_LEN: usize = 40;
 
 /// What a dedup key counts (mirrors `enum write_channel`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -102,6 +106,10 @@ pub(crate) struct WriteSeen {
     pub recorded_ns: u64,
     pub last_ns: u64,
     pub cgroup_id: u64,
+    /// Start time of the process that made the record.
+    pub start_ns: u64,
+    /// Written again after the record, at a time the kernel did not take.
+    pub untimed: bool,
 }
 
 impl WriteSeen {
@@ -110,10 +118,13 @@ impl WriteSeen {
             return None;
         }
         let at = |i: usize| bytes[i..i + 8].try_into().ok().map(u64::from_ne_bytes);
+        let untimed = u32::from_ne_bytes(bytes[32..36].try_into().ok()?);
         Some(Self {
             recorded_ns: at(0)?,
             last_ns: at(8)?,
             cgroup_id: at(16)?,
+            start_ns: at(24)?,
+            untimed: untimed != 0,
         })
     }
 }
@@ -128,15 +139,23 @@ pub(crate) enum SeenAtDrain {
     Stale,
     /// Recorded up to the cut, but written again after it without a record:
     /// the next turn wrote the file. Delete it and carry the write over.
+    /// Also when a repeat had no time taken and the process may have run
+    /// past the cut (then `at_ns` is just after the cut).
     SkippedAfterCut { at_ns: u64 },
 }
 
-pub(crate) fn seen_at_drain(seen: &WriteSeen, until_ns: u64) -> SeenAtDrain {
+/// `gone_by_cut`: the process that made the record had no thread left at
+/// some point between the record and the cut (see [`WriteMemory::gone_between`]).
+pub(crate) fn seen_at_drain(seen: &WriteSeen, until_ns: u64, gone_by_cut: bool) -> SeenAtDrain {
     if seen.recorded_ns > until_ns {
         SeenAtDrain::NextTurn
     } else if seen.last_ns > until_ns {
         SeenAtDrain::SkippedAfterCut {
             at_ns: seen.last_ns,
+        }
+    } else if seen.untimed && !gone_by_cut {
+        SeenAtDrain::SkippedAfterCut {
+            at_ns: until_ns.saturating_add(1),
         }
     } else {
         SeenAtDrain::Stale
@@ -161,6 +180,8 @@ struct LiveMapping {
 pub(crate) struct WriteMemory {
     latest: HashMap<WriteKey, Effect>,
     mappings: HashMap<(u32, u64), LiveMapping>,
+    /// Time of the latest exit, with no thread left, of each pid.
+    gone: HashMap<u32, u64>,
 }
 
 impl WriteMemory {
@@ -220,12 +241,33 @@ impl WriteMemory {
             }
             // execve replaces the address space.
             EffectKind::Exec { .. } => self.mappings.retain(|(pid, _), _| *pid != effect.pid),
-            EffectKind::Exit { .. } => {
-                self.mappings.retain(|(pid, _), _| *pid != effect.pid);
-                self.latest.retain(|key, _| key.pid != effect.pid);
-            }
+            // The latest writes stay until the drain that deletes their kernel
+            // entries (`keep_only`): a write carried over past the cut still
+            // names its file when the process exited before that drain.
+            EffectKind::Exit { .. } => self.mappings.retain(|(pid, _), _| *pid != effect.pid),
             _ => {}
         }
+    }
+
+    /// Follows the exit of the last thread of process `pid` at `time_ns`.
+    pub fn observe_gone(&mut self, pid: u32, time_ns: u64) {
+        self.gone.insert(pid, time_ns);
+    }
+
+    /// True when process `pid` had no thread left at some time in
+    /// `(after_ns, until_ns]`. A pid is used again only once its process is
+    /// gone, so an exit of the pid after a record of its process means that
+    /// process is gone, even if a later one has the pid now.
+    pub fn gone_between(&self, pid: u32, after_ns: u64, until_ns: u64) -> bool {
+        self.gone
+            .get(&pid)
+            .is_some_and(|&t| t > after_ns && t <= until_ns)
+    }
+
+    /// Forgets exits up to `until_ns`: the drain up to there has judged every
+    /// record they could bear on (later ones are younger than the cut).
+    pub fn forget_gone_until(&mut self, until_ns: u64) {
+        self.gone.retain(|_, t| *t > until_ns);
     }
 
     /// Follows an open for writing that the kernel took as the record of the
@@ -432,15 +474,20 @@ mod tests {
             })
         );
         assert_eq!(WriteKey::from_bytes(&key[..15]), None);
-        let seen: Vec<u8> = [5u64, 9, 7].iter().flat_map(|v| v.to_ne_bytes()).collect();
+        let mut seen: Vec<u8> = [5u64, 9, 7, 3].iter().flat_map(|v| v.to_ne_bytes()).collect();
+        seen.extend_from_slice(&1u32.to_ne_bytes());
+        seen.extend_from_slice(&0u32.to_ne_bytes());
         assert_eq!(
             WriteSeen::from_bytes(&seen),
             Some(WriteSeen {
                 recorded_ns: 5,
                 last_ns: 9,
-                cgroup_id: 7
+                cgroup_id: 7,
+                start_ns: 3,
+                untimed: true,
             })
         );
+        assert_eq!(WriteSeen::from_bytes(&seen[..24]), None);
     }
 
     #[test]
@@ -449,13 +496,17 @@ mod tests {
             recorded_ns,
             last_ns,
             cgroup_id: 1,
+            start_ns: 0,
+            untimed: false,
         };
-        assert_eq!(seen_at_drain(&seen(150, 160), 100), SeenAtDrain::NextTurn);
-        assert_eq!(seen_at_drain(&seen(50, 100), 100), SeenAtDrain::Stale);
-        assert_eq!(
-            seen_at_drain(&seen(50, 130), 100),
-            SeenAtDrain::SkippedAfterCut { at_ns: 130 }
-        );
+        for gone in [false, true] {
+            assert_eq!(seen_at_drain(&seen(150, 160), 100, gone), SeenAtDrain::NextTurn);
+            assert_eq!(seen_at_drain(&seen(50, 100), 100, gone), SeenAtDrain::Stale);
+            assert_eq!(
+                seen_at_drain(&seen(50, 130), 100, gone),
+                SeenAtDrain::SkippedAfterCut { at_ns: 130 }
+            );
+        }
 
         let mut memory = WriteMemory::default();
         memory.observe(&write(7, 0xa0, WriteVia::Write, 50));
@@ -489,9 +540,46 @@ mod tests {
             matches!(&from_open.kind, EffectKind::Write { path, via: WriteVia::Write, .. }
             if path == &EffectPath::resolved("/app/out.log"))
         );
+        // The process exited after the cut, before the drain: still named.
+        memory.observe(&process(7, EffectKind::Exit { status: 0 }));
+        assert_eq!(memory.carry_over(&key, 130), write(7, 0xa0, WriteVia::Write, 130));
         // Without the record, the file is unknown: the carried write escalates.
         memory.keep_only(&HashSet::new());
         assert!(memory.carry_over(&key, 130).has_unresolved_path());
+    }
+
+    /// Repeats without a time (a process started in the turn) are carried into
+    /// the next turn unless the process was gone by the cut.
+    #[test]
+    fn an_untimed_repeat_is_carried_over_unless_its_process_was_gone() {
+        let untimed = |recorded_ns| WriteSeen {
+            recorded_ns,
+            last_ns: recorded_ns,
+            cgroup_id: 1,
+            start_ns: 40,
+            untimed: true,
+        };
+        assert_eq!(
+            seen_at_drain(&untimed(50), 100, false),
+            SeenAtDrain::SkippedAfterCut { at_ns: 101 }
+        );
+        assert_eq!(seen_at_drain(&untimed(50), 100, true), SeenAtDrain::Stale);
+        assert_eq!(seen_at_drain(&untimed(150), 100, false), SeenAtDrain::NextTurn);
+
+        let mut memory = WriteMemory::default();
+        memory.observe_gone(7, 90);
+        // Gone between the record and the cut.
+        assert!(memory.gone_between(7, 50, 100));
+        // The exit was before the record: it was an earlier process with the pid.
+        assert!(!memory.gone_between(7, 95, 100));
+        // Gone only after the cut: it may have written after the cut.
+        assert!(!memory.gone_between(7, 50, 80));
+        assert!(!memory.gone_between(8, 50, 100));
+        memory.forget_gone_until(100);
+        assert!(!memory.gone_between(7, 50, 100));
+        memory.observe_gone(7, 120);
+        memory.forget_gone_until(100);
+        assert!(memory.gone_between(7, 110, 130));
     }
 
     /// A probe with scripted answers.
