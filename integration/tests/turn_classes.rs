@@ -8,7 +8,8 @@
 //! (a server that answered, a job that was poked). The test requires no turn to be reported cleaner than the truth and at least 95%
 //! exact, and prints the table and confusion counts.
 //!
-//! Not covered: stdin mode (a long-lived shell fed through stdin), which the shim does not implement.
+//! Stdin mode (a long-lived shell or interpreter fed through its stdin, one turn per input) is
+//! covered by `turn_boundaries.rs`, which also checks each stdin turn's class against what it did.
 //!
 //! `inspector_overhead` (ignored: a measurement, about a minute) runs syscall-heavy workloads in
 //! two sandboxes, policy `off` and `crab`, interleaved, and prints the time ratio.
