@@ -194,63 +194,38 @@ fn write_image_files(set: &ImageSet, blobs: &BlobStore, dest: &Path) -> Result<R
         }
     }
     let repeated = repeated_chunks(&targets);
-    let workers = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .clamp(1, 4)
-        .min(jobs.len().max(1));
-    let next_job = AtomicUsize::new(0);
-    let failed = AtomicBool::new(false);
     let chunks_read = AtomicU64::new(0);
-    let worker = || -> Result<()> {
-        let mut cache: HashMap<Digest, Vec<u8>> = HashMap::new();
-        let mut scratch = Vec::new();
-        let mut run = Vec::with_capacity(WRITE_RUN);
-        let mut read = 0u64;
-        let result = loop {
-            if failed.load(Ordering::Relaxed) {
-                break Ok(());
+    /// One thread's reassembly state: its chunk cache, buffers, and chunk blobs read.
+    struct Io {
+        cache: HashMap<Digest, Vec<u8>>,
+        scratch: Vec<u8>,
+        run: Vec<u8>,
+        read: u64,
+    }
+    run_jobs(
+        &jobs,
+        || Io { cache: HashMap::new(), scratch: Vec::new(), run: Vec::with_capacity(WRITE_RUN), read: 0 },
+        |io, job| match *job {
+            Job::Whole { target } => {
+                let t = &targets[target];
+                let ImageContent::Whole { blob } = &t.image.content else {
+                    unreachable!("whole jobs are made for whole images")
+                };
+                blobs.copy_verified(blob, &t.file, &t.path).and_then(|written| check_size(t, written, dest))
             }
-            let Some(job) = jobs.get(next_job.fetch_add(1, Ordering::Relaxed)) else {
-                break Ok(());
-            };
-            let done = match *job {
-                Job::Whole { target } => {
-                    let t = &targets[target];
-                    let ImageContent::Whole { blob } = &t.image.content else {
-                        unreachable!("whole jobs are made for whole images")
-                    };
-                    blobs
-                        .copy_verified(blob, &t.file, &t.path)
-                        .and_then(|written| check_size(t, written, dest))
-                }
-                Job::Chunks { target, first, count } => write_chunks(
-                    &targets[target],
-                    first,
-                    count,
-                    ChunkIo { blobs, repeated: &repeated, cache: &mut cache, scratch: &mut scratch, run: &mut run },
-                    dest,
-                )
-                .map(|n| read += n),
-            };
-            if let Err(e) = done {
-                failed.store(true, Ordering::Relaxed);
-                break Err(e);
-            }
-        };
-        chunks_read.fetch_add(read, Ordering::Relaxed);
-        result
-    };
-    let results: Vec<Result<()>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (1..workers).map(|_| scope.spawn(&worker)).collect();
-        let mut results = vec![worker()];
-        results.extend(
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))),
-        );
-        results
-    });
-    results.into_iter().collect::<Result<Vec<()>>>()?;
+            Job::Chunks { target, first, count } => write_chunks(
+                &targets[target],
+                first,
+                count,
+                ChunkIo { blobs, repeated: &repeated, cache: &mut io.cache, scratch: &mut io.scratch, run: &mut io.run },
+                dest,
+            )
+            .map(|n| io.read += n),
+        },
+        |io| {
+            chunks_read.fetch_add(io.read, Ordering::Relaxed);
+        },
+    )?;
 
     let mut restored = RestoredImages {
         chunks_read: chunks_read.into_inner(),
@@ -560,60 +535,31 @@ fn link_verified(set: &ImageSet, blobs: &BlobStore, kept: &Path, dest: &Path) ->
             None => jobs.push(Job::Whole { target: index }),
         }
     }
-    let workers = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .clamp(1, 4)
-        .min(jobs.len().max(1));
-    let next_job = AtomicUsize::new(0);
-    let failed = AtomicBool::new(false);
-    let worker = || -> Result<()> {
-        let mut buf = vec![0u8; VERIFY_RUN];
-        loop {
-            if failed.load(Ordering::Relaxed) {
-                return Ok(());
+    run_jobs(
+        &jobs,
+        || vec![0u8; VERIFY_RUN],
+        |buf, job| match *job {
+            Job::Whole { target } => {
+                let t = &targets[target];
+                let ImageContent::Whole { blob } = &t.image.content else {
+                    unreachable!("whole jobs are made for whole images")
+                };
+                let mut file = &t.file;
+                hash_reader_into(&mut file, buf).io_ctx("read", &t.path).and_then(|(actual, size)| {
+                    if actual != blob.0 || size != t.image.size {
+                        Err(refused(&t.image.name, format!("content is not blob {blob}")))
+                    } else {
+                        Ok(())
+                    }
+                })
             }
-            let Some(job) = jobs.get(next_job.fetch_add(1, Ordering::Relaxed)) else {
-                return Ok(());
-            };
-            let checked = match *job {
-                Job::Whole { target } => {
-                    let t = &targets[target];
-                    let ImageContent::Whole { blob } = &t.image.content else {
-                        unreachable!("whole jobs are made for whole images")
-                    };
-                    let mut file = &t.file;
-                    hash_reader_into(&mut file, &mut buf).io_ctx("read", &t.path).and_then(|(actual, size)| {
-                        if actual != blob.0 || size != t.image.size {
-                            Err(refused(&t.image.name, format!("content is not blob {blob}")))
-                        } else {
-                            Ok(())
-                        }
-                    })
-                }
-                Job::Chunks { target, first, count } => {
-                    check_chunks(&targets[target], first, count, &mut buf).map_err(|e| match e {
-                        ChunkCheck::Io(e) => e,
-                        ChunkCheck::Mismatch(reason) => refused(&targets[target].image.name, reason),
-                    })
-                }
-            };
-            if let Err(e) = checked {
-                failed.store(true, Ordering::Relaxed);
-                return Err(e);
-            }
-        }
-    };
-    let results: Vec<Result<()>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (1..workers).map(|_| scope.spawn(&worker)).collect();
-        let mut results = vec![worker()];
-        results.extend(
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))),
-        );
-        results
-    });
-    results.into_iter().collect::<Result<Vec<()>>>()?;
+            Job::Chunks { target, first, count } => check_chunks(&targets[target], first, count, buf).map_err(|e| match e {
+                ChunkCheck::Io(e) => e,
+                ChunkCheck::Mismatch(reason) => refused(&targets[target].image.name, reason),
+            }),
+        },
+        drop,
+    )?;
     let mut restored = RestoredImages { assembled: true, ..Default::default() };
     for target in &targets {
         if target.file.metadata().io_ctx("stat", &target.path)?.mode() & 0o7777 != target.image.mode {
@@ -625,6 +571,44 @@ fn link_verified(set: &ImageSet, blobs: &BlobStore, kept: &Path, dest: &Path) ->
         restored.chunks += target.chunks.as_ref().map_or(0, |(list, _)| list.len() as u64 / 32);
     }
     Ok(restored)
+}
+
+/// Runs `work` over `jobs` from up to four threads, each with state of its own from `state`
+/// (handed to `done` when the thread stops). The first error stops the other threads and is
+/// returned.
+fn run_jobs<J: Sync, S>(
+    jobs: &[J],
+    state: impl Fn() -> S + Sync,
+    work: impl Fn(&mut S, &J) -> Result<()> + Sync,
+    done: impl Fn(S) + Sync,
+) -> Result<()> {
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4).min(jobs.len().max(1));
+    let next_job = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let worker = || -> Result<()> {
+        let mut own = state();
+        let result = loop {
+            if failed.load(Ordering::Relaxed) {
+                break Ok(());
+            }
+            let Some(job) = jobs.get(next_job.fetch_add(1, Ordering::Relaxed)) else {
+                break Ok(());
+            };
+            if let Err(e) = work(&mut own, job) {
+                failed.store(true, Ordering::Relaxed);
+                break Err(e);
+            }
+        };
+        done(own);
+        result
+    };
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (1..workers).map(|_| scope.spawn(&worker)).collect();
+        let mut results = vec![worker()];
+        results.extend(handles.into_iter().map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))));
+        results.into_iter().collect::<Result<Vec<()>>>()
+    })?;
+    Ok(())
 }
 
 enum ChunkCheck {
