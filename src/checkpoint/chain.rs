@@ -1109,6 +1109,9 @@ mod tests {
             Err(CheckpointError::NoSuchTurn { turn: 2, .. })
         ));
 
+        // Manifests carry their creation time in ms: a retry within the crashed commit's
+        // millisecond would make the very same manifest, leaving no orphan to collect.
+        std::thread::sleep(std::time::Duration::from_millis(2));
         let retried = reopened.commit_turn(&input(2)).unwrap();
         let (_, manifest) = reopened.manifest_at("c", 2).unwrap();
         assert_eq!(
