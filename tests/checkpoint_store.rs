@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 
 use crab::checkpoint::{
-    ChangedPath, CheckpointError, CheckpointStore, RetentionPolicy, RollbackRequest, TurnClass,
+    ChangedPath, CheckpointError, CheckpointStore, KeptImages, RetentionPolicy, RollbackRequest, TurnClass,
     TurnInput,
 };
 
@@ -972,6 +972,7 @@ fn kept_dir(sb: &Sandbox, container: &str) -> PathBuf {
     let mut dirs: Vec<PathBuf> = fs::read_dir(&owner)
         .unwrap_or_else(|e| panic!("{}: {e}", owner.display()))
         .map(|e| e.unwrap().path())
+        .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with(".dump-"))
         .collect();
     assert_eq!(dirs.len(), 1, "one kept image set per container: {dirs:?}");
     dirs.pop().unwrap()
@@ -1083,6 +1084,70 @@ fn a_dump_on_another_file_system_is_not_kept() {
     assert!(report.assembled, "{report:?}");
     assert!(fs::symlink_metadata(out.join("pages-1.img")).unwrap().file_type().is_symlink());
     assert_same_dir(&out, &local);
+}
+
+/// With the kept copies in a directory of their own (a tmpfs, as `/run` is on a node), the
+/// store's `assembled` entry links there, the engine's dumps are written there too (so keeping
+/// one is a hard link, whatever file system the store is on), and every opener of the store
+/// (crabctl opens it without the config) finds them. After a reboot has emptied that
+/// directory the store opens as before; copies beyond the bound are not kept.
+#[test]
+fn kept_copies_live_beside_the_dumps_in_a_directory_of_their_own() {
+    let sb = Sandbox::new();
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    let kept = KeptImages { dir: Some(shm.path().join("kept")), max_bytes: u64::MAX };
+    let store = CheckpointStore::open_with(&sb.state, &kept).unwrap();
+    let link = fs::read_link(sb.state.join("assembled")).expect("assembled is a link");
+    assert!(link.starts_with(shm.path().join("kept")), "{}", link.display());
+    // Opening it again with the same settings leaves the link as it is.
+    drop(CheckpointStore::open_with(&sb.state, &kept).unwrap());
+    assert_eq!(fs::read_link(sb.state.join("assembled")).unwrap(), link);
+
+    let dump = store.dump_path("c1", 1).unwrap();
+    let dump_home = fs::canonicalize(dump.parent().unwrap()).unwrap();
+    assert!(dump_home.starts_with(&link), "the dump is written beside the kept copies: {}", dump_home.display());
+    synthetic_dump(&dump, 1);
+    store.commit_turn(&TurnInput { container: "c1", turn: 1, rootfs: None, changed: &[], criu_images: Some(&dump) }).unwrap();
+    let kept1 = kept_dir(&sb, "c1");
+    assert_eq!(
+        fs::metadata(kept1.join("pages-1.img")).unwrap().ino(),
+        fs::metadata(dump.join("pages-1.img")).unwrap().ino(),
+        "kept by a hard link"
+    );
+    assert!(dump.exists(), "the dump in flight is not taken for an old copy");
+    fs::remove_dir_all(&dump).unwrap();
+    // crabctl's plain open follows the link: restore links the copy after its check.
+    let plain = CheckpointStore::open(&sb.state).unwrap();
+    let out = sb._tmp.path().join("restored");
+    let (_, report) = plain.restore_images_report("c1", 1, &out).unwrap().unwrap();
+    assert!(report.assembled && report.chunks_read == 0, "{report:?}");
+    synthetic_dump(&sb._tmp.path().join("expected"), 1);
+    assert_same_dir(&out, &sb._tmp.path().join("expected"));
+
+    // A dead shim's dump is removed when the container's engine starts again.
+    let stale = store.dump_path("c1", 2).unwrap();
+    synthetic_dump(&stale, 2);
+    store.remove_stale_dumps("c1");
+    assert!(!stale.exists() && kept1.exists());
+
+    // A bound smaller than the dump: nothing kept, the chunks restore it.
+    let bounded = CheckpointStore::open_with(&sb.state, &KeptImages { max_bytes: 1 << 20, ..kept.clone() }).unwrap();
+    let dump2 = bounded.dump_path("c2", 1).unwrap();
+    synthetic_dump(&dump2, 2);
+    bounded.commit_turn(&TurnInput { container: "c2", turn: 1, rootfs: None, changed: &[], criu_images: Some(&dump2) }).unwrap();
+    let c2_sets: Vec<_> = fs::read_dir(sb.state.join("assembled/c2")).unwrap().flatten()
+        .filter(|e| !e.file_name().to_string_lossy().starts_with('.')).collect();
+    assert!(c2_sets.is_empty(), "over the bound: not kept");
+    let (_, report) = bounded.restore_images_report("c2", 1, &sb._tmp.path().join("restored2")).unwrap().unwrap();
+    assert!(!report.assembled && report.chunks_read > 0, "{report:?}");
+
+    // A reboot empties the tmpfs: the store opens, restores from its chunks, and keeps again.
+    fs::remove_dir_all(shm.path().join("kept")).unwrap();
+    let after_reboot = CheckpointStore::open_with(&sb.state, &kept).unwrap();
+    let (_, report) = after_reboot.restore_images_report("c1", 1, &sb._tmp.path().join("restored3")).unwrap().unwrap();
+    assert!(!report.assembled, "{report:?}");
+    assert_same_dir(&sb._tmp.path().join("restored3"), &sb._tmp.path().join("expected"));
+    assert!(CheckpointStore::open(&sb.state).is_ok(), "a plain open too");
 }
 
 /// A kept copy that does not match the manifest (a flipped byte in a page image, a truncated

@@ -11,6 +11,8 @@ use crab::containerd::ctr::Ctr;
 use crab::turns::{RecordedClass, TurnRecord};
 
 const IMAGE: &str = "crab.local/busybox:latest";
+/// Has python3, for processes that hold sockets and locks.
+const TERMINAL_IMAGE: &str = "crab.local/terminal:latest";
 
 fn state_dir() -> std::path::PathBuf {
     std::env::var_os("CRAB_STATE_DIR").map(Into::into).unwrap_or_else(|| crab::checkpoint::DEFAULT_STATE_DIR.into())
@@ -38,11 +40,15 @@ impl Sandbox {
 
     /// Starts with extra `ctr run` flags whose crab config puts the store at `state`.
     async fn start_in(name: &str, flags: &[&str], state: std::path::PathBuf) -> Sandbox {
+        Self::start_image(name, IMAGE, flags, state).await
+    }
+
+    async fn start_image(name: &str, image: &str, flags: &[&str], state: std::path::PathBuf) -> Sandbox {
         let id = format!("{name}-{}", std::process::id());
         let ctr = Ctr::from_env();
         let mut args = vec!["run", "-d", "--runtime", "io.containerd.crab.v2"];
         args.extend_from_slice(flags);
-        args.extend_from_slice(&[IMAGE, &id, "sleep", "3600"]);
+        args.extend_from_slice(&[image, &id, "sleep", "3600"]);
         ctr.run(&args)
             .await
             .unwrap_or_else(|e| panic!("starting {id} (is the private containerd up with the busybox image?): {e}"));
@@ -210,6 +216,60 @@ async fn a_process_of_another_user_is_checkpointed_and_comes_back() {
     assert_eq!(uid_after, "65534", "{after}");
     assert!(count_after.parse::<u64>().unwrap() + 10 >= count, "the loop continues from its value: {before} then {after}");
     assert_eq!(lines.next(), Some("1"), "the loop runs as nobody after the restore: {after}");
+}
+
+/// A process holding both ends of an established loopback TCP connection and a POSIX lock:
+/// the dump takes them (`--tcp-established`, `--file-locks`), and so must the restore, or CRIU
+/// refuses the images. After recover the connection still carries data and the lock is held.
+const PEER: &str = r#"
+import fcntl, os, socket, time
+lock = open("/data/lock", "w")
+fcntl.lockf(lock, fcntl.LOCK_EX)
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("127.0.0.1", 7070))
+server.listen(1)
+client = socket.create_connection(("127.0.0.1", 7070))
+conn, _ = server.accept()
+open("/data/ready", "w").write("ready")
+while True:
+    if os.path.exists("/data/ping"):
+        message = open("/data/ping").read().strip()
+        os.remove("/data/ping")
+        client.sendall(message.encode())
+        answer = conn.recv(100).decode()
+        open("/data/pong.tmp", "w").write(f"{answer} over the connection of pid {os.getpid()}")
+        os.rename("/data/pong.tmp", "/data/pong")
+    time.sleep(0.05)
+"#;
+
+/// Waits (up to 5 s) for a file in the sandbox and prints it.
+const AWAIT_PONG: &str = "for i in $(seq 100); do [ -f /data/pong ] && break; sleep 0.05; done; cat /data/pong";
+
+/// Succeeds (prints "free") only if nobody holds the lock.
+const TRY_LOCK: &str = "python3 -c 'import fcntl; f = open(\"/data/lock\", \"w\"); fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB); print(\"free\")' 2>&1 | tail -1";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_tcp_connection_and_a_file_lock_come_back() {
+    let mut sb = Sandbox::start_image("rs-tcp", TERMINAL_IMAGE, &[], state_dir()).await;
+    sb.turn(&format!("mkdir -p /data && cat > /data/peer.py <<'EOF'\n{PEER}\nEOF\npython3 /data/peer.py >/data/peer.log 2>&1 &\nfor i in $(seq 100); do [ -f /data/ready ] && break; sleep 0.05; done")).await;
+    sb.turn("echo before > /data/ping; ".to_string() + AWAIT_PONG).await;
+    let turns = sb.turns(2).await;
+    assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{:?}", turns[0]);
+    let before = sb.exec_in(&sb.id.clone(), "cat /data/pong; rm /data/pong").await;
+    assert!(before.starts_with("before over the connection"), "{before}");
+    assert!(sb.exec_in(&sb.id.clone(), TRY_LOCK).await.contains("Resource temporarily unavailable"), "the peer holds the lock");
+    let settled = sb.settled().await;
+    let last = settled.last().unwrap();
+    assert!(last.checkpoint_turn.is_some(), "{settled:?}");
+
+    sb.kill_processes().await;
+    sb.ctl().recover(&sb.id, None).await.unwrap();
+    let after = sb.exec_in(&sb.id.clone(), &("echo after > /data/ping; ".to_string() + AWAIT_PONG)).await;
+    let pid = before.trim().rsplit(' ').next().unwrap();
+    assert_eq!(after.trim(), format!("after over the connection of pid {pid}"), "the restored peer answers over its connection");
+    let lock = sb.exec_in(&sb.id.clone(), TRY_LOCK).await;
+    assert!(lock.contains("Resource temporarily unavailable"), "the restored peer holds its lock again: {lock}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,10 +6,14 @@
 //! - `snapshots/<sha256>.json`: a folded chain prefix ending at that manifest (written by GC);
 //! - `containers/<id>/HEAD`: the container's current checkpoint, updated last;
 //! - `assembled/<id>/<sha256>/`: the CRIU image files of container `<id>`'s newest published
-//!   process checkpoint (manifest `<sha256>`), hard links to the files CRIU wrote (kept only
-//!   when the dump is on this file system), so that a restore can check them against the
-//!   manifest and link them instead of reassembling every chunk. Only an accelerator: never
-//!   flushed by itself, never trusted unchecked, replaced by the chunks when it fails the check;
+//!   process checkpoint (manifest `<sha256>`), hard links to the files CRIU wrote, so that a
+//!   restore can check them against the manifest and link them instead of reassembling every
+//!   chunk. Only an accelerator: never flushed by itself, never trusted unchecked, replaced by
+//!   the chunks when it fails the check, lost with a reboot. `assembled` may be a symbolic link
+//!   to a directory on another file system ([`KeptImages`]: tmpfs under /run, so that neither
+//!   the dump nor its kept copy is ever written to disk); the engine's dumps are written beside
+//!   it (`assembled/<id>/.dump-<turn>`, [`CheckpointStore::dump_path`]) so that a link, not a
+//!   copy, keeps them;
 //! - `tmp/`: files being written; `lock`: shared by writers, exclusive for GC.
 //!
 //! A manifest names its parent by hash, so a chain is immutable once written; forks are heads
@@ -268,7 +272,28 @@ pub struct CheckpointStore {
     snapshots: PathBuf,
     containers: PathBuf,
     assembled: PathBuf,
+    /// Most bytes all kept image copies of this store may hold together.
+    kept_max_bytes: u64,
     cache: Mutex<HashMap<Digest, Arc<Manifest>>>,
+}
+
+/// Where a store keeps the newest CRIU images of each container assembled, and how much of
+/// them. The copy is worth keeping only where it costs no write of its own: on the file
+/// system the dumps are written to, which should be a tmpfs (the dump is then never written
+/// to disk at all; only the chunks the store lacks are). On tmpfs the copies are memory, hence
+/// the bound.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeptImages {
+    /// The directory (`None`: `assembled/` inside the state directory).
+    pub dir: Option<PathBuf>,
+    /// Bound on the bytes of all kept copies together; a dump that does not fit is not kept.
+    pub max_bytes: u64,
+}
+
+impl Default for KeptImages {
+    fn default() -> Self {
+        Self { dir: None, max_bytes: u64::MAX }
+    }
 }
 
 pub(crate) fn valid_container_id(id: &str) -> Result<()> {
@@ -293,7 +318,8 @@ fn now_unix_ms() -> u64 {
 }
 
 impl CheckpointStore {
-    /// Opens (creating if needed) a store under `state_dir`.
+    /// Opens (creating if needed) a store under `state_dir`. Kept image copies stay wherever
+    /// the store's `assembled` entry points (see [`open_with`](Self::open_with)).
     pub fn open(state_dir: impl AsRef<Path>) -> Result<Self> {
         let state_dir = state_dir.as_ref().to_owned();
         fs::create_dir_all(&state_dir).io_ctx("create", &state_dir)?;
@@ -302,11 +328,17 @@ impl CheckpointStore {
         let snapshots = state_dir.join("snapshots");
         let containers = state_dir.join("containers");
         let assembled = state_dir.join("assembled");
-        for dir in [&manifests, &snapshots, &containers, &assembled] {
+        for dir in [&manifests, &snapshots, &containers] {
             if !dir.is_dir() {
                 fs::create_dir_all(dir).io_ctx("create", dir)?;
                 sys::fsync_dir(&state_dir).io_ctx("fsync", &state_dir)?;
             }
+        }
+        match fs::read_link(&assembled) {
+            // Kept elsewhere; that directory may be gone (a tmpfs after a reboot): recreate it.
+            Ok(target) => fs::create_dir_all(&target).io_ctx("create", &target)?,
+            Err(_) if !assembled.is_dir() => fs::create_dir_all(&assembled).io_ctx("create", &assembled)?,
+            Err(_) => {}
         }
         Ok(CheckpointStore {
             state_dir,
@@ -315,8 +347,58 @@ impl CheckpointStore {
             snapshots,
             containers,
             assembled,
+            kept_max_bytes: u64::MAX,
             cache: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Opens the store and keeps image copies as `kept` says. A directory of its own under
+    /// `kept.dir` (named after the state directory, so stores sharing `kept.dir` stay apart)
+    /// becomes the target of the store's `assembled` link; copies kept before in another place
+    /// are dropped (they are only an accelerator).
+    pub fn open_with(state_dir: impl AsRef<Path>, kept: &KeptImages) -> Result<Self> {
+        let mut store = Self::open(state_dir)?;
+        store.kept_max_bytes = kept.max_bytes;
+        if let Some(dir) = &kept.dir {
+            let absolute = fs::canonicalize(&store.state_dir).io_ctx("resolve", &store.state_dir)?;
+            let key = Digest::of(absolute.as_os_str().as_encoded_bytes()).to_hex();
+            let target = dir.join(&key[..16]);
+            fs::create_dir_all(&target).io_ctx("create", &target)?;
+            if fs::read_link(&store.assembled).ok().as_deref() != Some(target.as_path()) {
+                // Replaced by a rename, so that a concurrent open sees the old entry or the new
+                // link, never neither.
+                let link = store.state_dir.join(format!(".assembled-{}", std::process::id()));
+                let _ = fs::remove_file(&link);
+                std::os::unix::fs::symlink(&target, &link).io_ctx("symlink", &link)?;
+                if fs::symlink_metadata(&store.assembled).is_ok_and(|m| m.is_dir()) {
+                    fs::remove_dir_all(&store.assembled).io_ctx("remove", &store.assembled)?;
+                }
+                fs::rename(&link, &store.assembled).io_ctx("rename", &store.assembled)?;
+                sys::fsync_dir(&store.state_dir).io_ctx("fsync", &store.state_dir)?;
+            }
+        }
+        Ok(store)
+    }
+
+    /// Where the engine has CRIU write the dump of `container`'s `turn`: beside the kept
+    /// copies, on their file system, so that keeping it is a hard link. Hidden from the kept
+    /// copies' clean-up and GC by its leading dot.
+    pub fn dump_path(&self, container: &str, turn: u64) -> Result<PathBuf> {
+        valid_container_id(container)?;
+        let owner = self.assembled.join(container);
+        fs::create_dir_all(&owner).io_ctx("create", &owner)?;
+        Ok(owner.join(format!(".dump-{turn}")))
+    }
+
+    /// Removes dumps of `container` that a dead shim left behind (none is in flight when its
+    /// engine starts).
+    pub fn remove_stale_dumps(&self, container: &str) {
+        let Ok(entries) = fs::read_dir(self.assembled.join(container)) else { return };
+        for entry in entries.flatten() {
+            if entry.file_name().to_str().is_some_and(|n| n.starts_with(".dump-")) {
+                let _ = fs::remove_dir_all(entry.path());
+            }
+        }
     }
 
     /// Where the image files of `container`'s process checkpoint `manifest` are kept.
@@ -333,22 +415,49 @@ impl CheckpointStore {
     fn keep_assembled(&self, container: &str, id: &Digest, set: &ImageSet, dump_dir: &Path) {
         let dir = self.assembled.join(container);
         let dest = self.assembled_path(container, id);
-        let kept = fs::create_dir_all(&dir)
-            .io_ctx("create", &dir)
-            .and_then(|()| images::keep_assembled(set, dump_dir, &dest));
-        match kept {
-            Ok(true) => debug!(container, id = %id, "CRIU images kept assembled"),
-            Ok(false) => debug!(container, id = %id, dump = %dump_dir.display(),
-                "CRIU images not kept: the dump is on another file system than the store (a copy would cost a full write)"),
-            Err(e) => tracing::warn!(container, id = %id, error = %e, "CRIU images not kept assembled: the next restore reassembles them"),
-        }
+        // The container's previous copy goes first: it is superseded, and its bytes must not
+        // count against the new one.
         if let Ok(entries) = fs::read_dir(&dir) {
             for entry in entries.flatten() {
-                if entry.path() != dest {
+                let dump = entry.file_name().to_str().is_some_and(|n| n.starts_with(".dump-"));
+                if entry.path() != dest && !dump {
                     let _ = fs::remove_dir_all(entry.path());
                 }
             }
         }
+        let size: u64 = set.files.iter().map(|f| f.size).sum();
+        let others = self.kept_bytes();
+        if others.saturating_add(size) > self.kept_max_bytes {
+            debug!(container, id = %id, size, others, max = self.kept_max_bytes,
+                "CRIU images not kept: over the bound on kept copies (the next restore reassembles them)");
+            return;
+        }
+        let kept = fs::create_dir_all(&dir)
+            .io_ctx("create", &dir)
+            .and_then(|()| images::keep_assembled(set, dump_dir, &dest));
+        match kept {
+            Ok(true) => debug!(container, id = %id, size, "CRIU images kept assembled"),
+            Ok(false) => debug!(container, id = %id, dump = %dump_dir.display(),
+                "CRIU images not kept: the dump is on another file system than the kept copies (a copy would cost a full write)"),
+            Err(e) => tracing::warn!(container, id = %id, error = %e, "CRIU images not kept assembled: the next restore reassembles them"),
+        }
+    }
+
+    /// Bytes of every kept image copy of this store (dumps in flight not counted).
+    fn kept_bytes(&self) -> u64 {
+        let sum_files = |dir: &Path| -> u64 {
+            fs::read_dir(dir)
+                .map(|files| files.flatten().filter_map(|f| f.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum())
+                .unwrap_or(0)
+        };
+        let Ok(owners) = fs::read_dir(&self.assembled) else { return 0 };
+        owners
+            .flatten()
+            .filter_map(|owner| fs::read_dir(owner.path()).ok())
+            .flat_map(|sets| sets.flatten())
+            .filter(|set| set.file_name().to_str().is_some_and(|n| !n.starts_with('.')))
+            .map(|set| sum_files(&set.path()))
+            .sum()
     }
 
     pub fn state_dir(&self) -> &Path {

@@ -18,7 +18,7 @@ mod sys;
 
 pub use baseline::{FullCheckpoint, overlay_upperdir, remove_full_checkpoints, write_full_checkpoint};
 pub use chain::{
-    CheckpointInfo, CheckpointStore, CommitReport, DEFAULT_STATE_DIR, Head, RollbackReport,
+    CheckpointInfo, CheckpointStore, CommitReport, DEFAULT_STATE_DIR, Head, KeptImages, RollbackReport,
     RollbackRequest, StagedTurn, TurnInput, VerifyReport,
 };
 pub use error::{CheckpointError, Result};

@@ -54,6 +54,25 @@ pub struct CheckpointConfig {
     /// Policy of sandboxes without an `io.crab.policy` annotation:
     /// `crab`, `every-turn` or `off`.
     pub policy: String,
+    /// Where CRIU dumps are written and the newest one of each container
+    /// stays assembled for a fast restore. Meant for a tmpfs: a dump written
+    /// there never reaches the disk (the store writes only the chunks it
+    /// lacks). Empty: inside `state_dir`.
+    pub kept_images_dir: PathBuf,
+    /// Bound on all kept image copies together, MiB (on tmpfs they are
+    /// memory). A dump that does not fit is not kept: its restore
+    /// reassembles it from the store's chunks. 0 keeps none.
+    pub kept_images_max_mib: u64,
+}
+
+impl CheckpointConfig {
+    /// The store's settings for kept image copies.
+    pub fn kept_images(&self) -> crate::checkpoint::KeptImages {
+        crate::checkpoint::KeptImages {
+            dir: (!self.kept_images_dir.as_os_str().is_empty()).then(|| self.kept_images_dir.clone()),
+            max_bytes: self.kept_images_max_mib.saturating_mul(1 << 20),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -114,7 +133,12 @@ impl Default for RuntimeConfig {
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        Self { state_dir: "/var/lib/crab".into(), policy: "crab".into() }
+        Self {
+            state_dir: "/var/lib/crab".into(),
+            policy: "crab".into(),
+            kept_images_dir: "/run/crab/kept-images".into(),
+            kept_images_max_mib: 2048,
+        }
     }
 }
 
@@ -160,6 +184,13 @@ impl Config {
             if !dir.is_absolute() {
                 return Err(invalid(format!("{key}: {} is not an absolute path", dir.display())));
             }
+        }
+        let kept = &self.checkpoint.kept_images_dir;
+        if !kept.as_os_str().is_empty() && !kept.is_absolute() {
+            return Err(invalid(format!(
+                "checkpoint.kept_images_dir: {} is not an absolute path (\"\" keeps them in state_dir)",
+                kept.display()
+            )));
         }
         if !self.runtime.init.as_os_str().is_empty() && !self.runtime.init.is_absolute() {
             return Err(invalid(format!(
@@ -249,6 +280,14 @@ mod tests {
         assert!(c.runtime.init.as_os_str().is_empty());
         let err = Config::parse("[runtime]\ninit = \"crab-init\"\n", Path::new("c.toml")).unwrap_err();
         assert!(err.to_string().contains("runtime.init"), "{err}");
+    }
+
+    #[test]
+    fn kept_images_dir_is_absolute_or_empty() {
+        let err = Config::parse("[checkpoint]\nkept_images_dir = \"run/kept\"\n", Path::new("/etc/crab/crab.toml")).unwrap_err();
+        assert!(err.to_string().contains("checkpoint.kept_images_dir"), "{err}");
+        let inside = Config::parse("[checkpoint]\nkept_images_dir = \"\"\nkept_images_max_mib = 3\n", Path::new("c")).unwrap();
+        assert_eq!(inside.checkpoint.kept_images(), crate::checkpoint::KeptImages { dir: None, max_bytes: 3 << 20 });
     }
 
     #[test]

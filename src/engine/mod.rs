@@ -248,6 +248,7 @@ impl SandboxEngine {
                 }
             }
         }
+        ctx.store.remove_stale_dumps(container);
         let head = ctx.store.head(container)?;
         let last_turn = log.read()?.last().map(|r| r.turn).max(head.map(|h| h.turn)).unwrap_or(0);
         if let (Some(inspector), Policy::Crab) = (&ctx.inspector, policy.policy) {
@@ -700,7 +701,11 @@ impl SandboxEngine {
             return Ok(record);
         }
         let images = if class == TurnClass::Proc {
-            let dir = self.work_dir.join(format!("dump-{}", open.turn));
+            // Beside the kept copies, so that keeping this dump is a link, not a copy.
+            let dir = match self.ctx.store.dump_path(&self.container, open.turn) {
+                Ok(dir) => dir,
+                Err(e) => return Err((record, e.into())),
+            };
             let _ = tokio::fs::remove_dir_all(&dir).await;
             let capture = Instant::now();
             let cpu_before_dump = self.cpu_snapshot();

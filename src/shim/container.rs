@@ -310,6 +310,12 @@ impl Container {
             work_path: Some(self.work_dir().join("restore-work")),
             // Restored processes keep their session: a TTY job must come back as one.
             shell_job: self.init.uris.terminal,
+            // What the engine's dumps take (established TCP connections, file locks, and
+            // sockets to peers outside the container) CRIU restores only when asked to; for
+            // images without them the flags change nothing.
+            tcp_established: true,
+            ext_unix_sockets: true,
+            file_locks: true,
             ..Default::default()
         };
         let launch_opts = LaunchOptions {

@@ -425,10 +425,11 @@ async fn engine_context(
     yielding: bool,
 ) -> Result<Arc<EngineContext>, ShimError> {
     let state_dir = config.checkpoint.state_dir.clone();
+    let kept = config.checkpoint.kept_images();
     let node = crate::node::ClientOptions::from_config(&config.node);
     cell
         .get_or_try_init(|| async move {
-            let store = crate::checkpoint::CheckpointStore::open(&state_dir).map_err(|e| {
+            let store = crate::checkpoint::CheckpointStore::open_with(&state_dir, &kept).map_err(|e| {
                 ShimError::FailedPrecondition(format!("checkpoint store {}: {e}", state_dir.display()))
             })?;
             // The node's inspector and bandwidth live in crabd; only without it
