@@ -215,7 +215,9 @@ async fn a_process_of_another_user_is_checkpointed_and_comes_back() {
     let (uid_after, count_after) = lines.next().unwrap().split_once(' ').unwrap();
     assert_eq!(uid_after, "65534", "{after}");
     assert!(count_after.parse::<u64>().unwrap() + 10 >= count, "the loop continues from its value: {before} then {after}");
-    assert_eq!(lines.next(), Some("1"), "the loop runs as nobody after the restore: {after}");
+    // Its `$(id -u)` forks a subshell with the same command line now and then: one or two.
+    let loops: u32 = lines.next().and_then(|l| l.parse().ok()).unwrap_or(0);
+    assert!(loops >= 1, "the loop runs as nobody after the restore: {after}");
 }
 
 /// A process holding both ends of an established loopback TCP connection and a POSIX lock:
@@ -253,7 +255,7 @@ const TRY_LOCK: &str = "python3 -c 'import fcntl; f = open(\"/data/lock\", \"w\"
 async fn an_open_tcp_connection_and_a_file_lock_come_back() {
     let mut sb = Sandbox::start_image("rs-tcp", TERMINAL_IMAGE, &[], state_dir()).await;
     sb.turn(&format!("mkdir -p /data && cat > /data/peer.py <<'EOF'\n{PEER}\nEOF\npython3 /data/peer.py >/data/peer.log 2>&1 &\nfor i in $(seq 100); do [ -f /data/ready ] && break; sleep 0.05; done")).await;
-    sb.turn("echo before > /data/ping; ".to_string() + AWAIT_PONG).await;
+    sb.turn(&("echo before > /data/ping; ".to_string() + AWAIT_PONG)).await;
     let turns = sb.turns(2).await;
     assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{:?}", turns[0]);
     let before = sb.exec_in(&sb.id.clone(), "cat /data/pong; rm /data/pong").await;

@@ -7,6 +7,7 @@
 //! `waitpid(-1)`, so a second waiter (tokio's own child handling) would race it
 //! and lose exit statuses.
 
+pub mod criu;
 pub mod init;
 mod reaper;
 pub mod spawner;

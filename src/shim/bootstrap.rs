@@ -6,6 +6,8 @@
 //! - `delete`: clean up after a shim that died: delete the container from the
 //!   runtime, unmount its rootfs, report it killed.
 //! - no action: serve the Task API on `-socket` until Shutdown.
+//! - run by CRIU as its action script (`CRTOOLS_SCRIPT_ACTION` set): see
+//!   [`crate::runtime::criu`].
 //!
 //! containerd 1.6 and 1.7 speak task API v2 and read `start`'s output as a
 //! bare address; containerd 2 speaks v3. The shim answers both service names.
@@ -48,6 +50,10 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BootstrapEr
 
 /// Runs the binary; never returns.
 pub fn main(runtime_id: &str) -> ! {
+    // Run by CRIU as its action script during a restore (see runtime::criu).
+    if let Ok(action) = std::env::var(crate::runtime::criu::ACTION_ENV) {
+        std::process::exit(crate::runtime::criu::run_action(&action));
+    }
     let args: Vec<_> = std::env::args_os().skip(1).collect();
     let code = match containerd_shim::parse(&args) {
         Ok(flags) => match run(runtime_id, flags) {

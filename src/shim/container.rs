@@ -325,6 +325,7 @@ impl Container {
             no_new_keyring: self.config.no_new_keyring,
             stdio: launch.stdio,
         };
+        self.prepare_criu_restore();
         let restored = self.runtime.restore(&self.config.id, &self.config.bundle, &opts, launch_opts).await;
         finish_console(&io, master, restored.is_ok()).await?;
         restored?;
@@ -332,12 +333,30 @@ impl Container {
         // CRIU 4.1 brings the container's loopback back down on this kernel
         // (runc's own restore does the same): a restored server would not be
         // reachable even from inside its sandbox.
+        // Up already when the shim was CRIU's action script; else (a spec with a CRIU config
+        // of its own) a restored server becomes reachable from here on.
         if let Err(e) = loopback_up(pid).await {
             tracing::warn!(container = %self.config.id, error = %e, "loopback of the restored container left down");
         }
         self.init.set_running(pid);
         *self.cgroup.lock().expect("cgroup lock") = Cgroup::of_pid(pid).ok();
         Ok(pid)
+    }
+
+    /// Makes this binary CRIU's action script for the restore, so that the loopback is up
+    /// before CRIU connects restored TCP sockets back. Without it only such sockets fail.
+    fn prepare_criu_restore(&self) {
+        let named = std::env::current_exe()
+            .map_err(|e| e.to_string())
+            .and_then(|exe| {
+                let conf = self.work_dir().join("criu-restore.conf");
+                crate::runtime::criu::use_action_script(&self.config.bundle, &conf, &exe).map_err(|e| e.to_string())
+            });
+        match named {
+            Ok(true) => {}
+            Ok(false) => tracing::info!(container = %self.id(), "the spec names a CRIU config of its own: restored loopback TCP connections may fail"),
+            Err(e) => tracing::warn!(container = %self.id(), error = %e, "no CRIU action script: restored loopback TCP connections will fail"),
+        }
     }
 
     pub fn add_exec(&self, exec_id: &str, uris: StdioUris, spec: Vec<u8>) -> Result<(), ShimError> {
@@ -620,43 +639,11 @@ async fn read_pid(path: &Path) -> Result<u32, ShimError> {
     text.trim().parse().map_err(|_| ShimError::Other(format!("pid file {} holds {:?}", path.display(), text)))
 }
 
-/// Sets `lo` up in the network namespace of `pid`, if it is down. The work
-/// runs on a thread of its own, which is the only thread that enters the
-/// namespace.
+/// Sets `lo` up in the network namespace of `pid`, if it is down.
 async fn loopback_up(pid: u32) -> std::io::Result<()> {
-    tokio::task::spawn_blocking(move || {
-        std::thread::spawn(move || -> std::io::Result<()> {
-            use std::os::fd::AsRawFd;
-            let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))?;
-            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-            if sock < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            let sock = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(sock) };
-            let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-            for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
-                *dst = *src as libc::c_char;
-            }
-            if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            let flags = unsafe { req.ifr_ifru.ifru_flags };
-            if flags & libc::IFF_UP as libc::c_short == 0 {
-                req.ifr_ifru.ifru_flags = flags | libc::IFF_UP as libc::c_short;
-                if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
-            Ok(())
-        })
-        .join()
-        .unwrap_or_else(|_| Err(std::io::Error::other("loopback thread panicked")))
-    })
-    .await
-    .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+    tokio::task::spawn_blocking(move || crate::runtime::criu::loopback_up(pid))
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
 }
 
 pub fn unmount_rootfs(bundle: &Path) {
