@@ -1074,16 +1074,20 @@ fn a_dump_on_another_file_system_is_not_kept() {
     assert!(!report.assembled && report.chunks_read > 0, "{report:?}");
     assert_same_dir(&out, &dump);
 
-    // The other way round: a copy kept on the store's file system restored into a directory
-    // elsewhere is checked and linked symbolically (CRIU follows the links), not copied.
+    // The other way round: a copy kept on the store's file system cannot serve a restore into
+    // a directory elsewhere (only a hard link does: CRIU reads images from inside the
+    // container's mount namespace, where a symbolic link to a host path leads nowhere). The
+    // chunks restore it, and the copy stays for a restore on its own file system.
     let local = sb._tmp.path().join("dump-local");
     synthetic_dump(&local, 2);
     commit_dump(&sb, "c2", 1, &local);
     let out = shm.path().join("restored-elsewhere");
     let (_, report) = sb.store.restore_images_report("c2", 1, &out).unwrap().unwrap();
-    assert!(report.assembled, "{report:?}");
-    assert!(fs::symlink_metadata(out.join("pages-1.img")).unwrap().file_type().is_symlink());
+    assert!(!report.assembled && report.chunks_read > 0, "{report:?}");
+    assert!(!fs::symlink_metadata(out.join("pages-1.img")).unwrap().file_type().is_symlink());
     assert_same_dir(&out, &local);
+    let out = sb._tmp.path().join("restored-here");
+    assert!(sb.store.restore_images_report("c2", 1, &out).unwrap().unwrap().1.assembled, "the copy was kept");
 }
 
 /// With the kept copies in a directory of their own (a tmpfs, as `/run` is on a node), the
@@ -1116,13 +1120,18 @@ fn kept_copies_live_beside_the_dumps_in_a_directory_of_their_own() {
     );
     assert!(dump.exists(), "the dump in flight is not taken for an old copy");
     fs::remove_dir_all(&dump).unwrap();
-    // crabctl's plain open follows the link: restore links the copy after its check.
+    // A plain open follows the link: a restore beside the copy links it after its check.
     let plain = CheckpointStore::open(&sb.state).unwrap();
-    let out = sb._tmp.path().join("restored");
+    let out = plain.restore_path("r1").unwrap();
     let (_, report) = plain.restore_images_report("c1", 1, &out).unwrap().unwrap();
     assert!(report.assembled && report.chunks_read == 0, "{report:?}");
     synthetic_dump(&sb._tmp.path().join("expected"), 1);
     assert_same_dir(&out, &sb._tmp.path().join("expected"));
+    // Restored elsewhere (another file system), the chunks serve and the copy stays.
+    let (_, report) = plain.restore_images_report("c1", 1, &sb._tmp.path().join("restored")).unwrap().unwrap();
+    assert!(!report.assembled, "{report:?}");
+    assert_same_dir(&sb._tmp.path().join("restored"), &sb._tmp.path().join("expected"));
+    assert!(kept1.exists());
 
     // A dead shim's dump is removed when the container's engine starts again.
     let stale = store.dump_path("c1", 2).unwrap();

@@ -382,7 +382,7 @@ impl CheckpointStore {
 
     /// Where the engine has CRIU write the dump of `container`'s `turn`: beside the kept
     /// copies, on their file system, so that keeping it is a hard link. Hidden from the kept
-    /// copies' clean-up and GC by its leading dot.
+    /// copies' clean-up and GC by its leading dot, as [`restore_path`](Self::restore_path) is.
     pub fn dump_path(&self, container: &str, turn: u64) -> Result<PathBuf> {
         valid_container_id(container)?;
         let owner = self.assembled.join(container);
@@ -390,12 +390,22 @@ impl CheckpointStore {
         Ok(owner.join(format!(".dump-{turn}")))
     }
 
-    /// Removes dumps of `container` that a dead shim left behind (none is in flight when its
-    /// engine starts).
+    /// Where the CRIU images that restore `container` are put together: beside the kept
+    /// copies, so that a kept copy is hard-linked (CRIU opens images after it has entered the
+    /// container's mount namespace, where a symbolic link to a host path leads nowhere).
+    pub fn restore_path(&self, container: &str) -> Result<PathBuf> {
+        valid_container_id(container)?;
+        let owner = self.assembled.join(container);
+        fs::create_dir_all(&owner).io_ctx("create", &owner)?;
+        Ok(owner.join(".restore"))
+    }
+
+    /// Removes dumps and restore images of `container` that a dead shim left behind (none is
+    /// in flight when its engine starts: a restore's images are gone before its engine attaches).
     pub fn remove_stale_dumps(&self, container: &str) {
         let Ok(entries) = fs::read_dir(self.assembled.join(container)) else { return };
         for entry in entries.flatten() {
-            if entry.file_name().to_str().is_some_and(|n| n.starts_with(".dump-")) {
+            if entry.file_name().to_str().is_some_and(|n| n.starts_with('.')) {
                 let _ = fs::remove_dir_all(entry.path());
             }
         }
@@ -419,8 +429,9 @@ impl CheckpointStore {
         // count against the new one.
         if let Ok(entries) = fs::read_dir(&dir) {
             for entry in entries.flatten() {
-                let dump = entry.file_name().to_str().is_some_and(|n| n.starts_with(".dump-"));
-                if entry.path() != dest && !dump {
+                // Dot entries are a dump or a restore in flight, not kept copies.
+                let in_flight = entry.file_name().to_str().is_some_and(|n| n.starts_with('.'));
+                if entry.path() != dest && !in_flight {
                     let _ = fs::remove_dir_all(entry.path());
                 }
             }
@@ -925,7 +936,18 @@ impl CheckpointStore {
         let clock = std::time::Instant::now();
         if let Some((id, manifest)) = source {
             let kept = self.assembled_path(&manifest.container, id);
-            if kept.is_dir() {
+            // Only a hard link serves (see images::restore_assembled): from another file
+            // system the chunks restore, and the copy stays for a restore that can link it.
+            let same_fs = |a: &Path, b: &Path| {
+                use std::os::unix::fs::MetadataExt;
+                matches!((fs::metadata(a), fs::metadata(b)), (Ok(a), Ok(b)) if a.dev() == b.dev())
+            };
+            let linkable = dest.parent().is_some_and(|parent| same_fs(&kept, parent));
+            if kept.is_dir() && !linkable {
+                debug!(container, turn = images_turn, dest = %dest.display(),
+                    "kept CRIU images are on another file system than the restore: reassembling them");
+            }
+            if kept.is_dir() && linkable {
                 match images::restore_assembled(set, &self.blobs, &kept, dest) {
                     Ok(restored) => {
                         debug!(container, turn = images_turn, files = restored.files, bytes = restored.bytes,

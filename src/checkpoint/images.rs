@@ -485,17 +485,17 @@ fn link_verified(set: &ImageSet, blobs: &BlobStore, kept: &Path, dest: &Path) ->
             return Err(bad_dir(kept, format!("image name {:?} is not a plain file name", image.name)));
         }
         let (from, path) = (kept.join(&image.name), dest.join(&image.name));
-        // A hard link; a symbolic one when `dest` is on another file system (CRIU follows
-        // it). Either way what is checked below is what CRIU will read through `dest`.
-        let nofollow = match fs::hard_link(&from, &path) {
-            Ok(()) => libc::O_NOFOLLOW,
+        // A hard link, so that what is checked below is what CRIU reads through `dest`. Not a
+        // symbolic one when `dest` is on another file system: CRIU opens images from inside
+        // the container's mount namespace, where the link's target is not the host's file.
+        match fs::hard_link(&from, &path) {
+            Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
-                std::os::unix::fs::symlink(&from, &path).io_ctx("symlink", &path)?;
-                0
+                return Err(refused(&image.name, format!("{} is on another file system than the kept copy", dest.display())));
             }
             Err(e) => return Err(e).io_ctx("link", &path),
-        };
-        let file = OpenOptions::new().read(true).custom_flags(nofollow).open(&path).io_ctx("open", &path)?;
+        }
+        let file = OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path).io_ctx("open", &path)?;
         let meta = file.metadata().io_ctx("stat", &path)?;
         if !meta.file_type().is_file() {
             return Err(refused(&image.name, "not a regular file".into()));

@@ -33,6 +33,8 @@ pub struct ContainerConfig {
     pub bundle: PathBuf,
     /// A checkpoint image directory to restore from at Start.
     pub restore_from: Option<PathBuf>,
+    /// The directory is crab's own (made from the store at Create): removed once restored.
+    pub restore_images_owned: bool,
     pub no_pivot: bool,
     pub no_new_keyring: bool,
     pub io_uid: u32,
@@ -327,6 +329,11 @@ impl Container {
         };
         self.prepare_criu_restore();
         let restored = self.runtime.restore(&self.config.id, &self.config.bundle, &opts, launch_opts).await;
+        if self.config.restore_images_owned {
+            // Links to the kept copy or reassembled files, on the kept copies' file system (a
+            // tmpfs): CRIU is done with them either way.
+            let _ = tokio::fs::remove_dir_all(image).await;
+        }
         finish_console(&io, master, restored.is_ok()).await?;
         restored?;
         let pid = read_pid(&pid_file).await?;

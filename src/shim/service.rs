@@ -178,7 +178,7 @@ impl TaskService {
             tokio::spawn(async move { engine_context(cell, config, yielding).await })
         });
         let prepared = match &policy.restore_from {
-            Some(source) => prepare_restore(&config.checkpoint.state_dir, source, &req.id, &bundle).await,
+            Some(source) => prepare_restore(&config.checkpoint, source, &req.id, &bundle).await,
             None => Ok(None),
         };
         let prepared = match prepared {
@@ -197,6 +197,7 @@ impl TaskService {
             }
         };
         tokio::fs::create_dir_all(runtime.root()).await.map_err(|e| ShimError::io(runtime.root(), e))?;
+        let restore_images_owned = prepared.is_some();
         let restore_from = prepared.or_else(|| (!req.checkpoint.is_empty()).then(|| PathBuf::from(&req.checkpoint)));
         let container = Container::new(
             ContainerConfig {
@@ -204,6 +205,7 @@ impl TaskService {
                 namespace: self.namespace.clone(),
                 bundle: bundle.clone(),
                 restore_from,
+                restore_images_owned,
                 no_pivot: opts.no_pivot_root,
                 no_new_keyring: opts.no_new_keyring,
                 io_uid: opts.io_uid,
@@ -585,25 +587,26 @@ fn sandbox_policy(bundle: &Path, config: &Config) -> Result<SandboxPolicy, ShimE
 /// (None when the chain has no process checkpoint up to that turn). Opens the
 /// store itself, so it does not wait for the engine (and its inspector).
 async fn prepare_restore(
-    state_dir: &Path,
+    checkpoint: &crate::config::CheckpointConfig,
     source: &crate::turns::RestoreFrom,
     new_id: &str,
     bundle: &Path,
 ) -> Result<Option<PathBuf>, ShimError> {
     let rootfs = bundle.join("rootfs");
-    let images_dir = bundle.join("crab").join("restore-images");
     let (src, turn, new) = (source.container.clone(), source.turn, new_id.to_string());
-    let (state_dir, dest) = (state_dir.to_path_buf(), images_dir.clone());
+    let (state_dir, kept) = (checkpoint.state_dir.clone(), checkpoint.kept_images());
     let ms = |since: std::time::Instant| since.elapsed().as_secs_f64() * 1e3;
     let failed = |e: &dyn std::fmt::Display| {
         ShimError::FailedPrecondition(format!("restore from {}:{}: {e}", source.container, source.turn))
     };
     let restored = tokio::task::spawn_blocking(move || {
-        let store = crate::checkpoint::CheckpointStore::open(&state_dir)?;
+        let store = crate::checkpoint::CheckpointStore::open_with(&state_dir, &kept)?;
         let clock = std::time::Instant::now();
         store.materialize(&src, turn, &rootfs)?;
         let rootfs_ms = ms(clock);
         let clock = std::time::Instant::now();
+        // Beside the kept copy, so that it is linked, not copied.
+        let dest = store.restore_path(&new)?;
         let _ = std::fs::remove_dir_all(&dest);
         let images = store.restore_images_report(&src, turn, &dest)?;
         let images_ms = ms(clock);
@@ -617,12 +620,12 @@ async fn prepare_restore(
             chunks = images.map_or(0, |(_, r)| r.chunks),
             chunks_read = images.map_or(0, |(_, r)| r.chunks_read),
             "restoring from checkpoint");
-        Ok::<_, crate::checkpoint::CheckpointError>(images)
+        Ok::<_, crate::checkpoint::CheckpointError>(images.map(|_| dest))
     })
     .await
     .map_err(|e| failed(&e))?
     .map_err(|e| failed(&e))?;
-    Ok(restored.map(|_| images_dir))
+    Ok(restored)
 }
 
 async fn copy_dir(from: &Path, to: &Path) -> Result<(), ShimError> {
