@@ -1103,6 +1103,7 @@ fn kept_copies_live_beside_the_dumps_in_a_directory_of_their_own() {
     let store = CheckpointStore::open_with(&sb.state, &kept).unwrap();
     let link = fs::read_link(sb.state.join("assembled")).expect("assembled is a link");
     assert!(link.starts_with(shm.path().join("kept")), "{}", link.display());
+    assert_eq!(fs::metadata(&link).unwrap().mode() & 0o777, 0o700, "root's alone");
     // Opening it again with the same settings leaves the link as it is.
     drop(CheckpointStore::open_with(&sb.state, &kept).unwrap());
     assert_eq!(fs::read_link(sb.state.join("assembled")).unwrap(), link);

@@ -364,6 +364,11 @@ impl CheckpointStore {
             let key = Digest::of(absolute.as_os_str().as_encoded_bytes()).to_hex();
             let target = dir.join(&key[..16]);
             fs::create_dir_all(&target).io_ctx("create", &target)?;
+            // Sandboxes' memory: root's alone, as the store is.
+            {
+                use std::os::unix::fs::PermissionsExt;
+                fs::set_permissions(&target, fs::Permissions::from_mode(0o700)).io_ctx("chmod", &target)?;
+            }
             if fs::read_link(&store.assembled).ok().as_deref() != Some(target.as_path()) {
                 // Replaced by a rename, so that a concurrent open sees the old entry or the new
                 // link, never neither.
