@@ -601,15 +601,24 @@ async fn prepare_restore(
     };
     let restored = tokio::task::spawn_blocking(move || {
         let store = crate::checkpoint::CheckpointStore::open_with(&state_dir, &kept)?;
-        let clock = std::time::Instant::now();
-        store.materialize(&src, turn, &rootfs)?;
-        let rootfs_ms = ms(clock);
-        let clock = std::time::Instant::now();
-        // Beside the kept copy, so that it is linked, not copied.
-        let dest = store.restore_path(&new)?;
-        let _ = std::fs::remove_dir_all(&dest);
-        let images = store.restore_images_report(&src, turn, &dest)?;
-        let images_ms = ms(clock);
+        // The rootfs and the CRIU images are independent: both are put together at once.
+        let (rootfs_done, images) = std::thread::scope(|scope| {
+            let rootfs_job = scope.spawn(|| {
+                let clock = std::time::Instant::now();
+                store.materialize(&src, turn, &rootfs).map(|_| ms(clock))
+            });
+            let clock = std::time::Instant::now();
+            // Beside the kept copy, so that it is linked, not copied.
+            let images = store.restore_path(&new).and_then(|dest| {
+                let _ = std::fs::remove_dir_all(&dest);
+                store.restore_images_report(&src, turn, &dest).map(|report| (report, dest))
+            });
+            let images_ms = ms(clock);
+            let rootfs_done = rootfs_job.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            (rootfs_done, images.map(|(report, dest)| (report, dest, images_ms)))
+        });
+        let rootfs_ms = rootfs_done?;
+        let (images, dest, images_ms) = images?;
         let clock = std::time::Instant::now();
         if src != new {
             store.fork(&src, turn, &new)?;
