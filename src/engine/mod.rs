@@ -781,7 +781,12 @@ impl SandboxEngine {
             let _ = tokio::fs::remove_dir_all(self.work_dir.join(format!("dump-{turn}-work"))).await;
         }
         let report = match report {
-            Ok(crate::checkpoint::WrittenOut::Published(r)) => r,
+            Ok(crate::checkpoint::WrittenOut::Published { report, ungated }) => {
+                if let Some(reason) = ungated {
+                    record.reasons.push(format!("written without the node's bandwidth grant: {reason}"));
+                }
+                report
+            }
             Ok(crate::checkpoint::WrittenOut::Superseded { by_turn }) => {
                 record.superseded_by = Some(by_turn);
                 record.reasons.push(format!(
