@@ -805,6 +805,12 @@ async fn a_stopped_crabd_costs_each_request_its_bound_and_nothing_hangs() {
     let acquired = CommitGate::acquire(&client, "sandbox-s", MIB, CommitKind::Fs, 2, false).await;
     assert!(started.elapsed() < max_wait + slack, "acquire took {:?}", started.elapsed());
     assert!(matches!(&acquired, crab::node::Acquired::Ungated { reason, .. } if reason.contains("max_wait")), "{acquired:?}");
+    // The next write-out does not wait the bound again.
+    let started = Instant::now();
+    let acquired = CommitGate::acquire(&client, "sandbox-s", MIB, CommitKind::Fs, 3, false).await;
+    assert!(started.elapsed() < Duration::from_millis(100), "second acquire took {:?}", started.elapsed());
+    assert!(matches!(&acquired, crab::node::Acquired::Ungated { reason, .. } if reason.contains("not asked again")), "{acquired:?}");
+    let ungated_since = Instant::now();
     let started = Instant::now();
     CommitGate::process_captured(&client, "sandbox-s", 2).await;
     assert!(started.elapsed() < timeout + slack, "process_captured took {:?}", started.elapsed());
@@ -824,7 +830,9 @@ async fn a_stopped_crabd_costs_each_request_its_bound_and_nothing_hangs() {
     assert!(late_turn.lost_events >= 1, "records before the late watch are lost: {late_turn:?}");
     let turn = client.drain("sandbox-s", monotonic_now_ns()).await.unwrap();
     assert_eq!(turn.lost_events, 0, "{turn:?}");
-    let acquired = CommitGate::acquire(&client, "sandbox-s", MIB, CommitKind::Fs, 3, false).await;
+    // Once the bound has passed, commits ask crabd again.
+    tokio::time::sleep(max_wait.saturating_sub(ungated_since.elapsed())).await;
+    let acquired = CommitGate::acquire(&client, "sandbox-s", MIB, CommitKind::Fs, 4, false).await;
     assert!(matches!(acquired, crab::node::Acquired::Granted { .. }), "{acquired:?}");
     for child in [&mut init, &mut late_init] {
         let _ = child.kill();

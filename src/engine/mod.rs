@@ -767,10 +767,13 @@ impl SandboxEngine {
             })
             .await;
         record.capture_ms += staging.elapsed().as_secs_f64() * 1e3;
+        // The turn's state is captured: the next turn may run while this one is written out
+        // (and before crabd hears of the capture: a crabd that does not answer costs the
+        // next turn nothing).
+        slot.captured();
         if images.is_some() && staged.is_ok() {
             slot.process_captured(self.ctx.commit_gate.as_deref(), &self.container).await;
         }
-        // The turn's state is captured: the next turn may run while this one is written out.
         slot.previous_written().await;
         let report = match staged {
             Ok(staged) => slot.write_out(&self.ctx.store, self.ctx.commit_gate.clone(), &self.container, staged).await,

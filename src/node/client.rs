@@ -71,6 +71,11 @@ impl ClientOptions {
     }
 }
 
+/// How long a started crabd may leave the socket absent or refusing before
+/// another is started (it loads the inspector in well under a second, more
+/// under load: the one that holds the lock makes later ones exit at once).
+const RESPAWN_AFTER: Duration = Duration::from_millis(1000);
+
 /// A greeted connection to one crabd instance.
 struct Connection {
     stream: UnixStream,
@@ -184,6 +189,9 @@ pub struct NodeClient {
     chunk_bytes: AtomicU64,
     /// The identity of the last crabd of another build met, logged once.
     incompatible_seen: Mutex<Option<String>>,
+    /// Until then acquires go ahead at once: crabd granted nothing within
+    /// `max_wait` a moment ago, and each write-out would wait that long again.
+    ungated_until: Mutex<Option<(Instant, String)>>,
 }
 
 impl NodeClient {
@@ -197,6 +205,7 @@ impl NodeClient {
             gaps: Mutex::new(HashSet::new()),
             chunk_bytes: AtomicU64::new(DEFAULT_CHUNK_BYTES),
             incompatible_seen: Mutex::new(None),
+            ungated_until: Mutex::new(None),
         };
         {
             let mut control = client.control.lock().await;
@@ -279,10 +288,22 @@ impl NodeClient {
         }
         spawn_crabd(&self.options)?;
         let deadline = Instant::now() + self.options.spawn_wait;
+        let mut spawned = Instant::now();
         loop {
             match Connection::open(socket, self.options.timeout).await {
                 Ok(connection) => return Ok(connection),
                 Err(e) if Instant::now() >= deadline => return Err(e),
+                // The crabd started exits at once when it finds the lock held, and a crabd
+                // that was just killed holds it while the kernel tears it down (its BPF
+                // programs and links): seen for a second under load, with every shim's
+                // crabd gone and nobody serving. Start another while nobody listens.
+                Err(NodeError::Connect { source, .. })
+                    if spawned.elapsed() >= RESPAWN_AFTER
+                        && matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) =>
+                {
+                    spawn_crabd(&self.options)?;
+                    spawned = Instant::now();
+                }
                 Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
             }
         }
@@ -477,9 +498,14 @@ impl CommitGate for NodeClient {
         let started = Instant::now();
         let request = Request::Acquire { sandbox: sandbox.into(), bytes, kind, turn, supersedable };
         let waited_ms = || started.elapsed().as_secs_f64() * 1e3;
+        let recent_expiry = self.ungated_until.lock().expect("ungated lock").clone().filter(|(until, _)| Instant::now() < *until);
+        if let Some((_, reason)) = recent_expiry {
+            return Acquired::Ungated { waited_ms: 0.0, reason: format!("{reason} (a moment ago: not asked again)") };
+        }
         match tokio::time::timeout(self.options.max_wait, self.acquire_request(request)).await {
             Ok(Ok(acquired)) => {
                 tracing::debug!(sandbox, turn, bytes, ?acquired, "commit bandwidth answered");
+                *self.ungated_until.lock().expect("ungated lock") = None;
                 acquired
             }
             Ok(Err(error)) => {
@@ -489,10 +515,12 @@ impl CommitGate for NodeClient {
             Err(_) => {
                 let max_wait_ms = self.options.max_wait.as_millis() as u64;
                 tracing::warn!(sandbox, turn, bytes, max_wait_ms, "no bandwidth grant in time: writing anyway");
-                Acquired::Ungated {
-                    waited_ms: waited_ms(),
-                    reason: format!("no grant from crabd at {} within node.max_wait_ms = {max_wait_ms}", self.options.socket.display()),
-                }
+                let reason = format!("no grant from crabd at {} within node.max_wait_ms = {max_wait_ms}", self.options.socket.display());
+                // A crabd that stopped answering would cost every write-out the whole bound:
+                // for as long again the next ones go ahead at once (a grant to an acquire
+                // already under way ends that early).
+                *self.ungated_until.lock().expect("ungated lock") = Some((Instant::now() + self.options.max_wait, reason.clone()));
+                Acquired::Ungated { waited_ms: waited_ms(), reason }
             }
         }
     }
