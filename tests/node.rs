@@ -712,8 +712,9 @@ fn fake_crabd(dir: &Path, reply: Reply) -> (PathBuf, std::sync::Arc<std::sync::a
             }
             let mut body = vec![0u8; u32::from_be_bytes(header) as usize];
             if stream.read_exact(&mut body).is_ok() && serde_json::from_slice::<Request>(&body).is_ok() {
-                let _ = stream.write_all(&frame(&reply));
+                // Counted before answering: the client may be done as soon as it reads the reply.
                 counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let _ = stream.write_all(&frame(&reply));
             }
         }
     });
