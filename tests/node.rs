@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crab::engine::{CommitGate, EffectSource};
 use crab::inspector::{EffectKind, cgroup_id_of_dir, cgroup2_mount, monotonic_now_ns};
 use crab::node::protocol::{self, Reply, Request};
-use crab::node::{ClientOptions, CommitKind, NodeClient, PROTOCOL_VERSION};
+use crab::node::{ClientOptions, CommitKind, NodeClient, NodeError, PROTOCOL_VERSION, compat_identity};
 
 const CRABD: &str = env!("CARGO_BIN_EXE_crabd");
 
@@ -95,10 +95,14 @@ fn connect(socket: &Path) -> UnixStream {
     stream
 }
 
+fn this_builds_hello() -> Request {
+    Request::Hello { version: PROTOCOL_VERSION, identity: Some(compat_identity()) }
+}
+
 fn hello(socket: &Path) -> std::io::Result<UnixStream> {
     let mut stream = UnixStream::connect(socket)?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    stream.write_all(&frame(&Request::Hello { version: PROTOCOL_VERSION }))?;
+    stream.write_all(&frame(&this_builds_hello()))?;
     match read_reply(&mut stream) {
         Some(Reply::Hello { version, .. }) if version == PROTOCOL_VERSION => Ok(stream),
         other => Err(std::io::Error::other(format!("hello answered {other:?}"))),
@@ -165,9 +169,17 @@ fn bad_frames_get_an_error_and_a_closed_connection_and_crabd_stays_up() {
     crabd.assert_alive();
 
     // An unknown version: told what is supported, then closed.
-    let replies = replies_to(&socket, &frame(&Request::Hello { version: 99 }), false);
-    assert_eq!(replies, vec![Reply::Unsupported { supported: vec![PROTOCOL_VERSION] }]);
+    let replies = replies_to(&socket, &frame(&Request::Hello { version: 99, identity: Some(compat_identity()) }), false);
+    assert_eq!(replies, vec![Reply::Unsupported { supported: vec![PROTOCOL_VERSION], identity: Some(compat_identity()) }]);
     crabd.assert_alive();
+
+    // This version with another build's identity (another BPF record layout), or none: the same.
+    let other_build = format!("v{PROTOCOL_VERSION}+00000000deadbeef");
+    for identity in [Some(other_build), None] {
+        let replies = replies_to(&socket, &frame(&Request::Hello { version: PROTOCOL_VERSION, identity }), false);
+        assert_eq!(replies, vec![Reply::Unsupported { supported: vec![PROTOCOL_VERSION], identity: Some(compat_identity()) }]);
+        crabd.assert_alive();
+    }
 
     // Anything before hello.
     assert!(error_message(&replies_to(&socket, &frame(&Request::Status), false)).contains("before hello"));
@@ -213,7 +225,7 @@ fn connect_as_nobody(socket: &Path, how: Nobody) -> (i32, Vec<u8>) {
     for (dst, src) in addr.sun_path.iter_mut().zip(path) {
         *dst = *src as libc::c_char;
     }
-    let hello = frame(&Request::Hello { version: PROTOCOL_VERSION });
+    let hello = frame(&this_builds_hello());
     let mut pipe = [0; 2];
     // SAFETY: pipe writes two descriptors into the array.
     assert_eq!(unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
@@ -542,11 +554,11 @@ async fn acquire_draws_chunks_supersedes_cancels_and_a_missing_crabd_does_not_bl
     let text = crab::node::render_status(&status_now);
     assert!(text.contains("SANDBOX") && text.contains("yes") && text.contains("SUPERSEDED"), "{text}");
 
-    // With crabd gone, a commit goes ahead at once instead of waiting.
+    // With crabd gone, a commit goes ahead at once instead of waiting, and says why.
     drop(crabd);
     let started = Instant::now();
     let acquired = CommitGate::acquire(&client, "a", 10 * MIB, CommitKind::Fs, 3, false).await;
-    assert!(matches!(acquired, crab::node::Acquired::Granted { .. }), "{acquired:?}");
+    assert!(matches!(&acquired, crab::node::Acquired::Ungated { reason, .. } if reason.contains("crabd unavailable")), "{acquired:?}");
     assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
 }
 
@@ -680,5 +692,161 @@ async fn bench_sixteen_sandboxes_with_and_without_the_bucket() {
             let bound = (burst_mib + rate_mib) as f64 * MIB as f64 + 16.0 * MIB as f64;
             assert!(peak <= bound, "peak {:.1} MiB/s above the bucket's bound", peak / MIB as f64);
         }
+    }
+}
+
+/// A stand-in crabd that answers every hello with `reply` (for peers of other builds: a real
+/// crabd of this build always announces this build's identity). Returns the socket and how
+/// many hellos it answered.
+fn fake_crabd(dir: &Path, reply: Reply) -> (PathBuf, std::sync::Arc<std::sync::atomic::AtomicU32>) {
+    let socket = dir.join("fake.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let answered = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let counter = answered.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let mut header = [0u8; 4];
+            if stream.read_exact(&mut header).is_err() {
+                continue;
+            }
+            let mut body = vec![0u8; u32::from_be_bytes(header) as usize];
+            if stream.read_exact(&mut body).is_ok() && serde_json::from_slice::<Request>(&body).is_ok() {
+                // Counted before answering: the client may be done as soon as it reads the reply.
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let _ = stream.write_all(&frame(&reply));
+            }
+        }
+    });
+    (socket, answered)
+}
+
+/// A crabd announcing another build's identity (another BPF record layout or wire format) is
+/// refused with an error that names both identities, at once and without starting another
+/// crabd; so is one too old to announce any, and one that refuses this build's hello. Against
+/// it a commit goes ahead without a grant, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crabd_of_another_identity_is_refused_with_both_identities_named() {
+    let ours = compat_identity();
+    let other = format!("v{PROTOCOL_VERSION}+00000000deadbeef");
+    let hello_of = |identity: Option<String>| Reply::Hello {
+        version: PROTOCOL_VERSION,
+        identity,
+        instance: "other-build".into(),
+        pid: 4242,
+        chunk_bytes: Some(1 << 20),
+    };
+    let cases = [
+        (hello_of(Some(other.clone())), other.clone()),
+        (hello_of(None), "none (protocol 2, a build older than identities)".to_string()),
+        (Reply::Unsupported { supported: vec![PROTOCOL_VERSION], identity: Some(other.clone()) }, other.clone()),
+        // A crabd of protocol 1 rejects the unknown identity field of this hello.
+        (Reply::Error { message: "malformed message: unknown field `identity`, expected `version`".into() },
+            "none (a build older than identities)".to_string()),
+    ];
+    for (reply, theirs) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let (socket, answered) = fake_crabd(dir.path(), reply.clone());
+        // Allowed to start crabd: a crabd that answers is not absent, so none is started.
+        let options = ClientOptions { spawn: true, ..client_options(&socket) };
+        let started = Instant::now();
+        let error = match NodeClient::connect(options).await {
+            Err(error) => error,
+            Ok(_) => panic!("connected to a crabd answering {reply:?}"),
+        };
+        assert!(started.elapsed() < Duration::from_secs(2), "refused after {:?}", started.elapsed());
+        match &error {
+            NodeError::Incompatible { ours: o, theirs: t, .. } => assert_eq!((o, t), (&ours, &theirs)),
+            other => panic!("{reply:?} gave {other:?}"),
+        }
+        let message = error.to_string();
+        assert!(message.contains(&ours) && message.contains(&theirs) && message.contains("another build"), "{message}");
+        assert_eq!(answered.load(std::sync::atomic::Ordering::SeqCst), 1, "one hello, no retries");
+        assert!(socket.exists(), "the socket is the fake's, not replaced by a started crabd");
+        // crabctl node says the same.
+        let status = crab::node::status_report(&socket).await.unwrap_err().to_string();
+        assert!(status.contains(&ours) && status.contains(&theirs), "{status}");
+    }
+}
+
+/// A crabd that stops answering (SIGSTOP) mid-run: every request of the client still ends
+/// within its bound (watch and drain within `timeout`, an acquire within `max_wait`, going
+/// ahead ungranted), the drain cut off is reported as a gap, and once crabd answers again the
+/// client uses it again and watches what it could not watch meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_crabd_costs_each_request_its_bound_and_nothing_hangs() {
+    const MIB: u64 = 1 << 20;
+    let crabd = Crabd::start("stopped", &["--rate-mib-per-s", "64", "--burst-mib", "8"]);
+    let cgroup = TestCgroup::new("stopped");
+    let mut init = cgroup.spawn("sleep 600");
+    let late = TestCgroup::new("stopped-late");
+    let mut late_init = late.spawn("sleep 600");
+    let timeout = Duration::from_millis(800);
+    let max_wait = Duration::from_millis(1500);
+    let options = ClientOptions { timeout, max_wait, ..client_options(&crabd.socket) };
+    let client = NodeClient::connect(options).await.unwrap();
+    client.watch("sandbox-s", cgroup.id, init.id()).await.unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    cgroup.run(&format!("echo 1 > {}", scratch.path().join("before").display()));
+    assert_eq!(client.drain("sandbox-s", monotonic_now_ns()).await.unwrap().lost_events, 0);
+
+    // SAFETY: kill(2) of the crabd this test started.
+    assert_eq!(unsafe { libc::kill(crabd.pid() as i32, libc::SIGSTOP) }, 0);
+    let resume = ScopedSigcont(crabd.pid());
+    let slack = Duration::from_millis(500);
+    let started = Instant::now();
+    let drained = client.drain("sandbox-s", monotonic_now_ns()).await;
+    assert!(started.elapsed() < timeout + slack, "drain took {:?}", started.elapsed());
+    let error = drained.unwrap_err();
+    assert!(error.contains("did not answer within 800 ms"), "{error}");
+    let started = Instant::now();
+    assert!(client.watch("sandbox-late", late.id, late_init.id()).await.is_err());
+    assert!(started.elapsed() < timeout + slack, "watch took {:?}", started.elapsed());
+    let started = Instant::now();
+    let acquired = CommitGate::acquire(&client, "sandbox-s", MIB, CommitKind::Fs, 2, false).await;
+    assert!(started.elapsed() < max_wait + slack, "acquire took {:?}", started.elapsed());
+    assert!(matches!(&acquired, crab::node::Acquired::Ungated { reason, .. } if reason.contains("max_wait")), "{acquired:?}");
+    // The next write-out does not wait the bound again.
+    let started = Instant::now();
+    let acquired = CommitGate::acquire(&client, "sandbox-s", MIB, CommitKind::Fs, 3, false).await;
+    assert!(started.elapsed() < Duration::from_millis(100), "second acquire took {:?}", started.elapsed());
+    assert!(matches!(&acquired, crab::node::Acquired::Ungated { reason, .. } if reason.contains("not asked again")), "{acquired:?}");
+    let ungated_since = Instant::now();
+    let started = Instant::now();
+    CommitGate::process_captured(&client, "sandbox-s", 2).await;
+    assert!(started.elapsed() < timeout + slack, "process_captured took {:?}", started.elapsed());
+
+    // crabd answers again: the same instance, so no restart, but the drain cut off may have
+    // taken effects (a gap), and the watch that timed out is sent again.
+    drop(resume);
+    let after = scratch.path().join("after");
+    cgroup.run(&format!("echo 3 > {}", after.display()));
+    let turn = client.drain("sandbox-s", monotonic_now_ns()).await.expect("crabd answers again");
+    assert!(turn.lost_events >= 1, "the drain cut off is a gap: {turn:?}");
+    assert!(opened(&turn.effects, &after), "{:?}", turn.effects);
+    let mut watched = status_watched(&crabd.socket);
+    watched.sort();
+    assert_eq!(watched, vec!["sandbox-late", "sandbox-s"], "the watch that timed out was sent again");
+    let late_turn = client.drain("sandbox-late", monotonic_now_ns()).await.unwrap();
+    assert!(late_turn.lost_events >= 1, "records before the late watch are lost: {late_turn:?}");
+    let turn = client.drain("sandbox-s", monotonic_now_ns()).await.unwrap();
+    assert_eq!(turn.lost_events, 0, "{turn:?}");
+    // Once the bound has passed, commits ask crabd again.
+    tokio::time::sleep(max_wait.saturating_sub(ungated_since.elapsed())).await;
+    let acquired = CommitGate::acquire(&client, "sandbox-s", MIB, CommitKind::Fs, 4, false).await;
+    assert!(matches!(acquired, crab::node::Acquired::Granted { .. }), "{acquired:?}");
+    for child in [&mut init, &mut late_init] {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+/// Continues a stopped process on drop (a failed assertion must not leave crabd stopped).
+struct ScopedSigcont(u32);
+
+impl Drop for ScopedSigcont {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) of the crabd this test stopped.
+        unsafe { libc::kill(self.0 as i32, libc::SIGCONT) };
     }
 }

@@ -310,6 +310,18 @@ pub(crate) fn valid_container_id(id: &str) -> Result<()> {
     }
 }
 
+/// Draws `bytes` from `tokens` in pieces of at most its chunk (nothing to draw when it paces nothing).
+fn draw_in_chunks(tokens: &mut dyn WriteTokens, bytes: u64) -> Result<()> {
+    let Some(chunk) = tokens.chunk_bytes() else { return Ok(()) };
+    let mut left = bytes;
+    while left > 0 {
+        let piece = left.min(chunk.max(1));
+        tokens.draw(piece)?;
+        left -= piece;
+    }
+    Ok(())
+}
+
 fn now_unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -736,8 +748,8 @@ impl CheckpointStore {
         self.publish_paced(staged, &mut Unlimited)
     }
 
-    /// [`publish`](Self::publish) with the new blob bytes drawn from `tokens` chunk by chunk as
-    /// they go to the disk (manifest and HEAD, a few KiB, are not drawn).
+    /// [`publish`](Self::publish) with the new blob bytes and then the manifest drawn from
+    /// `tokens` chunk by chunk as they go to the disk (only HEAD, under 100 bytes, is not drawn).
     pub fn publish_paced(&self, staged: StagedTurn, tokens: &mut dyn WriteTokens) -> Result<CommitReport> {
         let StagedTurn {
             container,
@@ -785,6 +797,9 @@ impl CheckpointStore {
             images,
         };
         let (id, bytes) = seal(&manifest, "manifest")?;
+        // A process turn's manifest lists every chunk of its images (tens of KiB): it is
+        // checkpoint bytes like the blobs.
+        draw_in_chunks(tokens, bytes.len() as u64)?;
         publish_file(
             &self.blobs.tmp_path("manifest"),
             &self.manifest_path(&id),

@@ -199,10 +199,12 @@ impl TurnSlot {
         staged: StagedTurn,
     ) -> Result<WrittenOut> {
         let with_processes = staged.class() == TurnClass::Proc;
+        let mut ungated = None;
         let report = match gate {
             None => store.run_blocking(move |store| store.publish(staged)).await?,
             Some(gate) => {
                 let superseded = Arc::new(OnceLock::new());
+                let ungated_because = Arc::new(OnceLock::new());
                 let mut tokens = GateTokens {
                     chunk: gate.chunk_bytes().max(1),
                     gate,
@@ -211,8 +213,11 @@ impl TurnSlot {
                     turn: self.turn,
                     kind: if with_processes { CommitKind::Proc } else { CommitKind::Fs },
                     superseded: Arc::clone(&superseded),
+                    ungated: Arc::clone(&ungated_because),
                 };
-                match store.run_blocking(move |store| store.publish_paced(staged, &mut tokens)).await {
+                let paced = store.run_blocking(move |store| store.publish_paced(staged, &mut tokens)).await;
+                ungated = ungated_because.get().cloned();
+                match paced {
                     Ok(report) => report,
                     Err(CheckpointError::WriteOutStopped(_)) if superseded.get().is_some() => {
                         let by_turn = *superseded.get().expect("checked above");
@@ -224,14 +229,16 @@ impl TurnSlot {
             }
         };
         self.published(with_processes);
-        Ok(WrittenOut::Published(report))
+        Ok(WrittenOut::Published { report, ungated })
     }
 }
 
 /// How a turn's write-out ended.
 #[derive(Debug)]
 pub enum WrittenOut {
-    Published(CommitReport),
+    /// Durable. `ungated`: why some of its bytes went without the node's grant (crabd did not
+    /// grant within the bound, or was unavailable).
+    Published { report: CommitReport, ungated: Option<String> },
     /// Dropped for the newer process checkpoint of turn `by_turn`, which holds this turn's
     /// changes once it is durable.
     Superseded { by_turn: u64 },
@@ -248,6 +255,9 @@ struct GateTokens {
     chunk: u64,
     /// Set when the node dropped this write-out for a newer one.
     superseded: Arc<OnceLock<u64>>,
+    /// Set when a draw went ungranted: the rest of the write-out does not ask again, so a node
+    /// that stopped answering costs one bound per write-out, not one per chunk.
+    ungated: Arc<OnceLock<String>>,
 }
 
 impl WriteTokens for GateTokens {
@@ -256,10 +266,17 @@ impl WriteTokens for GateTokens {
     }
 
     fn draw(&mut self, bytes: u64) -> Result<()> {
+        if self.ungated.get().is_some() {
+            return Ok(());
+        }
         let supersedable = self.kind == CommitKind::Proc;
         let acquired = self.runtime.block_on(self.gate.acquire(&self.sandbox, bytes, self.kind, self.turn, supersedable));
         match acquired {
             Acquired::Granted { .. } => Ok(()),
+            Acquired::Ungated { reason, .. } => {
+                let _ = self.ungated.set(reason);
+                Ok(())
+            }
             Acquired::Superseded { by_turn, .. } => {
                 let _ = self.superseded.set(by_turn);
                 Err(CheckpointError::WriteOutStopped(format!("turn {} superseded by turn {by_turn}", self.turn)))
@@ -458,10 +475,14 @@ mod tests {
         // Turn 2 is not superseded by its own report, and is written in bounded draws.
         let gate_two: Arc<dyn CommitGate> = Arc::new(Ungated(node.clone()));
         let written = two.write_out(&store, Some(gate_two), "c1", staged_two).await.unwrap();
-        let WrittenOut::Published(report) = written else { panic!("turn 2: {written:?}") };
+        let WrittenOut::Published { report, ungated: None } = written else { panic!("turn 2: {written:?}") };
         let draws = node.draws.lock().unwrap().clone();
         assert!(draws.len() >= 5 && draws.iter().all(|(turn, bytes)| *turn == 2 && *bytes <= 8192), "{draws:?}");
-        assert_eq!(draws.iter().map(|d| d.1).sum::<u64>(), report.traffic.written_bytes, "every new byte drawn once");
+        assert_eq!(
+            draws.iter().map(|d| d.1).sum::<u64>(),
+            report.traffic.written_bytes + report.manifest_bytes,
+            "every new byte drawn once, the manifest's too"
+        );
 
         let history = store.history("c1").unwrap();
         assert_eq!(history.iter().map(|c| c.turn).collect::<Vec<_>>(), [2]);
@@ -490,6 +511,69 @@ mod tests {
         async fn process_captured(&self, sandbox: &str, turn: u64) {
             self.0.process_captured(sandbox, turn).await
         }
+    }
+
+    /// A node that stopped answering: every draw ends ungranted after its bound.
+    #[derive(Default)]
+    struct SilentNode {
+        asked: Mutex<u64>,
+    }
+
+    #[async_trait::async_trait]
+    impl CommitGate for SilentNode {
+        fn chunk_bytes(&self) -> u64 {
+            4096
+        }
+
+        async fn acquire(&self, _sandbox: &str, _bytes: u64, _kind: CommitKind, _turn: u64, _supersedable: bool) -> Acquired {
+            *self.asked.lock().unwrap() += 1;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            Acquired::Ungated { waited_ms: 200.0, reason: "no grant within the bound".into() }
+        }
+
+        async fn process_captured(&self, _sandbox: &str, _turn: u64) {}
+    }
+
+    /// A write-out of many chunks against a node that does not answer waits for one bound, not
+    /// one per chunk, is published, and says that it went without a grant.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_silent_node_costs_a_write_out_one_bound_and_the_report_says_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let (state, root, dumps) = (dir.path().join("state"), dir.path().join("root"), dir.path().join("dumps"));
+        for d in [&root, &dumps] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let store = Arc::new(CheckpointStore::open(&state).unwrap());
+        let images = dump_dir(&dumps, 1);
+        write(&root, "a", b"a");
+        let changed = vec![ChangedPath::created("/a")];
+        let staged = {
+            let root = root.clone();
+            store
+                .run_blocking(move |s| {
+                    s.stage_turn(&super::super::chain::TurnInput {
+                        container: "c1",
+                        turn: 1,
+                        rootfs: Some(&root),
+                        changed: &changed,
+                        criu_images: Some(&images),
+                    })
+                })
+                .await
+                .unwrap()
+        };
+        let node = Arc::new(SilentNode::default());
+        let mut pipeline = TurnPipeline::new();
+        let mut one = pipeline.begin(1);
+        one.previous_written().await;
+        let started = std::time::Instant::now();
+        let written = one.write_out(&store, Some(node.clone() as Arc<dyn CommitGate>), "c1", staged).await.unwrap();
+        let WrittenOut::Published { report, ungated: Some(reason) } = written else { panic!("{written:?}") };
+        assert!(report.traffic.written_bytes > 8 * 4096, "many chunks: {}", report.traffic.written_bytes);
+        assert_eq!(*node.asked.lock().unwrap(), 1, "asked once, then written without asking");
+        assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+        assert!(reason.contains("no grant"), "{reason}");
+        assert_eq!(store.head("c1").unwrap().map(|h| h.turn), Some(1));
     }
 
     #[test]

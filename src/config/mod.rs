@@ -97,9 +97,10 @@ pub struct NodeConfig {
     pub burst_mib: u64,
     /// A commit waiting this long goes before every fresher one.
     pub aging_ms: u64,
-    /// Longest a commit waits for bandwidth before it goes ahead anyway.
+    /// Longest a write-out waits for a grant before it goes ahead anyway.
     pub max_wait_ms: u64,
-    /// Bound on each exchange with crabd (connect, watch, drain).
+    /// Bound on each request to crabd (connect, reconnect with the watches,
+    /// watch, drain, unwatch): a turn whose drain timed out is checkpointed in full.
     pub timeout_ms: u64,
 }
 

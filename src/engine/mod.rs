@@ -772,10 +772,13 @@ impl SandboxEngine {
             })
             .await;
         record.capture_ms += staging.elapsed().as_secs_f64() * 1e3;
+        // The turn's state is captured: the next turn may run while this one is written out
+        // (and before crabd hears of the capture: a crabd that does not answer costs the
+        // next turn nothing).
+        slot.captured();
         if images.is_some() && staged.is_ok() {
             slot.process_captured(self.ctx.commit_gate.as_deref(), &self.container).await;
         }
-        // The turn's state is captured: the next turn may run while this one is written out.
         slot.previous_written().await;
         let report = match staged {
             Ok(staged) => slot.write_out(&self.ctx.store, self.ctx.commit_gate.clone(), &self.container, staged).await,
@@ -786,7 +789,12 @@ impl SandboxEngine {
             let _ = tokio::fs::remove_dir_all(self.work_dir.join(format!("dump-{turn}-work"))).await;
         }
         let report = match report {
-            Ok(crate::checkpoint::WrittenOut::Published(r)) => r,
+            Ok(crate::checkpoint::WrittenOut::Published { report, ungated }) => {
+                if let Some(reason) = ungated {
+                    record.reasons.push(format!("written without the node's bandwidth grant: {reason}"));
+                }
+                report
+            }
             Ok(crate::checkpoint::WrittenOut::Superseded { by_turn }) => {
                 record.superseded_by = Some(by_turn);
                 record.reasons.push(format!(

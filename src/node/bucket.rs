@@ -39,17 +39,9 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
 
-/// What a commit writes: it decides the commit's place in the queue.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CommitKind {
-    /// A file-system delta.
-    Fs,
-    /// A process checkpoint (CRIU images, plus the file-system delta).
-    Proc,
-}
+/// On the wire (see [`super::protocol`], whose digest names the build's compatibility).
+pub use super::protocol::CommitKind;
 
 /// Default size of the chunks a commit draws: large enough that a 100 MiB
 /// dump is a few dozen grants, small enough that a delta queued behind a

@@ -8,6 +8,13 @@
 //! instance id has forgotten every watch and every effect not yet drained:
 //! the client watches its containers again and the next drain of each reports
 //! at least one lost record, so that turn escalates instead of looking clean.
+//!
+//! No wait on crabd is unbounded: a request on the control connection (with
+//! the reconnect and the watches it may take) ends within `timeout`, an
+//! acquire within `max_wait`; a crabd that stops answering costs a turn that
+//! bound, and the turn says why (escalated, or written without a grant). A
+//! crabd of another build (another [`protocol::compat_identity`]) is never
+//! used: the hello fails with [`NodeError::Incompatible`], naming both.
 
 use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::DirBuilderExt;
@@ -21,7 +28,7 @@ use tokio::net::UnixStream;
 
 use super::NodeError;
 use super::bucket::{CommitKind, DEFAULT_CHUNK_BYTES};
-use super::protocol::{self, MAX_REPLY_BYTES, PROTOCOL_VERSION, ProtocolError, Reply, Request};
+use super::protocol::{self, MAX_REPLY_BYTES, PROTOCOL_VERSION, ProtocolError, Reply, Request, compat_identity};
 use crate::engine::{CommitGate, EffectSource};
 use crate::inspector::{Effect, TurnEffects};
 
@@ -34,7 +41,8 @@ pub struct ClientOptions {
     pub crabd_binary: Option<PathBuf>,
     /// Arguments for a started crabd beyond `--socket` (the bucket settings).
     pub crabd_args: Vec<String>,
-    /// Bound on connecting plus hello, and on each reply.
+    /// Bound on each request to crabd: connecting, hello, reconnecting with
+    /// its watches, and the reply.
     pub timeout: Duration,
     /// How long a started crabd may take to load the inspector and listen.
     pub spawn_wait: Duration,
@@ -63,6 +71,11 @@ impl ClientOptions {
     }
 }
 
+/// How long a started crabd may leave the socket absent or refusing before
+/// another is started (it loads the inspector in well under a second, more
+/// under load: the one that holds the lock makes later ones exit at once).
+const RESPAWN_AFTER: Duration = Duration::from_millis(1000);
+
 /// A greeted connection to one crabd instance.
 struct Connection {
     stream: UnixStream,
@@ -77,13 +90,10 @@ impl Connection {
             let mut stream = UnixStream::connect(socket)
                 .await
                 .map_err(|source| NodeError::Connect { path: socket.into(), source })?;
-            protocol::write_message(&mut stream, &Request::Hello { version: PROTOCOL_VERSION }).await?;
-            match protocol::read_message(&mut stream, MAX_REPLY_BYTES).await? {
-                Reply::Hello { instance, chunk_bytes, .. } => Ok(Self { stream, instance, chunk_bytes }),
-                Reply::Unsupported { supported } => Err(NodeError::Unsupported { supported }),
-                Reply::Error { message } => Err(NodeError::Remote(message)),
-                other => Err(NodeError::UnexpectedReply { request: "hello", got: other.name().into() }),
-            }
+            let hello = Request::Hello { version: PROTOCOL_VERSION, identity: Some(compat_identity()) };
+            protocol::write_message(&mut stream, &hello).await?;
+            let reply = protocol::read_message(&mut stream, MAX_REPLY_BYTES).await?;
+            check_hello(socket, reply).map(|(instance, chunk_bytes)| Self { stream, instance, chunk_bytes })
         };
         tokio::time::timeout(timeout, attempt)
             .await
@@ -106,10 +116,46 @@ impl Connection {
     }
 }
 
+/// What crabd's answer to this build's hello says: its instance and chunk
+/// when it is of this build's identity, else why not.
+fn check_hello(socket: &Path, reply: Reply) -> Result<(String, Option<u64>), NodeError> {
+    let incompatible = |pid: String, theirs: String| NodeError::Incompatible {
+        path: socket.into(),
+        pid,
+        ours: compat_identity(),
+        theirs,
+    };
+    match reply {
+        Reply::Hello { identity, instance, pid, chunk_bytes, version } => {
+            if protocol::compatible(identity.as_deref()) {
+                Ok((instance, chunk_bytes))
+            } else {
+                let theirs = identity.unwrap_or_else(|| format!("none (protocol {version}, a build older than identities)"));
+                Err(incompatible(format!("pid {pid}"), theirs))
+            }
+        }
+        Reply::Unsupported { supported, identity } => Err(incompatible(
+            "it refused this build's hello".into(),
+            identity.unwrap_or_else(|| format!("none (protocol {supported:?})")),
+        )),
+        // A crabd older than identities does not know the hello's identity field.
+        Reply::Error { message } if message.starts_with("malformed message") => {
+            Err(incompatible(format!("it refused this build's hello: {message}"), "none (a build older than identities)".into()))
+        }
+        Reply::Error { message } => Err(NodeError::Remote(message)),
+        other => Err(NodeError::UnexpectedReply { request: "hello", got: other.name().into() }),
+    }
+}
+
+/// Bound on a one-shot request (`crabctl node`).
+const ONE_SHOT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Connects to `socket` without starting crabd, sends one request and returns its reply.
 pub async fn one_shot(socket: &Path, request: Request) -> Result<Reply, NodeError> {
-    let mut connection = Connection::open(socket, Duration::from_secs(5)).await?;
-    let mut replies = connection.exchange(&request).await?;
+    let mut connection = Connection::open(socket, ONE_SHOT_TIMEOUT).await?;
+    let mut replies = tokio::time::timeout(ONE_SHOT_TIMEOUT, connection.exchange(&request))
+        .await
+        .map_err(|_| NodeError::Timeout { path: socket.into(), after_ms: ONE_SHOT_TIMEOUT.as_millis() as u64 })??;
     match replies.pop() {
         Some(Reply::Error { message }) => Err(NodeError::Remote(message)),
         Some(reply) => Ok(reply),
@@ -133,11 +179,19 @@ pub struct NodeClient {
     options: ClientOptions,
     control: tokio::sync::Mutex<Control>,
     watches: Mutex<HashMap<String, WatchArgs>>,
+    /// Watches crabd may not have taken (the request failed): sent again on
+    /// the next connection, whichever crabd instance it reaches.
+    unconfirmed: Mutex<HashSet<String>>,
     /// Containers whose records may have been lost (crabd restarted, or a
     /// drain broke off): their next drain reports a lost record.
     gaps: Mutex<HashSet<String>>,
     /// The largest draw the crabd last talked to grants at once.
     chunk_bytes: AtomicU64,
+    /// The identity of the last crabd of another build met, logged once.
+    incompatible_seen: Mutex<Option<String>>,
+    /// Until then acquires go ahead at once: crabd granted nothing within
+    /// `max_wait` a moment ago, and each write-out would wait that long again.
+    ungated_until: Mutex<Option<(Instant, String)>>,
 }
 
 impl NodeClient {
@@ -147,12 +201,16 @@ impl NodeClient {
             options,
             control: tokio::sync::Mutex::new(Control { connection: None, instance: None }),
             watches: Mutex::new(HashMap::new()),
+            unconfirmed: Mutex::new(HashSet::new()),
             gaps: Mutex::new(HashSet::new()),
             chunk_bytes: AtomicU64::new(DEFAULT_CHUNK_BYTES),
+            incompatible_seen: Mutex::new(None),
+            ungated_until: Mutex::new(None),
         };
         {
             let mut control = client.control.lock().await;
-            client.reconnect(&mut control).await?;
+            let connection = client.reconnect(&mut control).await?;
+            control.connection = Some(connection);
         }
         Ok(client)
     }
@@ -166,29 +224,49 @@ impl NodeClient {
         self.control.lock().await.instance.clone()
     }
 
-    async fn reconnect(&self, control: &mut Control) -> Result<(), NodeError> {
-        let mut connection = self.open_or_spawn().await?;
+    /// A new control connection; a crabd that restarted meanwhile is given
+    /// every watch again, the same one those it may have missed. The caller
+    /// bounds it (an unfinished reconnect leaves the watches to the next).
+    async fn reconnect(&self, control: &mut Control) -> Result<Connection, NodeError> {
+        let mut connection = self.open_or_spawn().await.inspect_err(|e| self.note_incompatible(e))?;
         self.note_chunk(&connection);
         let restarted = control.instance.as_deref() != Some(connection.instance.as_str());
-        if restarted {
-            let watches: Vec<(String, WatchArgs)> =
-                self.watches.lock().expect("watches lock").iter().map(|(c, w)| (c.clone(), *w)).collect();
+        let again: Vec<String> = if restarted {
+            let all: Vec<String> = self.watches.lock().expect("watches lock").keys().cloned().collect();
             if control.instance.is_some() {
-                tracing::warn!(instance = %connection.instance, containers = watches.len(),
+                tracing::warn!(instance = %connection.instance, containers = all.len(),
                     "crabd restarted: watching again; records of the meantime are lost");
             }
-            for (container, watch) in watches {
-                self.gaps.lock().expect("gaps lock").insert(container.clone());
-                let request = Request::Watch { container: container.clone(), cgroup_id: watch.cgroup_id, root_pid: watch.root_pid };
-                match connection.exchange(&request).await?.pop() {
-                    Some(Reply::Ok) => {}
-                    other => tracing::error!(%container, reply = ?other.map(|r| r.name()), "crabd did not watch the container again"),
+            all
+        } else {
+            self.unconfirmed.lock().expect("unconfirmed lock").iter().cloned().collect()
+        };
+        for container in again {
+            let Some(watch) = self.watches.lock().expect("watches lock").get(&container).copied() else { continue };
+            // Records from before the watch are gone.
+            self.gaps.lock().expect("gaps lock").insert(container.clone());
+            let request = Request::Watch { container: container.clone(), cgroup_id: watch.cgroup_id, root_pid: watch.root_pid };
+            match connection.exchange(&request).await?.pop() {
+                Some(Reply::Ok) => {
+                    self.unconfirmed.lock().expect("unconfirmed lock").remove(&container);
                 }
+                other => tracing::error!(%container, reply = ?other.map(|r| r.name()), "crabd did not watch the container again"),
             }
-            control.instance = Some(connection.instance.clone());
         }
-        control.connection = Some(connection);
-        Ok(())
+        control.instance = Some(connection.instance.clone());
+        Ok(connection)
+    }
+
+    /// Logs a crabd of another build once per identity: every request fails
+    /// against it the same way.
+    fn note_incompatible(&self, error: &NodeError) {
+        if let NodeError::Incompatible { theirs, .. } = error {
+            let mut seen = self.incompatible_seen.lock().expect("incompatible lock");
+            if seen.as_deref() != Some(theirs.as_str()) {
+                tracing::error!(%error, "crabd of another build: this shim goes on without it");
+                *seen = Some(theirs.clone());
+            }
+        }
     }
 
     fn note_chunk(&self, connection: &Connection) {
@@ -210,44 +288,81 @@ impl NodeClient {
         }
         spawn_crabd(&self.options)?;
         let deadline = Instant::now() + self.options.spawn_wait;
+        let mut spawned = Instant::now();
         loop {
             match Connection::open(socket, self.options.timeout).await {
                 Ok(connection) => return Ok(connection),
                 Err(e) if Instant::now() >= deadline => return Err(e),
+                // The crabd started exits at once when it finds the lock held, and a crabd
+                // that was just killed holds it while the kernel tears it down (its BPF
+                // programs and links): seen for a second under load, with every shim's
+                // crabd gone and nobody serving. Start another while nobody listens.
+                Err(NodeError::Connect { source, .. })
+                    if spawned.elapsed() >= RESPAWN_AFTER
+                        && matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) =>
+                {
+                    spawn_crabd(&self.options)?;
+                    spawned = Instant::now();
+                }
                 Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
             }
         }
     }
 
-    /// One request on the control connection, reconnecting once if it broke.
+    /// One request on the control connection, reconnecting once if it broke;
+    /// over within `timeout` whatever crabd does (waiting for the connection
+    /// another request holds included).
     async fn call(&self, request: Request) -> Result<Vec<Reply>, NodeError> {
+        let bound = self.options.timeout;
+        match tokio::time::timeout(bound, self.call_unbounded(&request)).await {
+            Ok(result) => result,
+            Err(_) => {
+                // The exchange was cut off: its connection went with it (see call_unbounded).
+                let error = NodeError::Timeout { path: self.options.socket.clone(), after_ms: bound.as_millis() as u64 };
+                tracing::warn!(request = request.name(), %error, "crabd did not answer in time");
+                self.after_failed(&request);
+                Err(error)
+            }
+        }
+    }
+
+    /// What a failed request leaves to do: a drain crabd may have taken the
+    /// effects of is a gap; a watch it may not have taken is sent again.
+    fn after_failed(&self, request: &Request) {
+        match request {
+            Request::Drain { container, .. } => {
+                self.gaps.lock().expect("gaps lock").insert(container.clone());
+            }
+            Request::Watch { container, .. } => {
+                self.gaps.lock().expect("gaps lock").insert(container.clone());
+                self.unconfirmed.lock().expect("unconfirmed lock").insert(container.clone());
+            }
+            _ => {}
+        }
+    }
+
+    async fn call_unbounded(&self, request: &Request) -> Result<Vec<Reply>, NodeError> {
         let mut control = self.control.lock().await;
         let mut last_error = None;
         for _ in 0..2 {
-            if control.connection.is_none()
-                && let Err(e) = self.reconnect(&mut control).await
-            {
-                return Err(e);
-            }
-            let connection = control.connection.as_mut().expect("connected above");
-            let exchange = tokio::time::timeout(self.options.timeout, connection.exchange(&request)).await;
-            let error = match exchange {
-                Ok(Ok(replies)) => match replies.last() {
-                    Some(Reply::Error { message }) => return Err(NodeError::Remote(message.clone())),
-                    _ => return Ok(replies),
-                },
-                Ok(Err(e)) => e,
-                Err(_) => NodeError::Timeout {
-                    path: self.options.socket.clone(),
-                    after_ms: self.options.timeout.as_millis() as u64,
-                },
+            // Out of `control` while in use: an exchange cut off by the bound
+            // drops its connection, half-read replies and all.
+            let mut connection = match control.connection.take() {
+                Some(connection) => connection,
+                None => self.reconnect(&mut control).await.inspect_err(|_| self.after_failed(request))?,
+            };
+            let error = match connection.exchange(request).await {
+                Ok(replies) => {
+                    control.connection = Some(connection);
+                    return match replies.last() {
+                        Some(Reply::Error { message }) => Err(NodeError::Remote(message.clone())),
+                        _ => Ok(replies),
+                    };
+                }
+                Err(e) => e,
             };
             tracing::warn!(request = request.name(), %error, "crabd connection lost: reconnecting");
-            control.connection = None;
-            if let Request::Drain { container, .. } = &request {
-                // crabd may have taken the effects out of its log already.
-                self.gaps.lock().expect("gaps lock").insert(container.clone());
-            }
+            self.after_failed(request);
             last_error = Some(error);
         }
         Err(last_error.expect("every attempt failed"))
@@ -262,6 +377,7 @@ impl NodeClient {
             Acquired::Superseded { .. } => {
                 Err(NodeError::UnexpectedReply { request: "acquire", got: "superseded (not asked for)".into() })
             }
+            Acquired::Ungated { .. } => unreachable!("acquire_request grants, supersedes or fails"),
         }
     }
 
@@ -288,7 +404,7 @@ impl NodeClient {
                 tokio::time::sleep(std::time::Duration::from_millis(100 * u64::from(attempt))).await;
             }
             let outcome = async {
-                let mut connection = self.open_or_spawn().await?;
+                let mut connection = self.open_or_spawn().await.inspect_err(|e| self.note_incompatible(e))?;
                 self.note_chunk(&connection);
                 connection.exchange(&request).await
             }
@@ -303,6 +419,8 @@ impl NodeClient {
                         got: other.map_or("nothing", |r| r.name()).into(),
                     });
                 }
+                // Another build's crabd answers the same way every time.
+                Err(error @ NodeError::Incompatible { .. }) => return Err(error),
                 Err(error) => error,
             };
             tracing::warn!(attempt, %error, "acquire: crabd connection lost");
@@ -313,11 +431,14 @@ impl NodeClient {
 }
 
 /// How an acquire ended.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Acquired {
     Granted { waited_ms: f64 },
     /// Dropped for the newer commit of turn `by_turn`: do not write this one.
     Superseded { by_turn: u64, waited_ms: f64 },
+    /// No grant within the bound, or crabd unavailable: the bytes go ahead
+    /// anyway, and `reason` says why (the write-out stops asking).
+    Ungated { waited_ms: f64, reason: String },
 }
 
 #[async_trait::async_trait]
@@ -326,7 +447,18 @@ impl EffectSource for NodeClient {
         // Remembered first: if crabd is away now, the reconnect watches it.
         self.watches.lock().expect("watches lock").insert(container.into(), WatchArgs { cgroup_id, root_pid });
         let request = Request::Watch { container: container.into(), cgroup_id, root_pid };
-        self.call(request).await.map(drop).map_err(|e| e.to_string())
+        match self.call(request).await {
+            Ok(_) => {
+                self.unconfirmed.lock().expect("unconfirmed lock").remove(container);
+                Ok(())
+            }
+            Err(e) => {
+                // A refusal (not a lost connection) is as good as not watched either.
+                self.unconfirmed.lock().expect("unconfirmed lock").insert(container.into());
+                self.gaps.lock().expect("gaps lock").insert(container.into());
+                Err(e.to_string())
+            }
+        }
     }
 
     async fn drain(&self, container: &str, until_ns: u64) -> Result<TurnEffects, String> {
@@ -350,6 +482,7 @@ impl EffectSource for NodeClient {
 
     async fn unwatch(&self, container: &str) -> Result<(), String> {
         self.watches.lock().expect("watches lock").remove(container);
+        self.unconfirmed.lock().expect("unconfirmed lock").remove(container);
         self.gaps.lock().expect("gaps lock").remove(container);
         self.call(Request::Unwatch { container: container.into() }).await.map(drop).map_err(|e| e.to_string())
     }
@@ -365,19 +498,29 @@ impl CommitGate for NodeClient {
         let started = Instant::now();
         let request = Request::Acquire { sandbox: sandbox.into(), bytes, kind, turn, supersedable };
         let waited_ms = || started.elapsed().as_secs_f64() * 1e3;
+        let recent_expiry = self.ungated_until.lock().expect("ungated lock").clone().filter(|(until, _)| Instant::now() < *until);
+        if let Some((_, reason)) = recent_expiry {
+            return Acquired::Ungated { waited_ms: 0.0, reason: format!("{reason} (a moment ago: not asked again)") };
+        }
         match tokio::time::timeout(self.options.max_wait, self.acquire_request(request)).await {
             Ok(Ok(acquired)) => {
                 tracing::debug!(sandbox, turn, bytes, ?acquired, "commit bandwidth answered");
+                *self.ungated_until.lock().expect("ungated lock") = None;
                 acquired
             }
             Ok(Err(error)) => {
                 tracing::warn!(sandbox, turn, bytes, %error, waited_ms = waited_ms(), "crabd unavailable: writing without a bandwidth grant");
-                Acquired::Granted { waited_ms: waited_ms() }
+                Acquired::Ungated { waited_ms: waited_ms(), reason: format!("crabd unavailable: {error}") }
             }
             Err(_) => {
-                tracing::warn!(sandbox, turn, bytes, max_wait_ms = self.options.max_wait.as_millis() as u64,
-                    "no bandwidth grant in time: writing anyway");
-                Acquired::Granted { waited_ms: waited_ms() }
+                let max_wait_ms = self.options.max_wait.as_millis() as u64;
+                tracing::warn!(sandbox, turn, bytes, max_wait_ms, "no bandwidth grant in time: writing anyway");
+                let reason = format!("no grant from crabd at {} within node.max_wait_ms = {max_wait_ms}", self.options.socket.display());
+                // A crabd that stopped answering would cost every write-out the whole bound:
+                // for as long again the next ones go ahead at once (a grant to an acquire
+                // already under way ends that early).
+                *self.ungated_until.lock().expect("ungated lock") = Some((Instant::now() + self.options.max_wait, reason.clone()));
+                Acquired::Ungated { waited_ms: waited_ms(), reason }
             }
         }
     }

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 
 pub use bucket::{BucketConfig, CommitKind, DEFAULT_CHUNK_BYTES};
 pub use client::{Acquired, ClientOptions, NodeClient};
-pub use protocol::{NodeStatus, PROTOCOL_VERSION};
+pub use protocol::{NodeStatus, PROTOCOL_VERSION, compat_identity};
 
 /// Where crabd listens unless configured otherwise. The directory is root's
 /// alone (0700) and no container mounts it.
@@ -37,8 +37,12 @@ pub enum NodeError {
     Timeout { path: PathBuf, after_ms: u64 },
     #[error("crabd protocol: {0}")]
     Protocol(#[from] protocol::ProtocolError),
-    #[error("crabd speaks protocol versions {supported:?}, this client speaks {PROTOCOL_VERSION}")]
-    Unsupported { supported: Vec<u32> },
+    /// A crabd of another build: its records or messages may mean something else.
+    #[error(
+        "crabd at {path} ({pid}) is of another build: its identity is {theirs}, this build's is {ours} \
+         (the wire format or the BPF record layout differ); not using it"
+    )]
+    Incompatible { path: PathBuf, pid: String, ours: String, theirs: String },
     #[error("crabd: {0}")]
     Remote(String),
     #[error("crabd answered {got} to {request}")]
@@ -109,9 +113,10 @@ pub fn render_status(status: &NodeStatus) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "crabd pid {} (protocol {}, up {:.0} s): bucket {:.1} MiB/s, burst {:.1} MiB, chunk {:.1} MiB, {:.1} MiB available",
+        "crabd pid {} (protocol {}, identity {}, up {:.0} s): bucket {:.1} MiB/s, burst {:.1} MiB, chunk {:.1} MiB, {:.1} MiB available",
         status.pid,
         status.version,
+        status.identity,
         status.uptime_s,
         status.bucket.rate_bytes_per_s / MIB,
         status.bucket.burst_bytes as f64 / MIB,

@@ -1,8 +1,11 @@
 //! crabd's wire protocol.
 //!
 //! A frame is a 4-byte big-endian length followed by that many bytes of JSON.
-//! The client speaks first, always with `hello{version}`; crabd answers
-//! `hello{version, instance, pid}` or `unsupported{supported}` and closes.
+//! The client speaks first, always with `hello{version, identity}`; crabd answers
+//! `hello{version, identity, instance, pid}` or `unsupported{supported, identity}` and closes.
+//! The identity ([`compat_identity`]) names the wire format and the BPF record layout of the
+//! build: a shim and a crabd talk only when theirs are equal, and each side checks (a crabd
+//! older than identities refuses the field; its hello carries none).
 //! Then each request gets exactly one reply, except `drain`, whose effects
 //! come in as many `effects` frames as needed (`more: true` on all but the
 //! last), and `acquire`, which may wait: while it waits the client may send
@@ -20,11 +23,36 @@
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::bucket::CommitKind;
 use crate::inspector::Effect;
 
-/// The version this build speaks. Bump it for any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The version this build speaks. Bump it for any incompatible change of the messages; a
+/// change of the records or the effects changes [`WIRE_DIGEST`] by itself.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// Digest (computed by build.rs) of the sources that define the BPF records, their decoding
+/// into effects, and these messages.
+pub const WIRE_DIGEST: &str = env!("CRAB_WIRE_DIGEST");
+
+/// What a shim and a crabd must share to talk: the protocol version and the digest of the
+/// record layout and the wire structs of the build, `v<version>+<digest>`.
+pub fn compat_identity() -> String {
+    format!("v{PROTOCOL_VERSION}+{WIRE_DIGEST}")
+}
+
+/// Whether a peer's hello names this build's identity (None: a peer too old to name one).
+pub fn compatible(theirs: Option<&str>) -> bool {
+    theirs == Some(compat_identity().as_str())
+}
+
+/// What a commit writes: it decides the commit's place in crabd's queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CommitKind {
+    /// A file-system delta.
+    Fs,
+    /// A process checkpoint (CRIU images, plus the file-system delta).
+    Proc,
+}
 
 /// Largest request crabd reads: requests are small; anything bigger is a
 /// confused or hostile peer.
@@ -49,7 +77,12 @@ pub enum ProtocolError {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
-    Hello { version: u32 },
+    /// `identity`: the client's [`compat_identity`] (absent from clients older than identities).
+    Hello {
+        version: u32,
+        #[serde(default)]
+        identity: Option<String>,
+    },
     /// Start recording `container`, whose processes live in cgroup v2 `cgroup_id`.
     Watch { container: String, cgroup_id: u64, root_pid: u32 },
     /// Take the effects of `container` up to `until_ns` (CLOCK_MONOTONIC).
@@ -100,15 +133,23 @@ impl Request {
 pub enum Reply {
     /// `instance` changes whenever crabd restarts: a client that sees a new
     /// one knows its watches and the effects recorded so far are gone.
-    /// `chunk_bytes`: the largest acquire it grants as one draw.
+    /// `chunk_bytes`: the largest acquire it grants as one draw. `identity`: crabd's
+    /// [`compat_identity`] (absent from crabds older than identities).
     Hello {
         version: u32,
+        #[serde(default)]
+        identity: Option<String>,
         instance: String,
         pid: u32,
         #[serde(default)]
         chunk_bytes: Option<u64>,
     },
-    Unsupported { supported: Vec<u32> },
+    /// The client's version or identity is not crabd's (`identity`: crabd's).
+    Unsupported {
+        supported: Vec<u32>,
+        #[serde(default)]
+        identity: Option<String>,
+    },
     Ok,
     Effects { effects: Vec<Effect>, lost_events: u64, more: bool },
     Granted { waited_ms: f64 },
@@ -142,6 +183,9 @@ impl Reply {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeStatus {
     pub version: u32,
+    /// crabd's [`compat_identity`].
+    #[serde(default)]
+    pub identity: String,
     pub pid: u32,
     pub instance: String,
     pub uptime_s: f64,
@@ -306,7 +350,26 @@ mod tests {
         assert_eq!(serde_json::from_str::<Request>(text).unwrap(), Request::ProcessCaptured { sandbox: "s".into(), turn: 5 });
         // The hello of a crabd that does not name its chunk still parses.
         let old_hello = r#"{"reply":"hello","version":1,"instance":"i","pid":7}"#;
-        assert!(matches!(serde_json::from_str(old_hello).unwrap(), Reply::Hello { chunk_bytes: None, .. }));
+        assert!(matches!(serde_json::from_str(old_hello).unwrap(), Reply::Hello { chunk_bytes: None, identity: None, .. }));
+    }
+
+    #[test]
+    fn the_identity_names_the_version_and_the_wire_digest_and_only_it_is_compatible() {
+        let ours = compat_identity();
+        assert_eq!(ours, format!("v{PROTOCOL_VERSION}+{WIRE_DIGEST}"));
+        assert_eq!(WIRE_DIGEST.len(), 16, "{WIRE_DIGEST}");
+        assert!(WIRE_DIGEST.chars().all(|c| c.is_ascii_hexdigit()), "{WIRE_DIGEST}");
+        assert!(compatible(Some(&ours)));
+        assert!(!compatible(None), "a peer that names no identity is of an older build");
+        assert!(!compatible(Some(&format!("v{PROTOCOL_VERSION}+0000000000000000"))), "another record layout");
+        assert!(!compatible(Some(&format!("v{}+{WIRE_DIGEST}", PROTOCOL_VERSION + 1))), "another protocol version");
+        // Hellos carry it both ways; a hello of a client older than identities still parses.
+        let hello = Request::Hello { version: PROTOCOL_VERSION, identity: Some(ours.clone()) };
+        assert_eq!(serde_json::from_slice::<Request>(&encode(&hello).unwrap()[4..]).unwrap(), hello);
+        let old = r#"{"op":"hello","version":1}"#;
+        assert_eq!(serde_json::from_str::<Request>(old).unwrap(), Request::Hello { version: 1, identity: None });
+        let refused = r#"{"reply":"unsupported","supported":[1]}"#;
+        assert_eq!(serde_json::from_str::<Reply>(refused).unwrap(), Reply::Unsupported { supported: vec![1], identity: None });
     }
 
     #[test]

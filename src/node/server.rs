@@ -71,7 +71,7 @@ pub async fn run(options: ServerOptions) -> Result<(), NodeError> {
         started: Instant::now(),
     });
     let listener = bind_private(&options.socket)?;
-    tracing::info!(socket = %options.socket.display(), instance = %node.instance,
+    tracing::info!(socket = %options.socket.display(), instance = %node.instance, identity = %protocol::compat_identity(),
         rate = options.bucket.rate_bytes_per_s, burst = options.bucket.burst_bytes, "crabd serving");
     tokio::spawn(sweep_dead_watches(node.clone()));
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -196,18 +196,22 @@ async fn serve_connection(node: Arc<Node>, stream: UnixStream) {
             }
         };
         let replies = match (greeted, request) {
-            (false, Request::Hello { version }) if version == PROTOCOL_VERSION => {
+            (false, Request::Hello { version, identity }) if version == PROTOCOL_VERSION && protocol::compatible(identity.as_deref()) => {
                 greeted = true;
                 vec![Reply::Hello {
                     version: PROTOCOL_VERSION,
+                    identity: Some(protocol::compat_identity()),
                     instance: node.instance.clone(),
                     pid: std::process::id(),
                     chunk_bytes: Some(node.bandwidth.chunk_bytes()),
                 }]
             }
-            (false, Request::Hello { version }) => {
-                tracing::warn!(version, "client speaks an unsupported protocol version");
-                let _ = protocol::write_message(&mut writer, &Reply::Unsupported { supported: vec![PROTOCOL_VERSION] }).await;
+            (false, Request::Hello { version, identity }) => {
+                // A shim of another build: it reads the refusal and goes on without crabd.
+                tracing::warn!(version, client_identity = identity.as_deref().unwrap_or("none (older than identities)"),
+                    crabd_identity = %protocol::compat_identity(), "refused a client of another build");
+                let reply = Reply::Unsupported { supported: vec![PROTOCOL_VERSION], identity: Some(protocol::compat_identity()) };
+                let _ = protocol::write_message(&mut writer, &reply).await;
                 return;
             }
             (false, other) => {
@@ -345,6 +349,7 @@ impl Node {
         watched.sort_by(|a, b| a.container.cmp(&b.container));
         NodeStatus {
             version: PROTOCOL_VERSION,
+            identity: protocol::compat_identity(),
             pid: std::process::id(),
             instance: self.instance.clone(),
             uptime_s: self.started.elapsed().as_secs_f64(),

@@ -444,7 +444,12 @@ async fn engine_context(
                         Some(client as Arc<dyn crate::engine::CommitGate>))
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "crabd unavailable: loading an inspector in this shim, commits not paced");
+                    if matches!(e, crate::node::NodeError::Incompatible { .. }) {
+                        // Never used: its records or messages may mean something else to this build.
+                        tracing::error!(error = %e, "crabd of another build: loading an inspector in this shim, commits not paced");
+                    } else {
+                        tracing::warn!(error = %e, "crabd unavailable: loading an inspector in this shim, commits not paced");
+                    }
                     let config = crate::inspector::InspectorConfig { ring_buffer_bytes: 4 << 20 };
                     let local = if yielding {
                         crate::inspector::Inspector::start_yielding(config).await
