@@ -81,6 +81,8 @@ fn aggregates_the_synthetic_matrix() {
     assert_eq!(policies["crab"]["checkpoint_bytes"], 800);
     assert!(close(&policies["crab"]["bytes_vs_every_turn"], 700.0 / 7000.0));
     assert!(close(&policies["every-turn"]["bytes_vs_every_turn"], 1.0));
+    assert!(close(&policies["crab"]["bytes_vs_every_turn_in_containerd"], 700.0 / 3500.0));
+    assert_eq!(policies["every-turn"]["checkpoint_exported_bytes"], 3500);
 
     // Run time against off in the same report, fault-free and faulted apart.
     let run_time = &summary["run_time_vs_off"];
@@ -114,11 +116,16 @@ fn aggregates_the_synthetic_matrix() {
     assert!(report.contains("| policy | kill-processes | node-loss | all faults |"), "{report}");
     assert!(report.contains("| crab | 50% (1/2) | 100% (1/1) | **67%** (2/3) |"), "{report}");
     assert!(
-        report.contains("| crab | 67% (2/3) | 8 (0) | 800 B | 0.100x | 0.200 s | 0.400 s | 0.400 s |"),
+        report.contains("| crab | 67% (2/3) | 8 (0) | 800 B | 0 B | 0.100x | 0.200x | 0.200 s | 0.400 s | 0.400 s |"),
+        "{report}"
+    );
+    // every-turn's bytes include its archives outside containerd (half of them in the fixture).
+    assert!(
+        report.contains("| every-turn | 67% (2/3) | 6 (0) | 6.8 KiB | 3.4 KiB | 1.000x | 2.000x |"),
         "{report}"
     );
     assert!(report.contains("| fault-free x1 | crab | 100.5 s | 100.0 s | 1.005x | 1 |"), "{report}");
-    assert!(report.contains("| checkpoint traffic | up to 87% less checkpoint traffic than every-turn | 90.0% less than every-turn (0.100x) |"), "{report}");
+    assert!(report.contains("| checkpoint traffic | up to 87% less checkpoint traffic than every-turn | 90.0% less than every-turn (0.100x); 0.200x its writes into containerd alone |"), "{report}");
     assert!(report.contains("| run time | within 1.9% of fault-free run time | +0.5% vs off (fault-free, think times x1) |"), "{report}");
     assert!(
         report.contains("`c`: image crab.local/missing not found"),

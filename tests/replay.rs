@@ -63,6 +63,8 @@ fn options(traces: Vec<PathBuf>, runtime: &str) -> ReplayOptions {
             containerd_start: Some(format!("bash {}/scripts/containerd start", env!("CARGO_MANIFEST_DIR"))),
             ..Daemons::from_env()
         },
+        checkpoint_dir: std::env::var_os("CRAB_REPLAY_CHECKPOINT_DIR")
+            .map_or_else(|| crab::replay::cli::DEFAULT_CHECKPOINT_DIR.into(), PathBuf::from),
     }
 }
 
@@ -230,27 +232,52 @@ async fn crab_recovers_from_every_fault_kind_and_the_later_turns_match() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_node_loss_every_turn_lost_its_image_and_chat_only_its_state() {
+async fn after_node_loss_every_turn_restores_its_archive_and_chat_only_lost_its_state() {
     let _containerd = CONTAINERD.lock().await;
     let file = trace_file(TRACE);
+    let checkpoints = tempfile::tempdir().unwrap();
     let mut options = options(vec![file.path().to_path_buf()], "io.containerd.crab.v2");
     options.policies = vec![PolicyKind::EveryTurn, PolicyKind::ChatOnly];
     options.faults = vec![FaultKind::NodeLoss];
     options.ref_runs = 1;
+    options.checkpoint_dir = checkpoints.path().to_path_buf();
     let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
     let report = report_for(&reports, FaultKind::NodeLoss);
-    for policy in [PolicyKind::EveryTurn, PolicyKind::ChatOnly] {
-        let run = run_of(&report.runs, policy);
-        let fault = run.fault.as_ref().unwrap();
-        assert_eq!(run.recovered_correctly, Some(false), "{policy}: {fault:?}");
-        assert_eq!(fault.recovery, Some(RecoveryMethod::BaseImage), "{policy}");
-        let keys: Vec<&str> =
-            fault.verdict.as_ref().unwrap().state_differences.iter().map(|d| d.key.as_str()).collect();
-        assert!(keys.contains(&"file:/app/data/a.txt") && keys.contains(&"process:sleep 4321"), "{policy}: {keys:?}");
+
+    let every_turn = run_of(&report.runs, PolicyKind::EveryTurn);
+    let fault = every_turn.fault.as_ref().unwrap();
+    let verdict = fault.verdict.as_ref().unwrap_or_else(|| panic!("every-turn: recovery failed: {:?}", fault.error));
+    assert_eq!(every_turn.recovered_correctly, Some(true), "every-turn: {verdict:?} {fault:?}");
+    // The image in containerd went with the node; the archive did not.
+    assert_eq!(
+        fault.lost.as_deref(),
+        Some("checkpoint image of turn 2 lost with containerd's content store; its archive of turn 2 outside containerd remains")
+    );
+    assert_eq!(fault.recovery, Some(RecoveryMethod::Checkpoint { turn: 2 }));
+    assert!(verdict.state_equal && verdict.turns_compared == [3, 4], "{verdict:?}");
+    assert_eq!(every_turn.turns[2].rc, Some(0), "the restored `sleep 4321` is there on turn 3");
+    // Every checkpoint went out of containerd too, and that is counted: the
+    // archive holds every blob the checkpoint wrote into containerd, plus
+    // the tar's own headers.
+    assert_eq!((every_turn.checkpoints, every_turn.checkpoint_failures), (4, 0));
+    for turn in &every_turn.turns {
+        let in_containerd = turn.checkpoint_bytes - turn.checkpoint_exported_bytes;
+        assert!(in_containerd > 0 && turn.checkpoint_exported_bytes > in_containerd, "{turn:?}");
     }
-    let lost = run_of(&report.runs, PolicyKind::EveryTurn).fault.as_ref().unwrap().lost.clone();
-    assert_eq!(lost.as_deref(), Some("checkpoint image of turn 2 lost with containerd's content store"));
-    assert_eq!(run_of(&report.runs, PolicyKind::ChatOnly).fault.as_ref().unwrap().lost, None);
+    assert_eq!(
+        every_turn.checkpoint_exported_bytes,
+        every_turn.turns.iter().map(|turn| turn.checkpoint_exported_bytes).sum::<u64>()
+    );
+    // The run's archives are gone with it.
+    assert_eq!(std::fs::read_dir(checkpoints.path()).unwrap().count(), 0);
+
+    let chat_only = run_of(&report.runs, PolicyKind::ChatOnly);
+    let fault = chat_only.fault.as_ref().unwrap();
+    assert_eq!(chat_only.recovered_correctly, Some(false), "chat-only: {fault:?}");
+    assert_eq!(fault.recovery, Some(RecoveryMethod::BaseImage));
+    assert_eq!(fault.lost, None);
+    let keys: Vec<&str> = fault.verdict.as_ref().unwrap().state_differences.iter().map(|d| d.key.as_str()).collect();
+    assert!(keys.contains(&"file:/app/data/a.txt") && keys.contains(&"process:sleep 4321"), "chat-only: {keys:?}");
 }
 
 #[tokio::test]

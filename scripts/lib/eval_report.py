@@ -55,11 +55,13 @@ FAULT_MODEL = [
     "- kill-crabd: SIGKILL to crabd (the process on `node.socket`); sandboxes keep running. For crab the "
     "run is only correct if every later turn's checkpoint was taken and `crabctl verify` passes on its chain.",
     "- node-loss: SIGKILL to the sandbox's processes and shim, then containerd forgets the container and its "
-    "snapshot. What lives in containerd is lost with it, and that includes every-turn's checkpoint image in "
-    "containerd's content store: every-turn then has only the base image, as chat-only. crab recovers "
-    "from its store under the state dir alone (`crabctl recover --image`). An every-turn that exported "
-    "each checkpoint out of containerd (`ctr images export`, a whole image per turn) would survive too, at "
-    "the cost of writing that image again every turn; that variant is not measured here.",
+    "snapshot, and every-turn's checkpoint image in containerd's content store goes with it. every-turn keeps "
+    "each checkpoint off the node too: after `ctr containers checkpoint` it copies the checkpoint's own blobs "
+    "(index, CRIU image, rw layer, spec; not the base image, which a replacement node pulls like any image) into "
+    "an OCI archive in a directory of the replay's own (`--checkpoint-dir`), synced before the previous one is "
+    "dropped, and after node loss it brings the newest back with `ctr images import` and restores it. Those "
+    "exported bytes count as its checkpoint bytes, beside what it wrote into containerd. crab recovers from "
+    "its store under the state dir alone (`crabctl recover --image`).",
     "",
 ]
 
@@ -244,17 +246,20 @@ def aggregate(reports, errors, classes):
         for name, run in by_policy.items():
             stats = policies.setdefault(name, {
                 "runs": 0, "faulted": 0, "correct": 0,
-                "checkpoints": 0, "checkpoint_failures": 0, "checkpoint_bytes": 0,
-                "paired_bytes": 0, "every_turn_bytes": 0,
+                "checkpoints": 0, "checkpoint_failures": 0, "checkpoint_bytes": 0, "checkpoint_exported_bytes": 0,
+                "paired_bytes": 0, "every_turn_bytes": 0, "every_turn_containerd_bytes": 0,
                 "delays": [], "first_checkpoint_error": None,
             })
             stats["runs"] += 1
             stats["checkpoints"] += run["checkpoints"]
             stats["checkpoint_failures"] += run["checkpoint_failures"]
             stats["checkpoint_bytes"] += run["checkpoint_bytes"]
+            stats["checkpoint_exported_bytes"] += run.get("checkpoint_exported_bytes", 0)
             if every_turn is not None:
                 stats["paired_bytes"] += run["checkpoint_bytes"]
                 stats["every_turn_bytes"] += every_turn["checkpoint_bytes"]
+                stats["every_turn_containerd_bytes"] += (every_turn["checkpoint_bytes"]
+                                                         - every_turn.get("checkpoint_exported_bytes", 0))
             stats["delays"].extend(turn["agent_visible_delay_s"] for turn in run["turns"])
             if stats["first_checkpoint_error"] is None:
                 stats["first_checkpoint_error"] = next(
@@ -278,6 +283,7 @@ def aggregate(reports, errors, classes):
             **stats,
             "correct_pct": pct(stats["correct"], stats["faulted"]),
             "bytes_vs_every_turn": ratio(stats["paired_bytes"], stats["every_turn_bytes"]),
+            "bytes_vs_every_turn_in_containerd": ratio(stats["paired_bytes"], stats["every_turn_containerd_bytes"]),
             "delay_p50_s": percentile(delays, 0.50),
             "delay_p99_s": percentile(delays, 0.99),
             "delay_max_s": max(delays) if delays else None,
@@ -378,24 +384,26 @@ def render_markdown(summary, meta):
 
     lines += [
         "## Per policy", "",
-        "| policy | recovered correctly | checkpoints (failed) | checkpoint bytes | bytes vs every-turn "
-        "| delay p50 / turn | delay p99 / turn | delay max |",
-        "|---|---|---|---|---|---|---|---|",
+        "| policy | recovered correctly | checkpoints (failed) | checkpoint bytes | of which exported "
+        "| bytes vs every-turn | vs its containerd part | delay p50 / turn | delay p99 / turn | delay max |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, stats in summary["policies"].items():
         correct = (f"{stats['correct_pct']:.0f}% ({stats['correct']}/{stats['faulted']})"
                    if stats["faulted"] else "- (no fault)")
         lines.append(
             f"| {name} | {correct} | {stats['checkpoints']} ({stats['checkpoint_failures']}) "
-            f"| {human_bytes(stats['checkpoint_bytes'])} "
+            f"| {human_bytes(stats['checkpoint_bytes'])} | {human_bytes(stats['checkpoint_exported_bytes'])} "
             f"| {fmt(stats['bytes_vs_every_turn'], '{:.3f}x')} "
+            f"| {fmt(stats['bytes_vs_every_turn_in_containerd'], '{:.3f}x')} "
             f"| {fmt(stats['delay_p50_s'], '{:.3f} s')} | {fmt(stats['delay_p99_s'], '{:.3f} s')} "
             f"| {fmt(stats['delay_max_s'], '{:.3f} s')} |"
         )
     lines += [
         "",
         "Bytes vs every-turn: the policy's checkpoint bytes over every-turn's in the same (trace, fault) "
-        "reports. Delay: what the agent waited for the policy's checkpoint beyond its (scaled) think time "
+        "reports; every-turn's include the copy it exports out of containerd (\"of which exported\"); \"vs its "
+        "containerd part\" leaves that copy out (every-turn as it would be without node loss in its fault model). Delay: what the agent waited for the policy's checkpoint beyond its (scaled) think time "
         "before the next turn; with think times scaled to 0 it is the whole checkpoint time.",
         "",
     ]
@@ -434,7 +442,10 @@ def render_markdown(summary, meta):
     ours_correct = (f"chat-only {fmt(chat and chat['correct_pct'], '{:.0f}%', 'n/a')} -> "
                     f"crab {fmt(crab and crab['correct_pct'], '{:.0f}%', 'n/a')}")
     cut = crab and crab["bytes_vs_every_turn"]
+    cut_local = crab and crab["bytes_vs_every_turn_in_containerd"]
     ours_traffic = f"{(1 - cut):.1%} less than every-turn ({cut:.3f}x)" if cut is not None else "n/a"
+    if cut is not None and cut_local is not None:
+        ours_traffic += f"; {cut_local:.3f}x its writes into containerd alone"
     lines += [
         f"| recovery correctness | {PAPER['correctness']} | {ours_correct} |",
         f"| checkpoint traffic | {PAPER['traffic']} | {ours_traffic} |",

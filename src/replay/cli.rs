@@ -7,6 +7,9 @@ use clap::Args;
 use super::{Daemons, FaultKind, FaultTurn, PolicyKind, ReplayOptions, report};
 use crate::containerd::ctr::Ctr;
 
+/// every-turn's archives unless `--checkpoint-dir` says otherwise.
+pub const DEFAULT_CHECKPOINT_DIR: &str = "/var/lib/crab-replay/checkpoints";
+
 #[derive(Args)]
 pub struct ReplayArgs {
     /// Trace files (JSONL: a header line, then one line per turn).
@@ -44,6 +47,11 @@ pub struct ReplayArgs {
     /// (for the private one: `scripts/containerd start` with the same CRAB_CTRD_* environment).
     #[arg(long, env = "CRAB_CTRD_START_CMD", value_name = "CMD")]
     containerd_start: Option<String>,
+    /// Where every-turn keeps its checkpoint archives, outside containerd's
+    /// state (node loss spares them); one subdirectory per sandbox, removed
+    /// after its run.
+    #[arg(long, env = "CRAB_REPLAY_CHECKPOINT_DIR", value_name = "DIR", default_value = DEFAULT_CHECKPOINT_DIR)]
+    checkpoint_dir: PathBuf,
     /// Print the report as JSON instead of tables.
     #[arg(long)]
     json: bool,
@@ -82,6 +90,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), Box<dyn std::error::Error>> {
             .map_err(|_| format!("--ref-spacing must be a number of seconds >= 0, not {}", args.ref_spacing))?,
         ctr: Ctr::from_env(),
         daemons,
+        checkpoint_dir: args.checkpoint_dir,
     };
     let reports = super::replay(&options).await?;
     let json = serde_json::to_string_pretty(&reports)?;

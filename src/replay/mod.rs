@@ -5,7 +5,8 @@
 //! - [`trace`]: parsing and validation of the JSONL turn traces.
 //! - [`sandbox`]: a container driven with `ctr` (create, exec, checkpoint, restore).
 //! - [`fingerprint`]: what the next turn can observe of a sandbox.
-//! - [`policy`]: recovery policies (`off`, `chat-only`, `every-turn`, `crab`).
+//! - [`policy`]: recovery policies (`off`, `chat-only`, `every-turn`, `crab`);
+//!   [`archive`]: every-turn's checkpoints kept outside containerd.
 //! - [`fault`]: which fault strikes after which turn; [`injector`]: striking it
 //!   (processes, shim, containerd, crabd, node loss).
 //! - [`oracle`]: the correctness verdict against the reference; [`normalize`]:
@@ -13,6 +14,7 @@
 //! - [`runner`]: one trace under each policy; [`report`]: tables and JSON.
 //! - [`cli`]: `crabctl replay`.
 
+pub mod archive;
 pub mod cli;
 pub mod fault;
 pub mod fingerprint;

@@ -3,6 +3,7 @@
 //! [`RecoveryPolicy`] and gets a [`PolicyKind`] variant.
 
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Instant;
 
@@ -12,7 +13,8 @@ use tracing::info;
 
 use super::ReplayError;
 use crate::containerd::ctr::Ctr;
-use super::sandbox::{Sandbox, SandboxSpec, remove_container, remove_image};
+use super::archive::ArchiveWriter;
+use super::sandbox::{CheckpointImage, Sandbox, SandboxSpec, remove_container, remove_image};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -53,7 +55,7 @@ impl PolicyKind {
         match self {
             PolicyKind::Off => Box::new(FreshSandbox { launch, kind: self }),
             PolicyKind::ChatOnly => Box::new(FreshSandbox { launch, kind: self }),
-            PolicyKind::EveryTurn => Box::new(EveryTurn { launch, last: None }),
+            PolicyKind::EveryTurn => Box::new(EveryTurn::new(launch)),
             PolicyKind::Crab => Box::new(CrabPolicy { launch }),
         }
     }
@@ -86,6 +88,9 @@ pub struct Launch {
     pub ctr: Ctr,
     pub container_id: String,
     pub spec: SandboxSpec,
+    /// Where a policy keeps what it saves outside containerd (every-turn's
+    /// archives), one subdirectory per container.
+    pub checkpoint_dir: PathBuf,
 }
 
 impl Launch {
@@ -99,7 +104,10 @@ impl Launch {
 pub struct TurnCost {
     /// Time the agent waits before its next turn can start.
     pub blocking_s: f64,
+    /// Everything the checkpoint wrote.
     pub bytes: u64,
+    /// Of `bytes`, what went outside containerd (every-turn's archive).
+    pub exported_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -199,15 +207,47 @@ impl RecoveryPolicy for FreshSandbox {
     }
 }
 
-/// What users of containerd have today: a full checkpoint after every turn.
+/// What users of containerd have today: a full checkpoint after every turn,
+/// kept off the node. `ctr c checkpoint` writes it into containerd's content
+/// store (what a restore on this node uses); the checkpoint's own blobs then
+/// go into an archive in a directory of the replay's own (what a user of
+/// spot machines keeps on durable storage, `ctr images export` less the base
+/// image), and after node loss `ctr images import` brings it back.
 struct EveryTurn {
     launch: Launch,
-    last: Option<(u32, String)>,
+    /// The newest checkpoint image in containerd, unless lost with it.
+    image: Option<(u32, String)>,
+    /// The newest checkpoint archive outside containerd.
+    archive: Option<(u32, PathBuf)>,
 }
 
 impl EveryTurn {
+    fn new(launch: Launch) -> EveryTurn {
+        EveryTurn { launch, image: None, archive: None }
+    }
+
     fn reference(&self, turn: u32) -> String {
         format!("crab.local/replay/{}:turn-{turn}", self.launch.container_id)
+    }
+
+    /// This sandbox's archives: one directory per container.
+    fn archive_dir(&self) -> PathBuf {
+        self.launch.checkpoint_dir.join(&self.launch.container_id)
+    }
+
+    /// Copies the checkpoint's blobs out of containerd into `turn-N.tar`.
+    async fn export(&self, turn: u32, image: &CheckpointImage) -> Result<(PathBuf, u64), ReplayError> {
+        let directory = self.archive_dir();
+        let failed = |problem: String| ReplayError::Policy(format!("every-turn export of {}: {problem}", image.reference));
+        std::fs::create_dir_all(&directory).map_err(|error| failed(format!("{}: {error}", directory.display())))?;
+        let path = directory.join(format!("turn-{turn}.tar"));
+        let mut archive = ArchiveWriter::create(&path, &image.reference, &image.index).map_err(|e| failed(e.to_string()))?;
+        for blob in &image.blobs {
+            let data = self.launch.ctr.run(&["content", "get", &blob.digest]).await?.stdout;
+            archive.add(blob, &data).map_err(|e| failed(e.to_string()))?;
+        }
+        let bytes = archive.finish().map_err(|e| failed(e.to_string()))?;
+        Ok((path, bytes))
     }
 }
 
@@ -219,10 +259,11 @@ impl RecoveryPolicy for EveryTurn {
 
     async fn after_turn(&mut self, sandbox: &Sandbox, turn: u32) -> Result<TurnCost, ReplayError> {
         // containerd 1.6 silently drops the task part of a checkpoint whose spec
-        // blob already exists, so the previous checkpoint goes first (only the
-        // latest is ever restored). Not counted as agent-visible: it could run
-        // any time before the next checkpoint.
-        if let Some((_, previous)) = self.last.take() {
+        // blob already exists, so the previous image goes first (only the latest
+        // is ever restored; its archive stays until this turn's is durable).
+        // Not counted as agent-visible: it could run any time before the next
+        // checkpoint.
+        if let Some((_, previous)) = self.image.take() {
             remove_image(&self.launch.ctr, &previous).await?;
         }
         let reference = self.reference(turn);
@@ -235,60 +276,83 @@ impl RecoveryPolicy for EveryTurn {
                 return Err(error.into());
             }
         };
+        self.image = Some((turn, reference));
+        let (archive, exported_bytes) = self.export(turn, &image).await?;
+        if let Some((_, previous)) = self.archive.replace((turn, archive)) {
+            remove_archive(&previous)?;
+        }
         let blocking_s = started.elapsed().as_secs_f64();
         info!(
             container = sandbox.id(),
             turn,
             bytes = image.bytes,
+            exported_bytes,
             seconds = blocking_s,
             "checkpoint"
         );
-        self.last = Some((turn, reference));
         Ok(TurnCost {
             blocking_s,
-            bytes: image.bytes,
+            bytes: image.bytes + exported_bytes,
+            exported_bytes,
         })
     }
 
     async fn recover(&mut self, dead: Sandbox) -> Result<Recovery, ReplayError> {
         dead.remove().await?;
-        let Some((turn, reference)) = self.last.clone() else {
-            // Killed before the first checkpoint: the base image is all there is.
-            let sandbox = self.launch.fresh().await?;
-            return Ok(Recovery {
-                sandbox,
-                method: RecoveryMethod::BaseImage,
-                possible: true,
-            });
+        let (ctr, id, spec) = (&self.launch.ctr, &self.launch.container_id, &self.launch.spec);
+        let sandbox = match (self.image.clone(), self.archive.clone()) {
+            (Some((turn, reference)), _) => Some((turn, Sandbox::restore(ctr, id, spec, &reference).await?)),
+            // containerd lost the image (node loss) or never stored this
+            // turn's (a failed checkpoint): the archive of the newest turn
+            // saved is what a replacement node has.
+            (None, Some((turn, archive))) => {
+                let reference = self.reference(turn);
+                let sandbox = Sandbox::restore_from_archive(ctr, id, spec, &reference, &archive).await?;
+                info!(container = id.as_str(), turn, archive = %archive.display(), "restored from the exported checkpoint");
+                self.image = Some((turn, reference));
+                Some((turn, sandbox))
+            }
+            (None, None) => None,
         };
-        let sandbox = Sandbox::restore(
-            &self.launch.ctr,
-            &self.launch.container_id,
-            &self.launch.spec,
-            &reference,
-        )
-        .await?;
-        Ok(Recovery {
-            sandbox,
-            method: RecoveryMethod::Checkpoint { turn },
-            possible: true,
+        Ok(match sandbox {
+            Some((turn, sandbox)) => Recovery { sandbox, method: RecoveryMethod::Checkpoint { turn }, possible: true },
+            // Killed before the first checkpoint: the base image is all there is.
+            None => Recovery { sandbox: self.launch.fresh().await?, method: RecoveryMethod::BaseImage, possible: true },
         })
     }
 
     /// `ctr c checkpoint` keeps the image in containerd's content store, which
-    /// goes with the node: the image is removed as the fault's part.
+    /// goes with the node: the image is removed as the fault's part. The
+    /// archive outside containerd stays.
     async fn lose_containerd_state(&mut self) -> Result<Option<String>, ReplayError> {
-        let Some((turn, reference)) = self.last.take() else { return Ok(None) };
+        let Some((turn, reference)) = self.image.take() else { return Ok(None) };
         remove_image(&self.launch.ctr, &reference).await?;
-        Ok(Some(format!("checkpoint image of turn {turn} lost with containerd's content store")))
+        let kept = match &self.archive {
+            Some((kept, _)) => format!("; its archive of turn {kept} outside containerd remains"),
+            None => "; no archive outside containerd".to_string(),
+        };
+        Ok(Some(format!("checkpoint image of turn {turn} lost with containerd's content store{kept}")))
     }
 
     async fn cleanup(&mut self) -> Result<(), ReplayError> {
-        if let Some((_, reference)) = self.last.take() {
+        if let Some((_, reference)) = self.image.take() {
             remove_image(&self.launch.ctr, &reference).await?;
         }
-        Ok(())
+        if let Some((_, archive)) = self.archive.take() {
+            remove_archive(&archive)?;
+        }
+        // Whatever else a failed export left there is this sandbox's too.
+        let directory = self.archive_dir();
+        match std::fs::remove_dir_all(&directory) {
+            Ok(()) => Ok(()),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(error) => Err(ReplayError::Policy(format!("removing {}: {error}", directory.display()))),
+        }
     }
+}
+
+fn remove_archive(path: &Path) -> Result<(), ReplayError> {
+    std::fs::remove_file(path).map_err(|error| ReplayError::Policy(format!("removing {}: {error}", path.display())))
 }
 
 /// crab: the shim checkpoints each turn by itself (nothing, an fs delta, or a
@@ -335,7 +399,7 @@ impl RecoveryPolicy for CrabPolicy {
             // sandbox recovered from the base image starts a new turn log.
             let records = log.read().map_err(|e| ReplayError::Policy(e.to_string()))?;
             if let Some(record) = records.iter().rev().find(|r| r.exec_id.as_deref() == Some(exec_id.as_str())) {
-                return Ok(TurnCost { blocking_s: record.checkpoint_ms / 1e3, bytes: record.bytes_written });
+                return Ok(TurnCost { blocking_s: record.checkpoint_ms / 1e3, bytes: record.bytes_written, exported_bytes: 0 });
             }
             if Instant::now() > deadline {
                 return Err(ReplayError::Policy(format!(

@@ -50,6 +50,8 @@ pub struct PolicyRun {
     pub checkpoint_failures: u32,
     /// Sum over all checkpoints of the bytes each one stored.
     pub checkpoint_bytes: u64,
+    /// Of `checkpoint_bytes`, what went outside containerd (every-turn's archives).
+    pub checkpoint_exported_bytes: u64,
     /// The policy's own check of its checkpoint store after the run (crab: `crabctl verify`).
     pub store: Option<StoreCheck>,
     pub run_time_s: f64,
@@ -85,6 +87,8 @@ pub struct TurnReport {
     pub exec_s: f64,
     pub checkpoint_s: f64,
     pub checkpoint_bytes: u64,
+    /// Of `checkpoint_bytes`, what went outside containerd (every-turn's archive).
+    pub checkpoint_exported_bytes: u64,
     /// What the agent waited for the policy before its next turn: the part
     /// of the checkpoint that outlasted the (scaled) think time before it.
     pub agent_visible_delay_s: f64,

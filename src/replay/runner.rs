@@ -39,6 +39,8 @@ pub struct ReplayOptions {
     pub ctr: Ctr,
     /// How faults reach containerd and crabd.
     pub daemons: Daemons,
+    /// Where policies keep checkpoints outside containerd (every-turn's archives).
+    pub checkpoint_dir: PathBuf,
 }
 
 /// Replays every trace; all traces are parsed and checked before any runs.
@@ -185,6 +187,7 @@ fn launch(options: &ReplayOptions, trace: &Trace, policy: PolicyKind, role: &str
     Launch {
         ctr: options.ctr.clone(),
         container_id: format!("replay-{}-{sequence}-{role}", std::process::id()),
+        checkpoint_dir: options.checkpoint_dir.clone(),
         spec: SandboxSpec {
             image: trace.header.image.reference(),
             runtime: options.runtime.clone(),
@@ -205,6 +208,7 @@ struct TurnOutcome {
     result: TurnResult,
     checkpoint_s: f64,
     checkpoint_bytes: u64,
+    checkpoint_exported_bytes: u64,
     checkpoint_error: Option<String>,
     /// How long the agent waited for the policy beyond its think time.
     agent_visible_delay_s: f64,
@@ -331,6 +335,7 @@ async fn run(
                     TurnCost {
                         blocking_s: save_time.as_secs_f64(),
                         bytes: 0,
+                        exported_bytes: 0,
                     },
                     Some(error.to_string()),
                 )
@@ -350,6 +355,7 @@ async fn run(
             exec,
             checkpoint_s: cost.blocking_s,
             checkpoint_bytes: cost.bytes,
+            checkpoint_exported_bytes: cost.exported_bytes,
             checkpoint_error,
             agent_visible_delay_s,
         });
@@ -480,6 +486,7 @@ fn policy_report(
             exec_s: turn.exec.duration.as_secs_f64(),
             checkpoint_s: turn.checkpoint_s,
             checkpoint_bytes: turn.checkpoint_bytes,
+            checkpoint_exported_bytes: turn.checkpoint_exported_bytes,
             agent_visible_delay_s: turn.agent_visible_delay_s,
             checkpoint_error: turn.checkpoint_error.clone(),
             stdout_sha256: turn.result.stdout_sha256.clone(),
@@ -505,6 +512,7 @@ fn policy_report(
             .filter(|turn| turn.checkpoint_error.is_some())
             .count() as u32,
         checkpoint_bytes: turns.iter().map(|turn| turn.checkpoint_bytes).sum(),
+        checkpoint_exported_bytes: turns.iter().map(|turn| turn.checkpoint_exported_bytes).sum(),
         run_time_s: outcome.run_time.as_secs_f64(),
         agent_delay: DelaySummary::of(turns.iter().map(|turn| turn.agent_visible_delay_s)),
         fault,

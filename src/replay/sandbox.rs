@@ -7,6 +7,7 @@ use serde::Deserialize;
 use tracing::{debug, warn};
 
 use crate::containerd::ctr::{Ctr, CtrError, CtrOutput};
+use super::archive::Descriptor;
 use super::fingerprint::{Fingerprint, FingerprintError, SCRIPT};
 
 #[derive(Debug, thiserror::Error)]
@@ -50,14 +51,26 @@ pub struct ExecResult {
 #[derive(Debug, Clone)]
 pub struct CheckpointImage {
     pub reference: String,
-    pub digest: String,
-    /// The index plus every blob it lists: what the checkpoint wrote.
+    /// The checkpoint's index blob.
+    pub index: Descriptor,
+    /// What the checkpoint wrote: the index and every blob it lists but the
+    /// base image's manifest, which the checkpoint only names.
+    pub blobs: Vec<Descriptor>,
     pub bytes: u64,
 }
 
 /// containerd's media type for the CRIU image of a task checkpoint.
 const CRIU_CHECKPOINT_MEDIA_TYPE: &str =
     "application/vnd.containerd.container.criu.checkpoint.criu.tar";
+/// The index `ctr c checkpoint` writes (containerd's `writeIndex`).
+const INDEX_MEDIA_TYPE: &str = "application/vnd.oci.image.index.v1+json";
+/// An entry of a checkpoint index of one of these types is its base image.
+const IMAGE_MEDIA_TYPES: [&str; 4] = [
+    "application/vnd.oci.image.manifest.v1+json",
+    INDEX_MEDIA_TYPE,
+    "application/vnd.docker.distribution.manifest.v2+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+];
 /// How long `ctr` may go on after a turn's timeout: enough for the SIGKILLed
 /// command to be reaped, not for background children that keep its output open.
 const KILL_GRACE: Duration = Duration::from_secs(2);
@@ -258,12 +271,12 @@ impl Sandbox {
             .await?
             .ok_or_else(|| problem("the image was not created".to_string()))?;
         let index_blob = self.ctr.run(&["content", "get", &digest]).await?.stdout;
-        let index: CheckpointIndex = serde_json::from_slice(&index_blob)
+        let parsed: CheckpointIndex = serde_json::from_slice(&index_blob)
             .map_err(|error| problem(format!("index {digest} is not an OCI index: {error}")))?;
         // containerd 1.6 drops the task part without an error when one of its
         // blobs already exists (the spec of an earlier checkpoint of the same
         // container): a checkpoint that could not restore processes must not pass.
-        if !index
+        if !parsed
             .manifests
             .iter()
             .any(|m| m.media_type == CRIU_CHECKPOINT_MEDIA_TYPE)
@@ -272,25 +285,48 @@ impl Sandbox {
                 "containerd stored no CRIU image (task part missing)".to_string(),
             ));
         }
-        let bytes = index_blob.len() as u64 + index.manifests.iter().map(|m| m.size).sum::<u64>();
+        let index = Descriptor {
+            media_type: INDEX_MEDIA_TYPE.to_string(),
+            digest,
+            size: index_blob.len() as u64,
+        };
+        let mut blobs = vec![index.clone()];
+        blobs.extend(parsed.manifests.into_iter().filter(|m| !IMAGE_MEDIA_TYPES.contains(&m.media_type.as_str())));
+        let bytes = blobs.iter().map(|blob| blob.size).sum();
         Ok(CheckpointImage {
             reference: reference.to_string(),
-            digest,
+            index,
+            blobs,
             bytes,
         })
+    }
+
+    /// Recreates container `id` from a checkpoint kept out of containerd:
+    /// imports the archive as image `reference` (blobs checked against their
+    /// digests on the way in), then restores from it.
+    pub async fn restore_from_archive(
+        ctr: &Ctr,
+        id: &str,
+        spec: &SandboxSpec,
+        reference: &str,
+        archive: &std::path::Path,
+    ) -> Result<Sandbox, SandboxError> {
+        // The image is a checkpoint, not a rootfs: nothing to unpack.
+        let archive = archive.to_string_lossy();
+        ctr.run(&["images", "import", "--no-unpack", archive.as_ref()]).await?;
+        if ctr.image_digest(reference).await?.is_none() {
+            return Err(SandboxError::Checkpoint {
+                reference: reference.to_string(),
+                problem: format!("importing {archive} did not create the image"),
+            });
+        }
+        Sandbox::restore(ctr, id, spec, reference).await
     }
 }
 
 #[derive(Deserialize)]
 struct CheckpointIndex {
-    manifests: Vec<IndexEntry>,
-}
-
-#[derive(Deserialize)]
-struct IndexEntry {
-    #[serde(rename = "mediaType")]
-    media_type: String,
-    size: u64,
+    manifests: Vec<Descriptor>,
 }
 
 /// Removes a container by id whatever state it is in; absent is fine.
