@@ -418,6 +418,29 @@ async fn recover_keeps_the_sandboxs_own_config_path() {
     assert_eq!(turns.last().unwrap().checkpoint_turn, Some(turns.last().unwrap().turn), "{turns:?}");
 }
 
+/// A process that holds a deleted file open (a temporary file, a library `pip install -U`
+/// replaced under a running interpreter) makes it a "ghost" that every dump must carry; CRIU
+/// refuses ghosts over 1 MiB by default and fails the whole dump. The shim's CRIU config
+/// raises the limit: the checkpoint is taken, and after recover the process reads the same
+/// bytes through its descriptor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_file_held_open_is_checkpointed_and_comes_back() {
+    let mut sb = Sandbox::start("rs-ghost").await;
+    sb.turn("mkdir -p /data && head -c 4000000 /dev/urandom > /data/big && md5sum < /data/big > /data/sum && (exec 3</data/big; rm /data/big; exec sleep 100000) >/dev/null 2>&1 &").await;
+    let turns = sb.settled().await;
+    assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{:?}", turns[0]);
+    // The process's descriptor, read from the host side.
+    let held = "for p in /proc/[0-9]*; do [ \"$(cat $p/cmdline | tr '\\0' ' ')\" = 'sleep 100000 ' ] && md5sum < $p/fd/3; done";
+
+    sb.kill_processes().await;
+    sb.ctl().recover(&sb.id, None).await.unwrap();
+    let after = sb.exec_in(&sb.id.clone(), &format!("cat /data/sum; {held}; ls /data")).await;
+    let lines: Vec<&str> = after.lines().collect();
+    assert_eq!(lines.len(), 3, "{after}");
+    assert_eq!(lines[0], lines[1], "the restored process reads the deleted file's bytes: {after}");
+    assert_eq!(lines[2], "sum", "the file stays deleted: {after}");
+}
+
 /// Without crabd the shim loads BPF programs of its own, and a restore does not wait for that:
 /// the engine attaches behind Start's reply. The first exec after the restore waits for it
 /// instead, so its turn is recorded, classified from what the inspector saw, and checkpointed.

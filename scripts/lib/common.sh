@@ -78,6 +78,13 @@ install_crab_init() {
   if readelf -l "$built" | grep -q 'Requesting program interpreter'; then
     die "$built is dynamically linked; containers without libc could not run it"
   fi
+  # Running containers have the installed file bind-mounted: a new inode in
+  # its place turns theirs into a deleted file, which every later dump must
+  # carry (the shim's CRIU config allows for that). The same build leaves it.
+  if cmp -s "$built" "$CRAB_INIT_INSTALL"; then
+    log "crab-init at $CRAB_INIT_INSTALL is up to date"
+    return 0
+  fi
   install -D -m 0755 "$built" "$CRAB_INIT_INSTALL.tmp"
   mv -f "$CRAB_INIT_INSTALL.tmp" "$CRAB_INIT_INSTALL"
   log "crab-init installed at $CRAB_INIT_INSTALL"

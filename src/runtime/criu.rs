@@ -1,15 +1,22 @@
 //! What the shim tells CRIU beyond runc's flags, through a CRIU configuration
 //! file that runc hands over when the spec's `org.criu.config` annotation
-//! names it.
+//! names it (runc reads the annotation when the container is created, so
+//! the shim names the file at Create, for dumps and restores alike).
 //!
-//! A restored container gets a fresh network namespace whose loopback is
-//! down (runc brings `lo` up when it creates a container, not when it
-//! restores one). CRIU restores an established TCP connection by connecting
-//! its socket back to the peer's address, so a connection over 127.0.0.1
-//! fails the whole restore ("Network is unreachable"). CRIU runs an action
-//! script at `setup-namespaces`, after it has made the namespaces and before
-//! it restores any socket: the shim's own binary is that script, and brings
-//! `lo` up there.
+//! - A ghost limit: a file a process still maps or holds open after it was
+//!   deleted is a "ghost" that CRIU carries in the dump, by default only up
+//!   to 1 MiB. Sandboxes make such files all the time (`pip install -U` of a
+//!   library a running interpreter has loaded), and so does an upgrade of
+//!   crab-init itself (every container's spawner runs the bind-mounted file).
+//!   Over the limit the whole dump fails.
+//! - During a restore, an action script: a restored container gets a fresh
+//!   network namespace whose loopback is down (runc brings `lo` up when it
+//!   creates a container, not when it restores one), and CRIU restores an
+//!   established TCP connection by connecting its socket back to the peer, so
+//!   a connection over 127.0.0.1 fails the whole restore ("Network is
+//!   unreachable"). CRIU runs its action script at `setup-namespaces`, after
+//!   it has made the namespaces and before it restores any socket: the shim's
+//!   own binary is that script, and brings `lo` up there.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
@@ -20,6 +27,9 @@ use serde_json::Value;
 pub const ACTION_ENV: &str = "CRTOOLS_SCRIPT_ACTION";
 /// runc passes the file this spec annotation names to CRIU as its config file.
 pub const CONFIG_ANNOTATION: &str = "org.criu.config";
+/// Largest deleted file a dump carries. Its content is stored like any image file
+/// (content-addressed), so a ghost that does not change costs one write.
+pub const GHOST_LIMIT_MIB: u64 = 64;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CriuConfigError {
@@ -31,21 +41,17 @@ pub enum CriuConfigError {
     ScriptPath(String),
 }
 
-/// Makes `runc restore` of `bundle` run `action_script` as CRIU's action script:
-/// writes the CRIU config file `config_file` and names it in the spec. A spec
-/// that names a CRIU config of its own keeps it (the user's choice wins; its
-/// restore then has no loopback until the shim brings it up afterwards).
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> CriuConfigError + '_ {
+    move |source| CriuConfigError::Io { path: path.display().to_string(), source }
+}
+
+/// Names `config_file` as the CRIU config in `bundle`'s spec and writes it (no action
+/// script). A spec that names a CRIU config of its own keeps it: the user's choice wins.
 /// Returns whether the spec names our file.
-pub fn use_action_script(bundle: &Path, config_file: &Path, action_script: &Path) -> Result<bool, CriuConfigError> {
-    let io = |path: &Path| {
-        let path = path.display().to_string();
-        move |source| CriuConfigError::Io { path, source }
-    };
-    let script = action_script.to_str().filter(|s| !s.contains(|c: char| c.is_whitespace() || c == '"' || c == '\''));
-    let Some(script) = script else { return Err(CriuConfigError::ScriptPath(action_script.display().to_string())) };
+pub fn name_config(bundle: &Path, config_file: &Path) -> Result<bool, CriuConfigError> {
     let spec_path = bundle.join("config.json");
     let spec_error = |detail: String| CriuConfigError::Spec { path: spec_path.display().to_string(), detail };
-    let bytes = std::fs::read(&spec_path).map_err(io(&spec_path))?;
+    let bytes = std::fs::read(&spec_path).map_err(io_error(&spec_path))?;
     let mut spec: Value = serde_json::from_slice(&bytes).map_err(|e| spec_error(e.to_string()))?;
     let Some(object) = spec.as_object_mut() else { return Err(spec_error("not a JSON object".into())) };
     let annotations = object.entry("annotations").or_insert_with(|| Value::Object(Default::default()));
@@ -56,14 +62,28 @@ pub fn use_action_script(bundle: &Path, config_file: &Path, action_script: &Path
         Some(_) => {}
         None => {
             annotations.insert(CONFIG_ANNOTATION.into(), Value::String(ours));
+            let tmp = bundle.join("config.json.crab-criu-tmp");
+            let text = serde_json::to_vec_pretty(&spec).map_err(|e| spec_error(e.to_string()))?;
+            std::fs::write(&tmp, text).map_err(io_error(&tmp))?;
+            std::fs::rename(&tmp, &spec_path).map_err(io_error(&spec_path))?;
         }
     }
-    std::fs::write(config_file, format!("action-script {script}\n")).map_err(io(config_file))?;
-    let tmp = bundle.join("config.json.crab-criu-tmp");
-    let text = serde_json::to_vec_pretty(&spec).map_err(|e| spec_error(e.to_string()))?;
-    std::fs::write(&tmp, text).map_err(io(&tmp))?;
-    std::fs::rename(&tmp, &spec_path).map_err(io(&spec_path))?;
+    write_config(config_file, None)?;
     Ok(true)
+}
+
+/// Writes the CRIU config file: the ghost limit, and `action_script` while a restore runs.
+pub fn write_config(config_file: &Path, action_script: Option<&Path>) -> Result<(), CriuConfigError> {
+    let mut text = format!("ghost-limit {GHOST_LIMIT_MIB}M\n");
+    if let Some(script) = action_script {
+        let plain = script.to_str().filter(|s| !s.contains(|c: char| c.is_whitespace() || c == '"' || c == '\''));
+        let Some(plain) = plain else { return Err(CriuConfigError::ScriptPath(script.display().to_string())) };
+        text.push_str(&format!("action-script {plain}\n"));
+    }
+    // Replaced whole: a CRIU run starting meanwhile reads the old file or the new one.
+    let tmp = config_file.with_extension("tmp");
+    std::fs::write(&tmp, text).map_err(io_error(&tmp))?;
+    std::fs::rename(&tmp, config_file).map_err(io_error(config_file))
 }
 
 /// The binary run as CRIU's action script: acts on `setup-namespaces` (the
@@ -145,33 +165,37 @@ mod tests {
     }
 
     #[test]
-    fn the_spec_names_a_config_that_runs_the_action_script() {
+    fn the_spec_names_a_config_with_a_ghost_limit_and_a_restore_adds_the_action_script() {
         let dir = bundle(serde_json::json!({"ociVersion": "1.0.2", "annotations": {"a": "b"}}));
         let conf = dir.path().join("criu.conf");
-        assert!(use_action_script(dir.path(), &conf, Path::new("/usr/bin/shim")).unwrap());
+        assert!(name_config(dir.path(), &conf).unwrap());
         assert_eq!(annotations(dir.path())[CONFIG_ANNOTATION], conf.display().to_string());
         assert_eq!(annotations(dir.path())["a"], "b");
-        assert_eq!(std::fs::read_to_string(&conf).unwrap(), "action-script /usr/bin/shim\n");
-        // Again (a second restore of the same bundle): unchanged.
-        assert!(use_action_script(dir.path(), &conf, Path::new("/usr/bin/shim")).unwrap());
+        assert_eq!(std::fs::read_to_string(&conf).unwrap(), "ghost-limit 64M\n");
+        // Again (a restore's Create of a recovered spec): unchanged.
+        assert!(name_config(dir.path(), &conf).unwrap());
+        write_config(&conf, Some(Path::new("/usr/bin/shim"))).unwrap();
+        assert_eq!(std::fs::read_to_string(&conf).unwrap(), "ghost-limit 64M\naction-script /usr/bin/shim\n");
+        write_config(&conf, None).unwrap();
+        assert_eq!(std::fs::read_to_string(&conf).unwrap(), "ghost-limit 64M\n");
     }
 
     #[test]
     fn a_spec_without_annotations_gets_them_and_a_users_config_wins() {
         let dir = bundle(serde_json::json!({"ociVersion": "1.0.2"}));
-        let conf = dir.path().join("criu.conf");
-        assert!(use_action_script(dir.path(), &conf, Path::new("/s")).unwrap());
+        assert!(name_config(dir.path(), &dir.path().join("criu.conf")).unwrap());
         let theirs = bundle(serde_json::json!({"annotations": {CONFIG_ANNOTATION: "/etc/criu/mine.conf"}}));
-        assert!(!use_action_script(theirs.path(), &theirs.path().join("criu.conf"), Path::new("/s")).unwrap());
+        assert!(!name_config(theirs.path(), &theirs.path().join("criu.conf")).unwrap());
         assert_eq!(annotations(theirs.path())[CONFIG_ANNOTATION], "/etc/criu/mine.conf");
+        assert!(!theirs.path().join("criu.conf").exists());
     }
 
     #[test]
     fn bad_input_is_named() {
         let dir = bundle(serde_json::json!(["not", "an", "object"]));
-        let err = use_action_script(dir.path(), &dir.path().join("c"), Path::new("/s")).unwrap_err();
+        let err = name_config(dir.path(), &dir.path().join("c")).unwrap_err();
         assert!(err.to_string().contains("config.json") && err.to_string().contains("not a JSON object"), "{err}");
-        let err = use_action_script(dir.path(), &dir.path().join("c"), Path::new("/with space/s")).unwrap_err();
+        let err = write_config(&dir.path().join("c"), Some(Path::new("/with space/s"))).unwrap_err();
         assert!(matches!(err, CriuConfigError::ScriptPath(_)), "{err}");
     }
 

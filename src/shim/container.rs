@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::ShimError;
@@ -81,6 +82,8 @@ pub struct Container {
     /// Serialises verbs that change the container as a whole (start, pause,
     /// resume, checkpoint, delete). Exec, kill and queries do not take it.
     lifecycle: tokio::sync::Mutex<()>,
+    /// The spec names crab's CRIU config (set at Create).
+    criu_config_ours: AtomicBool,
 }
 
 impl Container {
@@ -97,6 +100,7 @@ impl Container {
             pending_policy: Mutex::new(None),
             engine_settled: tokio::sync::watch::channel(Some(Ok(()))).0,
             lifecycle: tokio::sync::Mutex::new(()),
+            criu_config_ours: AtomicBool::new(false),
         })
     }
 
@@ -259,6 +263,7 @@ impl Container {
         let dir = self.work_dir();
         tokio::fs::create_dir_all(&dir).await.map_err(|e| ShimError::io(&dir, e))?;
         self.install_init()?;
+        self.name_criu_config();
         if self.config.restore_from.is_some() {
             return Ok(0);
         }
@@ -327,8 +332,11 @@ impl Container {
             no_new_keyring: self.config.no_new_keyring,
             stdio: launch.stdio,
         };
-        self.prepare_criu_restore();
+        let action_script = self.criu_action_script(true);
         let restored = self.runtime.restore(&self.config.id, &self.config.bundle, &opts, launch_opts).await;
+        if action_script {
+            self.criu_action_script(false);
+        }
         if self.config.restore_images_owned {
             // Links to the kept copy or reassembled files, on the kept copies' file system (a
             // tmpfs): CRIU is done with them either way.
@@ -337,9 +345,6 @@ impl Container {
         finish_console(&io, master, restored.is_ok()).await?;
         restored?;
         let pid = read_pid(&pid_file).await?;
-        // CRIU 4.1 brings the container's loopback back down on this kernel
-        // (runc's own restore does the same): a restored server would not be
-        // reachable even from inside its sandbox.
         // Up already when the shim was CRIU's action script; else (a spec with a CRIU config
         // of its own) a restored server becomes reachable from here on.
         if let Err(e) = loopback_up(pid).await {
@@ -350,19 +355,44 @@ impl Container {
         Ok(pid)
     }
 
-    /// Makes this binary CRIU's action script for the restore, so that the loopback is up
-    /// before CRIU connects restored TCP sockets back. Without it only such sockets fail.
-    fn prepare_criu_restore(&self) {
-        let named = std::env::current_exe()
-            .map_err(|e| e.to_string())
-            .and_then(|exe| {
-                let conf = self.work_dir().join("criu-restore.conf");
-                crate::runtime::criu::use_action_script(&self.config.bundle, &conf, &exe).map_err(|e| e.to_string())
-            });
-        match named {
-            Ok(true) => {}
-            Ok(false) => tracing::info!(container = %self.id(), "the spec names a CRIU config of its own: restored loopback TCP connections may fail"),
-            Err(e) => tracing::warn!(container = %self.id(), error = %e, "no CRIU action script: restored loopback TCP connections will fail"),
+    /// The CRIU config file the spec names (see [`crate::runtime::criu`]).
+    fn criu_config_path(&self) -> PathBuf {
+        self.work_dir().join("criu.conf")
+    }
+
+    /// Names crab's CRIU config in the spec, for every later dump and restore. Without it
+    /// dumps keep CRIU's 1 MiB ghost limit and restored loopback TCP connections fail.
+    fn name_criu_config(&self) {
+        match crate::runtime::criu::name_config(&self.config.bundle, &self.criu_config_path()) {
+            Ok(true) => self.criu_config_ours.store(true, Ordering::Relaxed),
+            Ok(false) => tracing::info!(container = %self.id(), "the spec names a CRIU config of its own: crab's ghost limit and restore action script are not used"),
+            Err(e) => tracing::warn!(container = %self.id(), error = %e, "crab's CRIU config not named: deleted files over 1 MiB fail dumps, restored loopback TCP connections fail"),
+        }
+    }
+
+    /// Makes this binary CRIU's action script (`on`) for a restore, or stops it being one
+    /// (a dump needs none). Returns whether it is one now.
+    fn criu_action_script(&self, on: bool) -> bool {
+        if !self.criu_config_ours.load(Ordering::Relaxed) {
+            return false;
+        }
+        let exe = if on {
+            match std::env::current_exe() {
+                Ok(exe) => Some(exe),
+                Err(e) => {
+                    tracing::warn!(container = %self.id(), error = %e, "no CRIU action script: restored loopback TCP connections will fail");
+                    return false;
+                }
+            }
+        } else {
+            None
+        };
+        match crate::runtime::criu::write_config(&self.criu_config_path(), exe.as_deref()) {
+            Ok(()) => on,
+            Err(e) => {
+                tracing::warn!(container = %self.id(), error = %e, "CRIU config not rewritten");
+                false
+            }
         }
     }
 
