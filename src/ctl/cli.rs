@@ -12,12 +12,25 @@ use crate::containerd::ctr::Ctr;
 
 #[derive(Args, Debug)]
 pub struct Common {
-    /// crab's state directory (the checkpoint store).
-    #[arg(long, env = "CRAB_STATE_DIR", default_value = crate::checkpoint::DEFAULT_STATE_DIR)]
-    pub state_dir: PathBuf,
+    /// crab's state directory (the checkpoint store). Default: `[checkpoint] state_dir` of the
+    /// crab config the shims read ($CRAB_CONFIG, else /etc/crab/crab.toml, else /var/lib/crab).
+    #[arg(long, env = "CRAB_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+impl Common {
+    /// The store the shims of this host write to, unless told otherwise.
+    pub fn state_dir(&self) -> Result<PathBuf> {
+        match &self.state_dir {
+            Some(dir) => Ok(dir.clone()),
+            None => crate::config::Config::load(None)
+                .map(|config| config.checkpoint.state_dir)
+                .map_err(|e| super::CtlError::Invalid(format!("{e} (or give --state-dir)"))),
+        }
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -117,7 +130,7 @@ impl CheckpointCommand {
     pub async fn run(self) -> Result<()> {
         let common = self.common();
         let json = common.json;
-        let ctl = Ctl::open(&common.state_dir, Ctr::from_env())?;
+        let ctl = Ctl::open(&common.state_dir()?, Ctr::from_env())?;
         match &self {
             Self::Turns { container, .. } => print(json, &ctl.turns(container)?, |turns| {
                 let mut out = format!("{:>5} {:<6} {:<6} {:>3} {:>10} {:>9} {:>10}  {}\n", "turn", "source", "class", "ext", "ckpt", "bytes", "ckpt ms", "reasons");
