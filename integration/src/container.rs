@@ -206,6 +206,24 @@ impl Container {
         Ok(output.stdout)
     }
 
+    /// Runs a read-only `cmd` that prints something, as [`exec_ok`](Self::exec_ok). Under
+    /// containerd's own runc shim (1.6) an exec that exits at once sometimes loses its whole
+    /// output (the shim publishes the exit before the client has read the fifo): there, and
+    /// only there, an empty answer is asked for again, twice at most. crab's shim must answer
+    /// the first time (it waits for the reader; see `src/shim/io.rs`).
+    pub async fn exec_output(&self, exec_id: &str, cmd: &[&str]) -> Outcome<String> {
+        let mut out = self.exec_ok(exec_id, cmd).await?;
+        if self.runtime.name() == crate::env::RUNC_RUNTIME {
+            for retry in 1..=2 {
+                if !out.is_empty() {
+                    break;
+                }
+                out = self.exec_ok(&format!("{exec_id}-again{retry}"), cmd).await?;
+            }
+        }
+        Ok(out)
+    }
+
     pub async fn kill(&self, signal: &str, all: bool) -> Outcome<()> {
         let mut args = vec!["task", "kill", "--signal", signal];
         if all {

@@ -87,7 +87,7 @@ async fn exec_environment_has_home_as_under_runc() {
     across_runtimes("exec environment", |runtime| async move {
         let container = Container::new(&runtime, "exec-env");
         container.start(&["sleep", "100000"]).await?;
-        let seen = container.exec_ok("env", &["sh", "-c", "echo home=$HOME; echo path=$PATH"]).await;
+        let seen = container.exec_output("env", &["sh", "-c", "echo home=$HOME; echo path=$PATH"]).await;
         container.kill("SIGKILL", true).await?;
         container.wait_status("STOPPED", std::time::Duration::from_secs(10)).await?;
         container.delete_task().await?;
@@ -642,14 +642,14 @@ async fn containers_of_one_pod_share_a_shim() {
         let shim = first.shim_pid()?;
         let own = host::shim_daemons(second.ctr().namespace(), second.id());
         ensure!(own.is_empty(), "the pod's second container has a shim of its own: {own:?}");
-        ensure_eq!(second.exec_ok("second", &["echo", "two"]).await?, "two\n", "exec in the second container");
+        ensure_eq!(second.exec_output("second", &["echo", "two"]).await?, "two\n", "exec in the second container");
 
         first.kill("SIGKILL", false).await?;
         first.wait_status("STOPPED", SHORT).await?;
         first.delete_task().await?;
         first.delete_container().await?;
         ensure!(host::process_running(shim), "the pod's shim exited while a container of the pod runs");
-        ensure_eq!(second.exec_ok("after", &["echo", "still"]).await?, "still\n", "exec after the first's delete");
+        ensure_eq!(second.exec_output("after", &["echo", "still"]).await?, "still\n", "exec after the first's delete");
 
         second.kill("SIGKILL", false).await?;
         second.wait_status("STOPPED", SHORT).await?;
