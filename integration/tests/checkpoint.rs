@@ -50,7 +50,22 @@ async fn count_at_least(container: &Container, minimum: u64) -> Outcome<(String,
     wait_until(
         &format!("the counter of {} to reach {minimum}", container.id()),
         LONG,
-        || async { Ok(read_state(pid).filter(|(_, count)| *count >= minimum)) },
+        || async {
+            match read_state(pid) {
+                Some(state) => Ok(Some(state).filter(|(_, count)| *count >= minimum)),
+                // Said on a time-out: what the counter was waiting for.
+                None => {
+                    let exists = |path: String| if std::path::Path::new(&path).exists() { "present" } else { "absent" };
+                    let log = container.read_log();
+                    let tail: String = log.chars().rev().take(200).collect::<Vec<_>>().into_iter().rev().collect();
+                    Err(HarnessError::Expectation(format!(
+                        "no /state: /proc/{pid} {}, /go {}, log ends {tail:?}",
+                        exists(format!("/proc/{pid}")),
+                        exists(format!("/proc/{pid}/root/go"))
+                    )))
+                }
+            }
+        },
     )
     .await
 }
