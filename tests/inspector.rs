@@ -1262,6 +1262,28 @@ impl Interpreter {
         let mut answer = String::new();
         self.stdout.read_line(&mut answer).unwrap();
         assert_eq!(answer, "ok\n", "`{code}` failed");
+        self.wait_until_reading_stdin();
+    }
+
+    /// The answer is written before the loop's tail (flush, the next
+    /// `readline`) has run: on a loaded machine that tail, with its own
+    /// syscalls, lands in whatever turn the test drains next. The turn is over
+    /// only once the interpreter blocks in read(0), which `/proc/<pid>/syscall`
+    /// shows as syscall 0 with descriptor 0.
+    fn wait_until_reading_stdin(&self) {
+        let path = format!("/proc/{}/syscall", self.pid());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let now = std::fs::read_to_string(&path).unwrap_or_default();
+            if now.starts_with("0 0x0 ") {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the interpreter never went back to reading its stdin (syscall: {now:?})"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
     }
 }
 
