@@ -479,3 +479,70 @@ async fn the_first_turn_after_a_restore_without_crabd_is_recorded() {
         manifest.fs_delta.iter().map(|e| e.path.to_string()).collect::<Vec<_>>()
     );
 }
+
+/// A new crab-init installed while sandboxes run (renamed over the old one, as an installer
+/// does) must not break their checkpoints. Each container binds a copy of the build it started
+/// with, pinned by sha256 under the store's `init/`; every dump names that build, and a restore
+/// binds it again. Without the pin, CRIU met a replaced (deleted) binary under the dumped init
+/// and the restore failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoints_survive_an_upgrade_of_crab_init() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let init = dir.path().join("crab-init");
+    std::fs::copy(crab::config::DEFAULT_INIT, &init)
+        .unwrap_or_else(|e| panic!("{}: {e} (scripts/test installs crab-init)", crab::config::DEFAULT_INIT));
+    let config = dir.path().join("crab.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[runtime]\ninit = \"{}\"\n[checkpoint]\nstate_dir = \"{}\"\n[node]\nsocket = \"{}\"\nspawn = false\n",
+            init.display(),
+            state.display(),
+            dir.path().join("no-crabd.sock").display()
+        ),
+    )
+    .unwrap();
+    let md5 = |bytes: &[u8]| {
+        let out = std::process::Command::new("md5sum").stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn().and_then(|mut child| {
+            use std::io::Write;
+            child.stdin.take().unwrap().write_all(bytes)?;
+            child.wait_with_output()
+        });
+        String::from_utf8(out.unwrap().stdout).unwrap().split_whitespace().next().unwrap().to_string()
+    };
+    let started_with = md5(&std::fs::read(&init).unwrap());
+
+    let mut sb = Sandbox::start_in("rs-upgrade", &["--runtime-config-path", config.to_str().unwrap()], state.clone()).await;
+    sb.turn("mkdir -p /data; (i=0; while :; do i=$((i+1)); echo $i > /data/c.tmp && mv /data/c.tmp /data/c; sleep 0.1; done) >/dev/null 2>&1 &").await;
+    let turns = sb.settled().await;
+    assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{turns:?}");
+
+    let staged = dir.path().join("crab-init.new");
+    let mut upgraded = std::fs::read(&init).unwrap();
+    upgraded.extend_from_slice(b"another build");
+    std::fs::write(&staged, &upgraded).unwrap();
+    std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::rename(&staged, &init).unwrap();
+    // Dumped after the upgrade.
+    sb.turn("sleep 100000 >/dev/null 2>&1 &").await;
+    let turns = sb.settled().await;
+    assert_eq!((turns[1].class, turns[1].checkpoint_turn), (RecordedClass::Proc, Some(2)), "{turns:?}");
+    let counted = sb.exec_in(&sb.id.clone(), "cat /data/c").await;
+
+    sb.kill_processes().await;
+    sb.ctl().recover(&sb.id, None).await.unwrap();
+    let sleeping = "for p in /proc/[0-9]*; do [ \"$(tr '\\0' ' ' < $p/cmdline)\" = 'sleep 100000 ' ] && echo sleeping; done; true";
+    let after = sb.exec_in(&sb.id.clone(), &format!("md5sum < /dev/.crab/init; {sleeping}")).await;
+    let lines: Vec<&str> = after.lines().collect();
+    assert_eq!(lines.len(), 2, "{after}");
+    assert_eq!(lines[0].split_whitespace().next(), Some(started_with.as_str()), "the restore binds the build the dump ran");
+    assert_eq!(lines[1], "sleeping", "turn 2's process is back: {after}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let count: u64 = sb.exec_in(&sb.id.clone(), "cat /data/c").await.trim().parse().unwrap();
+    let before: u64 = counted.trim().parse().unwrap();
+    assert!(count >= before, "the counter continues from its checkpointed value: {before} then {count}");
+    let pins: Vec<_> = std::fs::read_dir(state.join("init")).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(pins.len(), 1, "only the build in use is pinned: {pins:?}");
+}

@@ -25,6 +25,11 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> InitError + '_ {
 /// Checks that `path` is an executable, statically linked ELF (no program
 /// interpreter): it runs inside images that may have no libc at all.
 pub fn check_static_binary(path: &Path) -> Result<(), InitError> {
+    read_static_binary(path).map(drop)
+}
+
+/// [`check_static_binary`], returning the bytes it read.
+fn read_static_binary(path: &Path) -> Result<Vec<u8>, InitError> {
     use std::os::unix::fs::PermissionsExt;
     let unusable = |reason: &str| InitError::Unusable { path: path.to_path_buf(), reason: reason.into() };
     let meta = std::fs::metadata(path).map_err(|e| unusable(&e.to_string()))?;
@@ -33,10 +38,84 @@ pub fn check_static_binary(path: &Path) -> Result<(), InitError> {
     }
     let bytes = std::fs::read(path).map_err(|e| unusable(&e.to_string()))?;
     match elf_has_interpreter(&bytes) {
-        Ok(false) => Ok(()),
+        Ok(false) => Ok(bytes),
         Ok(true) => Err(unusable("dynamically linked (has PT_INTERP); build it with +crt-static")),
         Err(reason) => Err(unusable(reason)),
     }
+}
+
+/// The file each CRIU dump of a container with crab-init gets beside its
+/// images: the sha256 (hex) of the crab-init build the dumped processes run.
+pub const DIGEST_FILE: &str = "crab-init.sha256";
+
+/// Checks `init` as [`check_static_binary`] does and pins it: a copy named by
+/// its sha256 under `pins`, written once and never replaced. Containers bind
+/// the pinned copy, so installing a new crab-init at `init` leaves the file
+/// their running (and checkpointed) init executes in place; CRIU could not
+/// restore a process whose binary was replaced or deleted under it.
+pub fn pin(init: &Path, pins: &Path) -> Result<PathBuf, InitError> {
+    use sha2::Digest;
+    let bytes = read_static_binary(init)?;
+    let pinned = pins.join(hex::encode(sha2::Sha256::digest(&bytes)));
+    if std::fs::metadata(&pinned).is_ok_and(|m| m.is_file() && m.len() == bytes.len() as u64) {
+        return Ok(pinned);
+    }
+    std::fs::create_dir_all(pins).map_err(io_error(pins))?;
+    // Written aside and renamed: shims of other containers may pin the same build at once.
+    let tmp = pins.join(format!(".pin-{}-{:?}", std::process::id(), std::thread::current().id()));
+    let written = (|| {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o755).open(&tmp)?;
+        file.write_all(&bytes)?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, &pinned)
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(InitError::Io { path: pinned, source: e });
+    }
+    Ok(pinned)
+}
+
+/// The pinned crab-init a checkpoint's processes ran, from the [`DIGEST_FILE`]
+/// in its image directory; None for images without one (taken without
+/// crab-init, or before builds were pinned).
+pub fn pinned_for_images(images: &Path, pins: &Path) -> Result<Option<PathBuf>, InitError> {
+    let record = images.join(DIGEST_FILE);
+    let text = match std::fs::read_to_string(&record) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(InitError::Io { path: record, source: e }),
+    };
+    let digest = text.trim();
+    if !is_sha256_hex(digest) {
+        return Err(InitError::Spec { path: record, detail: format!("{digest:?} is not a sha256 in lower-case hex") });
+    }
+    let pinned = pins.join(digest);
+    if !pinned.is_file() {
+        return Err(InitError::Unusable {
+            path: pinned,
+            reason: format!("the checkpoint's processes run crab-init {digest}, which is no longer kept there"),
+        });
+    }
+    Ok(Some(pinned))
+}
+
+/// The digest a pinned crab-init path ([`pin`]) is named by; None for a path
+/// that is not a pin.
+pub fn pinned_digest(init: &Path) -> Option<&str> {
+    init.file_name().and_then(|n| n.to_str()).filter(|name| is_sha256_hex(name))
+}
+
+fn is_sha256_hex(text: &str) -> bool {
+    text.len() == 64 && text.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// Records, beside a dump's images, which pinned crab-init its processes run.
+pub fn record_in_images(images: &Path, digest: &str) -> Result<(), InitError> {
+    let record = images.join(DIGEST_FILE);
+    std::fs::write(&record, format!("{digest}\n")).map_err(io_error(&record))
 }
 
 /// Whether a 64-bit little-endian ELF image declares a program interpreter.
@@ -341,5 +420,58 @@ mod tests {
         let err = check_static_binary(Path::new("/bin/sh")).unwrap_err();
         assert!(err.to_string().contains("PT_INTERP"), "{err}");
         assert!(check_static_binary(Path::new("/nonexistent/crab-init")).is_err());
+    }
+
+    /// An executable that passes as a static ELF (a header with no program headers), `tag`
+    /// making its content differ.
+    fn fake_static_binary(path: &Path, tag: u8) {
+        use std::os::unix::fs::PermissionsExt;
+        let mut elf = vec![0u8; 0x40];
+        elf[..6].copy_from_slice(b"\x7fELF\x02\x01");
+        elf.push(tag);
+        std::fs::write(path, elf).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    #[test]
+    fn a_pinned_build_survives_an_upgrade_and_dumps_name_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (init, pins, images) = (dir.path().join("crab-init"), dir.path().join("pins"), dir.path().join("images"));
+        std::fs::create_dir(&images).unwrap();
+        fake_static_binary(&init, 1);
+        let old = pin(&init, &pins).unwrap();
+        assert_eq!(std::fs::read(&old).unwrap(), std::fs::read(&init).unwrap());
+        assert_eq!(pin(&init, &pins).unwrap(), old, "the same build pins to the same path");
+        let digest = pinned_digest(&old).unwrap().to_string();
+        record_in_images(&images, &digest).unwrap();
+
+        // An upgrade replaces the binary by a rename, as an installer does.
+        let staged = dir.path().join("staged");
+        fake_static_binary(&staged, 2);
+        std::fs::rename(&staged, &init).unwrap();
+        let new = pin(&init, &pins).unwrap();
+        assert_ne!(new, old);
+        assert_eq!(std::fs::read(&old).unwrap().last(), Some(&1), "the old build is left as it was");
+        assert_eq!(pinned_for_images(&images, &pins).unwrap(), Some(old.clone()), "a restore binds the dump's build");
+
+        assert_eq!(pinned_for_images(dir.path(), &pins).unwrap(), None, "images without a record");
+        assert_eq!(pinned_digest(&init), None, "the installed path is not a pin");
+    }
+
+    #[test]
+    fn a_missing_or_malformed_pin_record_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let (pins, images) = (dir.path().join("pins"), dir.path().join("images"));
+        std::fs::create_dir_all(&images).unwrap();
+        std::fs::write(images.join(DIGEST_FILE), "../../etc/passwd\n").unwrap();
+        let err = pinned_for_images(&images, &pins).unwrap_err().to_string();
+        assert!(err.contains(DIGEST_FILE) && err.contains("not a sha256"), "{err}");
+
+        let gone = "ab".repeat(32);
+        std::fs::write(images.join(DIGEST_FILE), format!("{gone}\n")).unwrap();
+        let err = pinned_for_images(&images, &pins).unwrap_err().to_string();
+        assert!(err.contains(&gone) && err.contains("no longer kept"), "{err}");
+        let dynamic = pin(Path::new("/bin/sh"), &pins).unwrap_err().to_string();
+        assert!(dynamic.contains("PT_INTERP"), "{dynamic}");
     }
 }

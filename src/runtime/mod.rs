@@ -65,7 +65,8 @@ pub struct OciRuntime {
 #[async_trait::async_trait]
 pub trait DumpHooks: Send + Sync + std::fmt::Debug {
     async fn before_dump(&self);
-    async fn after_dump(&self);
+    /// `dumped_to` is the image directory when the dump succeeded.
+    async fn after_dump(&self, dumped_to: Option<&Path>);
 }
 
 /// The container process's standard streams, as the runtime sees them.
@@ -255,7 +256,7 @@ impl OciRuntime {
         }
         let dumped = self.run(id, &args, ProcessStdio::default()).await.map(drop);
         if let Some(hooks) = &hooks {
-            hooks.after_dump().await;
+            hooks.after_dump(dumped.is_ok().then_some(opts.image_path.as_path())).await;
         }
         dumped.map_err(|e| self.with_criu_error(id, e, opts.work_path.as_deref().unwrap_or(&opts.image_path).join("dump.log")))
     }

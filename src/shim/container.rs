@@ -193,6 +193,7 @@ impl Container {
                     slot: slot.clone(),
                     execs: self.execs.clone(),
                     init: self.init.clone(),
+                    init_digest: crate::runtime::init::pinned_digest(init).map(String::from),
                     no_connect: Default::default(),
                 }));
                 let _ = self.spawner.set(slot);
@@ -780,6 +781,8 @@ struct QuiesceForDump {
     slot: Arc<SpawnerSlot>,
     execs: Execs,
     init: Arc<Process>,
+    /// The pinned crab-init build the container runs, recorded with every dump.
+    init_digest: Option<String>,
     /// The slot's `connecting` lock from before the dump to after it.
     no_connect: Arc<std::sync::Mutex<Option<tokio::sync::OwnedMutexGuard<()>>>>,
 }
@@ -809,7 +812,12 @@ impl crate::runtime::DumpHooks for QuiesceForDump {
         *self.no_connect.lock().expect("dump guard lock") = Some(guard);
     }
 
-    async fn after_dump(&self) {
+    async fn after_dump(&self, dumped_to: Option<&Path>) {
+        if let (Some(images), Some(digest)) = (dumped_to, &self.init_digest)
+            && let Err(e) = crate::runtime::init::record_in_images(images, digest)
+        {
+            tracing::warn!(error = %e, "the dump does not say which crab-init it holds: a restore after an upgrade of crab-init fails");
+        }
         self.no_connect.lock().expect("dump guard lock").take();
         self.hold_output(false);
         if self.slot.client.is_suspended() {

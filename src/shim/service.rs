@@ -199,6 +199,15 @@ impl TaskService {
         tokio::fs::create_dir_all(runtime.root()).await.map_err(|e| ShimError::io(runtime.root(), e))?;
         let restore_images_owned = prepared.is_some();
         let restore_from = prepared.or_else(|| (!req.checkpoint.is_empty()).then(|| PathBuf::from(&req.checkpoint)));
+        let init_binary = match usable_init(&config, restore_from.as_deref()) {
+            Ok(init) => init,
+            Err(e) => {
+                if rootfs_mounted {
+                    super::container::unmount_rootfs(&bundle);
+                }
+                return Err(e);
+            }
+        };
         let container = Container::new(
             ContainerConfig {
                 id: req.id.clone(),
@@ -210,7 +219,7 @@ impl TaskService {
                 no_new_keyring: opts.no_new_keyring,
                 io_uid: opts.io_uid,
                 io_gid: opts.io_gid,
-                init_binary: usable_init(&config),
+                init_binary,
             },
             runtime,
             self.reaper.clone(),
@@ -526,16 +535,33 @@ fn attach_restored_engine(container: Arc<Container>, loading: EngineLoad, policy
 }
 
 /// crab-init from the config, if it is enabled and fit to run in any image.
-fn usable_init(config: &Config) -> Option<PathBuf> {
+/// The crab-init the container runs: for a restore, the pinned build its
+/// checkpoint was taken with (a restore with another build fails in CRIU);
+/// otherwise the configured one, pinned (`runtime::init::pin`) under the
+/// store's `init/`. None without a usable crab-init.
+fn usable_init(config: &Config, restore_from: Option<&Path>) -> Result<Option<PathBuf>, ShimError> {
+    use crate::runtime::init;
     let path = &config.runtime.init;
     if path.as_os_str().is_empty() {
-        return None;
+        return Ok(None);
     }
-    match crate::runtime::init::check_static_binary(path) {
-        Ok(()) => Some(path.clone()),
-        Err(e) => {
+    let pins = config.checkpoint.state_dir.join("init");
+    if let Some(images) = restore_from
+        && let Some(pinned) = init::pinned_for_images(images, &pins)
+            .map_err(|e| ShimError::FailedPrecondition(format!("restore from {}: {e}", images.display())))?
+    {
+        return Ok(Some(pinned));
+    }
+    match init::pin(path, &pins) {
+        Ok(pinned) => Ok(Some(pinned)),
+        Err(e @ init::InitError::Unusable { .. }) => {
             tracing::warn!(error = %e, "exec sessions go through the runtime and are left out of checkpoints");
-            None
+            Ok(None)
+        }
+        Err(e) => {
+            // Usable, only not pinned: an upgrade of it in place breaks restores.
+            tracing::warn!(error = %e, init = %path.display(), "crab-init not pinned: it is used where it is installed");
+            Ok(init::check_static_binary(path).is_ok().then(|| path.clone()))
         }
     }
 }
