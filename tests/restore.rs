@@ -109,7 +109,64 @@ impl Sandbox {
     fn ctl(&self) -> Ctl {
         Ctl::open(&self.state, self.ctr.clone()).unwrap()
     }
+
+    /// How CRIU locked the network for the dump behind `turn`'s checkpoint, as its images
+    /// record it (a restore does the same).
+    fn dump_network_lock(&self, turn: u64) -> NetworkLockRecorded {
+        let dest = tempfile::tempdir().unwrap();
+        let images = dest.path().join("images");
+        self.ctl().store.restore_images(&self.id, turn, &images).unwrap().expect("a process checkpoint");
+        let inventory = std::fs::read(images.join("inventory.img")).unwrap();
+        match recorded_network_lock(&inventory) {
+            Some(0) => NetworkLockRecorded::Iptables,
+            Some(2) => NetworkLockRecorded::Skip,
+            other => panic!("inventory.img of {} turn {turn}: network_lock_method {other:?}", self.id),
+        }
+    }
 }
+
+#[derive(Debug, PartialEq)]
+enum NetworkLockRecorded {
+    Iptables,
+    Skip,
+}
+
+/// Field 11 (network_lock_method) of the inventory_entry in a CRIU inventory.img: its magic,
+/// the entry's length, then the protobuf message. CRIU's values: 0 iptables, 1 nftables, 2 skip.
+fn recorded_network_lock(inventory: &[u8]) -> Option<u64> {
+    let len = u32::from_le_bytes(inventory.get(4..8)?.try_into().ok()?) as usize;
+    let entry = inventory.get(8..8 + len)?;
+    let mut at = 0;
+    let varint = |at: &mut usize| -> Option<u64> {
+        let mut value = 0u64;
+        for shift in (0..64).step_by(7) {
+            let byte = *entry.get(*at)?;
+            *at += 1;
+            value |= u64::from(byte & 0x7f) << shift;
+            if byte & 0x80 == 0 {
+                return Some(value);
+            }
+        }
+        None
+    };
+    while at < entry.len() {
+        let key = varint(&mut at)?;
+        match key & 7 {
+            0 => {
+                let value = varint(&mut at)?;
+                if key >> 3 == 11 {
+                    return Some(value);
+                }
+            }
+            1 => at += 8,
+            2 => at += varint(&mut at)? as usize,
+            5 => at += 4,
+            _ => return None,
+        }
+    }
+    None
+}
+
 
 impl Drop for Sandbox {
     fn drop(&mut self) {
@@ -188,6 +245,9 @@ async fn a_counter_process_continues_from_its_value_after_recover() {
     // It continues from the checkpointed value instead of starting over (a
     // restart would be near 1..5 after 0.5 s).
     assert!(count_after + 10 >= count, "counter went from {count} back to {count_after}");
+    // No TCP connection was dumped: neither the dump nor the restore locked the network
+    // (iptables-restore at lock and unlock, about 90 ms of each dump here).
+    assert_eq!(sb.dump_network_lock(turns[0].turn), NetworkLockRecorded::Skip);
 }
 
 /// A process that dropped root (as a server's workers do) is in the checkpoint and comes back
@@ -272,6 +332,8 @@ async fn an_open_tcp_connection_and_a_file_lock_come_back() {
     assert_eq!(after.trim(), format!("after over the connection of pid {pid}"), "the restored peer answers over its connection");
     let lock = sb.exec_in(&sb.id.clone(), TRY_LOCK).await;
     assert!(lock.contains("Resource temporarily unavailable"), "the restored peer holds its lock again: {lock}");
+    // A connection was dumped: the network was locked around the dump and the restore.
+    assert_eq!(sb.dump_network_lock(turns[0].turn), NetworkLockRecorded::Iptables);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

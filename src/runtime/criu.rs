@@ -17,6 +17,12 @@
 //!   unreachable"). CRIU runs its action script at `setup-namespaces`, after
 //!   it has made the namespaces and before it restores any socket: the shim's
 //!   own binary is that script, and brings `lo` up there.
+//! - Before each dump, the network lock: CRIU locks the container's network
+//!   (iptables-restore runs, forked from CRIU, at lock and at unlock, tens of
+//!   milliseconds) so that no TCP segment changes a connection while it is
+//!   dumped. With no TCP connection in the namespace there is nothing to
+//!   protect: the dump skips the lock, and so does every restore of it (CRIU
+//!   records the lock method in the images).
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
@@ -45,6 +51,32 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> CriuConfigError + '_ 
     move |source| CriuConfigError::Io { path: path.display().to_string(), source }
 }
 
+/// Whether a dump locks the container's network (see the module's notes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NetworkLock {
+    /// CRIU's default (iptables).
+    Lock,
+    /// `network-lock skip`: for a namespace without TCP connections.
+    Skip,
+}
+
+/// The lock a dump of the processes in `pid`'s network namespace needs: none
+/// when its TCP sockets are all listening or closed. Unreadable tables lock.
+pub fn network_lock_for(pid: u32) -> NetworkLock {
+    let tables = ["tcp", "tcp6"].map(|t| std::fs::read_to_string(format!("/proc/{pid}/net/{t}")));
+    if tables.iter().any(Result::is_err) {
+        return NetworkLock::Lock;
+    }
+    if tables.iter().flatten().any(|table| has_tcp_connection(table)) { NetworkLock::Lock } else { NetworkLock::Skip }
+}
+
+/// Whether a `/proc/net/tcp` table holds a connection: a socket that is not
+/// listening (0A), closed (07) or in TIME_WAIT (06; no process holds it and
+/// CRIU does not dump it).
+fn has_tcp_connection(table: &str) -> bool {
+    table.lines().skip(1).any(|line| !matches!(line.split_whitespace().nth(3), Some("0A" | "07" | "06") | None))
+}
+
 /// Names `config_file` as the CRIU config in `bundle`'s spec and writes it (no action
 /// script). A spec that names a CRIU config of its own keeps it: the user's choice wins.
 /// Returns whether the spec names our file.
@@ -68,17 +100,21 @@ pub fn name_config(bundle: &Path, config_file: &Path) -> Result<bool, CriuConfig
             std::fs::rename(&tmp, &spec_path).map_err(io_error(&spec_path))?;
         }
     }
-    write_config(config_file, None)?;
+    write_config(config_file, None, NetworkLock::Lock)?;
     Ok(true)
 }
 
-/// Writes the CRIU config file: the ghost limit, and `action_script` while a restore runs.
-pub fn write_config(config_file: &Path, action_script: Option<&Path>) -> Result<(), CriuConfigError> {
+/// Writes the CRIU config file: the ghost limit, `action_script` while a restore runs, and
+/// the network lock of the next dump.
+pub fn write_config(config_file: &Path, action_script: Option<&Path>, lock: NetworkLock) -> Result<(), CriuConfigError> {
     let mut text = format!("ghost-limit {GHOST_LIMIT_MIB}M\n");
     if let Some(script) = action_script {
         let plain = script.to_str().filter(|s| !s.contains(|c: char| c.is_whitespace() || c == '"' || c == '\''));
         let Some(plain) = plain else { return Err(CriuConfigError::ScriptPath(script.display().to_string())) };
         text.push_str(&format!("action-script {plain}\n"));
+    }
+    if lock == NetworkLock::Skip {
+        text.push_str("network-lock skip\n");
     }
     // Replaced whole: a CRIU run starting meanwhile reads the old file or the new one.
     let tmp = config_file.with_extension("tmp");
@@ -174,10 +210,12 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&conf).unwrap(), "ghost-limit 64M\n");
         // Again (a restore's Create of a recovered spec): unchanged.
         assert!(name_config(dir.path(), &conf).unwrap());
-        write_config(&conf, Some(Path::new("/usr/bin/shim"))).unwrap();
+        write_config(&conf, Some(Path::new("/usr/bin/shim")), NetworkLock::Lock).unwrap();
         assert_eq!(std::fs::read_to_string(&conf).unwrap(), "ghost-limit 64M\naction-script /usr/bin/shim\n");
-        write_config(&conf, None).unwrap();
+        write_config(&conf, None, NetworkLock::Lock).unwrap();
         assert_eq!(std::fs::read_to_string(&conf).unwrap(), "ghost-limit 64M\n");
+        write_config(&conf, None, NetworkLock::Skip).unwrap();
+        assert_eq!(std::fs::read_to_string(&conf).unwrap(), "ghost-limit 64M\nnetwork-lock skip\n");
     }
 
     #[test]
@@ -195,12 +233,27 @@ mod tests {
         let dir = bundle(serde_json::json!(["not", "an", "object"]));
         let err = name_config(dir.path(), &dir.path().join("c")).unwrap_err();
         assert!(err.to_string().contains("config.json") && err.to_string().contains("not a JSON object"), "{err}");
-        let err = write_config(&dir.path().join("c"), Some(Path::new("/with space/s"))).unwrap_err();
+        let err = write_config(&dir.path().join("c"), Some(Path::new("/with space/s")), NetworkLock::Lock).unwrap_err();
         assert!(matches!(err, CriuConfigError::ScriptPath(_)), "{err}");
     }
 
     #[test]
     fn other_actions_are_ignored() {
         assert_eq!(run_action("post-restore"), 0);
+    }
+
+    #[test]
+    fn only_tcp_connections_need_the_network_lock() {
+        let header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n";
+        let listening = "   0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0 100 0 0 10 0\n";
+        let established = "   1: 0100007F:1F90 0100007F:A1B2 01 00000000:00000000 00:00000000 00000000     0        0 2 1 0 20 4 30 10 -1\n";
+        let time_wait = "   2: 0100007F:1F90 0100007F:A1B3 06 00000000:00000000 03:00001000 00000000     0        0 0 3 0\n";
+        let closing = "   3: 0100007F:1F90 0100007F:A1B4 04 00000000:00000000 01:00000010 00000000     0        0 3 2 0 20 4 30 10 -1\n";
+        assert!(!has_tcp_connection(header));
+        assert!(!has_tcp_connection(&format!("{header}{listening}")));
+        assert!(has_tcp_connection(&format!("{header}{listening}{established}")));
+        assert!(!has_tcp_connection(&format!("{header}{listening}{time_wait}")), "TIME_WAIT belongs to no process");
+        assert!(has_tcp_connection(&format!("{header}{closing}")), "a connection on its way out is one");
+        assert_eq!(network_lock_for(u32::MAX), NetworkLock::Lock, "no tables: lock");
     }
 }

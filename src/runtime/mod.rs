@@ -53,7 +53,7 @@ pub struct OciRuntime {
     systemd_cgroup: bool,
     reaper: Reaper,
     exclusive: std::sync::Arc<tokio::sync::Mutex<()>>,
-    dump_hooks: std::sync::Arc<std::sync::Mutex<Option<std::sync::Arc<dyn DumpHooks>>>>,
+    dump_hooks: std::sync::Arc<std::sync::Mutex<Vec<std::sync::Arc<dyn DumpHooks>>>>,
     /// Host pid of the runtime's own process inside the container (crab-init's
     /// spawner): it is not the workload's, whatever it does.
     helper_pid: std::sync::Arc<std::sync::atomic::AtomicU32>,
@@ -126,8 +126,10 @@ impl OciRuntime {
     }
 
     /// Shared by every clone: the container sets them once its spawner is up.
-    pub fn set_dump_hooks(&self, hooks: std::sync::Arc<dyn DumpHooks>) {
-        *self.dump_hooks.lock().expect("dump hooks lock") = Some(hooks);
+    /// Adds hooks run around every dump: `before_dump` in the order added, `after_dump` in
+    /// the reverse order.
+    pub fn add_dump_hooks(&self, hooks: std::sync::Arc<dyn DumpHooks>) {
+        self.dump_hooks.lock().expect("dump hooks lock").push(hooks);
     }
 
     /// Records the spawner's host pid (it changes with a restore); 0 for none.
@@ -251,12 +253,12 @@ impl OciRuntime {
         args.push(id.into());
         let _exclusive = self.exclusive.lock().await;
         let hooks = self.dump_hooks.lock().expect("dump hooks lock").clone();
-        if let Some(hooks) = &hooks {
-            hooks.before_dump().await;
+        for hook in &hooks {
+            hook.before_dump().await;
         }
         let dumped = self.run(id, &args, ProcessStdio::default()).await.map(drop);
-        if let Some(hooks) = &hooks {
-            hooks.after_dump(dumped.is_ok().then_some(opts.image_path.as_path())).await;
+        for hook in hooks.iter().rev() {
+            hook.after_dump(dumped.is_ok().then_some(opts.image_path.as_path())).await;
         }
         dumped.map_err(|e| self.with_criu_error(id, e, opts.work_path.as_deref().unwrap_or(&opts.image_path).join("dump.log")))
     }

@@ -189,7 +189,7 @@ impl Container {
                     connecting: Default::default(),
                     adopt: restoring.into(),
                 });
-                self.runtime.set_dump_hooks(Arc::new(QuiesceForDump {
+                self.runtime.add_dump_hooks(Arc::new(QuiesceForDump {
                     slot: slot.clone(),
                     execs: self.execs.clone(),
                     init: self.init.clone(),
@@ -368,7 +368,13 @@ impl Container {
     /// dumps keep CRIU's 1 MiB ghost limit and restored loopback TCP connections fail.
     fn name_criu_config(&self) {
         match crate::runtime::criu::name_config(&self.config.bundle, &self.criu_config_path()) {
-            Ok(true) => self.criu_config_ours.store(true, Ordering::Relaxed),
+            Ok(true) => {
+                self.criu_config_ours.store(true, Ordering::Relaxed);
+                self.runtime.add_dump_hooks(Arc::new(NetworkLockForDump {
+                    config: self.criu_config_path(),
+                    init: self.init.clone(),
+                }));
+            }
             Ok(false) => tracing::info!(container = %self.id(), "the spec names a CRIU config of its own: crab's ghost limit and restore action script are not used"),
             Err(e) => tracing::warn!(container = %self.id(), error = %e, "crab's CRIU config not named: deleted files over 1 MiB fail dumps, restored loopback TCP connections fail"),
         }
@@ -391,7 +397,8 @@ impl Container {
         } else {
             None
         };
-        match crate::runtime::criu::write_config(&self.criu_config_path(), exe.as_deref()) {
+        let lock = crate::runtime::criu::NetworkLock::Lock;
+        match crate::runtime::criu::write_config(&self.criu_config_path(), exe.as_deref(), lock) {
             Ok(()) => on,
             Err(e) => {
                 tracing::warn!(container = %self.id(), error = %e, "CRIU config not rewritten");
@@ -824,6 +831,34 @@ impl crate::runtime::DumpHooks for QuiesceForDump {
             reconnect_when_running(self.slot.clone(), self.init.clone());
         }
     }
+}
+
+/// Chooses, just before each dump, whether CRIU locks the container's network:
+/// only a namespace with TCP connections needs it (`runtime::criu`).
+struct NetworkLockForDump {
+    config: PathBuf,
+    init: Arc<Process>,
+}
+
+impl std::fmt::Debug for NetworkLockForDump {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NetworkLockForDump").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::runtime::DumpHooks for NetworkLockForDump {
+    async fn before_dump(&self) {
+        use crate::runtime::criu;
+        let pid = self.init.pid();
+        let lock = if pid == 0 { criu::NetworkLock::Lock } else { criu::network_lock_for(pid) };
+        tracing::debug!(pid, ?lock, "network lock of the dump");
+        if let Err(e) = criu::write_config(&self.config, None, lock) {
+            tracing::warn!(error = %e, "CRIU config not rewritten before the dump");
+        }
+    }
+
+    async fn after_dump(&self, _dumped_to: Option<&Path>) {}
 }
 
 /// Has the spawner close its connection to the shim (it must be running to).
