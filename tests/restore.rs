@@ -198,6 +198,24 @@ impl Drop for Sandbox {
     }
 }
 
+/// A crab config of a test's own in `dir`: its store at `dir/state`, no crabd (the shim
+/// loads its own inspector), and `runtime` lines put under `[runtime]`. Returns the store
+/// and the config file.
+fn own_config(dir: &std::path::Path, runtime: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let state = dir.join("state");
+    let config = dir.join("crab.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[runtime]\n{runtime}[checkpoint]\nstate_dir = \"{}\"\n[node]\nsocket = \"{}\"\nspawn = false\n",
+            state.display(),
+            dir.join("no-crabd.sock").display()
+        ),
+    )
+    .unwrap();
+    (state, config)
+}
+
 /// Content, mode and type of every file under /data, one line each.
 const FINGERPRINT: &str = "cd /data && find . | sort | while read f; do stat -c '%n %a %F %s' \"$f\"; [ -f \"$f\" ] && md5sum \"$f\"; [ -L \"$f\" ] && readlink \"$f\"; done; true";
 
@@ -453,17 +471,7 @@ async fn every_turn_writes_the_whole_checkpoint_again_without_dedup() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recover_keeps_the_sandboxs_own_config_path() {
     let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    let config = dir.path().join("crab.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[checkpoint]\nstate_dir = \"{}\"\n[node]\nsocket = \"{}\"\nspawn = false\n",
-            state.display(),
-            dir.path().join("no-crabd.sock").display()
-        ),
-    )
-    .unwrap();
+    let (state, config) = own_config(dir.path(), "");
     let mut sb = Sandbox::start_in("rs-cfg", &["--runtime-config-path", config.to_str().unwrap()], state.clone()).await;
     sb.turn("mkdir -p /data && echo kept > /data/k").await;
     let turns = sb.settled().await;
@@ -509,17 +517,7 @@ async fn a_deleted_file_held_open_is_checkpointed_and_comes_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_first_turn_after_a_restore_without_crabd_is_recorded() {
     let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    let config = dir.path().join("crab.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[checkpoint]\nstate_dir = \"{}\"\n[node]\nsocket = \"{}\"\nspawn = false\n",
-            state.display(),
-            dir.path().join("no-crabd.sock").display()
-        ),
-    )
-    .unwrap();
+    let (state, config) = own_config(dir.path(), "");
     let mut sb = Sandbox::start_in("rs-first", &["--runtime-config-path", config.to_str().unwrap()], state.clone()).await;
     sb.turn("sleep 100000 >/dev/null 2>&1 &").await;
     let turns = sb.settled().await;
@@ -551,21 +549,10 @@ async fn the_first_turn_after_a_restore_without_crabd_is_recorded() {
 async fn checkpoints_survive_an_upgrade_of_crab_init() {
     use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
     let init = dir.path().join("crab-init");
     std::fs::copy(crab::config::DEFAULT_INIT, &init)
         .unwrap_or_else(|e| panic!("{}: {e} (scripts/test installs crab-init)", crab::config::DEFAULT_INIT));
-    let config = dir.path().join("crab.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[runtime]\ninit = \"{}\"\n[checkpoint]\nstate_dir = \"{}\"\n[node]\nsocket = \"{}\"\nspawn = false\n",
-            init.display(),
-            state.display(),
-            dir.path().join("no-crabd.sock").display()
-        ),
-    )
-    .unwrap();
+    let (state, config) = own_config(dir.path(), &format!("init = \"{}\"\n", init.display()));
     let md5 = |bytes: &[u8]| {
         let out = std::process::Command::new("md5sum").stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn().and_then(|mut child| {
             use std::io::Write;
