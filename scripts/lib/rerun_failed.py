@@ -25,6 +25,7 @@ import sys
 RUNNING = re.compile(r"^\s*Running (?:unittests )?(\S+) \((\S+)\)$")
 FAILED = re.compile(r"^test (\S+) \.\.\. FAILED$")
 RESULT = re.compile(r"^test result: (ok|FAILED)\.")
+DOCTESTS = re.compile(r"^\s*Doc-tests \S+$")
 
 
 def failures(log_path):
@@ -37,9 +38,15 @@ def failures(log_path):
             line = line.rstrip("\n")
             if m := RUNNING.match(line):
                 binary, named_here = m.group(2), 0
-            elif (m := FAILED.match(line)) and binary:
-                found.append((binary, m.group(1)))
-                named_here += 1
+            elif DOCTESTS.match(line):
+                # Doc-tests have no binary of their own to rerun: their failures count as unexplained.
+                binary, named_here = None, 0
+            elif m := FAILED.match(line):
+                if binary:
+                    found.append((binary, m.group(1)))
+                    named_here += 1
+                else:
+                    unnamed += 1
             elif (m := RESULT.match(line)) and m.group(1) == "FAILED" and named_here == 0:
                 unnamed += 1
     # A binary that died (signal, abort) prints no result line at all: cargo
@@ -93,8 +100,11 @@ def main():
             continue
         print(f"[rerun] {test} ({os.path.basename(exe)}) once more, alone", flush=True)
         env = dict(os.environ, CARGO_MANIFEST_DIR=cwd)
-        code = subprocess.run([exe, "--exact", test, "--test-threads=1"], cwd=cwd, env=env).returncode
-        if code == 0:
+        run = subprocess.run([exe, "--exact", test, "--test-threads=1"], cwd=cwd, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        print(run.stdout, end="", flush=True)
+        # Passing means this very test ran and passed, not that a filter matched nothing.
+        if run.returncode == 0 and "test result: ok. 1 passed;" in run.stdout:
             print(f"[rerun] FLAKY: {test} failed in the full run and passed alone", flush=True)
         else:
             print(f"[rerun] FAILED again: {test}", flush=True)
