@@ -793,6 +793,7 @@ async fn a_stopped_crabd_costs_each_request_its_bound_and_nothing_hangs() {
     // SAFETY: kill(2) of the crabd this test started.
     assert_eq!(unsafe { libc::kill(crabd.pid() as i32, libc::SIGSTOP) }, 0);
     let resume = ScopedSigcont(crabd.pid());
+    wait_until_stopped(crabd.pid());
     let slack = Duration::from_millis(500);
     let started = Instant::now();
     let drained = client.drain("sandbox-s", monotonic_now_ns()).await;
@@ -842,6 +843,24 @@ async fn a_stopped_crabd_costs_each_request_its_bound_and_nothing_hangs() {
 }
 
 /// Continues a stopped process on drop (a failed assertion must not leave crabd stopped).
+/// kill(2) only queues SIGSTOP: a thread busy in user space answers one more request before
+/// it stops. Waits until every thread of `pid` shows state T.
+fn wait_until_stopped(pid: u32) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let states: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("stat")).ok())
+            .map(|stat| stat.rsplit_once(") ").map(|(_, rest)| rest[..1].to_string()).unwrap_or_default())
+            .collect();
+        if !states.is_empty() && states.iter().all(|state| state == "T") {
+            return;
+        }
+        assert!(Instant::now() < deadline, "crabd {pid} not stopped: thread states {states:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 struct ScopedSigcont(u32);
 
 impl Drop for ScopedSigcont {
