@@ -34,25 +34,23 @@ def failures(log_path):
     found, unnamed = [], 0
     binary, named_here = None, 0
     with open(log_path, errors="replace") as log:
-        for line in log:
-            line = line.rstrip("\n")
-            if m := RUNNING.match(line):
-                binary, named_here = m.group(2), 0
-            elif DOCTESTS.match(line):
-                # Doc-tests have no binary of their own to rerun: their failures count as unexplained.
-                binary, named_here = None, 0
-            elif m := FAILED.match(line):
-                if binary:
-                    found.append((binary, m.group(1)))
-                    named_here += 1
-                else:
-                    unnamed += 1
-            elif (m := RESULT.match(line)) and m.group(1) == "FAILED" and named_here == 0:
+        text = log.read()
+    for line in text.splitlines():
+        if m := RUNNING.match(line):
+            binary, named_here = m.group(2), 0
+        elif DOCTESTS.match(line):
+            # Doc-tests have no binary of their own to rerun: their failures count as unexplained.
+            binary, named_here = None, 0
+        elif m := FAILED.match(line):
+            if binary:
+                found.append((binary, m.group(1)))
+                named_here += 1
+            else:
                 unnamed += 1
+        elif (m := RESULT.match(line)) and m.group(1) == "FAILED" and named_here == 0:
+            unnamed += 1
     # A binary that died (signal, abort) prints no result line at all: cargo
     # then says so in its summary.
-    with open(log_path, errors="replace") as log:
-        text = log.read()
     crashed = len(re.findall(r"process didn't exit successfully: .*\(signal:", text))
     return found, unnamed + crashed
 

@@ -559,9 +559,10 @@ fn usable_init(config: &Config, restore_from: Option<&Path>) -> Result<Option<Pa
             Ok(None)
         }
         Err(e) => {
-            // Usable, only not pinned: an upgrade of it in place breaks restores.
+            // Checked and usable (pin fails as Unusable otherwise), only not pinned: an upgrade
+            // of it in place breaks restores.
             tracing::warn!(error = %e, init = %path.display(), "crab-init not pinned: it is used where it is installed");
-            Ok(init::check_static_binary(path).is_ok().then(|| path.clone()))
+            Ok(Some(path.clone()))
         }
     }
 }
