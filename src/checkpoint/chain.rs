@@ -1301,6 +1301,7 @@ mod tests {
             meta: meta.clone(),
             blob: Digest::of(b"x"),
             size: 1,
+            extents: None,
         };
         fold_entry(
             &mut state,

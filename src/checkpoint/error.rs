@@ -69,6 +69,18 @@ pub enum CheckpointError {
     )]
     NoBaseState { path: String, turn: u64 },
 
+    #[error("sparse file {path}: {reason}")]
+    BadExtents { path: PathBuf, reason: String },
+
+    /// A path was replaced again and again between two steps of a restore: a process in the
+    /// container is racing it. Nothing outside the container was touched.
+    #[error("{path} was replaced {attempts} times while it was being {op}; a process in the container races the restore")]
+    KeptChanging {
+        path: PathBuf,
+        op: &'static str,
+        attempts: u32,
+    },
+
     #[error("CRIU image directory {path}: {reason}")]
     BadImageDir { path: PathBuf, reason: String },
 

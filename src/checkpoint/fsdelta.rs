@@ -15,9 +15,10 @@ use std::path::{Path, PathBuf};
 use tracing::warn;
 
 use super::error::{CheckpointError, IoContext, Result};
-use super::manifest::{FsEntry, FsNode, Meta};
+use super::manifest::{Extent, FsEntry, FsNode, Meta};
 use super::path::{Bytes, RelPath};
 use super::store::{BlobStore, Digest, WriteBatch};
+use std::io::Read;
 use super::sys::{self, cstr, file_type};
 
 /// A path an agent turn touched, as reported by the inspector (absolute inside the container).
@@ -195,7 +196,7 @@ struct Capturer<'r, 'b, 'a> {
     root: &'r Root,
     batch: &'b mut WriteBatch<'a>,
     /// First path and content of every multiply-linked inode seen in this delta.
-    links: HashMap<(u64, u64), (RelPath, Digest, u64)>,
+    links: HashMap<(u64, u64), LinkSource>,
     out: Vec<FsEntry>,
 }
 
@@ -208,48 +209,57 @@ impl Capturer<'_, '_, '_> {
         recursive: bool,
     ) -> Result<()> {
         let host = self.root.host_path(&rel);
-        let Some(st) = sys::fstatat_opt(dir, name).io_ctx("stat", &host)? else {
+        fail::fail_point!("fsdelta-capture-open");
+        // The entry is opened once, as itself (O_PATH, no link followed, no device opened), and
+        // everything after is decided and read on that handle: a name the container swaps
+        // meanwhile changes nothing we do.
+        let Some(entry) = sys::open_entry_opt(dir, name).io_ctx("open", &host)? else {
             self.out.push(FsEntry {
                 path: rel,
                 node: FsNode::Whiteout,
             });
             return Ok(());
         };
+        let st = sys::fstat(entry.as_fd()).io_ctx("stat", &host)?;
+        fail::fail_point!("fsdelta-capture-read");
         let node = match file_type(&st) {
             libc::S_IFREG => {
-                let fd = match sys::openat(dir, name, libc::O_RDONLY | libc::O_NONBLOCK, 0) {
-                    Ok(fd) => fd,
-                    // Replaced by a symlink or removed between stat and open: record what is there now.
-                    Err(e)
-                        if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::ENOENT)) =>
-                    {
-                        return self.capture_at(dir, name, rel, recursive);
-                    }
-                    Err(e) => return Err(e).io_ctx("open", &host),
-                };
-                let st = sys::fstat(fd.as_fd()).io_ctx("stat", &host)?;
-                let meta = meta_of(&st, read_xattrs(fd.as_fd(), &host)?);
+                let file =
+                    File::from(sys::reopen(entry.as_fd(), libc::O_RDONLY).io_ctx("open", &host)?);
+                let meta = meta_of(&st, read_xattrs(file.as_fd(), &host)?);
                 let key = (st.st_dev, st.st_ino);
                 if st.st_nlink > 1
-                    && let Some((first, blob, size)) = self.links.get(&key)
+                    && let Some(first) = self.links.get(&key)
                 {
                     let node = FsNode::Hardlink {
                         meta,
-                        link_to: first.clone(),
-                        blob: *blob,
-                        size: *size,
+                        link_to: first.path.clone(),
+                        blob: first.blob,
+                        size: first.size,
+                        extents: first.extents.clone(),
                     };
                     self.out.push(FsEntry { path: rel, node });
                     return Ok(());
                 }
-                let (blob, size) = self.batch.put_reader(&mut File::from(fd), &host)?;
+                let (blob, size, extents) = read_content(self.batch, &file, &st, &host)?;
                 if st.st_nlink > 1 {
-                    self.links.insert(key, (rel.clone(), blob, size));
+                    let first = LinkSource {
+                        path: rel.clone(),
+                        blob,
+                        size,
+                        extents: extents.clone(),
+                    };
+                    self.links.insert(key, first);
                 }
-                FsNode::File { meta, blob, size }
+                FsNode::File {
+                    meta,
+                    blob,
+                    size,
+                    extents,
+                }
             }
             libc::S_IFDIR => {
-                let fd = sys::openat(dir, name, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+                let fd = sys::reopen(entry.as_fd(), libc::O_RDONLY | libc::O_DIRECTORY)
                     .io_ctx("open", &host)?;
                 let meta = meta_of(&st, read_xattrs(fd.as_fd(), &host)?);
                 self.out.push(FsEntry {
@@ -260,6 +270,7 @@ impl Capturer<'_, '_, '_> {
                     },
                 });
                 if recursive {
+                    // Children are resolved from this open directory, never by path again.
                     for child in sys::read_dir_names(fd.as_fd()).io_ctx("readdir", &host)? {
                         let child_c = cstr(&child).io_ctx("readdir", &host)?;
                         self.capture_at(fd.as_fd(), &child_c, rel.join(&child), true)?;
@@ -268,12 +279,13 @@ impl Capturer<'_, '_, '_> {
                 return Ok(());
             }
             libc::S_IFLNK => {
-                let target = sys::readlinkat(dir, name).io_ctx("readlink", &host)?;
+                let target = sys::readlink_entry(entry.as_fd()).io_ctx("readlink", &host)?;
                 FsNode::Symlink {
                     meta: meta_of(&st, BTreeMap::new()),
                     target: Bytes(target),
                 }
             }
+            // Device nodes, fifos and sockets are metadata: never opened, never read.
             other => FsNode::Special {
                 meta: meta_of(&st, BTreeMap::new()),
                 file_type: other,
@@ -285,9 +297,124 @@ impl Capturer<'_, '_, '_> {
     }
 }
 
+/// The first name and stored content of a multiply-linked inode seen in this delta.
+struct LinkSource {
+    path: RelPath,
+    blob: Digest,
+    size: u64,
+    extents: Option<Vec<Extent>>,
+}
+
+/// Most data ranges one sparse file is recorded with. A file cut into more (a container can
+/// make millions of 4 KiB islands) has its closest ranges merged, the holes between them
+/// stored as zeros: the manifest stays small, and no byte of data is lost.
+const MAX_EXTENTS: usize = 4096;
+
+/// Stores a regular file's content; returns its blob, size and, for a sparse file, its data
+/// ranges. A file whose allocated blocks cover less than its size may have holes: only its
+/// data ranges (`SEEK_DATA`/`SEEK_HOLE`) are read and stored back to back, so a 1 TiB file of
+/// holes costs nothing. Nothing is read past the size seen at open: a file the container
+/// keeps appending to cannot keep the capture reading.
+fn read_content(
+    batch: &mut WriteBatch<'_>,
+    file: &File,
+    st: &libc::stat,
+    host: &Path,
+) -> Result<(Digest, u64, Option<Vec<Extent>>)> {
+    let size = st.st_size.max(0) as u64;
+    let allocated = (st.st_blocks.max(0) as u64).saturating_mul(512);
+    if allocated >= size {
+        let (blob, read) = batch.put_reader(&mut file.take(size), host)?;
+        return Ok((blob, read, None));
+    }
+    let extents = data_extents(file, size).io_ctx("seek", host)?;
+    let mut reader = ExtentReader {
+        file,
+        extents: &extents,
+        next: 0,
+        at: extents.first().map_or(0, Extent::offset),
+    };
+    let (blob, _) = batch.put_reader(&mut reader, host)?;
+    Ok((blob, size, Some(extents)))
+}
+
+/// The data ranges of `file` below `size`, at most [`MAX_EXTENTS`] of them.
+fn data_extents(file: &File, size: u64) -> std::io::Result<Vec<Extent>> {
+    let mut extents: Vec<Extent> = Vec::new();
+    let mut gap = 0u64;
+    let mut at = 0u64;
+    while at < size {
+        let Some(data) = sys::seek_data(file, at)? else {
+            break;
+        };
+        if data >= size {
+            break;
+        }
+        let end = sys::seek_hole(file, data)?.min(size);
+        match extents.last_mut() {
+            Some(last) if data - last.end() <= gap => last.1 = end - last.0,
+            _ => extents.push(Extent(data, end - data)),
+        }
+        if extents.len() > MAX_EXTENTS {
+            gap = (gap * 2).max(4096);
+            extents = merge_extents(&extents, gap);
+        }
+        at = end;
+    }
+    Ok(extents)
+}
+
+/// Merges ranges whose gap is at most `gap` bytes.
+fn merge_extents(extents: &[Extent], gap: u64) -> Vec<Extent> {
+    let mut out: Vec<Extent> = Vec::with_capacity(extents.len());
+    for e in extents {
+        match out.last_mut() {
+            Some(last) if e.offset() - last.end() <= gap => last.1 = e.end() - last.0,
+            _ => out.push(*e),
+        }
+    }
+    out
+}
+
+/// Reads a file's data ranges back to back. A range the file no longer covers (it shrank
+/// since) reads as zeros, so the stored blob always matches the recorded ranges.
+struct ExtentReader<'f> {
+    file: &'f File,
+    extents: &'f [Extent],
+    next: usize,
+    at: u64,
+}
+
+impl std::io::Read for ExtentReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let Some(extent) = self.extents.get(self.next) else {
+            return Ok(0);
+        };
+        let want = (extent.end() - self.at).min(buf.len() as u64) as usize;
+        let n = match std::os::unix::fs::FileExt::read_at(self.file, &mut buf[..want], self.at)? {
+            0 => {
+                buf[..want].fill(0);
+                want
+            }
+            n => n,
+        };
+        self.at += n as u64;
+        if self.at >= extent.end() {
+            self.next += 1;
+            self.at = self.extents.get(self.next).map_or(0, Extent::offset);
+        }
+        Ok(n)
+    }
+}
+
 /// Where the content of a regular file comes from when it is written back.
 enum Content<'x> {
-    Blob(&'x Digest),
+    /// A stored blob: the whole file, or with `extents` a sparse file's data ranges.
+    Blob {
+        digest: &'x Digest,
+        size: u64,
+        extents: Option<&'x [Extent]>,
+    },
     Host(File, u64),
 }
 
@@ -383,18 +510,34 @@ impl<'a> Applier<'a> {
                     && !(*complete && wipe_complete);
                 self.make_dir(&slot, rel, existing.filter(|_| !keep), meta)?;
             }
-            FsNode::File { meta, blob, .. } => {
-                self.write_file(&slot, rel, existing, Content::Blob(blob), meta)?
+            FsNode::File {
+                meta,
+                blob,
+                size,
+                extents,
+            } => {
+                let content = Content::Blob {
+                    digest: blob,
+                    size: *size,
+                    extents: extents.as_deref(),
+                };
+                self.write_file(&slot, rel, existing, content, meta)?
             }
             FsNode::Hardlink {
                 meta,
                 link_to,
                 blob,
-                ..
+                size,
+                extents,
             } => {
                 if !self.try_link(&slot, rel, existing.as_ref(), link_to, blob)? {
                     let existing = self.stat(&slot, rel)?;
-                    self.write_file(&slot, rel, existing, Content::Blob(blob), meta)?;
+                    let content = Content::Blob {
+                        digest: blob,
+                        size: *size,
+                        extents: extents.as_deref(),
+                    };
+                    self.write_file(&slot, rel, existing, content, meta)?;
                 }
             }
             FsNode::Symlink { meta, target } => {
@@ -532,6 +675,24 @@ impl<'a> Applier<'a> {
         Ok(())
     }
 
+    /// Opens what is at the slot now as an `O_PATH` handle and its stat; `None` when nothing is.
+    fn open_current(&self, slot: &Slot, host: &Path) -> Result<Option<(OwnedFd, libc::stat)>> {
+        let Some(fd) = sys::open_entry_opt(slot.parent.as_fd(), &slot.name).io_ctx("open", host)?
+        else {
+            return Ok(None);
+        };
+        let st = sys::fstat(fd.as_fd()).io_ctx("stat", host)?;
+        Ok(Some((fd, st)))
+    }
+
+    /// Removes whatever is at the slot now, if anything.
+    fn remove_current(&mut self, slot: &Slot, rel: &RelPath) -> Result<()> {
+        match self.stat(slot, rel)? {
+            Some(st) => self.remove(slot, rel, &st),
+            None => Ok(()),
+        }
+    }
+
     fn write_file(
         &mut self,
         slot: &Slot,
@@ -541,56 +702,119 @@ impl<'a> Applier<'a> {
         meta: &Meta,
     ) -> Result<()> {
         let host = self.root.host_path(rel);
-        // Rewriting in place keeps the inode (open fds, bind mounts) unless other names share it.
-        let in_place = existing
+        fail::fail_point!("fsdelta-write-open");
+        // Rewriting in place keeps the inode (open fds, bind mounts) unless other names share
+        // it. What was decided on `existing` is checked again on the handle actually opened:
+        // the container may have put a device node or a link there since.
+        let mut file = None;
+        let mut current = None;
+        if existing
             .as_ref()
-            .is_some_and(|st| file_type(st) == libc::S_IFREG && st.st_nlink == 1);
-        if !in_place && let Some(st) = existing {
-            self.remove(slot, rel, &st)?;
+            .is_some_and(|st| file_type(st) == libc::S_IFREG && st.st_nlink == 1)
+            && let Some((fd, st)) = self.open_current(slot, &host)?
+        {
+            let decided = existing.as_ref().is_some_and(|e| same_inode(e, &st));
+            if decided && file_type(&st) == libc::S_IFREG && st.st_nlink == 1 {
+                file = Some(File::from(
+                    sys::reopen(fd.as_fd(), libc::O_WRONLY).io_ctx("open", &host)?,
+                ));
+            }
+            current = Some(st);
         }
-        // No O_TRUNC: ext4 treats truncate-to-zero-then-write as a file replacement and flushes
-        // it on close (auto_da_alloc), costing milliseconds per file. Overwrite, then cut to size.
-        let flags = if in_place {
-            libc::O_WRONLY
-        } else {
-            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL
+        let in_place = file.is_some();
+        let mut file = match file {
+            Some(file) => file,
+            None => self.create_file(slot, rel, &host)?,
         };
-        let mut file = File::from(
-            sys::openat(slot.parent.as_fd(), &slot.name, flags, 0o600).io_ctx("open", &host)?,
-        );
+        let old_size = current.as_ref().filter(|_| in_place).map(|st| st.st_size as u64);
         let bytes = match &content {
-            Content::Blob(digest) => match self.prefetched.get(*digest) {
+            Content::Blob {
+                digest,
+                size,
+                extents: Some(extents),
+            } => {
+                // Holes must read as zeros: the old bytes go first.
+                if old_size.is_some_and(|old| old > 0) {
+                    file.set_len(0).io_ctx("truncate", &host)?;
+                }
+                self.write_extents(digest, &file, extents, &host)?;
+                file.set_len(*size).io_ctx("truncate", &host)?;
+                *size
+            }
+            Content::Blob { digest, .. } => match self.prefetched.get(*digest) {
                 Some(data) => {
                     file.write_all(data).io_ctx("write", &host)?;
                     data.len() as u64
                 }
-                None => self.blobs.copy_verified(digest, &mut file, &host)?,
+                None => self.blobs.copy_verified(digest, &file, &host)?,
             },
             Content::Host(src, size) => {
                 sys::copy_file_range_all(src, &file, *size).io_ctx("copy_file_range", &host)?;
                 *size
             }
         };
-        // Growing needs no truncate, and truncating is the one call here that waits for the
-        // journal (ordered data of a committing transaction), so only shrink when needed.
-        if existing
-            .as_ref()
-            .is_some_and(|st| in_place && st.st_size as u64 > bytes)
-        {
+        // No O_TRUNC above: ext4 treats truncate-to-zero-then-write as a file replacement and
+        // flushes it on close (auto_da_alloc), costing milliseconds per file. Overwrite, then
+        // cut to size; growing needs no truncate, and truncating is the one call here that
+        // waits for the journal, so only shrink when needed.
+        if old_size.is_some_and(|old| old > bytes) {
             file.set_len(bytes).io_ctx("truncate", &host)?;
         }
-        set_meta(
-            file.as_fd(),
-            meta,
-            &host,
-            existing.as_ref().filter(|_| in_place),
-        )?;
+        set_meta(file.as_fd(), meta, &host, current.as_ref().filter(|_| in_place))?;
         sys::futimens(file.as_fd(), meta.mtime()).io_ctx("futimens", &host)?;
-        if let Content::Blob(digest) = content {
+        if let Content::Blob { digest, .. } = content {
             self.written.insert(rel.clone(), *digest);
         }
         self.stats.files_written += 1;
         self.stats.bytes_written += bytes;
+        Ok(())
+    }
+
+    /// Creates a new, empty regular file at the slot (whatever is there goes first).
+    /// `O_CREAT|O_EXCL` never opens an existing name, a link or a device node included.
+    fn create_file(&mut self, slot: &Slot, rel: &RelPath, host: &Path) -> Result<File> {
+        for _ in 0..RACE_ATTEMPTS {
+            self.remove_current(slot, rel)?;
+            let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL;
+            match sys::openat(slot.parent.as_fd(), &slot.name, flags, 0o600) {
+                Ok(fd) => return Ok(File::from(fd)),
+                // Something was put there again since the removal.
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => continue,
+                Err(e) => return Err(e).io_ctx("create", host),
+            }
+        }
+        Err(kept_changing(host, "created"))
+    }
+
+    /// Writes a sparse file's stored data ranges into `file`.
+    fn write_extents(&self, digest: &Digest, file: &File, extents: &[Extent], host: &Path) -> Result<()> {
+        let mut last_end = 0;
+        for e in extents {
+            if e.offset() < last_end || e.end() < e.offset() {
+                return Err(CheckpointError::BadExtents {
+                    path: host.to_owned(),
+                    reason: format!("range {e:?} overlaps the one before or wraps around"),
+                });
+            }
+            last_end = e.end();
+        }
+        let Some(data) = self.prefetched.get(digest) else {
+            self.blobs.copy_verified_to_extents(digest, file, extents, host)?;
+            return Ok(());
+        };
+        let wanted: u64 = extents.iter().map(Extent::len).sum();
+        if wanted != data.len() as u64 {
+            return Err(CheckpointError::BadExtents {
+                path: host.to_owned(),
+                reason: format!("its ranges hold {wanted} bytes, its blob {}", data.len()),
+            });
+        }
+        let mut from = 0usize;
+        for e in extents {
+            let piece = &data[from..from + e.len() as usize];
+            std::os::unix::fs::FileExt::write_all_at(file, piece, e.offset()).io_ctx("write", host)?;
+            from += e.len() as usize;
+        }
         Ok(())
     }
 
@@ -613,6 +837,8 @@ impl<'a> Applier<'a> {
         if let Some(st) = existing {
             self.remove(slot, rel, st)?;
         }
+        // linkat without AT_SYMLINK_FOLLOW links the entry itself: whatever the container put
+        // at `link_to` meanwhile, the new name stays inside the rootfs and reaches nothing else.
         sys::linkat(
             src.parent.as_fd(),
             &src.name,
@@ -637,21 +863,32 @@ impl<'a> Applier<'a> {
         if let Some(st) = replace {
             self.remove(slot, rel, &st)?;
         }
-        let current = self.stat(slot, rel)?;
-        if current.is_none() {
-            sys::mkdirat(slot.parent.as_fd(), &slot.name, 0o700).io_ctx("mkdir", &host)?;
+        for _ in 0..RACE_ATTEMPTS {
+            if self.stat(slot, rel)?.is_none() {
+                match sys::mkdirat(slot.parent.as_fd(), &slot.name, 0o700) {
+                    Ok(()) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+                    Err(e) => return Err(e).io_ctx("mkdir", &host),
+                }
+            }
+            fail::fail_point!("fsdelta-apply-meta");
+            // The metadata goes on through a handle of what is there now, and only if that is
+            // a directory: never through a name the container may have replaced.
+            let Some((fd, st)) = self.open_current(slot, &host)? else {
+                continue;
+            };
+            if file_type(&st) != libc::S_IFDIR {
+                self.remove(slot, rel, &st)?;
+                continue;
+            }
+            let dir = sys::reopen(fd.as_fd(), libc::O_RDONLY | libc::O_DIRECTORY)
+                .io_ctx("open", &host)?;
+            set_meta(dir.as_fd(), meta, &host, Some(&st))?;
+            self.dir_times.push((rel.clone(), meta.mtime()));
+            self.stats.dirs_set += 1;
+            return Ok(());
         }
-        let fd = sys::openat(
-            slot.parent.as_fd(),
-            &slot.name,
-            libc::O_RDONLY | libc::O_DIRECTORY,
-            0,
-        )
-        .io_ctx("open", &host)?;
-        set_meta(fd.as_fd(), meta, &host, current.as_ref())?;
-        self.dir_times.push((rel.clone(), meta.mtime()));
-        self.stats.dirs_set += 1;
-        Ok(())
+        Err(kept_changing(&host, "made a directory"))
     }
 
     fn make_symlink(
@@ -663,24 +900,48 @@ impl<'a> Applier<'a> {
         meta: &Meta,
     ) -> Result<()> {
         let host = self.root.host_path(rel);
-        let same = match &existing {
-            Some(st) if file_type(st) == libc::S_IFLNK => {
-                sys::readlinkat(slot.parent.as_fd(), &slot.name).io_ctx("readlink", &host)?
-                    == target
+        let target_c = cstr(target).io_ctx("symlink", &host)?;
+        let mut existing = existing;
+        for _ in 0..RACE_ATTEMPTS {
+            let same = match &existing {
+                Some(st) if file_type(st) == libc::S_IFLNK => {
+                    sys::readlinkat(slot.parent.as_fd(), &slot.name).io_ctx("readlink", &host)?
+                        == target
+                }
+                _ => false,
+            };
+            if !same {
+                if let Some(st) = existing {
+                    self.remove(slot, rel, &st)?;
+                }
+                match sys::symlinkat(&target_c, slot.parent.as_fd(), &slot.name) {
+                    Ok(()) => self.stats.files_written += 1,
+                    Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                        existing = self.stat(slot, rel)?;
+                        continue;
+                    }
+                    Err(e) => return Err(e).io_ctx("symlink", &host),
+                }
             }
-            _ => false,
-        };
-        if !same {
-            if let Some(st) = existing {
-                self.remove(slot, rel, &st)?;
+            fail::fail_point!("fsdelta-apply-meta");
+            // Owner through a handle of the link itself, once it is checked to be our link.
+            let Some((fd, st)) = self.open_current(slot, &host)? else {
+                existing = None;
+                continue;
+            };
+            if file_type(&st) != libc::S_IFLNK
+                || sys::readlink_entry(fd.as_fd()).io_ctx("readlink", &host)? != target
+            {
+                existing = Some(st);
+                continue;
             }
-            let target_c = cstr(target).io_ctx("symlink", &host)?;
-            sys::symlinkat(&target_c, slot.parent.as_fd(), &slot.name).io_ctx("symlink", &host)?;
-            self.stats.files_written += 1;
+            sys::chown_entry(fd.as_fd(), meta.uid, meta.gid).io_ctx("lchown", &host)?;
+            // By name, never following: at worst it sets the time of an entry the container
+            // swapped in since, inside its own rootfs.
+            return sys::lutimensat(slot.parent.as_fd(), &slot.name, meta.mtime())
+                .io_ctx("utimensat", &host);
         }
-        sys::lchownat(slot.parent.as_fd(), &slot.name, meta.uid, meta.gid)
-            .io_ctx("lchown", &host)?;
-        sys::lutimensat(slot.parent.as_fd(), &slot.name, meta.mtime()).io_ctx("utimensat", &host)
+        Err(kept_changing(&host, "made a symlink"))
     }
 
     fn make_special(
@@ -696,16 +957,51 @@ impl<'a> Applier<'a> {
         if let Some(st) = existing {
             self.remove(slot, rel, &st)?;
         }
-        sys::mknodat(slot.parent.as_fd(), &slot.name, kind | 0o600, rdev).io_ctx("mknod", &host)?;
-        sys::lchownat(slot.parent.as_fd(), &slot.name, meta.uid, meta.gid)
-            .io_ctx("lchown", &host)?;
-        // chown clears setuid/setgid, so the mode goes on after it.
-        sys::fchmodat(slot.parent.as_fd(), &slot.name, meta.mode).io_ctx("chmod", &host)?;
-        sys::lutimensat(slot.parent.as_fd(), &slot.name, meta.mtime())
-            .io_ctx("utimensat", &host)?;
-        self.stats.files_written += 1;
-        Ok(())
+        for _ in 0..RACE_ATTEMPTS {
+            match sys::mknodat(slot.parent.as_fd(), &slot.name, kind | 0o600, rdev) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                    self.remove_current(slot, rel)?;
+                    continue;
+                }
+                Err(e) => return Err(e).io_ctx("mknod", &host),
+            }
+            fail::fail_point!("fsdelta-special-meta");
+            // Owner, mode and time through a handle of the node just made, checked to be it:
+            // a name the container replaced with a link must not carry our chmod to the host.
+            // The node itself is never opened.
+            let Some((fd, st)) = self.open_current(slot, &host)? else {
+                continue;
+            };
+            if file_type(&st) != kind || st.st_rdev != rdev {
+                self.remove(slot, rel, &st)?;
+                continue;
+            }
+            sys::chown_entry(fd.as_fd(), meta.uid, meta.gid).io_ctx("lchown", &host)?;
+            // chown clears setuid/setgid, so the mode goes on after it.
+            sys::chmod_entry(fd.as_fd(), meta.mode).io_ctx("chmod", &host)?;
+            sys::utimens_entry(fd.as_fd(), meta.mtime()).io_ctx("utimensat", &host)?;
+            self.stats.files_written += 1;
+            return Ok(());
+        }
+        Err(kept_changing(&host, "made a special file"))
     }
+}
+
+/// How often a restore step is redone when the container replaced the path in between; past
+/// that the restore fails (the container is attacking it) and says so.
+const RACE_ATTEMPTS: u32 = 8;
+
+fn kept_changing(host: &Path, op: &'static str) -> CheckpointError {
+    CheckpointError::KeptChanging {
+        path: host.to_owned(),
+        op,
+        attempts: RACE_ATTEMPTS,
+    }
+}
+
+fn same_inode(a: &libc::stat, b: &libc::stat) -> bool {
+    (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 }
 
 /// Owner, mode and xattrs of an open file or directory (mtime is the caller's, set last).
@@ -764,3 +1060,7 @@ fn remove_tree(parent: BorrowedFd<'_>, name: &CStr, host: &Path) -> Result<()> {
     }
     sys::unlinkat(parent, name, true).io_ctx("rmdir", host)
 }
+
+#[cfg(test)]
+#[path = "fsdelta_races.rs"]
+mod races;

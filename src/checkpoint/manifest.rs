@@ -46,14 +46,37 @@ impl Meta {
     }
 }
 
+/// A range of a sparse file that holds data: `(offset, length)` in bytes, stored as a pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Extent(pub u64, pub u64);
+
+impl Extent {
+    pub fn offset(&self) -> u64 {
+        self.0
+    }
+
+    pub fn len(&self) -> u64 {
+        self.1
+    }
+
+    pub fn end(&self) -> u64 {
+        self.0.saturating_add(self.1)
+    }
+}
+
 /// The state of one path after a turn.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum FsNode {
+    /// A regular file of `size` bytes. Without `extents` the blob is its whole content; with
+    /// them (a sparse file) the blob holds only those byte ranges, back to back, and the rest
+    /// of the file is holes.
     File {
         meta: Meta,
         blob: Digest,
         size: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        extents: Option<Vec<Extent>>,
     },
     /// `complete`: the directory was (re)created, and the entries below it in the same delta are
     /// its whole content. Otherwise only its own metadata changed.
@@ -73,6 +96,8 @@ pub enum FsNode {
         link_to: RelPath,
         blob: Digest,
         size: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        extents: Option<Vec<Extent>>,
     },
     /// FIFO, socket or device node: `meta.mode` keeps the permission bits, `file_type` the
     /// `S_IFMT` bits.
@@ -308,6 +333,7 @@ mod tests {
                         meta: meta.clone(),
                         blob: Digest::of(b"x"),
                         size: 1,
+                        extents: None,
                     },
                 },
                 FsEntry {

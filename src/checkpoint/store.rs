@@ -342,6 +342,40 @@ impl BlobStore {
     }
 }
 
+impl BlobStore {
+    /// Writes a blob's content into the byte ranges `extents` of `dst`, in order (a sparse
+    /// file's data, see [`FsNode::File`](super::manifest::FsNode::File)). The blob is verified
+    /// in a first pass, so `dst` never receives unverified content; it must be exactly as long
+    /// as the ranges together.
+    pub(crate) fn copy_verified_to_extents(
+        &self,
+        digest: &Digest,
+        dst: &File,
+        extents: &[super::manifest::Extent],
+        dst_path: &Path,
+    ) -> Result<u64> {
+        let (mut file, path) = self.open_blob(digest)?;
+        let (actual, size) = hash_reader(&mut file).io_ctx("read", &path)?;
+        if actual != digest.0 {
+            return Err(Self::corrupt(digest, path, actual));
+        }
+        let wanted: u64 = extents.iter().map(|e| e.len()).sum();
+        if wanted != size {
+            return Err(CheckpointError::BadExtents {
+                path: dst_path.to_owned(),
+                reason: format!("its extents hold {wanted} bytes, its blob {size}"),
+            });
+        }
+        let mut from = 0;
+        for extent in extents {
+            sys::copy_file_range_at(&file, from, dst, extent.offset(), extent.len())
+                .io_ctx("copy_file_range", dst_path)?;
+            from += extent.len();
+        }
+        Ok(size)
+    }
+}
+
 fn hash_reader(r: &mut impl Read) -> std::io::Result<([u8; 32], u64)> {
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 256 * 1024];

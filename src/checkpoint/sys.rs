@@ -88,6 +88,71 @@ pub(crate) fn openat(
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// Opens the entry `name` in `dir` itself, as an `O_PATH` handle: a symlink is not followed
+/// (the handle is the link), and a device node, fifo or socket is not opened (no driver or
+/// peer is reached). What the entry is gets decided on this handle ([`fstat`]), and whatever
+/// is done to it afterwards goes through it, so a container that swaps the name between two
+/// calls cannot redirect us.
+pub(crate) fn open_entry(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<OwnedFd> {
+    openat(dir, name, libc::O_PATH, 0)
+}
+
+/// Like [`open_entry`], but a missing entry is `None` rather than an error.
+pub(crate) fn open_entry_opt(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<Option<OwnedFd>> {
+    match open_entry(dir, name) {
+        Ok(fd) => Ok(Some(fd)),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The procfs name of one of our descriptors. Opening or changing it acts on the inode the
+/// descriptor holds, whatever name that inode has now.
+fn proc_fd_path(fd: BorrowedFd<'_>) -> CString {
+    CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd())).expect("digits have no NUL")
+}
+
+/// Opens the inode an `O_PATH` handle holds for I/O (`flags`: `O_RDONLY`, `O_WRONLY`,
+/// `O_DIRECTORY`...). The caller has checked what the handle is with [`fstat`]: only regular
+/// files and directories are reopened, never a device node, fifo or socket.
+pub(crate) fn reopen(fd: BorrowedFd<'_>, flags: libc::c_int) -> io::Result<OwnedFd> {
+    let path = proc_fd_path(fd);
+    // No O_NOFOLLOW: the procfs entry is a magic link and must be followed to reach the inode.
+    // SAFETY: `path` is a NUL-terminated string that outlives the call.
+    let raw = check(unsafe { libc::open(path.as_ptr(), flags | libc::O_CLOEXEC | libc::O_NOCTTY) })?;
+    // SAFETY: `raw` was just returned by open(2) and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// chmod of the inode an `O_PATH` handle holds (`fchmod` refuses `O_PATH` handles). A symlink
+/// handle is refused by the caller: Linux cannot change a link's mode.
+pub(crate) fn chmod_entry(fd: BorrowedFd<'_>, mode: u32) -> io::Result<()> {
+    let path = proc_fd_path(fd);
+    // SAFETY: `path` is a NUL-terminated string that outlives the call.
+    check(unsafe { libc::chmod(path.as_ptr(), mode as libc::mode_t) }).map(drop)
+}
+
+/// chown of the inode an `O_PATH` handle holds (the entry itself, a symlink included).
+pub(crate) fn chown_entry(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
+    // SAFETY: the empty string is NUL-terminated and static; AT_EMPTY_PATH makes the call act
+    // on `fd` itself.
+    check(unsafe {
+        libc::fchownat(
+            fd.as_raw_fd(),
+            c"".as_ptr(),
+            uid,
+            gid,
+            libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
+        )
+    })
+    .map(drop)
+}
+
+/// The target of a symlink held by an `O_PATH` handle.
+pub(crate) fn readlink_entry(fd: BorrowedFd<'_>) -> io::Result<Vec<u8>> {
+    readlinkat(fd, c"")
+}
+
 pub(crate) fn fstatat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<libc::stat> {
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     check(unsafe {
@@ -173,27 +238,8 @@ pub(crate) fn mknodat(dir: BorrowedFd<'_>, name: &CStr, mode: u32, rdev: u64) ->
     .map(drop)
 }
 
-/// chown of the entry itself (a symlink is not followed).
-pub(crate) fn lchownat(dir: BorrowedFd<'_>, name: &CStr, uid: u32, gid: u32) -> io::Result<()> {
-    check(unsafe {
-        libc::fchownat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            uid,
-            gid,
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    })
-    .map(drop)
-}
-
 pub(crate) fn fchown(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
     check(unsafe { libc::fchown(fd.as_raw_fd(), uid, gid) }).map(drop)
-}
-
-pub(crate) fn fchmodat(dir: BorrowedFd<'_>, name: &CStr, mode: u32) -> io::Result<()> {
-    check(unsafe { libc::fchmodat(dir.as_raw_fd(), name.as_ptr(), mode as libc::mode_t, 0) })
-        .map(drop)
 }
 
 pub(crate) fn fchmod(fd: BorrowedFd<'_>, mode: u32) -> io::Result<()> {
@@ -216,6 +262,16 @@ fn timespecs(mtime: (i64, u32)) -> [libc::timespec; 2] {
 pub(crate) fn futimens(fd: BorrowedFd<'_>, mtime: (i64, u32)) -> io::Result<()> {
     let ts = timespecs(mtime);
     check(unsafe { libc::futimens(fd.as_raw_fd(), ts.as_ptr()) }).map(drop)
+}
+
+/// Sets the mtime of the inode an `O_PATH` handle holds (not a symlink: the caller uses
+/// [`lutimensat`] for those).
+pub(crate) fn utimens_entry(fd: BorrowedFd<'_>, mtime: (i64, u32)) -> io::Result<()> {
+    let ts = timespecs(mtime);
+    let path = proc_fd_path(fd);
+    // SAFETY: `path` is NUL-terminated and `ts` holds the two timespecs utimensat reads; both
+    // outlive the call.
+    check(unsafe { libc::utimensat(libc::AT_FDCWD, path.as_ptr(), ts.as_ptr(), 0) }).map(drop)
 }
 
 pub(crate) fn lutimensat(dir: BorrowedFd<'_>, name: &CStr, mtime: (i64, u32)) -> io::Result<()> {
@@ -347,6 +403,48 @@ pub(crate) fn copy_file_range_all(src: &File, dst: &File, len: u64) -> io::Resul
                 io::ErrorKind::UnexpectedEof,
                 "source shorter than expected",
             ));
+        }
+        left -= n as u64;
+    }
+    Ok(())
+}
+
+/// The offset of the first data at or after `from` (`SEEK_DATA`); `None` past the last data.
+pub(crate) fn seek_data(file: &File, from: u64) -> io::Result<Option<u64>> {
+    seek(file, from, libc::SEEK_DATA)
+}
+
+/// The offset of the first hole at or after `from` (`SEEK_HOLE`; the end of the file counts
+/// as one).
+pub(crate) fn seek_hole(file: &File, from: u64) -> io::Result<u64> {
+    Ok(seek(file, from, libc::SEEK_HOLE)?.unwrap_or(from))
+}
+
+fn seek(file: &File, from: u64, whence: libc::c_int) -> io::Result<Option<u64>> {
+    // SAFETY: lseek on a descriptor `file` keeps open; no memory is passed.
+    let ret = unsafe { libc::lseek64(file.as_raw_fd(), from as libc::off64_t, whence) };
+    if ret < 0 {
+        let e = io::Error::last_os_error();
+        return if e.raw_os_error() == Some(libc::ENXIO) { Ok(None) } else { Err(e) };
+    }
+    Ok(Some(ret as u64))
+}
+
+/// Copies `len` bytes from `src` at `off_in` to `dst` at `off_out` in the kernel; neither
+/// file's offset moves.
+pub(crate) fn copy_file_range_at(src: &File, off_in: u64, dst: &File, off_out: u64, len: u64) -> io::Result<()> {
+    let mut off_in = off_in as libc::loff_t;
+    let mut off_out = off_out as libc::loff_t;
+    let mut left = len;
+    while left > 0 {
+        let chunk = left.min(1 << 30) as usize;
+        // SAFETY: both descriptors are open for the call's duration and both offsets are
+        // valid, exclusively borrowed loff_t values the kernel advances.
+        let n = check_size(unsafe {
+            libc::copy_file_range(src.as_raw_fd(), &mut off_in, dst.as_raw_fd(), &mut off_out, chunk, 0)
+        })?;
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "source shorter than expected"));
         }
         left -= n as u64;
     }
