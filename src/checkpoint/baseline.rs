@@ -8,10 +8,12 @@
 //! flushed, renamed into place; the previous turn's checkpoint is then removed (only the latest
 //! is ever restored, as with a checkpoint image that is replaced).
 
+use std::ffi::OsStr;
 use std::fs::{self, File};
-use std::io::Write;
-use std::os::fd::AsFd;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
@@ -161,47 +163,66 @@ fn copy_checkpoint(tmp: &Path, criu_images: &Path, rootfs_diff: &Path) -> Result
 }
 
 impl Copier {
-    /// Copies `from` to `to` as it is. Overlay whiteouts (0/0 character devices) and other
-    /// special files are recorded in the index only.
+    /// Copies the tree at `from` (a host path) to `to`.
     fn copy_tree(&mut self, from: &Path, to: &Path, rel: &str) -> Result<()> {
-        let meta = fs::symlink_metadata(from).io_ctx("stat", from)?;
-        let kind = meta.file_type();
+        let root = sys::open_dir_path(from).io_ctx("open", from)?;
+        self.copy_entry(root, from, to, rel)
+    }
+
+    /// Copies the entry `handle` holds (an `O_PATH` handle) as it is. The rootfs diff belongs
+    /// to the container, which may swap any name meanwhile: what an entry is gets decided on
+    /// its handle, its content is read through it, and children are opened from the open
+    /// directory, never by path. Overlay whiteouts (0/0 character devices) and other special
+    /// files are recorded in the index only, never opened.
+    fn copy_entry(&mut self, handle: OwnedFd, from: &Path, to: &Path, rel: &str) -> Result<()> {
+        let st = sys::fstat(handle.as_fd()).io_ctx("stat", from)?;
         let mut entry = IndexEntry {
             path: rel.to_owned(),
             kind: "special",
-            mode: meta.mode() & 0o7777,
-            uid: meta.uid(),
-            gid: meta.gid(),
+            mode: st.st_mode & 0o7777,
+            uid: st.st_uid,
+            gid: st.st_gid,
             size: 0,
             target: None,
         };
-        if kind.is_dir() {
-            entry.kind = "dir";
-            fs::create_dir(to).io_ctx("create", to)?;
-            let mut children: Vec<_> = fs::read_dir(from)
-                .io_ctx("read dir", from)?
-                .map(|d| d.map(|d| d.file_name()))
-                .collect::<std::io::Result<_>>()
-                .io_ctx("read dir", from)?;
-            children.sort();
-            self.index.push(entry);
-            for child in children {
-                let name = child.to_string_lossy();
-                self.copy_tree(&from.join(&child), &to.join(&child), &format!("{rel}/{name}"))?;
+        match sys::file_type(&st) {
+            libc::S_IFDIR => {
+                entry.kind = "dir";
+                let dir = sys::reopen(handle.as_fd(), libc::O_RDONLY | libc::O_DIRECTORY)
+                    .io_ctx("open", from)?;
+                fs::create_dir(to).io_ctx("create", to)?;
+                self.index.push(entry);
+                for name in sys::read_dir_names(dir.as_fd()).io_ctx("read dir", from)? {
+                    let (child_from, child_to) = (from.join(OsStr::from_bytes(&name)), to.join(OsStr::from_bytes(&name)));
+                    let name_c = sys::cstr(&name).io_ctx("read dir", from)?;
+                    fail::fail_point!("baseline-copy-open");
+                    // Removed since the listing: it is not part of this checkpoint.
+                    let Some(child) = sys::open_entry_opt(dir.as_fd(), &name_c).io_ctx("open", &child_from)? else {
+                        continue;
+                    };
+                    let child_rel = format!("{rel}/{}", String::from_utf8_lossy(&name));
+                    self.copy_entry(child, &child_from, &child_to, &child_rel)?;
+                }
+                return Ok(());
             }
-            return Ok(());
-        }
-        if kind.is_file() {
-            entry.kind = "file";
-            entry.size = fs::copy(from, to).io_ctx("copy", to)?;
-            fs::set_permissions(to, fs::Permissions::from_mode(entry.mode)).io_ctx("chmod", to)?;
-            self.bytes += entry.size;
-            self.files += 1;
-        } else if kind.is_symlink() {
-            entry.kind = "symlink";
-            let target = fs::read_link(from).io_ctx("readlink", from)?;
-            std::os::unix::fs::symlink(&target, to).io_ctx("symlink", to)?;
-            entry.target = Some(target.to_string_lossy().into_owned());
+            libc::S_IFREG => {
+                entry.kind = "file";
+                fail::fail_point!("baseline-copy-read");
+                let src = File::from(sys::reopen(handle.as_fd(), libc::O_RDONLY).io_ctx("open", from)?);
+                let mut dst = File::create(to).io_ctx("create", to)?;
+                // Never past the size seen at open: a file still growing cannot keep us copying.
+                entry.size = std::io::copy(&mut (&src).take(st.st_size.max(0) as u64), &mut dst).io_ctx("copy", to)?;
+                dst.set_permissions(fs::Permissions::from_mode(entry.mode)).io_ctx("chmod", to)?;
+                self.bytes += entry.size;
+                self.files += 1;
+            }
+            libc::S_IFLNK => {
+                entry.kind = "symlink";
+                let target = sys::readlink_entry(handle.as_fd()).io_ctx("readlink", from)?;
+                std::os::unix::fs::symlink(OsStr::from_bytes(&target), to).io_ctx("symlink", to)?;
+                entry.target = Some(String::from_utf8_lossy(&target).into_owned());
+            }
+            _ => {}
         }
         self.index.push(entry);
         Ok(())
@@ -236,6 +257,40 @@ mod tests {
         assert!(write_full_checkpoint(&state, "../x", 3, &images, &diff).is_err());
         remove_full_checkpoints(&state, "c").unwrap();
         assert!(!second.dir.exists());
+    }
+
+    /// A container swaps a file of its rootfs diff for a symlink to a host file while the
+    /// baseline copies it: the host file must not end up in the checkpoint.
+    #[test]
+    fn a_file_swapped_for_a_link_to_the_host_is_not_copied_through_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (images, diff, state) = (tmp.path().join("img"), tmp.path().join("upper"), tmp.path().join("state"));
+        fs::create_dir_all(&images).unwrap();
+        fs::create_dir_all(&diff).unwrap();
+        let secret = tmp.path().join("host-secret");
+        fs::write(&secret, b"HOST-SECRET").unwrap();
+        fs::write(diff.join("f"), b"mine").unwrap();
+        let scenario = fail::FailScenario::setup();
+        let (link_to, at) = (secret.clone(), diff.join("f"));
+        let swapped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let once = swapped.clone();
+        fail::cfg_callback("baseline-copy-read", move || {
+            if !once.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                fs::remove_file(&at).unwrap();
+                std::os::unix::fs::symlink(&link_to, &at).unwrap();
+            }
+        })
+        .unwrap();
+        let written = write_full_checkpoint(&state, "c", 1, &images, &diff);
+        scenario.teardown();
+        assert!(swapped.load(std::sync::atomic::Ordering::SeqCst), "the failpoint never ran");
+        let dir = written.expect("the checkpoint is written").dir;
+        let copied = fs::symlink_metadata(dir.join("rw/f")).unwrap();
+        if copied.file_type().is_file() {
+            assert_eq!(fs::read(dir.join("rw/f")).unwrap(), b"mine", "the host file was copied");
+        } else {
+            assert!(copied.file_type().is_symlink());
+        }
     }
 
     #[test]
