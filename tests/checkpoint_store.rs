@@ -504,6 +504,35 @@ fn identical_content_is_stored_once_across_turns_and_containers() {
     assert_eq!(total.written_bytes, big.len() as u64);
 }
 
+/// The store holds sandboxes' files, environment and memory: nothing in it is readable by
+/// another host user, including a store an older build made world-readable.
+#[test]
+fn the_store_is_root_s_alone() {
+    use std::os::unix::fs::PermissionsExt;
+    let sb = Sandbox::new();
+    write(&sb.live, "/app/secret.txt", b"sandbox secret");
+    sb.commit("a", 1, &[c("/app/secret.txt")]);
+    // An older store's modes: opening it again closes it.
+    fs::set_permissions(&sb.state, fs::Permissions::from_mode(0o755)).unwrap();
+    let store = CheckpointStore::open(&sb.state).unwrap();
+    drop(store);
+    let mut seen = 0;
+    let mut stack = vec![sb.state.clone()];
+    while let Some(path) = stack.pop() {
+        let md = fs::symlink_metadata(&path).unwrap();
+        if md.file_type().is_symlink() {
+            continue;
+        }
+        let mode = md.permissions().mode() & 0o777;
+        assert_eq!(mode & 0o077, 0, "{} is {mode:o}: readable by other users", path.display());
+        seen += 1;
+        if md.is_dir() {
+            stack.extend(fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
+        }
+    }
+    assert!(seen > 256, "walked only {seen} entries");
+}
+
 // ---------- capture and write-out ----------
 
 /// The next turn may change files as soon as a turn is staged: what is published later is the

@@ -85,7 +85,7 @@ pub fn write_full_checkpoint(
 ) -> Result<FullCheckpoint> {
     valid_container_id(container)?;
     let parent = full_dir(state_dir, container);
-    fs::create_dir_all(&parent).io_ctx("create", &parent)?;
+    sys::create_private_dir_all(&parent).io_ctx("create", &parent)?;
     let tmp = parent.join(format!(".turn-{turn}.tmp"));
     let _ = fs::remove_dir_all(&tmp);
     let written = copy_checkpoint(&tmp, criu_images, rootfs_diff);
@@ -147,7 +147,7 @@ struct Copier {
 
 fn copy_checkpoint(tmp: &Path, criu_images: &Path, rootfs_diff: &Path) -> Result<Copier> {
     let mut copier = Copier::default();
-    fs::create_dir_all(tmp).io_ctx("create", tmp)?;
+    sys::create_private_dir_all(tmp).io_ctx("create", tmp)?;
     copier.copy_tree(criu_images, &tmp.join("criu"), "criu")?;
     copier.copy_tree(rootfs_diff, &tmp.join("rw"), "rw")?;
     let index = serde_json::to_vec(&copier.index).map_err(|source| CheckpointError::Json {

@@ -21,6 +21,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -334,7 +335,13 @@ impl CheckpointStore {
     /// the store's `assembled` entry points (see [`open_with`](Self::open_with)).
     pub fn open(state_dir: impl AsRef<Path>) -> Result<Self> {
         let state_dir = state_dir.as_ref().to_owned();
-        fs::create_dir_all(&state_dir).io_ctx("create", &state_dir)?;
+        sys::create_private_dir_all(&state_dir).io_ctx("create", &state_dir)?;
+        // A store made by an older build (0755): nothing below is anyone else's business.
+        let mode = fs::metadata(&state_dir).io_ctx("stat", &state_dir)?.permissions().mode();
+        if mode & 0o077 != 0 {
+            fs::set_permissions(&state_dir, fs::Permissions::from_mode(mode & 0o7700))
+                .io_ctx("chmod", &state_dir)?;
+        }
         let blobs = BlobStore::open(&state_dir)?;
         let manifests = state_dir.join("manifests");
         let snapshots = state_dir.join("snapshots");
@@ -342,14 +349,16 @@ impl CheckpointStore {
         let assembled = state_dir.join("assembled");
         for dir in [&manifests, &snapshots, &containers] {
             if !dir.is_dir() {
-                fs::create_dir_all(dir).io_ctx("create", dir)?;
+                sys::create_private_dir_all(dir).io_ctx("create", dir)?;
                 sys::fsync_dir(&state_dir).io_ctx("fsync", &state_dir)?;
             }
         }
         match fs::read_link(&assembled) {
             // Kept elsewhere; that directory may be gone (a tmpfs after a reboot): recreate it.
-            Ok(target) => fs::create_dir_all(&target).io_ctx("create", &target)?,
-            Err(_) if !assembled.is_dir() => fs::create_dir_all(&assembled).io_ctx("create", &assembled)?,
+            Ok(target) => sys::create_private_dir_all(&target).io_ctx("create", &target)?,
+            Err(_) if !assembled.is_dir() => {
+                sys::create_private_dir_all(&assembled).io_ctx("create", &assembled)?
+            }
             Err(_) => {}
         }
         Ok(CheckpointStore {
@@ -375,7 +384,7 @@ impl CheckpointStore {
             let absolute = fs::canonicalize(&store.state_dir).io_ctx("resolve", &store.state_dir)?;
             let key = Digest::of(absolute.as_os_str().as_encoded_bytes()).to_hex();
             let target = dir.join(&key[..16]);
-            fs::create_dir_all(&target).io_ctx("create", &target)?;
+            sys::create_private_dir_all(&target).io_ctx("create", &target)?;
             // Sandboxes' memory: root's alone, as the store is.
             {
                 use std::os::unix::fs::PermissionsExt;
@@ -403,7 +412,7 @@ impl CheckpointStore {
     pub fn dump_path(&self, container: &str, turn: u64) -> Result<PathBuf> {
         valid_container_id(container)?;
         let owner = self.assembled.join(container);
-        fs::create_dir_all(&owner).io_ctx("create", &owner)?;
+        sys::create_private_dir_all(&owner).io_ctx("create", &owner)?;
         Ok(owner.join(format!(".dump-{turn}")))
     }
 
@@ -413,7 +422,7 @@ impl CheckpointStore {
     pub fn restore_path(&self, container: &str) -> Result<PathBuf> {
         valid_container_id(container)?;
         let owner = self.assembled.join(container);
-        fs::create_dir_all(&owner).io_ctx("create", &owner)?;
+        sys::create_private_dir_all(&owner).io_ctx("create", &owner)?;
         Ok(owner.join(".restore"))
     }
 
@@ -460,7 +469,7 @@ impl CheckpointStore {
                 "CRIU images not kept: over the bound on kept copies (the next restore reassembles them)");
             return;
         }
-        let kept = fs::create_dir_all(&dir)
+        let kept = sys::create_private_dir_all(&dir)
             .io_ctx("create", &dir)
             .and_then(|()| images::keep_assembled(set, dump_dir, &dest));
         match kept {
@@ -516,6 +525,7 @@ impl CheckpointStore {
             .create(true)
             .truncate(false)
             .write(true)
+            .mode(0o600)
             .open(&path)
             .io_ctx("open", &path)?;
         sys::flock(&file, exclusive).io_ctx("flock", &path)?;
@@ -607,7 +617,7 @@ impl CheckpointStore {
     fn set_head(&self, container: &str, head: &Head, durability: Durability) -> Result<()> {
         let dir = self.containers.join(container);
         if !dir.is_dir() {
-            fs::create_dir_all(&dir).io_ctx("create", &dir)?;
+            sys::create_private_dir_all(&dir).io_ctx("create", &dir)?;
             sys::fsync_dir(&self.containers).io_ctx("fsync", &self.containers)?;
         }
         let bytes = serde_json::to_vec(head).map_err(|source| CheckpointError::Json {

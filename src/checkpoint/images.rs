@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use super::error::{CheckpointError, IoContext, Result};
+use super::sys;
 use super::manifest::{ImageContent, ImageFile, ImageSet, valid_image_name};
 use super::store::{BlobStore, Digest, WriteBatch};
 
@@ -161,7 +162,7 @@ pub(crate) fn restore_images(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e).io_ctx("remove", &partial),
     }
-    fs::create_dir_all(&partial).io_ctx("create", &partial)?;
+    sys::create_private_dir_all(&partial).io_ctx("create", &partial)?;
     let written = write_image_files(set, blobs, &partial)
         .and_then(|restored| fs::rename(&partial, dest).io_ctx("rename", dest).map(|()| restored));
     if written.is_err() {
@@ -408,7 +409,7 @@ fn write_chunks(
 pub(crate) fn keep_assembled(set: &ImageSet, dump_dir: &Path, dest: &Path) -> Result<bool> {
     let partial = partial_of(dest)?;
     remove_if_present(&partial)?;
-    fs::create_dir_all(&partial).io_ctx("create", &partial)?;
+    sys::create_private_dir_all(&partial).io_ctx("create", &partial)?;
     let kept = (|| {
         for image in &set.files {
             if !valid_image_name(&image.name) {
@@ -445,7 +446,7 @@ pub(crate) fn restore_assembled(
     let partial = partial_of(dest)?;
     remove_if_present(&partial)?;
     let kept = fs::canonicalize(kept).io_ctx("resolve", kept)?;
-    fs::create_dir_all(&partial).io_ctx("create", &partial)?;
+    sys::create_private_dir_all(&partial).io_ctx("create", &partial)?;
     let restored = link_verified(set, blobs, &kept, &partial)
         .and_then(|restored| fs::rename(&partial, dest).io_ctx("rename", dest).map(|()| restored));
     if restored.is_err() {

@@ -148,13 +148,13 @@ impl BlobStore {
     pub fn open(state_dir: &Path) -> Result<Self> {
         let blobs = state_dir.join("blobs");
         let tmp = state_dir.join("tmp");
-        fs::create_dir_all(&tmp).io_ctx("create", &tmp)?;
+        sys::create_private_dir_all(&tmp).io_ctx("create", &tmp)?;
         // Fan-out directories are made once up front so blob writes never have to create and
         // fsync a parent directory.
         if !blobs.join("ff").is_dir() {
             for i in 0..=255u8 {
                 let dir = blobs.join(format!("{i:02x}"));
-                fs::create_dir_all(&dir).io_ctx("create", &dir)?;
+                sys::create_private_dir_all(&dir).io_ctx("create", &dir)?;
             }
             sys::fsync_dir(&blobs).io_ctx("fsync", &blobs)?;
             sys::fsync_dir(state_dir).io_ctx("fsync", state_dir)?;
@@ -230,7 +230,8 @@ impl BlobStore {
         let mut file = OpenOptions::new()
             .write(true)
             .create_new(true)
-            .mode(0o444)
+            // Read-only, and root's alone: blobs are sandboxes' files and memory.
+            .mode(0o400)
             .open(&tmp)
             .io_ctx("create", &tmp)?;
         match fill(&mut file, &tmp) {
@@ -618,7 +619,7 @@ pub(crate) fn publish_file(
     let mut f = OpenOptions::new()
         .write(true)
         .create_new(true)
-        .mode(0o644)
+        .mode(0o600)
         .open(tmp)
         .io_ctx("create", tmp)?;
     let written = f.write_all(data).and_then(|()| match durability {

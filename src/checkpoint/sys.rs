@@ -477,6 +477,13 @@ pub(crate) fn fsync_dir(path: &Path) -> io::Result<()> {
     File::open(path)?.sync_all()
 }
 
+/// `mkdir -p` whose new directories are root's alone (0700): the store holds sandboxes' files,
+/// environment and memory, which no other host user may read.
+pub(crate) fn create_private_dir_all(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(path)
+}
+
 pub(crate) fn flock(file: &File, exclusive: bool) -> io::Result<()> {
     let op = if exclusive {
         libc::LOCK_EX
