@@ -17,6 +17,9 @@ use tokio::sync::{mpsc, oneshot};
 pub enum SpawnerError {
     #[error("spawner socket {path}: {source}")]
     Connect { path: PathBuf, source: std::io::Error },
+    /// Something else in the container listens where the spawner should: it is never talked to.
+    #[error("spawner socket {path} is served by pid {peer}, not by crab-init's spawner: {reason}")]
+    Impostor { path: PathBuf, peer: i32, reason: String },
     #[error("spawner connection: {0}")]
     Io(#[from] std::io::Error),
     #[error(transparent)]
@@ -81,6 +84,8 @@ struct Events {
 
 pub struct SpawnerClient {
     dir: PathBuf,
+    /// Device and inode of the crab-init build bound into the container: the spawner runs it.
+    binary: Option<(u64, u64)>,
     link: tokio::sync::Mutex<Option<Link>>,
     events: Arc<Mutex<Events>>,
     host_pid: Mutex<Option<u32>>,
@@ -91,10 +96,13 @@ pub struct SpawnerClient {
 }
 
 impl SpawnerClient {
-    /// `dir` is the host directory behind the container's `/dev/.crab`.
-    pub fn new(dir: &Path) -> Arc<Self> {
+    /// `dir` is the host directory behind the container's `/dev/.crab`, `binary` the crab-init
+    /// file bound into the container.
+    pub fn new(dir: &Path, binary: &Path) -> Arc<Self> {
+        use std::os::unix::fs::MetadataExt;
         Arc::new(Self {
             dir: dir.to_path_buf(),
+            binary: std::fs::metadata(binary).ok().map(|m| (m.dev(), m.ino())),
             link: Default::default(),
             events: Default::default(),
             host_pid: Mutex::new(None),
@@ -113,12 +121,13 @@ impl SpawnerClient {
     }
 
     /// Connects, retrying for up to `patience` (the spawner binds its socket
-    /// just after the container's init starts).
-    pub async fn connect(&self, patience: Duration) -> Result<(), SpawnerError> {
+    /// just after the container's init starts). `init_pid` is the container's init on the
+    /// host: only it, or its child running crab-init, may be listening (see [`verify_peer`]).
+    pub async fn connect(&self, patience: Duration, init_pid: u32) -> Result<(), SpawnerError> {
         let socket = self.dir.join(crab_init::SOCKET_NAME);
         let deadline = tokio::time::Instant::now() + patience;
         let stream = loop {
-            match connect_long_path(&socket).await {
+            match connect_socket_entry(&self.dir).await {
                 Ok(stream) => break stream,
                 Err(source) if tokio::time::Instant::now() >= deadline => {
                     return Err(SpawnerError::Connect { path: socket, source });
@@ -126,6 +135,10 @@ impl SpawnerClient {
                 Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
             }
         };
+        let peer = peer_pid(&stream).map_err(|source| SpawnerError::Connect { path: socket.clone(), source })?;
+        if let Err(reason) = verify_peer(peer, init_pid, self.binary) {
+            return Err(SpawnerError::Impostor { path: socket, peer, reason });
+        }
         let stream = Arc::new(stream);
         let (tx, mut replies) = mpsc::unbounded_channel();
         let reader = tokio::spawn(read_loop(stream.clone(), tx, self.events.clone()));
@@ -331,16 +344,69 @@ pub async fn pidfd_exited(pidfd: &OwnedFd) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Socket paths under a bundle can exceed sun_path's 108 bytes: connect
-/// through a descriptor of the directory instead.
-async fn connect_long_path(socket: &Path) -> std::io::Result<UnixStream> {
-    let dir = socket.parent().unwrap_or(Path::new("/"));
-    let name = socket.file_name().unwrap_or_default();
-    let dir_fd = std::fs::File::open(dir)?;
-    let short = PathBuf::from(format!("/proc/self/fd/{}", dir_fd.as_raw_fd())).join(name);
-    let stream = UnixStream::connect(&short).await;
-    drop(dir_fd);
-    stream
+/// Connects to the spawner's socket in `dir`, the host directory behind the container's
+/// `/dev/.crab`. Its content is the container's: the socket entry is opened as itself (a
+/// symlink there is refused, never followed to a socket of the host), checked to be a socket,
+/// and connected to through that handle's procfs name (which also keeps the path under
+/// sun_path's 108 bytes, however deep the bundle).
+async fn connect_socket_entry(dir: &Path) -> std::io::Result<UnixStream> {
+    use nix::fcntl::{OFlag, open, openat};
+    use nix::sys::stat::{Mode, SFlag, fstat};
+    let dir_fd = open(dir, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())?;
+    let entry = openat(
+        &dir_fd,
+        crab_init::SOCKET_NAME,
+        OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )?;
+    let kind = SFlag::from_bits_truncate(fstat(&entry)?.st_mode & SFlag::S_IFMT.bits());
+    if kind != SFlag::S_IFSOCK {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{} is not a socket ({kind:?})", crab_init::SOCKET_NAME),
+        ));
+    }
+    UnixStream::connect(format!("/proc/self/fd/{}", entry.as_raw_fd())).await
+}
+
+/// The process that listens at the other end, by the kernel's account (`SO_PEERCRED`: the
+/// process that called listen()).
+fn peer_pid(stream: &UnixStream) -> std::io::Result<i32> {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    Ok(getsockopt(stream, PeerCredentials)?.pid())
+}
+
+/// Whether `peer`, the listener behind the spawner's socket, is crab-init's spawner. crab-init
+/// listens as the container's init before it forks the spawner and execs the entrypoint, so a
+/// fresh container's listener is `init_pid`; a restored one was listened on again by the
+/// spawner itself, a child of the init running the crab-init build the container binds
+/// (`binary`). Any other process of the container that binds a socket there (an agent's code,
+/// root in its container) is refused. What this cannot tell apart: the init itself, should
+/// the entrypoint re-exec into other code and listen there.
+pub(crate) fn verify_peer(peer: i32, init_pid: u32, binary: Option<(u64, u64)>) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    if peer <= 0 {
+        return Err("the kernel names no process".into());
+    }
+    if peer as u32 == init_pid {
+        return Ok(());
+    }
+    let stat = std::fs::read_to_string(format!("/proc/{peer}/stat")).map_err(|e| format!("/proc/{peer}/stat: {e}"))?;
+    // The command (field 2) may hold spaces and parentheses: fields resume after the last ')'.
+    let ppid = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+        .and_then(|p| p.parse::<u32>().ok())
+        .ok_or_else(|| format!("/proc/{peer}/stat is unreadable"))?;
+    if ppid != init_pid {
+        return Err(format!("its parent is {ppid}, not the container's init {init_pid}"));
+    }
+    let exe = std::fs::metadata(format!("/proc/{peer}/exe")).map_err(|e| format!("/proc/{peer}/exe: {e}"))?;
+    match binary {
+        Some(binary) if (exe.dev(), exe.ino()) == binary => Ok(()),
+        Some(_) => Err("it does not run the crab-init build the container binds".into()),
+        None => Err("the container's crab-init build is unknown".into()),
+    }
 }
 
 async fn write_all(stream: &UnixStream, mut bytes: &[u8]) -> std::io::Result<()> {
@@ -429,5 +495,42 @@ async fn read_loop(stream: Arc<UnixStream>, replies: mpsc::UnboundedSender<Recei
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::MetadataExt;
+    use std::process::{Child, Command};
+
+    use super::verify_peer;
+
+    fn sleeper() -> Child {
+        Command::new("sleep").arg("30").spawn().expect("spawn sleep")
+    }
+
+    fn binary_of(pid: u32) -> (u64, u64) {
+        let md = std::fs::metadata(format!("/proc/{pid}/exe")).unwrap();
+        (md.dev(), md.ino())
+    }
+
+    #[test]
+    fn only_the_init_or_its_child_running_crab_init_may_listen() {
+        // The test process plays the container's init, a child of it the spawner.
+        let init = std::process::id();
+        let mut child = sleeper();
+        let peer = child.id() as i32;
+        let spawner_build = binary_of(child.id());
+        assert_eq!(verify_peer(init as i32, init, None), Ok(()), "the init itself");
+        assert_eq!(verify_peer(peer, init, Some(spawner_build)), Ok(()), "the init's child running the build");
+        let other_build = binary_of(init);
+        let wrong_binary = verify_peer(peer, init, Some(other_build)).unwrap_err();
+        assert!(wrong_binary.contains("crab-init build"), "{wrong_binary}");
+        let not_a_child = verify_peer(peer, 1, Some(spawner_build)).unwrap_err();
+        assert!(not_a_child.contains("not the container's init 1"), "{not_a_child}");
+        assert!(verify_peer(0, init, Some(spawner_build)).is_err(), "no process");
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(verify_peer(peer, init, Some(spawner_build)).is_err(), "a process that is gone");
     }
 }

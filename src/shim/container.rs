@@ -182,7 +182,7 @@ impl Container {
         let restoring = self.config.restore_from.is_some();
         match crate::runtime::init::install(&self.config.bundle, init, !restoring) {
             Ok(Some(installed)) => {
-                let client = SpawnerClient::new(&crate::runtime::init::spawner_dir(&self.config.bundle));
+                let client = SpawnerClient::new(&crate::runtime::init::spawner_dir(&self.config.bundle), init);
                 let slot = Arc::new(SpawnerSlot {
                     client: client.clone(),
                     init_identity: installed.identity,
@@ -228,7 +228,7 @@ impl Container {
         if !matches!(self.init.status(), Status::Running | Status::Paused) {
             return None;
         }
-        if let Err(e) = slot.client.connect(SPAWNER_CONNECT_PATIENCE).await {
+        if let Err(e) = slot.client.connect(SPAWNER_CONNECT_PATIENCE, self.init.pid()).await {
             tracing::warn!(container = %self.id(), error = %e, "spawner unavailable: execs go through the runtime");
             return None;
         }
@@ -896,7 +896,7 @@ fn reconnect_when_running(slot: Arc<SpawnerSlot>, init: Arc<Process>) {
                 if slot.client.is_connected().await {
                     return;
                 }
-                match slot.client.connect(SPAWNER_CONNECT_PATIENCE).await {
+                match slot.client.connect(SPAWNER_CONNECT_PATIENCE, init.pid()).await {
                     Ok(()) => return,
                     Err(e) => tracing::debug!(error = %e, "spawner not back yet after the dump"),
                 }
