@@ -25,3 +25,6 @@ pub mod replay;
 pub mod runtime;
 pub mod shim;
 pub mod turns;
+
+#[cfg(test)]
+mod parser_properties;

@@ -401,4 +401,26 @@ mod tests {
         let err = unseal::<Manifest>(resealed.as_bytes(), Path::new("m.json"), None).unwrap_err();
         assert!(err.to_string().contains("escapes the root"), "{err}");
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 512, ..Default::default() })]
+
+    /// One changed byte anywhere in a sealed manifest is refused, or (where JSON does not care,
+    /// such as white space between envelope fields) reads back the very same manifest.
+    #[test]
+    fn a_tampered_manifest_is_refused_or_unchanged(flip in proptest::prelude::any::<proptest::sample::Index>(), xor in 1u8..=255) {
+        let manifest = sample();
+        let (digest, mut bytes) = seal(&manifest, "manifest").expect("seal");
+        let at = flip.index(bytes.len());
+        bytes[at] ^= xor;
+        match unseal::<Manifest>(&bytes, Path::new("m"), Some(&digest)) {
+            Ok((d, read)) => {
+                proptest::prop_assert_eq!(d, digest);
+                proptest::prop_assert_eq!(read, manifest);
+            }
+            Err(e) => proptest::prop_assert!(!e.to_string().is_empty()),
+        }
+    }
+
+    }
 }
