@@ -89,6 +89,11 @@ pub fn run(listener: OwnedFd) -> ! {
             libc::signal(sig, libc::SIG_IGN);
         }
         libc::prctl(libc::PR_SET_NAME, c"crab-spawner".as_ptr());
+        // Not dumpable: the container's processes run as the same user (root, often) and
+        // could otherwise ptrace the spawner or write its memory through /proc and answer the
+        // shim in its name. Only a holder of CAP_SYS_PTRACE (CRIU on the host) gets in. The
+        // sessions it starts exec at once, which makes them dumpable again.
+        libc::prctl(libc::PR_SET_DUMPABLE, 0);
     }
     let mut mask = SigSet::empty();
     mask.add(Signal::SIGCHLD);

@@ -54,3 +54,25 @@ async fn a_symlink_at_the_spawner_socket_never_leads_the_shim_to_a_host_socket()
     let _ = std::fs::remove_file(&host_socket);
     result.expect("symlinked spawner socket");
 }
+
+/// The spawner answers the shim for the container: a process of the container, root like it,
+/// must not be able to ptrace it or read or write its memory. It is not dumpable, so the
+/// kernel refuses the container (no CAP_SYS_PTRACE) what it would allow between processes of
+/// the same user; /proc/<pid>/environ takes the same check as ptrace's read access.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_container_cannot_trace_the_spawner() {
+    let runtime = crab();
+    let container = Container::new(&runtime, "hostile-spawner-ptrace");
+    container.start(&["sleep", "100000"]).await.expect("start");
+    let probe = "for p in /proc/[0-9]*; do [ \"$(cat $p/comm 2>/dev/null)\" = crab-spawner ] || continue; \
+                 echo spawner; cat $p/environ >/dev/null 2>&1 && echo readable; done; true";
+    let result: Outcome<()> = async {
+        let seen = container.exec_ok("probe", &["sh", "-c", probe]).await?;
+        ensure!(seen.contains("spawner"), "no crab-spawner process in the container: {seen:?}");
+        ensure!(!seen.contains("readable"), "the container read the spawner's environment: {seen:?}");
+        Ok(())
+    }
+    .await;
+    remove(&container).await;
+    result.expect("spawner not traceable");
+}
