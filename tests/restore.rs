@@ -748,3 +748,88 @@ async fn recover_does_not_hang_when_the_killed_shim_had_started_crabd() {
     assert_eq!(descriptor_faults(crabd, &forbidden), Vec::<String>::new(), "crabd {crabd} after the recover");
     assert_eq!(descriptor_faults(new_shim, &[]), Vec::<String>::new(), "the recreated shim {new_shim}");
 }
+
+/// runc, except that `checkpoint` fails as a freeze under load does ("unable to freeze" in
+/// runc's JSON log, exit 1) while the count in `fails` is above zero; each failure takes one.
+fn freeze_failing_runc(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let runc = ["/usr/sbin/runc", "/usr/bin/runc", "/usr/local/sbin/runc", "/usr/local/bin/runc"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).is_file())
+        .expect("runc installed");
+    let fails = dir.join("fails");
+    std::fs::write(&fails, "0").unwrap();
+    let wrapper = dir.join("runc-failing-freeze");
+    std::fs::write(
+        &wrapper,
+        format!(
+            r#"#!/bin/sh
+log=; prev=; verb=
+for a in "$@"; do
+  [ "$prev" = --log ] && log=$a
+  [ "$a" = checkpoint ] && verb=checkpoint
+  prev=$a
+done
+if [ "$verb" = checkpoint ]; then
+  n=$(cat {fails})
+  if [ "$n" -gt 0 ]; then
+    echo $((n - 1)) > {fails}
+    echo '{{"level":"error","msg":"unable to freeze","time":"2026-01-01T00:00:00Z"}}' >> "$log"
+    exit 1
+  fi
+fi
+exec {runc} "$@"
+"#,
+            fails = fails.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    (wrapper, fails)
+}
+
+/// A dump whose freeze fails is tried again (bounded) before the turn's checkpoint is given
+/// up: two failures then a success checkpoint the turn; three failures carry its processes
+/// into the next turn's dump. Every failed attempt's cause is in the turn record and in
+/// `crabctl turns`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_freeze_is_retried_and_each_cause_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wrapper, fails) = freeze_failing_runc(dir.path());
+    let (state, config) = own_config(dir.path(), &format!("binary = \"{}\"\n", wrapper.display()));
+    let mut sb = Sandbox::start_in("rs-freeze", &["--runtime-config-path", config.to_str().unwrap()], state.clone()).await;
+
+    std::fs::write(&fails, "2").unwrap();
+    sb.turn("sleep 1001 >/dev/null 2>&1 &").await;
+    let turns = sb.turns(1).await;
+    assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{turns:#?}");
+    assert_eq!(turns[0].dump_failures.len(), 2, "{turns:#?}");
+    assert!(turns[0].dump_failures.iter().all(|f| f.contains("unable to freeze")), "{turns:#?}");
+
+    // More failures than attempts: not checkpointed, carried into the next turn's dump.
+    std::fs::write(&fails, "3").unwrap();
+    sb.turn("sleep 1002 >/dev/null 2>&1 &").await;
+    let turns = sb.turns(2).await;
+    assert_eq!((turns[1].class, turns[1].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{turns:#?}");
+    assert_eq!(turns[1].dump_failures.len(), 3, "{turns:#?}");
+    assert!(turns[1].reasons.iter().any(|r| r.starts_with("checkpoint failed") && r.contains("unable to freeze")), "{turns:#?}");
+    assert_eq!(std::fs::read_to_string(&fails).unwrap().trim(), "0", "three attempts, no more");
+    sb.turn("true").await;
+    let turns = sb.turns(3).await;
+    assert_eq!(turns[2].checkpoint_turn, Some(3), "{turns:#?}");
+    assert!(turns[2].dump_failures.is_empty(), "{turns:#?}");
+
+    let table = std::process::Command::new(env!("CARGO_BIN_EXE_crabctl"))
+        .args(["turns", &sb.id])
+        .env("CRAB_STATE_DIR", &state)
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("dump attempt 1 failed: ") && table.contains("dump attempt 3 failed: "), "{table}");
+
+    // Turn 3's dump holds what turn 2 started.
+    sb.kill_processes().await;
+    let report = sb.ctl().recover(&sb.id, None).await.unwrap();
+    assert_eq!(report.checkpoint_turn, Some(3));
+    let ps = sb.exec_in(&sb.id.clone(), "ps -o args").await;
+    assert!(ps.contains("sleep 1001") && ps.contains("sleep 1002"), "{ps}");
+}
