@@ -24,6 +24,7 @@ fn record(turn: u64) -> TurnRecord {
         capture_ms: 0.1,
         checkpoint_ms: 0.2,
         policy: Policy::Crab,
+        dump_failures: Vec::new(),
     }
 }
 

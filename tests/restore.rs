@@ -595,3 +595,241 @@ async fn checkpoints_survive_an_upgrade_of_crab_init() {
     let pins: Vec<_> = std::fs::read_dir(state.join("init")).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(pins.len(), 1, "only the build in use is pinned: {pins:?}");
 }
+
+/// Descriptors of `pid` above stdio: (number, what it is, close-on-exec).
+fn descriptors_above_stdio(pid: u32) -> Vec<(u32, String, bool)> {
+    let mut fds = Vec::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap() {
+        let Ok(fd) = entry.unwrap().file_name().to_string_lossy().parse::<u32>() else { continue };
+        if fd <= 2 {
+            continue;
+        }
+        // A descriptor may close between the listing and these reads.
+        let Ok(target) = std::fs::read_link(format!("/proc/{pid}/fd/{fd}")) else { continue };
+        let Ok(info) = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")) else { continue };
+        let flags = info.lines().find_map(|l| l.strip_prefix("flags:")).map(|f| u32::from_str_radix(f.trim(), 8).unwrap()).unwrap();
+        fds.push((fd, target.to_string_lossy().into_owned(), flags & libc::O_CLOEXEC as u32 != 0));
+    }
+    fds
+}
+
+/// Inodes of the unix sockets bound at `path` (the listener and its accepted connections).
+fn unix_socket_inodes(path: &str) -> Vec<u64> {
+    std::fs::read_to_string("/proc/net/unix")
+        .unwrap()
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let fields: Vec<&str> = l.split_whitespace().collect();
+            (fields.len() >= 8 && fields[7] == path).then(|| fields[6].parse().unwrap())
+        })
+        .collect()
+}
+
+/// What is wrong with `pid`'s descriptors: one it did not open itself (inherited: only
+/// those lacking close-on-exec survive an exec), or one on the sockets `forbidden`.
+fn descriptor_faults(pid: u32, forbidden: &[u64]) -> Vec<String> {
+    descriptors_above_stdio(pid)
+        .into_iter()
+        .filter(|(_, target, cloexec)| !cloexec || forbidden.iter().any(|i| *target == format!("socket:[{i}]")))
+        .map(|(fd, target, cloexec)| format!("fd {fd} -> {target}{}", if cloexec { "" } else { " (not close-on-exec)" }))
+        .collect()
+}
+
+/// The `-socket` address a running shim serves, as a path.
+fn shim_socket(shim: u32) -> String {
+    let cmdline = std::fs::read(format!("/proc/{shim}/cmdline")).unwrap();
+    let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+    let address = args.iter().skip_while(|a| *a != "-socket").nth(1).unwrap_or_else(|| panic!("shim {shim}: no -socket in {args:?}"));
+    address.strip_prefix("unix://").unwrap_or(address).to_string()
+}
+
+async fn task_pid(sb: &Sandbox) -> u32 {
+    let tasks = sb.ctr.run(&["tasks", "ls"]).await.unwrap().stdout_text();
+    tasks
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{} ", sb.id)).and_then(|r| r.split_whitespace().next()?.parse().ok()))
+        .unwrap_or_else(|| panic!("{} has no task: {tasks}", sb.id))
+}
+
+fn parent_of(pid: u32) -> u32 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status.lines().find_map(|l| l.strip_prefix("PPid:")).unwrap().trim().parse().unwrap()
+}
+
+/// A sandbox whose shim started a crabd of its own: on drop the sandbox goes first (its shim
+/// would start crabd again), then that crabd is SIGTERMed.
+struct WithCrabd {
+    sandbox: Option<Sandbox>,
+    crabd: u32,
+}
+
+impl WithCrabd {
+    fn sb(&mut self) -> &mut Sandbox {
+        self.sandbox.as_mut().expect("the sandbox until drop")
+    }
+}
+
+impl Drop for WithCrabd {
+    fn drop(&mut self) {
+        drop(self.sandbox.take());
+        if self.crabd > 0 {
+            // SAFETY: kill(2) of the crabd this test's sandbox started (0 would be our process group).
+            unsafe { libc::kill(self.crabd as i32, libc::SIGTERM) };
+        }
+    }
+}
+
+/// A shim that started crabd (`[node] spawn = true`) and is then SIGKILLed with its sandbox
+/// must not leave its ttrpc socket open in crabd: containerd's next start for the same shim
+/// address found it answering (crabd held the listener, accepting nothing), took the dead
+/// shim for a live one and its Create waited forever. crabd holds no descriptor it did not
+/// open itself, and recover finishes within its bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recover_does_not_hang_when_the_killed_shim_had_started_crabd() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, config, crabd_socket) = (dir.path().join("state"), dir.path().join("crab.toml"), dir.path().join("node/crabd.sock"));
+    std::fs::write(
+        &config,
+        format!(
+            "[runtime]\nroot = \"{}\"\n[checkpoint]\nstate_dir = \"{}\"\nkept_images_dir = \"{}\"\n[node]\nsocket = \"{}\"\nspawn = true\n",
+            dir.path().join("runc").display(),
+            state.display(),
+            dir.path().join("kept").display(),
+            crabd_socket.display()
+        ),
+    )
+    .unwrap();
+    let sb = Sandbox::start_in("rs-crabd", &["--runtime-config-path", config.to_str().unwrap()], state).await;
+    let mut guard = WithCrabd { sandbox: Some(sb), crabd: 0 };
+    let sb = guard.sb();
+    sb.turn("mkdir -p /data && echo kept > /data/k").await;
+    let turns = sb.settled().await;
+    assert_eq!(turns[0].class, RecordedClass::Fs, "{turns:?}");
+    let crabd = crab::node::status_report(&crabd_socket).await.expect("the shim started crabd on its own socket").pid;
+    guard.crabd = crabd;
+    let sb = guard.sb();
+    let init = task_pid(sb).await;
+    let shim = parent_of(init);
+    let socket = shim_socket(shim);
+    let shim_sockets = unix_socket_inodes(&socket);
+    assert!(!shim_sockets.is_empty(), "no socket bound at {socket}");
+    let faults_before_kill = descriptor_faults(crabd, &shim_sockets);
+
+    for pid in [shim, init] {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    }
+    for _ in 0..400 {
+        if !std::path::Path::new(&format!("/proc/{shim}")).exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(!std::path::Path::new(&format!("/proc/{shim}")).exists(), "shim {shim} still there 10 s after SIGKILL");
+
+    // A recover takes seconds; bounded well below ctr's own 120 s.
+    let recovered = tokio::time::timeout(Duration::from_secs(60), sb.ctl().recover(&sb.id, None)).await;
+    let report = match recovered {
+        Ok(report) => report.unwrap(),
+        Err(_) => panic!(
+            "recover of {} did not finish within 60 s; crabd {crabd} held {faults_before_kill:?} of the killed shim's socket {socket} ({shim_sockets:?})",
+            sb.id
+        ),
+    };
+    assert_eq!(report.checkpoint_turn, Some(1));
+    assert_eq!(sb.exec_in(&sb.id.clone(), "cat /data/k").await, "kept\n");
+    assert_eq!(faults_before_kill, Vec::<String>::new(), "crabd {crabd} while the first shim ran ({socket})");
+    // The recreated sandbox's shim uses the same crabd, which holds neither shim's socket.
+    let new_shim = parent_of(task_pid(sb).await);
+    assert_ne!(new_shim, shim);
+    let new_sockets = unix_socket_inodes(&shim_socket(new_shim));
+    let forbidden: Vec<u64> = shim_sockets.iter().chain(&new_sockets).copied().collect();
+    assert_eq!(crab::node::status_report(&crabd_socket).await.unwrap().pid, crabd, "crabd was not restarted");
+    assert_eq!(descriptor_faults(crabd, &forbidden), Vec::<String>::new(), "crabd {crabd} after the recover");
+    assert_eq!(descriptor_faults(new_shim, &[]), Vec::<String>::new(), "the recreated shim {new_shim}");
+}
+
+/// runc, except that `checkpoint` fails as a freeze under load does ("unable to freeze" in
+/// runc's JSON log, exit 1) while the count in `fails` is above zero; each failure takes one.
+fn freeze_failing_runc(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let runc = ["/usr/sbin/runc", "/usr/bin/runc", "/usr/local/sbin/runc", "/usr/local/bin/runc"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).is_file())
+        .expect("runc installed");
+    let fails = dir.join("fails");
+    std::fs::write(&fails, "0").unwrap();
+    let wrapper = dir.join("runc-failing-freeze");
+    std::fs::write(
+        &wrapper,
+        format!(
+            r#"#!/bin/sh
+log=; prev=; verb=
+for a in "$@"; do
+  [ "$prev" = --log ] && log=$a
+  [ "$a" = checkpoint ] && verb=checkpoint
+  prev=$a
+done
+if [ "$verb" = checkpoint ]; then
+  n=$(cat {fails})
+  if [ "$n" -gt 0 ]; then
+    echo $((n - 1)) > {fails}
+    echo '{{"level":"error","msg":"unable to freeze","time":"2026-01-01T00:00:00Z"}}' >> "$log"
+    exit 1
+  fi
+fi
+exec {runc} "$@"
+"#,
+            fails = fails.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    (wrapper, fails)
+}
+
+/// A dump whose freeze fails is tried again (bounded) before the turn's checkpoint is given
+/// up: two failures then a success checkpoint the turn; three failures carry its processes
+/// into the next turn's dump. Every failed attempt's cause is in the turn record and in
+/// `crabctl turns`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_freeze_is_retried_and_each_cause_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wrapper, fails) = freeze_failing_runc(dir.path());
+    let (state, config) = own_config(dir.path(), &format!("binary = \"{}\"\n", wrapper.display()));
+    let mut sb = Sandbox::start_in("rs-freeze", &["--runtime-config-path", config.to_str().unwrap()], state.clone()).await;
+
+    std::fs::write(&fails, "2").unwrap();
+    sb.turn("sleep 1001 >/dev/null 2>&1 &").await;
+    let turns = sb.turns(1).await;
+    assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{turns:#?}");
+    assert_eq!(turns[0].dump_failures.len(), 2, "{turns:#?}");
+    assert!(turns[0].dump_failures.iter().all(|f| f.contains("unable to freeze")), "{turns:#?}");
+
+    // More failures than attempts: not checkpointed, carried into the next turn's dump.
+    std::fs::write(&fails, "3").unwrap();
+    sb.turn("sleep 1002 >/dev/null 2>&1 &").await;
+    let turns = sb.turns(2).await;
+    assert_eq!((turns[1].class, turns[1].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{turns:#?}");
+    assert_eq!(turns[1].dump_failures.len(), 3, "{turns:#?}");
+    assert!(turns[1].reasons.iter().any(|r| r.starts_with("checkpoint failed") && r.contains("unable to freeze")), "{turns:#?}");
+    assert_eq!(std::fs::read_to_string(&fails).unwrap().trim(), "0", "three attempts, no more");
+    sb.turn("true").await;
+    let turns = sb.turns(3).await;
+    assert_eq!(turns[2].checkpoint_turn, Some(3), "{turns:#?}");
+    assert!(turns[2].dump_failures.is_empty(), "{turns:#?}");
+
+    let table = std::process::Command::new(env!("CARGO_BIN_EXE_crabctl"))
+        .args(["turns", &sb.id])
+        .env("CRAB_STATE_DIR", &state)
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("dump attempt 1 failed: ") && table.contains("dump attempt 3 failed: "), "{table}");
+
+    // Turn 3's dump holds what turn 2 started.
+    sb.kill_processes().await;
+    let report = sb.ctl().recover(&sb.id, None).await.unwrap();
+    assert_eq!(report.checkpoint_turn, Some(3));
+    let ps = sb.exec_in(&sb.id.clone(), "ps -o args").await;
+    assert!(ps.contains("sleep 1001") && ps.contains("sleep 1002"), "{ps}");
+}

@@ -323,12 +323,19 @@ recipe_code_repair_from_base() {
   recipe_code_repair "$root" "$project" "$version" "$dl"
 }
 
+# The image name of PROJECT VERSION: lowercased (an image reference's repository must be),
+# exactly as crabctl replay derives it from a trace header (code_repair_image_name in
+# src/replay/trace.rs); the header keeps the project's own spelling, which pip needs.
+code_repair_image_name() {
+  printf 'code-repair-%s-%s\n' "${1,,}" "${2,,}"
+}
+
 image_code_repair() {
   local project=$1 version=$2
   validate_name_part project "$project"
   validate_name_part version "$version"
   local name base key tarball dl
-  name="code-repair-${project,,}-$version"
+  name=$(code_repair_image_name "$project" "$version")
   base=$(with_image_lock code-repair-base code_repair_base_tar)
   key=$(recipe_key recipe_code_repair_from_base recipe_code_repair code_repair_download \
     code_repair_test_extra in_rootfs CODE_REPAIR_PYTHON "$(basename "$base")" "$project" "$version")

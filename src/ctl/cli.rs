@@ -144,7 +144,7 @@ impl CheckpointCommand {
                         t.checkpoint_turn.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
                         t.bytes_written,
                         t.checkpoint_ms,
-                        t.reasons.join("; ")
+                        turn_reasons(t)
                     );
                 }
                 out
@@ -244,6 +244,12 @@ impl CheckpointCommand {
         }
         Ok(())
     }
+}
+
+/// A turn's reasons column: its reasons, then why each failed dump attempt failed.
+fn turn_reasons(t: &crate::turns::TurnRecord) -> String {
+    let attempts = t.dump_failures.iter().enumerate().map(|(i, cause)| format!("dump attempt {} failed: {cause}", i + 1));
+    t.reasons.iter().cloned().chain(attempts).collect::<Vec<_>>().join("; ")
 }
 
 fn restore_line(r: &super::RestoreReport) -> String {

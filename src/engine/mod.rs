@@ -27,6 +27,10 @@
 //! capture (see [`crate::checkpoint::TurnPipeline`]); the write-out runs in
 //! the agent's LLM wait.
 
+mod retry;
+
+pub use retry::{DUMP_RETRIES, RetryPolicy, with_retries};
+
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -665,6 +669,7 @@ impl SandboxEngine {
             capture_ms: 0.0,
             checkpoint_ms: 0.0,
             policy: self.policy.policy,
+            dump_failures: Vec::new(),
         };
         let (class, changed) = match self.policy.policy {
             Policy::Off => {
@@ -706,25 +711,34 @@ impl SandboxEngine {
                 Ok(dir) => dir,
                 Err(e) => return Err((record, e.into())),
             };
-            let _ = tokio::fs::remove_dir_all(&dir).await;
             let capture = Instant::now();
             let cpu_before_dump = self.cpu_snapshot();
             let busy_before_dump = self.busy_threads();
-            let dumped = self
-                .runtime
-                .checkpoint(
-                    &self.container,
-                    &CheckpointOptions {
-                        image_path: dir.clone(),
-                        work_path: Some(self.work_dir.join(format!("dump-{}-work", open.turn))),
+            let work_path = self.work_dir.join(format!("dump-{}-work", open.turn));
+            // A failed freeze under load is transient: the dump is tried again (bounded) before
+            // the turn's checkpoint is given up; every failed attempt's cause goes on record.
+            let dumped = with_retries(&DUMP_RETRIES, &mut record.dump_failures, |attempt| {
+                let (dir, work_path) = (dir.clone(), work_path.clone());
+                async move {
+                    // Whatever a failed attempt left is not a dump.
+                    let _ = tokio::fs::remove_dir_all(&dir).await;
+                    let _ = tokio::fs::remove_dir_all(&work_path).await;
+                    if attempt > 1 {
+                        tracing::warn!(container = %self.container, turn = open.turn, attempt, "dump failed: trying again");
+                    }
+                    let options = CheckpointOptions {
+                        image_path: dir,
+                        work_path: Some(work_path),
                         leave_running: true,
                         tcp_established: true,
                         ext_unix_sockets: true,
                         file_locks: true,
                         ..Default::default()
-                    },
-                )
-                .await;
+                    };
+                    self.runtime.checkpoint(&self.container, &options).await
+                }
+            })
+            .await;
             record.capture_ms = capture.elapsed().as_secs_f64() * 1e3;
             // The dump ran CRIU's code in every process; the turns around it did not.
             self.wait_until_quiet(&busy_before_dump, "after the dump").await;

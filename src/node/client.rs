@@ -575,12 +575,16 @@ fn spawn_crabd(options: &ClientOptions) -> Result<(), NodeError> {
         .stdin(std::process::Stdio::null())
         .stdout(log.try_clone().map_err(|e| spawn_error(e.to_string()))?)
         .stderr(log);
-    // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+    // SAFETY: setsid and close_on_exec_from are async-signal-safe and touch no memory of the parent.
     unsafe {
         command.pre_exec(|| {
             if libc::setsid() < 0 {
                 return Err(std::io::Error::last_os_error());
             }
+            // crabd outlives the shim that starts it: it must hold none of the shim's
+            // descriptors (its ttrpc listener above all, or containerd takes a dead shim's
+            // socket for a live one), only stdio to /dev/null and its log.
+            crate::runtime::close_on_exec_from(3);
             Ok(())
         });
     }

@@ -80,7 +80,7 @@ impl TraceImage {
         match self {
             TraceImage::Terminal => "crab.local/terminal:latest".to_string(),
             TraceImage::CodeRepair { project, version } => {
-                format!("crab.local/code-repair-{project}-{version}:latest")
+                format!("crab.local/{}:latest", code_repair_image_name(project, version))
             }
         }
     }
@@ -94,6 +94,15 @@ impl TraceImage {
             }
         }
     }
+}
+
+/// The image name of a code-repair trace's project and version, as `scripts/build-images`
+/// (`code_repair_image_name` in `scripts/lib/images.sh`) names it: lowercased, because an image
+/// reference's repository must be lowercase while trace headers keep the project's own
+/// spelling (`"project": "Django"`). The header's spelling stays what `build-images` is given:
+/// pip needs it, and the script lowercases the same way.
+pub fn code_repair_image_name(project: &str, version: &str) -> String {
+    format!("code-repair-{}-{}", project.to_ascii_lowercase(), version.to_ascii_lowercase())
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -408,6 +417,25 @@ mod tests {
             trace.header.image.reference(),
             "crab.local/code-repair-marshmallow-3.0.0:latest"
         );
+    }
+
+    #[test]
+    fn code_repair_image_name_is_lowercase_like_build_images() {
+        let header = r#"{"trace": "t", "mode": "exec", "workdir": "/testbed", "image": "code-repair", "project": "Django", "version": "4.0RC1", "turns": 0}"#;
+        let trace = parse(header).unwrap();
+        assert_eq!(trace.header.image.reference(), "crab.local/code-repair-django-4.0rc1:latest");
+        // The header's spelling is what build-images is given: it lowercases the same way.
+        assert_eq!(trace.header.image.build_hint(), "scripts/build-images code-repair Django 4.0RC1");
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let script = std::process::Command::new("bash")
+            .arg("-c")
+            .arg("source \"$CRAB_ROOT/scripts/lib/images.sh\" && code_repair_image_name Django 4.0RC1")
+            .env("CRAB_ROOT", root)
+            .env("CRAB_CACHE", "/nonexistent")
+            .output()
+            .unwrap();
+        assert!(script.status.success(), "{}", String::from_utf8_lossy(&script.stderr));
+        assert_eq!(String::from_utf8_lossy(&script.stdout).trim(), code_repair_image_name("Django", "4.0RC1"));
     }
 
     #[test]

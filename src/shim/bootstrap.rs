@@ -145,8 +145,64 @@ fn socket_path(address: &str) -> &str {
     address.strip_prefix("unix://").unwrap_or(address)
 }
 
-async fn socket_answers(address: &str) -> bool {
-    tokio::net::UnixStream::connect(socket_path(address)).await.is_ok()
+/// Bound on the liveness check's connect: a socket whose owner does not accept may
+/// still take a connection into its backlog, but a full backlog must not hold `start`.
+const LIVENESS_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Whether a live shim of ours serves `address`. A socket that merely answers is not
+/// enough: any process holding the listening socket (a crabd that inherited it from the
+/// shim that started it was seen) accepts connections into its backlog and never
+/// replies, and containerd's Create would wait on it forever. The kernel-recorded owner
+/// of the listener (SO_PEERCRED: the process that last called listen() on it, the server
+/// itself, see [`spawn_server`]) must be a running process of this very binary.
+///
+/// A listener whose recorded owner is gone (a shim started by an older build, which left
+/// listen() to `start`; or a process that inherited the listener of a dead shim) proves
+/// nothing by itself: it is live only if it answers a Task API request within a bound.
+async fn live_shim_at(address: &str) -> bool {
+    let path = socket_path(address);
+    let stream = match tokio::time::timeout(LIVENESS_CONNECT_TIMEOUT, tokio::net::UnixStream::connect(path)).await {
+        Ok(Ok(stream)) => stream,
+        _ => return false,
+    };
+    let Some(pid) = stream.peer_cred().ok().and_then(|cred| cred.pid()) else {
+        return false;
+    };
+    drop(stream);
+    match (executable_name(&format!("/proc/{pid}/exe")), executable_name("/proc/self/exe")) {
+        (Some(owner), Some(own)) => owner == own,
+        // The owner is gone: only an answer shows that a shim still serves the socket.
+        (None, Some(_)) => answers_task_api(path).await,
+        _ => false,
+    }
+}
+
+/// Bound on the Task API probe of a socket whose owner is gone.
+const LIVENESS_PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Whether a Task API server answers at `path` (a reply of any status) within the bound.
+async fn answers_task_api(path: &str) -> bool {
+    use containerd_shim_protos::shim_async::{Client, TaskClient};
+    use containerd_shim_protos::ttrpc;
+    let client = match tokio::time::timeout(LIVENESS_PROBE_TIMEOUT, Client::connect(&format!("unix://{path}"))).await {
+        Ok(Ok(client)) => client,
+        _ => return false,
+    };
+    let tasks = TaskClient::new(client);
+    let ctx = ttrpc::context::with_timeout(LIVENESS_PROBE_TIMEOUT.as_nanos() as i64);
+    let request = containerd_shim_protos::api::ConnectRequest::default();
+    matches!(
+        tokio::time::timeout(LIVENESS_PROBE_TIMEOUT, tasks.connect(ctx, &request)).await,
+        Ok(Ok(_)) | Ok(Err(ttrpc::Error::RpcStatus(_)))
+    )
+}
+
+/// The file name of the executable behind a `/proc/<pid>/exe` link, without the
+/// " (deleted)" the kernel appends once the binary was replaced (a re-staged shim).
+fn executable_name(link: &str) -> Option<std::ffi::OsString> {
+    let target = std::fs::read_link(link).ok()?;
+    let name = target.file_name()?.to_string_lossy().into_owned();
+    Some(name.strip_suffix(" (deleted)").unwrap_or(&name).into())
 }
 
 /// The server inherits its listening socket at this descriptor, bound by
@@ -161,7 +217,7 @@ async fn start(flags: &Flags) -> Result<(), BootstrapError> {
     let group = grouping(&bundle, &flags.id);
     let address = containerd_shim::socket_address(&flags.address, &flags.namespace, &group);
     // A live shim for the group (another container of the same pod) serves this one too.
-    if !socket_answers(&address).await {
+    if !live_shim_at(&address).await {
         let path = socket_path(&address);
         if let Some(dir) = Path::new(path).parent() {
             std::fs::create_dir_all(dir).map_err(io_err(format!("create {}", dir.display())))?;
@@ -189,12 +245,25 @@ fn spawn_server(flags: &Flags, address: &str, listener: std::os::unix::net::Unix
     cmd.env(LISTENER_FD_ENV, LISTENER_FD.to_string());
     cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
     let fd = listener.as_raw_fd();
+    // SAFETY: the closure runs in the forked child before exec and makes only
+    // async-signal-safe system calls on descriptors; it touches no memory of the parent.
     unsafe {
         cmd.pre_exec(move || {
             // Its own session: the shim must outlive containerd and ignore its signals.
             libc::setsid();
-            // dup2 clears close-on-exec on the copy.
-            if libc::dup2(fd, LISTENER_FD) < 0 {
+            // The server inherits the listener at LISTENER_FD and nothing else: dup2 clears
+            // close-on-exec on the copy (dup2 of a descriptor onto itself does not, hence
+            // the explicit F_SETFD), every other descriptor above stdio is closed by exec.
+            if fd != LISTENER_FD && libc::dup2(fd, LISTENER_FD) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::fcntl(LISTENER_FD, libc::F_SETFD, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            crate::runtime::close_on_exec_from(LISTENER_FD as u32 + 1);
+            // listen() again from this process (the server after exec): the kernel records the
+            // caller as the listener's owner, which the liveness check of `start` reads.
+            if libc::listen(LISTENER_FD, libc::SOMAXCONN) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
@@ -214,6 +283,10 @@ fn server_listener(path: &str) -> Result<std::os::unix::net::UnixListener, Boots
         // SAFETY: `start` placed a listening socket at this descriptor for us alone.
         let listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(LISTENER_FD) };
         unsafe { std::env::remove_var(LISTENER_FD_ENV) };
+        // Inherited without close-on-exec: nothing this shim starts (runc, crabd, CRIU)
+        // may keep the shim's socket open after the shim is gone.
+        nix::fcntl::fcntl(&listener, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC))
+            .map_err(|e| BootstrapError::Io { what: "close-on-exec on the inherited listener".into(), source: e.into() })?;
         return Ok(listener);
     }
     if let Some(dir) = Path::new(path).parent() {
@@ -332,6 +405,55 @@ async fn delete(flags: &Flags) -> Result<(), BootstrapError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A listener bound and listened on by a process that then exits, held by its child that
+    /// never accepts: the leak of issue 18 (crabd holding a dead shim's socket). Returns the
+    /// holder's pid.
+    fn listener_held_by_an_orphan(path: &Path) -> u32 {
+        let script = "import os, socket, sys, time\n\
+            s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen()\n\
+            pid = os.fork()\n\
+            if pid:\n    print(pid, flush=True); os._exit(0)\n\
+            null = os.open('/dev/null', os.O_WRONLY); os.dup2(null, 1); os.dup2(null, 2); time.sleep(60)\n";
+        let out = std::process::Command::new("python3").args(["-c", script]).arg(path).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_socket_held_by_anything_but_a_live_shim_is_not_a_live_shim() {
+        let dir = tempfile::tempdir().unwrap();
+        // Bound and listened on by this very binary (as the server does): live.
+        let own = dir.path().join("own.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&own).unwrap();
+        assert!(live_shim_at(own.to_str().unwrap()).await);
+        // No socket, or nobody listening: not live.
+        assert!(!live_shim_at(dir.path().join("absent.sock").to_str().unwrap()).await);
+        // Another live program listening: not live, at once.
+        let other = dir.path().join("other.sock");
+        let mut python = std::process::Command::new("python3")
+            .args(["-c", "import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); print(flush=True); time.sleep(60)"])
+            .arg(&other)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(python.stdout.take().unwrap()), &mut String::new()).unwrap();
+        let started = std::time::Instant::now();
+        assert!(!live_shim_at(other.to_str().unwrap()).await, "python3 is no shim");
+        assert!(started.elapsed() < LIVENESS_PROBE_TIMEOUT, "decided by the owner, without a probe");
+        let _ = python.kill();
+        let _ = python.wait();
+        // Its owner gone, held by a process that accepts nothing: not live, within the probe's bound.
+        let orphaned = dir.path().join("orphaned.sock");
+        let holder = listener_held_by_an_orphan(&orphaned);
+        let started = std::time::Instant::now();
+        let live = live_shim_at(orphaned.to_str().unwrap()).await;
+        let took = started.elapsed();
+        // SAFETY: kill(2) of the holder this test started.
+        unsafe { libc::kill(holder as i32, libc::SIGKILL) };
+        assert!(!live, "a listener whose owner is gone and that never answers");
+        assert!(took < LIVENESS_PROBE_TIMEOUT * 3, "took {took:?}");
+    }
 
     #[test]
     fn pods_share_one_shim() {

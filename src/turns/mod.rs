@@ -222,6 +222,10 @@ pub struct TurnRecord {
     /// Time from the turn's end until its checkpoint was durable.
     pub checkpoint_ms: f64,
     pub policy: Policy,
+    /// Why each failed attempt at this turn's process dump failed, in order (a dump is
+    /// tried a bounded number of times; all of them failed when the checkpoint did).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dump_failures: Vec<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -401,6 +405,7 @@ mod tests {
             capture_ms: 0.5,
             checkpoint_ms: 1.0,
             policy: Policy::Crab,
+            dump_failures: Vec::new(),
         };
         log.append(&rec).unwrap();
         log.append(&TurnRecord { turn: 2, ..rec.clone() }).unwrap();
