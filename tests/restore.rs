@@ -679,3 +679,27 @@ async fn tmpfs_writes_of_a_proc_turn_and_a_later_fs_turn_come_back() {
     assert_eq!(report.mode, "in-place");
     assert_eq!(sb.exec_in(&sb.id.clone(), TMPFS_FINGERPRINT).await, at_proc, "back to the proc turn's tmpfs state");
 }
+
+/// A write on a bind mount crab does not own is external state: the turn record says so and
+/// names the path, nothing of it is checkpointed, and a recover still succeeds (leaving the
+/// host directory as it is; `crabctl recover` does not mount it again, see the README).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_on_a_foreign_bind_mount_is_recorded_as_external_and_recover_succeeds() {
+    let shared = tempfile::tempdir().unwrap();
+    let mount = format!("type=bind,src={},dst=/shared,options=rbind:rw", shared.path().display());
+    let mut sb = Sandbox::start_with("rs-bind", &["--mount", &mount]).await;
+    sb.turn("echo host > /shared/f && mkdir -p /data && echo own > /data/own").await;
+    let turns = sb.turns(1).await;
+    assert_eq!(turns[0].class, RecordedClass::Fs, "{:?}", turns[0]);
+    assert!(turns[0].external, "{:?}", turns[0]);
+    assert!(turns[0].reasons.iter().any(|r| r.contains("external state: /shared/f") && r.contains("/shared")), "{:?}", turns[0].reasons);
+    let head = sb.ctl().store.head(&sb.id).unwrap().expect("turn 1 checkpointed");
+    let (_, manifest) = sb.ctl().store.manifest_at(&sb.id, head.turn).unwrap();
+    let paths: Vec<String> = manifest.fs_delta.iter().map(|e| e.path.to_string()).collect();
+    assert!(paths.iter().all(|p| !p.starts_with("/shared")) && paths.contains(&"/data/own".to_string()), "{paths:?}");
+
+    sb.kill_processes().await;
+    sb.ctl().recover(&sb.id, None).await.unwrap();
+    assert_eq!(sb.exec_in(&sb.id.clone(), "cat /data/own").await, "own\n");
+    assert_eq!(std::fs::read_to_string(shared.path().join("f")).unwrap(), "host\n", "the host's file is left alone");
+}
