@@ -833,3 +833,111 @@ async fn a_failed_freeze_is_retried_and_each_cause_recorded() {
     let ps = sb.exec_in(&sb.id.clone(), "ps -o args").await;
     assert!(ps.contains("sleep 1001") && ps.contains("sleep 1002"), "{ps}");
 }
+
+/// Content, mode and type of every file on the sandbox's tmpfs mounts (what the tests put
+/// there) and under /data, one line each.
+const TMPFS_FINGERPRINT: &str = "for d in /dev/shm /run/crab /dev/crab-dev /data; do [ -e $d ] || { echo \"$d absent\"; continue; }; cd $d && find . | sort | while read f; do stat -c \"$d/%n %a %F %s\" \"$f\"; [ -f \"$f\" ] && md5sum \"$f\"; [ -L \"$f\" ] && readlink \"$f\"; done; done; true";
+
+/// The spec containerd gives a `ctr run` container: tmpfs at /dev and /dev/shm, and at /run.
+async fn assert_spec_mounts_tmpfs(sb: &Sandbox) {
+    let spec = sb.ctr.run(&["containers", "info", &sb.id]).await.unwrap().stdout_text();
+    let info: serde_json::Value = serde_json::from_str(&spec).unwrap();
+    let tmpfs: Vec<&str> = info["Spec"]["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["type"] == "tmpfs")
+        .filter_map(|m| m["destination"].as_str())
+        .collect();
+    for dest in ["/dev", "/dev/shm", "/run"] {
+        assert!(tmpfs.contains(&dest), "containerd's spec mounts a tmpfs at {dest}: {tmpfs:?}");
+    }
+}
+
+/// Writes to the sandbox's tmpfs mounts (/dev/shm, /run, /dev itself) in fs turns come back
+/// with content and mode after the processes die, and a rollback in place to a turn before
+/// them removes them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tmpfs_writes_of_fs_turns_come_back_and_roll_back() {
+    let mut sb = Sandbox::start("rs-tmpfs-fs").await;
+    assert_spec_mounts_tmpfs(&sb).await;
+    sb.turn("mkdir -p /data && echo base > /data/base").await;
+    // Turn 2 reads only: the state of turn 1 (its checkpoint may carry turn 1's paths when
+    // turn 1's write-out was not durable yet).
+    let at_turn1 = sb.exec_in(&sb.id.clone(), TMPFS_FINGERPRINT).await;
+    sb.turn("echo shm-one > /dev/shm/crab_shm.txt && chmod 640 /dev/shm/crab_shm.txt && mkdir -p /run/crab/sub && echo run-one > /run/crab/sub/f && chmod 600 /run/crab/sub/f && mkdir /dev/crab-dev && echo dev > /dev/crab-dev/x").await;
+    sb.turn("echo two >> /dev/shm/crab_shm.txt && rm /run/crab/sub/f && echo g > /run/crab/g && ln /run/crab/g /run/crab/g2 && ln -s g /run/crab/sym").await;
+    let turns = sb.turns(4).await;
+    let classes: Vec<_> = turns.iter().map(|t| t.class).collect();
+    assert_eq!([classes[0], classes[2], classes[3]], [RecordedClass::Fs; 3], "{turns:#?}");
+    assert_ne!(classes[1], RecordedClass::Proc, "{turns:#?}");
+    assert!(turns[2].reasons.iter().any(|r| r.contains("/dev/shm/crab_shm.txt")), "the inspector sees the write to /dev/shm: {:?}", turns[2].reasons);
+    assert!(turns[2].reasons.iter().any(|r| r.contains("/run/crab")), "and to /run: {:?}", turns[2].reasons);
+    let before = sb.exec_in(&sb.id.clone(), TMPFS_FINGERPRINT).await;
+    assert!(before.contains("/dev/shm/./crab_shm.txt 640 regular file 12"), "{before}");
+    assert!(before.contains("/run/crab/./g2 644 regular file 2") && before.contains("/dev/crab-dev/./x"), "{before}");
+
+    sb.kill_processes().await;
+    let report = sb.ctl().recover(&sb.id, None).await.unwrap();
+    assert_eq!(report.checkpoint_turn, Some(4));
+    let after = sb.exec_in(&sb.id.clone(), TMPFS_FINGERPRINT).await;
+    assert_eq!(after, before, "the tmpfs mounts come back exactly");
+
+    // Back to turn 2, before anything was written to the tmpfs mounts: in place.
+    let report = sb.ctl().rollback(&sb.id, 2).await.unwrap();
+    assert_eq!(report.mode, "in-place");
+    assert_eq!(sb.exec_in(&sb.id.clone(), TMPFS_FINGERPRINT).await, at_turn1);
+}
+
+/// A proc turn's tmpfs state comes back with its processes (CRIU restores the mounts as at
+/// the dump), and an fs turn after it is put on top; rolling back in place to the proc turn
+/// undoes that fs turn on the tmpfs mounts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tmpfs_writes_of_a_proc_turn_and_a_later_fs_turn_come_back() {
+    let mut sb = Sandbox::start("rs-tmpfs-proc").await;
+    sb.turn("mkdir -p /data /run/crab && echo p > /dev/shm/p && chmod 604 /dev/shm/p && echo r > /run/crab/r && (sleep 600 >/dev/null 2>&1 &)").await;
+    let turns = sb.turns(1).await;
+    assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{:?}", turns[0]);
+    // Turn 2 reads only: the state of turn 1 (its checkpoint may carry turn 1's).
+    let at_proc = sb.exec_in(&sb.id.clone(), TMPFS_FINGERPRINT).await;
+    sb.turn("echo later > /dev/shm/later && rm /run/crab/r && echo more >> /dev/shm/p").await;
+    let turns = sb.turns(3).await;
+    assert_eq!(turns[2].class, RecordedClass::Fs, "{:?}", turns[2]);
+    let before = sb.exec_in(&sb.id.clone(), TMPFS_FINGERPRINT).await;
+    assert!(before.contains("/dev/shm/./later") && before.contains("/dev/shm/./p 604 regular file 7") && !before.contains("/run/crab/./r "), "{before}");
+
+    sb.kill_processes().await;
+    sb.ctl().recover(&sb.id, None).await.unwrap();
+    let after = sb.exec_in(&sb.id.clone(), TMPFS_FINGERPRINT).await;
+    assert_eq!(after, before, "CRIU's tmpfs of turn 1 and turn 3's changes on top");
+    let ps = sb.exec_in(&sb.id.clone(), "ps").await;
+    assert!(ps.contains("sleep 600"), "the process came back: {ps}");
+
+    let report = sb.ctl().rollback(&sb.id, 2).await.unwrap();
+    assert_eq!(report.mode, "in-place");
+    assert_eq!(sb.exec_in(&sb.id.clone(), TMPFS_FINGERPRINT).await, at_proc, "back to the proc turn's tmpfs state");
+}
+
+/// A write on a bind mount crab does not own is external state: the turn record says so and
+/// names the path, nothing of it is checkpointed, and a recover still succeeds (leaving the
+/// host directory as it is; `crabctl recover` does not mount it again, see the README).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_on_a_foreign_bind_mount_is_recorded_as_external_and_recover_succeeds() {
+    let shared = tempfile::tempdir().unwrap();
+    let mount = format!("type=bind,src={},dst=/shared,options=rbind:rw", shared.path().display());
+    let mut sb = Sandbox::start_with("rs-bind", &["--mount", &mount]).await;
+    sb.turn("echo host > /shared/f && mkdir -p /data && echo own > /data/own").await;
+    let turns = sb.turns(1).await;
+    assert_eq!(turns[0].class, RecordedClass::Fs, "{:?}", turns[0]);
+    assert!(turns[0].external, "{:?}", turns[0]);
+    assert!(turns[0].reasons.iter().any(|r| r.contains("external state: /shared/f") && r.contains("/shared")), "{:?}", turns[0].reasons);
+    let head = sb.ctl().store.head(&sb.id).unwrap().expect("turn 1 checkpointed");
+    let (_, manifest) = sb.ctl().store.manifest_at(&sb.id, head.turn).unwrap();
+    let paths: Vec<String> = manifest.fs_delta.iter().map(|e| e.path.to_string()).collect();
+    assert!(paths.iter().all(|p| !p.starts_with("/shared")) && paths.contains(&"/data/own".to_string()), "{paths:?}");
+
+    sb.kill_processes().await;
+    sb.ctl().recover(&sb.id, None).await.unwrap();
+    assert_eq!(sb.exec_in(&sb.id.clone(), "cat /data/own").await, "own\n");
+    assert_eq!(std::fs::read_to_string(shared.path().join("f")).unwrap(), "host\n", "the host's file is left alone");
+}

@@ -32,6 +32,7 @@ use tracing::{debug, info};
 use super::error::{CheckpointError, IoContext, Result};
 use super::fsdelta::{self, Applier, ApplyStats, ChangedPath, Root};
 use super::images::{self, RestoredImages};
+use super::mounts::{self, ContainerMount};
 use super::manifest::{
     FsEntry, FsNode, ImageSet, MANIFEST_VERSION, Manifest, ParentRef, Snapshot, TurnClass,
     direct_blobs, seal, unseal,
@@ -714,6 +715,14 @@ impl CheckpointStore {
     /// stay in their dump directory, which must outlive the [`StagedTurn`]. Nothing is visible
     /// until [`publish`](Self::publish); dropping the staged turn removes what it wrote.
     pub fn stage_turn(&self, input: &TurnInput<'_>) -> Result<StagedTurn> {
+        self.stage_turn_in(input, &[])
+    }
+
+    /// [`stage_turn`](Self::stage_turn), with the changed paths under `mounts` (mounts of the
+    /// running container, such as its tmpfs at `/dev/shm` or `/run`) read through those
+    /// mounts, each path on the mount with the longest destination above it; the rest through
+    /// `input.rootfs`.
+    pub fn stage_turn_in(&self, input: &TurnInput<'_>, mounts: &[ContainerMount]) -> Result<StagedTurn> {
         valid_container_id(input.container)?;
         let lock = self.lock(false)?;
         if let Some(head) = self.head(input.container)?
@@ -733,7 +742,7 @@ impl CheckpointStore {
         let mut batch = self.blobs.batch();
         let fs_delta = match (input.rootfs, input.changed.is_empty()) {
             (_, true) => Vec::new(),
-            (Some(rootfs), false) => fsdelta::capture(rootfs, input.changed, &mut batch)?,
+            (Some(rootfs), false) => capture_split(rootfs, input.changed, mounts, &mut batch)?,
             (None, false) => {
                 return Err(CheckpointError::InvalidRequest(
                     "changed paths given without a rootfs".into(),
@@ -871,9 +880,17 @@ impl CheckpointStore {
     /// container started from (a fresh copy of the image rootfs, or an empty overlay upper
     /// over it). Every blob is verified before the first write.
     pub fn materialize(&self, container: &str, turn: u64, target: &Path) -> Result<ApplyStats> {
+        self.materialize_rootfs(container, turn, target, &[])
+    }
+
+    /// [`materialize`](Self::materialize) of every path except those at or below `skip`: the
+    /// destinations of the new container's mounts, which hide the rootfs there (their
+    /// content goes into the mounts once they exist, [`materialize_mounts`](Self::materialize_mounts)).
+    pub fn materialize_rootfs(&self, container: &str, turn: u64, target: &Path, skip: &[RelPath]) -> Result<ApplyStats> {
         let _lock = self.lock(false)?;
         let (_, chain) = self.chain(container)?;
-        let state = chain.fold(chain.index_of(container, turn)?);
+        let mut state = chain.fold(chain.index_of(container, turn)?);
+        state.retain(|path, _| !skip.iter().any(|d| d == path || d.is_ancestor_of(path)));
         let root = Root::open(target)?;
         let mut applier = Applier::new(&root, &self.blobs);
         applier.prefetch(state.values().filter_map(|e| e.node.blob()))?;
@@ -883,10 +900,108 @@ impl CheckpointStore {
         applier.finish()
     }
 
+    /// Writes the paths under each of `mounts` (a new container's tmpfs mounts, empty or as
+    /// CRIU restored them) as they were at `turn`. With `since`, only the paths some checkpoint
+    /// after turn `since` changed (CRIU restored the mounts as at `since`); without, all.
+    /// A mount's root directory is set, never replaced.
+    pub fn materialize_mounts(
+        &self,
+        container: &str,
+        turn: u64,
+        mounts: &[ContainerMount],
+        since: Option<u64>,
+    ) -> Result<ApplyStats> {
+        let _lock = self.lock(false)?;
+        let (_, chain) = self.chain(container)?;
+        let index = chain.index_of(container, turn)?;
+        let state = chain.fold(index);
+        let touched: Option<std::collections::BTreeSet<RelPath>> = since.map(|since| {
+            chain.links[index..]
+                .iter()
+                .filter(|(_, m)| m.turn > since)
+                .flat_map(|(_, m)| m.fs_delta.iter().map(|e| e.path.clone()))
+                .collect()
+        });
+        let mut total = ApplyStats::default();
+        for mount in mounts {
+            let dest = &mount.destination;
+            // A path is on the mount with the longest destination above it (/dev/shm, not /dev).
+            let on_mount = |p: &RelPath| {
+                mounts
+                    .iter()
+                    .map(|m| &m.destination)
+                    .filter(|d| *d == p || d.is_ancestor_of(p))
+                    .max_by_key(|d| d.as_bytes().len())
+                    == Some(dest)
+            };
+            let mut entries: Vec<FsEntry> = Vec::new();
+            let mut push = |entry: &FsEntry| -> Result<()> {
+                let path = RelPath::parse(mounts::below(dest, &entry.path))?;
+                let node = match &entry.node {
+                    // A link's first name is on the same mount (links do not cross mounts).
+                    FsNode::Hardlink { meta, link_to, blob, size } => match on_mount(link_to) {
+                        true => FsNode::Hardlink {
+                            meta: meta.clone(),
+                            link_to: RelPath::parse(mounts::below(dest, link_to))?,
+                            blob: *blob,
+                            size: *size,
+                        },
+                        false => FsNode::File { meta: meta.clone(), blob: *blob, size: *size },
+                    },
+                    other => other.clone(),
+                };
+                if path.is_root() && !node.is_dir() {
+                    return Ok(());
+                }
+                entries.push(FsEntry { path, node });
+                Ok(())
+            };
+            match &touched {
+                None => {
+                    for entry in state.values().filter(|e| on_mount(&e.path)) {
+                        push(entry)?;
+                    }
+                }
+                Some(touched) => {
+                    for path in touched.iter().filter(|p| on_mount(p)) {
+                        match state.get(path) {
+                            Some(entry) => push(entry)?,
+                            // Under a directory replaced or removed later: gone at `turn`.
+                            None => push(&FsEntry { path: path.clone(), node: FsNode::Whiteout })?,
+                        }
+                    }
+                }
+            }
+            if entries.is_empty() {
+                continue;
+            }
+            let mut applier = Applier::new(&mount.root, &self.blobs);
+            applier.prefetch(entries.iter().filter_map(|e| e.node.blob()))?;
+            for entry in &entries {
+                applier.apply(entry, !entry.path.is_root())?;
+            }
+            let stats = applier.finish()?;
+            total.files_written += stats.files_written;
+            total.bytes_written += stats.bytes_written;
+            total.dirs_set += stats.dirs_set;
+            total.links_made += stats.links_made;
+            total.paths_removed += stats.paths_removed;
+        }
+        Ok(total)
+    }
+
     /// Puts back, in the live root, exactly the paths changed after `to_turn`, then moves the
     /// head to `to_turn`. Only the changed paths are touched; nothing is re-hashed on the live
     /// side.
     pub fn rollback_in_place(&self, req: &RollbackRequest<'_>) -> Result<RollbackReport> {
+        self.rollback_in_place_with(req, &[])
+    }
+
+    /// [`rollback_in_place`](Self::rollback_in_place) where the paths below each of
+    /// `empty_base` (the container's tmpfs mounts) started empty: a path never recorded there
+    /// before the target did not exist then, whatever the image holds at that place. The
+    /// mount points themselves are left as the runtime made them.
+    pub fn rollback_in_place_with(&self, req: &RollbackRequest<'_>, empty_base: &[RelPath]) -> Result<RollbackReport> {
         let _lock = self.lock(false)?;
         let (head, chain) = self.chain(req.container)?;
         let target = chain.index_of(req.container, req.to_turn)?;
@@ -909,14 +1024,28 @@ impl CheckpointStore {
         }
 
         let past = chain.fold(target);
+        // A mount point never recorded is the runtime's: nothing to put back, and it cannot
+        // be removed or replaced while mounted.
+        changed.retain(|path, _| !(empty_base.contains(path) && !past.contains_key(path)));
         let root = Root::open(req.root)?;
         let base = req.base.map(Root::open).transpose()?;
-        let plan = plan_rollback(&past, &changed, &root, base.is_some(), req.to_turn)?;
+        let empty_based = |p: &RelPath| empty_base.iter().any(|d| d.is_ancestor_of(p));
+        let empty = if changed.keys().any(empty_based) {
+            let dir = self.blobs.tmp_path("empty-base");
+            fs::create_dir(&dir).io_ctx("create", &dir)?;
+            let root = Root::open(&dir);
+            let _ = fs::remove_dir(&dir);
+            Some(root?)
+        } else {
+            None
+        };
+        let plan = plan_rollback(&past, &changed, &root, &|p| base.is_some() || empty_based(p), req.to_turn)?;
 
         let mut applier = Applier::new(&root, &self.blobs);
         applier.prefetch(plan.iter().flat_map(|step| step.blobs(&past)))?;
         for step in &plan {
-            step.run(&mut applier, &past, base.as_ref())?;
+            let base = if empty_based(step.path()) { empty.as_ref() } else { base.as_ref() };
+            step.run(&mut applier, &past, base)?;
         }
         let stats = applier.finish()?;
 
@@ -1095,6 +1224,13 @@ enum Step<'f> {
 }
 
 impl<'f> Step<'f> {
+    fn path(&self) -> &RelPath {
+        match self {
+            Step::Remove(path) | Step::FromBase(path) | Step::Rebuild { path, .. } => path,
+            Step::Apply(entry) => &entry.path,
+        }
+    }
+
     fn blobs(&self, past: &'f BTreeMap<RelPath, FsEntry>) -> Vec<&'f Digest> {
         match self {
             Step::Apply(entry) => entry.node.blob().into_iter().collect(),
@@ -1150,11 +1286,11 @@ fn plan_rollback<'f>(
     past: &'f BTreeMap<RelPath, FsEntry>,
     changed: &BTreeMap<RelPath, Change>,
     root: &Root,
-    have_base: bool,
+    have_base: &dyn Fn(&RelPath) -> bool,
     to_turn: u64,
 ) -> Result<Vec<Step<'f>>> {
     let need_base = |path: &RelPath| {
-        if have_base {
+        if have_base(path) {
             Ok(())
         } else {
             Err(CheckpointError::NoBaseState {
@@ -1371,4 +1507,126 @@ mod tests {
             "a sibling sharing the prefix survives"
         );
     }
+
+    /// Paths on a mount of the container are captured through that mount, left out of the
+    /// rootfs a restore writes, and written into the new mount instead; with `since`, only
+    /// what later turns changed. The "mount" here is a directory reached through this
+    /// process's own /proc/<pid>/root, as the engine reaches a container's.
+    #[test]
+    fn paths_on_a_mount_go_through_the_mount() {
+        use crate::checkpoint::mounts::ContainerRoot;
+        let tmp = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::open(tmp.path().join("state")).unwrap();
+        let rootfs = tmp.path().join("root");
+        fs::create_dir_all(rootfs.join("data")).unwrap();
+        write(&rootfs, "data/x", b"on the rootfs");
+        let mount_dir = tmp.path().join("shm");
+        fs::create_dir(&mount_dir).unwrap();
+        write(&mount_dir, "a", b"on the mount");
+        let dest = RelPath::parse(mount_dir.as_os_str().as_encoded_bytes()).unwrap();
+        let me = ContainerRoot::new(std::process::id()).unwrap();
+        let abs = |rel: &str| format!("{dest}/{rel}").into_bytes();
+        // The rootfs directory has no such path: only the mount can give it.
+        let changed = vec![ChangedPath::created(abs("a")), ChangedPath::created("/data")];
+        let input = TurnInput { container: "c", turn: 1, rootfs: Some(&rootfs), changed: &changed, criu_images: None };
+        let staged = store.stage_turn_in(&input, &[me.open_mount(&dest).unwrap()]).unwrap();
+        store.publish(staged).unwrap();
+        write(&mount_dir, "a", b"changed later");
+        write(&mount_dir, "b", b"new");
+        let changed = vec![ChangedPath::modified(abs("a")), ChangedPath::created(abs("b"))];
+        let input = TurnInput { container: "c", turn: 2, rootfs: Some(&rootfs), changed: &changed, criu_images: None };
+        let staged = store.stage_turn_in(&input, &[me.open_mount(&dest).unwrap()]).unwrap();
+        store.publish(staged).unwrap();
+
+        let target = tmp.path().join("target");
+        fs::create_dir(&target).unwrap();
+        store.materialize_rootfs("c", 2, &target, std::slice::from_ref(&dest)).unwrap();
+        assert_eq!(fs::read(target.join("data/x")).unwrap(), b"on the rootfs");
+        assert_eq!(fs::read_dir(&target).unwrap().count(), 1, "nothing of the mount on the rootfs");
+
+        // A new, empty mount gets the whole state.
+        fs::remove_dir_all(&mount_dir).unwrap();
+        fs::create_dir(&mount_dir).unwrap();
+        store.materialize_mounts("c", 2, &[me.open_mount(&dest).unwrap()], None).unwrap();
+        assert_eq!(fs::read(mount_dir.join("a")).unwrap(), b"changed later");
+        assert_eq!(fs::read(mount_dir.join("b")).unwrap(), b"new");
+
+        // As CRIU left it at turn 1: only turn 2's paths are written.
+        fs::remove_dir_all(&mount_dir).unwrap();
+        fs::create_dir(&mount_dir).unwrap();
+        write(&mount_dir, "untouched-since-1", b"criu");
+        write(&mount_dir, "a", b"as at 1");
+        let stats = store.materialize_mounts("c", 2, &[me.open_mount(&dest).unwrap()], Some(1)).unwrap();
+        assert_eq!(stats.files_written, 2, "{stats:?}");
+        assert_eq!(fs::read(mount_dir.join("a")).unwrap(), b"changed later");
+        assert_eq!(fs::read(mount_dir.join("untouched-since-1")).unwrap(), b"criu");
+    }
+
+    /// A rollback in place treats paths below a tmpfs as absent before they were recorded,
+    /// even where the base image has a file at that path (hidden under the mount).
+    #[test]
+    fn rollback_below_a_tmpfs_removes_what_the_image_has_there() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::open(tmp.path().join("state")).unwrap();
+        let root = tmp.path().join("root");
+        let base = tmp.path().join("base");
+        fs::create_dir_all(root.join("run")).unwrap();
+        fs::create_dir_all(base.join("run")).unwrap();
+        write(&base, "run/f", b"the image's, hidden by the tmpfs");
+        write(&root, "keep", b"1");
+        let commit = |turn: u64, changed: &[ChangedPath]| {
+            store.commit_turn(&TurnInput { container: "c", turn, rootfs: Some(&root), changed, criu_images: None }).unwrap();
+        };
+        commit(1, &[ChangedPath::created("/keep")]);
+        write(&root, "run/f", b"written in the tmpfs");
+        commit(2, &[ChangedPath::created("/run/f")]);
+        let req = RollbackRequest { container: "c", to_turn: 1, root: &root, base: Some(&base), uncommitted: &[] };
+        store.rollback_in_place_with(&req, &[RelPath::parse("/run").unwrap()]).unwrap();
+        assert!(!root.join("run/f").exists(), "absent at turn 1, not the image's copy");
+        assert!(root.join("run").is_dir(), "the mount point stays");
+    }
+
+}
+
+/// The fs delta of `changed`: paths on one of `mounts` (the longest destination above them)
+/// read through that mount, the others through `rootfs`; sorted by path.
+fn capture_split(
+    rootfs: &Path,
+    changed: &[ChangedPath],
+    mounts: &[ContainerMount],
+    batch: &mut super::store::WriteBatch<'_>,
+) -> Result<Vec<FsEntry>> {
+    let mut on_root = Vec::new();
+    let mut on_mount: Vec<Vec<ChangedPath>> = vec![Vec::new(); mounts.len()];
+    for change in changed {
+        let rel = RelPath::parse(&change.path)?;
+        let mount = mounts
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.destination == rel || m.destination.is_ancestor_of(&rel))
+            .max_by_key(|(_, m)| m.destination.as_bytes().len());
+        match mount {
+            Some((i, m)) => on_mount[i].push(ChangedPath {
+                path: mounts::below(&m.destination, &rel),
+                // The mount's root was there before any turn.
+                created: change.created && rel != m.destination,
+            }),
+            None => on_root.push(change.clone()),
+        }
+    }
+    let mut out = if on_root.is_empty() { Vec::new() } else { fsdelta::capture(rootfs, &on_root, batch)? };
+    for (mount, changes) in mounts.iter().zip(on_mount) {
+        if changes.is_empty() {
+            continue;
+        }
+        for mut entry in fsdelta::capture_root(&mount.root, &changes, batch)? {
+            entry.path = mounts::above(&mount.destination, &entry.path)?;
+            if let FsNode::Hardlink { link_to, .. } = &mut entry.node {
+                *link_to = mounts::above(&mount.destination, link_to)?;
+            }
+            out.push(entry);
+        }
+    }
+    out.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(out)
 }

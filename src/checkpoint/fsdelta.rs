@@ -60,12 +60,26 @@ struct Slot {
 }
 
 impl Root {
+    /// A root the caller opened itself (e.g. a container's mount reached through a
+    /// kernel-checked handle, see [`super::mounts`]); `path` only names it in errors.
+    pub(crate) fn from_fd(fd: OwnedFd, path: PathBuf) -> Root {
+        Root { fd, path }
+    }
+
     pub(crate) fn open(path: &Path) -> Result<Root> {
         let fd = sys::open_dir_path(path).io_ctx("open root", path)?;
         Ok(Root {
             fd,
             path: path.to_owned(),
         })
+    }
+
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
     }
 
     fn host_path(&self, rel: &RelPath) -> PathBuf {
@@ -155,13 +169,21 @@ pub(crate) fn capture(
     changes: &[ChangedPath],
     batch: &mut WriteBatch<'_>,
 ) -> Result<Vec<FsEntry>> {
-    let root = Root::open(root)?;
+    capture_root(&Root::open(root)?, changes, batch)
+}
+
+/// [`capture`] under a root the caller opened.
+pub(crate) fn capture_root(
+    root: &Root,
+    changes: &[ChangedPath],
+    batch: &mut WriteBatch<'_>,
+) -> Result<Vec<FsEntry>> {
     let mut wanted: BTreeMap<RelPath, bool> = BTreeMap::new();
     for change in changes {
         *wanted.entry(RelPath::parse(&change.path)?).or_default() |= change.created;
     }
     let mut capturer = Capturer {
-        root: &root,
+        root,
         batch,
         links: HashMap::new(),
         out: Vec::new(),

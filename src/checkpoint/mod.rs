@@ -11,6 +11,7 @@ mod fsdelta;
 mod gc;
 mod images;
 mod manifest;
+mod mounts;
 mod path;
 mod pipeline;
 mod store;
@@ -29,6 +30,7 @@ pub use manifest::{
     FsEntry, FsNode, ImageContent, ImageFile, ImageSet, MANIFEST_VERSION, Manifest, Meta,
     ParentRef, Snapshot, TurnClass,
 };
+pub use mounts::{ContainerMount, ContainerRoot, MountKind, SandboxMounts, SpecMount};
 pub use path::{Bytes, RelPath};
 pub use pipeline::{Carried, TurnPipeline, TurnSlot, WrittenOut};
 pub use store::{BlobStore, Digest, Traffic, Unlimited, WriteBatch, WriteTokens};

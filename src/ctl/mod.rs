@@ -414,17 +414,23 @@ impl Ctl {
             let root = PathBuf::from(format!("/proc/{pid}/root"));
             let base = overlay_lowerdir(pid);
             let to_turn = checkpoint.unwrap_or(0);
+            // The sandbox's tmpfs mounts started empty, whatever the image holds below them.
+            let spec = crate::engine::sandbox_spec_path(&self.state_dir, container);
+            let tmpfs = match crate::checkpoint::SandboxMounts::from_spec_file(&spec) {
+                Ok(mounts) => mounts.tmpfs(),
+                Err(e) => {
+                    tracing::warn!(container, error = %e, "the sandbox's mounts are unknown: paths on its tmpfs mounts are put back from the image's");
+                    Vec::new()
+                }
+            };
             let store = self.store.clone();
             let c = container.to_string();
             let report = store
                 .run_blocking(move |store| {
-                    store.rollback_in_place(&RollbackRequest {
-                        container: &c,
-                        to_turn,
-                        root: &root,
-                        base: base.as_deref(),
-                        uncommitted: &[],
-                    })
+                    store.rollback_in_place_with(
+                        &RollbackRequest { container: &c, to_turn, root: &root, base: base.as_deref(), uncommitted: &[] },
+                        &tmpfs,
+                    )
                 })
                 .await?;
             return Ok(RestoreReport {

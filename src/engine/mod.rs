@@ -39,7 +39,9 @@ use std::time::{Instant, SystemTime};
 use tokio::sync::{Mutex, Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::checkpoint::{ChangedPath, CheckpointStore, TurnInput, TurnPipeline, TurnSlot};
+use crate::checkpoint::{
+    ChangedPath, CheckpointStore, ContainerRoot, MountKind, SandboxMounts, TurnInput, TurnPipeline, TurnSlot,
+};
 use crate::inspector::{
     ClassifyOptions, Effect, EffectKind, Inspector, ProcessRan, TurnClass, TurnEffects, classify, monotonic_now_ns,
 };
@@ -206,6 +208,12 @@ pub struct SandboxEngine {
     ctx: Arc<EngineContext>,
     runtime: OciRuntime,
     init_pid: u32,
+    /// The mounts of the sandbox's spec: which changed paths are on a tmpfs (captured
+    /// through the container's mount), which are external state.
+    mounts: SandboxMounts,
+    /// The container's root through its init, held by a pidfd (None: the init was gone
+    /// already; a capture of a tmpfs path then fails and the turn is carried).
+    container_root: Option<Arc<ContainerRoot>>,
     /// The container's cgroup v2 directory (None: not found).
     cgroup_dir: Option<PathBuf>,
     /// CPU time crab's dumps made the container's processes spend.
@@ -253,6 +261,14 @@ impl SandboxEngine {
             }
         }
         ctx.store.remove_stale_dumps(container);
+        let mounts = sandbox_mounts(&ctx.state_dir, container, &work_dir);
+        let container_root = match ContainerRoot::new(init_pid) {
+            Ok(root) => Some(Arc::new(root)),
+            Err(e) => {
+                tracing::error!(container, pid = init_pid, error = %e, "no pidfd of the init: changes on its tmpfs mounts cannot be checkpointed");
+                None
+            }
+        };
         let head = ctx.store.head(container)?;
         let last_turn = log.read()?.last().map(|r| r.turn).max(head.map(|h| h.turn)).unwrap_or(0);
         if let (Some(inspector), Policy::Crab) = (&ctx.inspector, policy.policy) {
@@ -271,6 +287,8 @@ impl SandboxEngine {
             ctx,
             runtime,
             init_pid,
+            mounts,
+            container_root,
             cgroup_dir: container_cgroup_dir(init_pid),
             dump_charges: Default::default(),
             work_dir,
@@ -694,6 +712,14 @@ impl SandboxEngine {
                 }
                 Err(e) => return Err((record, e)),
             }
+            // The tmpfs mounts have no diff to read: everything on them is taken.
+            match self.tmpfs_paths().await {
+                Ok(all) => {
+                    record.reasons.push(format!("escalated: the fs delta takes all {} paths of the tmpfs mounts", all.len()));
+                    changed.extend(all);
+                }
+                Err(e) => return Err((record, e)),
+            }
         }
         record.class = match class {
             TurnClass::Clean => RecordedClass::Clean,
@@ -772,17 +798,32 @@ impl SandboxEngine {
         let (container, turn, images_for_stage) = (self.container.clone(), open.turn, images.clone());
         slot.capturing(&changed);
         let staging = Instant::now();
+        let tmpfs = self.mounts.tmpfs();
+        let container_root = self.container_root.clone();
         let staged = self
             .ctx
             .store
             .run_blocking(move |store| {
-                store.stage_turn(&TurnInput {
-                    container: &container,
-                    turn,
-                    rootfs: Some(&rootfs),
-                    changed: &changed,
-                    criu_images: images_for_stage.as_deref(),
-                })
+                // Only the mounts this turn changed are opened.
+                let mut mounts = Vec::new();
+                for dest in tmpfs.iter().filter(|d| changed.iter().any(|c| on_mount(d, &c.path))) {
+                    let root = container_root.as_ref().ok_or_else(|| {
+                        crate::checkpoint::CheckpointError::InvalidRequest(format!(
+                            "a change on the tmpfs at {dest}, and no pidfd of the container's init to reach it"
+                        ))
+                    })?;
+                    mounts.push(root.open_mount(dest)?);
+                }
+                store.stage_turn_in(
+                    &TurnInput {
+                        container: &container,
+                        turn,
+                        rootfs: Some(&rootfs),
+                        changed: &changed,
+                        criu_images: images_for_stage.as_deref(),
+                    },
+                    &mounts,
+                )
             })
             .await;
         record.capture_ms += staging.elapsed().as_secs_f64() * 1e3;
@@ -825,6 +866,41 @@ impl SandboxEngine {
         tracing::info!(container = %self.container, turn, class = ?record.class, bytes = record.bytes_written,
             ms = record.checkpoint_ms, "turn checkpointed");
         Ok(record)
+    }
+
+    /// Every path on the container's tmpfs mounts (escalated turns).
+    async fn tmpfs_paths(&self) -> Result<Vec<ChangedPath>, EngineError> {
+        let mounts = self.mounts.clone();
+        let tmpfs = mounts.tmpfs();
+        let root = self.container_root.clone();
+        let ignore = self.policy.ignore.clone();
+        tokio::task::spawn_blocking(move || -> Result<Vec<ChangedPath>, EngineError> {
+            let mut out = Vec::new();
+            if tmpfs.is_empty() {
+                return Ok(out);
+            }
+            let root = root.ok_or_else(|| EngineError::Other("no pidfd of the container's init to reach its tmpfs mounts".into()))?;
+            for dest in &tmpfs {
+                let mount = root.open_mount(dest)?;
+                for path in mount.all_paths(1 << 20)? {
+                    // A nested mount's paths belong to it (a tmpfs is walked on its own).
+                    let deeper = mounts.mount_of(&path).is_none_or(|m| m.destination != *dest);
+                    let ignored = {
+                        use std::os::unix::ffi::OsStrExt;
+                        let p = Path::new(std::ffi::OsStr::from_bytes(&path));
+                        crate::inspector::DEFAULT_IGNORED_PREFIXES.iter().any(|i| p.starts_with(i))
+                            || ignore.iter().any(|i| p.starts_with(i))
+                            || p.starts_with(crab_init::MOUNT_DIR)
+                    };
+                    if !deeper && !ignored {
+                        out.push(ChangedPath::modified(path));
+                    }
+                }
+            }
+            Ok(out)
+        })
+        .await
+        .map_err(|e| EngineError::Other(format!("tmpfs walk task: {e}")))?
     }
 
     /// The `every-turn` baseline: the dump plus the whole rootfs diff, written again without
@@ -919,6 +995,23 @@ impl SandboxEngine {
             record.reasons.insert(0, format!("session {session} ran its input: its memory is process state"));
         }
         let changed = changed_paths(&effects.effects, &self.policy.ignore);
+        let (changed, external) = split_by_mount(changed, &self.mounts);
+        if !external.is_empty() {
+            // Never cleaner than the truth: the turn changed state, crab only cannot keep it.
+            record.external = true;
+            class = class.max(TurnClass::Fs);
+            for (path, mount) in external.iter().take(8) {
+                record.reasons.push(format!(
+                    "external state: {} is on the {} mount at {}, which crab does not own: not checkpointed",
+                    String::from_utf8_lossy(path),
+                    mount.fs_type,
+                    mount.destination
+                ));
+            }
+            if external.len() > 8 {
+                record.reasons.push(format!("... and {} more paths of external state", external.len() - 8));
+            }
+        }
         (class, changed)
     }
 }
@@ -959,6 +1052,52 @@ fn carry_unpublished(
     }
     changed.extend(carried.paths);
     (class, changed)
+}
+
+/// The mounts of the sandbox's spec: the bundle's config.json (what the runtime mounted), else
+/// the copy saved for recovery. Without either every path is taken for the rootfs's.
+fn sandbox_mounts(state_dir: &Path, container: &str, work_dir: &Path) -> SandboxMounts {
+    let bundle_spec = work_dir.parent().map(|b| b.join("config.json"));
+    let from_bundle = match &bundle_spec {
+        Some(path) => SandboxMounts::from_spec_file(path),
+        None => Err("no bundle".into()),
+    };
+    from_bundle
+        .or_else(|e| {
+            tracing::warn!(container, error = %e, "spec mounts not read from the bundle: using the saved spec");
+            SandboxMounts::from_spec_file(&sandbox_spec_path(state_dir, container))
+        })
+        .unwrap_or_else(|e| {
+            tracing::error!(container, error = %e, "spec mounts unknown: tmpfs and bind mounts are taken for the rootfs");
+            SandboxMounts::default()
+        })
+}
+
+/// Whether the absolute container path `path` is at or below the mount at `dest`.
+fn on_mount(dest: &crate::checkpoint::RelPath, path: &[u8]) -> bool {
+    crate::checkpoint::RelPath::parse(path).is_ok_and(|p| *dest == p || dest.is_ancestor_of(&p))
+}
+
+/// Splits a turn's changed paths into those crab checkpoints (rootfs and tmpfs mounts) and
+/// those on mounts it does not own (external state, with their mount). Paths on crab's own and
+/// the kernel's mounts are neither.
+fn split_by_mount(
+    changed: Vec<ChangedPath>,
+    mounts: &SandboxMounts,
+) -> (Vec<ChangedPath>, Vec<(Vec<u8>, crate::checkpoint::SpecMount)>) {
+    let mut kept = Vec::new();
+    let mut external = Vec::new();
+    for change in changed {
+        match mounts.mount_of(&change.path) {
+            None => kept.push(change),
+            Some(m) => match m.kind {
+                MountKind::Tmpfs => kept.push(change),
+                MountKind::External => external.push((change.path, m.clone())),
+                MountKind::Crab | MountKind::Kernel => {}
+            },
+        }
+    }
+    (kept, external)
 }
 
 /// Where the shim keeps a copy of a sandbox's OCI spec (the id was validated by the turn log).

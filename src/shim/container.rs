@@ -72,6 +72,8 @@ pub struct Container {
     /// Policy kept from Create until a restored init's pid is known at Start,
     /// with the engine context being set up meanwhile (None: policy off).
     pub pending_policy: Mutex<Option<(crate::turns::SandboxPolicy, Option<EngineLoad>)>>,
+    /// A restored container's tmpfs content, written once the runtime restored it at Start.
+    pub pending_mounts: Mutex<Option<super::service::PendingMounts>>,
     /// Set once the init's pid is known, when the sandbox is checkpointed.
     engine: std::sync::OnceLock<Arc<crate::engine::SandboxEngine>>,
     /// Whether the engine question is settled: `Some(Ok)` once the engine is
@@ -98,6 +100,7 @@ impl Container {
             cgroup: Mutex::new(None),
             engine: std::sync::OnceLock::new(),
             pending_policy: Mutex::new(None),
+            pending_mounts: Mutex::new(None),
             engine_settled: tokio::sync::watch::channel(Some(Ok(()))).0,
             lifecycle: tokio::sync::Mutex::new(()),
             criu_config_ours: AtomicBool::new(false),

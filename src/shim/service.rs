@@ -198,6 +198,21 @@ impl TaskService {
         };
         tokio::fs::create_dir_all(runtime.root()).await.map_err(|e| ShimError::io(runtime.root(), e))?;
         let restore_images_owned = prepared.is_some();
+        // The sandbox's tmpfs mounts exist only once the runtime made them: their content is
+        // written after Create (no process checkpoint: into empty mounts) or after the
+        // runtime's restore (CRIU brought them back as at the process checkpoint).
+        let pending_mounts = match &policy.restore_from {
+            Some(source) => Some(PendingMounts {
+                source: source.container.clone(),
+                turn: source.turn,
+                since: prepared.as_ref().map(|(_, images_turn)| *images_turn),
+                tmpfs: spec_mounts(&bundle)?.tmpfs(),
+                state_dir: config.checkpoint.state_dir.clone(),
+                kept: config.checkpoint.kept_images(),
+            }),
+            None => None,
+        };
+        let prepared = prepared.map(|(images, _)| images);
         let restore_from = prepared.or_else(|| (!req.checkpoint.is_empty()).then(|| PathBuf::from(&req.checkpoint)));
         let init_binary = match usable_init(&config, restore_from.as_deref()) {
             Ok(init) => init,
@@ -234,6 +249,19 @@ impl TaskService {
                 return Err(e);
             }
         };
+        if let Some(pending) = pending_mounts {
+            if pid != 0 {
+                if let Err(e) = restore_mounts(pending, pid).await {
+                    let _ = container.delete().await;
+                    if rootfs_mounted {
+                        super::container::unmount_rootfs(&bundle);
+                    }
+                    return Err(e);
+                }
+            } else {
+                *container.pending_mounts.lock().expect("pending mounts lock") = Some(pending);
+            }
+        }
         self.containers.lock().expect("containers lock").insert(req.id.clone(), container.clone());
         if pid != 0 {
             self.watch_exit(&container, &container.init, pid, self.reaper.wait_for(pid));
@@ -277,6 +305,14 @@ impl TaskService {
             let clock = std::time::Instant::now();
             let pid = container.start().await?;
             container.spawner_started();
+            let pending_mounts = container.pending_mounts.lock().expect("pending mounts lock").take();
+            if let Some(pending) = pending_mounts
+                && let Err(e) = restore_mounts(pending, pid).await
+            {
+                // The restored processes must not go on with their tmpfs state missing.
+                let _ = container.kill(&container.init, libc::SIGKILL as u32, true).await;
+                return Err(e);
+            }
             if restoring {
                 tracing::info!(container = %req.id, pid, runtime_restore_ms = clock.elapsed().as_secs_f64() * 1e3,
                     "restored by the runtime");
@@ -613,18 +649,63 @@ fn sandbox_policy(bundle: &Path, config: &Config) -> Result<SandboxPolicy, ShimE
     SandboxPolicy::from_annotations(&spec.annotations, &defaults).map_err(|e| ShimError::InvalidArgument(e.to_string()))
 }
 
+/// The mounts the bundle's spec gives the container.
+fn spec_mounts(bundle: &Path) -> Result<crate::checkpoint::SandboxMounts, ShimError> {
+    crate::checkpoint::SandboxMounts::from_spec_file(&bundle.join("config.json")).map_err(ShimError::InvalidArgument)
+}
+
+/// What a restored container's tmpfs mounts must get once they exist.
+pub struct PendingMounts {
+    source: String,
+    turn: u64,
+    /// The turn of the process checkpoint CRIU restores them from (None: they start empty).
+    since: Option<u64>,
+    tmpfs: Vec<crate::checkpoint::RelPath>,
+    state_dir: PathBuf,
+    kept: crate::checkpoint::KeptImages,
+}
+
+/// Writes the checkpointed content of the tmpfs mounts into the new container's own mounts,
+/// reached through its init `pid` (just created or restored by the runtime).
+async fn restore_mounts(pending: PendingMounts, pid: u32) -> Result<(), ShimError> {
+    if pending.tmpfs.is_empty() {
+        return Ok(());
+    }
+    let what = format!("restore from {}:{} into the container's tmpfs mounts", pending.source, pending.turn);
+    tokio::task::spawn_blocking(move || {
+        let clock = std::time::Instant::now();
+        let root = crate::checkpoint::ContainerRoot::new(pid).map_err(|source| crate::checkpoint::CheckpointError::Io {
+            op: "pidfd_open",
+            path: PathBuf::from(format!("/proc/{pid}")),
+            source,
+        })?;
+        let mounts = pending.tmpfs.iter().map(|d| root.open_mount(d)).collect::<Result<Vec<_>, _>>()?;
+        let store = crate::checkpoint::CheckpointStore::open_with(&pending.state_dir, &pending.kept)?;
+        let stats = store.materialize_mounts(&pending.source, pending.turn, &mounts, pending.since)?;
+        tracing::info!(source = %pending.source, turn = pending.turn, since = ?pending.since, files = stats.files_written,
+            bytes = stats.bytes_written, removed = stats.paths_removed, ms = clock.elapsed().as_secs_f64() * 1e3,
+            "tmpfs mounts restored");
+        Ok::<_, crate::checkpoint::CheckpointError>(())
+    })
+    .await
+    .map_err(|e| ShimError::Other(format!("{what}: {e}")))?
+    .map_err(|e| ShimError::FailedPrecondition(format!("{what}: {e}")))
+}
+
 /// Prepares a container created from another's checkpoint: writes the
-/// source's rootfs as at the turn onto the fresh rootfs, points the new
-/// chain at that checkpoint, and returns the CRIU images to restore at Start
-/// (None when the chain has no process checkpoint up to that turn). Opens the
-/// store itself, so it does not wait for the engine (and its inspector).
+/// source's rootfs as at the turn onto the fresh rootfs (every path but those
+/// the spec mounts something on), points the new chain at that checkpoint,
+/// and returns the CRIU images to restore at Start with their turn (None when
+/// the chain has no process checkpoint up to that turn). Opens the store
+/// itself, so it does not wait for the engine (and its inspector).
 async fn prepare_restore(
     checkpoint: &crate::config::CheckpointConfig,
     source: &crate::turns::RestoreFrom,
     new_id: &str,
     bundle: &Path,
-) -> Result<Option<PathBuf>, ShimError> {
+) -> Result<Option<(PathBuf, u64)>, ShimError> {
     let rootfs = bundle.join("rootfs");
+    let skip = spec_mounts(bundle)?.destinations();
     let (src, turn, new) = (source.container.clone(), source.turn, new_id.to_string());
     let (state_dir, kept) = (checkpoint.state_dir.clone(), checkpoint.kept_images());
     let ms = |since: std::time::Instant| since.elapsed().as_secs_f64() * 1e3;
@@ -637,7 +718,7 @@ async fn prepare_restore(
         let (rootfs_done, images) = std::thread::scope(|scope| {
             let rootfs_job = scope.spawn(|| {
                 let clock = std::time::Instant::now();
-                store.materialize(&src, turn, &rootfs).map(|_| ms(clock))
+                store.materialize_rootfs(&src, turn, &rootfs, &skip).map(|_| ms(clock))
             });
             let clock = std::time::Instant::now();
             // Beside the kept copy, so that it is linked, not copied.
@@ -661,7 +742,7 @@ async fn prepare_restore(
             chunks = images.map_or(0, |(_, r)| r.chunks),
             chunks_read = images.map_or(0, |(_, r)| r.chunks_read),
             "restoring from checkpoint");
-        Ok::<_, crate::checkpoint::CheckpointError>(images.map(|_| dest))
+        Ok::<_, crate::checkpoint::CheckpointError>(images.map(|(images_turn, _)| (dest, images_turn)))
     })
     .await
     .map_err(|e| failed(&e))?

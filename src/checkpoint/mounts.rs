@@ -1,0 +1,344 @@
+//! The sandbox's mounts, as its OCI spec declares them, and the container's own mounts reached
+//! from the host.
+//!
+//! A container path is on the mount with the longest destination that is a prefix of it (the
+//! rootfs when none is). What that means for a checkpoint:
+//! - the rootfs and every tmpfs the spec mounts (`/dev`, `/dev/shm`, `/run`, ...) are the
+//!   sandbox's state: checkpointed and restored exactly. A tmpfs is not on the host rootfs, so
+//!   it is read and written through the container's own mount ([`ContainerRoot`]), never
+//!   through the bundle's rootfs directory (where the path does not exist, or is the image's
+//!   file hidden under the tmpfs);
+//! - crab's own binds (crab-init's directory and binary) and kernel file systems (proc, sysfs,
+//!   cgroup, devpts) are not state a turn can change;
+//! - every other mount (a bind mount, mqueue, an overlay crab did not set up) is external:
+//!   a change there is reported in the turn record, not checkpointed, and never restored.
+
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use super::error::{CheckpointError, IoContext, Result};
+use super::fsdelta::Root;
+use super::path::RelPath;
+use super::sys;
+
+/// What a mount of the spec is to the checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MountKind {
+    /// A tmpfs: the sandbox's state, empty when the container starts.
+    Tmpfs,
+    /// One of crab's own binds (crab-init): not the sandbox's state.
+    Crab,
+    /// proc, sysfs, cgroup, devpts: the kernel's, not files a turn writes.
+    Kernel,
+    /// Anything else (bind mounts, mqueue, ...): state crab does not own.
+    External,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpecMount {
+    pub destination: RelPath,
+    pub kind: MountKind,
+    /// The spec's `type` (or `bind` for a bind mount given only by its options).
+    pub fs_type: String,
+}
+
+/// The mounts of a sandbox's spec, in spec order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SandboxMounts {
+    mounts: Vec<SpecMount>,
+}
+
+impl SandboxMounts {
+    /// Reads the `mounts` of an OCI spec (config.json). A mount whose destination cannot be a
+    /// container path is an error: guessing would misplace state.
+    pub fn from_spec(bytes: &[u8]) -> std::result::Result<Self, String> {
+        #[derive(serde::Deserialize)]
+        struct Spec {
+            #[serde(default)]
+            mounts: Vec<Mount>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Mount {
+            destination: String,
+            #[serde(default, rename = "type")]
+            fs_type: Option<String>,
+            #[serde(default)]
+            options: Vec<String>,
+        }
+        let spec: Spec = serde_json::from_slice(bytes).map_err(|e| format!("OCI spec: {e}"))?;
+        let mut mounts = Vec::new();
+        for m in spec.mounts {
+            let destination =
+                RelPath::parse(m.destination.as_bytes()).map_err(|e| format!("mount destination {:?}: {e}", m.destination))?;
+            let bind = m.options.iter().any(|o| o == "bind" || o == "rbind");
+            let fs_type = match m.fs_type.as_deref() {
+                Some(t) if !t.is_empty() && !bind => t.to_string(),
+                _ if bind => "bind".to_string(),
+                Some(t) => t.to_string(),
+                None => String::new(),
+            };
+            let crab_own = [crab_init::MOUNT_DIR, crab_init::INIT_PATH]
+                .iter()
+                .any(|own| RelPath::parse(own.as_bytes()).is_ok_and(|own| own == destination));
+            let kind = if crab_own {
+                MountKind::Crab
+            } else {
+                match fs_type.as_str() {
+                    "tmpfs" => MountKind::Tmpfs,
+                    "proc" | "sysfs" | "cgroup" | "cgroup2" | "devpts" => MountKind::Kernel,
+                    _ => MountKind::External,
+                }
+            };
+            mounts.push(SpecMount { destination, kind, fs_type });
+        }
+        Ok(Self { mounts })
+    }
+
+    /// The mounts of the spec at `path` (a bundle's config.json, or the spec the shim saved).
+    pub fn from_spec_file(path: &Path) -> std::result::Result<Self, String> {
+        let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Self::from_spec(&bytes).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// The mount `path` (an absolute container path) is on: the longest destination that is
+    /// `path` or one of its ancestors, the later one when two are equal (it hides the first).
+    /// None: the rootfs.
+    pub fn mount_of(&self, path: &[u8]) -> Option<&SpecMount> {
+        let rel = RelPath::parse(path).ok()?;
+        self.mount_of_rel(&rel)
+    }
+
+    pub fn mount_of_rel(&self, rel: &RelPath) -> Option<&SpecMount> {
+        self.mounts
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| !m.destination.is_root() && (m.destination == *rel || m.destination.is_ancestor_of(rel)))
+            .max_by_key(|(order, m)| (m.destination.as_bytes().len(), *order))
+            .map(|(_, m)| m)
+    }
+
+    /// Destinations of the tmpfs mounts that are still visible as tmpfs (not covered by a
+    /// later mount at the same place).
+    pub fn tmpfs(&self) -> Vec<RelPath> {
+        let mut out: Vec<RelPath> = self
+            .mounts
+            .iter()
+            .filter(|m| m.kind == MountKind::Tmpfs)
+            .filter(|m| self.mount_of_rel(&m.destination).is_some_and(|top| top.kind == MountKind::Tmpfs))
+            .map(|m| m.destination.clone())
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// Every destination (what the bundle's rootfs directory does not hold at run time).
+    pub fn destinations(&self) -> Vec<RelPath> {
+        self.mounts.iter().map(|m| m.destination.clone()).filter(|d| !d.is_root()).collect()
+    }
+}
+
+/// `path` re-rooted at `mount` (a strict or equal descendant of it), as an absolute path.
+pub(crate) fn below(mount: &RelPath, path: &RelPath) -> Vec<u8> {
+    let rest = &path.as_bytes()[mount.as_bytes().len()..];
+    let mut out = Vec::with_capacity(rest.len() + 1);
+    out.push(b'/');
+    out.extend_from_slice(rest.strip_prefix(b"/").unwrap_or(rest));
+    out
+}
+
+/// `rel` (relative to `mount`) as a path of the container root.
+pub(crate) fn above(mount: &RelPath, rel: &RelPath) -> Result<RelPath> {
+    let mut raw = Vec::with_capacity(mount.as_bytes().len() + rel.as_bytes().len() + 2);
+    raw.push(b'/');
+    raw.extend_from_slice(mount.as_bytes());
+    raw.push(b'/');
+    raw.extend_from_slice(rel.as_bytes());
+    RelPath::parse(raw)
+}
+
+/// The root of a running container, reached through its init's `/proc/<pid>/root`. The init
+/// is held by a pidfd taken while it was known to be the container's: every open checks that
+/// it still lives, so a recycled pid can never lead into another process's root.
+pub struct ContainerRoot {
+    pid: u32,
+    pidfd: OwnedFd,
+}
+
+impl ContainerRoot {
+    /// `pid` must be the container's init now (the caller just learned it from the runtime).
+    pub fn new(pid: u32) -> std::io::Result<Self> {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0 as libc::c_uint) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor nobody else owns.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        Ok(Self { pid, pidfd })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    fn alive(&self) -> bool {
+        // SAFETY: signal 0 only checks that the process behind the pidfd exists.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.pidfd.as_raw_fd(),
+                0 as libc::c_int,
+                std::ptr::null::<libc::siginfo_t>(),
+                0 as libc::c_uint,
+            )
+        };
+        ret == 0
+    }
+
+    /// The mount at `destination` in the container, opened once beneath the container's root
+    /// without following any symlink, magic link or `..` out of it.
+    pub fn open_mount(&self, destination: &RelPath) -> Result<ContainerMount> {
+        let shown = PathBuf::from(format!("/proc/{}/root{destination}", self.pid));
+        let proc_root = PathBuf::from(format!("/proc/{}/root", self.pid));
+        // The magic link itself is followed (that is how the container's root is reached);
+        // nothing below it is.
+        let root = sys::open_dir_path(&proc_root).io_ctx("open the container root", &proc_root)?;
+        // Opened while the process behind the pidfd lives: /proc/<pid> was that process, since
+        // a pid is only reused after its process is gone.
+        if !self.alive() {
+            return Err(CheckpointError::Io {
+                op: "open the container root",
+                path: proc_root,
+                source: std::io::Error::other(format!(
+                    "pid {} is no longer the container's init (it exited)",
+                    self.pid
+                )),
+            });
+        }
+        let fd = if destination.is_root() {
+            root
+        } else {
+            let rel = sys::cstr(destination.as_bytes()).io_ctx("open mount", &shown)?;
+            match sys::openat_beneath(root.as_fd(), &rel, libc::O_PATH | libc::O_DIRECTORY) {
+                Ok(fd) => fd,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::EXDEV)) => {
+                    return Err(CheckpointError::OutsideRoot {
+                        path: destination.to_string(),
+                        reason: format!("the mount point is reached through a symlink or leaves {}", proc_root.display()),
+                    });
+                }
+                Err(e) => return Err(e).io_ctx("open mount", &shown),
+            }
+        };
+        Ok(ContainerMount { destination: destination.clone(), root: Root::from_fd(fd, shown) })
+    }
+}
+
+/// A mount of a running container, open for captures and restores of the paths below it.
+pub struct ContainerMount {
+    pub(crate) destination: RelPath,
+    pub(crate) root: Root,
+}
+
+impl ContainerMount {
+    pub fn destination(&self) -> &RelPath {
+        &self.destination
+    }
+
+    /// Every path on this mount (below its root), as absolute container paths: what an
+    /// escalated turn captures when the inspector could not name the changes.
+    pub fn all_paths(&self, limit: usize) -> Result<Vec<Vec<u8>>> {
+        let mut out = Vec::new();
+        let start = sys::openat_beneath(self.root.fd(), c".", libc::O_RDONLY | libc::O_DIRECTORY)
+            .io_ctx("open", self.root.path())?;
+        let mut dirs = vec![(start, self.destination.clone())];
+        while let Some((dir, rel)) = dirs.pop() {
+            for name in sys::read_dir_names(dir.as_fd()).io_ctx("readdir", self.root.path())? {
+                let child = rel.join(&name);
+                let mut abs = b"/".to_vec();
+                abs.extend_from_slice(child.as_bytes());
+                out.push(abs);
+                if out.len() > limit {
+                    return Err(CheckpointError::InvalidRequest(format!(
+                        "mount {} holds more than {limit} paths",
+                        self.destination
+                    )));
+                }
+                let name_c = sys::cstr(&name).io_ctx("readdir", self.root.path())?;
+                if let Ok(st) = sys::fstatat(dir.as_fd(), &name_c)
+                    && sys::file_type(&st) == libc::S_IFDIR
+                    && let Ok(sub) = sys::openat(dir.as_fd(), &name_c, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+                {
+                    dirs.push((sub, child));
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPEC: &str = r#"{"mounts": [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts"},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm"},
+        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue"},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs"},
+        {"destination": "/run", "type": "tmpfs", "source": "tmpfs"},
+        {"destination": "/data/shared/", "type": "bind", "source": "/srv/x", "options": ["rbind"]},
+        {"destination": "/etc/hosts", "source": "/etc/hosts", "options": ["bind", "ro"]},
+        {"destination": "/dev/.crab", "type": "bind", "source": "/b/crab/spawner", "options": ["rbind"]},
+        {"destination": "/dev/.crab/init", "type": "bind", "source": "/pins/x", "options": ["bind", "ro"]}
+    ]}"#;
+
+    fn kind(mounts: &SandboxMounts, path: &str) -> Option<(MountKind, String)> {
+        mounts.mount_of(path.as_bytes()).map(|m| (m.kind, m.destination.to_string()))
+    }
+
+    #[test]
+    fn the_longest_destination_prefix_names_the_mount() {
+        let m = SandboxMounts::from_spec(SPEC.as_bytes()).unwrap();
+        assert_eq!(kind(&m, "/dev/shm/x"), Some((MountKind::Tmpfs, "/dev/shm".into())));
+        assert_eq!(kind(&m, "/dev/shm"), Some((MountKind::Tmpfs, "/dev/shm".into())));
+        assert_eq!(kind(&m, "/dev/shmx"), Some((MountKind::Tmpfs, "/dev".into())), "a prefix of bytes is not a parent");
+        assert_eq!(kind(&m, "/dev/foo"), Some((MountKind::Tmpfs, "/dev".into())));
+        assert_eq!(kind(&m, "/dev/pts/0"), Some((MountKind::Kernel, "/dev/pts".into())));
+        assert_eq!(kind(&m, "/dev/mqueue/q"), Some((MountKind::External, "/dev/mqueue".into())));
+        assert_eq!(kind(&m, "/run/a/b"), Some((MountKind::Tmpfs, "/run".into())));
+        assert_eq!(kind(&m, "/data/shared/f"), Some((MountKind::External, "/data/shared".into())));
+        assert_eq!(kind(&m, "/etc/hosts"), Some((MountKind::External, "/etc/hosts".into())), "a bind given by its options");
+        assert_eq!(kind(&m, "/dev/.crab/sock"), Some((MountKind::Crab, "/dev/.crab".into())));
+        assert_eq!(kind(&m, "/dev/.crab/init"), Some((MountKind::Crab, "/dev/.crab/init".into())));
+        assert_eq!(kind(&m, "/data/own"), None, "the rootfs");
+        assert_eq!(kind(&m, "/runner"), None);
+        assert_eq!(m.tmpfs(), vec![RelPath::parse("/dev").unwrap(), RelPath::parse("/dev/shm").unwrap(), RelPath::parse("/run").unwrap()]);
+    }
+
+    #[test]
+    fn a_later_mount_on_the_same_destination_hides_the_earlier() {
+        let spec = r#"{"mounts": [{"destination": "/run", "type": "tmpfs"}, {"destination": "/run", "type": "bind", "source": "/x", "options": ["rbind"]}]}"#;
+        let m = SandboxMounts::from_spec(spec.as_bytes()).unwrap();
+        assert_eq!(kind(&m, "/run/f"), Some((MountKind::External, "/run".into())));
+        assert!(m.tmpfs().is_empty());
+    }
+
+    #[test]
+    fn a_destination_that_escapes_is_refused() {
+        let spec = r#"{"mounts": [{"destination": "/../etc", "type": "tmpfs"}]}"#;
+        assert!(SandboxMounts::from_spec(spec.as_bytes()).unwrap_err().contains("/../etc"));
+    }
+
+    #[test]
+    fn paths_move_between_the_container_root_and_a_mount() {
+        let shm = RelPath::parse("/dev/shm").unwrap();
+        assert_eq!(below(&shm, &RelPath::parse("/dev/shm/a/b").unwrap()), b"/a/b");
+        assert_eq!(below(&shm, &shm), b"/");
+        assert_eq!(above(&shm, &RelPath::parse("/a/b").unwrap()).unwrap(), RelPath::parse("/dev/shm/a/b").unwrap());
+        assert_eq!(above(&shm, &RelPath::root()).unwrap(), shm);
+    }
+}
