@@ -939,14 +939,20 @@ impl CheckpointStore {
                 let path = RelPath::parse(mounts::below(dest, &entry.path))?;
                 let node = match &entry.node {
                     // A link's first name is on the same mount (links do not cross mounts).
-                    FsNode::Hardlink { meta, link_to, blob, size } => match on_mount(link_to) {
+                    FsNode::Hardlink { meta, link_to, blob, size, extents } => match on_mount(link_to) {
                         true => FsNode::Hardlink {
                             meta: meta.clone(),
                             link_to: RelPath::parse(mounts::below(dest, link_to))?,
                             blob: *blob,
                             size: *size,
+                            extents: extents.clone(),
                         },
-                        false => FsNode::File { meta: meta.clone(), blob: *blob, size: *size },
+                        false => FsNode::File {
+                            meta: meta.clone(),
+                            blob: *blob,
+                            size: *size,
+                            extents: extents.clone(),
+                        },
                     },
                     other => other.clone(),
                 };
