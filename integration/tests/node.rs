@@ -1159,8 +1159,9 @@ async fn storm_figures() {
     let (storms, secs) = (env("CRAB_STORMS", 4) as usize, env("CRAB_STORM_SECS", 60));
     let outcome = async {
         use crab_integration::sandbox::{Sandbox, TERMINAL_IMAGE};
-        let crabd = node_status()?["pid"].as_u64().unwrap_or(0) as u32;
+        // crabd is started on demand by the first sandbox's shim.
         let mut calm = Sandbox::start("node-calm", TERMINAL_IMAGE, &[("io.crab.policy", "crab")], &[]).await?;
+        let crabd = node_status()?["pid"].as_u64().unwrap_or(0) as u32;
         let started = std::time::Instant::now();
         let peak = std::sync::atomic::AtomicU64::new(0);
         let without = quiet_turns_while(&mut calm, crabd, &peak, || started.elapsed() < Duration::from_secs(secs.min(30))).await?;
