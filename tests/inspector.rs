@@ -658,6 +658,7 @@ async fn every_record_is_delivered_or_counted_lost() {
         &cgroup,
         InspectorConfig {
             ring_buffer_bytes: 4096,
+            ..Default::default()
         },
     )
     .await;
@@ -1840,4 +1841,105 @@ async fn a_polling_ring_escalates_every_turn_its_process_runs_in() {
             .any(|e| matches!(e.kind, EffectKind::AsyncIo { .. })),
         "{after:#?}"
     );
+}
+
+/// A `renameat2` storm over ever new names in one watched cgroup: what the inspector keeps of
+/// it stops at the container's bound (the drain reports the overflow, and the effects it hands
+/// over are a small part of the storm), and drains of another watched cgroup meanwhile answer
+/// promptly and completely: the reader answers a flush once the records before it are read,
+/// not once the storm leaves the ring buffer empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rename_storm_is_cut_at_its_bound_and_holds_up_no_other_drain() {
+    const BOUND: usize = 1 << 20;
+    let storm = TestCgroup::new("storm");
+    let quiet = TestCgroup::new("storm-quiet");
+    let scratch = Scratch::new("storm");
+    let config = InspectorConfig {
+        max_effects_bytes: BOUND,
+        ..Default::default()
+    };
+    let inspector = watching_with("storm", &storm, config).await;
+    let quiet_container = WatchedContainer {
+        id: "quiet".into(),
+        root_pid: None,
+        rootfs: None,
+    };
+    inspector.watch(quiet.id, quiet_container).unwrap();
+    let script = format!(
+        r#"
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+stem = b"{dir}/" + b"n" * 200
+cur = stem + b"0"
+open(cur, "wb").close()
+end = time.monotonic() + 4
+i = 0
+while time.monotonic() < end:
+    for _ in range(500):
+        i += 1
+        nxt = stem + str(i).encode()
+        if libc.renameat2(-100, cur, -100, nxt, 0) != 0:
+            raise OSError(ctypes.get_errno(), "renameat2")
+        cur = nxt
+print(i)
+"#,
+        dir = scratch.str()
+    );
+    let mut child = storm
+        .command(PYTHON, &["-c", &script])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut slowest = Duration::ZERO;
+    let mut drains = 0;
+    while child.try_wait().unwrap().is_none() {
+        let file = scratch.path(&format!("quiet-{drains}"));
+        quiet.run("/bin/sh", &["-c", &format!(": > {}", file.display())]);
+        let started = Instant::now();
+        let turn = inspector.drain("quiet", u64::MAX).await.unwrap();
+        slowest = slowest.max(started.elapsed());
+        assert_eq!(turn.overflow, None, "the quiet cgroup's drain {drains}");
+        assert!(
+            turn.lost_events > 0 || turn.effects.iter().any(|e| e.changes_under(&file)),
+            "the quiet cgroup's drain {drains} has its file: {:?}",
+            turn.effects
+        );
+        drains += 1;
+        // Paced like turns; a drain's wait is what is measured.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let output = child.wait_with_output().unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let renames: u64 = String::from_utf8_lossy(&output.stdout).trim().parse().unwrap();
+    let turn = inspector.drain("storm", u64::MAX).await.unwrap();
+    let overflow = turn.overflow.expect("the storm's drain reports an overflow");
+    eprintln!(
+        "{renames} renames: {} effects kept, {overflow}, {} lost; {drains} quiet drains, slowest {slowest:?}",
+        turn.effects.len(),
+        turn.lost_events
+    );
+    assert!(renames > 20_000, "only {renames} renames in 4 s");
+    assert!(!overflow.processes_cut, "{overflow:?}");
+    // Each rename holds two paths of over 200 bytes: far fewer fit in the bound.
+    assert!(
+        (turn.effects.len() as u64) < (BOUND / 400) as u64,
+        "{} effects kept within {BOUND} bytes",
+        turn.effects.len()
+    );
+    assert!(
+        overflow.events + turn.effects.len() as u64 + turn.lost_events >= renames,
+        "{renames} renames, {} kept, {overflow:?}, {} lost",
+        turn.effects.len(),
+        turn.lost_events
+    );
+    assert!(drains >= 3, "{drains} quiet drains during the storm");
+    assert!(
+        slowest < Duration::from_secs(2),
+        "a quiet drain during the storm took {slowest:?}"
+    );
+    // The cut ends with the turn: the next one is whole again.
+    storm.run("/bin/sh", &["-c", &format!(": > {}/after", scratch.str())]);
+    let next = inspector.drain("storm", u64::MAX).await.unwrap();
+    assert_eq!(next.overflow, None);
+    assert!(next.effects.iter().any(|e| e.changes_under(&scratch.path("after"))));
 }

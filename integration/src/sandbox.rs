@@ -162,6 +162,11 @@ impl Sandbox {
         self.container.id()
     }
 
+    /// The container's init (host pid namespace): `/proc/<pid>/root` is its root.
+    pub fn init_pid(&self) -> u32 {
+        self.init_pid
+    }
+
     /// Runs `script` with `bash -c` in `/app` as one exec (one turn); returns its output and turn
     /// number. The turn's record may still be on its way: see [`Sandbox::verdict`].
     pub async fn exec(&mut self, script: &str) -> Outcome<(CtrOutput, u64)> {

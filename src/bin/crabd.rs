@@ -65,7 +65,12 @@ async fn main() -> ExitCode {
         eprintln!("crabd: the rate and the burst must be at least 1 (MiB or KiB), --ring-buffer-mib a power of two");
         return ExitCode::FAILURE;
     }
-    let options = ServerOptions { socket: node.socket.clone(), bucket, ring_buffer_bytes: cli.ring_buffer_mib << 20 };
+    let options = ServerOptions {
+        socket: node.socket.clone(),
+        bucket,
+        ring_buffer_bytes: cli.ring_buffer_mib << 20,
+        max_effects_bytes: node.max_effects_bytes(),
+    };
     match run(options).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

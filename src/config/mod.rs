@@ -102,6 +102,18 @@ pub struct NodeConfig {
     /// Bound on each request to crabd (connect, reconnect with the watches,
     /// watch, drain, unwatch): a turn whose drain timed out is checkpointed in full.
     pub timeout_ms: u64,
+    /// Bound on the effects the inspector (crabd's, or a shim's own) holds
+    /// per sandbox between two turn ends, KiB. Repeats of an effect cost
+    /// nothing; beyond the bound the turn's details are cut and it is
+    /// checkpointed in full, its record says so.
+    pub max_effects_kib_per_sandbox: u64,
+}
+
+impl NodeConfig {
+    /// [`Self::max_effects_kib_per_sandbox`] in bytes.
+    pub fn max_effects_bytes(&self) -> usize {
+        usize::try_from(self.max_effects_kib_per_sandbox.saturating_mul(1 << 10)).unwrap_or(usize::MAX)
+    }
 }
 
 impl Default for NodeConfig {
@@ -114,6 +126,7 @@ impl Default for NodeConfig {
             aging_ms: 2_000,
             max_wait_ms: 30_000,
             timeout_ms: 5_000,
+            max_effects_kib_per_sandbox: 8 << 10,
         }
     }
 }
@@ -212,6 +225,7 @@ impl Config {
             ("node.rate_mib_per_s", self.node.rate_mib_per_s),
             ("node.burst_mib", self.node.burst_mib),
             ("node.timeout_ms", self.node.timeout_ms),
+            ("node.max_effects_kib_per_sandbox", self.node.max_effects_kib_per_sandbox),
         ] {
             if value == 0 {
                 return Err(invalid(format!("{key}: must be at least 1")));

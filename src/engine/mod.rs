@@ -968,6 +968,7 @@ impl SandboxEngine {
                 .filter(|e| !helpers.contains(&e.pid))
                 .collect(),
             lost_events: effects.lost_events,
+            overflow: effects.overflow,
         };
         let verdict = classify(
             &effects.effects,
@@ -986,6 +987,15 @@ impl SandboxEngine {
             record.reasons.push(format!("... and {} more", verdict.reasons.len() - 32));
         }
         let mut class = verdict.class;
+        if let Some(overflow) = effects.overflow {
+            // The effects kept are only part of the turn's: every file effect
+            // beyond the bound is gone (the whole rootfs diff stands for them,
+            // see checkpoint_turn), and when process effects were cut too the
+            // process state is unknown.
+            record.escalated = true;
+            record.reasons.insert(0, overflow.to_string());
+            class = class.max(if overflow.processes_cut { TurnClass::Proc } else { TurnClass::Fs });
+        }
         // A session that worked on input changed its own memory (variables,
         // cwd, imports) in ways no syscall shows; only its dump brings that back.
         if open.source == TurnSource::Stdin

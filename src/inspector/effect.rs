@@ -5,7 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 /// A path an effect touched, absolute inside the container's root.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct EffectPath {
     /// Absolute path as seen by the process (its root is the container's root).
     /// When `resolved` is false this is the best guess: possibly relative or cut short.
@@ -40,7 +40,7 @@ impl fmt::Display for EffectPath {
 }
 
 /// A socket address from bind/listen/connect.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum SockAddr {
     Inet(SocketAddr),
     /// A named AF_UNIX socket (a file).
@@ -194,7 +194,7 @@ impl AsyncIoCall {
 }
 
 /// One thing a process in a watched container did.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Effect {
     /// CLOCK_MONOTONIC nanoseconds when the syscall returned (see [`super::monotonic_now_ns`]).
     pub time_ns: u64,
@@ -216,7 +216,7 @@ impl Effect {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EffectKind {
     /// open/openat/openat2/creat with a write, create or truncate flag.

@@ -31,6 +31,7 @@
 //! # Ok(()) }
 //! ```
 
+mod buffer;
 mod cgroup;
 mod classify;
 mod effect;
@@ -44,6 +45,7 @@ use std::io;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -59,11 +61,13 @@ pub use classify::{
     Classification, ClassifyOptions, DEFAULT_IGNORED_PREFIXES, ProcessRan, Reason, TurnClass,
     classify,
 };
+pub use buffer::Overflow;
 pub use effect::{AsyncIoCall, Effect, EffectKind, EffectPath, SockAddr, WriteVia};
 pub use mounts::{MountEntry, MountTable, MountsError};
 pub use record::RecordError;
 pub use tracefs::TracefsError;
 
+use buffer::EffectBuffer;
 use record::{FsTypeLookup, NoFsTypes};
 use writes::{ProcFs, SeenAtDrain, WriteKey, WriteMemory, WriteSeen};
 
@@ -82,6 +86,13 @@ use skel::{InspectorSkel, InspectorSkelBuilder};
 /// The BPF side wakes the reader only when the ring buffer fills up (a wakeup
 /// per record costs more than the record); otherwise it reads this often.
 const READ_INTERVAL: Duration = Duration::from_millis(20);
+
+/// Records the reader consumes between two looks at its commands: under a
+/// storm the ring buffer never empties, and a flush must not wait for it to.
+const CONSUME_BATCH: usize = 4096;
+
+/// Default bound on the effects held per container between two drains.
+pub const DEFAULT_MAX_EFFECTS_BYTES: usize = 8 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum InspectorError {
@@ -115,12 +126,17 @@ pub struct InspectorConfig {
     /// Size of the BPF ring buffer (a power of two, at least a page). Bigger
     /// means fewer lost records under bursts of file changes.
     pub ring_buffer_bytes: u32,
+    /// Bound on the bytes of effects held per container between two drains
+    /// (see the `buffer` module): beyond it details are cut and the turn is
+    /// marked [`Overflow`].
+    pub max_effects_bytes: usize,
 }
 
 impl Default for InspectorConfig {
     fn default() -> Self {
         Self {
             ring_buffer_bytes: 16 << 20,
+            max_effects_bytes: DEFAULT_MAX_EFFECTS_BYTES,
         }
     }
 }
@@ -142,6 +158,9 @@ pub struct TurnEffects {
     pub effects: Vec<Effect>,
     /// Records lost since the previous drain or [`Inspector::take_lost_events`].
     pub lost_events: u64,
+    /// Effects of the turn the container's buffer could not hold: the
+    /// effects are incomplete and the turn must be captured in full.
+    pub overflow: Option<Overflow>,
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: the clock of [`Effect::time_ns`].
@@ -158,7 +177,10 @@ pub fn monotonic_now_ns() -> u64 {
 
 struct ContainerLog {
     container: WatchedContainer,
-    effects: Vec<Effect>,
+    effects: EffectBuffer,
+    /// Overflow of effects already taken (`take_effects_until`) that no
+    /// drain has reported yet.
+    overflow_taken: Option<Overflow>,
     mounts: Option<MountTable>,
     /// Records for this container the decoder rejected.
     undecodable: u64,
@@ -168,10 +190,11 @@ struct ContainerLog {
 }
 
 impl ContainerLog {
-    fn new(container: WatchedContainer) -> Self {
+    fn new(container: WatchedContainer, max_effects_bytes: usize) -> Self {
         let mut log = Self {
             container,
-            effects: Vec::new(),
+            effects: EffectBuffer::new(max_effects_bytes),
+            overflow_taken: None,
             mounts: None,
             undecodable: 0,
             lost_reported: 0,
@@ -194,6 +217,15 @@ impl ContainerLog {
     }
 
     fn record(&mut self, bytes: &[u8]) {
+        // Once file details are cut, a record that only names changed paths
+        // (and feeds no write or mapping tracking) is counted undecoded: a
+        // storm costs the reader a header read per record, not a decode.
+        if self.effects.files_cut()
+            && let Some(time_ns) = record::path_only_time(bytes)
+        {
+            self.effects.note_dropped(time_ns, bytes.len() as u64, false);
+            return;
+        }
         let lookup: &dyn FsTypeLookup = match &self.mounts {
             Some(table) => table,
             None => &NoFsTypes,
@@ -223,13 +255,23 @@ impl ContainerLog {
 }
 
 /// Logs by watched cgroup id, shared by the reader thread and callers.
-#[derive(Default)]
-struct Logs(Mutex<HashMap<u64, ContainerLog>>);
+struct Logs {
+    by_cgroup: Mutex<HashMap<u64, ContainerLog>>,
+    /// Bound of each container's effect buffer.
+    max_effects_bytes: usize,
+}
 
 impl Logs {
+    fn new(max_effects_bytes: usize) -> Self {
+        Self {
+            by_cgroup: Mutex::new(HashMap::new()),
+            max_effects_bytes,
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, HashMap<u64, ContainerLog>> {
         // A panic while holding the lock leaves plain data behind: keep going.
-        self.0
+        self.by_cgroup
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
@@ -298,7 +340,7 @@ impl Inspector {
     }
 
     async fn start_at(config: InspectorConfig, load_nice: i32) -> Result<Self, InspectorError> {
-        let logs = Arc::new(Logs::default());
+        let logs = Arc::new(Logs::new(config.max_effects_bytes));
         let wake = Arc::new(new_eventfd()?);
         let (commands, command_rx) = mpsc::channel();
         let (ready_tx, ready_rx) = oneshot::channel();
@@ -339,7 +381,10 @@ impl Inspector {
                 return Err(InspectorError::DuplicateContainer(container.id));
             }
             tracing::info!(container = %container.id, cgroup_id, "watching container");
-            logs.insert(cgroup_id, ContainerLog::new(container));
+            logs.insert(
+                cgroup_id,
+                ContainerLog::new(container, self.logs.max_effects_bytes),
+            );
         }
         // The first boundary is now: processes already running (the entrypoint)
         // count as from an earlier turn, whose repeated writes are timed.
@@ -365,7 +410,15 @@ impl Inspector {
         let _ = self.lost.delete(&cgroup_id.to_ne_bytes());
         let log = self.logs.lock().remove(&cgroup_id);
         tracing::info!(container, cgroup_id, "stopped watching container");
-        Ok(log.map(|l| l.effects).unwrap_or_default())
+        Ok(log
+            .map(|mut l| {
+                let (effects, overflow) = l.effects.take_all();
+                if let Some(overflow) = overflow.or(l.overflow_taken) {
+                    tracing::info!(container, %overflow, "effects of an unwatched container were cut");
+                }
+                effects
+            })
+            .unwrap_or_default())
     }
 
     /// Returns once every record submitted before the call is in the logs.
@@ -392,11 +445,30 @@ impl Inspector {
     ) -> Result<Vec<Effect>, InspectorError> {
         let mut logs = self.logs.lock();
         let log = find_log(&mut logs, container)?;
-        let (taken, kept) = std::mem::take(&mut log.effects)
-            .into_iter()
-            .partition(|e| e.time_ns <= until_ns);
-        log.effects = kept;
+        let (taken, overflow) = log.effects.take_until(until_ns);
+        // Reported by the next drain: an overflow is never forgotten.
+        log.overflow_taken = merge_overflow(log.overflow_taken, overflow);
         Ok(taken)
+    }
+
+    /// The effects up to `until_ns` and the overflow of the effects taken,
+    /// this time and by earlier `take_effects_until` calls.
+    fn take_turn_until(
+        &self,
+        container: &str,
+        until_ns: u64,
+    ) -> Result<(Vec<Effect>, Option<Overflow>), InspectorError> {
+        let mut logs = self.logs.lock();
+        let log = find_log(&mut logs, container)?;
+        let (taken, overflow) = log.effects.take_until(until_ns);
+        let overflow = merge_overflow(log.overflow_taken.take(), overflow);
+        tracing::debug!(container, taken = taken.len(), kept = log.effects.len(),
+            folded_so_far = log.effects.folded(), "effects taken");
+        if let Some(overflow) = &overflow {
+            tracing::warn!(container, %overflow, held_after = log.effects.held_bytes(),
+                "the container's effects exceeded their bound: its turn is captured in full");
+        }
+        Ok((taken, overflow))
     }
 
     /// Records of `container` lost so far (ring buffer full, per-thread table
@@ -435,9 +507,11 @@ impl Inspector {
         self.set_epoch(cgroup_id, until_ns, MapFlags::EXIST)?;
         self.flush().await?;
         self.settle_writes(container, cgroup_id, until_ns)?;
+        let (effects, overflow) = self.take_turn_until(container, until_ns)?;
         Ok(TurnEffects {
-            effects: self.take_effects_until(container, until_ns)?,
+            effects,
             lost_events: self.take_lost_events(container)?,
+            overflow,
         })
     }
 
@@ -550,7 +624,9 @@ impl Inspector {
         let mapped = log
             .writes
             .mapped_writes(until_ns, monotonic_now_ns(), &ProcFs);
-        log.effects.extend(mapped);
+        for effect in mapped {
+            log.effects.push(effect);
+        }
         Ok(())
     }
 
@@ -594,6 +670,18 @@ impl Drop for Inspector {
     }
 }
 
+/// Both overflows together (counts add up, a process cut in either stays).
+fn merge_overflow(a: Option<Overflow>, b: Option<Overflow>) -> Option<Overflow> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(Overflow {
+            events: a.events + b.events,
+            bytes: a.bytes + b.bytes,
+            processes_cut: a.processes_cut || b.processes_cut,
+        }),
+        (a, b) => a.or(b),
+    }
+}
+
 fn find_log<'a>(
     logs: &'a mut HashMap<u64, ContainerLog>,
     container: &str,
@@ -630,6 +718,9 @@ fn run_reader(
     ready: oneshot::Sender<Result<ReaderHandles, InspectorError>>,
 ) {
     let normal = (load_nice != 0).then(|| set_thread_nice(load_nice));
+    let ring_bytes = u64::from(config.ring_buffer_bytes);
+    // Bytes of ring buffer consumed so far (records with their 8-byte headers).
+    let consumed = Arc::new(AtomicU64::new(0));
     let mut storage = MaybeUninit::uninit();
     let loaded = load(&mut storage, &config).and_then(|skel| {
         let handles = ReaderHandles {
@@ -657,9 +748,11 @@ fn run_reader(
         };
         let mut builder = RingBufferBuilder::new();
         let sink = logs.clone();
+        let counter = consumed.clone();
         builder
             .add(&skel.maps.events, move |bytes: &[u8]| {
                 sink.on_record(bytes);
+                counter.fetch_add(ring_record_bytes(bytes.len()), Ordering::Relaxed);
                 0
             })
             .map_err(|source| InspectorError::Map {
@@ -700,6 +793,8 @@ fn run_reader(
             revents: 0,
         },
     ];
+    // Flushes not yet answered, with the bytes consumed when each was asked.
+    let mut flushes: Vec<(oneshot::Sender<()>, u64)> = Vec::new();
     loop {
         // SAFETY: fds is a valid array of two pollfd for the duration of the call.
         let rc = unsafe {
@@ -716,27 +811,60 @@ fn run_reader(
         if fds[1].revents & libc::POLLIN != 0 {
             drain_eventfd(&wake);
         }
-        // Commands are collected before consuming so a flush is answered only
-        // after a consume that started after the flush was asked for.
-        let mut flushes = Vec::new();
-        let stop = loop {
-            match commands.try_recv() {
-                Ok(Command::Flush(done)) => flushes.push(done),
-                Err(mpsc::TryRecvError::Empty) => break false,
-                Err(mpsc::TryRecvError::Disconnected) => break true,
+        // Consumed in batches, with the commands read between them: a flush
+        // is answered once every record submitted before it was asked for is
+        // in the logs: the ring was seen empty after it was asked for (a
+        // batch came back short), or a whole ring's worth of bytes has been
+        // consumed since (the records that were in the ring then are all
+        // behind). A storm that keeps the ring full never holds a flush for
+        // longer than one ring's worth of records.
+        loop {
+            let stop = take_commands(&commands, &mut flushes, consumed.load(Ordering::Relaxed));
+            let n = ring.consume_raw_n(CONSUME_BATCH);
+            if n < 0 {
+                tracing::error!(error = %io::Error::from_raw_os_error(-n), "consuming the inspector ring buffer failed");
             }
-        };
-        if let Err(error) = ring.consume() {
-            tracing::error!(%error, "consuming the inspector ring buffer failed");
-        }
-        for done in flushes {
-            let _ = done.send(());
-        }
-        if stop {
-            tracing::info!("inspector reader stopping");
-            return;
+            let emptied = n < 0 || (n as usize) < CONSUME_BATCH;
+            let now = consumed.load(Ordering::Relaxed);
+            let (answered, waiting): (Vec<_>, Vec<_>) = flushes
+                .drain(..)
+                .partition(|(_, asked_at)| emptied || now.saturating_sub(*asked_at) >= ring_bytes);
+            flushes = waiting;
+            for (done, _) in answered {
+                // A waiter that gave up (timed out) is fine.
+                let _ = done.send(());
+            }
+            if stop {
+                tracing::info!("inspector reader stopping");
+                return;
+            }
+            if emptied {
+                break;
+            }
         }
     }
+}
+
+/// Moves the waiting commands into `flushes` (asked when `consumed` bytes had
+/// been consumed); true when the inspector is gone and the reader must stop.
+fn take_commands(
+    commands: &mpsc::Receiver<Command>,
+    flushes: &mut Vec<(oneshot::Sender<()>, u64)>,
+    consumed: u64,
+) -> bool {
+    loop {
+        match commands.try_recv() {
+            Ok(Command::Flush(done)) => flushes.push((done, consumed)),
+            Err(mpsc::TryRecvError::Empty) => return false,
+            Err(mpsc::TryRecvError::Disconnected) => return true,
+        }
+    }
+}
+
+/// Bytes a record of `len` bytes takes in the ring buffer: an 8-byte header,
+/// rounded up to 8 bytes.
+fn ring_record_bytes(len: usize) -> u64 {
+    ((len as u64) + 8).div_ceil(8) * 8
 }
 
 fn map_handle<T: std::fmt::Debug>(

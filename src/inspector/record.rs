@@ -123,6 +123,25 @@ pub fn record_cgroup(bytes: &[u8]) -> Result<u64, RecordError> {
     Ok(u64_at(bytes, OFF_CGROUP))
 }
 
+/// For a record that only says paths changed (no process, socket, mount or
+/// write-tracking meaning), its time; None for any other record. Reads the
+/// header only: what a reader that no longer keeps file details needs.
+pub fn path_only_time(bytes: &[u8]) -> Option<u64> {
+    if bytes.len() < HEADER_LEN {
+        return None;
+    }
+    let path_only = match u32_at(bytes, OFF_KIND) {
+        // An open the kernel took as the record of later writes through its
+        // descriptor feeds the write tracking: decoded.
+        KIND_OPEN => u64_at(bytes, OFF_ARG + 16) == 0,
+        KIND_TRUNCATE | KIND_UNLINK | KIND_RENAME | KIND_MKDIR | KIND_RMDIR | KIND_LINK
+        | KIND_SYMLINK | KIND_CHMOD | KIND_CHOWN | KIND_SETXATTR | KIND_REMOVEXATTR
+        | KIND_MKNOD | KIND_UTIMES => true,
+        _ => false,
+    };
+    path_only.then(|| u64_at(bytes, OFF_TS))
+}
+
 pub fn decode(bytes: &[u8], mounts: &dyn FsTypeLookup) -> Result<Record, RecordError> {
     if bytes.len() < HEADER_LEN {
         return Err(RecordError::Short { len: bytes.len() });
@@ -492,6 +511,28 @@ mod tests {
             let mut out = self.header;
             out.extend_from_slice(&self.data);
             out
+        }
+    }
+
+    #[test]
+    fn only_records_of_changed_paths_may_be_skipped_undecoded() {
+        let skippable = RecordBuilder::new(KIND_RENAME).path(0, &[], "/a", 0).path(1, &[], "/b", 0).bytes();
+        assert_eq!(path_only_time(&skippable), Some(1000));
+        let plain_open = RecordBuilder::new(KIND_OPEN).arg(0, 0o101).path(0, &[], "/f", 0).bytes();
+        assert_eq!(path_only_time(&plain_open), Some(1000));
+        // An open that starts the write tracking of its descriptor, writes,
+        // processes, sockets and mounts are always decoded.
+        let tracked_open = RecordBuilder::new(KIND_OPEN).arg(0, 0o101).arg(2, 0xffff_8880_0000_1000).path(0, &[], "/f", 0).bytes();
+        assert_eq!(path_only_time(&tracked_open), None);
+        for kind in [KIND_WRITE, KIND_ASYNC_IO, KIND_FORK, KIND_EXEC, KIND_EXIT, KIND_BIND, KIND_LISTEN, KIND_CONNECT, KIND_MOUNT, KIND_UMOUNT, KIND_MOVE_MOUNT] {
+            assert_eq!(path_only_time(&RecordBuilder::new(kind).bytes()), None, "kind {kind}");
+        }
+        assert_eq!(path_only_time(&[0u8; 10]), None);
+        // Everything skippable is a file effect, cut with the file details.
+        for kind in [KIND_TRUNCATE, KIND_UNLINK, KIND_RENAME, KIND_MKDIR, KIND_RMDIR, KIND_LINK, KIND_SYMLINK, KIND_CHMOD, KIND_CHOWN, KIND_SETXATTR, KIND_REMOVEXATTR, KIND_MKNOD, KIND_UTIMES, KIND_OPEN] {
+            let bytes = RecordBuilder::new(kind).path(0, &[], "/a", 0).path(1, &[], "/b", 0).bytes();
+            assert!(path_only_time(&bytes).is_some(), "kind {kind}");
+            assert!(crate::inspector::buffer::is_file_effect(&kind_of(&bytes)), "kind {kind}");
         }
     }
 

@@ -465,11 +465,13 @@ impl EffectSource for NodeClient {
         let replies = self.call(Request::Drain { container: container.into(), until_ns }).await.map_err(|e| e.to_string())?;
         let mut effects: Vec<Effect> = Vec::new();
         let mut lost_events = 0;
+        let mut overflow = None;
         for reply in replies {
             match reply {
-                Reply::Effects { effects: part, lost_events: lost, .. } => {
+                Reply::Effects { effects: part, lost_events: lost, overflow: cut, .. } => {
                     effects.extend(part);
                     lost_events += lost;
+                    overflow = overflow.or(cut);
                 }
                 other => return Err(format!("crabd answered {} to drain", other.name())),
             }
@@ -477,7 +479,7 @@ impl EffectSource for NodeClient {
         if self.gaps.lock().expect("gaps lock").remove(container) {
             lost_events = lost_events.max(1);
         }
-        Ok(TurnEffects { effects, lost_events })
+        Ok(TurnEffects { effects, lost_events, overflow })
     }
 
     async fn unwatch(&self, container: &str) -> Result<(), String> {

@@ -23,7 +23,7 @@
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::inspector::Effect;
+use crate::inspector::{Effect, Overflow};
 
 /// The version this build speaks. Bump it for any incompatible change of the messages; a
 /// change of the records or the effects changes [`WIRE_DIGEST`] by itself.
@@ -151,7 +151,15 @@ pub enum Reply {
         identity: Option<String>,
     },
     Ok,
-    Effects { effects: Vec<Effect>, lost_events: u64, more: bool },
+    /// `overflow` (on the last frame): the container's effect buffer cut the
+    /// turn's details (absent from older crabds).
+    Effects {
+        effects: Vec<Effect>,
+        lost_events: u64,
+        more: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        overflow: Option<Overflow>,
+    },
     Granted { waited_ms: f64 },
     /// The commit was dropped for the newer one of turn `by_turn`: do not write it.
     Superseded { by_turn: u64, waited_ms: f64 },
@@ -291,8 +299,8 @@ where
 }
 
 /// Cuts effects into replies of about [`EFFECTS_FRAME_BYTES`] each; the last
-/// carries the lost count and `more: false`. No effects still make one reply.
-pub fn effect_frames(effects: Vec<Effect>, lost_events: u64) -> Vec<Reply> {
+/// carries the lost count, the overflow and `more: false`. No effects still make one reply.
+pub fn effect_frames(effects: Vec<Effect>, lost_events: u64, overflow: Option<Overflow>) -> Vec<Reply> {
     let mut frames = Vec::new();
     let mut chunk = Vec::new();
     let mut chunk_bytes = 0;
@@ -301,11 +309,11 @@ pub fn effect_frames(effects: Vec<Effect>, lost_events: u64) -> Vec<Reply> {
         chunk_bytes += 128 + effect.kind.paths().iter().map(|p| p.path.as_os_str().len() * 2).sum::<usize>();
         chunk.push(effect);
         if chunk_bytes >= EFFECTS_FRAME_BYTES {
-            frames.push(Reply::Effects { effects: std::mem::take(&mut chunk), lost_events: 0, more: true });
+            frames.push(Reply::Effects { effects: std::mem::take(&mut chunk), lost_events: 0, more: true, overflow: None });
             chunk_bytes = 0;
         }
     }
-    frames.push(Reply::Effects { effects: chunk, lost_events, more: false });
+    frames.push(Reply::Effects { effects: chunk, lost_events, more: false, overflow });
     frames
 }
 
@@ -328,9 +336,13 @@ mod tests {
             effect(EffectKind::Connect { addr: SockAddr::Inet("10.0.0.1:443".parse().unwrap()) }),
             effect(EffectKind::Exit { status: 256 }),
         ];
-        let reply = Reply::Effects { effects: effects.clone(), lost_events: 3, more: false };
+        let reply = Reply::Effects { effects: effects.clone(), lost_events: 3, more: false, overflow: None };
         let frame = encode(&reply).unwrap();
         let back: Reply = serde_json::from_slice(&frame[4..]).unwrap();
+        assert_eq!(back, reply);
+        let overflow = Some(Overflow { events: 1_500_000, bytes: 12 << 30, processes_cut: true });
+        let reply = Reply::Effects { effects, lost_events: 0, more: false, overflow };
+        let back: Reply = serde_json::from_slice(&encode(&reply).unwrap()[4..]).unwrap();
         assert_eq!(back, reply);
     }
 
@@ -378,16 +390,18 @@ mod tests {
         let effects: Vec<_> = (0..2000)
             .map(|_| effect(EffectKind::Open { path: EffectPath::resolved(&long), flags: 1, mode: 0 }))
             .collect();
-        let frames = effect_frames(effects, 5);
+        let overflow = Some(Overflow { events: 9, bytes: 900, processes_cut: false });
+        let frames = effect_frames(effects, 5, overflow);
         assert!(frames.len() > 1);
         let mut total = 0;
         for (i, frame) in frames.iter().enumerate() {
             let bytes = encode(frame).unwrap().len();
             assert!(bytes < MAX_REPLY_BYTES as usize / 4, "frame {i} is {bytes} bytes");
-            let Reply::Effects { effects, lost_events, more } = frame else { panic!() };
+            let Reply::Effects { effects, lost_events, more, overflow: cut } = frame else { panic!() };
             total += effects.len();
             assert_eq!(*more, i + 1 < frames.len());
             assert_eq!(*lost_events, if *more { 0 } else { 5 });
+            assert_eq!(*cut, if *more { None } else { overflow });
         }
         assert_eq!(total, 2000);
     }

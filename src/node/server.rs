@@ -32,6 +32,8 @@ pub struct ServerOptions {
     pub socket: PathBuf,
     pub bucket: BucketConfig,
     pub ring_buffer_bytes: u32,
+    /// Bound on each container's effects between two drains.
+    pub max_effects_bytes: usize,
 }
 
 /// What crabd remembers of a watch, to answer a repeated watch and to notice
@@ -62,7 +64,11 @@ pub async fn run(options: ServerOptions) -> Result<(), NodeError> {
         tracing::info!(socket = %options.socket.display(), "another crabd serves this socket; exiting");
         return Ok(());
     };
-    let inspector = Inspector::start(InspectorConfig { ring_buffer_bytes: options.ring_buffer_bytes }).await?;
+    let inspector = Inspector::start(InspectorConfig {
+        ring_buffer_bytes: options.ring_buffer_bytes,
+        max_effects_bytes: options.max_effects_bytes,
+    })
+    .await?;
     let node = Arc::new(Node {
         inspector,
         bandwidth: Bandwidth::start(options.bucket.clone()),
@@ -283,7 +289,7 @@ impl Node {
                 Err(e) => Reply::error(e),
             },
             Request::Drain { container, until_ns } => match self.inspector.drain(&container, until_ns).await {
-                Ok(turn) => return protocol::effect_frames(turn.effects, turn.lost_events),
+                Ok(turn) => return protocol::effect_frames(turn.effects, turn.lost_events, turn.overflow),
                 Err(e) => Reply::error(e),
             },
             Request::Unwatch { container } => {

@@ -474,6 +474,7 @@ async fn engine_context(
     let state_dir = config.checkpoint.state_dir.clone();
     let kept = config.checkpoint.kept_images();
     let node = crate::node::ClientOptions::from_config(&config.node);
+    let max_effects_bytes = config.node.max_effects_bytes();
     cell
         .get_or_try_init(|| async move {
             let store = crate::checkpoint::CheckpointStore::open_with(&state_dir, &kept).map_err(|e| {
@@ -495,7 +496,10 @@ async fn engine_context(
                     } else {
                         tracing::warn!(error = %e, "crabd unavailable: loading an inspector in this shim, commits not paced");
                     }
-                    let config = crate::inspector::InspectorConfig { ring_buffer_bytes: 4 << 20 };
+                    let config = crate::inspector::InspectorConfig {
+                        ring_buffer_bytes: 4 << 20,
+                        max_effects_bytes,
+                    };
                     let local = if yielding {
                         crate::inspector::Inspector::start_yielding(config).await
                     } else {
