@@ -454,7 +454,7 @@ async fn every_turn_writes_the_whole_checkpoint_again_without_dedup() {
     let (first, second) = (turns[0].bytes_written, turns[1].bytes_written);
     assert!(first > 300_000, "{turns:?}");
     assert!(second.abs_diff(first) < first / 5, "turn 1 wrote {first} B, turn 2 {second} B");
-    let full = state_dir().join("full").join(&sb.id);
+    let full = state_dir().join("full").join(sb.ctr.namespace()).join(&sb.id);
     let latest = full.join("turn-2");
     assert!(latest.join("criu/inventory.img").is_file(), "a plain CRIU image directory");
     assert!(!full.join("turn-1").exists(), "only the newest is kept");
