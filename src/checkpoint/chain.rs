@@ -609,7 +609,7 @@ impl CheckpointStore {
         if !dir.is_dir() {
             let namespace = self.containers.join(key.namespace());
             let new_namespace = !namespace.is_dir();
-            fs::create_dir_all(&dir).io_ctx("create", &dir)?;
+            key::create_private_dir_all(&dir).io_ctx("create", &dir)?;
             sys::fsync_dir(&namespace).io_ctx("fsync", &namespace)?;
             if new_namespace {
                 sys::fsync_dir(&self.containers).io_ctx("fsync", &self.containers)?;
@@ -1405,6 +1405,11 @@ mod tests {
         assert_eq!(store.history("tenant-b/t2").unwrap().len(), 1);
         assert!(tmp.path().join("state/containers/tenant-a/t2/HEAD").is_file());
         assert!(tmp.path().join("state/containers/tenant-b/t2/HEAD").is_file());
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = fs::metadata(tmp.path().join("state/containers/tenant-a")).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o700, "a namespace's directory is root's alone");
+        }
         assert_eq!(store.containers().unwrap(), ["tenant-a/t2", "tenant-b/t2"]);
         assert_eq!(store.manifest_at("tenant-a/t2", 1).unwrap().1.container, "tenant-a/t2");
 
