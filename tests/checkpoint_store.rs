@@ -720,7 +720,7 @@ fn leftovers_of_a_crashed_commit_are_invisible_and_collected() {
     write(&sb.live, "/app/orphan", b"orphan");
     sb.commit("c2", 1, &[c("/app/orphan")]);
     let orphan = sb.store.head("c2").unwrap().unwrap();
-    fs::remove_dir_all(sb.state.join("containers/c2")).unwrap();
+    fs::remove_dir_all(sb.state.join("containers/crab/c2")).unwrap();
 
     let reopened = CheckpointStore::open(&sb.state).unwrap();
     assert_eq!(reopened.head("c1").unwrap(), Some(head));
@@ -997,7 +997,7 @@ fn large_page_images_reassemble_exactly_and_refuse_a_corrupt_chunk() {
 
 /// The kept copy of container `c`'s newest process checkpoint.
 fn kept_dir(sb: &Sandbox, container: &str) -> PathBuf {
-    let owner = sb.state.join("assembled").join(container);
+    let owner = sb.state.join("assembled").join(crab::checkpoint::DEFAULT_NAMESPACE).join(container);
     let mut dirs: Vec<PathBuf> = fs::read_dir(&owner)
         .unwrap_or_else(|e| panic!("{}: {e}", owner.display()))
         .map(|e| e.unwrap().path())
@@ -1069,7 +1069,7 @@ fn newest_images_are_kept_assembled_and_restored_by_link_after_a_check() {
 
     // A removed container takes its kept copy along; GC drops the copy of a gone checkpoint.
     sb.store.remove_container("c1").unwrap();
-    assert!(!sb.state.join("assembled/c1").exists());
+    assert!(!sb.state.join("assembled/crab/c1").exists());
     commit_dump(&sb, "c2", 1, &d1);
     let kept_c2 = kept_dir(&sb, "c2");
     sb.store.remove_container("c2").unwrap();
@@ -1092,7 +1092,7 @@ fn a_dump_on_another_file_system_is_not_kept() {
     let dump = shm.path().join("dump");
     synthetic_dump(&dump, 1);
     commit_dump(&sb, "c1", 1, &dump);
-    let owner = sb.state.join("assembled/c1");
+    let owner = sb.state.join("assembled/crab/c1");
     assert!(
         !owner.exists() || fs::read_dir(&owner).unwrap().next().is_none(),
         "nothing kept: {:?}",
@@ -1174,7 +1174,7 @@ fn kept_copies_live_beside_the_dumps_in_a_directory_of_their_own() {
     let dump2 = bounded.dump_path("c2", 1).unwrap();
     synthetic_dump(&dump2, 2);
     bounded.commit_turn(&TurnInput { container: "c2", turn: 1, rootfs: None, changed: &[], criu_images: Some(&dump2) }).unwrap();
-    let c2_sets: Vec<_> = fs::read_dir(sb.state.join("assembled/c2")).unwrap().flatten()
+    let c2_sets: Vec<_> = fs::read_dir(sb.state.join("assembled/crab/c2")).unwrap().flatten()
         .filter(|e| !e.file_name().to_string_lossy().starts_with('.')).collect();
     assert!(c2_sets.is_empty(), "over the bound: not kept");
     let (_, report) = bounded.restore_images_report("c2", 1, &sb._tmp.path().join("restored2")).unwrap().unwrap();
@@ -1506,7 +1506,7 @@ fn bad_requests_are_named() {
         changed: &[],
         criu_images: None,
     });
-    assert!(matches!(err, Err(CheckpointError::InvalidContainerId(_))));
+    assert!(matches!(err, Err(CheckpointError::InvalidKey(_))));
     sb.commit("c1", 5, &[]);
     let err = sb.store.commit_turn(&TurnInput {
         container: "c1",

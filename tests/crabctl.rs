@@ -30,7 +30,7 @@ fn record(turn: u64) -> TurnRecord {
 
 fn turns(config: Option<&Path>, state_env: Option<&Path>) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_crabctl"));
-    cmd.args(["turns", "sb", "--json"]).env_remove("CRAB_STATE_DIR").env_remove("CRAB_CONFIG");
+    cmd.args(["turns", "sb", "--json"]).env_remove("CRAB_STATE_DIR").env_remove("CRAB_CONFIG").env_remove("CRAB_NS");
     if let Some(config) = config {
         cmd.env("CRAB_CONFIG", config);
     }
@@ -64,4 +64,30 @@ fn crabctl_reads_the_store_named_by_the_shims_config() {
     let stderr = String::from_utf8_lossy(&bad.stderr);
     assert!(!bad.status.success(), "a bad config must fail");
     assert!(stderr.contains(&config.display().to_string()) && stderr.contains("stat_dir"), "{stderr}");
+}
+
+/// Turn logs are kept per containerd namespace: crabctl reads the one of `--namespace`, else
+/// `CRAB_NS`, else the default namespace, and never another namespace's log of the same id.
+#[test]
+fn crabctl_reads_the_turn_log_of_its_namespace() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    TurnLog::open(&state, "sb").unwrap().append(&record(1)).unwrap();
+    TurnLog::open(&state, "tenant-b/sb").unwrap().append(&record(7)).unwrap();
+    let run = |args: &[&str], ns_env: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_crabctl"));
+        cmd.args(["turns", "sb", "--json"]).args(args).env("CRAB_STATE_DIR", &state).env_remove("CRAB_NS");
+        if let Some(ns) = ns_env {
+            cmd.env("CRAB_NS", ns);
+        }
+        cmd.output().expect("running crabctl")
+    };
+    assert_eq!(turn_numbers(&run(&[], None)), vec![1], "the default namespace's log");
+    assert_eq!(turn_numbers(&run(&["--namespace", "tenant-b"], None)), vec![7]);
+    assert_eq!(turn_numbers(&run(&[], Some("tenant-b"))), vec![7], "CRAB_NS");
+    assert_eq!(turn_numbers(&run(&["-n", "tenant-c"], None)), Vec::<u64>::new(), "no log in tenant-c");
+    let bad = run(&["--namespace", "../tenant-b"], None);
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && stderr.contains("namespace") && stderr.contains("../tenant-b"), "{stderr}");
+    assert!(std::fs::read_dir(state.join("turns")).unwrap().all(|e| e.unwrap().path().is_dir()), "namespaces are directories");
 }

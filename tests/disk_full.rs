@@ -105,6 +105,11 @@ struct Sandbox<'d> {
 }
 
 impl<'d> Sandbox<'d> {
+    /// The store key of the sandbox: its chain and turn log are its namespace's.
+    fn key(&self) -> String {
+        format!("{}/{}", self.ctr.namespace(), self.id)
+    }
+
     async fn start(name: &str, disk: &'d SmallDisk) -> Sandbox<'d> {
         let sb = Sandbox { ctr: Ctr::from_env(), id: format!("{name}-{}", std::process::id()), disk, execs: 0 };
         sb.run_task(None).await;
@@ -137,20 +142,20 @@ impl<'d> Sandbox<'d> {
     /// Waits until `n` turns are recorded.
     async fn turns(&self, n: usize) -> Vec<TurnRecord> {
         for _ in 0..800 {
-            let turns = self.disk.turns(&self.id);
+            let turns = self.disk.turns(&self.key());
             if turns.len() >= n {
                 return turns;
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
-        panic!("{}: fewer than {n} turn records after 20 s: {:?}", self.id, self.disk.turns(&self.id));
+        panic!("{}: fewer than {n} turn records after 20 s: {:?}", self.id, self.disk.turns(&self.key()));
     }
 
     /// What `crabctl recover` does after a crash: the processes die, the container is created
     /// again from its newest checkpoint (with this shim configuration).
     async fn crash_and_recover(&mut self) {
         self.remove().await;
-        let head = self.disk.store().head(&self.id).unwrap().expect("a checkpoint to recover from");
+        let head = self.disk.store().head(&self.key()).unwrap().expect("a checkpoint to recover from");
         self.run_task(Some(head.turn)).await;
     }
 
@@ -216,15 +221,15 @@ async fn a_checkpoint_that_does_not_fit_leaves_the_previous_one_whole() {
     let first = sb.turns(1).await;
     assert_eq!((first[0].class, first[0].checkpoint_turn), (RecordedClass::Fs, Some(1)), "{first:?}");
     let store = disk.store();
-    let head_before: Head = store.head(&sb.id).unwrap().unwrap();
+    let head_before: Head = store.head(&sb.key()).unwrap().unwrap();
 
     disk.fill();
     sb.turn(&format!("{BIG} && echo two > /data/a")).await;
     let turns = sb.turns(2).await;
     assert_eq!(turns[1].class, RecordedClass::Fs);
     assert_failed_turn(&turns[1], 1);
-    assert_eq!(store.head(&sb.id).unwrap(), Some(head_before), "HEAD still names turn 1");
-    assert_eq!(store.history(&sb.id).unwrap().len(), 1);
+    assert_eq!(store.head(&sb.key()).unwrap(), Some(head_before), "HEAD still names turn 1");
+    assert_eq!(store.history(&sb.key()).unwrap().len(), 1);
     let verified = store.verify(&sb.id, 1).unwrap();
     assert!(verified.blobs >= 1, "{verified:?}");
     assert_eq!(tmp_files(&disk.state), Vec::<String>::new(), "no half-written blob is left behind");
@@ -239,7 +244,7 @@ async fn a_checkpoint_that_does_not_fit_leaves_the_previous_one_whole() {
     let last = turns.last().unwrap();
     assert_eq!((last.class, last.checkpoint_turn), (RecordedClass::Fs, Some(last.turn)), "{last:?}");
     assert!(last.bytes_written > 0);
-    assert_eq!(store.head(&sb.id).unwrap().map(|h| h.turn), Some(last.turn));
+    assert_eq!(store.head(&sb.key()).unwrap().map(|h| h.turn), Some(last.turn));
     store.verify(&sb.id, last.turn).unwrap();
 }
 

@@ -115,7 +115,7 @@ impl Sandbox {
     fn dump_network_lock(&self, turn: u64) -> NetworkLockRecorded {
         let dest = tempfile::tempdir().unwrap();
         let images = dest.path().join("images");
-        self.ctl().store.restore_images(&self.id, turn, &images).unwrap().expect("a process checkpoint");
+        self.ctl().store.restore_images(&self.ctl().key(&self.id).unwrap(), turn, &images).unwrap().expect("a process checkpoint");
         let inventory = std::fs::read(images.join("inventory.img")).unwrap();
         match recorded_network_lock(&inventory) {
             Some(0) => NetworkLockRecorded::Iptables,
@@ -188,9 +188,10 @@ impl Drop for Sandbox {
                         tokio::time::sleep(Duration::from_millis(50)).await;
                     }
                     let _ = ctr.run(&["containers", "delete", id]).await;
-                    let _ = crab::checkpoint::CheckpointStore::open(&state).and_then(|s| s.remove_container(id));
-                    let _ = crab::turns::TurnLog::open(&state, id).map(|l| l.reset());
-                    let _ = crab::checkpoint::remove_full_checkpoints(&state, id);
+                    let key = format!("{}/{id}", ctr.namespace());
+                    let _ = crab::checkpoint::CheckpointStore::open(&state).and_then(|s| s.remove_container(&key));
+                    let _ = crab::turns::TurnLog::open(&state, &key).map(|l| l.reset());
+                    let _ = crab::checkpoint::remove_full_checkpoints(&state, &key);
                 }
             });
         });
@@ -454,7 +455,7 @@ async fn every_turn_writes_the_whole_checkpoint_again_without_dedup() {
     let (first, second) = (turns[0].bytes_written, turns[1].bytes_written);
     assert!(first > 300_000, "{turns:?}");
     assert!(second.abs_diff(first) < first / 5, "turn 1 wrote {first} B, turn 2 {second} B");
-    let full = state_dir().join("full").join(&sb.id);
+    let full = state_dir().join("full").join(sb.ctr.namespace()).join(&sb.id);
     let latest = full.join("turn-2");
     assert!(latest.join("criu/inventory.img").is_file(), "a plain CRIU image directory");
     assert!(!full.join("turn-1").exists(), "only the newest is kept");
@@ -463,7 +464,7 @@ async fn every_turn_writes_the_whole_checkpoint_again_without_dedup() {
     let in_container = sb.exec_in(&sb.id.clone(), "md5sum < /data/blob").await;
     assert_eq!(String::from_utf8_lossy(&copied.stdout), in_container, "the rootfs diff holds the file");
     // Nothing went through the deduplicating store.
-    assert_eq!(sb.ctl().store.head(&sb.id).unwrap(), None);
+    assert_eq!(sb.ctl().store.head(&sb.ctl().key(&sb.id).unwrap()).unwrap(), None);
 }
 
 /// A sandbox run with its own crab config (`--runtime-config-path`) keeps it when crabctl
@@ -476,7 +477,7 @@ async fn recover_keeps_the_sandboxs_own_config_path() {
     sb.turn("mkdir -p /data && echo kept > /data/k").await;
     let turns = sb.settled().await;
     assert_eq!(turns[0].class, RecordedClass::Fs, "{turns:?}");
-    assert!(sb.ctl().store.head(&sb.id).unwrap().is_some(), "the checkpoint is in the sandbox's own store");
+    assert!(sb.ctl().store.head(&sb.ctl().key(&sb.id).unwrap()).unwrap().is_some(), "the checkpoint is in the sandbox's own store");
 
     sb.kill_processes().await;
     let report = sb.ctl().recover(&sb.id, None).await.unwrap();
@@ -532,7 +533,7 @@ async fn the_first_turn_after_a_restore_without_crabd_is_recorded() {
     let first = turns.last().unwrap();
     assert_eq!((first.turn, first.checkpoint_turn), (2, Some(2)), "{turns:?}");
     assert_ne!(first.class, RecordedClass::Clean, "the inspector missed the turn's write: {turns:?}");
-    let (_, manifest) = sb.ctl().store.manifest_at(&sb.id, 2).unwrap();
+    let (_, manifest) = sb.ctl().store.manifest_at(&sb.ctl().key(&sb.id).unwrap(), 2).unwrap();
     assert!(
         manifest.fs_delta.iter().any(|e| e.path.to_string() == "/data/first"),
         "turn 2's checkpoint holds its file: {:?}",

@@ -145,8 +145,10 @@ impl Sandbox {
         let state_dir = std::env::var_os("CRAB_STATE_DIR")
             .map_or_else(|| PathBuf::from(DEFAULT_STATE_DIR), PathBuf::from);
         Ok(Sandbox {
+            // Turn logs are kept per containerd namespace.
             turn_log: state_dir
                 .join("turns")
+                .join(env.ctr().namespace())
                 .join(format!("{}.jsonl", container.id())),
             container,
             init_pid: task.pid,

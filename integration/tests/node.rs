@@ -65,7 +65,7 @@ fn holders(programs: &[u64]) -> Vec<(u32, String, usize)> {
 
 /// The classes in a sandbox's turn log, in turn order.
 fn turn_classes(id: &str) -> Vec<(u64, String)> {
-    let text = std::fs::read_to_string(state_dir().join("turns").join(format!("{id}.jsonl"))).unwrap_or_default();
+    let text = std::fs::read_to_string(state_dir().join("turns").join(namespace()).join(format!("{id}.jsonl"))).unwrap_or_default();
     text.lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
         .filter_map(|r| Some((r["turn"].as_u64()?, r["class"].as_str()?.to_string())))
@@ -162,13 +162,18 @@ fn crabctl() -> std::path::PathBuf {
         .unwrap_or_else(|| "crabctl".into())
 }
 
+/// The containerd namespace of the sandboxes: their turn logs are under `turns/<namespace>/`.
+fn namespace() -> String {
+    std::env::var("CRAB_NS").unwrap_or_else(|_| "crab".into())
+}
+
 fn state_dir() -> std::path::PathBuf {
     std::env::var_os("CRAB_STATE_DIR").map_or_else(|| "/var/lib/crab".into(), Into::into)
 }
 
 /// Every complete record of a sandbox's turn log: (turn, class, checkpoint turn, reasons).
 fn turn_records(id: &str) -> Vec<(u64, String, Option<u64>, Vec<String>)> {
-    let path = state_dir().join("turns").join(format!("{id}.jsonl"));
+    let path = state_dir().join("turns").join(namespace()).join(format!("{id}.jsonl"));
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let complete = text.rsplit_once('\n').map_or("", |(lines, _)| lines);
     complete
@@ -725,7 +730,7 @@ impl Drop for TinyCrabd {
 
 /// Every turn record of a sandbox as JSON.
 fn records(id: &str) -> Vec<serde_json::Value> {
-    let text = std::fs::read_to_string(state_dir().join("turns").join(format!("{id}.jsonl"))).unwrap_or_default();
+    let text = std::fs::read_to_string(state_dir().join("turns").join(namespace()).join(format!("{id}.jsonl"))).unwrap_or_default();
     let complete = text.rsplit_once('\n').map_or("", |(lines, _)| lines);
     complete.lines().filter_map(|line| serde_json::from_str(line).ok()).collect()
 }

@@ -89,12 +89,17 @@ struct Record {
     reasons: Vec<String>,
 }
 
+/// The containerd namespace of the sandboxes: their turn logs are under `turns/<namespace>/`.
+fn namespace() -> String {
+    std::env::var("CRAB_NS").unwrap_or_else(|_| "crab".into())
+}
+
 fn state_dir() -> PathBuf {
     std::env::var_os("CRAB_STATE_DIR").map_or_else(|| "/var/lib/crab".into(), Into::into)
 }
 
 fn records(container: &str) -> Outcome<Vec<Record>> {
-    let path = state_dir().join("turns").join(format!("{container}.jsonl"));
+    let path = state_dir().join("turns").join(namespace()).join(format!("{container}.jsonl"));
     let text = match std::fs::read_to_string(&path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),

@@ -18,7 +18,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use super::chain::valid_container_id;
+use super::chain::sandbox_key;
+use super::key::full_checkpoints_dir;
 use super::error::{CheckpointError, IoContext, Result};
 use super::sys;
 
@@ -70,10 +71,6 @@ fn upperdir_of_root(mountinfo: &str) -> std::result::Result<PathBuf, &'static st
         .ok_or("overlay without an upperdir")
 }
 
-fn full_dir(state_dir: &Path, container: &str) -> PathBuf {
-    state_dir.join("full").join(container)
-}
-
 /// Writes the baseline checkpoint of `turn`: the CRIU image directory and the rootfs diff,
 /// copied whole and flushed. Returns once it is durable.
 pub fn write_full_checkpoint(
@@ -83,8 +80,7 @@ pub fn write_full_checkpoint(
     criu_images: &Path,
     rootfs_diff: &Path,
 ) -> Result<FullCheckpoint> {
-    valid_container_id(container)?;
-    let parent = full_dir(state_dir, container);
+    let parent = full_checkpoints_dir(state_dir, &sandbox_key(container)?);
     sys::create_private_dir_all(&parent).io_ctx("create", &parent)?;
     let tmp = parent.join(format!(".turn-{turn}.tmp"));
     let _ = fs::remove_dir_all(&tmp);
@@ -130,8 +126,7 @@ pub fn write_full_checkpoint(
 
 /// Removes a container's baseline checkpoints.
 pub fn remove_full_checkpoints(state_dir: &Path, container: &str) -> Result<()> {
-    valid_container_id(container)?;
-    let dir = full_dir(state_dir, container);
+    let dir = full_checkpoints_dir(state_dir, &sandbox_key(container)?);
     match fs::remove_dir_all(&dir) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e).io_ctx("remove", dir),
         _ => Ok(()),

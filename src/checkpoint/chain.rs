@@ -4,17 +4,22 @@
 //! - `blobs/<2 hex>/<62 hex>`: content-addressed blobs ([`BlobStore`]);
 //! - `manifests/<sha256>.json`: sealed manifests, named by the hash of their body;
 //! - `snapshots/<sha256>.json`: a folded chain prefix ending at that manifest (written by GC);
-//! - `containers/<id>/HEAD`: the container's current checkpoint, updated last;
-//! - `assembled/<id>/<sha256>/`: the CRIU image files of container `<id>`'s newest published
+//! - `containers/<namespace>/<id>/HEAD`: the container's current checkpoint, updated last
+//!   (per-sandbox paths are keyed by containerd namespace and id, see [`super::key`]);
+//! - `assembled/<namespace>/<id>/<sha256>/`: the CRIU image files of container `<id>`'s newest published
 //!   process checkpoint (manifest `<sha256>`), hard links to the files CRIU wrote, so that a
 //!   restore can check them against the manifest and link them instead of reassembling every
 //!   chunk. Only an accelerator: never flushed by itself, never trusted unchecked, replaced by
 //!   the chunks when it fails the check, lost with a reboot. `assembled` may be a symbolic link
 //!   to a directory on another file system ([`KeptImages`]: tmpfs under /run, so that neither
 //!   the dump nor its kept copy is ever written to disk); the engine's dumps are written beside
-//!   it (`assembled/<id>/.dump-<turn>`, [`CheckpointStore::dump_path`]) so that a link, not a
+//!   it (`assembled/<namespace>/<id>/.dump-<turn>`, [`CheckpointStore::dump_path`]) so that a link, not a
 //!   copy, keeps them;
-//! - `tmp/`: files being written; `lock`: shared by writers, exclusive for GC.
+//! - `tmp/`: files being written; `lock`: shared by writers, exclusive for GC;
+//! - `layout`: says the per-sandbox paths have the namespace level ([`super::key::migrate_legacy_layout`]).
+//!
+//! Every `container` argument below is a sandbox key, `[<namespace>/]<id>[@<generation>]`
+//! ([`SandboxKey`]); the shim always names the namespace.
 //!
 //! A manifest names its parent by hash, so a chain is immutable once written; forks are heads
 //! of other containers pointing into the same chain.
@@ -32,6 +37,7 @@ use tracing::{debug, info};
 use super::error::{CheckpointError, IoContext, Result};
 use super::fsdelta::{self, Applier, ApplyStats, ChangedPath, Root};
 use super::images::{self, RestoredImages};
+use super::key::{self, SandboxKey};
 use super::mounts::{self, ContainerMount};
 use super::manifest::{
     FsEntry, FsNode, ImageSet, MANIFEST_VERSION, Manifest, ParentRef, Snapshot, TurnClass,
@@ -298,18 +304,9 @@ impl Default for KeptImages {
     }
 }
 
-pub(crate) fn valid_container_id(id: &str) -> Result<()> {
-    let ok = !id.is_empty()
-        && id.len() <= 128
-        && !id.starts_with('.')
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
-    if ok {
-        Ok(())
-    } else {
-        Err(CheckpointError::InvalidContainerId(id.to_owned()))
-    }
+/// The sandbox a `container` argument names (see [`SandboxKey::parse`]).
+pub(crate) fn sandbox_key(container: &str) -> Result<SandboxKey> {
+    Ok(SandboxKey::parse(container)?)
 }
 
 /// Draws `bytes` from `tokens` in pieces of at most its chunk (nothing to draw when it paces nothing).
@@ -348,12 +345,6 @@ impl CheckpointStore {
         let snapshots = state_dir.join("snapshots");
         let containers = state_dir.join("containers");
         let assembled = state_dir.join("assembled");
-        for dir in [&manifests, &snapshots, &containers] {
-            if !dir.is_dir() {
-                sys::create_private_dir_all(dir).io_ctx("create", dir)?;
-                sys::fsync_dir(&state_dir).io_ctx("fsync", &state_dir)?;
-            }
-        }
         match fs::read_link(&assembled) {
             // Kept elsewhere; that directory may be gone (a tmpfs after a reboot): recreate it.
             Ok(target) => sys::create_private_dir_all(&target).io_ctx("create", &target)?,
@@ -361,6 +352,13 @@ impl CheckpointStore {
                 sys::create_private_dir_all(&assembled).io_ctx("create", &assembled)?
             }
             Err(_) => {}
+        }
+        key::migrate_legacy_layout(&state_dir, &state_dir.join("lock"), &assembled)?;
+        for dir in [&manifests, &snapshots, &containers] {
+            if !dir.is_dir() {
+                sys::create_private_dir_all(dir).io_ctx("create", dir)?;
+                sys::fsync_dir(&state_dir).io_ctx("fsync", &state_dir)?;
+            }
         }
         Ok(CheckpointStore {
             state_dir,
@@ -411,8 +409,7 @@ impl CheckpointStore {
     /// copies, on their file system, so that keeping it is a hard link. Hidden from the kept
     /// copies' clean-up and GC by its leading dot, as [`restore_path`](Self::restore_path) is.
     pub fn dump_path(&self, container: &str, turn: u64) -> Result<PathBuf> {
-        valid_container_id(container)?;
-        let owner = self.assembled.join(container);
+        let owner = self.assembled.join(sandbox_key(container)?.rel_path());
         sys::create_private_dir_all(&owner).io_ctx("create", &owner)?;
         Ok(owner.join(format!(".dump-{turn}")))
     }
@@ -421,8 +418,7 @@ impl CheckpointStore {
     /// copies, so that a kept copy is hard-linked (CRIU opens images after it has entered the
     /// container's mount namespace, where a symbolic link to a host path leads nowhere).
     pub fn restore_path(&self, container: &str) -> Result<PathBuf> {
-        valid_container_id(container)?;
-        let owner = self.assembled.join(container);
+        let owner = self.assembled.join(sandbox_key(container)?.rel_path());
         sys::create_private_dir_all(&owner).io_ctx("create", &owner)?;
         Ok(owner.join(".restore"))
     }
@@ -430,7 +426,8 @@ impl CheckpointStore {
     /// Removes dumps and restore images of `container` that a dead shim left behind (none is
     /// in flight when its engine starts: a restore's images are gone before its engine attaches).
     pub fn remove_stale_dumps(&self, container: &str) {
-        let Ok(entries) = fs::read_dir(self.assembled.join(container)) else { return };
+        let Ok(key) = sandbox_key(container) else { return };
+        let Ok(entries) = fs::read_dir(self.assembled.join(key.rel_path())) else { return };
         for entry in entries.flatten() {
             if entry.file_name().to_str().is_some_and(|n| n.starts_with('.')) {
                 let _ = fs::remove_dir_all(entry.path());
@@ -439,8 +436,9 @@ impl CheckpointStore {
     }
 
     /// Where the image files of `container`'s process checkpoint `manifest` are kept.
-    pub(crate) fn assembled_path(&self, container: &str, manifest: &Digest) -> PathBuf {
-        self.assembled.join(container).join(manifest.to_hex())
+    /// None when `container` is no valid key (a manifest of an older build names it so).
+    pub(crate) fn assembled_path(&self, container: &str, manifest: &Digest) -> Option<PathBuf> {
+        Some(self.assembled.join(sandbox_key(container).ok()?.rel_path()).join(manifest.to_hex()))
     }
 
     pub(crate) fn assembled_dir(&self) -> &Path {
@@ -450,8 +448,8 @@ impl CheckpointStore {
     /// Keeps the image files of the process checkpoint just published as `id`, in place of
     /// the container's previous ones. A failure costs only speed at the next restore.
     fn keep_assembled(&self, container: &str, id: &Digest, set: &ImageSet, dump_dir: &Path) {
-        let dir = self.assembled.join(container);
-        let dest = self.assembled_path(container, id);
+        let Some(dest) = self.assembled_path(container, id) else { return };
+        let Some(dir) = dest.parent().map(Path::to_owned) else { return };
         // The container's previous copy goes first: it is superseded, and its bytes must not
         // count against the new one.
         if let Ok(entries) = fs::read_dir(&dir) {
@@ -488,9 +486,11 @@ impl CheckpointStore {
                 .map(|files| files.flatten().filter_map(|f| f.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum())
                 .unwrap_or(0)
         };
-        let Ok(owners) = fs::read_dir(&self.assembled) else { return 0 };
-        owners
+        let Ok(namespaces) = fs::read_dir(&self.assembled) else { return 0 };
+        namespaces
             .flatten()
+            .filter_map(|namespace| fs::read_dir(namespace.path()).ok())
+            .flat_map(|owners| owners.flatten())
             .filter_map(|owner| fs::read_dir(owner.path()).ok())
             .flat_map(|sets| sets.flatten())
             .filter(|set| set.file_name().to_str().is_some_and(|n| !n.starts_with('.')))
@@ -549,8 +549,8 @@ impl CheckpointStore {
         &self.snapshots
     }
 
-    fn head_path(&self, container: &str) -> PathBuf {
-        self.containers.join(container).join("HEAD")
+    fn head_path(&self, key: &SandboxKey) -> PathBuf {
+        self.containers.join(key.rel_path()).join("HEAD")
     }
 
     pub(crate) fn forget_cached(&self, id: &Digest) {
@@ -601,8 +601,7 @@ impl CheckpointStore {
     }
 
     pub fn head(&self, container: &str) -> Result<Option<Head>> {
-        valid_container_id(container)?;
-        let path = self.head_path(container);
+        let path = self.head_path(&sandbox_key(container)?);
         match fs::read(&path) {
             Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| {
                 CheckpointError::CorruptManifest {
@@ -616,10 +615,16 @@ impl CheckpointStore {
     }
 
     fn set_head(&self, container: &str, head: &Head, durability: Durability) -> Result<()> {
-        let dir = self.containers.join(container);
+        let key = sandbox_key(container)?;
+        let dir = self.containers.join(key.rel_path());
         if !dir.is_dir() {
-            sys::create_private_dir_all(&dir).io_ctx("create", &dir)?;
-            sys::fsync_dir(&self.containers).io_ctx("fsync", &self.containers)?;
+            let namespace = self.containers.join(key.namespace());
+            let new_namespace = !namespace.is_dir();
+            key::create_private_dir_all(&dir).io_ctx("create", &dir)?;
+            sys::fsync_dir(&namespace).io_ctx("fsync", &namespace)?;
+            if new_namespace {
+                sys::fsync_dir(&self.containers).io_ctx("fsync", &self.containers)?;
+            }
         }
         let bytes = serde_json::to_vec(head).map_err(|source| CheckpointError::Json {
             what: "HEAD",
@@ -627,26 +632,114 @@ impl CheckpointStore {
         })?;
         publish_file(
             &self.blobs.tmp_path("head"),
-            &self.head_path(container),
+            &self.head_path(&key),
             &bytes,
             durability,
         )
     }
 
-    /// Containers that have a head, sorted.
+    /// Keys (`<namespace>/<id>[@<generation>]`) of every chain that has a head, sorted, of all
+    /// namespaces.
     pub fn containers(&self) -> Result<Vec<String>> {
-        let mut out = Vec::new();
-        for dirent in fs::read_dir(&self.containers).io_ctx("read dir", &self.containers)? {
-            let dirent = dirent.io_ctx("read dir", &self.containers)?;
-            if let Ok(name) = dirent.file_name().into_string()
-                && valid_container_id(&name).is_ok()
-                && dirent.path().join("HEAD").is_file()
-            {
-                out.push(name);
+        Ok(self.sandbox_keys()?.iter().map(ToString::to_string).collect())
+    }
+
+    /// [`containers`](Self::containers) as keys.
+    pub fn sandbox_keys(&self) -> Result<Vec<SandboxKey>> {
+        let mut keys = key::keys_under(&self.containers, "")?;
+        keys.retain(|k| self.head_path(k).is_file());
+        Ok(keys)
+    }
+
+    /// Keys of `namespace`'s chains that have a head (current and retired), sorted.
+    pub fn namespace_keys(&self, namespace: &str) -> Result<Vec<SandboxKey>> {
+        key::validate_namespace(namespace)?;
+        let mut keys = self.sandbox_keys()?;
+        keys.retain(|k| k.namespace() == namespace);
+        Ok(keys)
+    }
+
+    /// Retires whatever the current chain of `container` left (head, turn log, saved spec,
+    /// baseline copies) as the next generation `<id>@<n>`, so that a new container that
+    /// reuses the id starts afresh without deleting it; GC's retention drops it later. Kept
+    /// CRIU image copies of it go (only an accelerator). Returns the retired key, None when
+    /// there was nothing.
+    pub fn retire(&self, container: &str) -> Result<Option<SandboxKey>> {
+        let current = sandbox_key(container)?.current();
+        let _lock = self.lock(false)?;
+        let state_dir = &self.state_dir;
+        let head_dir = self.containers.join(current.rel_path());
+        let log = key::turn_log_path(state_dir, &current);
+        let spec = key::saved_spec_path(state_dir, &current);
+        let full = key::full_checkpoints_dir(state_dir, &current);
+        let _ = fs::remove_file(log.with_extension("busy"));
+        let _ = fs::remove_dir_all(self.assembled.join(current.rel_path()));
+        if ![&head_dir, &log, &spec, &full].iter().any(|p| p.exists()) {
+            return Ok(None);
+        }
+        let generation = self.generations_of(&current)?.last().map_or(1, |g| g + 1);
+        let retired = current.retired(generation);
+        let moves = [
+            (head_dir, self.containers.join(retired.rel_path())),
+            (log, key::turn_log_path(state_dir, &retired)),
+            (spec, key::saved_spec_path(state_dir, &retired)),
+            (full, key::full_checkpoints_dir(state_dir, &retired)),
+        ];
+        for (from, to) in &moves {
+            match fs::rename(from, to) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e).io_ctx("rename", to),
+            }
+            if let Some(dir) = to.parent() {
+                sys::fsync_dir(dir).io_ctx("fsync", dir)?;
             }
         }
-        out.sort();
-        Ok(out)
+        info!(container = %current, retired = %retired, "a new container reuses the id: its old chain is retired, not deleted");
+        Ok(Some(retired))
+    }
+
+    /// The generations the id of `current` has retired so far, ascending.
+    fn generations_of(&self, current: &SandboxKey) -> Result<Vec<u32>> {
+        let mut generations = Vec::new();
+        for (dir, suffix) in [
+            (self.containers.clone(), ""),
+            (self.state_dir.join("turns"), ".jsonl"),
+            (self.state_dir.join("sandboxes"), ".json"),
+            (self.state_dir.join("full"), ""),
+        ] {
+            for key in key::keys_under(&dir, suffix)? {
+                if key.current() == *current
+                    && let Some(generation) = key.generation()
+                {
+                    generations.push(generation);
+                }
+            }
+        }
+        generations.sort_unstable();
+        generations.dedup();
+        Ok(generations)
+    }
+
+    /// Removes everything of a retired chain's key (GC, once its retention window is past).
+    pub(crate) fn remove_retired(&self, retired: &SandboxKey) -> Result<()> {
+        if retired.generation().is_none() {
+            return Err(CheckpointError::InvalidRequest(format!("{retired} is no retired chain")));
+        }
+        let state_dir = &self.state_dir;
+        for dir in [self.containers.join(retired.rel_path()), key::full_checkpoints_dir(state_dir, retired)] {
+            match fs::remove_dir_all(&dir) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e).io_ctx("remove", dir),
+                _ => {}
+            }
+        }
+        for file in [key::turn_log_path(state_dir, retired), key::saved_spec_path(state_dir, retired)] {
+            match fs::remove_file(&file) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e).io_ctx("remove", file),
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     /// Walks a chain from `from` to its root, verifying every manifest and every parent link.
@@ -723,7 +816,7 @@ impl CheckpointStore {
     /// mounts, each path on the mount with the longest destination above it; the rest through
     /// `input.rootfs`.
     pub fn stage_turn_in(&self, input: &TurnInput<'_>, mounts: &[ContainerMount]) -> Result<StagedTurn> {
-        valid_container_id(input.container)?;
+        let key = sandbox_key(input.container)?;
         let lock = self.lock(false)?;
         if let Some(head) = self.head(input.container)?
             && input.turn <= head.turn
@@ -750,7 +843,7 @@ impl CheckpointStore {
             }
         };
         Ok(StagedTurn {
-            container: input.container.to_owned(),
+            container: key.to_string(),
             turn: input.turn,
             class,
             fs_delta,
@@ -1099,8 +1192,9 @@ impl CheckpointStore {
             return Ok(None);
         };
         let clock = std::time::Instant::now();
-        if let Some((id, manifest)) = source {
-            let kept = self.assembled_path(&manifest.container, id);
+        if let Some((id, manifest)) = source
+            && let Some(kept) = self.assembled_path(&manifest.container, id)
+        {
             // Only a hard link serves (see images::restore_assembled): from another file
             // system the chunks restore, and the copy stays for a restore that can link it.
             let same_fs = |a: &Path, b: &Path| {
@@ -1139,7 +1233,7 @@ impl CheckpointStore {
     /// Starts container `new` from `source`'s checkpoint at `turn`. Nothing is copied: the new
     /// head points into the shared chain, and GC keeps what it references.
     pub fn fork(&self, source: &str, turn: u64, new: &str) -> Result<Head> {
-        valid_container_id(new)?;
+        sandbox_key(new)?;
         let _lock = self.lock(false)?;
         if self.head(new)?.is_some() {
             return Err(CheckpointError::InvalidRequest(format!(
@@ -1160,7 +1254,7 @@ impl CheckpointStore {
     /// processes to an older turn): later checkpoints drop out of its chain,
     /// and GC reclaims what only they referenced.
     pub fn rewind(&self, container: &str, turn: u64) -> Result<Head> {
-        valid_container_id(container)?;
+        sandbox_key(container)?;
         let _lock = self.lock(false)?;
         let (_, chain) = self.chain(container)?;
         let index = chain.index_of(container, turn)?;
@@ -1171,11 +1265,14 @@ impl CheckpointStore {
 
     /// Forgets a container's head; GC then reclaims whatever only it referenced.
     pub fn remove_container(&self, container: &str) -> Result<()> {
-        valid_container_id(container)?;
-        let _ = fs::remove_dir_all(self.assembled.join(container));
-        let dir = self.containers.join(container);
+        let key = sandbox_key(container)?;
+        let _ = fs::remove_dir_all(self.assembled.join(key.rel_path()));
+        let dir = self.containers.join(key.rel_path());
         match fs::remove_dir_all(&dir) {
-            Ok(()) => sys::fsync_dir(&self.containers).io_ctx("fsync", &self.containers),
+            Ok(()) => {
+                let namespace = self.containers.join(key.namespace());
+                sys::fsync_dir(&namespace).io_ctx("fsync", &namespace)
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(e).io_ctx("remove", dir),
         }
@@ -1435,6 +1532,93 @@ mod tests {
             gc.manifests_removed, 1,
             "the orphan manifest of the crashed commit is collected"
         );
+    }
+
+    fn commit_file(store: &CheckpointStore, rootfs: &Path, container: &str, turn: u64, data: &[u8]) -> CommitReport {
+        write(rootfs, "f", data);
+        let changed = [ChangedPath::created("/f")];
+        store
+            .commit_turn(&TurnInput { container, turn, rootfs: Some(rootfs), changed: &changed, criu_images: None })
+            .unwrap()
+    }
+
+    /// Two namespaces' containers of one id have a chain each: one's commits, retirement or
+    /// removal never touch the other's.
+    #[test]
+    fn namespaces_keep_chains_of_one_id_apart() {
+        let tmp = tempfile::tempdir().unwrap();
+        let rootfs = tmp.path().join("root");
+        fs::create_dir_all(&rootfs).unwrap();
+        let store = CheckpointStore::open(tmp.path().join("state")).unwrap();
+        let a = commit_file(&store, &rootfs, "tenant-a/t2", 1, b"a1");
+        commit_file(&store, &rootfs, "tenant-a/t2", 2, b"a2");
+        commit_file(&store, &rootfs, "tenant-b/t2", 1, b"b1");
+        assert_eq!(store.history("tenant-a/t2").unwrap().len(), 2);
+        assert_eq!(store.history("tenant-b/t2").unwrap().len(), 1);
+        assert!(tmp.path().join("state/containers/tenant-a/t2/HEAD").is_file());
+        assert!(tmp.path().join("state/containers/tenant-b/t2/HEAD").is_file());
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = fs::metadata(tmp.path().join("state/containers/tenant-a")).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o700, "a namespace's directory is root's alone");
+        }
+        assert_eq!(store.containers().unwrap(), ["tenant-a/t2", "tenant-b/t2"]);
+        assert_eq!(store.manifest_at("tenant-a/t2", 1).unwrap().1.container, "tenant-a/t2");
+
+        assert!(store.retire("tenant-b/t2").unwrap().is_some());
+        store.remove_container("tenant-b/t2").unwrap();
+        assert_eq!(store.head("tenant-a/t2").unwrap().map(|h| h.turn), Some(2));
+        assert_eq!(store.manifest_at("tenant-a/t2", 1).unwrap().0, a.id);
+        // A bare id is the default namespace's, never another's.
+        assert_eq!(store.head("t2").unwrap(), None);
+        assert!(matches!(store.head("../t2"), Err(CheckpointError::InvalidKey(_))));
+    }
+
+    /// A new container that reuses an id retires the old chain with its turn log and spec;
+    /// GC drops it only once newer checkpoints of the id fill the retention window.
+    #[test]
+    fn a_reused_id_retires_the_old_chain_until_retention_drops_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let state = tmp.path().join("state");
+        let rootfs = tmp.path().join("root");
+        fs::create_dir_all(&rootfs).unwrap();
+        let store = CheckpointStore::open(&state).unwrap();
+        commit_file(&store, &rootfs, "ns/t2", 1, b"old1");
+        let old = commit_file(&store, &rootfs, "ns/t2", 2, b"old2");
+        fs::create_dir_all(state.join("turns/ns")).unwrap();
+        fs::write(state.join("turns/ns/t2.jsonl"), b"old log\n").unwrap();
+        fs::write(state.join("turns/ns/t2.busy"), b"").unwrap();
+        fs::create_dir_all(state.join("sandboxes/ns")).unwrap();
+        fs::write(state.join("sandboxes/ns/t2.json"), b"{}").unwrap();
+
+        let retired = store.retire("ns/t2").unwrap().unwrap();
+        assert_eq!(retired.to_string(), "ns/t2@1");
+        assert_eq!(store.head("ns/t2").unwrap(), None, "the new container starts afresh");
+        assert_eq!(store.head("ns/t2@1").unwrap().map(|h| h.manifest), Some(old.id));
+        assert_eq!(fs::read(state.join("turns/ns/t2@1.jsonl")).unwrap(), b"old log\n");
+        assert!(state.join("sandboxes/ns/t2@1.json").is_file());
+        assert!(!state.join("turns/ns/t2.jsonl").exists() && !state.join("turns/ns/t2.busy").exists());
+        assert_eq!(store.retire("ns/t2").unwrap(), None, "nothing left to retire");
+
+        // The new container's chain: one checkpoint. With 3 kept per id, the retired chain
+        // still has 2 in the window and stays whole.
+        commit_file(&store, &rootfs, "ns/t2", 1, b"new1");
+        let gc = store.gc(&crate::checkpoint::RetentionPolicy { keep_last: 3 }).unwrap();
+        assert_eq!(gc.retired_removed, 0);
+        assert_eq!(store.history("ns/t2@1").unwrap().len(), 2);
+        store.verify("ns/t2@1", 2).unwrap();
+
+        // A second reuse retires generation 2; three checkpoints of the current chain then
+        // fill the window, and both retired chains go.
+        store.retire("ns/t2").unwrap();
+        commit_file(&store, &rootfs, "ns/t2", 1, b"newer1");
+        commit_file(&store, &rootfs, "ns/t2", 2, b"newer2");
+        commit_file(&store, &rootfs, "ns/t2", 3, b"newer3");
+        let gc = store.gc(&crate::checkpoint::RetentionPolicy { keep_last: 3 }).unwrap();
+        assert_eq!(gc.retired_removed, 2, "both retired generations are past the window");
+        assert_eq!(store.containers().unwrap(), ["ns/t2"]);
+        assert!(!state.join("turns/ns/t2@1.jsonl").exists() && !state.join("sandboxes/ns/t2@1.json").exists());
+        assert!(gc.manifests_removed >= 3, "{gc:?}");
     }
 
     #[test]

@@ -46,10 +46,8 @@ pub enum CheckpointError {
     #[error("container {0:?} has no checkpoints")]
     NoSuchContainer(String),
 
-    #[error(
-        "invalid container id {0:?}: use 1-128 characters of [A-Za-z0-9_.-], not starting with '.'"
-    )]
-    InvalidContainerId(String),
+    #[error(transparent)]
+    InvalidKey(#[from] super::key::KeyError),
 
     #[error("turn {turn} of container {container:?} must be greater than its head turn {head}")]
     TurnNotAfterHead {

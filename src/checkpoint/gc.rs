@@ -1,13 +1,16 @@
 //! Garbage collection: keep the last K checkpoints of every container's chain (forks walk into
 //! the chain they were forked from, so what they reference is kept through them), fold what lies
 //! below the window into a snapshot, then delete unreferenced manifests, snapshots and blobs.
+//! Chains retired because a new container reused their id (`<id>@<n>`, see
+//! [`CheckpointStore::retire`]) share the id's window, after the current chain and newest first:
+//! one left without a checkpoint in it is removed with its turn log and saved spec.
 //!
 //! Crash safety: snapshots are published before anything is deleted, and only unreferenced
 //! files are deleted, so stopping at any point leaves every head restorable; the next run
 //! finishes the job. GC holds the store lock exclusively, so no commit is between deduplicating
 //! against a blob and referencing it.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::fs;
 use std::path::Path;
 
@@ -16,6 +19,7 @@ use tracing::info;
 use super::chain::CheckpointStore;
 use super::error::{CheckpointError, IoContext, Result};
 use super::images;
+use super::key::{self, SandboxKey};
 use super::manifest::{ImageSet, MANIFEST_VERSION, Snapshot, direct_blobs, seal};
 use super::store::{Digest, Durability, publish_file};
 use super::sys;
@@ -36,6 +40,8 @@ pub struct GcReport {
     pub tmp_files_removed: u64,
     /// Kept CRIU image directories of checkpoints no longer live.
     pub assembled_removed: u64,
+    /// Retired chains (`<id>@<n>`) past the retention window, removed with their turn logs.
+    pub retired_removed: u64,
 }
 
 /// Digest-named files in a directory (`<hex><suffix>`), with their paths; other names are
@@ -74,9 +80,39 @@ impl CheckpointStore {
         let mut live_snapshots = HashSet::new();
         let mut live_blobs = HashSet::new();
 
-        for container in self.containers()? {
-            let (_, chain) = self.chain(&container)?;
-            let keep = chain.links.len().min(policy.keep_last);
+        // Each id's current chain, then the chains it retired, newest first.
+        let mut by_id: BTreeMap<SandboxKey, Vec<SandboxKey>> = BTreeMap::new();
+        for key in self.sandbox_keys()? {
+            by_id.entry(key.current()).or_default().push(key);
+        }
+        let mut windows = Vec::new();
+        for (_, mut generations) in by_id {
+            generations.sort_by_key(|k| std::cmp::Reverse(k.generation().map_or(u64::MAX, u64::from)));
+            let mut budget = policy.keep_last;
+            for key in generations {
+                if budget == 0 && key.generation().is_some() {
+                    self.remove_retired(&key)?;
+                    info!(chain = %key, "retired chain past the retention window removed");
+                    report.retired_removed += 1;
+                    continue;
+                }
+                let (_, chain) = self.chain(&key.to_string())?;
+                let keep = chain.links.len().min(budget.max(1));
+                budget = budget.saturating_sub(keep);
+                windows.push((chain, keep));
+            }
+        }
+        // Turn logs and specs of retired ids that never had a checkpoint: nothing to keep.
+        for (dir, suffix) in [(self.state_dir().join("turns"), ".jsonl"), (self.state_dir().join("sandboxes"), ".json")] {
+            for retired in key::keys_under(&dir, suffix)? {
+                if retired.generation().is_some() && self.head(&retired.to_string())?.is_none() {
+                    self.remove_retired(&retired)?;
+                    report.retired_removed += 1;
+                }
+            }
+        }
+
+        for (chain, keep) in windows {
             for (id, manifest) in &chain.links[..keep] {
                 live_manifests.insert(*id);
                 self.collect_blobs(
@@ -137,10 +173,16 @@ impl CheckpointStore {
             }
         }
         // Kept image files of checkpoints that are gone, or of containers without a head.
-        let heads: HashSet<String> = self.containers()?.into_iter().collect();
-        if let Ok(owners) = fs::read_dir(self.assembled_dir()) {
-            for owner in owners.flatten() {
-                let has_head = owner.file_name().to_str().is_some_and(|c| heads.contains(c));
+        let heads: HashSet<SandboxKey> = self.sandbox_keys()?.into_iter().collect();
+        let namespaces = fs::read_dir(self.assembled_dir()).into_iter().flatten().flatten();
+        for namespace in namespaces {
+            let ns = namespace.file_name().into_string().unwrap_or_default();
+            for owner in fs::read_dir(namespace.path()).into_iter().flatten().flatten() {
+                let has_head = owner
+                    .file_name()
+                    .to_str()
+                    .and_then(|name| SandboxKey::from_name(&ns, name).ok())
+                    .is_some_and(|k| heads.contains(&k));
                 for (id, path) in digest_files(&owner.path(), "", "").unwrap_or_default() {
                     if !has_head || !live_manifests.contains(&id) {
                         let _ = fs::remove_dir_all(&path);

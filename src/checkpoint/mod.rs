@@ -10,6 +10,7 @@ mod error;
 mod fsdelta;
 mod gc;
 mod images;
+mod key;
 mod manifest;
 mod mounts;
 mod path;
@@ -24,6 +25,10 @@ pub use chain::{
 };
 pub use error::{CheckpointError, Result};
 pub use fsdelta::{ApplyStats, ChangedPath};
+pub use key::{
+    DEFAULT_NAMESPACE, KeyError, SandboxKey, full_checkpoints_dir, saved_spec_path, turn_log_path, validate_id,
+    validate_namespace,
+};
 pub use gc::{GcReport, RetentionPolicy};
 pub use images::{CHUNK_SIZE, RestoredImages};
 pub use manifest::{

@@ -63,6 +63,10 @@ pub struct CheckpointConfig {
     /// memory). A dump that does not fit is not kept: its restore
     /// reassembles it from the store's chunks. 0 keeps none.
     pub kept_images_max_mib: u64,
+    /// containerd namespaces whose chains `io.crab.restore-from` may name from a
+    /// container of another namespace (`"*"`: any). A container may always restore
+    /// from chains of its own namespace; by default from no other.
+    pub restore_from_namespaces: Vec<String>,
 }
 
 impl CheckpointConfig {
@@ -72,6 +76,11 @@ impl CheckpointConfig {
             dir: (!self.kept_images_dir.as_os_str().is_empty()).then(|| self.kept_images_dir.clone()),
             max_bytes: self.kept_images_max_mib.saturating_mul(1 << 20),
         }
+    }
+
+    /// Whether a container of namespace `into` may be created from a chain of namespace `from`.
+    pub fn restore_allowed(&self, from: &str, into: &str) -> bool {
+        from == into || self.restore_from_namespaces.iter().any(|allowed| allowed == "*" || allowed == from)
     }
 }
 
@@ -152,6 +161,7 @@ impl Default for CheckpointConfig {
             policy: "crab".into(),
             kept_images_dir: "/run/crab/kept-images".into(),
             kept_images_max_mib: 2048,
+            restore_from_namespaces: Vec::new(),
         }
     }
 }
@@ -212,6 +222,13 @@ impl Config {
                 self.runtime.init.display()
             )));
         }
+        for namespace in &self.checkpoint.restore_from_namespaces {
+            if namespace != "*"
+                && let Err(e) = crate::checkpoint::validate_namespace(namespace)
+            {
+                return Err(invalid(format!("checkpoint.restore_from_namespaces: {e} (or \"*\" for any)")));
+            }
+        }
         if crate::turns::parse_policy(&self.checkpoint.policy).is_none() {
             return Err(invalid(format!(
                 "checkpoint.policy: {:?} is not one of crab, every-turn, off",
@@ -269,6 +286,20 @@ mod tests {
 
         let err = Config::parse("[log]\nlevel = \"loud\"\n", Path::new("c.toml")).unwrap_err();
         assert!(err.to_string().contains("log.level"), "{err}");
+    }
+
+    #[test]
+    fn restores_across_namespaces_only_where_allowed() {
+        let c = Config::default();
+        assert!(c.checkpoint.restore_allowed("a", "a"));
+        assert!(!c.checkpoint.restore_allowed("a", "b"), "no other namespace by default");
+        let c = Config::parse("[checkpoint]\nrestore_from_namespaces = [\"shared\"]\n", Path::new("c.toml")).unwrap();
+        assert!(c.checkpoint.restore_allowed("shared", "b"));
+        assert!(!c.checkpoint.restore_allowed("a", "b"));
+        let c = Config::parse("[checkpoint]\nrestore_from_namespaces = [\"*\"]\n", Path::new("c.toml")).unwrap();
+        assert!(c.checkpoint.restore_allowed("a", "b"));
+        let err = Config::parse("[checkpoint]\nrestore_from_namespaces = [\"../x\"]\n", Path::new("c.toml")).unwrap_err();
+        assert!(err.to_string().contains("checkpoint.restore_from_namespaces") && err.to_string().contains("../x"), "{err}");
     }
 
     #[test]

@@ -16,6 +16,9 @@ pub struct Common {
     /// crab config the shims read ($CRAB_CONFIG, else /etc/crab/crab.toml, else /var/lib/crab).
     #[arg(long, env = "CRAB_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
+    /// The containerd namespace of the sandbox (its chain and turn log are that namespace's).
+    #[arg(long, short = 'n', env = "CRAB_NS", default_value = crate::checkpoint::DEFAULT_NAMESPACE)]
+    pub namespace: String,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -53,7 +56,9 @@ pub enum CheckpointCommand {
         #[command(flatten)]
         common: Common,
     },
-    /// Drops old checkpoints and unreferenced blobs.
+    /// Drops old checkpoints and unreferenced blobs, of every namespace (blobs are shared);
+    /// a retired chain (`<id>@<n>`, left by a new container that reused its id) goes once
+    /// newer checkpoints of its id fill the window.
     Gc {
         /// Checkpoints kept per sandbox.
         #[arg(long, default_value_t = 16)]
@@ -130,7 +135,9 @@ impl CheckpointCommand {
     pub async fn run(self) -> Result<()> {
         let common = self.common();
         let json = common.json;
-        let ctl = Ctl::open(&common.state_dir()?, Ctr::from_env())?;
+        crate::checkpoint::validate_namespace(&common.namespace)?;
+        let ctr = Ctr::new(Ctr::from_env().socket(), common.namespace.clone());
+        let ctl = Ctl::open(&common.state_dir()?, ctr)?;
         match &self {
             Self::Turns { container, .. } => print(json, &ctl.turns(container)?, |turns| {
                 let mut out = format!("{:>5} {:<6} {:<6} {:>3} {:>10} {:>9} {:>10}  {}\n", "turn", "source", "class", "ext", "ckpt", "bytes", "ckpt ms", "reasons");
@@ -200,6 +207,7 @@ impl CheckpointCommand {
                     bytes_freed: u64,
                     snapshots_written: u64,
                     tmp_files_removed: u64,
+                    retired_removed: u64,
                 }
                 let gc = Gc {
                     manifests_removed: report.manifests_removed,
@@ -207,11 +215,13 @@ impl CheckpointCommand {
                     bytes_freed: report.bytes_freed,
                     snapshots_written: report.snapshots_written,
                     tmp_files_removed: report.tmp_files_removed,
+                    retired_removed: report.retired_removed,
                 };
                 print(json, &gc, |g| {
                     format!(
-                        "removed {} manifests, {} blobs ({} bytes), {} tmp files; {} snapshots written\n",
-                        g.manifests_removed, g.blobs_removed, g.bytes_freed, g.tmp_files_removed, g.snapshots_written
+                        "removed {} manifests, {} blobs ({} bytes), {} tmp files, {} retired chains; {} snapshots written\n",
+                        g.manifests_removed, g.blobs_removed, g.bytes_freed, g.tmp_files_removed, g.retired_removed,
+                        g.snapshots_written
                     )
                 });
             }

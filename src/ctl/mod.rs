@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::checkpoint::{CheckpointStore, RollbackRequest};
+use crate::checkpoint::{CheckpointStore, RollbackRequest, SandboxKey};
 use crate::containerd::ctr::Ctr;
 use crate::turns::{ANNOTATION_RESTORE_FROM, RecordedClass, TurnLog, TurnRecord};
 
@@ -28,6 +28,8 @@ pub enum CtlError {
     Containerd(String),
     #[error("{0}")]
     Invalid(String),
+    #[error(transparent)]
+    Key(#[from] crate::checkpoint::KeyError),
 }
 
 pub type Result<T> = std::result::Result<T, CtlError>;
@@ -37,7 +39,9 @@ pub const CRAB_RUNTIME: &str = "io.containerd.crab.v2";
 /// How long rollback and fork wait for a turn in flight to be checkpointed.
 const SETTLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// The state directory and the containerd a command works against.
+/// The state directory and the containerd (socket and namespace) a command works against.
+/// Sandboxes are named by container id (or `<id>@<n>` for a retired chain) in the namespace
+/// of `ctr`; their chains and turn logs are that namespace's.
 pub struct Ctl {
     pub state_dir: PathBuf,
     pub store: Arc<CheckpointStore>,
@@ -110,15 +114,25 @@ impl Ctl {
         Ok(Self { state_dir: state_dir.into(), store: Arc::new(CheckpointStore::open(state_dir)?), ctr })
     }
 
+    /// The store key of `container` (an id, or `<id>@<n>`) in this Ctl's namespace.
+    pub fn key(&self, container: &str) -> Result<String> {
+        if container.contains('/') {
+            return Err(CtlError::Invalid(format!(
+                "{container:?}: name the sandbox by its container id and its namespace with --namespace (or CRAB_NS)"
+            )));
+        }
+        Ok(SandboxKey::from_name(self.ctr.namespace(), container)?.to_string())
+    }
+
     pub fn turns(&self, container: &str) -> Result<Vec<TurnRecord>> {
-        Ok(TurnLog::open(&self.state_dir, container)?.read()?)
+        Ok(TurnLog::open(&self.state_dir, &self.key(container)?)?.read()?)
     }
 
     /// Ends the sandbox's current turn and begins the next: a Task Update
     /// through containerd carrying `io.crab.turn=mark`. Returns once the
     /// ended turn is checkpointed.
     pub async fn mark_turn(&self, container: &str) -> Result<MarkReport> {
-        let log = TurnLog::open(&self.state_dir, container)?;
+        let log = TurnLog::open(&self.state_dir, &self.key(container)?)?;
         let last_before = log.read()?.last().map(|r| r.turn).unwrap_or(0);
         let started = Instant::now();
         crate::containerd::grpc::Containerd::new(self.ctr.socket(), self.ctr.namespace())
@@ -138,7 +152,7 @@ impl Ctl {
     pub fn checkpoints(&self, container: &str) -> Result<Vec<CheckpointRow>> {
         let mut rows: Vec<CheckpointRow> = self
             .store
-            .history(container)?
+            .history(&self.key(container)?)?
             .into_iter()
             .map(|c| CheckpointRow {
                 turn: c.turn,
@@ -165,18 +179,24 @@ impl Ctl {
         Ok(rows)
     }
 
-    /// Verifies every blob of each container's chain (all containers when none is named).
+    /// Verifies every blob of each container's chain (all chains of the namespace, retired
+    /// ones too, when none is named).
     pub fn verify(&self, container: Option<&str>) -> Result<Vec<VerifyRow>> {
         let names = match container {
-            Some(c) => vec![c.to_string()],
-            None => self.store.containers()?,
+            Some(c) => vec![(c.to_string(), self.key(c)?)],
+            None => self
+                .store
+                .namespace_keys(self.ctr.namespace())?
+                .into_iter()
+                .map(|k| (k.name(), k.to_string()))
+                .collect(),
         };
         Ok(names
             .into_iter()
-            .map(|name| {
-                let head = self.store.head(&name);
+            .map(|(name, key)| {
+                let head = self.store.head(&key);
                 let result = head.as_ref().map_err(|e| e.to_string()).and_then(|h| match h {
-                    Some(h) => self.store.verify(&name, h.turn).map(|r| (Some(h.turn), r)).map_err(|e| e.to_string()),
+                    Some(h) => self.store.verify(&key, h.turn).map(|r| (Some(h.turn), r)).map_err(|e| e.to_string()),
                     None => Err(format!("container {name:?} has no checkpoints")),
                 });
                 match result {
@@ -208,7 +228,7 @@ impl Ctl {
         if turn == 0 {
             return Ok(None);
         }
-        let history = self.store.history(container)?;
+        let history = self.store.history(&self.key(container)?)?;
         let newest = history.iter().map(|c| c.turn).filter(|t| *t <= turn).max();
         let turns = self.turns(container)?;
         if let Some(by) = turns.iter().find(|r| r.turn == turn).and_then(|r| r.superseded_by) {
@@ -267,7 +287,7 @@ impl Ctl {
                 let image = image_override.ok_or_else(|| {
                     CtlError::Invalid(format!("containerd does not know {container:?}: name its image with --image"))
                 })?;
-                let path = crate::engine::sandbox_spec_path(&self.state_dir, container);
+                let path = crate::engine::sandbox_spec_path(&self.state_dir, &self.key(container)?)?;
                 let bytes = std::fs::read(&path)
                     .map_err(|e| CtlError::Invalid(format!("no saved spec for {container:?} at {}: {e}", path.display())))?;
                 let spec: Spec = serde_json::from_slice(&bytes)
@@ -350,7 +370,7 @@ impl Ctl {
     /// Waits until no turn of `container` is in flight: its last checkpoint
     /// is written, so the chain says everything the sandbox did.
     async fn settle(&self, container: &str) -> Result<()> {
-        let log = TurnLog::open(&self.state_dir, container)?;
+        let log = TurnLog::open(&self.state_dir, &self.key(container)?)?;
         let deadline = Instant::now() + SETTLE_TIMEOUT;
         while log.is_busy() {
             if Instant::now() > deadline {
@@ -385,7 +405,7 @@ impl Ctl {
     /// processes, its shim, containerd, or the node's containerd state lost).
     pub async fn recover(&self, container: &str, image: Option<&str>) -> Result<RestoreReport> {
         let clock = Instant::now();
-        let head = self.store.head(container)?;
+        let head = self.store.head(&self.key(container)?)?;
         let last_turn = self.turns(container)?.last().map(|r| r.turn).max(head.map(|h| h.turn)).unwrap_or(0);
         let info = self.sandbox_info(container, image).await?;
         self.remove_from_containerd(container).await;
@@ -415,7 +435,7 @@ impl Ctl {
             let base = overlay_lowerdir(pid);
             let to_turn = checkpoint.unwrap_or(0);
             // The sandbox's tmpfs mounts started empty, whatever the image holds below them.
-            let spec = crate::engine::sandbox_spec_path(&self.state_dir, container);
+            let spec = crate::engine::sandbox_spec_path(&self.state_dir, &self.key(container)?)?;
             let tmpfs = match crate::checkpoint::SandboxMounts::from_spec_file(&spec) {
                 Ok(mounts) => mounts.tmpfs(),
                 Err(e) => {
@@ -424,7 +444,7 @@ impl Ctl {
                 }
             };
             let store = self.store.clone();
-            let c = container.to_string();
+            let c = self.key(container)?;
             let report = store
                 .run_blocking(move |store| {
                     store.rollback_in_place_with(
@@ -445,7 +465,7 @@ impl Ctl {
         }
         let info = self.sandbox_info(container, None).await?;
         if let Some(t) = checkpoint {
-            self.store.rewind(container, t)?;
+            self.store.rewind(&self.key(container)?, t)?;
         }
         self.remove_from_containerd(container).await;
         self.run_restored(&info, container, checkpoint.unwrap_or(0), container).await?;

@@ -202,8 +202,24 @@ impl State {
     }
 }
 
+/// How a sandbox's chain begins when its engine starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChainStart {
+    /// A new container: whatever a container of the same namespace and id left is retired
+    /// (kept until GC's retention drops it), and a new chain begins.
+    New,
+    /// Created from another chain (a fork): its head was set up at Create, where whatever the
+    /// id had before was retired; numbering continues from the fork's turn.
+    Forked,
+    /// Restored from its own chain (recover, rollback by restore): chain and log continue.
+    Continued,
+}
+
 pub struct SandboxEngine {
+    /// The container id, as the OCI runtime knows it.
     container: String,
+    /// `<namespace>/<id>`: the sandbox's chain, turn log, watch and bandwidth account.
+    key: String,
     policy: SandboxPolicy,
     ctx: Arc<EngineContext>,
     runtime: OciRuntime,
@@ -228,30 +244,30 @@ pub struct SandboxEngine {
 }
 
 impl SandboxEngine {
-    /// Starts following `container` (its init is `init_pid`). A `fresh`
-    /// container starts a new chain; otherwise (restored from its own
-    /// checkpoint) the turn numbering and chain continue.
+    /// Starts following the container of sandbox `key` (its init is
+    /// `init_pid`); `start` says whether its chain is new or continues.
     pub async fn new(
-        container: &str,
+        key: &crate::checkpoint::SandboxKey,
         policy: SandboxPolicy,
         ctx: Arc<EngineContext>,
         runtime: OciRuntime,
         init_pid: u32,
         work_dir: PathBuf,
-        fresh: bool,
+        start: ChainStart,
     ) -> Result<Arc<Self>, EngineError> {
-        let log = TurnLog::open(&ctx.state_dir, container)?;
+        let (container, key) = (key.id(), key.to_string());
+        if start == ChainStart::New {
+            // A new container that reuses the id in this namespace: the old chain is
+            // history, not its past; it is kept aside, not deleted.
+            ctx.store.retire(&key)?;
+        }
+        let log = TurnLog::open(&ctx.state_dir, &key)?;
         // A mark left by a shim that died mid-turn: nothing is in flight now.
         log.mark_busy(false);
-        if fresh {
-            // A new container that reuses an id: the old chain is history, not its past.
-            if ctx.store.head(container)?.is_some() {
-                ctx.store.remove_container(container)?;
-            }
-            log.reset()?;
+        if start != ChainStart::Continued {
             // Kept for `crabctl recover` after a node loss, when containerd no longer knows the sandbox.
             if let Some(bundle) = work_dir.parent() {
-                let saved = sandbox_spec_path(&ctx.state_dir, container);
+                let saved = sandbox_spec_path(&ctx.state_dir, &key)?;
                 if let Some(dir) = saved.parent() {
                     let _ = std::fs::create_dir_all(dir);
                 }
@@ -260,8 +276,8 @@ impl SandboxEngine {
                 }
             }
         }
-        ctx.store.remove_stale_dumps(container);
-        let mounts = sandbox_mounts(&ctx.state_dir, container, &work_dir);
+        ctx.store.remove_stale_dumps(&key);
+        let mounts = sandbox_mounts(&ctx.state_dir, &key, &work_dir);
         let container_root = match ContainerRoot::new(init_pid) {
             Ok(root) => Some(Arc::new(root)),
             Err(e) => {
@@ -269,12 +285,12 @@ impl SandboxEngine {
                 None
             }
         };
-        let head = ctx.store.head(container)?;
+        let head = ctx.store.head(&key)?;
         let last_turn = log.read()?.last().map(|r| r.turn).max(head.map(|h| h.turn)).unwrap_or(0);
         if let (Some(inspector), Policy::Crab) = (&ctx.inspector, policy.policy) {
             match crate::inspector::cgroup_id_of_pid(init_pid) {
                 Ok(cgroup) => {
-                    if let Err(e) = inspector.watch(container, cgroup, init_pid).await {
+                    if let Err(e) = inspector.watch(&key, cgroup, init_pid).await {
                         tracing::error!(container, error = %e, "inspector cannot watch: every turn will be checkpointed in full");
                     }
                 }
@@ -283,6 +299,7 @@ impl SandboxEngine {
         }
         Ok(Arc::new(Self {
             container: container.into(),
+            key,
             policy,
             ctx,
             runtime,
@@ -324,7 +341,7 @@ impl SandboxEngine {
     /// Drains the inspector's effects so far into no turn.
     async fn set_aside_effects(&self, what: &str) {
         let Some(inspector) = &self.ctx.inspector else { return };
-        match inspector.drain(&self.container, monotonic_now_ns()).await {
+        match inspector.drain(&self.key, monotonic_now_ns()).await {
             Ok(set) => tracing::debug!(container = %self.container, what, effects = set.effects.len(), "effects set aside"),
             Err(e) => tracing::debug!(container = %self.container, what, error = %e, "no effects to set aside"),
         }
@@ -508,7 +525,7 @@ impl SandboxEngine {
         let outcome = self.checkpoint_turn(open, end_ns, ended, slot).await;
         // Records go in turn order, and the head read below includes the previous turn's checkpoint.
         slot.previous_written().await;
-        let head = self.ctx.store.head(&self.container).ok().flatten().map(|h| h.turn);
+        let head = self.ctx.store.head(&self.key).ok().flatten().map(|h| h.turn);
         match outcome {
             // A superseded turn has no checkpoint of its own, and the head does not hold it either.
             Ok(record) if record.checkpoint_turn.is_some() || record.superseded_by.is_some() => record,
@@ -656,7 +673,7 @@ impl SandboxEngine {
             tracing::debug!(container = %self.container, turn = open.turn, "open turn dropped with the container");
         }
         if let Some(inspector) = &self.ctx.inspector {
-            let _ = inspector.unwatch(&self.container).await;
+            let _ = inspector.unwatch(&self.key).await;
         }
     }
 
@@ -733,7 +750,7 @@ impl SandboxEngine {
         }
         let images = if class == TurnClass::Proc {
             // Beside the kept copies, so that keeping this dump is a link, not a copy.
-            let dir = match self.ctx.store.dump_path(&self.container, open.turn) {
+            let dir = match self.ctx.store.dump_path(&self.key, open.turn) {
                 Ok(dir) => dir,
                 Err(e) => return Err((record, e.into())),
             };
@@ -795,7 +812,7 @@ impl SandboxEngine {
             return Ok(record);
         }
         let rootfs = PathBuf::from(format!("/proc/{}/root", self.init_pid));
-        let (container, turn, images_for_stage) = (self.container.clone(), open.turn, images.clone());
+        let (container, turn, images_for_stage) = (self.key.clone(), open.turn, images.clone());
         slot.capturing(&changed);
         let staging = Instant::now();
         let tmpfs = self.mounts.tmpfs();
@@ -832,11 +849,11 @@ impl SandboxEngine {
         // next turn nothing).
         slot.captured();
         if images.is_some() && staged.is_ok() {
-            slot.process_captured(self.ctx.commit_gate.as_deref(), &self.container).await;
+            slot.process_captured(self.ctx.commit_gate.as_deref(), &self.key).await;
         }
         slot.previous_written().await;
         let report = match staged {
-            Ok(staged) => slot.write_out(&self.ctx.store, self.ctx.commit_gate.clone(), &self.container, staged).await,
+            Ok(staged) => slot.write_out(&self.ctx.store, self.ctx.commit_gate.clone(), &self.key, staged).await,
             Err(e) => Err(e),
         };
         if let Some(dir) = &images {
@@ -907,7 +924,7 @@ impl SandboxEngine {
     /// dedup while the next turn waits, as a plain containerd checkpoint would be.
     async fn write_full_checkpoint(&self, turn: u64, dump: &Path) -> Result<crate::checkpoint::FullCheckpoint, EngineError> {
         let (state_dir, container, dump, pid) =
-            (self.ctx.store.state_dir().to_owned(), self.container.clone(), dump.to_owned(), self.init_pid);
+            (self.ctx.store.state_dir().to_owned(), self.key.clone(), dump.to_owned(), self.init_pid);
         tokio::task::spawn_blocking(move || {
             let diff = crate::checkpoint::overlay_upperdir(pid)?;
             crate::checkpoint::write_full_checkpoint(&state_dir, &container, turn, &dump, &diff)
@@ -925,7 +942,7 @@ impl SandboxEngine {
             record.reasons.push("inspector unavailable".into());
             return (TurnClass::Proc, Vec::new());
         };
-        let effects = match inspector.drain(&self.container, end_ns).await {
+        let effects = match inspector.drain(&self.key, end_ns).await {
             Ok(e) => e,
             Err(e) => {
                 record.escalated = true;
@@ -1075,7 +1092,9 @@ fn sandbox_mounts(state_dir: &Path, container: &str, work_dir: &Path) -> Sandbox
     from_bundle
         .or_else(|e| {
             tracing::warn!(container, error = %e, "spec mounts not read from the bundle: using the saved spec");
-            SandboxMounts::from_spec_file(&sandbox_spec_path(state_dir, container))
+            sandbox_spec_path(state_dir, container)
+                .map_err(|e| e.to_string())
+                .and_then(|saved| SandboxMounts::from_spec_file(&saved))
         })
         .unwrap_or_else(|e| {
             tracing::error!(container, error = %e, "spec mounts unknown: tmpfs and bind mounts are taken for the rootfs");
@@ -1110,9 +1129,10 @@ fn split_by_mount(
     (kept, external)
 }
 
-/// Where the shim keeps a copy of a sandbox's OCI spec (the id was validated by the turn log).
-pub fn sandbox_spec_path(state_dir: &Path, container: &str) -> PathBuf {
-    state_dir.join("sandboxes").join(format!("{container}.json"))
+/// Where the shim keeps a copy of the OCI spec of sandbox key `container`
+/// (`sandboxes/<namespace>/<id>.json`).
+pub fn sandbox_spec_path(state_dir: &Path, container: &str) -> Result<PathBuf, crate::checkpoint::CheckpointError> {
+    Ok(crate::checkpoint::saved_spec_path(state_dir, &crate::checkpoint::SandboxKey::parse(container)?))
 }
 
 /// The distinct paths a turn changed, outside ignored prefixes. A path is
@@ -1198,7 +1218,8 @@ mod tests {
         });
         let runtime = OciRuntime::new("runc", dir.join("runc"), false, crate::runtime::Reaper::default());
         let policy = SandboxPolicy { turns, policy: Policy::Off, ..Default::default() };
-        SandboxEngine::new("c1", policy, ctx, runtime, std::process::id(), dir.join("bundle/crab"), true).await.unwrap()
+        let key = crate::checkpoint::SandboxKey::new("ns", "c1").unwrap();
+        SandboxEngine::new(&key, policy, ctx, runtime, std::process::id(), dir.join("bundle/crab"), ChainStart::New).await.unwrap()
     }
 
     /// Settles the jobs and returns (turn, source, exec id) of every record.

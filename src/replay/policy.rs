@@ -392,7 +392,9 @@ impl RecoveryPolicy for CrabPolicy {
     /// agent coming back with no think time at all would wait.
     async fn after_turn(&mut self, sandbox: &Sandbox, _turn: u32) -> Result<TurnCost, ReplayError> {
         let Some(exec_id) = sandbox.last_exec_id() else { return Ok(TurnCost::default()) };
-        let log = crate::turns::TurnLog::open(&crab_state_dir(), sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?;
+        // The turn log of the sandbox in the replay's containerd namespace.
+        let key = self.ctl()?.key(sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?;
+        let log = crate::turns::TurnLog::open(&crab_state_dir(), &key).map_err(|e| ReplayError::Policy(e.to_string()))?;
         let deadline = Instant::now() + CRAB_CHECKPOINT_WAIT;
         loop {
             // Matched by exec id, which the replay never reuses in a sandbox: a

@@ -22,7 +22,8 @@ use super::io::StdioUris;
 use super::options::{self, CreateOptions};
 use super::process::{Process, Status};
 use crate::config::Config;
-use crate::engine::{EngineContext, SandboxEngine};
+use crate::checkpoint::SandboxKey;
+use crate::engine::{ChainStart, EngineContext, SandboxEngine};
 use crate::turns::{Policy, SandboxPolicy};
 use crate::runtime::{CheckpointOptions, Exit, OciRuntime, Reaper};
 
@@ -163,8 +164,20 @@ impl TaskService {
         }
         let bundle = PathBuf::from(&req.bundle);
         let policy = sandbox_policy(&bundle, &config)?;
-        if policy.restore_from.is_some() {
-            tracing::debug!(container = %req.id, "create of a restored container");
+        // Checkpoints are the sandbox's by containerd namespace and id: two tenants' `t2` never share one.
+        let key = if policy.policy != Policy::Off || policy.restore_from.is_some() {
+            Some(SandboxKey::new(&self.namespace, &req.id).map_err(|e| {
+                ShimError::InvalidArgument(format!("container {} cannot be checkpointed: {e}", req.id))
+            })?)
+        } else {
+            None
+        };
+        let restore_source = match (&policy.restore_from, &key) {
+            (Some(source), Some(_)) => Some(restore_source(&config.checkpoint, source, &self.namespace)?),
+            _ => None,
+        };
+        if let Some(source) = &restore_source {
+            tracing::debug!(container = %req.id, %source, "create of a restored container");
         }
         let rootfs_mounted = mount_rootfs(&bundle, &req.rootfs).await?;
         // The engine context (crabd's connection, or this shim's own BPF programs
@@ -177,9 +190,9 @@ impl TaskService {
             let yielding = policy.restore_from.is_some();
             tokio::spawn(async move { engine_context(cell, config, yielding).await })
         });
-        let prepared = match &policy.restore_from {
-            Some(source) => prepare_restore(&config.checkpoint, source, &req.id, &bundle).await,
-            None => Ok(None),
+        let prepared = match (&policy.restore_from, &restore_source, &key) {
+            (Some(from), Some(source), Some(key)) => prepare_restore(&config.checkpoint, source, from.turn, key, &bundle).await,
+            _ => Ok(None),
         };
         let prepared = match prepared {
             Ok(prepared) => {
@@ -269,8 +282,8 @@ impl TaskService {
                 Some(loading) => Some(joined_engine_context(loading).await?),
                 None => None,
             };
-            let fresh = policy.restore_from.as_ref().is_none_or(|r| r.container != req.id);
-            attach_engine(&container, engine_ctx.as_ref(), &policy, pid, fresh).await?;
+            let start = chain_start(&policy, &self.namespace, &req.id);
+            attach_engine(&container, engine_ctx.as_ref(), &policy, pid, start).await?;
         } else {
             if loading.is_some() {
                 container.engine_pending();
@@ -322,8 +335,8 @@ impl TaskService {
                     // The processes run again: the engine attaches behind the reply
                     // (what they do until then is start-up, set aside anyway), and
                     // execs, marks and Delete wait for it.
-                    let fresh = policy.restore_from.as_ref().is_none_or(|r| r.container != req.id);
-                    attach_restored_engine(container.clone(), loading, policy, pid, fresh);
+                    let start = chain_start(&policy, &self.namespace, &req.id);
+                    attach_restored_engine(container.clone(), loading, policy, pid, start);
                 }
             } else if let Some(engine) = container.engine() {
                 engine.container_started().await;
@@ -525,17 +538,19 @@ async fn attach_engine(
     ctx: Option<&Arc<EngineContext>>,
     policy: &SandboxPolicy,
     pid: u32,
-    fresh: bool,
+    start: ChainStart,
 ) -> Result<(), ShimError> {
     let Some(ctx) = ctx else { return Ok(()) };
+    let key = SandboxKey::new(&container.config.namespace, container.id())
+        .map_err(|e| ShimError::InvalidArgument(format!("container {} cannot be checkpointed: {e}", container.id())))?;
     let engine = SandboxEngine::new(
-        container.id(),
+        &key,
         policy.clone(),
         ctx.clone(),
         container.runtime.clone(),
         pid,
         container.work_dir(),
-        fresh,
+        start,
     )
     .await
     .map_err(|e| ShimError::FailedPrecondition(format!("checkpoint engine for {}: {e}", container.id())))?;
@@ -550,11 +565,11 @@ async fn joined_engine_context(loading: EngineLoad) -> Result<Arc<EngineContext>
 
 /// Attaches the engine of a restored container once its context is set up,
 /// behind Start's reply; settles the container's engine either way.
-fn attach_restored_engine(container: Arc<Container>, loading: EngineLoad, policy: SandboxPolicy, pid: u32, fresh: bool) {
+fn attach_restored_engine(container: Arc<Container>, loading: EngineLoad, policy: SandboxPolicy, pid: u32, start: ChainStart) {
     tokio::spawn(async move {
         let clock = std::time::Instant::now();
         let attached = match joined_engine_context(loading).await {
-            Ok(ctx) => attach_engine(&container, Some(&ctx), &policy, pid, fresh).await,
+            Ok(ctx) => attach_engine(&container, Some(&ctx), &policy, pid, start).await,
             Err(e) => Err(e),
         };
         match attached {
@@ -696,28 +711,68 @@ async fn restore_mounts(pending: PendingMounts, pid: u32) -> Result<(), ShimErro
     .map_err(|e| ShimError::FailedPrecondition(format!("{what}: {e}")))
 }
 
-/// Prepares a container created from another's checkpoint: writes the
-/// source's rootfs as at the turn onto the fresh rootfs (every path but those
-/// the spec mounts something on), points the new chain at that checkpoint,
-/// and returns the CRIU images to restore at Start with their turn (None when
-/// the chain has no process checkpoint up to that turn). Opens the store
-/// itself, so it does not wait for the engine (and its inspector).
-async fn prepare_restore(
+/// How the chain of container `id` (namespace `namespace`) begins: from its own
+/// checkpoint it continues, from another's it is a fork, else it is new.
+fn chain_start(policy: &SandboxPolicy, namespace: &str, id: &str) -> ChainStart {
+    match &policy.restore_from {
+        None => ChainStart::New,
+        Some(source) if source.key(namespace).is_ok_and(|k| k == k.current() && k.namespace() == namespace && k.id() == id) => {
+            ChainStart::Continued
+        }
+        Some(_) => ChainStart::Forked,
+    }
+}
+
+/// The chain `io.crab.restore-from` names for a container of `namespace`: one of its own
+/// namespace, or of another only where crab.toml allows it. A restore hands the source's files
+/// and process memory to the new container, so naming another tenant's chain is refused
+/// with an error that says which annotation, which chain and why.
+fn restore_source(
     checkpoint: &crate::config::CheckpointConfig,
     source: &crate::turns::RestoreFrom,
-    new_id: &str,
+    namespace: &str,
+) -> Result<SandboxKey, ShimError> {
+    let annotation = crate::turns::ANNOTATION_RESTORE_FROM;
+    let key = source.key(namespace).map_err(|e| {
+        ShimError::InvalidArgument(format!("annotation {annotation}: {e}"))
+    })?;
+    if !checkpoint.restore_allowed(key.namespace(), namespace) {
+        return Err(ShimError::InvalidArgument(format!(
+            "annotation {annotation}={key}:{turn} refused: chain {key} is in containerd namespace {:?}, \
+             this container in {namespace:?}, and a container may restore only from its own namespace's \
+             chains unless crab.toml allows that namespace ([checkpoint] restore_from_namespaces)",
+            key.namespace(),
+            turn = source.turn,
+        )));
+    }
+    Ok(key)
+}
+
+/// Prepares a container created from a checkpoint: writes the source's rootfs as
+/// at the turn onto the fresh rootfs, points the new chain at that checkpoint
+/// (retiring whatever chain the new container's key had, when it is another's),
+/// and returns the CRIU images to restore at Start (None when the chain has no
+/// process checkpoint up to that turn). Opens the store itself, so it does not
+/// wait for the engine (and its inspector).
+async fn prepare_restore(
+    checkpoint: &crate::config::CheckpointConfig,
+    source: &SandboxKey,
+    turn: u64,
+    new_key: &SandboxKey,
     bundle: &Path,
 ) -> Result<Option<(PathBuf, u64)>, ShimError> {
     let rootfs = bundle.join("rootfs");
     let skip = spec_mounts(bundle)?.destinations();
-    let (src, turn, new) = (source.container.clone(), source.turn, new_id.to_string());
+    let (src, new) = (source.to_string(), new_key.to_string());
     let (state_dir, kept) = (checkpoint.state_dir.clone(), checkpoint.kept_images());
     let ms = |since: std::time::Instant| since.elapsed().as_secs_f64() * 1e3;
-    let failed = |e: &dyn std::fmt::Display| {
-        ShimError::FailedPrecondition(format!("restore from {}:{}: {e}", source.container, source.turn))
-    };
+    let failed = |e: &dyn std::fmt::Display| ShimError::FailedPrecondition(format!("restore from {source}:{turn}: {e}"));
     let restored = tokio::task::spawn_blocking(move || {
         let store = crate::checkpoint::CheckpointStore::open_with(&state_dir, &kept)?;
+        if src != new {
+            // A fork onto an id that had a chain: that one is kept aside, not overwritten.
+            store.retire(&new)?;
+        }
         // The rootfs and the CRIU images are independent: both are put together at once.
         let (rootfs_done, images) = std::thread::scope(|scope| {
             let rootfs_job = scope.spawn(|| {

@@ -13,7 +13,9 @@ use serde::{Deserialize, Serialize};
 pub const ANNOTATION_TURNS: &str = "io.crab.turns";
 pub const ANNOTATION_POLICY: &str = "io.crab.policy";
 pub const ANNOTATION_IGNORE: &str = "io.crab.ignore";
-/// `<container>:<turn>`: create this container from another's checkpoint (fork, recover).
+/// `[<namespace>/]<container>[@<generation>]:<turn>`: create this container from a checkpoint
+/// (fork, recover). Without a namespace: a chain of the new container's own containerd namespace;
+/// another namespace's only where crab.toml's `[checkpoint] restore_from_namespaces` allows it.
 pub const ANNOTATION_RESTORE_FROM: &str = "io.crab.restore-from";
 /// On a Task Update: a request about turns (`mark`: end the current turn, begin the next).
 pub const ANNOTATION_TURN: &str = "io.crab.turn";
@@ -94,8 +96,18 @@ pub enum Policy {
 /// A checkpoint to start a container from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RestoreFrom {
+    /// The containerd namespace the annotation names; None: the new container's own.
+    pub namespace: Option<String>,
+    /// `<id>`, or `<id>@<generation>` for a retired chain.
     pub container: String,
     pub turn: u64,
+}
+
+impl RestoreFrom {
+    /// The chain this names, for a container created in `own_namespace`.
+    pub fn key(&self, own_namespace: &str) -> Result<crate::checkpoint::SandboxKey, crate::checkpoint::KeyError> {
+        crate::checkpoint::SandboxKey::from_name(self.namespace.as_deref().unwrap_or(own_namespace), &self.container)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -173,12 +185,19 @@ fn parse_restore_from(v: &str) -> Result<RestoreFrom, AnnotationError> {
         value: v.into(),
         message: message.into(),
     };
-    let (container, turn) = v.rsplit_once(':').ok_or_else(|| invalid("expected <container>:<turn>"))?;
-    if container.is_empty() {
+    let (source, turn) = v.rsplit_once(':').ok_or_else(|| invalid("expected [<namespace>/]<container>:<turn>"))?;
+    if source.is_empty() {
         return Err(invalid("empty container id"));
     }
     let turn = turn.parse().map_err(|_| invalid("turn is not a number"))?;
-    Ok(RestoreFrom { container: container.into(), turn })
+    let (namespace, container) = match source.split_once('/') {
+        Some((namespace, container)) => (Some(namespace.to_string()), container.to_string()),
+        None => (None, source.to_string()),
+    };
+    let parsed = RestoreFrom { namespace, container, turn };
+    // Checked against any namespace: the parts are validated here, the namespace at Create.
+    parsed.key(crate::checkpoint::DEFAULT_NAMESPACE).map_err(|e| invalid(&e.to_string()))?;
+    Ok(parsed)
 }
 
 /// The class of a turn as recorded (mirrors the inspector's, plus unknown for
@@ -234,26 +253,22 @@ pub enum TurnLogError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("turn log {path} line {line}: {message}")]
     Corrupt { path: PathBuf, line: usize, message: String },
-    #[error("container id {0:?} cannot name a turn log")]
-    BadId(String),
+    #[error("no turn log for {container:?}: {source}")]
+    BadKey { container: String, source: crate::checkpoint::KeyError },
 }
 
-/// Append-only JSON-lines log of a container's turns, under the state dir.
+/// Append-only JSON-lines log of a container's turns, under the state dir:
+/// `turns/<namespace>/<id>.jsonl` (see [`crate::checkpoint::SandboxKey`]).
 pub struct TurnLog {
     path: PathBuf,
 }
 
 impl TurnLog {
+    /// The log of sandbox key `container` (`[<namespace>/]<id>[@<generation>]`).
     pub fn path_for(state_dir: &Path, container: &str) -> Result<PathBuf, TurnLogError> {
-        let valid = !container.is_empty()
-            && container.len() <= 255
-            && container != "."
-            && container != ".."
-            && container.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
-        if !valid {
-            return Err(TurnLogError::BadId(container.into()));
-        }
-        Ok(state_dir.join("turns").join(format!("{container}.jsonl")))
+        let key = crate::checkpoint::SandboxKey::parse(container)
+            .map_err(|source| TurnLogError::BadKey { container: container.into(), source })?;
+        Ok(crate::checkpoint::turn_log_path(state_dir, &key))
     }
 
     pub fn open(state_dir: &Path, container: &str) -> Result<Self, TurnLogError> {
@@ -365,7 +380,12 @@ mod tests {
         assert_eq!(p.turns, TurnsMode::Exec);
         assert_eq!(p.policy, Policy::EveryTurn);
         assert_eq!(p.ignore, vec![PathBuf::from("/root/.cache"), PathBuf::from("/tmp/pip")]);
-        assert_eq!(p.restore_from, Some(RestoreFrom { container: "sandbox-1".into(), turn: 7 }));
+        assert_eq!(p.restore_from, Some(RestoreFrom { namespace: None, container: "sandbox-1".into(), turn: 7 }));
+        let other = SandboxPolicy::from_annotations(&ann(&[(ANNOTATION_RESTORE_FROM, "tenant-b/sandbox-1@2:3")]), &d).unwrap();
+        let source = other.restore_from.unwrap();
+        assert_eq!(source.key("tenant-a").unwrap().to_string(), "tenant-b/sandbox-1@2");
+        let own = SandboxPolicy::from_annotations(&ann(&[(ANNOTATION_RESTORE_FROM, "sandbox-1:3")]), &d).unwrap();
+        assert_eq!(own.restore_from.unwrap().key("tenant-a").unwrap().to_string(), "tenant-a/sandbox-1");
     }
 
     #[test]
@@ -378,6 +398,10 @@ mod tests {
             (ANNOTATION_IGNORE, "/a/../etc"),
             (ANNOTATION_RESTORE_FROM, "no-turn"),
             (ANNOTATION_RESTORE_FROM, "c:x"),
+            (ANNOTATION_RESTORE_FROM, "../c:1"),
+            (ANNOTATION_RESTORE_FROM, "a/b/c:1"),
+            (ANNOTATION_RESTORE_FROM, "ns/..:1"),
+            (ANNOTATION_RESTORE_FROM, "c@0:1"),
         ] {
             let err = SandboxPolicy::from_annotations(&ann(&[(k, v)]), &d).unwrap_err().to_string();
             assert!(err.contains(k) && err.contains(v), "{err}");
@@ -435,8 +459,11 @@ mod tests {
     #[test]
     fn turn_log_ids_cannot_escape() {
         let dir = tempfile::tempdir().unwrap();
-        for bad in ["../x", "a/b", "", ".."] {
+        for bad in ["../x", "a/b/c", "", "..", "ns/..", "../..", "ns/.x", "a b/c"] {
             assert!(TurnLog::open(dir.path(), bad).is_err(), "{bad}");
         }
+        let log = TurnLog::open(dir.path(), "tenant-b/t2").unwrap();
+        assert_eq!(log.path(), dir.path().join("turns/tenant-b/t2.jsonl"));
+        assert_ne!(log.path(), TurnLog::open(dir.path(), "tenant-a/t2").unwrap().path());
     }
 }
