@@ -230,7 +230,7 @@ async fn a_checkpoint_that_does_not_fit_leaves_the_previous_one_whole() {
     assert_failed_turn(&turns[1], 1);
     assert_eq!(store.head(&sb.key()).unwrap(), Some(head_before), "HEAD still names turn 1");
     assert_eq!(store.history(&sb.key()).unwrap().len(), 1);
-    let verified = store.verify(&sb.id, 1).unwrap();
+    let verified = store.verify(&sb.key(), 1).unwrap();
     assert!(verified.blobs >= 1, "{verified:?}");
     assert_eq!(tmp_files(&disk.state), Vec::<String>::new(), "no half-written blob is left behind");
 
@@ -245,7 +245,7 @@ async fn a_checkpoint_that_does_not_fit_leaves_the_previous_one_whole() {
     assert_eq!((last.class, last.checkpoint_turn), (RecordedClass::Fs, Some(last.turn)), "{last:?}");
     assert!(last.bytes_written > 0);
     assert_eq!(store.head(&sb.key()).unwrap().map(|h| h.turn), Some(last.turn));
-    store.verify(&sb.id, last.turn).unwrap();
+    store.verify(&sb.key(), last.turn).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -932,8 +932,9 @@ async fn a_write_on_a_foreign_bind_mount_is_recorded_as_external_and_recover_suc
     assert_eq!(turns[0].class, RecordedClass::Fs, "{:?}", turns[0]);
     assert!(turns[0].external, "{:?}", turns[0]);
     assert!(turns[0].reasons.iter().any(|r| r.contains("external state: /shared/f") && r.contains("/shared")), "{:?}", turns[0].reasons);
-    let head = sb.ctl().store.head(&sb.id).unwrap().expect("turn 1 checkpointed");
-    let (_, manifest) = sb.ctl().store.manifest_at(&sb.id, head.turn).unwrap();
+    let key = sb.ctl().key(&sb.id).unwrap();
+    let head = sb.ctl().store.head(&key).unwrap().expect("turn 1 checkpointed");
+    let (_, manifest) = sb.ctl().store.manifest_at(&key, head.turn).unwrap();
     let paths: Vec<String> = manifest.fs_delta.iter().map(|e| e.path.to_string()).collect();
     assert!(paths.iter().all(|p| !p.starts_with("/shared")) && paths.contains(&"/data/own".to_string()), "{paths:?}");
 
