@@ -102,17 +102,7 @@ impl Drop for Tenants {
             let rt = tokio::runtime::Runtime::new().unwrap();
             rt.block_on(async {
                 for (ctr, id) in &started {
-                    let _ = ctr.run(&["tasks", "kill", "--signal", "SIGKILL", id]).await;
-                    for _ in 0..40 {
-                        if ctr.run(&["tasks", "delete", "--force", id]).await.is_ok() {
-                            break;
-                        }
-                        if !ctr.run(&["tasks", "ls", "-q"]).await.map(|o| o.stdout_text().lines().any(|l| l == id)).unwrap_or(false) {
-                            break;
-                        }
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                    let _ = ctr.run(&["containers", "delete", id]).await;
+                    ctr.force_remove(id).await;
                 }
             });
         });

@@ -165,6 +165,23 @@ impl Ctr {
         })
     }
 
+    /// Kills container `id`'s task, deletes the task once containerd lets go of it (2 s at
+    /// most), then the container; for clean-ups, so nothing here fails.
+    pub async fn force_remove(&self, id: &str) {
+        let _ = self.run(&["tasks", "kill", "--signal", "SIGKILL", id]).await;
+        for _ in 0..40 {
+            if self.run(&["tasks", "delete", "--force", id]).await.is_ok() {
+                break;
+            }
+            let listed = self.run(&["tasks", "ls", "-q"]).await;
+            if !listed.map(|o| o.stdout_text().lines().any(|l| l == id)).unwrap_or(false) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let _ = self.run(&["containers", "delete", id]).await;
+    }
+
     /// Runs `ctr ARGS` and fails unless it exits 0 within [`ADMIN_TIMEOUT`].
     pub async fn run<S: AsRef<str>>(&self, args: &[S]) -> Result<CtrOutput, CtrError> {
         let args: Vec<String> = args.iter().map(|arg| arg.as_ref().to_string()).collect();
