@@ -620,7 +620,7 @@ impl CheckpointStore {
         if !dir.is_dir() {
             let namespace = self.containers.join(key.namespace());
             let new_namespace = !namespace.is_dir();
-            key::create_private_dir_all(&dir).io_ctx("create", &dir)?;
+            sys::create_private_dir_all(&dir).io_ctx("create", &dir)?;
             sys::fsync_dir(&namespace).io_ctx("fsync", &namespace)?;
             if new_namespace {
                 sys::fsync_dir(&self.containers).io_ctx("fsync", &self.containers)?;

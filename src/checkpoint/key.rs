@@ -21,6 +21,7 @@
 
 use std::fmt;
 use std::fs::{self, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use super::error::{IoContext, Result};
@@ -176,12 +177,6 @@ impl std::str::FromStr for SandboxKey {
     }
 }
 
-/// Creates `dir` and its missing parents root-only (0700), as everything in the store is.
-pub(crate) fn create_private_dir_all(dir: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
-    fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)
-}
-
 /// `turns/<namespace>/<name>.jsonl`.
 pub fn turn_log_path(state_dir: &Path, key: &SandboxKey) -> PathBuf {
     state_dir.join("turns").join(&key.namespace).join(format!("{}.jsonl", key.name()))
@@ -262,7 +257,13 @@ pub(crate) fn migrate_legacy_layout(state_dir: &Path, lock: &Path, assembled: &P
     if marker.is_file() {
         return Ok(());
     }
-    let lock_file = OpenOptions::new().create(true).truncate(false).write(true).open(lock).io_ctx("open", lock)?;
+    let lock_file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(lock)
+        .io_ctx("open", lock)?;
     sys::flock(&lock_file, true).io_ctx("flock", lock)?;
     if marker.is_file() {
         return Ok(());
@@ -282,7 +283,7 @@ pub(crate) fn migrate_legacy_layout(state_dir: &Path, lock: &Path, assembled: &P
                 fs::rename(&from, &aside).io_ctx("rename", &aside)?;
                 continue;
             }
-            create_private_dir_all(&target).io_ctx("create", &target)?;
+            sys::create_private_dir_all(&target).io_ctx("create", &target)?;
             let to = target.join(&entry_name);
             if to.exists() {
                 tracing::warn!(from = %from.display(), to = %to.display(),
@@ -294,7 +295,7 @@ pub(crate) fn migrate_legacy_layout(state_dir: &Path, lock: &Path, assembled: &P
         }
         // An old container named like the namespace, set aside above or by a run that stopped there.
         if aside.exists() && !target.join(DEFAULT_NAMESPACE).exists() {
-            create_private_dir_all(&target).io_ctx("create", &target)?;
+            sys::create_private_dir_all(&target).io_ctx("create", &target)?;
             let to = target.join(DEFAULT_NAMESPACE);
             fs::rename(&aside, &to).io_ctx("rename", &to)?;
             moved += 1;

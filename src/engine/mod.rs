@@ -269,9 +269,15 @@ impl SandboxEngine {
             if let Some(bundle) = work_dir.parent() {
                 let saved = sandbox_spec_path(&ctx.state_dir, &key)?;
                 if let Some(dir) = saved.parent() {
-                    let _ = std::fs::create_dir_all(dir);
+                    use std::os::unix::fs::DirBuilderExt;
+                    let _ = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir);
                 }
-                if let Err(e) = std::fs::copy(bundle.join("config.json"), &saved) {
+                // The spec holds the sandbox's environment: root's alone, as the store is.
+                let copied = std::fs::copy(bundle.join("config.json"), &saved).and_then(|_| {
+                    use std::os::unix::fs::PermissionsExt;
+                    std::fs::set_permissions(&saved, std::fs::Permissions::from_mode(0o600))
+                });
+                if let Err(e) = copied {
                     tracing::warn!(container, error = %e, "sandbox spec not saved for recovery");
                 }
             }

@@ -6,6 +6,7 @@ pub mod stdin;
 
 use std::collections::HashMap;
 use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -283,11 +284,12 @@ impl TurnLog {
     pub fn append(&self, record: &TurnRecord) -> Result<(), TurnLogError> {
         let io = |source| TurnLogError::Io { path: self.path.clone(), source };
         if let Some(dir) = self.path.parent() {
-            std::fs::create_dir_all(dir).map_err(io)?;
+            private_dir_all(dir).map_err(io)?;
         }
         let mut line = serde_json::to_vec(record).expect("turn records serialise");
         line.push(b'\n');
-        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&self.path).map_err(io)?;
+        // What agents ran and what it did: root's alone, as the store is.
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(&self.path).map_err(io)?;
         f.write_all(&line).map_err(io)?;
         f.sync_data().map_err(io)
     }
@@ -301,7 +303,7 @@ impl TurnLog {
     pub fn mark_busy(&self, busy: bool) {
         let path = self.busy_path();
         let result = if busy {
-            self.path.parent().map(std::fs::create_dir_all).transpose().and_then(|_| std::fs::write(&path, b""))
+            self.path.parent().map(private_dir_all).transpose().and_then(|_| std::fs::write(&path, b""))
         } else {
             match std::fs::remove_file(&path) {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -353,6 +355,11 @@ impl TurnLog {
 
 pub fn unix_ms(t: std::time::SystemTime) -> u64 {
     t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// `mkdir -p` of directories root's alone (0700): turn logs live in crab's store.
+fn private_dir_all(dir: &Path) -> std::io::Result<()> {
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)
 }
 
 #[cfg(test)]
