@@ -275,7 +275,7 @@ async fn what_a_failed_checkpoint_missed_goes_into_the_next_one() {
     // The process of turn 2 is in no checkpoint yet: this file-only turn dumps it.
     assert_eq!(last.class, RecordedClass::Proc, "{last:?}");
     assert!(last.reasons.iter().any(|r| r.contains("processes of turn 2")), "{:?}", last.reasons);
-    let (_, manifest) = disk.store().manifest_at(&sb.id, last.turn).unwrap();
+    let (_, manifest) = disk.store().manifest_at(&sb.key(), last.turn).unwrap();
     let paths: Vec<String> = manifest.fs_delta.iter().map(|e| e.path.to_string()).collect();
     assert!(paths.iter().any(|p| p == "/data/big"), "turn 2's file is carried: {paths:?}");
 

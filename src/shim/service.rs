@@ -214,16 +214,17 @@ impl TaskService {
         // The sandbox's tmpfs mounts exist only once the runtime made them: their content is
         // written after Create (no process checkpoint: into empty mounts) or after the
         // runtime's restore (CRIU brought them back as at the process checkpoint).
-        let pending_mounts = match &policy.restore_from {
-            Some(source) => Some(PendingMounts {
-                source: source.container.clone(),
-                turn: source.turn,
+        let pending_mounts = match (&policy.restore_from, &restore_source) {
+            // The chain's key (namespace and id), as checked above: never the bare name.
+            (Some(from), Some(source)) => Some(PendingMounts {
+                source: source.to_string(),
+                turn: from.turn,
                 since: prepared.as_ref().map(|(_, images_turn)| *images_turn),
                 tmpfs: spec_mounts(&bundle)?.tmpfs(),
                 state_dir: config.checkpoint.state_dir.clone(),
                 kept: config.checkpoint.kept_images(),
             }),
-            None => None,
+            _ => None,
         };
         let prepared = prepared.map(|(images, _)| images);
         let restore_from = prepared.or_else(|| (!req.checkpoint.is_empty()).then(|| PathBuf::from(&req.checkpoint)));
