@@ -167,6 +167,12 @@ fn namespace() -> String {
     std::env::var("CRAB_NS").unwrap_or_else(|_| "crab".into())
 }
 
+/// How crabd names container `id` of the test's namespace: sandboxes are keyed by namespace
+/// and id, as the store keys their chains.
+fn crabd_name(id: &str) -> String {
+    format!("{}/{id}", namespace())
+}
+
 fn state_dir() -> std::path::PathBuf {
     std::env::var_os("CRAB_STATE_DIR").map_or_else(|| "/var/lib/crab".into(), Into::into)
 }
@@ -450,7 +456,7 @@ impl Observed {
     fn note_status(&mut self, status: &serde_json::Value, ids: &[String]) {
         self.statuses += 1;
         for s in status["bucket"]["sandboxes"].as_array().into_iter().flatten() {
-            let Some(sandbox) = s["sandbox"].as_str().filter(|name| ids.iter().any(|id| id == name)) else { continue };
+            let Some(sandbox) = s["sandbox"].as_str().filter(|name| ids.iter().any(|id| *name == crabd_name(id))) else { continue };
             let lag = s["max_lag_ms"].as_f64().unwrap_or(0.0).max(s["lag_ms"].as_f64().unwrap_or(0.0));
             if lag > self.max_lag_ms {
                 self.max_lag_ms = lag;
@@ -674,7 +680,7 @@ async fn colocated_run(ctr: &crab::containerd::ctr::Ctr, ids: &[String], replays
         .as_array()
         .into_iter()
         .flatten()
-        .filter(|s| s["sandbox"].as_str().is_some_and(|name| ids.iter().any(|id| id == name)))
+        .filter(|s| s["sandbox"].as_str().is_some_and(|name| ids.iter().any(|id| name == crabd_name(id))))
         .filter_map(|s| s["granted_requests"].as_u64())
         .sum();
     ensure!(granted_after >= 1, "no commit went through the new crabd: {after}");
@@ -799,7 +805,7 @@ async fn waiting_process_checkpoints_are_superseded_and_recover_restores_the_new
             .as_array()
             .into_iter()
             .flatten()
-            .find(|s| s["sandbox"] == id.as_str())
+            .find(|s| s["sandbox"] == crabd_name(&id).as_str())
             .and_then(|s| s["superseded"].as_u64())
             .unwrap_or(0);
         ensure!(counted >= superseded.len() as u64, "crabd counted {counted} superseded commits of {id}: {status}");
