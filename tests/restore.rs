@@ -81,6 +81,20 @@ impl Sandbox {
         self.turns(self.execs as usize).await
     }
 
+    /// Waits until the chain holds a durable checkpoint of `turn`. A turn that ends while an
+    /// earlier one's write-out is still running carries that turn's paths (never cleaner than
+    /// the store): a test that expects a later turn to be clean waits for this first.
+    async fn published(&self, turn: u64) {
+        let ctl = self.ctl();
+        for _ in 0..1200 {
+            if ctl.checkpoints(&self.id).unwrap().iter().any(|c| c.turn >= turn && c.superseded_by.is_none()) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("{}: no checkpoint of turn {turn} after 30 s: {:?}", self.id, ctl.checkpoints(&self.id).unwrap());
+    }
+
     /// Waits until the shim recorded `n` turns and returns them.
     async fn turns(&self, n: usize) -> Vec<TurnRecord> {
         let ctl = self.ctl();
@@ -215,6 +229,7 @@ async fn fs_turns_come_back_exactly_after_the_processes_die() {
     let mut sb = Sandbox::start("rs-fs").await;
     sb.turn("mkdir -p /data/sub && echo one > /data/a && echo two > /data/sub/b && chmod 640 /data/a").await;
     sb.turn("ln -s sub/b /data/link && rm /data/sub/b && echo three > /data/sub/c && mv /data/a /data/a2").await;
+    sb.published(2).await;
     sb.turn("ls /data >/dev/null").await;
     let turns = sb.turns(3).await;
     let classes: Vec<_> = turns.iter().map(|t| t.class).collect();
