@@ -58,15 +58,7 @@ fn main() {
     let asm_headers = format!("/usr/include/{multiarch}");
     SkeletonBuilder::new()
         .source(BPF_SOURCE)
-        .clang_args([
-            "-I",
-            "bpf",
-            "-I",
-            &asm_headers,
-            "-O2",
-            "-g",
-            &format!("-D__TARGET_ARCH_{arch}"),
-        ])
+        .clang_args(["-I", "bpf", "-I", &asm_headers, "-O2", "-g", &format!("-D__TARGET_ARCH_{arch}")])
         .build_and_generate(out_dir.join("inspector.skel.rs"))
         .expect("building bpf/inspector.bpf.c");
     for input in [BPF_SOURCE, "bpf/inspector.h", "bpf/vmlinux.h"].iter().chain(WIRE_SOURCES) {

@@ -90,12 +90,7 @@ fn fixture() -> Fixture {
         }
     }
     let store = CheckpointStore::open(tmp.path().join("state")).unwrap();
-    Fixture {
-        _tmp: tmp,
-        base,
-        live,
-        store,
-    }
+    Fixture { _tmp: tmp, base, live, store }
 }
 
 fn edit(live: &Path, files: usize, version: usize) -> Vec<ChangedPath> {
@@ -103,11 +98,8 @@ fn edit(live: &Path, files: usize, version: usize) -> Vec<ChangedPath> {
         .map(|i| {
             let file = (i * 7) % BASE_FILES;
             let rel = file_rel(file);
-            fs::write(
-                live.join(rel.trim_start_matches('/')),
-                content(file, version, 2048 + (version * 131) % 8192),
-            )
-            .unwrap();
+            fs::write(live.join(rel.trim_start_matches('/')), content(file, version, 2048 + (version * 131) % 8192))
+                .unwrap();
             ChangedPath::modified(rel)
         })
         .collect()
@@ -115,13 +107,7 @@ fn edit(live: &Path, files: usize, version: usize) -> Vec<ChangedPath> {
 
 fn commit(fx: &Fixture, turn: u64, changed: &[ChangedPath]) -> crab::checkpoint::CommitReport {
     fx.store
-        .commit_turn(&TurnInput {
-            container: "bench",
-            turn,
-            rootfs: Some(&fx.live),
-            changed,
-            criu_images: None,
-        })
+        .commit_turn(&TurnInput { container: "bench", turn, rootfs: Some(&fx.live), changed, criu_images: None })
         .unwrap()
 }
 
@@ -136,10 +122,7 @@ fn bench_rollback(files: usize, rounds: usize) {
     for round in 0..rounds {
         let changed = edit(&fx.live, files, round + 2);
         commit(&fx, 2, &changed);
-        if let Some(ms) = std::env::var("ROLLBACK_GAP_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-        {
+        if let Some(ms) = std::env::var("ROLLBACK_GAP_MS").ok().and_then(|v| v.parse().ok()) {
             std::thread::sleep(Duration::from_millis(ms));
         }
         let start = Instant::now();
@@ -158,14 +141,8 @@ fn bench_rollback(files: usize, rounds: usize) {
     }
     // The rolled-back tree really is turn 1.
     let probe = file_rel(0);
-    assert_eq!(
-        fs::read(fx.live.join(probe.trim_start_matches('/'))).unwrap(),
-        content(0, 1, 2048 + 131)
-    );
-    report(
-        &format!("rollback in place, {files} changed files"),
-        samples,
-    );
+    assert_eq!(fs::read(fx.live.join(probe.trim_start_matches('/'))).unwrap(), content(0, 1, 2048 + 131));
+    report(&format!("rollback in place, {files} changed files"), samples);
 }
 
 fn bench_capture(files: usize, turns: usize) {
@@ -181,14 +158,8 @@ fn bench_capture(files: usize, turns: usize) {
         logical += report.traffic.logical_bytes;
         written += report.traffic.written_bytes + report.manifest_bytes;
     }
-    report(
-        &format!("fs turn commit (capture+flush), {files} files"),
-        samples,
-    );
-    println!(
-        "{:<44} logical={logical} B written(blobs+manifests)={written} B",
-        ""
-    );
+    report(&format!("fs turn commit (capture+flush), {files} files"), samples);
+    println!("{:<44} logical={logical} B written(blobs+manifests)={written} B", "");
 }
 
 fn bench_clean_turn(turns: usize) {
@@ -227,43 +198,21 @@ fn bench_second_dump() {
         .spawn()
         .unwrap();
     let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
     let pid = child.id().to_string();
     let mut reports = Vec::new();
     for turn in 1..=2u64 {
         let dir = tmp.path().join(format!("dump{turn}"));
         fs::create_dir_all(&dir).unwrap();
         let status = Command::new("criu")
-            .args([
-                "dump",
-                "--leave-running",
-                "-o",
-                "dump.log",
-                "-t",
-                &pid,
-                "-D",
-            ])
+            .args(["dump", "--leave-running", "-o", "dump.log", "-t", &pid, "-D"])
             .arg(&dir)
             .status()
             .unwrap();
-        assert!(
-            status.success(),
-            "criu dump failed, see {}",
-            dir.join("dump.log").display()
-        );
+        assert!(status.success(), "criu dump failed, see {}", dir.join("dump.log").display());
         let start = Instant::now();
         let report = store
-            .commit_turn(&TurnInput {
-                container: "proc",
-                turn,
-                rootfs: None,
-                changed: &[],
-                criu_images: Some(&dir),
-            })
+            .commit_turn(&TurnInput { container: "proc", turn, rootfs: None, changed: &[], criu_images: Some(&dir) })
             .unwrap();
         reports.push((report, start.elapsed()));
     }
@@ -307,16 +256,11 @@ fn bench_second_dump() {
 }
 
 fn main() {
-    let dir = std::env::var("CRAB_BENCH_DIR")
-        .unwrap_or_else(|_| std::env::temp_dir().display().to_string());
+    let dir = std::env::var("CRAB_BENCH_DIR").unwrap_or_else(|_| std::env::temp_dir().display().to_string());
     println!("checkpoint store bench on {dir}");
     // `cargo bench --bench checkpoint_store -- rollback` runs only the parts whose name matches.
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with("--"))
-        .collect();
-    let wanted =
-        |name: &str| filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()));
+    let filters: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let wanted = |name: &str| filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()));
     if wanted("rollback") {
         bench_rollback(10, 300);
         bench_rollback(100, 100);

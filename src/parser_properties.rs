@@ -14,20 +14,12 @@ use crab_init::protocol::{self as spawner, Message, Request, SpawnRequest};
 
 fn config() -> ProptestConfig {
     // CI runs these on two busy cores: enough cases to find a panic, quick to run.
-    ProptestConfig {
-        cases: 512,
-        ..ProptestConfig::default()
-    }
+    ProptestConfig { cases: 512, ..ProptestConfig::default() }
 }
 
 fn spawn_request() -> impl Strategy<Value = Request> {
-    (
-        any::<String>(),
-        proptest::collection::vec(any::<String>(), 0..4),
-        any::<u32>(),
-        any::<bool>(),
-    )
-        .prop_map(|(exec_id, args, uid, stdin)| {
+    (any::<String>(), proptest::collection::vec(any::<String>(), 0..4), any::<u32>(), any::<bool>()).prop_map(
+        |(exec_id, args, uid, stdin)| {
             Request::Spawn(SpawnRequest {
                 exec_id,
                 args,
@@ -43,7 +35,8 @@ fn spawn_request() -> impl Strategy<Value = Request> {
                 stdout: true,
                 stderr: false,
             })
-        })
+        },
+    )
 }
 
 proptest! {

@@ -89,5 +89,8 @@ fn crabctl_reads_the_turn_log_of_its_namespace() {
     let bad = run(&["--namespace", "../tenant-b"], None);
     let stderr = String::from_utf8_lossy(&bad.stderr);
     assert!(!bad.status.success() && stderr.contains("namespace") && stderr.contains("../tenant-b"), "{stderr}");
-    assert!(std::fs::read_dir(state.join("turns")).unwrap().all(|e| e.unwrap().path().is_dir()), "namespaces are directories");
+    assert!(
+        std::fs::read_dir(state.join("turns")).unwrap().all(|e| e.unwrap().path().is_dir()),
+        "namespaces are directories"
+    );
 }

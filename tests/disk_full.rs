@@ -126,10 +126,9 @@ impl<'d> Sandbox<'d> {
             args.push(format!("{}={}:{turn}", crab::turns::ANNOTATION_RESTORE_FROM, self.id));
         }
         args.extend([IMAGE.into(), self.id.clone(), "sleep".into(), "3600".into()]);
-        self.ctr
-            .run(&args)
-            .await
-            .unwrap_or_else(|e| panic!("starting {} (is the private containerd up with the busybox image?): {e}", self.id));
+        self.ctr.run(&args).await.unwrap_or_else(|e| {
+            panic!("starting {} (is the private containerd up with the busybox image?): {e}", self.id)
+        });
     }
 
     async fn turn(&mut self, script: &str) -> String {

@@ -26,17 +26,11 @@ fn copy_dir(from: &Path, to: &Path) {
 }
 
 fn run_report(out: &Path) -> std::process::Output {
-    Command::new("python3")
-        .arg(repo_root().join("scripts/lib/eval_report.py"))
-        .arg(out)
-        .output()
-        .expect("python3 runs")
+    Command::new("python3").arg(repo_root().join("scripts/lib/eval_report.py")).arg(out).output().expect("python3 runs")
 }
 
 fn close(value: &Value, expected: f64) -> bool {
-    value
-        .as_f64()
-        .is_some_and(|actual| (actual - expected).abs() < 1e-9)
+    value.as_f64().is_some_and(|actual| (actual - expected).abs() < 1e-9)
 }
 
 #[test]
@@ -44,15 +38,10 @@ fn aggregates_the_synthetic_matrix() {
     let dir = tempfile::tempdir().unwrap();
     copy_dir(&repo_root().join("tests/fixtures/eval"), dir.path());
     let output = run_report(dir.path());
-    assert!(
-        output.status.success(),
-        "eval_report.py failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert!(output.status.success(), "eval_report.py failed: {}", String::from_utf8_lossy(&output.stderr));
 
     let summary: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap())
-            .unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
     // Traces a and b; a under kill-processes and fault-free at real think
     // times (raw/realtime/), b under kill-processes and node-loss.
     assert_eq!(summary["traces"], 2);
@@ -69,10 +58,7 @@ fn aggregates_the_synthetic_matrix() {
     assert!(close(&correctness["every-turn"]["kill-processes"]["pct"], 100.0));
     assert!(close(&correctness["every-turn"]["node-loss"]["pct"], 0.0));
     assert!(correctness["crab"].get("none").is_none());
-    assert_eq!(
-        (policies["crab"]["correct"].as_u64(), policies["crab"]["faulted"].as_u64()),
-        (Some(2), Some(3))
-    );
+    assert_eq!((policies["crab"]["correct"].as_u64(), policies["crab"]["faulted"].as_u64()), (Some(2), Some(3)));
     assert!(close(&policies["off"]["correct_pct"], 0.0));
 
     // Bytes against every-turn's in the same reports: crab's fault-free run
@@ -106,11 +92,7 @@ fn aggregates_the_synthetic_matrix() {
     // Policies appear in the tables from least to most protection.
     let rows: Vec<usize> = ["| off |", "| chat-only |", "| every-turn |", "| crab |"]
         .iter()
-        .map(|row| {
-            report
-                .find(row)
-                .unwrap_or_else(|| panic!("no row {row} in {report}"))
-        })
+        .map(|row| report.find(row).unwrap_or_else(|| panic!("no row {row} in {report}")))
         .collect();
     assert!(rows.windows(2).all(|pair| pair[0] < pair[1]), "{report}");
     assert!(report.contains("| policy | kill-processes | node-loss | all faults |"), "{report}");
@@ -120,23 +102,18 @@ fn aggregates_the_synthetic_matrix() {
         "{report}"
     );
     // every-turn's bytes include its archives outside containerd (half of them in the fixture).
-    assert!(
-        report.contains("| every-turn | 67% (2/3) | 6 (0) | 6.8 KiB | 3.4 KiB | 1.000x | 2.000x |"),
-        "{report}"
-    );
+    assert!(report.contains("| every-turn | 67% (2/3) | 6 (0) | 6.8 KiB | 3.4 KiB | 1.000x | 2.000x |"), "{report}");
     assert!(report.contains("| fault-free x1 | crab | 100.5 s | 100.0 s | 1.005x | 1 |"), "{report}");
     assert!(report.contains("| checkpoint traffic | up to 87% less checkpoint traffic than every-turn | 90.0% less than every-turn (0.100x); 0.200x its writes into containerd alone |"), "{report}");
-    assert!(report.contains("| run time | within 1.9% of fault-free run time | +0.5% vs off (fault-free, think times x1) |"), "{report}");
     assert!(
-        report.contains("`c`: image crab.local/missing not found"),
+        report
+            .contains("| run time | within 1.9% of fault-free run time | +0.5% vs off (fault-free, think times x1) |"),
         "{report}"
     );
+    assert!(report.contains("`c`: image crab.local/missing not found"), "{report}");
     for plot in ["bytes", "run_time", "correctness", "classes"] {
         let svg = std::fs::read_to_string(dir.path().join(format!("plots/{plot}.svg"))).unwrap();
-        assert!(
-            svg.starts_with("<svg") && svg.contains("<rect"),
-            "plots/{plot}.svg: {svg}"
-        );
+        assert!(svg.starts_with("<svg") && svg.contains("<rect"), "plots/{plot}.svg: {svg}");
     }
 }
 
@@ -177,7 +154,12 @@ fn reports_what_the_oracle_compared_normalised_and_found() {
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
     let crab = &summary["oracle"]["policies"]["crab"];
     assert_eq!(
-        (&crab["turns_compared"], &crab["turns_excluded"], &crab["normalised_wall_clock"], &crab["normalised_stderr_order"]),
+        (
+            &crab["turns_compared"],
+            &crab["turns_excluded"],
+            &crab["normalised_wall_clock"],
+            &crab["normalised_stderr_order"]
+        ),
         (&Value::from(2), &Value::from(1), &Value::from(1), &Value::from(1))
     );
     assert_eq!(summary["oracle"]["traces"]["t"]["normalised_turns"], serde_json::json!([2]));
@@ -248,8 +230,5 @@ fn missing_raw_results_are_a_clear_error() {
     let output = run_report(dir.path());
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        stderr.contains("raw") && stderr.contains("no such directory"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("raw") && stderr.contains("no such directory"), "{stderr}");
 }

@@ -11,8 +11,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crab::inspector::{
-    AsyncIoCall, ClassifyOptions, Effect, EffectKind, EffectPath, Inspector, InspectorConfig,
-    Reason, SockAddr, TurnClass, WatchedContainer, cgroup_id_of_dir, cgroup2_mount, classify,
+    AsyncIoCall, ClassifyOptions, Effect, EffectKind, EffectPath, Inspector, InspectorConfig, Reason, SockAddr,
+    TurnClass, WatchedContainer, cgroup_id_of_dir, cgroup2_mount, classify,
 };
 
 const PYTHON: &str = "/usr/bin/python3";
@@ -26,10 +26,7 @@ struct TestCgroup {
 impl TestCgroup {
     fn new(name: &str) -> Self {
         let parent = cgroup2_mount().expect("cgroup v2 is mounted");
-        Self::under(
-            &parent,
-            &format!("crab-inspector-test-{}-{name}", std::process::id()),
-        )
+        Self::under(&parent, &format!("crab-inspector-test-{}-{name}", std::process::id()))
     }
 
     fn under(parent: &Path, name: &str) -> Self {
@@ -79,8 +76,7 @@ impl Drop for TestCgroup {
     fn drop(&mut self) {
         let _ = std::fs::write(self.dir.join("cgroup.kill"), "1");
         let deadline = Instant::now() + Duration::from_secs(5);
-        while std::fs::read_to_string(self.dir.join("cgroup.procs"))
-            .is_ok_and(|p| !p.trim().is_empty())
+        while std::fs::read_to_string(self.dir.join("cgroup.procs")).is_ok_and(|p| !p.trim().is_empty())
             && Instant::now() < deadline
         {
             std::thread::sleep(Duration::from_millis(20));
@@ -122,14 +118,8 @@ async fn watching(name: &str, cgroup: &TestCgroup) -> Inspector {
 }
 
 async fn watching_with(name: &str, cgroup: &TestCgroup, config: InspectorConfig) -> Inspector {
-    let inspector = Inspector::start(config)
-        .await
-        .expect("inspector loads (run the tests as root)");
-    let container = WatchedContainer {
-        id: name.into(),
-        root_pid: None,
-        rootfs: None,
-    };
+    let inspector = Inspector::start(config).await.expect("inspector loads (run the tests as root)");
+    let container = WatchedContainer { id: name.into(), root_pid: None, rootfs: None };
     inspector.watch(cgroup.id, container).unwrap();
     inspector
 }
@@ -143,16 +133,7 @@ fn file_changes_under(effects: &[Effect], root: &Path) -> Vec<(&'static str, Vec
     effects
         .iter()
         .filter(|e| e.changes_under(root))
-        .map(|e| {
-            (
-                e.kind.name(),
-                e.kind
-                    .changed_paths()
-                    .iter()
-                    .map(|p| p.path.clone())
-                    .collect(),
-            )
-        })
+        .map(|e| (e.kind.name(), e.kind.changed_paths().iter().map(|p| p.path.clone()).collect()))
         .collect()
 }
 
@@ -167,10 +148,7 @@ async fn shell_file_operations_resolve_to_absolute_paths() {
     std::fs::create_dir(scratch.path("x")).unwrap();
     let inspector = watching("shell", &cgroup).await;
 
-    let script = format!(
-        "cd {}/x && echo a > f; mkdir d; mv f d/g; ln -s d l; chmod 600 d/g; rm -r d",
-        scratch.str()
-    );
+    let script = format!("cd {}/x && echo a > f; mkdir d; mv f d/g; ln -s d l; chmod 600 d/g; rm -r d", scratch.str());
     let sh = cgroup.command("/bin/sh", &["-c", &script]).spawn().unwrap();
     let sh_pid = sh.id();
     assert!(sh.wait_with_output().unwrap().status.success());
@@ -192,14 +170,9 @@ async fn shell_file_operations_resolve_to_absolute_paths() {
         "all effects: {effects:#?}"
     );
     let symlink = effects.iter().find(|e| e.kind.name() == "symlink").unwrap();
-    assert!(
-        matches!(&symlink.kind, EffectKind::Symlink { target, .. } if target == Path::new("d"))
-    );
+    assert!(matches!(&symlink.kind, EffectKind::Symlink { target, .. } if target == Path::new("d")));
     let chmod = effects.iter().find(|e| e.kind.name() == "chmod").unwrap();
-    assert!(
-        matches!(chmod.kind, EffectKind::Chmod { mode: 0o600, .. }),
-        "{chmod:?}"
-    );
+    assert!(matches!(chmod.kind, EffectKind::Chmod { mode: 0o600, .. }), "{chmod:?}");
     assert!(effects.iter().all(|e| e.result >= 0));
     let open = effects.iter().find(|e| e.kind.name() == "open").unwrap();
     assert_eq!((open.pid, open.comm.as_str()), (sh_pid, "sh"));
@@ -214,16 +187,8 @@ async fn shell_file_operations_resolve_to_absolute_paths() {
         .collect();
     assert_eq!(children.len(), 5, "{effects:#?}");
     for child in &children {
-        assert!(
-            effects
-                .iter()
-                .any(|e| e.pid == *child && matches!(e.kind, EffectKind::Exec { .. }))
-        );
-        assert!(
-            effects
-                .iter()
-                .any(|e| e.pid == *child && matches!(e.kind, EffectKind::Exit { status: 0 }))
-        );
+        assert!(effects.iter().any(|e| e.pid == *child && matches!(e.kind, EffectKind::Exec { .. })));
+        assert!(effects.iter().any(|e| e.pid == *child && matches!(e.kind, EffectKind::Exit { status: 0 })));
     }
     let rm_exec = effects
         .iter()
@@ -232,22 +197,12 @@ async fn shell_file_operations_resolve_to_absolute_paths() {
             _ => None,
         })
         .expect("rm was exec'd");
-    assert!(
-        rm_exec.resolved && rm_exec.path.ends_with("bin/rm"),
-        "{rm_exec:?}"
-    );
-    assert!(
-        effects
-            .iter()
-            .any(|e| e.pid == sh_pid && matches!(e.kind, EffectKind::Exit { status: 0 }))
-    );
+    assert!(rm_exec.resolved && rm_exec.path.ends_with("bin/rm"), "{rm_exec:?}");
+    assert!(effects.iter().any(|e| e.pid == sh_pid && matches!(e.kind, EffectKind::Exit { status: 0 })));
     let verdict = classify(&effects, &ClassifyOptions::default());
     assert_eq!(verdict.class, TurnClass::Fs, "{verdict:#?}");
     assert!(!verdict.external && !verdict.escalated);
-    assert!(
-        effects.iter().all(|e| time_is_monotonic_now_ish(e.time_ns)),
-        "timestamps are CLOCK_MONOTONIC"
-    );
+    assert!(effects.iter().all(|e| time_is_monotonic_now_ish(e.time_ns)), "timestamps are CLOCK_MONOTONIC");
 }
 
 fn time_is_monotonic_now_ish(time_ns: u64) -> bool {
@@ -296,10 +251,7 @@ os.open("{base}/readonly-is-no-effect", os.O_RDONLY | os.O_CREAT, 0o644)
             ("chmod", one(base.join("sub/file"))),
             ("truncate", one(base.join("sub/file"))),
             ("mkdir", one(base.join("newdir"))),
-            (
-                "rename",
-                vec![base.join("sub/file"), base.join("newdir/moved")]
-            ),
+            ("rename", vec![base.join("sub/file"), base.join("newdir/moved")]),
             ("link", one(base.join("hard"))),
             ("symlink", one(base.join("sym"))),
             ("chown", one(base.join("old"))),
@@ -312,21 +264,9 @@ os.open("{base}/readonly-is-no-effect", os.O_RDONLY | os.O_CREAT, 0o644)
         "all effects: {effects:#?}"
     );
     let link = effects.iter().find(|e| e.kind.name() == "link").unwrap();
-    assert!(
-        matches!(&link.kind, EffectKind::Link { existing, .. } if existing.path == base.join("old"))
-    );
+    assert!(matches!(&link.kind, EffectKind::Link { existing, .. } if existing.path == base.join("old")));
     let chown = effects.iter().find(|e| e.kind.name() == "chown").unwrap();
-    assert!(
-        matches!(
-            chown.kind,
-            EffectKind::Chown {
-                uid: None,
-                gid: Some(0),
-                ..
-            }
-        ),
-        "{chown:?}"
-    );
+    assert!(matches!(chown.kind, EffectKind::Chown { uid: None, gid: Some(0), .. }), "{chown:?}");
 }
 
 #[tokio::test]
@@ -342,21 +282,10 @@ async fn failed_and_read_only_calls_are_not_effects() {
     );
     cgroup.run("/bin/sh", &["-c", &script]);
     let effects = drain_all(&inspector, "failed").await;
-    assert_eq!(
-        file_changes_under(&effects, &scratch.0),
-        vec![],
-        "{effects:#?}"
-    );
+    assert_eq!(file_changes_under(&effects, &scratch.0), vec![], "{effects:#?}");
     // /dev/null was opened for writing: recorded, but ignored by classify.
-    assert!(
-        effects
-            .iter()
-            .any(|e| e.changes_under(Path::new("/dev/null")))
-    );
-    assert_eq!(
-        classify(&effects, &ClassifyOptions::default()).class,
-        TurnClass::Clean
-    );
+    assert!(effects.iter().any(|e| e.changes_under(Path::new("/dev/null"))));
+    assert_eq!(classify(&effects, &ClassifyOptions::default()).class, TurnClass::Clean);
 }
 
 #[tokio::test]
@@ -365,27 +294,14 @@ async fn processes_outside_the_cgroup_are_not_recorded() {
     let other = TestCgroup::new("outside");
     let scratch = Scratch::new("outside");
     let inspector = watching("inside", &watched).await;
-    let outside_script = format!(
-        "cd {} && mkdir outside && echo x > outside/f",
-        scratch.str()
-    );
+    let outside_script = format!("cd {} && mkdir outside && echo x > outside/f", scratch.str());
     // One in a sibling cgroup, one in this test's own cgroup (not watched either).
     other.run("/bin/sh", &["-c", &outside_script]);
-    let own = Command::new("/bin/sh")
-        .args(["-c", &format!("echo y > {}/own", scratch.str())])
-        .status()
-        .unwrap();
+    let own = Command::new("/bin/sh").args(["-c", &format!("echo y > {}/own", scratch.str())]).status().unwrap();
     assert!(own.success());
-    watched.run(
-        "/bin/sh",
-        &["-c", &format!("echo z > {}/inside", scratch.str())],
-    );
+    watched.run("/bin/sh", &["-c", &format!("echo z > {}/inside", scratch.str())]);
     let effects = drain_all(&inspector, "inside").await;
-    assert_eq!(
-        file_changes_under(&effects, &scratch.0),
-        vec![("open", one(scratch.path("inside")))],
-        "{effects:#?}"
-    );
+    assert_eq!(file_changes_under(&effects, &scratch.0), vec![("open", one(scratch.path("inside")))], "{effects:#?}");
 }
 
 #[tokio::test]
@@ -394,15 +310,9 @@ async fn nested_cgroups_count_for_the_watched_ancestor() {
     let child = TestCgroup::under(&cgroup.dir, "child");
     let scratch = Scratch::new("nested");
     let inspector = watching("nested", &cgroup).await;
-    child.run(
-        "/bin/sh",
-        &["-c", &format!("echo a > {}/from-child", scratch.str())],
-    );
+    child.run("/bin/sh", &["-c", &format!("echo a > {}/from-child", scratch.str())]);
     let effects = drain_all(&inspector, "nested").await;
-    assert_eq!(
-        file_changes_under(&effects, &scratch.0),
-        vec![("open", one(scratch.path("from-child")))]
-    );
+    assert_eq!(file_changes_under(&effects, &scratch.0), vec![("open", one(scratch.path("from-child")))]);
     drop(child);
 }
 
@@ -411,42 +321,21 @@ async fn background_process_survives_the_turn() {
     let cgroup = TestCgroup::new("background");
     let inspector = watching("background", &cgroup).await;
     let output = cgroup.run("/bin/sh", &["-c", "sleep 30 > /dev/null 2>&1 & echo $!"]);
-    let sleep_pid: u32 = String::from_utf8(output.stdout)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let sleep_pid: u32 = String::from_utf8(output.stdout).unwrap().trim().parse().unwrap();
     let effects = drain_all(&inspector, "background").await;
 
-    let forked = effects
-        .iter()
-        .any(|e| matches!(e.kind, EffectKind::Fork { child } if child == sleep_pid));
+    let forked = effects.iter().any(|e| matches!(e.kind, EffectKind::Fork { child } if child == sleep_pid));
     assert!(forked, "{effects:#?}");
-    let exec = effects
-        .iter()
-        .find(|e| e.pid == sleep_pid && matches!(e.kind, EffectKind::Exec { .. }))
-        .unwrap();
-    let EffectKind::Exec { path, .. } = &exec.kind else {
-        unreachable!()
-    };
+    let exec = effects.iter().find(|e| e.pid == sleep_pid && matches!(e.kind, EffectKind::Exec { .. })).unwrap();
+    let EffectKind::Exec { path, .. } = &exec.kind else { unreachable!() };
     assert_eq!(path, &EffectPath::resolved("/usr/bin/sleep"));
     let verdict = classify(&effects, &ClassifyOptions::default());
     assert_eq!(verdict.class, TurnClass::Proc);
-    assert_eq!(
-        verdict.reasons,
-        vec![Reason::ProcessSurvives {
-            pid: sleep_pid,
-            comm: "sleep".into()
-        }]
-    );
+    assert_eq!(verdict.reasons, vec![Reason::ProcessSurvives { pid: sleep_pid, comm: "sleep".into() }]);
 }
 
 /// Waits until some effect matches, flushing the inspector meanwhile.
-async fn wait_for_effect(
-    inspector: &Inspector,
-    container: &str,
-    found: impl Fn(&Effect) -> bool,
-) -> Vec<Effect> {
+async fn wait_for_effect(inspector: &Inspector, container: &str, found: impl Fn(&Effect) -> bool) -> Vec<Effect> {
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut effects = Vec::new();
     loop {
@@ -454,10 +343,7 @@ async fn wait_for_effect(
         if effects.iter().any(&found) {
             return effects;
         }
-        assert!(
-            Instant::now() < deadline,
-            "no matching effect in {effects:#?}"
-        );
+        assert!(Instant::now() < deadline, "no matching effect in {effects:#?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -476,65 +362,27 @@ async fn listening_server_and_connects() {
     let cgroup = TestCgroup::new("listen");
     let inspector = watching("listen", &cgroup).await;
     let server = cgroup
-        .command(
-            PYTHON,
-            &["-I", "-B", "-m", "http.server", "0", "--bind", "127.0.0.1"],
-        )
+        .command(PYTHON, &["-I", "-B", "-m", "http.server", "0", "--bind", "127.0.0.1"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let server = KillOnDrop(server);
     let server_pid = server.0.id();
-    let effects = wait_for_effect(&inspector, "listen", |e| {
-        matches!(e.kind, EffectKind::Listen { .. })
-    })
-    .await;
+    let effects = wait_for_effect(&inspector, "listen", |e| matches!(e.kind, EffectKind::Listen { .. })).await;
 
-    let bind = effects
-        .iter()
-        .find(|e| matches!(e.kind, EffectKind::Bind { .. }))
-        .unwrap();
-    let EffectKind::Bind {
-        addr: SockAddr::Inet(bound),
-    } = bind.kind
-    else {
-        panic!("{bind:?}")
-    };
-    assert_eq!(
-        (bind.pid, bound.ip().to_string(), bound.port()),
-        (server_pid, "127.0.0.1".into(), 0)
-    );
-    let listen = effects
-        .iter()
-        .find(|e| matches!(e.kind, EffectKind::Listen { .. }))
-        .unwrap();
-    let EffectKind::Listen {
-        addr: SockAddr::Inet(listening),
-        ..
-    } = listen.kind
-    else {
-        panic!("{listen:?}")
-    };
+    let bind = effects.iter().find(|e| matches!(e.kind, EffectKind::Bind { .. })).unwrap();
+    let EffectKind::Bind { addr: SockAddr::Inet(bound) } = bind.kind else { panic!("{bind:?}") };
+    assert_eq!((bind.pid, bound.ip().to_string(), bound.port()), (server_pid, "127.0.0.1".into(), 0));
+    let listen = effects.iter().find(|e| matches!(e.kind, EffectKind::Listen { .. })).unwrap();
+    let EffectKind::Listen { addr: SockAddr::Inet(listening), .. } = listen.kind else { panic!("{listen:?}") };
     assert_eq!(listen.pid, server_pid);
     assert_eq!(listening.ip().to_string(), "127.0.0.1");
-    assert_ne!(
-        listening.port(),
-        0,
-        "listen reports the port the kernel picked"
-    );
+    assert_ne!(listening.port(), 0, "listen reports the port the kernel picked");
     let verdict = classify(&effects, &ClassifyOptions::default());
     assert_eq!(verdict.class, TurnClass::Proc);
-    assert!(verdict.reasons.contains(&Reason::ProcessSurvives {
-        pid: server_pid,
-        comm: "python3".into()
-    }));
-    assert!(
-        verdict
-            .reasons
-            .iter()
-            .any(|r| matches!(r, Reason::Listening { pid, .. } if *pid == server_pid))
-    );
+    assert!(verdict.reasons.contains(&Reason::ProcessSurvives { pid: server_pid, comm: "python3".into() }));
+    assert!(verdict.reasons.iter().any(|r| matches!(r, Reason::Listening { pid, .. } if *pid == server_pid)));
     assert!(!verdict.external);
 
     // A loopback connect is not external; a UDP connect (sends nothing) to a
@@ -555,19 +403,10 @@ async fn listening_server_and_connects() {
             _ => None,
         })
         .collect();
-    assert_eq!(
-        connects,
-        vec![
-            format!("127.0.0.1:{}", listening.port()),
-            "198.51.100.7:9".to_string()
-        ]
-    );
+    assert_eq!(connects, vec![format!("127.0.0.1:{}", listening.port()), "198.51.100.7:9".to_string()]);
     let verdict = classify(&effects, &ClassifyOptions::default());
     assert!(verdict.external);
-    assert!(verdict.reasons.contains(&Reason::ExternalConnect {
-        pid: effects[0].pid,
-        addr: "198.51.100.7:9".into()
-    }));
+    assert!(verdict.reasons.contains(&Reason::ExternalConnect { pid: effects[0].pid, addr: "198.51.100.7:9".into() }));
 }
 
 #[tokio::test]
@@ -576,20 +415,10 @@ async fn mounts_are_recorded_with_their_target() {
     let scratch = Scratch::new("mount");
     std::fs::create_dir(scratch.path("m")).unwrap();
     let inspector = watching("mount", &cgroup).await;
-    let script = format!(
-        "cd {} && mount -t tmpfs crabtest m && umount m",
-        scratch.str()
-    );
-    cgroup.run(
-        "/usr/bin/unshare",
-        &["-m", "--propagation", "private", "/bin/sh", "-c", &script],
-    );
+    let script = format!("cd {} && mount -t tmpfs crabtest m && umount m", scratch.str());
+    cgroup.run("/usr/bin/unshare", &["-m", "--propagation", "private", "/bin/sh", "-c", &script]);
     let effects = drain_all(&inspector, "mount").await;
-    let mounts: Vec<&EffectKind> = effects
-        .iter()
-        .map(|e| &e.kind)
-        .filter(|k| k.is_mount_change())
-        .collect();
+    let mounts: Vec<&EffectKind> = effects.iter().map(|e| &e.kind).filter(|k| k.is_mount_change()).collect();
     assert_eq!(
         mounts,
         vec![
@@ -606,44 +435,23 @@ async fn mounts_are_recorded_with_their_target() {
                 fs_type: "tmpfs".into(),
                 flags: 0,
             },
-            &EffectKind::Unmount {
-                target: EffectPath::resolved(scratch.path("m")),
-                flags: 0
-            },
+            &EffectKind::Unmount { target: EffectPath::resolved(scratch.path("m")), flags: 0 },
         ],
         "{effects:#?}"
     );
-    assert_eq!(
-        classify(&effects, &ClassifyOptions::default()).class,
-        TurnClass::Proc
-    );
+    assert_eq!(classify(&effects, &ClassifyOptions::default()).class, TurnClass::Proc);
 }
 
 #[tokio::test]
 async fn mount_table_names_the_file_system() {
     let cgroup = TestCgroup::new("fstype");
     let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
-    let container = WatchedContainer {
-        id: "fstype".into(),
-        root_pid: Some(std::process::id()),
-        rootfs: None,
-    };
+    let container = WatchedContainer { id: "fstype".into(), root_pid: Some(std::process::id()), rootfs: None };
     inspector.watch(cgroup.id, container).unwrap();
-    cgroup.run(
-        "/bin/sh",
-        &[
-            "-c",
-            "echo > /dev/shm/crab-inspector-fstype; rm /dev/shm/crab-inspector-fstype",
-        ],
-    );
+    cgroup.run("/bin/sh", &["-c", "echo > /dev/shm/crab-inspector-fstype; rm /dev/shm/crab-inspector-fstype"]);
     let effects = drain_all(&inspector, "fstype").await;
-    let open = effects
-        .iter()
-        .find(|e| e.changes_under(Path::new("/dev/shm")))
-        .expect("write to /dev/shm seen");
-    let EffectKind::Open { path, .. } = &open.kind else {
-        panic!("{open:?}")
-    };
+    let open = effects.iter().find(|e| e.changes_under(Path::new("/dev/shm"))).expect("write to /dev/shm seen");
+    let EffectKind::Open { path, .. } = &open.kind else { panic!("{open:?}") };
     assert_eq!(path.fs_type.as_deref(), Some("tmpfs"), "{path:?}");
 }
 
@@ -653,19 +461,9 @@ async fn every_record_is_delivered_or_counted_lost() {
     let cgroup = TestCgroup::new("lost");
     let scratch = Scratch::new("lost");
     // One page of ring buffer holds only a few records: a burst must overflow it.
-    let inspector = watching_with(
-        "lost",
-        &cgroup,
-        InspectorConfig {
-            ring_buffer_bytes: 4096,
-            ..Default::default()
-        },
-    )
-    .await;
-    let script = format!(
-        "cd {} && i=0; while [ $i -lt {FILES} ]; do : > f$i; i=$((i+1)); done",
-        scratch.str()
-    );
+    let inspector =
+        watching_with("lost", &cgroup, InspectorConfig { ring_buffer_bytes: 4096, ..Default::default() }).await;
+    let script = format!("cd {} && i=0; while [ $i -lt {FILES} ]; do : > f$i; i=$((i+1)); done", scratch.str());
     // Whether the reader falls behind depends on scheduling: repeat the burst
     // until it does. Every attempt must account for each record exactly.
     let mut saw_loss = false;
@@ -673,36 +471,21 @@ async fn every_record_is_delivered_or_counted_lost() {
         cgroup.run("/bin/sh", &["-c", &script]);
         let turn = inspector.drain("lost", u64::MAX).await.unwrap();
         let delivered_files = file_changes_under(&turn.effects, &scratch.0).len() as u64;
-        let delivered_lifecycle = turn
-            .effects
-            .iter()
-            .filter(|e| matches!(e.kind, EffectKind::Exec { .. } | EffectKind::Exit { .. }))
-            .count() as u64;
+        let delivered_lifecycle =
+            turn.effects.iter().filter(|e| matches!(e.kind, EffectKind::Exec { .. } | EffectKind::Exit { .. })).count()
+                as u64;
         // The shell's records: its exec, one open per file (all builtins), its exit.
-        assert_eq!(
-            delivered_files + delivered_lifecycle + turn.lost_events,
-            FILES as u64 + 2
-        );
+        assert_eq!(delivered_files + delivered_lifecycle + turn.lost_events, FILES as u64 + 2);
         if turn.lost_events > 0 {
-            let options = ClassifyOptions {
-                lost_events: turn.lost_events,
-                ..Default::default()
-            };
+            let options = ClassifyOptions { lost_events: turn.lost_events, ..Default::default() };
             let verdict = classify(&turn.effects, &options);
             assert_eq!((verdict.class, verdict.escalated), (TurnClass::Proc, true));
             saw_loss = true;
             break;
         }
     }
-    assert!(
-        saw_loss,
-        "a 4 KiB ring buffer kept up with {FILES}-record bursts 10 times"
-    );
-    assert_eq!(
-        inspector.take_lost_events("lost").unwrap(),
-        0,
-        "lost counts are reported once"
-    );
+    assert!(saw_loss, "a 4 KiB ring buffer kept up with {FILES}-record bursts 10 times");
+    assert_eq!(inspector.take_lost_events("lost").unwrap(), 0, "lost counts are reported once");
 }
 
 #[tokio::test]
@@ -710,36 +493,18 @@ async fn turn_boundaries_cut_by_time_and_unwatch_stops_recording() {
     let cgroup = TestCgroup::new("turns");
     let scratch = Scratch::new("turns");
     let inspector = watching("turns", &cgroup).await;
-    cgroup.run(
-        "/bin/sh",
-        &["-c", &format!("echo 1 > {}/first", scratch.str())],
-    );
+    cgroup.run("/bin/sh", &["-c", &format!("echo 1 > {}/first", scratch.str())]);
     let boundary = crab::inspector::monotonic_now_ns();
-    cgroup.run(
-        "/bin/sh",
-        &["-c", &format!("echo 2 > {}/second", scratch.str())],
-    );
+    cgroup.run("/bin/sh", &["-c", &format!("echo 2 > {}/second", scratch.str())]);
     inspector.flush().await.unwrap();
     let first = inspector.take_effects_until("turns", boundary).unwrap();
     let second = inspector.take_effects("turns").unwrap();
-    assert_eq!(
-        file_changes_under(&first, &scratch.0),
-        vec![("open", one(scratch.path("first")))]
-    );
-    assert_eq!(
-        file_changes_under(&second, &scratch.0),
-        vec![("open", one(scratch.path("second")))]
-    );
+    assert_eq!(file_changes_under(&first, &scratch.0), vec![("open", one(scratch.path("first")))]);
+    assert_eq!(file_changes_under(&second, &scratch.0), vec![("open", one(scratch.path("second")))]);
 
     assert!(inspector.unwatch("turns").await.unwrap().is_empty());
-    cgroup.run(
-        "/bin/sh",
-        &["-c", &format!("echo 3 > {}/third", scratch.str())],
-    );
-    assert!(matches!(
-        inspector.take_effects("turns"),
-        Err(crab::inspector::InspectorError::NotWatched(_))
-    ));
+    cgroup.run("/bin/sh", &["-c", &format!("echo 3 > {}/third", scratch.str())]);
+    assert!(matches!(inspector.take_effects("turns"), Err(crab::inspector::InspectorError::NotWatched(_))));
 }
 
 #[tokio::test]
@@ -752,13 +517,7 @@ async fn paths_are_relative_to_the_process_root() {
     let inspector = watching("chroot", &cgroup).await;
     cgroup.run(
         "/usr/sbin/chroot",
-        &[
-            rootfs.str(),
-            "/bin/busybox",
-            "sh",
-            "-c",
-            "cd /w && echo a > f && mkdir d && mv f d/g",
-        ],
+        &[rootfs.str(), "/bin/busybox", "sh", "-c", "cd /w && echo a > f && mkdir d && mv f d/g"],
     );
     let effects = drain_all(&inspector, "chroot").await;
     assert_eq!(
@@ -770,11 +529,7 @@ async fn paths_are_relative_to_the_process_root() {
         ],
         "{effects:#?}"
     );
-    assert_eq!(
-        file_changes_under(&effects, &rootfs.0),
-        vec![],
-        "no host paths leak out"
-    );
+    assert_eq!(file_changes_under(&effects, &rootfs.0), vec![], "no host paths leak out");
     let busybox_exec = effects.iter().find_map(|e| match &e.kind {
         EffectKind::Exec { path, .. } if e.comm == "busybox" => Some(path.clone()),
         _ => None,
@@ -791,14 +546,7 @@ fn median(mut samples: Vec<Duration>) -> Duration {
 
 fn rss_kib() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .unwrap()
-        .trim()
-        .trim_end_matches(" kB")
-        .parse()
-        .unwrap()
+    status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap().trim().trim_end_matches(" kB").parse().unwrap()
 }
 
 /// A git repository with many files: `CRAB_BENCH_REPO`, or a copy of
@@ -815,13 +563,7 @@ fn bench_repo() -> PathBuf {
              git -c user.name=bench -c user.email=bench@localhost commit -qm files",
             r = repo.display()
         );
-        assert!(
-            Command::new("/bin/sh")
-                .args(["-c", &script])
-                .status()
-                .unwrap()
-                .success()
-        );
+        assert!(Command::new("/bin/sh").args(["-c", &script]).status().unwrap().success());
     }
     repo
 }
@@ -846,10 +588,7 @@ fn children_cpu() -> Duration {
     let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
     // SAFETY: getrusage fills the struct we own.
     let usage = unsafe {
-        assert_eq!(
-            libc::getrusage(libc::RUSAGE_CHILDREN, usage.as_mut_ptr()),
-            0
-        );
+        assert_eq!(libc::getrusage(libc::RUSAGE_CHILDREN, usage.as_mut_ptr()), 0);
         usage.assume_init()
     };
     let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
@@ -903,11 +642,7 @@ impl BenchState {
         let inspector = self.inspector.as_ref().unwrap();
         let want_watching = matches!(variant, Variant::Watching);
         if want_watching && !self.watching {
-            let container = WatchedContainer {
-                id: BENCH_CONTAINER.into(),
-                root_pid: None,
-                rootfs: None,
-            };
+            let container = WatchedContainer { id: BENCH_CONTAINER.into(), root_pid: None, rootfs: None };
             inspector.watch(cgroup.id, container).unwrap();
         } else if !want_watching && self.watching {
             self.take_turn(inspector, samples).await;
@@ -946,10 +681,7 @@ async fn compare(cgroup: &TestCgroup, script: &str, rounds: usize) -> Samples {
             state.enter(variant, cgroup, &mut samples).await;
             let (start, cpu_start) = (Instant::now(), children_cpu());
             cgroup.run("/bin/sh", &["-c", script]);
-            let elapsed = Timing {
-                wall: start.elapsed(),
-                cpu: children_cpu() - cpu_start,
-            };
+            let elapsed = Timing { wall: start.elapsed(), cpu: children_cpu() - cpu_start };
             match variant {
                 Variant::Without => samples.without.push(elapsed),
                 Variant::Loaded => samples.loaded.push(elapsed),
@@ -964,22 +696,12 @@ async fn compare(cgroup: &TestCgroup, script: &str, rounds: usize) -> Samples {
 fn report(title: &str, samples: &Samples) {
     let watching_total: Duration = samples.watching.iter().map(|t| t.wall).sum();
     let medians = |timings: &[Timing]| {
-        (
-            median(timings.iter().map(|t| t.wall).collect()),
-            median(timings.iter().map(|t| t.cpu).collect()),
-        )
+        (median(timings.iter().map(|t| t.wall).collect()), median(timings.iter().map(|t| t.cpu).collect()))
     };
     let without = medians(&samples.without);
     println!("{title} (median of {})", samples.without.len());
-    println!(
-        "  no inspector          {:>8.3} s wall {:>8.3} s cpu",
-        without.0.as_secs_f64(),
-        without.1.as_secs_f64()
-    );
-    for (name, timings) in [
-        ("loaded, not watching", &samples.loaded),
-        ("watching", &samples.watching),
-    ] {
+    println!("  no inspector          {:>8.3} s wall {:>8.3} s cpu", without.0.as_secs_f64(), without.1.as_secs_f64());
+    for (name, timings) in [("loaded, not watching", &samples.loaded), ("watching", &samples.watching)] {
         let (wall, cpu) = medians(timings);
         println!(
             "  {name:<21} {:>8.3} s wall {:>8.3} s cpu  ratio {:.3} wall {:.3} cpu",
@@ -1012,35 +734,19 @@ async fn inspector_overhead_benchmark() {
     let repo = bench_repo();
     let cgroup = TestCgroup::new("bench");
     let scratch = Scratch::new("bench");
-    let read_heavy = format!(
-        "find /usr -type f | wc -l > /dev/null; cd {} && git status --porcelain > /dev/null",
-        repo.display()
-    );
-    let write_heavy = format!(
-        "cd {} && i=0; while [ $i -lt {FILES} ]; do : > f$i; i=$((i+1)); done; rm -f f*",
-        scratch.str()
-    );
+    let read_heavy =
+        format!("find /usr -type f | wc -l > /dev/null; cd {} && git status --porcelain > /dev/null", repo.display());
+    let write_heavy =
+        format!("cd {} && i=0; while [ $i -lt {FILES} ]; do : > f$i; i=$((i+1)); done; rm -f f*", scratch.str());
     // Every write syscall passes the inspector's write program and its dedup map.
-    let write_loop = format!(
-        "dd if=/dev/zero of={}/big bs=512 count={WRITES} status=none",
-        scratch.str()
-    );
+    let write_loop = format!("dd if=/dev/zero of={}/big bs=512 count={WRITES} status=none", scratch.str());
     // Warm the page cache and git's index stat data.
     cgroup.run("/bin/sh", &["-c", &read_heavy]);
 
     let read = compare(&cgroup, &read_heavy, ROUNDS).await;
-    report(
-        &format!(
-            "find /usr -type f | wc -l; git status in {}",
-            repo.display()
-        ),
-        &read,
-    );
+    report(&format!("find /usr -type f | wc -l; git status in {}", repo.display()), &read);
     let write = compare(&cgroup, &write_heavy, ROUNDS).await;
-    report(
-        &format!("{FILES} file creations then rm -f in a shell loop"),
-        &write,
-    );
+    report(&format!("{FILES} file creations then rm -f in a shell loop"), &write);
     let writes = compare(&cgroup, &write_loop, ROUNDS).await;
     report(&format!("{WRITES} writes of 512 B (dd)"), &writes);
 
@@ -1054,41 +760,16 @@ async fn inspector_overhead_benchmark() {
     );
 
     // Kernel-side cost, free of the noise of wall-clock runs on a shared machine.
-    inspector
-        .watch(
-            cgroup.id,
-            WatchedContainer {
-                id: "bench".into(),
-                root_pid: None,
-                rootfs: None,
-            },
-        )
-        .unwrap();
+    inspector.watch(cgroup.id, WatchedContainer { id: "bench".into(), root_pid: None, rootfs: None }).unwrap();
     const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
     std::fs::write(BPF_STATS, "1").unwrap();
-    for (title, script) in [
-        ("read-heavy", &read_heavy),
-        ("write-heavy", &write_heavy),
-        ("write-loop", &write_loop),
-    ] {
+    for (title, script) in [("read-heavy", &read_heavy), ("write-heavy", &write_heavy), ("write-loop", &write_loop)] {
         let before = inspector.program_stats();
         cgroup.run("/bin/sh", &["-c", script]);
-        let records = inspector
-            .drain("bench", u64::MAX)
-            .await
-            .unwrap()
-            .effects
-            .len();
-        let total_ns: u64 = inspector
-            .program_stats()
-            .iter()
-            .zip(&before)
-            .map(|(a, b)| a.run_time_ns - b.run_time_ns)
-            .sum();
-        println!(
-            "BPF time, {title} run: {:.1} ms in all programs, {records} records",
-            total_ns as f64 / 1e6
-        );
+        let records = inspector.drain("bench", u64::MAX).await.unwrap().effects.len();
+        let total_ns: u64 =
+            inspector.program_stats().iter().zip(&before).map(|(a, b)| a.run_time_ns - b.run_time_ns).sum();
+        println!("BPF time, {title} run: {:.1} ms in all programs, {records} records", total_ns as f64 / 1e6);
         for (after, before) in inspector.program_stats().iter().zip(&before) {
             let runs = after.run_count - before.run_count;
             if runs > 0 {
@@ -1098,22 +779,11 @@ async fn inspector_overhead_benchmark() {
         }
     }
     std::fs::write(BPF_STATS, "0").unwrap();
-    assert_eq!(
-        write.lost, 0,
-        "the default ring buffer keeps up with a shell loop"
-    );
-    assert_eq!(
-        write.records,
-        ROUNDS * (2 * FILES + 5),
-        "every create and unlink recorded"
-    );
+    assert_eq!(write.lost, 0, "the default ring buffer keeps up with a shell loop");
+    assert_eq!(write.records, ROUNDS * (2 * FILES + 5), "every create and unlink recorded");
     // sh's exec, dd's fork and exec, dd's open of its output (which stands for
     // its 200 000 writes), two exits.
-    assert_eq!(
-        writes.records,
-        ROUNDS * 6,
-        "a write loop adds no record to the open"
-    );
+    assert_eq!(writes.records, ROUNDS * 6, "a write loop adds no record to the open");
 }
 
 #[tokio::test]
@@ -1146,11 +816,7 @@ async fn descriptor_outside_the_process_root_is_unresolved() {
     assert_eq!(opens.len(), 1, "{effects:#?}");
     assert!(!opens[0].resolved, "{:?}", opens[0]);
     let verdict = classify(&effects, &ClassifyOptions::default());
-    assert_eq!(
-        (verdict.class, verdict.escalated),
-        (TurnClass::Fs, true),
-        "{verdict:#?}"
-    );
+    assert_eq!((verdict.class, verdict.escalated), (TurnClass::Fs, true), "{verdict:#?}");
 }
 
 /// A path string in a page the process never touched cannot be read at
@@ -1165,12 +831,8 @@ async fn path_strings_in_pages_not_yet_paged_in_are_resolved() {
     std::fs::create_dir_all(&base).unwrap();
     // One string per page; each page gets a mapping of its own so that the
     // kernel's fault-around on one cannot map another.
-    let strings = [
-        format!("{}/absolute", base.display()),
-        "relative".to_string(),
-        "relative".to_string(),
-        "renamed".to_string(),
-    ];
+    let strings =
+        [format!("{}/absolute", base.display()), "relative".to_string(), "relative".to_string(), "renamed".to_string()];
     let mut pages = Vec::new();
     for s in &strings {
         let mut page = s.as_bytes().to_vec();
@@ -1215,10 +877,8 @@ check(libc.rename(page[2], page[3]))
         ],
         "all effects: {effects:#?}"
     );
-    let unresolved: Vec<&Effect> = effects
-        .iter()
-        .filter(|e| e.kind.changed_paths().iter().any(|p| !p.resolved))
-        .collect();
+    let unresolved: Vec<&Effect> =
+        effects.iter().filter(|e| e.kind.changed_paths().iter().any(|p| !p.resolved)).collect();
     assert!(unresolved.is_empty(), "unresolved paths: {unresolved:#?}");
 }
 
@@ -1244,11 +904,7 @@ impl Interpreter {
             .unwrap();
         let stdin = child.stdin.take().unwrap();
         let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
-        Self {
-            child: KillOnDrop(child),
-            stdin,
-            stdout,
-        }
+        Self { child: KillOnDrop(child), stdin, stdout }
     }
 
     fn pid(&self) -> u32 {
@@ -1314,29 +970,16 @@ async fn a_daemon_writing_through_a_descriptor_of_an_earlier_turn_is_seen() {
     let inspector = watching("olddesc", &cgroup).await;
     let mut daemon = Interpreter::start(&cgroup);
     // The copies below refuse O_APPEND descriptors: `out` is a plain one.
-    daemon.run(&format!(
-        "log = open('{log}', 'a'); out = os.open('{log}', os.O_WRONLY)",
-        log = log.display()
-    ));
+    daemon.run(&format!("log = open('{log}', 'a'); out = os.open('{log}', os.O_WRONLY)", log = log.display()));
     let opening = turn(&inspector, "olddesc").await;
-    assert_eq!(
-        file_changes_under(&opening, &scratch.0),
-        vec![("open", one(log.clone())), ("open", one(log.clone()))]
-    );
+    assert_eq!(file_changes_under(&opening, &scratch.0), vec![("open", one(log.clone())), ("open", one(log.clone()))]);
 
     // A later turn: only a write through the old descriptor.
     daemon.run("log.write('GET /\\n'); log.flush()");
     let serving = turn(&inspector, "olddesc").await;
-    assert_eq!(
-        writes_of(&serving, daemon.pid()),
-        vec![("write", log.clone())]
-    );
+    assert_eq!(writes_of(&serving, daemon.pid()), vec![("write", log.clone())]);
     let verdict = classify(&serving, &ClassifyOptions::default());
-    assert_eq!(
-        (verdict.class, verdict.escalated),
-        (TurnClass::Fs, false),
-        "{verdict:#?}"
-    );
+    assert_eq!((verdict.class, verdict.escalated), (TurnClass::Fs, false), "{verdict:#?}");
 
     // A tight loop of writes is one record per turn.
     daemon.run("[(log.write('x\\n'), log.flush()) for _ in range(2000)]");
@@ -1349,35 +992,22 @@ async fn a_daemon_writing_through_a_descriptor_of_an_earlier_turn_is_seen() {
         ("os.pwrite(out, b'p', 0)", "write"),
         ("os.writev(log.fileno(), [b'a', b'b'])", "write"),
         ("os.posix_fallocate(out, 0, 8192)", "fallocate"),
-        (
-            "src = os.open('/etc/hostname', os.O_RDONLY); os.sendfile(out, src, 0, 4); os.close(src)",
-            "sendfile",
-        ),
+        ("src = os.open('/etc/hostname', os.O_RDONLY); os.sendfile(out, src, 0, 4); os.close(src)", "sendfile"),
         (
             "src = os.open('/etc/hostname', os.O_RDONLY); os.copy_file_range(src, out, 4, 0, 0); os.close(src)",
             "copy_file_range",
         ),
-        (
-            "r, w = os.pipe(); os.write(w, b'spliced'); os.splice(r, out, 7); os.close(r); os.close(w)",
-            "splice",
-        ),
+        ("r, w = os.pipe(); os.write(w, b'spliced'); os.splice(r, out, 7); os.close(r); os.close(w)", "splice"),
     ] {
         daemon.run(code);
         let effects = turn(&inspector, "olddesc").await;
-        assert_eq!(
-            writes_of(&effects, daemon.pid()),
-            vec![(op, log.clone())],
-            "`{code}`: {effects:#?}"
-        );
+        assert_eq!(writes_of(&effects, daemon.pid()), vec![(op, log.clone())], "`{code}`: {effects:#?}");
     }
 
     // An idle turn: nothing.
     let idle = turn(&inspector, "olddesc").await;
     assert!(writes_of(&idle, daemon.pid()).is_empty(), "{idle:#?}");
-    assert_eq!(
-        classify(&idle, &ClassifyOptions::default()).class,
-        TurnClass::Clean
-    );
+    assert_eq!(classify(&idle, &ClassifyOptions::default()).class, TurnClass::Clean);
 }
 
 /// The kernel compares writes with the boundary the last drain set: a write
@@ -1398,10 +1028,7 @@ async fn a_write_between_the_cut_and_the_drain_lands_in_the_next_turn() {
     let until = crab::inspector::monotonic_now_ns();
     daemon.run("f.write('2'); f.flush()");
     let first = inspector.drain("cut", until).await.unwrap().effects;
-    assert_eq!(
-        writes_of(&first, daemon.pid()),
-        vec![("write", file.clone())]
-    );
+    assert_eq!(writes_of(&first, daemon.pid()), vec![("write", file.clone())]);
     let second = turn(&inspector, "cut").await;
     let carried = writes_of(&second, daemon.pid());
     assert_eq!(carried, vec![("write", file.clone())], "{second:#?}");
@@ -1430,17 +1057,9 @@ async fn repeats_of_a_process_from_this_turn_after_the_cut_land_in_the_next_turn
     // After the cut, before the drain: compared with the old boundary, a repeat.
     writer.run("os.write(fd, b'3')");
     let first = inspector.drain("untimed", until).await.unwrap().effects;
-    assert_eq!(
-        file_changes_under(&first, &scratch.0),
-        vec![("open", one(file.clone()))],
-        "{first:#?}"
-    );
+    assert_eq!(file_changes_under(&first, &scratch.0), vec![("open", one(file.clone()))], "{first:#?}");
     let second = turn(&inspector, "untimed").await;
-    assert_eq!(
-        writes_of(&second, writer.pid()),
-        vec![("write", file.clone())],
-        "{second:#?}"
-    );
+    assert_eq!(writes_of(&second, writer.pid()), vec![("write", file.clone())], "{second:#?}");
     assert!(second.iter().all(|e| e.time_ns > until));
     // From now on the writer is from an earlier turn: an idle turn is clean.
     let idle = turn(&inspector, "untimed").await;
@@ -1449,30 +1068,17 @@ async fn repeats_of_a_process_from_this_turn_after_the_cut_land_in_the_next_turn
     // A write loop that ends before the cut: its turn only.
     let output = cgroup.run(
         "/bin/sh",
-        &[
-            "-c",
-            &format!(
-                "dd if=/dev/zero of={} bs=512 count=2000 conv=notrunc status=none; echo $$",
-                file.display()
-            ),
-        ],
+        &["-c", &format!("dd if=/dev/zero of={} bs=512 count=2000 conv=notrunc status=none; echo $$", file.display())],
     );
     let shell: u32 = String::from_utf8_lossy(&output.stdout).trim().parse().unwrap();
     let looped = turn(&inspector, "untimed").await;
-    assert_eq!(
-        file_changes_under(&looped, &scratch.0),
-        vec![("open", one(file.clone()))],
-        "{looped:#?}"
-    );
+    assert_eq!(file_changes_under(&looped, &scratch.0), vec![("open", one(file.clone()))], "{looped:#?}");
     let after = turn(&inspector, "untimed").await;
     assert!(
         file_changes_under(&after, &scratch.0).is_empty(),
         "dd (a child of {shell}) was gone by the cut: {after:#?}"
     );
-    assert_eq!(
-        classify(&after, &ClassifyOptions::default()).class,
-        TurnClass::Clean
-    );
+    assert_eq!(classify(&after, &ClassifyOptions::default()).class, TurnClass::Clean);
 }
 
 /// A write that repeats one already recorded in the turn is not recorded
@@ -1496,11 +1102,7 @@ async fn a_file_renamed_truncated_or_rewritten_after_a_repeat_is_still_reported(
             turn(&inspector, name).await;
             writer.run(&format!("fd = os.open('{}', os.O_WRONLY)", a.display()));
         }
-        let first_write = if started_in_turn {
-            ("open", one(a.clone()))
-        } else {
-            ("write", one(a.clone()))
-        };
+        let first_write = if started_in_turn { ("open", one(a.clone())) } else { ("write", one(a.clone())) };
 
         // Written twice (the second a repeat), renamed, written again.
         writer.run(&format!(
@@ -1540,10 +1142,7 @@ async fn a_file_renamed_truncated_or_rewritten_after_a_repeat_is_still_reported(
 
         // Nothing more: clean.
         let idle = turn(&inspector, name).await;
-        assert!(
-            file_changes_under(&idle, &scratch.0).is_empty(),
-            "{name}: {idle:#?}"
-        );
+        assert!(file_changes_under(&idle, &scratch.0).is_empty(), "{name}: {idle:#?}");
     }
 }
 
@@ -1577,15 +1176,9 @@ async fn shared_mappings_count_in_the_turns_their_process_runs() {
     let mut daemon = Interpreter::start(&cgroup);
     turn(&inspector, "mmap").await;
 
-    daemon.run(&format!(
-        "fd = os.open('{}', os.O_RDWR); mm = mmap.mmap(fd, 4096); mm[0] = 1",
-        data.display()
-    ));
+    daemon.run(&format!("fd = os.open('{}', os.O_RDWR); mm = mmap.mmap(fd, 4096); mm[0] = 1", data.display()));
     let mapping = turn(&inspector, "mmap").await;
-    assert_eq!(
-        writes_of(&mapping, daemon.pid()),
-        vec![("shared mmap", data.clone())]
-    );
+    assert_eq!(writes_of(&mapping, daemon.pid()), vec![("shared mmap", data.clone())]);
 
     // Stores through the mapping need no syscall: the turn counts because the
     // process ran. msync is a write too.
@@ -1599,14 +1192,8 @@ async fn shared_mappings_count_in_the_turns_their_process_runs() {
         })
         .collect();
     assert!(ops.contains(&"msync"), "{storing:#?}");
-    assert!(
-        ops.contains(&"shared mmap of an earlier turn"),
-        "{storing:#?}"
-    );
-    assert_eq!(
-        classify(&storing, &ClassifyOptions::default()).class,
-        TurnClass::Fs
-    );
+    assert!(ops.contains(&"shared mmap of an earlier turn"), "{storing:#?}");
+    assert_eq!(classify(&storing, &ClassifyOptions::default()).class, TurnClass::Fs);
 
     // It may have run after that turn's cut: the next turn counts too. Idle
     // after that, it cannot have stored anything.
@@ -1620,10 +1207,7 @@ async fn shared_mappings_count_in_the_turns_their_process_runs() {
     turn(&inspector, "mmap").await;
     daemon.run("x = sum(range(1000))");
     let unmapped = turn(&inspector, "mmap").await;
-    assert!(
-        writes_of(&unmapped, daemon.pid()).is_empty(),
-        "{unmapped:#?}"
-    );
+    assert!(writes_of(&unmapped, daemon.pid()).is_empty(), "{unmapped:#?}");
 }
 
 #[tokio::test]
@@ -1646,22 +1230,12 @@ async fn metadata_calls_on_descriptors_name_the_file() {
         ("os.setxattr(fd, 'user.k', b'v')", "setxattr"),
         ("os.removexattr(fd, 'user.k')", "removexattr"),
         ("os.utime(fd, (0, 0))", "utimes"),
-        (
-            "assert libc.syscall(452, fd, b'', 0o640, 0x1000) == 0, ctypes.get_errno()",
-            "chmod",
-        ),
-        (
-            "assert libc.fchownat(fd, b'', -1, 0, 0x1000) == 0, ctypes.get_errno()",
-            "chown",
-        ),
+        ("assert libc.syscall(452, fd, b'', 0o640, 0x1000) == 0, ctypes.get_errno()", "chmod"),
+        ("assert libc.fchownat(fd, b'', -1, 0, 0x1000) == 0, ctypes.get_errno()", "chown"),
     ] {
         daemon.run(code);
         let effects = turn(&inspector, "fdmeta").await;
-        assert_eq!(
-            file_changes_under(&effects, &scratch.0),
-            vec![(op, one(file.clone()))],
-            "`{code}`: {effects:#?}"
-        );
+        assert_eq!(file_changes_under(&effects, &scratch.0), vec![(op, one(file.clone()))], "`{code}`: {effects:#?}");
     }
 }
 
@@ -1671,22 +1245,13 @@ async fn metadata_calls_on_descriptors_name_the_file() {
 #[tokio::test]
 #[ignore = "manual: CRAB_HOLD_SECS=30 cargo test --release --test inspector -- --ignored hold_inspector"]
 async fn hold_inspector() {
-    let secs: u64 = std::env::var("CRAB_HOLD_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(30);
+    let secs: u64 = std::env::var("CRAB_HOLD_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
     let start = Instant::now();
     let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
     println!("loaded and attached in {:?}", start.elapsed());
     if let Ok(dir) = std::env::var("CRAB_HOLD_CGROUP") {
-        let container = WatchedContainer {
-            id: "held".into(),
-            root_pid: None,
-            rootfs: None,
-        };
-        inspector
-            .watch(cgroup_id_of_dir(Path::new(&dir)).unwrap(), container)
-            .unwrap();
+        let container = WatchedContainer { id: "held".into(), root_pid: None, rootfs: None };
+        inspector.watch(cgroup_id_of_dir(Path::new(&dir)).unwrap(), container).unwrap();
     }
     tokio::time::sleep(Duration::from_secs(secs)).await;
     let start = Instant::now();
@@ -1712,25 +1277,16 @@ fn async_io_of(effects: &[Effect], pid: u32) -> Vec<(AsyncIoCall, bool)> {
 /// An interpreter with the asynchronous I/O helper imported.
 fn async_io_interpreter(cgroup: &TestCgroup) -> Interpreter {
     let mut interpreter = Interpreter::start(cgroup);
-    interpreter.run(&format!(
-        "sys.path.insert(0, '{ASYNC_IO_HELPER_DIR}'); import async_io"
-    ));
+    interpreter.run(&format!("sys.path.insert(0, '{ASYNC_IO_HELPER_DIR}'); import async_io"));
     interpreter
 }
 
 /// What classify says of a turn whose file changes only the kernel saw.
 fn assert_escalated_naming(effects: &[Effect], call: &str) {
     let verdict = classify(effects, &ClassifyOptions::default());
-    assert_eq!(
-        (verdict.class, verdict.escalated),
-        (TurnClass::Fs, true),
-        "{verdict:#?}"
-    );
+    assert_eq!((verdict.class, verdict.escalated), (TurnClass::Fs, true), "{verdict:#?}");
     assert!(
-        verdict
-            .reasons
-            .iter()
-            .any(|r| matches!(r, Reason::AsyncIo { call: c, .. } if *c == call)),
+        verdict.reasons.iter().any(|r| matches!(r, Reason::AsyncIo { call: c, .. } if *c == call)),
         "no reason names {call}: {verdict:#?}"
     );
 }
@@ -1745,46 +1301,28 @@ async fn io_uring_and_aio_escalate_the_turns_they_write_in() {
 
     // io_uring opens and writes the file itself: no open or write syscall.
     let ring_file = scratch.path("ring.txt");
-    daemon.run(&format!(
-        "async_io.Ring().write_file('{}', 'through the ring')",
-        ring_file.display()
-    ));
+    daemon.run(&format!("async_io.Ring().write_file('{}', 'through the ring')", ring_file.display()));
     let ring_turn = turn(&inspector, "async-io").await;
-    assert_eq!(
-        std::fs::read_to_string(&ring_file).unwrap(),
-        "through the ring"
-    );
+    assert_eq!(std::fs::read_to_string(&ring_file).unwrap(), "through the ring");
     assert!(
         file_changes_under(&ring_turn, &scratch.0).is_empty(),
         "the ring's own open and write are invisible: {ring_turn:#?}"
     );
     assert_eq!(
         async_io_of(&ring_turn, daemon.pid()),
-        vec![
-            (AsyncIoCall::IoUringSetup, false),
-            (AsyncIoCall::IoUringEnter, false)
-        ]
+        vec![(AsyncIoCall::IoUringSetup, false), (AsyncIoCall::IoUringEnter, false)]
     );
     assert_escalated_naming(&ring_turn, "io_uring_enter");
 
     // AIO through a descriptor of an earlier turn: io_submit is the only sign.
     let aio_file = scratch.path("aio.txt");
-    daemon.run(&format!(
-        "fd = os.open('{}', os.O_WRONLY | os.O_CREAT, 0o644)",
-        aio_file.display()
-    ));
+    daemon.run(&format!("fd = os.open('{}', os.O_WRONLY | os.O_CREAT, 0o644)", aio_file.display()));
     turn(&inspector, "async-io").await;
     daemon.run("async_io.aio_write(fd, 'through aio')");
     let aio_turn = turn(&inspector, "async-io").await;
     assert_eq!(std::fs::read_to_string(&aio_file).unwrap(), "through aio");
-    assert!(
-        file_changes_under(&aio_turn, &scratch.0).is_empty(),
-        "{aio_turn:#?}"
-    );
-    assert_eq!(
-        async_io_of(&aio_turn, daemon.pid()),
-        vec![(AsyncIoCall::IoSubmit, false)]
-    );
+    assert!(file_changes_under(&aio_turn, &scratch.0).is_empty(), "{aio_turn:#?}");
+    assert_eq!(async_io_of(&aio_turn, daemon.pid()), vec![(AsyncIoCall::IoSubmit, false)]);
     assert_escalated_naming(&aio_turn, "io_submit");
 
     // Nothing asynchronous any more: the process's turns are clean again.
@@ -1805,42 +1343,24 @@ async fn a_polling_ring_escalates_every_turn_its_process_runs_in() {
     // may need a wake-up syscall when the thread went to sleep before it).
     daemon.run("ring = async_io.Ring(async_io.IORING_SETUP_SQPOLL, 10_000); ring.nop()");
     let setup = turn(&inspector, "sqpoll").await;
-    assert_eq!(
-        async_io_of(&setup, daemon.pid()).first(),
-        Some(&(AsyncIoCall::IoUringSetup, true)),
-        "{setup:#?}"
-    );
+    assert_eq!(async_io_of(&setup, daemon.pid()).first(), Some(&(AsyncIoCall::IoUringSetup, true)), "{setup:#?}");
 
     // Polling, it takes the next requests from memory: no syscall at all,
     // and still the turn is not clean.
     let file = scratch.path("polled.txt");
-    daemon.run(&format!(
-        "ring.write_file('{}', 'no syscall')",
-        file.display()
-    ));
+    daemon.run(&format!("ring.write_file('{}', 'no syscall')", file.display()));
     let polled = turn(&inspector, "sqpoll").await;
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "no syscall");
     let calls = async_io_of(&polled, daemon.pid());
-    assert!(
-        calls.contains(&(AsyncIoCall::EarlierPollingRing, true)),
-        "{polled:#?}"
-    );
-    assert!(
-        !calls.contains(&(AsyncIoCall::IoUringEnter, false)),
-        "the request needed no syscall: {polled:#?}"
-    );
+    assert!(calls.contains(&(AsyncIoCall::EarlierPollingRing, true)), "{polled:#?}");
+    assert!(!calls.contains(&(AsyncIoCall::IoUringEnter, false)), "the request needed no syscall: {polled:#?}");
     assert_escalated_naming(&polled, "io_uring (polling ring of an earlier turn)");
 
     // Gone with its process.
     drop(daemon);
     turn(&inspector, "sqpoll").await;
     let after = turn(&inspector, "sqpoll").await;
-    assert!(
-        !after
-            .iter()
-            .any(|e| matches!(e.kind, EffectKind::AsyncIo { .. })),
-        "{after:#?}"
-    );
+    assert!(!after.iter().any(|e| matches!(e.kind, EffectKind::AsyncIo { .. })), "{after:#?}");
 }
 
 /// A `renameat2` storm over ever new names in one watched cgroup: what the inspector keeps of
@@ -1854,16 +1374,9 @@ async fn a_rename_storm_is_cut_at_its_bound_and_holds_up_no_other_drain() {
     let storm = TestCgroup::new("storm");
     let quiet = TestCgroup::new("storm-quiet");
     let scratch = Scratch::new("storm");
-    let config = InspectorConfig {
-        max_effects_bytes: BOUND,
-        ..Default::default()
-    };
+    let config = InspectorConfig { max_effects_bytes: BOUND, ..Default::default() };
     let inspector = watching_with("storm", &storm, config).await;
-    let quiet_container = WatchedContainer {
-        id: "quiet".into(),
-        root_pid: None,
-        rootfs: None,
-    };
+    let quiet_container = WatchedContainer { id: "quiet".into(), root_pid: None, rootfs: None };
     inspector.watch(quiet.id, quiet_container).unwrap();
     let script = format!(
         r#"
@@ -1885,11 +1398,7 @@ print(i)
 "#,
         dir = scratch.str()
     );
-    let mut child = storm
-        .command(PYTHON, &["-c", &script])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = storm.command(PYTHON, &["-c", &script]).stdout(Stdio::piped()).spawn().unwrap();
     let mut slowest = Duration::ZERO;
     let mut drains = 0;
     while child.try_wait().unwrap().is_none() {
@@ -1933,10 +1442,7 @@ print(i)
         turn.lost_events
     );
     assert!(drains >= 3, "{drains} quiet drains during the storm");
-    assert!(
-        slowest < Duration::from_secs(2),
-        "a quiet drain during the storm took {slowest:?}"
-    );
+    assert!(slowest < Duration::from_secs(2), "a quiet drain during the storm took {slowest:?}");
     // The cut ends with the turn: the next one is whole again.
     storm.run("/bin/sh", &["-c", &format!(": > {}/after", scratch.str())]);
     let next = inspector.drain("storm", u64::MAX).await.unwrap();

@@ -169,15 +169,22 @@ fn bad_frames_get_an_error_and_a_closed_connection_and_crabd_stays_up() {
     crabd.assert_alive();
 
     // An unknown version: told what is supported, then closed.
-    let replies = replies_to(&socket, &frame(&Request::Hello { version: 99, identity: Some(compat_identity()) }), false);
-    assert_eq!(replies, vec![Reply::Unsupported { supported: vec![PROTOCOL_VERSION], identity: Some(compat_identity()) }]);
+    let replies =
+        replies_to(&socket, &frame(&Request::Hello { version: 99, identity: Some(compat_identity()) }), false);
+    assert_eq!(
+        replies,
+        vec![Reply::Unsupported { supported: vec![PROTOCOL_VERSION], identity: Some(compat_identity()) }]
+    );
     crabd.assert_alive();
 
     // This version with another build's identity (another BPF record layout), or none: the same.
     let other_build = format!("v{PROTOCOL_VERSION}+00000000deadbeef");
     for identity in [Some(other_build), None] {
         let replies = replies_to(&socket, &frame(&Request::Hello { version: PROTOCOL_VERSION, identity }), false);
-        assert_eq!(replies, vec![Reply::Unsupported { supported: vec![PROTOCOL_VERSION], identity: Some(compat_identity()) }]);
+        assert_eq!(
+            replies,
+            vec![Reply::Unsupported { supported: vec![PROTOCOL_VERSION], identity: Some(compat_identity()) }]
+        );
         crabd.assert_alive();
     }
 
@@ -238,11 +245,10 @@ fn connect_as_nobody(socket: &Path, how: Nobody) -> (i32, Vec<u8>) {
             let ok = match how {
                 Nobody::Fully => libc::syscall(libc::SYS_setresuid, NOBODY, NOBODY, NOBODY) == 0,
                 Nobody::EffectiveOnly => {
-                    libc::syscall(libc::SYS_setresuid, -1i32 as libc::uid_t, NOBODY, -1i32 as libc::uid_t) == 0
-                        && {
-                            libc::syscall(libc::SYS_setfsuid, 0);
-                            libc::syscall(libc::SYS_setfsuid, -1i32) == 0
-                        }
+                    libc::syscall(libc::SYS_setresuid, -1i32 as libc::uid_t, NOBODY, -1i32 as libc::uid_t) == 0 && {
+                        libc::syscall(libc::SYS_setfsuid, 0);
+                        libc::syscall(libc::SYS_setfsuid, -1i32) == 0
+                    }
                 }
             };
             if !ok || libc::geteuid() != NOBODY {
@@ -321,11 +327,8 @@ impl TestCgroup {
     /// Starts `sh -c script` held at a `read` until it is in the cgroup, so
     /// that everything the script does happens inside it.
     fn spawn(&self, script: &str) -> Child {
-        let mut child = Command::new("/bin/sh")
-            .args(["-c", &format!("read go; {script}")])
-            .stdin(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child =
+            Command::new("/bin/sh").args(["-c", &format!("read go; {script}")]).stdin(Stdio::piped()).spawn().unwrap();
         std::fs::write(self.dir.join("cgroup.procs"), child.id().to_string()).unwrap();
         child.stdin.as_mut().unwrap().write_all(b"go\n").unwrap();
         child
@@ -390,8 +393,11 @@ async fn client_reconnects_across_a_crabd_restart_and_reports_the_gap() {
     assert!(!opened(&turn.effects, &during), "the new crabd cannot have seen it");
     assert_ne!(client.instance().await.unwrap(), first_instance);
     let status = status(&crabd.socket);
-    assert_eq!(status.watched.iter().map(|w| w.container.as_str()).collect::<Vec<_>>(), vec!["sandbox-r"],
-        "the watch was sent again");
+    assert_eq!(
+        status.watched.iter().map(|w| w.container.as_str()).collect::<Vec<_>>(),
+        vec!["sandbox-r"],
+        "the watch was sent again"
+    );
 
     // After the gap, turns are seen again and clean of losses.
     let after = scratch.path().join("after");
@@ -466,7 +472,13 @@ async fn acquire_draws_chunks_supersedes_cancels_and_a_missing_crabd_does_not_bl
     // the chunk): 8 MiB at 4 MiB/s take about 2 s, and the bucket is never in debt.
     let dump_started = Instant::now();
     let mut dumper = hello(&crabd.socket).unwrap();
-    let dump = Request::Acquire { sandbox: "dumper".into(), bytes: 8 * MIB, kind: CommitKind::Proc, turn: 1, supersedable: false };
+    let dump = Request::Acquire {
+        sandbox: "dumper".into(),
+        bytes: 8 * MIB,
+        kind: CommitKind::Proc,
+        turn: 1,
+        supersedable: false,
+    };
     dumper.write_all(&frame(&dump)).unwrap();
     std::thread::sleep(Duration::from_millis(600));
     let partway = status(&crabd.socket);
@@ -485,7 +497,8 @@ async fn acquire_draws_chunks_supersedes_cancels_and_a_missing_crabd_does_not_bl
     // A waiting process checkpoint is superseded by a newer one of the same
     // sandbox when both may be dropped; the newer one is granted.
     let mut older = hello(&crabd.socket).unwrap();
-    let old_dump = Request::Acquire { sandbox: "s".into(), bytes: MIB, kind: CommitKind::Proc, turn: 4, supersedable: true };
+    let old_dump =
+        Request::Acquire { sandbox: "s".into(), bytes: MIB, kind: CommitKind::Proc, turn: 4, supersedable: true };
     older.write_all(&frame(&old_dump)).unwrap();
     std::thread::sleep(Duration::from_millis(100));
     let newer = {
@@ -493,7 +506,9 @@ async fn acquire_draws_chunks_supersedes_cancels_and_a_missing_crabd_does_not_bl
         tokio::spawn(async move { client.acquire_supersedable("s", MIB, 5).await })
     };
     match read_reply(&mut older) {
-        Some(Reply::Superseded { by_turn, waited_ms }) => assert!(by_turn == 5 && waited_ms >= 50.0, "{by_turn} {waited_ms}"),
+        Some(Reply::Superseded { by_turn, waited_ms }) => {
+            assert!(by_turn == 5 && waited_ms >= 50.0, "{by_turn} {waited_ms}")
+        }
         other => panic!("the older dump got {other:?}"),
     }
     let s = status(&crabd.socket).bucket.sandboxes.into_iter().find(|s| s.sandbox == "s").unwrap();
@@ -502,7 +517,8 @@ async fn acquire_draws_chunks_supersedes_cancels_and_a_missing_crabd_does_not_bl
     // A newer process capture reported on the control connection supersedes
     // a waiting draw of an earlier turn of that sandbox.
     let mut draw = hello(&crabd.socket).unwrap();
-    let old_draw = Request::Acquire { sandbox: "p".into(), bytes: MIB, kind: CommitKind::Proc, turn: 7, supersedable: true };
+    let old_draw =
+        Request::Acquire { sandbox: "p".into(), bytes: MIB, kind: CommitKind::Proc, turn: 7, supersedable: true };
     draw.write_all(&frame(&old_draw)).unwrap();
     std::thread::sleep(Duration::from_millis(100));
     CommitGate::process_captured(&client, "p", 8).await;
@@ -515,7 +531,8 @@ async fn acquire_draws_chunks_supersedes_cancels_and_a_missing_crabd_does_not_bl
 
     // An explicit cancel while waiting.
     let mut stream = hello(&crabd.socket).unwrap();
-    let acquire = Request::Acquire { sandbox: "c".into(), bytes: MIB, kind: CommitKind::Proc, turn: 1, supersedable: false };
+    let acquire =
+        Request::Acquire { sandbox: "c".into(), bytes: MIB, kind: CommitKind::Proc, turn: 1, supersedable: false };
     stream.write_all(&frame(&acquire)).unwrap();
     // A waiting request shows up in the status with its lag.
     std::thread::sleep(Duration::from_millis(300));
@@ -558,7 +575,10 @@ async fn acquire_draws_chunks_supersedes_cancels_and_a_missing_crabd_does_not_bl
     drop(crabd);
     let started = Instant::now();
     let acquired = CommitGate::acquire(&client, "a", 10 * MIB, CommitKind::Fs, 3, false).await;
-    assert!(matches!(&acquired, crab::node::Acquired::Ungated { reason, .. } if reason.contains("crabd unavailable")), "{acquired:?}");
+    assert!(
+        matches!(&acquired, crab::node::Acquired::Ungated { reason, .. } if reason.contains("crabd unavailable")),
+        "{acquired:?}"
+    );
     assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
 }
 
@@ -612,7 +632,8 @@ async fn bench_sixteen_sandboxes_with_and_without_the_bucket() {
     const MIB: u64 = 1 << 20;
     let setting = |name: &str, default: u64| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
     let (rate_mib, burst_mib) = (setting("CRAB_BENCH_RATE_MIB", 160), setting("CRAB_BENCH_BURST_MIB", 32));
-    let crabd = Crabd::start("bench", &["--rate-mib-per-s", &rate_mib.to_string(), "--burst-mib", &burst_mib.to_string()]);
+    let crabd =
+        Crabd::start("bench", &["--rate-mib-per-s", &rate_mib.to_string(), "--burst-mib", &burst_mib.to_string()]);
     let client = std::sync::Arc::new(NodeClient::connect(client_options(&crabd.socket)).await.unwrap());
     let scratch = tempfile::Builder::new().prefix("crabd-bench-").tempdir_in("/var/tmp").unwrap();
     for paced in [false, true] {
@@ -741,8 +762,10 @@ async fn a_crabd_of_another_identity_is_refused_with_both_identities_named() {
         (hello_of(None), "none (protocol 2, a build older than identities)".to_string()),
         (Reply::Unsupported { supported: vec![PROTOCOL_VERSION], identity: Some(other.clone()) }, other.clone()),
         // A crabd of protocol 1 rejects the unknown identity field of this hello.
-        (Reply::Error { message: "malformed message: unknown field `identity`, expected `version`".into() },
-            "none (a build older than identities)".to_string()),
+        (
+            Reply::Error { message: "malformed message: unknown field `identity`, expected `version`".into() },
+            "none (a build older than identities)".to_string(),
+        ),
     ];
     for (reply, theirs) in cases {
         let dir = tempfile::tempdir().unwrap();
@@ -806,12 +829,18 @@ async fn a_stopped_crabd_costs_each_request_its_bound_and_nothing_hangs() {
     let started = Instant::now();
     let acquired = CommitGate::acquire(&client, "sandbox-s", MIB, CommitKind::Fs, 2, false).await;
     assert!(started.elapsed() < max_wait + slack, "acquire took {:?}", started.elapsed());
-    assert!(matches!(&acquired, crab::node::Acquired::Ungated { reason, .. } if reason.contains("max_wait")), "{acquired:?}");
+    assert!(
+        matches!(&acquired, crab::node::Acquired::Ungated { reason, .. } if reason.contains("max_wait")),
+        "{acquired:?}"
+    );
     // The next write-out does not wait the bound again.
     let started = Instant::now();
     let acquired = CommitGate::acquire(&client, "sandbox-s", MIB, CommitKind::Fs, 3, false).await;
     assert!(started.elapsed() < Duration::from_millis(100), "second acquire took {:?}", started.elapsed());
-    assert!(matches!(&acquired, crab::node::Acquired::Ungated { reason, .. } if reason.contains("not asked again")), "{acquired:?}");
+    assert!(
+        matches!(&acquired, crab::node::Acquired::Ungated { reason, .. } if reason.contains("not asked again")),
+        "{acquired:?}"
+    );
     let ungated_since = Instant::now();
     let started = Instant::now();
     CommitGate::process_captured(&client, "sandbox-s", 2).await;

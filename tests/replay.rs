@@ -26,10 +26,7 @@ const TRACE: &str = r#"{"trace": "replay-itest", "source": "crab tests", "mode":
 "#;
 
 fn trace_file(text: &str) -> tempfile::NamedTempFile {
-    let mut file = tempfile::Builder::new()
-        .suffix(".jsonl")
-        .tempfile()
-        .unwrap();
+    let mut file = tempfile::Builder::new().suffix(".jsonl").tempfile().unwrap();
     file.write_all(text.as_bytes()).unwrap();
     file
 }
@@ -83,53 +80,23 @@ async fn every_turn_restores_exactly_and_chat_only_loses_files_and_processes() {
         let report = &reports[0];
         assert_eq!((report.turns, report.fault_turn), (4, Some(2)));
         assert_eq!(report.reference.runs, 2);
-        assert!(
-            report.reference.nondeterministic_turns.is_empty(),
-            "{runtime}: {:?}",
-            report.reference
-        );
+        assert!(report.reference.nondeterministic_turns.is_empty(), "{runtime}: {:?}", report.reference);
 
         let every_turn = run_of(&report.runs, PolicyKind::EveryTurn);
         let verdict = &every_turn.fault.as_ref().unwrap().verdict.as_ref().unwrap();
-        assert_eq!(
-            every_turn.recovered_correctly,
-            Some(true),
-            "{runtime}: every-turn {verdict:?}"
-        );
-        assert!(
-            verdict.state_equal && verdict.turns_compared == [3, 4],
-            "{runtime}: {verdict:?}"
-        );
-        assert_eq!(
-            (every_turn.checkpoints, every_turn.checkpoint_failures),
-            (4, 0)
-        );
+        assert_eq!(every_turn.recovered_correctly, Some(true), "{runtime}: every-turn {verdict:?}");
+        assert!(verdict.state_equal && verdict.turns_compared == [3, 4], "{runtime}: {verdict:?}");
+        assert_eq!((every_turn.checkpoints, every_turn.checkpoint_failures), (4, 0));
         assert!(every_turn.checkpoint_bytes > 0);
-        assert!(
-            every_turn
-                .turns
-                .iter()
-                .all(|turn| turn.agent_visible_delay_s > 0.0)
-        );
+        assert!(every_turn.turns.iter().all(|turn| turn.agent_visible_delay_s > 0.0));
         // The restored `sleep 4321` is still there on turn 3: pid 1's sleep plus it.
         assert_eq!(every_turn.turns[2].rc, Some(0));
 
         let chat_only = run_of(&report.runs, PolicyKind::ChatOnly);
         let verdict = &chat_only.fault.as_ref().unwrap().verdict.as_ref().unwrap();
-        assert_eq!(
-            chat_only.recovered_correctly,
-            Some(false),
-            "{runtime}: chat-only {verdict:?}"
-        );
-        let keys: Vec<&str> = verdict
-            .state_differences
-            .iter()
-            .map(|d| d.key.as_str())
-            .collect();
-        assert!(
-            keys.contains(&"file:/app/data/a.txt"),
-            "{runtime}: {keys:?}"
-        );
+        assert_eq!(chat_only.recovered_correctly, Some(false), "{runtime}: chat-only {verdict:?}");
+        let keys: Vec<&str> = verdict.state_differences.iter().map(|d| d.key.as_str()).collect();
+        assert!(keys.contains(&"file:/app/data/a.txt"), "{runtime}: {keys:?}");
         assert!(keys.contains(&"process:sleep 4321"), "{runtime}: {keys:?}");
         assert!(verdict.rc_mismatches.contains(&3), "{runtime}: {verdict:?}");
         assert_eq!((chat_only.checkpoints, chat_only.checkpoint_bytes), (0, 0));
@@ -144,22 +111,14 @@ async fn every_turn_restores_exactly_and_chat_only_loses_files_and_processes() {
 #[tokio::test]
 async fn a_bad_trace_fails_before_any_sandbox_with_file_line_and_field() {
     let good = trace_file(TRACE);
-    let bad = trace_file(&TRACE.replace(
-        r#""turn": 3, "think_s": 0.5, "cmd""#,
-        r#""turn": 3, "think_s": 0.5, "command""#,
-    ));
+    let bad =
+        trace_file(&TRACE.replace(r#""turn": 3, "think_s": 0.5, "cmd""#, r#""turn": 3, "think_s": 0.5, "command""#));
     // The good trace comes first: nothing may run before every trace is checked.
-    let error = replay(&options(
-        vec![good.path().to_path_buf(), bad.path().to_path_buf()],
-        "io.containerd.runc.v2",
-    ))
-    .await
-    .unwrap_err();
+    let error = replay(&options(vec![good.path().to_path_buf(), bad.path().to_path_buf()], "io.containerd.runc.v2"))
+        .await
+        .unwrap_err();
     assert!(matches!(error, ReplayError::Trace(_)), "{error:?}");
-    assert_eq!(
-        error.to_string(),
-        format!("{}:4: missing field `cmd`", bad.path().display())
-    );
+    assert_eq!(error.to_string(), format!("{}:4: missing field `cmd`", bad.path().display()));
 }
 
 #[tokio::test]
@@ -168,12 +127,7 @@ async fn a_fault_turn_past_the_end_is_rejected() {
     let mut options = options(vec![file.path().to_path_buf()], "io.containerd.runc.v2");
     options.fault_turn = FaultTurn::Fixed(5);
     let error = replay(&options).await.unwrap_err();
-    assert!(
-        error
-            .to_string()
-            .ends_with("fault turn 5 is outside the trace (turns 1..=4)"),
-        "{error}"
-    );
+    assert!(error.to_string().ends_with("fault turn 5 is outside the trace (turns 1..=4)"), "{error}");
 }
 
 fn report_for(reports: &[TraceReport], fault: FaultKind) -> &TraceReport {
@@ -219,7 +173,8 @@ async fn crab_recovers_from_every_fault_kind_and_the_later_turns_match() {
     }
     let shim = report_for(&reports, FaultKind::KillShim);
     assert!(run_of(&shim.runs, PolicyKind::Crab).fault.as_ref().unwrap().detail.contains("SIGKILL to its shim (pid "));
-    let restart = run_of(&report_for(&reports, FaultKind::RestartContainerd).runs, PolicyKind::Crab).fault.clone().unwrap();
+    let restart =
+        run_of(&report_for(&reports, FaultKind::RestartContainerd).runs, PolicyKind::Crab).fault.clone().unwrap();
     assert!(restart.detail.contains("started again") && restart.detail.ends_with("task RUNNING"), "{}", restart.detail);
     // crabd is gone, yet turn 4 (it appends to a file) was checkpointed and
     // the chain verifies up to it. The shim numbers turns by exec, and the
@@ -251,7 +206,9 @@ async fn after_node_loss_every_turn_restores_its_archive_and_chat_only_lost_its_
     // The image in containerd went with the node; the archive did not.
     assert_eq!(
         fault.lost.as_deref(),
-        Some("checkpoint image of turn 2 lost with containerd's content store; its archive of turn 2 outside containerd remains")
+        Some(
+            "checkpoint image of turn 2 lost with containerd's content store; its archive of turn 2 outside containerd remains"
+        )
     );
     assert_eq!(fault.recovery, Some(RecoveryMethod::Checkpoint { turn: 2 }));
     assert!(verdict.state_equal && verdict.turns_compared == [3, 4], "{verdict:?}");

@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
-use crab::ctl::Ctl;
 use crab::containerd::ctr::Ctr;
+use crab::ctl::Ctl;
 use crab::turns::{RecordedClass, TurnRecord};
 
 const IMAGE: &str = "crab.local/busybox:latest";
@@ -68,7 +68,8 @@ impl Sandbox {
         if id == self.id {
             self.execs += 1;
         }
-        let exec_id = format!("q{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
+        let exec_id =
+            format!("q{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
         self.ctr
             .run(&["tasks", "exec", "--exec-id", &exec_id, id, "sh", "-c", script])
             .await
@@ -129,7 +130,11 @@ impl Sandbox {
     fn dump_network_lock(&self, turn: u64) -> NetworkLockRecorded {
         let dest = tempfile::tempdir().unwrap();
         let images = dest.path().join("images");
-        self.ctl().store.restore_images(&self.ctl().key(&self.id).unwrap(), turn, &images).unwrap().expect("a process checkpoint");
+        self.ctl()
+            .store
+            .restore_images(&self.ctl().key(&self.id).unwrap(), turn, &images)
+            .unwrap()
+            .expect("a process checkpoint");
         let inventory = std::fs::read(images.join("inventory.img")).unwrap();
         match recorded_network_lock(&inventory) {
             Some(0) => NetworkLockRecorded::Iptables,
@@ -180,7 +185,6 @@ fn recorded_network_lock(inventory: &[u8]) -> Option<u64> {
     }
     None
 }
-
 
 impl Drop for Sandbox {
     fn drop(&mut self) {
@@ -298,7 +302,10 @@ async fn a_process_of_another_user_is_checkpointed_and_comes_back() {
     let mut lines = after.lines();
     let (uid_after, count_after) = lines.next().unwrap().split_once(' ').unwrap();
     assert_eq!(uid_after, "65534", "{after}");
-    assert!(count_after.parse::<u64>().unwrap() + 10 >= count, "the loop continues from its value: {before} then {after}");
+    assert!(
+        count_after.parse::<u64>().unwrap() + 10 >= count,
+        "the loop continues from its value: {before} then {after}"
+    );
     // Its `$(id -u)` forks a subshell with the same command line now and then: one or two.
     let loops: u32 = lines.next().and_then(|l| l.parse().ok()).unwrap_or(0);
     assert!(loops >= 1, "the loop runs as nobody after the restore: {after}");
@@ -344,7 +351,10 @@ async fn an_open_tcp_connection_and_a_file_lock_come_back() {
     assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{:?}", turns[0]);
     let before = sb.exec_in(&sb.id.clone(), "cat /data/pong; rm /data/pong").await;
     assert!(before.starts_with("before over the connection"), "{before}");
-    assert!(sb.exec_in(&sb.id.clone(), TRY_LOCK).await.contains("Resource temporarily unavailable"), "the peer holds the lock");
+    assert!(
+        sb.exec_in(&sb.id.clone(), TRY_LOCK).await.contains("Resource temporarily unavailable"),
+        "the peer holds the lock"
+    );
     let settled = sb.settled().await;
     let last = settled.last().unwrap();
     assert!(last.checkpoint_turn.is_some(), "{settled:?}");
@@ -353,7 +363,11 @@ async fn an_open_tcp_connection_and_a_file_lock_come_back() {
     sb.ctl().recover(&sb.id, None).await.unwrap();
     let after = sb.exec_in(&sb.id.clone(), &("echo after > /data/ping; ".to_string() + AWAIT_PONG)).await;
     let pid = before.trim().rsplit(' ').next().unwrap();
-    assert_eq!(after.trim(), format!("after over the connection of pid {pid}"), "the restored peer answers over its connection");
+    assert_eq!(
+        after.trim(),
+        format!("after over the connection of pid {pid}"),
+        "the restored peer answers over its connection"
+    );
     let lock = sb.exec_in(&sb.id.clone(), TRY_LOCK).await;
     assert!(lock.contains("Resource temporarily unavailable"), "the restored peer holds its lock again: {lock}");
     // A connection was dumped: the network was locked around the dump and the restore.
@@ -465,7 +479,8 @@ async fn every_turn_writes_the_whole_checkpoint_again_without_dedup() {
     assert!(latest.join("criu/inventory.img").is_file(), "a plain CRIU image directory");
     assert!(!full.join("turn-1").exists(), "only the newest is kept");
     // Read before the next exec: its own checkpoint replaces this one.
-    let copied = std::process::Command::new("sh").arg("-c").arg("md5sum < rw/data/blob").current_dir(&latest).output().unwrap();
+    let copied =
+        std::process::Command::new("sh").arg("-c").arg("md5sum < rw/data/blob").current_dir(&latest).output().unwrap();
     let in_container = sb.exec_in(&sb.id.clone(), "md5sum < /data/blob").await;
     assert_eq!(String::from_utf8_lossy(&copied.stdout), in_container, "the rootfs diff holds the file");
     // Nothing went through the deduplicating store.
@@ -482,7 +497,10 @@ async fn recover_keeps_the_sandboxs_own_config_path() {
     sb.turn("mkdir -p /data && echo kept > /data/k").await;
     let turns = sb.settled().await;
     assert_eq!(turns[0].class, RecordedClass::Fs, "{turns:?}");
-    assert!(sb.ctl().store.head(&sb.ctl().key(&sb.id).unwrap()).unwrap().is_some(), "the checkpoint is in the sandbox's own store");
+    assert!(
+        sb.ctl().store.head(&sb.ctl().key(&sb.id).unwrap()).unwrap().is_some(),
+        "the checkpoint is in the sandbox's own store"
+    );
 
     sb.kill_processes().await;
     let report = sb.ctl().recover(&sb.id, None).await.unwrap();
@@ -524,7 +542,8 @@ async fn a_deleted_file_held_open_is_checkpointed_and_comes_back() {
 async fn the_first_turn_after_a_restore_without_crabd_is_recorded() {
     let dir = tempfile::tempdir().unwrap();
     let (state, config) = own_config(dir.path(), "");
-    let mut sb = Sandbox::start_in("rs-first", &["--runtime-config-path", config.to_str().unwrap()], state.clone()).await;
+    let mut sb =
+        Sandbox::start_in("rs-first", &["--runtime-config-path", config.to_str().unwrap()], state.clone()).await;
     sb.turn("sleep 100000 >/dev/null 2>&1 &").await;
     let turns = sb.settled().await;
     assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{turns:?}");
@@ -560,16 +579,21 @@ async fn checkpoints_survive_an_upgrade_of_crab_init() {
         .unwrap_or_else(|e| panic!("{}: {e} (scripts/test installs crab-init)", crab::config::DEFAULT_INIT));
     let (state, config) = own_config(dir.path(), &format!("init = \"{}\"\n", init.display()));
     let md5 = |bytes: &[u8]| {
-        let out = std::process::Command::new("md5sum").stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn().and_then(|mut child| {
-            use std::io::Write;
-            child.stdin.take().unwrap().write_all(bytes)?;
-            child.wait_with_output()
-        });
+        let out = std::process::Command::new("md5sum")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .and_then(|mut child| {
+                use std::io::Write;
+                child.stdin.take().unwrap().write_all(bytes)?;
+                child.wait_with_output()
+            });
         String::from_utf8(out.unwrap().stdout).unwrap().split_whitespace().next().unwrap().to_string()
     };
     let started_with = md5(&std::fs::read(&init).unwrap());
 
-    let mut sb = Sandbox::start_in("rs-upgrade", &["--runtime-config-path", config.to_str().unwrap()], state.clone()).await;
+    let mut sb =
+        Sandbox::start_in("rs-upgrade", &["--runtime-config-path", config.to_str().unwrap()], state.clone()).await;
     sb.turn("mkdir -p /data; (i=0; while :; do i=$((i+1)); echo $i > /data/c.tmp && mv /data/c.tmp /data/c; sleep 0.1; done) >/dev/null 2>&1 &").await;
     let turns = sb.settled().await;
     assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{turns:?}");
@@ -588,11 +612,16 @@ async fn checkpoints_survive_an_upgrade_of_crab_init() {
 
     sb.kill_processes().await;
     sb.ctl().recover(&sb.id, None).await.unwrap();
-    let sleeping = "for p in /proc/[0-9]*; do [ \"$(tr '\\0' ' ' < $p/cmdline)\" = 'sleep 100000 ' ] && echo sleeping; done; true";
+    let sleeping =
+        "for p in /proc/[0-9]*; do [ \"$(tr '\\0' ' ' < $p/cmdline)\" = 'sleep 100000 ' ] && echo sleeping; done; true";
     let after = sb.exec_in(&sb.id.clone(), &format!("md5sum < /dev/.crab/init; {sleeping}")).await;
     let lines: Vec<&str> = after.lines().collect();
     assert_eq!(lines.len(), 2, "{after}");
-    assert_eq!(lines[0].split_whitespace().next(), Some(started_with.as_str()), "the restore binds the build the dump ran");
+    assert_eq!(
+        lines[0].split_whitespace().next(),
+        Some(started_with.as_str()),
+        "the restore binds the build the dump ran"
+    );
     assert_eq!(lines[1], "sleeping", "turn 2's process is back: {after}");
     tokio::time::sleep(Duration::from_millis(500)).await;
     let count: u64 = sb.exec_in(&sb.id.clone(), "cat /data/c").await.trim().parse().unwrap();
@@ -613,7 +642,11 @@ fn descriptors_above_stdio(pid: u32) -> Vec<(u32, String, bool)> {
         // A descriptor may close between the listing and these reads.
         let Ok(target) = std::fs::read_link(format!("/proc/{pid}/fd/{fd}")) else { continue };
         let Ok(info) = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")) else { continue };
-        let flags = info.lines().find_map(|l| l.strip_prefix("flags:")).map(|f| u32::from_str_radix(f.trim(), 8).unwrap()).unwrap();
+        let flags = info
+            .lines()
+            .find_map(|l| l.strip_prefix("flags:"))
+            .map(|f| u32::from_str_radix(f.trim(), 8).unwrap())
+            .unwrap();
         fds.push((fd, target.to_string_lossy().into_owned(), flags & libc::O_CLOEXEC as u32 != 0));
     }
     fds
@@ -638,7 +671,9 @@ fn descriptor_faults(pid: u32, forbidden: &[u64]) -> Vec<String> {
     descriptors_above_stdio(pid)
         .into_iter()
         .filter(|(_, target, cloexec)| !cloexec || forbidden.iter().any(|i| *target == format!("socket:[{i}]")))
-        .map(|(fd, target, cloexec)| format!("fd {fd} -> {target}{}", if cloexec { "" } else { " (not close-on-exec)" }))
+        .map(|(fd, target, cloexec)| {
+            format!("fd {fd} -> {target}{}", if cloexec { "" } else { " (not close-on-exec)" })
+        })
         .collect()
 }
 
@@ -646,7 +681,11 @@ fn descriptor_faults(pid: u32, forbidden: &[u64]) -> Vec<String> {
 fn shim_socket(shim: u32) -> String {
     let cmdline = std::fs::read(format!("/proc/{shim}/cmdline")).unwrap();
     let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
-    let address = args.iter().skip_while(|a| *a != "-socket").nth(1).unwrap_or_else(|| panic!("shim {shim}: no -socket in {args:?}"));
+    let address = args
+        .iter()
+        .skip_while(|a| *a != "-socket")
+        .nth(1)
+        .unwrap_or_else(|| panic!("shim {shim}: no -socket in {args:?}"));
     address.strip_prefix("unix://").unwrap_or(address).to_string()
 }
 
@@ -694,7 +733,8 @@ impl Drop for WithCrabd {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recover_does_not_hang_when_the_killed_shim_had_started_crabd() {
     let dir = tempfile::tempdir().unwrap();
-    let (state, config, crabd_socket) = (dir.path().join("state"), dir.path().join("crab.toml"), dir.path().join("node/crabd.sock"));
+    let (state, config, crabd_socket) =
+        (dir.path().join("state"), dir.path().join("crab.toml"), dir.path().join("node/crabd.sock"));
     std::fs::write(
         &config,
         format!(
@@ -802,7 +842,8 @@ async fn a_failed_freeze_is_retried_and_each_cause_recorded() {
     let dir = tempfile::tempdir().unwrap();
     let (wrapper, fails) = freeze_failing_runc(dir.path());
     let (state, config) = own_config(dir.path(), &format!("binary = \"{}\"\n", wrapper.display()));
-    let mut sb = Sandbox::start_in("rs-freeze", &["--runtime-config-path", config.to_str().unwrap()], state.clone()).await;
+    let mut sb =
+        Sandbox::start_in("rs-freeze", &["--runtime-config-path", config.to_str().unwrap()], state.clone()).await;
 
     std::fs::write(&fails, "2").unwrap();
     sb.turn("sleep 1001 >/dev/null 2>&1 &").await;
@@ -817,7 +858,10 @@ async fn a_failed_freeze_is_retried_and_each_cause_recorded() {
     let turns = sb.turns(2).await;
     assert_eq!((turns[1].class, turns[1].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{turns:#?}");
     assert_eq!(turns[1].dump_failures.len(), 3, "{turns:#?}");
-    assert!(turns[1].reasons.iter().any(|r| r.starts_with("checkpoint failed") && r.contains("unable to freeze")), "{turns:#?}");
+    assert!(
+        turns[1].reasons.iter().any(|r| r.starts_with("checkpoint failed") && r.contains("unable to freeze")),
+        "{turns:#?}"
+    );
     assert_eq!(std::fs::read_to_string(&fails).unwrap().trim(), "0", "three attempts, no more");
     sb.turn("true").await;
     let turns = sb.turns(3).await;
@@ -877,7 +921,11 @@ async fn tmpfs_writes_of_fs_turns_come_back_and_roll_back() {
     let classes: Vec<_> = turns.iter().map(|t| t.class).collect();
     assert_eq!([classes[0], classes[2], classes[3]], [RecordedClass::Fs; 3], "{turns:#?}");
     assert_ne!(classes[1], RecordedClass::Proc, "{turns:#?}");
-    assert!(turns[2].reasons.iter().any(|r| r.contains("/dev/shm/crab_shm.txt")), "the inspector sees the write to /dev/shm: {:?}", turns[2].reasons);
+    assert!(
+        turns[2].reasons.iter().any(|r| r.contains("/dev/shm/crab_shm.txt")),
+        "the inspector sees the write to /dev/shm: {:?}",
+        turns[2].reasons
+    );
     assert!(turns[2].reasons.iter().any(|r| r.contains("/run/crab")), "and to /run: {:?}", turns[2].reasons);
     let before = sb.exec_in(&sb.id.clone(), TMPFS_FINGERPRINT).await;
     assert!(before.contains("/dev/shm/./crab_shm.txt 640 regular file 12"), "{before}");
@@ -910,7 +958,12 @@ async fn tmpfs_writes_of_a_proc_turn_and_a_later_fs_turn_come_back() {
     let turns = sb.turns(3).await;
     assert_eq!(turns[2].class, RecordedClass::Fs, "{:?}", turns[2]);
     let before = sb.exec_in(&sb.id.clone(), TMPFS_FINGERPRINT).await;
-    assert!(before.contains("/dev/shm/./later") && before.contains("/dev/shm/./p 604 regular file 7") && !before.contains("/run/crab/./r "), "{before}");
+    assert!(
+        before.contains("/dev/shm/./later")
+            && before.contains("/dev/shm/./p 604 regular file 7")
+            && !before.contains("/run/crab/./r "),
+        "{before}"
+    );
 
     sb.kill_processes().await;
     sb.ctl().recover(&sb.id, None).await.unwrap();
@@ -936,7 +989,11 @@ async fn a_write_on_a_foreign_bind_mount_is_recorded_as_external_and_recover_suc
     let turns = sb.turns(1).await;
     assert_eq!(turns[0].class, RecordedClass::Fs, "{:?}", turns[0]);
     assert!(turns[0].external, "{:?}", turns[0]);
-    assert!(turns[0].reasons.iter().any(|r| r.contains("external state: /shared/f") && r.contains("/shared")), "{:?}", turns[0].reasons);
+    assert!(
+        turns[0].reasons.iter().any(|r| r.contains("external state: /shared/f") && r.contains("/shared")),
+        "{:?}",
+        turns[0].reasons
+    );
     let key = sb.ctl().key(&sb.id).unwrap();
     let head = sb.ctl().store.head(&key).unwrap().expect("turn 1 checkpointed");
     let (_, manifest) = sb.ctl().store.manifest_at(&key, head.turn).unwrap();

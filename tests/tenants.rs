@@ -167,14 +167,22 @@ async fn restore_from_reaches_only_chains_of_the_own_namespace() {
     let stolen = t.run(true, &thief, &["--annotation", &by_id]).await;
     if stolen.is_ok() {
         let seen = t.exec(true, &thief, "x", "cat /secret 2>&1; true").await;
-        panic!("a container of namespace {} was created from {ns_a}/{victim}'s chain by its id; it reads: {seen}", t.b.namespace());
+        panic!(
+            "a container of namespace {} was created from {ns_a}/{victim}'s chain by its id; it reads: {seen}",
+            t.b.namespace()
+        );
     }
 
     let qualified = format!("io.crab.restore-from={ns_a}/{victim}:1");
     let thief2 = format!("tn-thief2-{pid}");
-    let refused = t.run(true, &thief2, &["--annotation", &qualified]).await.expect_err("restore across namespaces must be refused");
+    let refused = t
+        .run(true, &thief2, &["--annotation", &qualified])
+        .await
+        .expect_err("restore across namespaces must be refused");
     assert!(
-        refused.contains("io.crab.restore-from") && refused.contains("restore_from_namespaces") && refused.contains(&ns_a),
+        refused.contains("io.crab.restore-from")
+            && refused.contains("restore_from_namespaces")
+            && refused.contains(&ns_a),
         "the error names the annotation and why: {refused}"
     );
 

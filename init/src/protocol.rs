@@ -245,13 +245,22 @@ mod tests {
             stderr: false,
         });
         assert_eq!(roundtrip(&spawn), spawn);
-        for request in
-            [Request::List, Request::Detach, Request::Attach { exec_id: "x".into() }, Request::Release { exec_id: "x".into() }]
-        {
+        for request in [
+            Request::List,
+            Request::Detach,
+            Request::Attach { exec_id: "x".into() },
+            Request::Release { exec_id: "x".into() },
+        ] {
             assert_eq!(roundtrip(&request), request);
         }
         let session = Message::Session {
-            session: SessionInfo { exec_id: "e1".into(), args: vec!["sh".into()], pid: 7, terminal: false, exited: false },
+            session: SessionInfo {
+                exec_id: "e1".into(),
+                args: vec!["sh".into()],
+                pid: 7,
+                terminal: false,
+                exited: false,
+            },
             fds: vec![FdRole::Stdin, FdRole::Stdout, FdRole::Pidfd],
         };
         assert_eq!(roundtrip(&session), session);

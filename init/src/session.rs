@@ -69,7 +69,11 @@ fn is_executable_file(path: &str) -> bool {
     let Ok(c) = CString::new(path) else { return false };
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: valid path and out-pointer.
-    unsafe { libc::stat(c.as_ptr(), &mut st) == 0 && st.st_mode & libc::S_IFMT == libc::S_IFREG && libc::access(c.as_ptr(), libc::X_OK) == 0 }
+    unsafe {
+        libc::stat(c.as_ptr(), &mut st) == 0
+            && st.st_mode & libc::S_IFMT == libc::S_IFREG
+            && libc::access(c.as_ptr(), libc::X_OK) == 0
+    }
 }
 
 /// The program to exec: a name with a slash as given, else the first match
@@ -100,7 +104,8 @@ fn pipe() -> Result<(OwnedFd, OwnedFd), String> {
 fn with_home(env: &[String], uid: u32, passwd: &str) -> Vec<String> {
     let mut env = env.to_vec();
     if !env.iter().any(|e| e.starts_with("HOME=")) {
-        let home = std::fs::read_to_string(passwd).ok().and_then(|text| home_of(&text, uid)).unwrap_or_else(|| "/".into());
+        let home =
+            std::fs::read_to_string(passwd).ok().and_then(|text| home_of(&text, uid)).unwrap_or_else(|| "/".into());
         env.push(format!("HOME={home}"));
     }
     env
@@ -110,7 +115,8 @@ fn with_home(env: &[String], uid: u32, passwd: &str) -> Vec<String> {
 fn home_of(passwd: &str, uid: u32) -> Option<String> {
     passwd.lines().find_map(|line| {
         let fields: Vec<&str> = line.split(':').collect();
-        (fields.len() >= 7 && fields[2].parse::<u32>().ok() == Some(uid) && !fields[5].is_empty()).then(|| fields[5].to_string())
+        (fields.len() >= 7 && fields[2].parse::<u32>().ok() == Some(uid) && !fields[5].is_empty())
+            .then(|| fields[5].to_string())
     })
 }
 
@@ -212,7 +218,10 @@ pub fn spawn(req: &SpawnRequest) -> Result<Session, String> {
     let plan = Plan {
         program: cstring(&program, "program")?,
         argv: req.args.iter().map(|a| cstring(a, "argument")).collect::<Result<_, _>>()?,
-        envp: with_home(&req.env, req.uid, "/etc/passwd").iter().map(|e| cstring(e, "environment entry")).collect::<Result<_, _>>()?,
+        envp: with_home(&req.env, req.uid, "/etc/passwd")
+            .iter()
+            .map(|e| cstring(e, "environment entry"))
+            .collect::<Result<_, _>>()?,
         cwd: cstring(&req.cwd, "cwd")?,
         stdio,
         terminal: req.terminal,
@@ -350,7 +359,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("crab-init-passwd-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let passwd = dir.join("passwd");
-        std::fs::write(&passwd, "root:x:0:0:root:/root:/bin/sh\nwww-data:x:33:33:www:/var/www:/usr/sbin/nologin\n").unwrap();
+        std::fs::write(&passwd, "root:x:0:0:root:/root:/bin/sh\nwww-data:x:33:33:www:/var/www:/usr/sbin/nologin\n")
+            .unwrap();
         let passwd = passwd.to_str().unwrap();
         let env = vec!["PATH=/bin".to_string()];
         assert_eq!(with_home(&env, 0, passwd), vec!["PATH=/bin".to_string(), "HOME=/root".into()]);
@@ -390,6 +400,9 @@ mod tests {
 
         let bad_cwd = SpawnRequest { cwd: "/crab-no-such-dir".into(), ..req };
         let err = spawn(&bad_cwd).err().unwrap();
-        assert!(err.contains("chdir to cwd (\"/crab-no-such-dir\") set in config.json failed: no such file or directory"), "{err}");
+        assert!(
+            err.contains("chdir to cwd (\"/crab-no-such-dir\") set in config.json failed: no such file or directory"),
+            "{err}"
+        );
     }
 }

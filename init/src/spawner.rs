@@ -138,7 +138,9 @@ impl Spawner {
     /// Takes one pending connection; false once the backlog is empty.
     fn accept(&mut self) -> bool {
         // SAFETY: accept4 on our listener; the result is owned at once.
-        let fd = unsafe { libc::accept4(self.listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC) };
+        let fd = unsafe {
+            libc::accept4(self.listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC)
+        };
         if fd < 0 {
             return false;
         }
@@ -148,7 +150,13 @@ impl Spawner {
         let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
         // SAFETY: SO_PEERCRED fills a ucred.
         let got = unsafe {
-            libc::getsockopt(socket.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
+            libc::getsockopt(
+                socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERCRED,
+                (&mut cred as *mut libc::ucred).cast(),
+                &mut len,
+            )
         };
         let authorized = if got != 0 {
             Err(format!("connection refused: peer credentials unreadable: {}", os_error()))

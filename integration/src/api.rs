@@ -15,8 +15,7 @@ use std::time::Duration;
 use containerd_client::services::v1::content_client::ContentClient;
 use containerd_client::services::v1::tasks_client::TasksClient;
 use containerd_client::services::v1::{
-    CheckpointTaskRequest, DeleteContentRequest, PauseTaskRequest, ResumeTaskRequest,
-    UpdateTaskRequest,
+    CheckpointTaskRequest, DeleteContentRequest, PauseTaskRequest, ResumeTaskRequest, UpdateTaskRequest,
 };
 use containerd_client::tonic::Request;
 use containerd_client::tonic::transport::Channel;
@@ -26,8 +25,7 @@ use crate::ctr::Ctr;
 use crate::{HarnessError, Outcome};
 
 /// containerd registers the OCI runtime-spec types under this URL prefix and encodes them as JSON.
-const LINUX_RESOURCES_TYPE_URL: &str =
-    "types.containerd.io/opencontainers/runtime-spec/1/LinuxResources";
+const LINUX_RESOURCES_TYPE_URL: &str = "types.containerd.io/opencontainers/runtime-spec/1/LinuxResources";
 
 /// runc's checkpoint options, the type containerd's runc shims (and crab's) decode.
 const RUNC_CHECKPOINT_OPTIONS_TYPE_URL: &str = "containerd.runc.v1.CheckpointOptions";
@@ -43,13 +41,7 @@ async fn tasks_client(ctr: &Ctr, id: &str) -> Outcome<TasksClient<Channel>> {
 async fn channel(ctr: &Ctr, id: &str) -> Outcome<Channel> {
     containerd_client::connect(ctr.socket())
         .await
-        .map_err(|e| {
-            grpc_error(
-                id,
-                "connecting to containerd",
-                format!("{} ({e:?})", ctr.socket().display()),
-            )
-        })
+        .map_err(|e| grpc_error(id, "connecting to containerd", format!("{} ({e:?})", ctr.socket().display())))
 }
 
 fn status_error(id: &str, call: &str) -> impl FnOnce(containerd_client::tonic::Status) -> HarnessError {
@@ -88,29 +80,16 @@ impl TaskCheckpoint {
 /// `ctr task checkpoint` as its client library does it (pause, checkpoint, resume), with the
 /// options sent whatever the runtime's name. The resume that follows an `exit` checkpoint finds no
 /// task, as in `ctr`, and its error is ignored the same way.
-pub async fn checkpoint_task(
-    ctr: &Ctr,
-    id: &str,
-    checkpoint: &TaskCheckpoint,
-    timeout: Duration,
-) -> Outcome<()> {
-    tokio::time::timeout(timeout, pause_checkpoint_resume(ctr, id, checkpoint))
-        .await
-        .map_err(|_| HarnessError::Timeout {
-            what: format!("checkpoint of task {id} ({checkpoint:?})"),
-            after: timeout,
-        })?
+pub async fn checkpoint_task(ctr: &Ctr, id: &str, checkpoint: &TaskCheckpoint, timeout: Duration) -> Outcome<()> {
+    tokio::time::timeout(timeout, pause_checkpoint_resume(ctr, id, checkpoint)).await.map_err(|_| {
+        HarnessError::Timeout { what: format!("checkpoint of task {id} ({checkpoint:?})"), after: timeout }
+    })?
 }
 
 async fn pause_checkpoint_resume(ctr: &Ctr, id: &str, checkpoint: &TaskCheckpoint) -> Outcome<()> {
     let mut tasks = tasks_client(ctr, id).await?;
-    let pause = PauseTaskRequest {
-        container_id: id.to_string(),
-    };
-    tasks
-        .pause(with_namespace!(pause, ctr.namespace()))
-        .await
-        .map_err(status_error(id, "Tasks.Pause"))?;
+    let pause = PauseTaskRequest { container_id: id.to_string() };
+    tasks.pause(with_namespace!(pause, ctr.namespace())).await.map_err(status_error(id, "Tasks.Pause"))?;
     let request = CheckpointTaskRequest {
         container_id: id.to_string(),
         parent_checkpoint: String::new(),
@@ -119,16 +98,11 @@ async fn pause_checkpoint_resume(ctr: &Ctr, id: &str, checkpoint: &TaskCheckpoin
             value: checkpoint.encode(),
         }),
     };
-    let checkpointed = match tasks
-        .checkpoint(with_namespace!(request, ctr.namespace()))
-        .await
-    {
+    let checkpointed = match tasks.checkpoint(with_namespace!(request, ctr.namespace())).await {
         Ok(response) => discard_content(ctr, id, &response.into_inner().descriptors).await,
         Err(status) => Err(status_error(id, "Tasks.Checkpoint")(status)),
     };
-    let resume = ResumeTaskRequest {
-        container_id: id.to_string(),
-    };
+    let resume = ResumeTaskRequest { container_id: id.to_string() };
     let resumed = tasks.resume(with_namespace!(resume, ctr.namespace())).await;
     checkpointed?;
     if !checkpoint.exit {
@@ -138,19 +112,13 @@ async fn pause_checkpoint_resume(ctr: &Ctr, id: &str, checkpoint: &TaskCheckpoin
 }
 
 /// Deletes content containerd stored for a checkpoint that was asked to go to a directory.
-async fn discard_content(
-    ctr: &Ctr,
-    id: &str,
-    descriptors: &[containerd_client::types::Descriptor],
-) -> Outcome<()> {
+async fn discard_content(ctr: &Ctr, id: &str, descriptors: &[containerd_client::types::Descriptor]) -> Outcome<()> {
     if descriptors.is_empty() {
         return Ok(());
     }
     let mut content = ContentClient::new(channel(ctr, id).await?);
     for descriptor in descriptors {
-        let request = DeleteContentRequest {
-            digest: descriptor.digest.clone(),
-        };
+        let request = DeleteContentRequest { digest: descriptor.digest.clone() };
         match content.delete(with_namespace!(request, ctr.namespace())).await {
             Ok(_) => {}
             Err(status) if status.code() == containerd_client::tonic::Code::NotFound => {}
@@ -161,11 +129,7 @@ async fn discard_content(
 }
 
 /// `Tasks.Update` of container `id` with OCI `LinuxResources` given as JSON.
-pub async fn update_task_resources(
-    ctr: &Ctr,
-    id: &str,
-    resources: &serde_json::Value,
-) -> Outcome<()> {
+pub async fn update_task_resources(ctr: &Ctr, id: &str, resources: &serde_json::Value) -> Outcome<()> {
     let mut tasks = tasks_client(ctr, id).await?;
     let request = UpdateTaskRequest {
         container_id: id.to_string(),
@@ -175,9 +139,6 @@ pub async fn update_task_resources(
         }),
         annotations: Default::default(),
     };
-    tasks
-        .update(with_namespace!(request, ctr.namespace()))
-        .await
-        .map_err(status_error(id, "Tasks.Update"))?;
+    tasks.update(with_namespace!(request, ctr.namespace())).await.map_err(status_error(id, "Tasks.Update"))?;
     Ok(())
 }

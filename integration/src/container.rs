@@ -42,11 +42,8 @@ impl Container {
     /// leftover can be traced back to its test.
     pub fn new(runtime: &Runtime, scenario: &str) -> Container {
         let env = TestEnv::get();
-        let scenario: String = scenario
-            .chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
-            .take(40)
-            .collect();
+        let scenario: String =
+            scenario.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).take(40).collect();
         let id = format!(
             "{scenario}-{}-{}-{}",
             runtime.short(),
@@ -55,8 +52,7 @@ impl Container {
         );
         let scratch = env.scratch_root.join(&id);
         let _ = std::fs::remove_dir_all(&scratch);
-        std::fs::create_dir_all(&scratch)
-            .unwrap_or_else(|e| panic!("cannot create {}: {e}", scratch.display()));
+        std::fs::create_dir_all(&scratch).unwrap_or_else(|e| panic!("cannot create {}: {e}", scratch.display()));
         Container {
             ctr: env.ctr(),
             id,
@@ -99,11 +95,7 @@ impl Container {
 
     /// `run --runtime R <flags> IMAGE ID <cmd>`.
     pub fn run_args(&self, flags: &[&str], cmd: &[&str]) -> Vec<String> {
-        let mut args = vec![
-            "run".to_string(),
-            "--runtime".to_string(),
-            self.runtime.name().to_string(),
-        ];
+        let mut args = vec!["run".to_string(), "--runtime".to_string(), self.runtime.name().to_string()];
         args.extend(flags.iter().map(|f| f.to_string()));
         args.push(self.image.clone());
         args.push(self.id.clone());
@@ -117,21 +109,13 @@ impl Container {
         let mut invocation = self.ctr.invoke(self.run_args(&["--rm"], cmd));
         if let Some(bytes) = stdin {
             let (ctr, id) = (self.ctr.clone(), self.id.clone());
-            invocation = invocation
-                .stdin(bytes.to_vec())
-                .close_stdin_after(async move {
-                    // RUNNING is reported after `ctr` has set up its stdin closer (it starts the task after).
-                    let _ = wait_until(
-                        "the task to be started",
-                        Duration::from_secs(20),
-                        || async {
-                            Ok(task_of(&ctr, &id)
-                                .await?
-                                .filter(|task| task.status != "CREATED"))
-                        },
-                    )
-                    .await;
-                });
+            invocation = invocation.stdin(bytes.to_vec()).close_stdin_after(async move {
+                // RUNNING is reported after `ctr` has set up its stdin closer (it starts the task after).
+                let _ = wait_until("the task to be started", Duration::from_secs(20), || async {
+                    Ok(task_of(&ctr, &id).await?.filter(|task| task.status != "CREATED"))
+                })
+                .await;
+            });
         }
         Ok(invocation.output().await?)
     }
@@ -145,10 +129,7 @@ impl Container {
         let log_uri = format!("file://{}", self.log_path().display());
         let mut flags = vec!["-d", "--log-uri", log_uri.as_str()];
         flags.extend_from_slice(extra_flags);
-        self.ctr
-            .invoke(self.run_args(&flags, cmd))
-            .success()
-            .await?;
+        self.ctr.invoke(self.run_args(&flags, cmd)).success().await?;
         self.wait_status("RUNNING", Duration::from_secs(20)).await
     }
 
@@ -158,30 +139,23 @@ impl Container {
     }
 
     pub async fn wait_status(&self, status: &str, timeout: Duration) -> Outcome<TaskInfo> {
-        wait_until(
-            &format!("task {} to be {status}", self.id),
-            timeout,
-            || async { Ok(self.task().await?.filter(|task| task.status == status)) },
-        )
+        wait_until(&format!("task {} to be {status}", self.id), timeout, || async {
+            Ok(self.task().await?.filter(|task| task.status == status))
+        })
         .await
     }
 
     pub async fn wait_no_task(&self, timeout: Duration) -> Outcome<()> {
-        wait_until(
-            &format!("task {} to disappear from `ctr task ls`", self.id),
-            timeout,
-            || async { Ok(self.task().await?.is_none().then_some(())) },
-        )
+        wait_until(&format!("task {} to disappear from `ctr task ls`", self.id), timeout, || async {
+            Ok(self.task().await?.is_none().then_some(()))
+        })
         .await
     }
 
     pub async fn init_pid(&self) -> Outcome<u32> {
         match self.task().await? {
             Some(task) if task.pid > 0 => Ok(task.pid),
-            other => Err(HarnessError::Expectation(format!(
-                "container {} has no running init: {other:?}",
-                self.id
-            ))),
+            other => Err(HarnessError::Expectation(format!("container {} has no running init: {other:?}", self.id))),
         }
     }
 
@@ -235,18 +209,11 @@ impl Container {
     }
 
     pub async fn delete_task(&self) -> Outcome<CtrOutput> {
-        Ok(self
-            .ctr
-            .invoke(["task", "delete", self.id.as_str()])
-            .success()
-            .await?)
+        Ok(self.ctr.invoke(["task", "delete", self.id.as_str()]).success().await?)
     }
 
     pub async fn delete_container(&self) -> Outcome<()> {
-        self.ctr
-            .invoke(["container", "delete", self.id.as_str()])
-            .success()
-            .await?;
+        self.ctr.invoke(["container", "delete", self.id.as_str()]).success().await?;
         Ok(())
     }
 
@@ -254,10 +221,9 @@ impl Container {
     pub fn shim_pid(&self) -> Outcome<u32> {
         match host::shim_daemons(self.ctr.namespace(), &self.id).as_slice() {
             [pid] => Ok(*pid),
-            pids => Err(HarnessError::Expectation(format!(
-                "expected one shim for container {}, found {pids:?}",
-                self.id
-            ))),
+            pids => {
+                Err(HarnessError::Expectation(format!("expected one shim for container {}, found {pids:?}", self.id)))
+            }
         }
     }
 
@@ -272,21 +238,15 @@ impl Container {
 
     /// Pids listed by `ctr task ps`.
     pub async fn pids(&self) -> Outcome<Vec<u32>> {
-        let listing = self
-            .ctr
-            .invoke(["task", "ps", self.id.as_str()])
-            .success()
-            .await?;
+        let listing = self.ctr.invoke(["task", "ps", self.id.as_str()]).success().await?;
         listing
             .stdout
             .lines()
             .skip(1)
             .filter_map(|line| line.split_whitespace().next())
             .map(|pid| {
-                pid.parse().map_err(|_| HarnessError::Parse {
-                    what: "ctr task ps".into(),
-                    detail: format!("pid {pid:?}"),
-                })
+                pid.parse()
+                    .map_err(|_| HarnessError::Parse { what: "ctr task ps".into(), detail: format!("pid {pid:?}") })
             })
             .collect()
     }
@@ -316,8 +276,7 @@ impl Container {
         let ctr = |args: &[&str]| self.ctr.blocking(args.iter().copied(), CLEANUP_TIMEOUT);
         let _ = ctr(&["task", "kill", "--all", "--signal", "SIGKILL", id]);
         let deleted = ctr(&["task", "delete", "--force", id]);
-        let task_left = ctr(&["task", "ls", "-q"])
-            .is_ok_and(|list| list.stdout.lines().any(|l| l.trim() == id));
+        let task_left = ctr(&["task", "ls", "-q"]).is_ok_and(|list| list.stdout.lines().any(|l| l.trim() == id));
         if deleted.is_err() || task_left {
             self.kill_shims();
             std::thread::sleep(Duration::from_millis(500));
@@ -328,22 +287,13 @@ impl Container {
         // A shim must exit once its container is deleted; one that does not would pile up over runs.
         let lingering = self.kill_shims();
         if !lingering.is_empty() {
-            eprintln!(
-                "cleanup of {id}: shim(s) {lingering:?} outlived the container and were killed"
-            );
+            eprintln!("cleanup of {id}: shim(s) {lingering:?} outlived the container and were killed");
         }
         // `ctr task checkpoint` without a usable image path stores an image named after the container.
         let default_checkpoints = format!("containerd.io/checkpoint/{id}:");
-        let listed = ctr(&["image", "ls", "-q"])
-            .map(|list| list.stdout)
-            .unwrap_or_default();
+        let listed = ctr(&["image", "ls", "-q"]).map(|list| list.stdout).unwrap_or_default();
         let mut images: Vec<String> = self.images.lock().unwrap().drain(..).collect();
-        images.extend(
-            listed
-                .lines()
-                .filter(|l| l.starts_with(&default_checkpoints))
-                .map(str::to_string),
-        );
+        images.extend(listed.lines().filter(|l| l.starts_with(&default_checkpoints)).map(str::to_string));
         for image in images {
             let _ = ctr(&["image", "rm", image.as_str()]);
         }
@@ -352,11 +302,7 @@ impl Container {
 }
 
 async fn task_of(ctr: &Ctr, id: &str) -> Outcome<Option<TaskInfo>> {
-    let listing = ctr
-        .invoke(["task", "ls"])
-        .timeout(Duration::from_secs(20))
-        .success()
-        .await?;
+    let listing = ctr.invoke(["task", "ls"]).timeout(Duration::from_secs(20)).success().await?;
     for line in listing.stdout.lines().skip(1) {
         let fields: Vec<&str> = line.split_whitespace().collect();
         if fields.len() == 3 && fields[0] == id {
@@ -364,10 +310,7 @@ async fn task_of(ctr: &Ctr, id: &str) -> Outcome<Option<TaskInfo>> {
                 what: "ctr task ls".into(),
                 detail: format!("pid column of {line:?}"),
             })?;
-            return Ok(Some(TaskInfo {
-                pid,
-                status: fields[2].to_string(),
-            }));
+            return Ok(Some(TaskInfo { pid, status: fields[2].to_string() }));
         }
     }
     Ok(None)

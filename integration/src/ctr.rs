@@ -20,21 +20,10 @@ pub enum CtrError {
         #[source]
         source: std::io::Error,
     },
-    #[error(
-        "`{command}` did not finish within {after:?} (stdout so far: {stdout:?}, stderr so far: {stderr:?})"
-    )]
-    Timeout {
-        command: String,
-        after: Duration,
-        stdout: String,
-        stderr: String,
-    },
+    #[error("`{command}` did not finish within {after:?} (stdout so far: {stdout:?}, stderr so far: {stderr:?})")]
+    Timeout { command: String, after: Duration, stdout: String, stderr: String },
     #[error("`{command}` exited with {status}: {stderr}")]
-    Failed {
-        command: String,
-        status: ExitStatus,
-        stderr: String,
-    },
+    Failed { command: String, status: ExitStatus, stderr: String },
     #[error("waiting for `{command}`: {source}")]
     Wait {
         command: String,
@@ -68,10 +57,7 @@ pub struct Ctr {
 
 impl Ctr {
     pub fn new(socket: impl Into<PathBuf>, namespace: impl Into<String>) -> Self {
-        Ctr {
-            socket: socket.into(),
-            namespace: namespace.into(),
-        }
+        Ctr { socket: socket.into(), namespace: namespace.into() }
     }
 
     pub fn socket(&self) -> &Path {
@@ -103,12 +89,7 @@ impl Ctr {
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        Invocation {
-            args: self.full_args(args),
-            stdin: None,
-            stdin_close_gate: None,
-            timeout: DEFAULT_TIMEOUT,
-        }
+        Invocation { args: self.full_args(args), stdin: None, stdin_close_gate: None, timeout: DEFAULT_TIMEOUT }
     }
 
     /// Runs `ctr` synchronously, for contexts that cannot await (guards' `Drop`, one-time checks).
@@ -125,19 +106,14 @@ impl Ctr {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .map_err(|source| CtrError::Spawn {
-                command: command.clone(),
-                source,
-            })?;
+            .map_err(|source| CtrError::Spawn { command: command.clone(), source })?;
         let (stdout, stdout_reader) = drain_blocking(child.stdout.take());
         let (stderr, stderr_reader) = drain_blocking(child.stderr.take());
         let deadline = std::time::Instant::now() + timeout;
         let status = loop {
             match child.try_wait() {
                 Ok(Some(status)) => break status,
-                Ok(None) if std::time::Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(20))
-                }
+                Ok(None) if std::time::Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
                 Ok(None) => {
                     let _ = child.kill();
                     let _ = child.wait();
@@ -155,12 +131,7 @@ impl Ctr {
         for reader in [stdout_reader, stderr_reader].into_iter().flatten() {
             let _ = reader.join();
         }
-        Ok(CtrOutput {
-            command,
-            status,
-            stdout: take_text(&stdout),
-            stderr: take_text(&stderr),
-        })
+        Ok(CtrOutput { command, status, stdout: take_text(&stdout), stderr: take_text(&stderr) })
     }
 }
 
@@ -200,19 +171,12 @@ impl Invocation {
         let command = self.command_line();
         let mut child = tokio::process::Command::new("ctr")
             .args(&self.args)
-            .stdin(if self.stdin.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
+            .stdin(if self.stdin.is_some() { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
-            .map_err(|source| CtrError::Spawn {
-                command: command.clone(),
-                source,
-            })?;
+            .map_err(|source| CtrError::Spawn { command: command.clone(), source })?;
         if let (Some(bytes), Some(mut writer)) = (self.stdin, child.stdin.take()) {
             let gate = self.stdin_close_gate;
             // Closing stdin after the bytes is what lets `cat`/`wc` in the container finish.
@@ -244,12 +208,7 @@ impl Invocation {
         for reader in [stdout.1, stderr.1].into_iter().flatten() {
             let _ = tokio::time::timeout(Duration::from_secs(2), reader).await;
         }
-        Ok(CtrOutput {
-            command,
-            status,
-            stdout: take_text(&stdout.0),
-            stderr: take_text(&stderr.0),
-        })
+        Ok(CtrOutput { command, status, stdout: take_text(&stdout.0), stderr: take_text(&stderr.0) })
     }
 
     /// Runs to completion and requires exit status 0.
@@ -258,11 +217,7 @@ impl Invocation {
         if output.status.success() {
             Ok(output)
         } else {
-            Err(CtrError::Failed {
-                command: output.command,
-                status: output.status,
-                stderr: output.stderr,
-            })
+            Err(CtrError::Failed { command: output.command, status: output.status, stderr: output.stderr })
         }
     }
 
@@ -331,11 +286,7 @@ pub fn describe(args: &[String]) -> String {
     let mut line = String::from("ctr");
     for arg in args {
         line.push(' ');
-        if !arg.is_empty()
-            && arg
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_./:=,@+".contains(c))
-        {
+        if !arg.is_empty() && arg.chars().all(|c| c.is_ascii_alphanumeric() || "-_./:=,@+".contains(c)) {
             line.push_str(arg);
         } else {
             line.push('\'');

@@ -36,11 +36,9 @@ impl Containerd {
         let pid = self.pid()?;
         kill(Pid::from_raw(pid as i32), Signal::SIGKILL)
             .map_err(|e| HarnessError::io(format!("killing containerd pid {pid}"), e.into()))?;
-        wait_until(
-            &format!("containerd pid {pid} to die"),
-            Duration::from_secs(10),
-            || async { Ok((!host::process_running(pid)).then_some(())) },
-        )
+        wait_until(&format!("containerd pid {pid} to die"), Duration::from_secs(10), || async {
+            Ok((!host::process_running(pid)).then_some(()))
+        })
         .await?;
         Ok(pid)
     }
@@ -50,16 +48,10 @@ impl Containerd {
         let script = self.env.control_script.display().to_string();
         let output = tokio::time::timeout(
             START_TIMEOUT,
-            tokio::process::Command::new(&script)
-                .arg("start")
-                .kill_on_drop(true)
-                .output(),
+            tokio::process::Command::new(&script).arg("start").kill_on_drop(true).output(),
         )
         .await
-        .map_err(|_| HarnessError::Timeout {
-            what: format!("`{script} start`"),
-            after: START_TIMEOUT,
-        })?
+        .map_err(|_| HarnessError::Timeout { what: format!("`{script} start`"), after: START_TIMEOUT })?
         .map_err(|e| HarnessError::io(format!("running `{script} start`"), e))?;
         if !output.status.success() {
             return Err(HarnessError::Expectation(format!(
@@ -69,27 +61,14 @@ impl Containerd {
             )));
         }
         let ctr = self.env.ctr();
-        wait_until(
-            "containerd to answer after start",
-            START_TIMEOUT,
-            || async {
-                Ok(ctr
-                    .invoke(["version"])
-                    .timeout(Duration::from_secs(5))
-                    .success()
-                    .await
-                    .ok()
-                    .map(|_| ()))
-            },
-        )
+        wait_until("containerd to answer after start", START_TIMEOUT, || async {
+            Ok(ctr.invoke(["version"]).timeout(Duration::from_secs(5)).success().await.ok().map(|_| ()))
+        })
         .await
     }
 
     fn answers(&self) -> bool {
-        self.env
-            .ctr()
-            .blocking(["version"], Duration::from_secs(5))
-            .is_ok_and(|o| o.status.success())
+        self.env.ctr().blocking(["version"], Duration::from_secs(5)).is_ok_and(|o| o.status.success())
     }
 }
 
@@ -102,14 +81,9 @@ impl Drop for RestartGuard<'_> {
         if self.0.answers() {
             return;
         }
-        let status = std::process::Command::new(&self.0.env.control_script)
-            .arg("start")
-            .status();
+        let status = std::process::Command::new(&self.0.env.control_script).arg("start").status();
         if !matches!(status, Ok(s) if s.success()) {
-            eprintln!(
-                "could not restart containerd with {}: {status:?}",
-                self.0.env.control_script.display()
-            );
+            eprintln!("could not restart containerd with {}: {status:?}", self.0.env.control_script.display());
         }
     }
 }

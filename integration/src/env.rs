@@ -26,9 +26,7 @@ impl Runtime {
         let name = match text.trim() {
             "runc" => RUNC_RUNTIME.to_string(),
             "crab" => CRAB_RUNTIME.to_string(),
-            full if full.split('.').count() >= 3
-                && full.chars().all(|c| c.is_ascii_alphanumeric() || c == '.') =>
-            {
+            full if full.split('.').count() >= 3 && full.chars().all(|c| c.is_ascii_alphanumeric() || c == '.') => {
                 full.to_string()
             }
             other => {
@@ -77,17 +75,14 @@ impl TestEnv {
     /// The checked environment. Panics, with what to do about it, if containerd is unreachable or the
     /// image is missing: a test that cannot reach containerd must fail, not pass vacuously.
     pub fn get() -> &'static TestEnv {
-        match ENV
-            .get_or_init(|| TestEnv::from_process_env().and_then(|env| env.check().map(|()| env)))
-        {
+        match ENV.get_or_init(|| TestEnv::from_process_env().and_then(|env| env.check().map(|()| env))) {
             Ok(env) => env,
             Err(message) => panic!("integration environment not usable: {message}"),
         }
     }
 
     fn from_process_env() -> Result<TestEnv, String> {
-        let var =
-            |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_string());
+        let var = |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_string());
         let runtimes = var("CRAB_TEST_RUNTIMES", "runc,crab")
             .split(',')
             .filter(|part| !part.trim().is_empty())
@@ -114,12 +109,7 @@ impl TestEnv {
         let ctr = self.ctr();
         let version = ctr
             .blocking(["version"], Duration::from_secs(15))
-            .map_err(|e| {
-                format!(
-                    "containerd is not reachable at {}: {e}",
-                    self.socket.display()
-                )
-            })?;
+            .map_err(|e| format!("containerd is not reachable at {}: {e}", self.socket.display()))?;
         if !version.status.success() {
             return Err(format!(
                 "containerd is not reachable at {} (set CRAB_CTRD_SOCK, or start it with `scripts/containerd start`): {}",
@@ -155,10 +145,7 @@ mod tests {
     fn aliases_and_full_names_parse() {
         assert_eq!(Runtime::parse("runc").unwrap().name(), RUNC_RUNTIME);
         assert_eq!(Runtime::parse(" crab ").unwrap().name(), CRAB_RUNTIME);
-        assert_eq!(
-            Runtime::parse("io.containerd.runsc.v1").unwrap().short(),
-            "runsc"
-        );
+        assert_eq!(Runtime::parse("io.containerd.runsc.v1").unwrap().short(), "runsc");
         assert_eq!(Runtime::parse("crab").unwrap().short(), "crab");
     }
 

@@ -21,31 +21,17 @@ pub struct Event {
 impl Event {
     pub fn parse(line: &str) -> Option<Event> {
         let mut fields = line.splitn(7, ' ');
-        let _timestamp = (
-            fields.next()?,
-            fields.next()?,
-            fields.next()?,
-            fields.next()?,
-        );
+        let _timestamp = (fields.next()?, fields.next()?, fields.next()?, fields.next()?);
         let namespace = fields.next()?.to_string();
         let topic = fields.next()?.to_string();
-        let payload = fields
-            .next()
-            .and_then(|json| serde_json::from_str(json).ok())
-            .unwrap_or(Value::Null);
-        topic.starts_with('/').then_some(Event {
-            namespace,
-            topic,
-            payload,
-        })
+        let payload = fields.next().and_then(|json| serde_json::from_str(json).ok()).unwrap_or(Value::Null);
+        topic.starts_with('/').then_some(Event { namespace, topic, payload })
     }
 
     /// Whether the event is about container `id`: task events carry `container_id`, container events
     /// `id`, snapshot events `key`.
     pub fn concerns(&self, id: &str) -> bool {
-        ["container_id", "id", "key"]
-            .iter()
-            .any(|field| self.payload.get(field).and_then(Value::as_str) == Some(id))
+        ["container_id", "id", "key"].iter().any(|field| self.payload.get(field).and_then(Value::as_str) == Some(id))
     }
 
     pub fn str_field(&self, name: &str) -> Option<&str> {
@@ -81,34 +67,17 @@ impl EventStream {
                 }
             }
         });
-        let stream = EventStream {
-            events,
-            _child: child,
-        };
-        let token = format!(
-            "{}-{}",
-            std::process::id(),
-            NEXT_TOKEN.fetch_add(1, Ordering::Relaxed)
-        );
+        let stream = EventStream { events, _child: child };
+        let token = format!("{}-{}", std::process::id(), NEXT_TOKEN.fetch_add(1, Ordering::Relaxed));
         let label = format!("crab.integration.sync={token}");
-        wait_until(
-            "`ctr events` to deliver its synchronisation event",
-            Duration::from_secs(20),
-            || async {
-                ctr.invoke(["namespaces", "label", ctr.namespace(), label.as_str()])
-                    .success()
-                    .await?;
-                let seen = stream.snapshot().iter().any(|event| {
-                    event.topic == "/namespaces/update"
-                        && event
-                            .payload
-                            .pointer("/labels/crab.integration.sync")
-                            .and_then(Value::as_str)
-                            == Some(&token)
-                });
-                Ok(seen.then_some(()))
-            },
-        )
+        wait_until("`ctr events` to deliver its synchronisation event", Duration::from_secs(20), || async {
+            ctr.invoke(["namespaces", "label", ctr.namespace(), label.as_str()]).success().await?;
+            let seen = stream.snapshot().iter().any(|event| {
+                event.topic == "/namespaces/update"
+                    && event.payload.pointer("/labels/crab.integration.sync").and_then(Value::as_str) == Some(&token)
+            });
+            Ok(seen.then_some(()))
+        })
         .await?;
         Ok(stream)
     }
@@ -119,10 +88,7 @@ impl EventStream {
 
     /// Events about container `id`, in arrival order.
     pub fn for_container(&self, id: &str) -> Vec<Event> {
-        self.snapshot()
-            .into_iter()
-            .filter(|e| e.concerns(id))
-            .collect()
+        self.snapshot().into_iter().filter(|e| e.concerns(id)).collect()
     }
 
     /// Waits for an event about `id` with `topic` that also satisfies `filter`.
@@ -134,10 +100,7 @@ impl EventStream {
         filter: impl Fn(&Event) -> bool,
     ) -> Outcome<Event> {
         wait_until(&format!("event {topic} for {id}"), timeout, || async {
-            Ok(self
-                .for_container(id)
-                .into_iter()
-                .find(|e| e.topic == topic && filter(e)))
+            Ok(self.for_container(id).into_iter().find(|e| e.topic == topic && filter(e)))
         })
         .await
         .map_err(|error| match error {
@@ -151,10 +114,7 @@ impl EventStream {
 
     /// The TaskExit event of the init process of `id` (its `id` field equals the container id).
     pub async fn wait_init_exit(&self, id: &str, timeout: Duration) -> Outcome<Event> {
-        self.wait_for(id, "/tasks/exit", timeout, |e| {
-            e.str_field("id") == Some(id)
-        })
-        .await
+        self.wait_for(id, "/tasks/exit", timeout, |e| e.str_field("id") == Some(id)).await
     }
 }
 

@@ -11,11 +11,7 @@ const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 pub fn process_running(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         // The state follows the parenthesised command name, which may itself contain spaces.
-        Ok(stat) => {
-            stat.rsplit_once(')')
-                .and_then(|(_, rest)| rest.split_whitespace().next())
-                != Some("Z")
-        }
+        Ok(stat) => stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) != Some("Z"),
         Err(_) => false,
     }
 }
@@ -27,31 +23,21 @@ pub fn parent_pid(pid: u32) -> Outcome<u32> {
         .lines()
         .find_map(|line| line.strip_prefix("PPid:"))
         .and_then(|value| value.trim().parse().ok())
-        .ok_or_else(|| HarnessError::Parse {
-            what: format!("/proc/{pid}/status"),
-            detail: "no PPid line".into(),
-        })
+        .ok_or_else(|| HarnessError::Parse { what: format!("/proc/{pid}/status"), detail: "no PPid line".into() })
 }
 
 /// The argument vector of a process, empty if it is gone.
 pub fn cmdline(pid: u32) -> Vec<String> {
     std::fs::read(format!("/proc/{pid}/cmdline"))
         .map(|raw| {
-            raw.split(|b| *b == 0)
-                .filter(|a| !a.is_empty())
-                .map(|a| String::from_utf8_lossy(a).into_owned())
-                .collect()
+            raw.split(|b| *b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect()
         })
         .unwrap_or_default()
 }
 
 pub fn all_pids() -> Vec<u32> {
     std::fs::read_dir("/proc")
-        .map(|entries| {
-            entries
-                .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-                .collect()
-        })
+        .map(|entries| entries.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
         .unwrap_or_default()
 }
 
@@ -64,16 +50,9 @@ pub fn shim_daemons(namespace: &str, id: &str) -> Vec<u32> {
         .filter(|pid| {
             let argv = cmdline(*pid);
             let is_shim = argv.first().is_some_and(|arg0| {
-                Path::new(arg0)
-                    .file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with("containerd-shim"))
+                Path::new(arg0).file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("containerd-shim"))
             });
-            let flag = |name: &str| {
-                argv.windows(2)
-                    .find(|w| w[0] == name)
-                    .map(|w| w[1].as_str())
-            };
+            let flag = |name: &str| argv.windows(2).find(|w| w[0] == name).map(|w| w[1].as_str());
             let action = argv.last().map(String::as_str);
             is_shim
                 && flag("-id") == Some(id)
@@ -94,8 +73,7 @@ pub fn mounts_of(id: &str) -> Outcome<Vec<String>> {
     Ok(mountinfo
         .lines()
         .filter(|line| {
-            line.split_whitespace()
-                .any(|field| field.contains(&component_inner) || field.ends_with(&component_end))
+            line.split_whitespace().any(|field| field.contains(&component_inner) || field.ends_with(&component_end))
         })
         .map(str::to_string)
         .collect())
@@ -103,8 +81,7 @@ pub fn mounts_of(id: &str) -> Outcome<Vec<String>> {
 
 /// The pid of the process listening on the unix socket `path` (found through the socket's inode).
 pub fn unix_listener_pid(path: &Path) -> Outcome<u32> {
-    let table = std::fs::read_to_string("/proc/net/unix")
-        .map_err(|e| HarnessError::io("reading /proc/net/unix", e))?;
+    let table = std::fs::read_to_string("/proc/net/unix").map_err(|e| HarnessError::io("reading /proc/net/unix", e))?;
     let wanted = path.display().to_string();
     // Columns: Num RefCount Protocol Flags Type St Inode Path; flag 00010000 is __SO_ACCEPTCON (listening).
     let inodes: BTreeSet<String> = table
@@ -112,14 +89,11 @@ pub fn unix_listener_pid(path: &Path) -> Outcome<u32> {
         .skip(1)
         .filter_map(|line| {
             let fields: Vec<&str> = line.split_whitespace().collect();
-            (fields.len() >= 8 && fields[7] == wanted && fields[3] == "00010000")
-                .then(|| fields[6].to_string())
+            (fields.len() >= 8 && fields[7] == wanted && fields[3] == "00010000").then(|| fields[6].to_string())
         })
         .collect();
     if inodes.is_empty() {
-        return Err(HarnessError::Expectation(format!(
-            "nothing listens on {wanted}"
-        )));
+        return Err(HarnessError::Expectation(format!("nothing listens on {wanted}")));
     }
     for pid in all_pids() {
         let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
@@ -128,9 +102,7 @@ pub fn unix_listener_pid(path: &Path) -> Outcome<u32> {
         for fd in fds.flatten() {
             if let Ok(target) = std::fs::read_link(fd.path()) {
                 let target = target.display().to_string();
-                if let Some(inode) = target
-                    .strip_prefix("socket:[")
-                    .and_then(|t| t.strip_suffix(']'))
+                if let Some(inode) = target.strip_prefix("socket:[").and_then(|t| t.strip_suffix(']'))
                     && inodes.contains(inode)
                 {
                     return Ok(pid);
@@ -138,9 +110,7 @@ pub fn unix_listener_pid(path: &Path) -> Outcome<u32> {
             }
         }
     }
-    Err(HarnessError::Expectation(format!(
-        "no process holds the listening socket {wanted}"
-    )))
+    Err(HarnessError::Expectation(format!("no process holds the listening socket {wanted}")))
 }
 
 /// Where a process's cgroups are, for both the hybrid layout (v1 controllers plus v2 at
@@ -172,15 +142,8 @@ impl ProcessCgroups {
 
     /// The v2 directory: `/sys/fs/cgroup/<path>` on pure v2, `/sys/fs/cgroup/unified/<path>` on hybrid.
     pub fn v2_dir(&self) -> Option<PathBuf> {
-        let (_, path) = self
-            .entries
-            .iter()
-            .find(|(controllers, _)| controllers.is_empty())?;
-        let base = if Self::pure_v2() {
-            PathBuf::from(CGROUP_ROOT)
-        } else {
-            Path::new(CGROUP_ROOT).join("unified")
-        };
+        let (_, path) = self.entries.iter().find(|(controllers, _)| controllers.is_empty())?;
+        let base = if Self::pure_v2() { PathBuf::from(CGROUP_ROOT) } else { Path::new(CGROUP_ROOT).join("unified") };
         Some(join_cgroup(&base, path))
     }
 
@@ -189,11 +152,7 @@ impl ProcessCgroups {
         self.entries.iter().find_map(|(controllers, path)| {
             controllers.split(',').any(|c| c == controller).then(|| {
                 let mount = Path::new(CGROUP_ROOT).join(controller);
-                let mount = if mount.exists() {
-                    mount
-                } else {
-                    Path::new(CGROUP_ROOT).join(controllers)
-                };
+                let mount = if mount.exists() { mount } else { Path::new(CGROUP_ROOT).join(controllers) };
                 join_cgroup(&mount, path)
             })
         })
@@ -208,10 +167,7 @@ impl ProcessCgroups {
             } else if let Some(named) = controllers.strip_prefix("name=") {
                 self.v1_dir(controllers).or_else(|| self.v1_dir(named))
             } else {
-                controllers
-                    .split(',')
-                    .next()
-                    .and_then(|first| self.v1_dir(first))
+                controllers.split(',').next().and_then(|first| self.v1_dir(first))
             };
             if let Some(dir) = dir.filter(|d| d.is_dir()) {
                 dirs.insert(dir);
@@ -226,12 +182,11 @@ impl ProcessCgroups {
         let file = if Self::pure_v2() {
             self.v2_dir().map(|d| d.join("memory.max"))
         } else {
-            self.v1_dir("memory")
-                .map(|d| d.join("memory.limit_in_bytes"))
+            self.v1_dir("memory").map(|d| d.join("memory.limit_in_bytes"))
         }
         .ok_or_else(|| HarnessError::Expectation("process has no memory cgroup".into()))?;
-        let text = std::fs::read_to_string(&file)
-            .map_err(|e| HarnessError::io(format!("reading {}", file.display()), e))?;
+        let text =
+            std::fs::read_to_string(&file).map_err(|e| HarnessError::io(format!("reading {}", file.display()), e))?;
         match text.trim() {
             "max" => Ok(u64::MAX),
             value => value.parse().map_err(|_| HarnessError::Parse {
@@ -255,8 +210,8 @@ impl ProcessCgroups {
             .v2_dir()
             .map(|d| d.join("cgroup.freeze"))
             .ok_or_else(|| HarnessError::Expectation("process has no freezer cgroup".into()))?;
-        let text = std::fs::read_to_string(&file)
-            .map_err(|e| HarnessError::io(format!("reading {}", file.display()), e))?;
+        let text =
+            std::fs::read_to_string(&file).map_err(|e| HarnessError::io(format!("reading {}", file.display()), e))?;
         Ok(text.trim() == "1")
     }
 }

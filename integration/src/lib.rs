@@ -53,10 +53,7 @@ pub type Outcome<T> = Result<T, HarnessError>;
 
 impl HarnessError {
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        HarnessError::Io {
-            context: context.into(),
-            source,
-        }
+        HarnessError::Io { context: context.into(), source }
     }
 }
 
@@ -107,10 +104,7 @@ where
                 Some(error) => format!("{what} (last error: {error})"),
                 None => what.to_string(),
             };
-            return Err(HarnessError::Timeout {
-                what,
-                after: timeout,
-            });
+            return Err(HarnessError::Timeout { what, after: timeout });
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

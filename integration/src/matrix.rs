@@ -27,10 +27,7 @@ where
         async move {
             let outcome = match tokio::time::timeout(SCENARIO_TIMEOUT, run).await {
                 Ok(outcome) => outcome,
-                Err(_) => Err(HarnessError::Timeout {
-                    what: format!("scenario {name}"),
-                    after: SCENARIO_TIMEOUT,
-                }),
+                Err(_) => Err(HarnessError::Timeout { what: format!("scenario {name}"), after: SCENARIO_TIMEOUT }),
             };
             (runtime, outcome)
         }
@@ -50,11 +47,7 @@ pub fn require_same<T: Debug + PartialEq>(name: &str, results: Vec<(&Runtime, Ou
         }
     }
     if !failures.is_empty() {
-        panic!(
-            "scenario {name} failed under {} runtime(s):\n{}",
-            failures.len(),
-            failures.join("\n")
-        );
+        panic!("scenario {name} failed under {} runtime(s):\n{}", failures.len(), failures.join("\n"));
     }
     if let Some(((reference_runtime, reference), rest)) = observations.split_first() {
         for (runtime, observation) in rest {

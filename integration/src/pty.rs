@@ -26,26 +26,14 @@ impl PtySession {
     pub fn spawn(ctr: &Ctr, args: Vec<String>, rows: u16, cols: u16) -> Outcome<PtySession> {
         let args = ctr.full_args(args);
         let command = describe(&args);
-        let size = Winsize {
-            ws_row: rows,
-            ws_col: cols,
-            ws_xpixel: 0,
-            ws_ypixel: 0,
-        };
+        let size = Winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
         let pty = openpty(Some(&size), None).map_err(|e| HarnessError::io("openpty", e.into()))?;
         let slave: OwnedFd = pty.slave;
         let stdio = |fd: &OwnedFd| -> Outcome<Stdio> {
-            Ok(Stdio::from(fd.try_clone().map_err(|e| {
-                HarnessError::io("duplicating the pty slave", e)
-            })?))
+            Ok(Stdio::from(fd.try_clone().map_err(|e| HarnessError::io("duplicating the pty slave", e))?))
         };
         let mut process = tokio::process::Command::new("ctr");
-        process
-            .args(&args)
-            .stdin(stdio(&slave)?)
-            .stdout(stdio(&slave)?)
-            .stderr(stdio(&slave)?)
-            .kill_on_drop(true);
+        process.args(&args).stdin(stdio(&slave)?).stdout(stdio(&slave)?).stderr(stdio(&slave)?).kill_on_drop(true);
         // SAFETY: only async-signal-safe calls between fork and exec. A new session with the pty as
         // controlling terminal makes resizes reach `ctr` as SIGWINCH.
         unsafe {
@@ -56,15 +44,11 @@ impl PtySession {
                 Ok(())
             });
         }
-        let child = process
-            .spawn()
-            .map_err(|e| HarnessError::io(format!("starting `{command}`"), e))?;
+        let child = process.spawn().map_err(|e| HarnessError::io(format!("starting `{command}`"), e))?;
         drop(slave);
         let master = std::fs::File::from(pty.master);
         let output: Arc<Mutex<Vec<u8>>> = Arc::default();
-        let mut reader = master
-            .try_clone()
-            .map_err(|e| HarnessError::io("duplicating the pty master", e))?;
+        let mut reader = master.try_clone().map_err(|e| HarnessError::io("duplicating the pty master", e))?;
         let sink = output.clone();
         // Reading the master blocks; it ends with EIO once every slave descriptor is closed.
         std::thread::spawn(move || {
@@ -76,12 +60,7 @@ impl PtySession {
                 sink.lock().unwrap().extend_from_slice(&chunk[..n]);
             }
         });
-        Ok(PtySession {
-            command,
-            master,
-            output,
-            child,
-        })
+        Ok(PtySession { command, master, output, child })
     }
 
     pub fn send(&self, text: &str) -> Outcome<()> {
@@ -97,27 +76,17 @@ impl PtySession {
 
     /// Waits until the terminal output, from byte offset `from` on, contains `needle`; returns that
     /// part of the output.
-    pub async fn wait_for_text(
-        &self,
-        from: usize,
-        needle: &str,
-        timeout: Duration,
-    ) -> Outcome<String> {
-        wait_until(
-            &format!("{needle:?} on the terminal of `{}`", self.command),
-            timeout,
-            || async {
-                let bytes = self.output.lock().unwrap();
-                let tail = String::from_utf8_lossy(&bytes[from.min(bytes.len())..]).into_owned();
-                Ok(tail.contains(needle).then_some(tail))
-            },
-        )
+    pub async fn wait_for_text(&self, from: usize, needle: &str, timeout: Duration) -> Outcome<String> {
+        wait_until(&format!("{needle:?} on the terminal of `{}`", self.command), timeout, || async {
+            let bytes = self.output.lock().unwrap();
+            let tail = String::from_utf8_lossy(&bytes[from.min(bytes.len())..]).into_owned();
+            Ok(tail.contains(needle).then_some(tail))
+        })
         .await
         .map_err(|error| match error {
-            HarnessError::Timeout { what, after } => HarnessError::Timeout {
-                what: format!("{what}; terminal showed {:?}", self.screen()),
-                after,
-            },
+            HarnessError::Timeout { what, after } => {
+                HarnessError::Timeout { what: format!("{what}; terminal showed {:?}", self.screen()), after }
+            }
             other => other,
         })
     }
@@ -128,12 +97,7 @@ impl PtySession {
 
     /// Changes the terminal size; the kernel sends SIGWINCH to `ctr`, which resizes the task's console.
     pub fn resize(&self, rows: u16, cols: u16) -> Outcome<()> {
-        let size = Winsize {
-            ws_row: rows,
-            ws_col: cols,
-            ws_xpixel: 0,
-            ws_ypixel: 0,
-        };
+        let size = Winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
         // SAFETY: TIOCSWINSZ reads one Winsize from a valid pointer on an open pty master.
         unsafe { set_window_size(self.master.as_raw_fd(), &size) }
             .map_err(|e| HarnessError::io("resizing the terminal", e.into()))?;
@@ -142,15 +106,9 @@ impl PtySession {
 
     pub async fn wait_exit(&mut self, timeout: Duration) -> Outcome<ExitStatus> {
         match tokio::time::timeout(timeout, self.child.wait()).await {
-            Ok(status) => {
-                status.map_err(|e| HarnessError::io(format!("waiting for `{}`", self.command), e))
-            }
+            Ok(status) => status.map_err(|e| HarnessError::io(format!("waiting for `{}`", self.command), e)),
             Err(_) => Err(HarnessError::Timeout {
-                what: format!(
-                    "`{}` to exit; terminal showed {:?}",
-                    self.command,
-                    self.screen()
-                ),
+                what: format!("`{}` to exit; terminal showed {:?}", self.command, self.screen()),
                 after: timeout,
             }),
         }

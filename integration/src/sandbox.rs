@@ -106,17 +106,8 @@ impl Sandbox {
             .join("containerd.log");
         let shim_log_start = std::fs::metadata(&shim_log).map(|m| m.len()).unwrap_or(0);
         let log_uri = format!("file://{}", container.log_path().display());
-        let mut args: Vec<String> = [
-            "run",
-            "-d",
-            "--runtime",
-            CRAB_RUNTIME,
-            "--log-uri",
-            &log_uri,
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        let mut args: Vec<String> =
+            ["run", "-d", "--runtime", CRAB_RUNTIME, "--log-uri", &log_uri].iter().map(|s| s.to_string()).collect();
         for (key, value) in annotations {
             args.push("--annotation".into());
             args.push(format!("{key}={value}"));
@@ -124,15 +115,9 @@ impl Sandbox {
         args.extend(run_flags.iter().map(|f| f.to_string()));
         args.extend([image, container.id(), "sleep", "infinity"].map(str::to_string));
         env.ctr().invoke(args).success().await?;
-        let task = container
-            .wait_status("RUNNING", Duration::from_secs(20))
-            .await?;
+        let task = container.wait_status("RUNNING", Duration::from_secs(20)).await?;
         let cgroup_dir = ProcessCgroups::of_pid(task.pid)?.v2_dir().ok_or_else(|| {
-            HarnessError::Expectation(format!(
-                "init {} of {} has no cgroup v2",
-                task.pid,
-                container.id()
-            ))
+            HarnessError::Expectation(format!("init {} of {} has no cgroup v2", task.pid, container.id()))
         })?;
         let ignored = annotations
             .iter()
@@ -142,14 +127,11 @@ impl Sandbox {
             .filter(|p| !p.is_empty())
             .map(PathBuf::from)
             .collect();
-        let state_dir = std::env::var_os("CRAB_STATE_DIR")
-            .map_or_else(|| PathBuf::from(DEFAULT_STATE_DIR), PathBuf::from);
+        let state_dir =
+            std::env::var_os("CRAB_STATE_DIR").map_or_else(|| PathBuf::from(DEFAULT_STATE_DIR), PathBuf::from);
         Ok(Sandbox {
             // Turn logs are kept per containerd namespace.
-            turn_log: state_dir
-                .join("turns")
-                .join(env.ctr().namespace())
-                .join(format!("{}.jsonl", container.id())),
+            turn_log: state_dir.join("turns").join(env.ctr().namespace()).join(format!("{}.jsonl", container.id())),
             container,
             init_pid: task.pid,
             cgroup_dir,
@@ -179,15 +161,7 @@ impl Sandbox {
     pub async fn exec_argv(&mut self, argv: &[&str]) -> Outcome<(CtrOutput, u64)> {
         self.turns += 1;
         let exec_id = format!("turn-{}", self.turns);
-        let mut args = vec![
-            "task",
-            "exec",
-            "--exec-id",
-            &exec_id,
-            "--cwd",
-            "/app",
-            self.container.id(),
-        ];
+        let mut args = vec!["task", "exec", "--exec-id", &exec_id, "--cwd", "/app", self.container.id()];
         args.extend_from_slice(argv);
         let output = self.container.ctr().invoke(args).output().await?;
         Ok((output, self.turns))
@@ -196,11 +170,7 @@ impl Sandbox {
     /// The shim's verdict on `turn`, waiting for its record (written once its checkpoint is done).
     pub async fn verdict(&self, turn: u64) -> Outcome<TurnVerdict> {
         wait_until(
-            &format!(
-                "the turn record of {} turn {turn} in {}",
-                self.id(),
-                self.turn_log.display()
-            ),
+            &format!("the turn record of {} turn {turn} in {}", self.id(), self.turn_log.display()),
             RECORD_TIMEOUT,
             || async {
                 if let Some(verdict) = self.recorded(turn)? {
@@ -223,21 +193,14 @@ impl Sandbox {
             Ok(text) => text,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => {
-                return Err(HarnessError::io(
-                    format!("reading {}", self.turn_log.display()),
-                    e,
-                ));
+                return Err(HarnessError::io(format!("reading {}", self.turn_log.display()), e));
             }
         };
         // Only whole lines: the shim may be appending the last one.
         let complete = text.rsplit_once('\n').map_or("", |(lines, _)| lines);
         for line in complete.lines().filter(|l| !l.trim().is_empty()) {
-            let parse_error = |detail: String| HarnessError::Parse {
-                what: format!("turn record {line:?}"),
-                detail,
-            };
-            let record: serde_json::Value =
-                serde_json::from_str(line).map_err(|e| parse_error(e.to_string()))?;
+            let parse_error = |detail: String| HarnessError::Parse { what: format!("turn record {line:?}"), detail };
+            let record: serde_json::Value = serde_json::from_str(line).map_err(|e| parse_error(e.to_string()))?;
             if record["turn"].as_u64() != Some(turn) {
                 continue;
             }
@@ -247,11 +210,7 @@ impl Sandbox {
                 .ok_or_else(|| parse_error("no known class".into()))?;
             let reasons = record["reasons"]
                 .as_array()
-                .map(|r| {
-                    r.iter()
-                        .filter_map(|v| v.as_str().map(str::to_string))
-                        .collect()
-                })
+                .map(|r| r.iter().filter_map(|v| v.as_str().map(str::to_string)).collect())
                 .unwrap_or_default();
             return Ok(Some(TurnVerdict {
                 turn,
@@ -275,11 +234,7 @@ impl Sandbox {
         tail.lines()
             .find(|line| line.contains("turn checkpoint failed") && line.contains(&needle))
             .filter(|line| line.contains("runc checkpoint failed"))
-            .map(|line| {
-                line.split_once("error=")
-                    .map_or(line, |(_, e)| e)
-                    .to_string()
-            })
+            .map(|line| line.split_once("error=").map_or(line, |(_, e)| e).to_string())
     }
 
     /// What the host sees of the sandbox now: every file under its root (outside kernel
@@ -291,27 +246,16 @@ impl Sandbox {
         let root = PathBuf::from(format!("/proc/{}/root", self.init_pid));
         let mut files = BTreeMap::new();
         walk(&root, Path::new("/"), &self.ignored, &mut files)?;
-        let procs = std::fs::read_to_string(self.cgroup_dir.join("cgroup.procs")).map_err(|e| {
-            HarnessError::io(
-                format!("reading {}/cgroup.procs", self.cgroup_dir.display()),
-                e,
-            )
-        })?;
-        let pids: BTreeSet<u32> = procs
-            .lines()
-            .filter_map(|l| l.trim().parse().ok())
-            .filter(|pid| host::process_running(*pid))
-            .collect();
+        let procs = std::fs::read_to_string(self.cgroup_dir.join("cgroup.procs"))
+            .map_err(|e| HarnessError::io(format!("reading {}/cgroup.procs", self.cgroup_dir.display()), e))?;
+        let pids: BTreeSet<u32> =
+            procs.lines().filter_map(|l| l.trim().parse().ok()).filter(|pid| host::process_running(*pid)).collect();
         Ok(HostView { files, pids, cpu })
     }
 
     fn process_cpu_times(&self) -> Outcome<BTreeMap<u32, (u64, u64)>> {
-        let procs = std::fs::read_to_string(self.cgroup_dir.join("cgroup.procs")).map_err(|e| {
-            HarnessError::io(
-                format!("reading {}/cgroup.procs", self.cgroup_dir.display()),
-                e,
-            )
-        })?;
+        let procs = std::fs::read_to_string(self.cgroup_dir.join("cgroup.procs"))
+            .map_err(|e| HarnessError::io(format!("reading {}/cgroup.procs", self.cgroup_dir.display()), e))?;
         Ok(procs
             .lines()
             .filter_map(|l| l.trim().parse().ok())
@@ -321,9 +265,7 @@ impl Sandbox {
 }
 
 fn require_image(image: &str) -> Outcome<()> {
-    let listed = TestEnv::get()
-        .ctr()
-        .blocking(["images", "ls", "-q"], Duration::from_secs(15))?;
+    let listed = TestEnv::get().ctr().blocking(["images", "ls", "-q"], Duration::from_secs(15))?;
     if listed.stdout.lines().any(|l| l.trim() == image) {
         Ok(())
     } else {
@@ -387,8 +329,7 @@ impl HostView {
             .iter()
             .filter_map(|(pid, (start, old))| {
                 let (now_start, now) = self.cpu.get(pid)?;
-                (now_start == start && now > old)
-                    .then(|| format!("{pid} +{} us", (now - old) / 1000))
+                (now_start == start && now > old).then(|| format!("{pid} +{} us", (now - old) / 1000))
             })
             .collect()
     }
@@ -431,17 +372,11 @@ impl HostView {
 /// is a tmpfs of files the sandbox's programs share, so it counts.
 fn skipped(inner: &Path, ignored: &[PathBuf]) -> bool {
     let kernel = ["/proc", "/sys"].iter().any(|p| inner.starts_with(p));
-    let device =
-        inner.starts_with("/dev") && inner != Path::new("/dev") && !inner.starts_with("/dev/shm");
+    let device = inner.starts_with("/dev") && inner != Path::new("/dev") && !inner.starts_with("/dev/shm");
     kernel || device || ignored.iter().any(|p| inner.starts_with(p))
 }
 
-fn walk(
-    root: &Path,
-    inner: &Path,
-    ignored: &[PathBuf],
-    files: &mut BTreeMap<PathBuf, FileState>,
-) -> Outcome<()> {
+fn walk(root: &Path, inner: &Path, ignored: &[PathBuf], files: &mut BTreeMap<PathBuf, FileState>) -> Outcome<()> {
     let host_path = root.join(inner.strip_prefix("/").unwrap_or(inner));
     let meta = match std::fs::symlink_metadata(&host_path) {
         Ok(meta) => meta,
@@ -449,11 +384,7 @@ fn walk(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(HarnessError::io(format!("stat {}", host_path.display()), e)),
     };
-    let link_target = meta
-        .file_type()
-        .is_symlink()
-        .then(|| std::fs::read_link(&host_path).ok())
-        .flatten();
+    let link_target = meta.file_type().is_symlink().then(|| std::fs::read_link(&host_path).ok()).flatten();
     files.insert(
         inner.to_path_buf(),
         FileState {
@@ -475,15 +406,11 @@ fn walk(
         Ok(entries) => entries,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => {
-            return Err(HarnessError::io(
-                format!("listing {}", host_path.display()),
-                e,
-            ));
+            return Err(HarnessError::io(format!("listing {}", host_path.display()), e));
         }
     };
     for entry in entries {
-        let entry =
-            entry.map_err(|e| HarnessError::io(format!("listing {}", host_path.display()), e))?;
+        let entry = entry.map_err(|e| HarnessError::io(format!("listing {}", host_path.display()), e))?;
         let child = inner.join(entry.file_name());
         if !skipped(&child, ignored) {
             walk(root, &child, ignored, files)?;

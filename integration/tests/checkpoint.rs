@@ -21,8 +21,7 @@ use std::time::Duration;
 
 use crab_integration::api::{TaskCheckpoint, checkpoint_task};
 use crab_integration::{
-    Container, EventStream, HarnessError, Outcome, PtySession, across_runtimes, ensure, ensure_eq,
-    wait_until,
+    Container, EventStream, HarnessError, Outcome, PtySession, across_runtimes, ensure, ensure_eq, wait_until,
 };
 
 const SHORT: Duration = Duration::from_secs(10);
@@ -47,43 +46,33 @@ fn read_state(root_pid: u32) -> Option<(String, u64)> {
 
 async fn count_at_least(container: &Container, minimum: u64) -> Outcome<(String, u64)> {
     let pid = container.init_pid().await?;
-    wait_until(
-        &format!("the counter of {} to reach {minimum}", container.id()),
-        LONG,
-        || async {
-            match read_state(pid) {
-                Some(state) => Ok(Some(state).filter(|(_, count)| *count >= minimum)),
-                // Said on a time-out: what the counter was waiting for.
-                None => {
-                    let exists = |path: String| if std::path::Path::new(&path).exists() { "present" } else { "absent" };
-                    let log = container.read_log();
-                    let tail: String = log.chars().rev().take(200).collect::<Vec<_>>().into_iter().rev().collect();
-                    Err(HarnessError::Expectation(format!(
-                        "no /state: /proc/{pid} {}, /go {}, log ends {tail:?}",
-                        exists(format!("/proc/{pid}")),
-                        exists(format!("/proc/{pid}/root/go"))
-                    )))
-                }
+    wait_until(&format!("the counter of {} to reach {minimum}", container.id()), LONG, || async {
+        match read_state(pid) {
+            Some(state) => Ok(Some(state).filter(|(_, count)| *count >= minimum)),
+            // Said on a time-out: what the counter was waiting for.
+            None => {
+                let exists = |path: String| if std::path::Path::new(&path).exists() { "present" } else { "absent" };
+                let log = container.read_log();
+                let tail: String = log.chars().rev().take(200).collect::<Vec<_>>().into_iter().rev().collect();
+                Err(HarnessError::Expectation(format!(
+                    "no /state: /proc/{pid} {}, /go {}, log ends {tail:?}",
+                    exists(format!("/proc/{pid}")),
+                    exists(format!("/proc/{pid}/root/go"))
+                )))
             }
-        },
-    )
+        }
+    })
     .await
 }
 
 async fn start_token_counter(container: &Container, token: &str) -> Outcome<()> {
     container.start(&["sh", "-c", TOKEN_COUNTER]).await?;
-    container
-        .exec_ok("hand-token", &["sh", "-c", &format!("echo {token} > /go")])
-        .await?;
+    container.exec_ok("hand-token", &["sh", "-c", &format!("echo {token} > /go")]).await?;
     Ok(())
 }
 
 async fn image_exists(container: &Container, reference: &str) -> Outcome<bool> {
-    let images = container
-        .ctr()
-        .invoke(["image", "ls", "-q"])
-        .success()
-        .await?;
+    let images = container.ctr().invoke(["image", "ls", "-q"]).success().await?;
     Ok(images.stdout.lines().any(|line| line.trim() == reference))
 }
 
@@ -96,114 +85,63 @@ async fn remove_task_and_container(container: &Container) -> Outcome<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checkpoint_with_pipes_leaves_running_then_restores_with_memory_and_rw_layer() {
-    across_runtimes(
-        "checkpoint --task --rw, restore --live --rw",
-        |runtime| async move {
-            let original = Container::new(&runtime, "ckpt");
-            let token = format!("token-{}", original.id());
-            start_token_counter(&original, &token).await?;
-            original
-                .exec_ok(
-                    "marker",
-                    &["sh", "-c", "echo written-before-checkpoint > /marker"],
-                )
-                .await?;
-            let (_, before) = count_at_least(&original, 10).await?;
+    across_runtimes("checkpoint --task --rw, restore --live --rw", |runtime| async move {
+        let original = Container::new(&runtime, "ckpt");
+        let token = format!("token-{}", original.id());
+        start_token_counter(&original, &token).await?;
+        original.exec_ok("marker", &["sh", "-c", "echo written-before-checkpoint > /marker"]).await?;
+        let (_, before) = count_at_least(&original, 10).await?;
 
-            let reference = original.checkpoint_ref("live");
-            original
-                .ctr()
-                .invoke([
-                    "container",
-                    "checkpoint",
-                    "--task",
-                    "--rw",
-                    original.id(),
-                    reference.as_str(),
-                ])
-                .timeout(LONG)
-                .success()
-                .await?;
-            ensure!(
-                image_exists(&original, &reference).await?,
-                "checkpoint image {reference} was not created"
-            );
-
-            // Leave-running: the same task goes on counting, and its piped stdout still reaches the log.
-            let task = original.task().await?;
-            ensure_eq!(
-                task.as_ref().map(|t| t.status.as_str()),
-                Some("RUNNING"),
-                "status after checkpoint"
-            );
-            let (_, after_checkpoint) = count_at_least(&original, before + 1).await?;
-            let log_len = original.read_log().len();
-            wait_until(
-                "the original's output to keep flowing after the checkpoint",
-                SHORT,
-                || async { Ok((original.read_log().len() > log_len).then_some(())) },
-            )
+        let reference = original.checkpoint_ref("live");
+        original
+            .ctr()
+            .invoke(["container", "checkpoint", "--task", "--rw", original.id(), reference.as_str()])
+            .timeout(LONG)
+            .success()
             .await?;
-            remove_task_and_container(&original).await?;
+        ensure!(image_exists(&original, &reference).await?, "checkpoint image {reference} was not created");
 
-            let restored = Container::new(&runtime, "ckpt-restored");
-            restored
-                .ctr()
-                .invoke([
-                    "container",
-                    "restore",
-                    "--live",
-                    "--rw",
-                    restored.id(),
-                    reference.as_str(),
-                ])
-                .timeout(LONG)
-                .success()
-                .await?;
-            restored.wait_status("RUNNING", SHORT).await?;
-            let state = restored
-                .exec_ok("after-restore", &["cat", "/state"])
-                .await?;
-            let (restored_token, restored_count) = state
-                .trim()
-                .split_once(' ')
-                .and_then(|(t, c)| Some((t.to_string(), c.parse::<u64>().ok()?)))
-                .ok_or_else(|| HarnessError::Parse {
-                    what: "/state after restore".into(),
-                    detail: state.clone(),
-                })?;
-            ensure_eq!(restored_token, token, "token after restore");
-            ensure!(
-                restored_count >= before,
-                "restored count {restored_count} is below the pre-checkpoint {before}"
-            );
-            count_at_least(&restored, restored_count + 5).await?;
-            let marker = restored.exec_ok("marker", &["cat", "/marker"]).await?;
-            ensure_eq!(
-                marker.trim(),
-                "written-before-checkpoint",
-                "rw layer file after restore"
-            );
+        // Leave-running: the same task goes on counting, and its piped stdout still reaches the log.
+        let task = original.task().await?;
+        ensure_eq!(task.as_ref().map(|t| t.status.as_str()), Some("RUNNING"), "status after checkpoint");
+        let (_, after_checkpoint) = count_at_least(&original, before + 1).await?;
+        let log_len = original.read_log().len();
+        wait_until("the original's output to keep flowing after the checkpoint", SHORT, || async {
+            Ok((original.read_log().len() > log_len).then_some(()))
+        })
+        .await?;
+        remove_task_and_container(&original).await?;
 
-            let listing = restored.ctr().invoke(["container", "ls"]).success().await?;
-            let restored_runtime = listing
-                .stdout
-                .lines()
-                .find(|l| l.split_whitespace().next() == Some(restored.id()))
-                .and_then(|l| l.split_whitespace().last().map(str::to_string));
-            ensure_eq!(
-                restored_runtime.as_deref(),
-                Some(runtime.name()),
-                "runtime of the restored container"
-            );
-            remove_task_and_container(&restored).await?;
-            Ok((
-                "running after checkpoint",
-                after_checkpoint > before,
-                "memory, rw layer and runtime restored",
-            ))
-        },
-    )
+        let restored = Container::new(&runtime, "ckpt-restored");
+        restored
+            .ctr()
+            .invoke(["container", "restore", "--live", "--rw", restored.id(), reference.as_str()])
+            .timeout(LONG)
+            .success()
+            .await?;
+        restored.wait_status("RUNNING", SHORT).await?;
+        let state = restored.exec_ok("after-restore", &["cat", "/state"]).await?;
+        let (restored_token, restored_count) = state
+            .trim()
+            .split_once(' ')
+            .and_then(|(t, c)| Some((t.to_string(), c.parse::<u64>().ok()?)))
+            .ok_or_else(|| HarnessError::Parse { what: "/state after restore".into(), detail: state.clone() })?;
+        ensure_eq!(restored_token, token, "token after restore");
+        ensure!(restored_count >= before, "restored count {restored_count} is below the pre-checkpoint {before}");
+        count_at_least(&restored, restored_count + 5).await?;
+        let marker = restored.exec_ok("marker", &["cat", "/marker"]).await?;
+        ensure_eq!(marker.trim(), "written-before-checkpoint", "rw layer file after restore");
+
+        let listing = restored.ctr().invoke(["container", "ls"]).success().await?;
+        let restored_runtime = listing
+            .stdout
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(restored.id()))
+            .and_then(|l| l.split_whitespace().last().map(str::to_string));
+        ensure_eq!(restored_runtime.as_deref(), Some(runtime.name()), "runtime of the restored container");
+        remove_task_and_container(&restored).await?;
+        Ok(("running after checkpoint", after_checkpoint > before, "memory, rw layer and runtime restored"))
+    })
     .await;
 }
 
@@ -212,10 +150,7 @@ async fn checkpoint_with_pipes_leaves_running_then_restores_with_memory_and_rw_l
 /// and silently drops them otherwise (see `crab_integration::api`): it would then store an image
 /// named after the container instead, whatever runtime serves it.
 async fn checkpoint_to_dir(container: &Container, dir: &Path, exit: bool) -> Outcome<()> {
-    let request = TaskCheckpoint {
-        image_path: dir.display().to_string(),
-        exit,
-    };
+    let request = TaskCheckpoint { image_path: dir.display().to_string(), exit };
     checkpoint_task(container.ctr(), container.id(), &request, LONG).await
 }
 
@@ -227,53 +162,34 @@ fn has_criu_images(dir: &Path) -> Outcome<Vec<String>> {
         .collect();
     names.sort();
     for required in ["inventory.img", "pstree.img"] {
-        ensure!(
-            names.iter().any(|n| n == required),
-            "{} lacks {required}: {names:?}",
-            dir.display()
-        );
+        ensure!(names.iter().any(|n| n == required), "{} lacks {required}: {names:?}", dir.display());
     }
-    ensure!(
-        names.iter().any(|n| n.starts_with("core-")),
-        "{} has no core-*.img: {names:?}",
-        dir.display()
-    );
+    ensure!(names.iter().any(|n| n.starts_with("core-")), "{} has no core-*.img: {names:?}", dir.display());
     Ok(names)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn task_checkpoint_to_image_path_then_with_exit() {
-    across_runtimes(
-        "task checkpoint --image-path [--exit]",
-        |runtime| async move {
-            let container = Container::new(&runtime, "ckpt-path");
-            let events = EventStream::start(container.ctr()).await?;
-            start_token_counter(&container, "path").await?;
-            let (_, before) = count_at_least(&container, 5).await?;
+    across_runtimes("task checkpoint --image-path [--exit]", |runtime| async move {
+        let container = Container::new(&runtime, "ckpt-path");
+        let events = EventStream::start(container.ctr()).await?;
+        start_token_counter(&container, "path").await?;
+        let (_, before) = count_at_least(&container, 5).await?;
 
-            let live_dir = container.scratch_dir().join("live");
-            checkpoint_to_dir(&container, &live_dir, false).await?;
-            has_criu_images(&live_dir)?;
-            ensure_eq!(
-                container.task().await?.map(|t| t.status),
-                Some("RUNNING".to_string()),
-                "status after checkpoint"
-            );
-            count_at_least(&container, before + 5).await?;
+        let live_dir = container.scratch_dir().join("live");
+        checkpoint_to_dir(&container, &live_dir, false).await?;
+        has_criu_images(&live_dir)?;
+        ensure_eq!(container.task().await?.map(|t| t.status), Some("RUNNING".to_string()), "status after checkpoint");
+        count_at_least(&container, before + 5).await?;
 
-            let exit_dir = container.scratch_dir().join("exit");
-            checkpoint_to_dir(&container, &exit_dir, true).await?;
-            has_criu_images(&exit_dir)?;
-            container.wait_status("STOPPED", SHORT).await?;
-            let exit = events.wait_init_exit(container.id(), SHORT).await?;
-            container.delete_task().await?;
-            Ok((
-                "running after plain checkpoint",
-                "stopped after --exit",
-                exit.u64_field("exit_status"),
-            ))
-        },
-    )
+        let exit_dir = container.scratch_dir().join("exit");
+        checkpoint_to_dir(&container, &exit_dir, true).await?;
+        has_criu_images(&exit_dir)?;
+        container.wait_status("STOPPED", SHORT).await?;
+        let exit = events.wait_init_exit(container.id(), SHORT).await?;
+        container.delete_task().await?;
+        Ok(("running after plain checkpoint", "stopped after --exit", exit.u64_field("exit_status")))
+    })
     .await;
 }
 
@@ -286,63 +202,34 @@ async fn checkpoint_of_a_tty_container() {
             container.ctr(),
             container.run_args(
                 &["-d", "-t"],
-                &[
-                    "sh",
-                    "-c",
-                    "i=0; while :; do i=$((i+1)); echo $i > /state; sleep 0.05; done",
-                ],
+                &["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /state; sleep 0.05; done"],
             ),
             24,
             80,
         )?;
         let launched = launcher.wait_exit(LONG).await?;
-        ensure!(
-            launched.success(),
-            "`ctr run -d -t` failed: {:?}",
-            launcher.screen()
-        );
+        ensure!(launched.success(), "`ctr run -d -t` failed: {:?}", launcher.screen());
         container.wait_status("RUNNING", SHORT).await?;
-        let tty = container
-            .exec_ok("tty", &["sh", "-c", "readlink /proc/1/fd/0"])
-            .await?;
+        let tty = container.exec_ok("tty", &["sh", "-c", "readlink /proc/1/fd/0"]).await?;
         ensure_eq!(tty.trim(), "/dev/pts/0", "init's stdin");
 
         let reference = container.checkpoint_ref("tty");
         container
             .ctr()
-            .invoke([
-                "container",
-                "checkpoint",
-                "--task",
-                "--rw",
-                container.id(),
-                reference.as_str(),
-            ])
+            .invoke(["container", "checkpoint", "--task", "--rw", container.id(), reference.as_str()])
             .timeout(LONG)
             .success()
             .await?;
-        ensure!(
-            image_exists(&container, &reference).await?,
-            "checkpoint image {reference} was not created"
-        );
+        ensure!(image_exists(&container, &reference).await?, "checkpoint image {reference} was not created");
         // containerd 1.6 honours an image path only for runtimes named io.containerd.runc.*: for any
         // other it also stores the checkpoint and the container's spec in its content store, and
         // fails with "already exists" while an earlier checkpoint image still holds that spec. Drop
         // the image (and, synchronously, its content) first; runc.v2 does the same steps.
-        container
-            .ctr()
-            .invoke(["image", "rm", "--sync", reference.as_str()])
-            .timeout(LONG)
-            .success()
-            .await?;
+        container.ctr().invoke(["image", "rm", "--sync", reference.as_str()]).timeout(LONG).success().await?;
         let dir = container.scratch_dir().join("tty-images");
         checkpoint_to_dir(&container, &dir, false).await?;
         has_criu_images(&dir)?;
-        ensure_eq!(
-            container.task().await?.map(|t| t.status),
-            Some("RUNNING".to_string()),
-            "status after checkpoints"
-        );
+        ensure_eq!(container.task().await?.map(|t| t.status), Some("RUNNING".to_string()), "status after checkpoints");
         // Restore of a TTY container is not asserted: runc.v2 cannot do it (see the module comment).
         remove_task_and_container(&container).await?;
         Ok("tty container checkpointed and left running")

@@ -6,28 +6,20 @@ use std::time::Duration;
 
 use crab_integration::daemon::{Containerd, RestartGuard};
 use crab_integration::host;
-use crab_integration::{
-    Container, EventStream, Outcome, TestEnv, ensure, ensure_eq, require_same, wait_until,
-};
+use crab_integration::{Container, EventStream, Outcome, TestEnv, ensure, ensure_eq, require_same, wait_until};
 
 const SHORT: Duration = Duration::from_secs(10);
 const LONG: Duration = Duration::from_secs(30);
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-const TICKER: &[&str] = &[
-    "sh",
-    "-c",
-    "i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.05; done",
-];
+const TICKER: &[&str] = &["sh", "-c", "i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.05; done"];
 
 async fn log_grows(container: &Container, what: &str) -> Outcome<()> {
     let before = container.read_log().len();
-    wait_until(
-        &format!("output of {} to keep flowing {what}", container.id()),
-        SHORT,
-        || async { Ok((container.read_log().len() > before).then_some(())) },
-    )
+    wait_until(&format!("output of {} to keep flowing {what}", container.id()), SHORT, || async {
+        Ok((container.read_log().len() > before).then_some(()))
+    })
     .await
 }
 
@@ -46,18 +38,9 @@ async fn tasks_survive_a_containerd_crash_and_restart() {
     let mut subjects = Vec::new();
     for runtime in &env.runtimes {
         let container = Container::new(runtime, "ctrd-restart");
-        let task = container
-            .start(TICKER)
-            .await
-            .unwrap_or_else(|e| panic!("{runtime}: {e}"));
-        let shim = container
-            .shim_pid()
-            .unwrap_or_else(|e| panic!("{runtime}: {e}"));
-        subjects.push(Subject {
-            container,
-            init: task.pid,
-            shim,
-        });
+        let task = container.start(TICKER).await.unwrap_or_else(|e| panic!("{runtime}: {e}"));
+        let shim = container.shim_pid().unwrap_or_else(|e| panic!("{runtime}: {e}"));
+        subjects.push(Subject { container, init: task.pid, shim });
     }
     // Declared after the containers so that it is dropped first: containerd must answer before
     // their guards clean up.
@@ -67,16 +50,8 @@ async fn tasks_survive_a_containerd_crash_and_restart() {
 
     let while_down = futures::future::join_all(subjects.iter().map(|s| async move {
         let outcome: Outcome<&str> = async {
-            ensure!(
-                host::process_running(s.init),
-                "init {} died with containerd",
-                s.init
-            );
-            ensure!(
-                host::process_running(s.shim),
-                "shim {} died with containerd",
-                s.shim
-            );
+            ensure!(host::process_running(s.init), "init {} died with containerd", s.init);
+            ensure!(host::process_running(s.shim), "shim {} died with containerd", s.shim);
             log_grows(&s.container, "while containerd is down").await?;
             Ok("running, output flowing")
         }
@@ -85,10 +60,7 @@ async fn tasks_survive_a_containerd_crash_and_restart() {
     }))
     .await;
 
-    containerd
-        .start()
-        .await
-        .unwrap_or_else(|e| panic!("restarting containerd: {e}"));
+    containerd.start().await.unwrap_or_else(|e| panic!("restarting containerd: {e}"));
     let restarted = containerd.pid().unwrap_or_else(|e| panic!("{e}"));
     assert_ne!(restarted, killed, "containerd was not restarted");
     require_same("tasks while containerd is down", while_down);
@@ -102,14 +74,8 @@ async fn tasks_survive_a_containerd_crash_and_restart() {
                 Some((s.init, "RUNNING")),
                 "task after containerd restart"
             );
-            ensure_eq!(
-                container.shim_pid()?,
-                s.shim,
-                "shim after containerd restart"
-            );
-            let output = container
-                .exec("after-restart", &["sh", "-c", "echo exec-works; exit 4"])
-                .await?;
+            ensure_eq!(container.shim_pid()?, s.shim, "shim after containerd restart");
+            let output = container.exec("after-restart", &["sh", "-c", "echo exec-works; exit 4"]).await?;
             ensure_eq!(output.stdout, "exec-works\n", "exec stdout after restart");
             ensure_eq!(output.code(), Some(4), "exec exit code after restart");
             log_grows(container, "after containerd restarted").await?;
@@ -125,11 +91,7 @@ async fn tasks_survive_a_containerd_crash_and_restart() {
                 Ok((!host::process_running(s.shim)).then_some(()))
             })
             .await?;
-            ensure!(
-                container.mounts()?.is_empty(),
-                "mounts left: {:?}",
-                container.mounts()?
-            );
+            ensure!(container.mounts()?.is_empty(), "mounts left: {:?}", container.mounts()?);
             Ok((output.code(), output.stdout, exit.u64_field("exit_status")))
         }
         .await;

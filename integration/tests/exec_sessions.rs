@@ -11,9 +11,7 @@ use std::time::Duration;
 
 use crab_integration::api::{TaskCheckpoint, checkpoint_task};
 use crab_integration::env::CRAB_RUNTIME;
-use crab_integration::{
-    Container, HarnessError, Outcome, Runtime, across_runtimes, ensure, ensure_eq,
-};
+use crab_integration::{Container, HarnessError, Outcome, Runtime, across_runtimes, ensure, ensure_eq};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout};
 
@@ -61,16 +59,19 @@ impl ShellSession {
     /// The next output line that starts with `prefix`.
     async fn line_starting(&mut self, prefix: &str, timeout: Duration) -> Outcome<String> {
         let wait = async {
-            while let Some(line) = self.lines.next_line().await.map_err(|e| HarnessError::io("reading the session", e))? {
+            while let Some(line) =
+                self.lines.next_line().await.map_err(|e| HarnessError::io("reading the session", e))?
+            {
                 if line.starts_with(prefix) {
                     return Ok(line);
                 }
             }
             Err(HarnessError::Expectation(format!("session output ended before a line starting with {prefix:?}")))
         };
-        tokio::time::timeout(timeout, wait)
-            .await
-            .map_err(|_| HarnessError::Timeout { what: format!("a session line starting with {prefix:?}"), after: timeout })?
+        tokio::time::timeout(timeout, wait).await.map_err(|_| HarnessError::Timeout {
+            what: format!("a session line starting with {prefix:?}"),
+            after: timeout,
+        })?
     }
 
     async fn exit(mut self) -> Outcome<Option<i32>> {
@@ -120,9 +121,13 @@ async fn exec_session_is_in_the_checkpoint_and_reattaches_after_restore() {
 
         // containerd's task checkpoint (paused, leave running): the dump holds the session's memory.
         let dump = original.scratch_dir().join("dump");
-        let checkpointed =
-            checkpoint_task(original.ctr(), original.id(), &TaskCheckpoint { image_path: dump.display().to_string(), exit: false }, LONG)
-                .await;
+        let checkpointed = checkpoint_task(
+            original.ctr(),
+            original.id(),
+            &TaskCheckpoint { image_path: dump.display().to_string(), exit: false },
+            LONG,
+        )
+        .await;
         if let Err(e) = checkpointed {
             // CRIU's own account of the failure is the useful part.
             let log = std::fs::read_to_string(dump.join("dump.log")).unwrap_or_default();
@@ -133,7 +138,11 @@ async fn exec_session_is_in_the_checkpoint_and_reattaches_after_restore() {
         ensure!(dumped >= BIG_BYTES, "dump is {dumped} bytes: the session's {BIG_BYTES}-byte variable is missing");
         // The original session keeps working after the checkpoint.
         shell.send("echo still $secret").await?;
-        ensure_eq!(shell.line_starting("still", SHORT).await?, format!("still {secret}"), "session after the checkpoint");
+        ensure_eq!(
+            shell.line_starting("still", SHORT).await?,
+            format!("still {secret}"),
+            "session after the checkpoint"
+        );
 
         let reference = original.checkpoint_ref("session");
         original
@@ -243,7 +252,10 @@ print(json.dumps(frames))
         ensure_eq!(frames.len(), 1, "frames the spawner sent before closing: {frames:?}");
         ensure_eq!(frames[0]["kind"], "error", "reply to a container process");
         let message = frames[0]["message"].as_str().unwrap_or_default();
-        ensure!(message.contains("connection refused") && message.contains("inside the container"), "refusal: {message}");
+        ensure!(
+            message.contains("connection refused") && message.contains("inside the container"),
+            "refusal: {message}"
+        );
         Ok(())
     }
     .await;

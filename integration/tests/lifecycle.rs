@@ -5,9 +5,7 @@
 use std::time::Duration;
 
 use crab_integration::host::{self, ProcessCgroups};
-use crab_integration::{
-    Container, EventStream, Outcome, PtySession, across_runtimes, ensure, ensure_eq, wait_until,
-};
+use crab_integration::{Container, EventStream, Outcome, PtySession, across_runtimes, ensure, ensure_eq, wait_until};
 
 const SHORT: Duration = Duration::from_secs(10);
 const LONG: Duration = Duration::from_secs(30);
@@ -22,12 +20,7 @@ async fn exit_codes_are_the_task_exit_status() {
         for (script, expected) in [("exit 0", 0), ("exit 3", 3)] {
             let container = Container::new(&runtime, "exit-code");
             let output = container.run_to_exit(&["sh", "-c", script], None).await?;
-            ensure_eq!(
-                output.code(),
-                Some(expected),
-                "exit code of `{script}` (stderr: {})",
-                output.stderr.trim()
-            );
+            ensure_eq!(output.code(), Some(expected), "exit code of `{script}` (stderr: {})", output.stderr.trim());
             codes.push((script.to_string(), output.code()));
         }
         // A signal sent from inside cannot kill pid 1 of a pid namespace, so SIGKILL comes from
@@ -37,12 +30,7 @@ async fn exit_codes_are_the_task_exit_status() {
             container.wait_status("RUNNING", LONG).await?;
             container.kill("SIGKILL", false).await
         })?;
-        ensure_eq!(
-            output.code(),
-            Some(137),
-            "exit code after SIGKILL (stderr: {})",
-            output.stderr.trim()
-        );
+        ensure_eq!(output.code(), Some(137), "exit code after SIGKILL (stderr: {})", output.stderr.trim());
         codes.push(("SIGKILL".to_string(), output.code()));
         Ok(codes)
     })
@@ -53,28 +41,12 @@ async fn exit_codes_are_the_task_exit_status() {
 async fn stdout_and_stderr_stay_separate() {
     across_runtimes("stdout/stderr separation", |runtime| async move {
         let container = Container::new(&runtime, "stdio");
-        let output = container
-            .run_to_exit(
-                &[
-                    "sh",
-                    "-c",
-                    "echo to-stdout; echo to-stderr >&2; echo more-stdout",
-                ],
-                None,
-            )
-            .await?;
+        let output =
+            container.run_to_exit(&["sh", "-c", "echo to-stdout; echo to-stderr >&2; echo more-stdout"], None).await?;
         ensure_eq!(output.code(), Some(0), "exit code");
         ensure_eq!(output.stdout, "to-stdout\nmore-stdout\n", "stdout");
-        ensure!(
-            output.stderr.contains("to-stderr"),
-            "stderr lacks the line written to fd 2: {:?}",
-            output.stderr
-        );
-        ensure!(
-            !output.stderr.contains("stdout"),
-            "stdout leaked into stderr: {:?}",
-            output.stderr
-        );
+        ensure!(output.stderr.contains("to-stderr"), "stderr lacks the line written to fd 2: {:?}", output.stderr);
+        ensure!(!output.stderr.contains("stdout"), "stdout leaked into stderr: {:?}", output.stderr);
         Ok(output.stdout)
     })
     .await;
@@ -105,22 +77,13 @@ async fn stdin_is_forwarded_and_closed() {
         let input = b"first line\nsecond line\n";
         let cat = Container::new(&runtime, "stdin-cat");
         let echoed = cat.run_to_exit(&["cat"], Some(input)).await?;
-        ensure_eq!(
-            echoed.code(),
-            Some(0),
-            "exit code of cat (stderr: {})",
-            echoed.stderr.trim()
-        );
+        ensure_eq!(echoed.code(), Some(0), "exit code of cat (stderr: {})", echoed.stderr.trim());
         ensure_eq!(echoed.stdout.as_bytes(), input.as_slice(), "cat output");
 
         // `wc -c` only prints once stdin reaches EOF, so this also proves the close is propagated.
         let wc = Container::new(&runtime, "stdin-wc");
         let counted = wc.run_to_exit(&["wc", "-c"], Some(input)).await?;
-        ensure_eq!(
-            counted.stdout.trim(),
-            input.len().to_string(),
-            "wc -c output"
-        );
+        ensure_eq!(counted.stdout.trim(), input.len().to_string(), "wc -c output");
         Ok((echoed.stdout, counted.stdout.trim().to_string()))
     })
     .await;
@@ -130,29 +93,18 @@ async fn stdin_is_forwarded_and_closed() {
 async fn tty_gets_a_terminal_and_follows_resizes() {
     across_runtimes("tty", |runtime| async move {
         let container = Container::new(&runtime, "tty");
-        let mut terminal = PtySession::spawn(
-            container.ctr(),
-            container.run_args(&["--rm", "-t"], &["sh"]),
-            24,
-            80,
-        )?;
+        let mut terminal = PtySession::spawn(container.ctr(), container.run_args(&["--rm", "-t"], &["sh"]), 24, 80)?;
         container.wait_status("RUNNING", LONG).await?;
 
         let mark = terminal.output_len();
         terminal.send("tty; echo tty-done\n")?;
         let tty = terminal.wait_for_text(mark, "\ntty-done", SHORT).await?;
-        ensure!(
-            tty.contains("/dev/pts/0"),
-            "`tty` inside the container printed {tty:?}"
-        );
+        ensure!(tty.contains("/dev/pts/0"), "`tty` inside the container printed {tty:?}");
 
         let mark = terminal.output_len();
         terminal.send("stty size; echo size-done\n")?;
         let initial = terminal.wait_for_text(mark, "\nsize-done", SHORT).await?;
-        ensure!(
-            initial.contains("24 80"),
-            "initial `stty size` printed {initial:?}"
-        );
+        ensure!(initial.contains("24 80"), "initial `stty size` printed {initial:?}");
 
         terminal.resize(40, 132)?;
         // ctr forwards the resize asynchronously: poll until the console reports it.
@@ -171,11 +123,7 @@ async fn tty_gets_a_terminal_and_follows_resizes() {
 
         terminal.send("exit 7\n")?;
         let status = terminal.wait_exit(LONG).await?;
-        ensure_eq!(
-            status.code(),
-            Some(7),
-            "ctr's exit code after `exit 7` in the TTY shell"
-        );
+        ensure_eq!(status.code(), Some(7), "ctr's exit code after `exit 7` in the TTY shell");
         Ok(("/dev/pts/0", resized.contains("40 132"), status.code()))
     })
     .await;
@@ -197,21 +145,14 @@ async fn concurrent_execs_keep_their_own_io_and_exit_codes() {
                 Outcome::Ok((exec_id, output.stdout, has_stderr, code))
             }
         });
-        let results: Vec<_> = futures::future::join_all(runs)
-            .await
-            .into_iter()
-            .collect::<Outcome<_>>()?;
+        let results: Vec<_> = futures::future::join_all(runs).await.into_iter().collect::<Outcome<_>>()?;
         for (n, (exec_id, stdout, has_stderr, code)) in (1..=4).zip(&results) {
             ensure_eq!(*stdout, format!("out-{n}\n"), "stdout of {exec_id}");
             ensure!(*has_stderr, "stderr of {exec_id} lacks err-{n}");
             ensure_eq!(*code, Some(n), "exit code of {exec_id}");
         }
         // The init is untouched by its execs.
-        ensure_eq!(
-            container.task().await?.map(|t| t.status),
-            Some("RUNNING".to_string()),
-            "init status"
-        );
+        ensure_eq!(container.task().await?.map(|t| t.status), Some("RUNNING".to_string()), "init status");
         Ok(results)
     })
     .await;
@@ -223,11 +164,7 @@ async fn sigterm_reaches_the_init_trap() {
         let container = Container::new(&runtime, "sigterm");
         let events = EventStream::start(container.ctr()).await?;
         container
-            .start(&[
-                "sh",
-                "-c",
-                "trap 'echo got-term; exit 42' TERM; echo ready; while :; do sleep 0.1; done",
-            ])
+            .start(&["sh", "-c", "trap 'echo got-term; exit 42' TERM; echo ready; while :; do sleep 0.1; done"])
             .await?;
         wait_until("the init to install its trap", SHORT, || async {
             Ok(container.read_log().contains("ready").then_some(()))
@@ -235,17 +172,9 @@ async fn sigterm_reaches_the_init_trap() {
         .await?;
         container.kill("SIGTERM", false).await?;
         let exit = events.wait_init_exit(container.id(), SHORT).await?;
-        ensure_eq!(
-            exit.u64_field("exit_status"),
-            Some(42),
-            "exit status in TaskExit"
-        );
+        ensure_eq!(exit.u64_field("exit_status"), Some(42), "exit status in TaskExit");
         container.wait_status("STOPPED", SHORT).await?;
-        ensure!(
-            container.read_log().contains("got-term"),
-            "trap output missing: {:?}",
-            container.read_log()
-        );
+        ensure!(container.read_log().contains("got-term"), "trap output missing: {:?}", container.read_log());
         container.delete_task().await?;
         Ok(exit.u64_field("exit_status"))
     })
@@ -257,9 +186,7 @@ async fn kill_all_reaches_every_process() {
     across_runtimes("kill --all", |runtime| async move {
         let container = Container::new(&runtime, "killall");
         let events = EventStream::start(container.ctr()).await?;
-        container
-            .start(&["sh", "-c", "sleep 1000 & sleep 1000 & wait"])
-            .await?;
+        container.start(&["sh", "-c", "sleep 1000 & sleep 1000 & wait"]).await?;
         let pids = wait_until("three processes in the container", SHORT, || async {
             let pids = container.pids().await?;
             Ok((pids.len() == 3).then_some(pids))
@@ -269,10 +196,7 @@ async fn kill_all_reaches_every_process() {
         let exit = events.wait_init_exit(container.id(), SHORT).await?;
         ensure_eq!(exit.u64_field("exit_status"), Some(137), "init exit status");
         wait_until("every container process to be gone", SHORT, || async {
-            Ok(pids
-                .iter()
-                .all(|pid| !host::process_running(*pid))
-                .then_some(()))
+            Ok(pids.iter().all(|pid| !host::process_running(*pid)).then_some(()))
         })
         .await?;
         container.delete_task().await?;
@@ -286,50 +210,24 @@ async fn pause_freezes_and_resume_thaws() {
     across_runtimes("pause/resume", |runtime| async move {
         let container = Container::new(&runtime, "pause");
         let events = EventStream::start(container.ctr()).await?;
-        container
-            .start(&[
-                "sh",
-                "-c",
-                "i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.05; done",
-            ])
+        container.start(&["sh", "-c", "i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.05; done"]).await?;
+        wait_until("the counter to start", SHORT, || async { Ok((!container.read_log().is_empty()).then_some(())) })
             .await?;
-        wait_until("the counter to start", SHORT, || async {
-            Ok((!container.read_log().is_empty()).then_some(()))
-        })
-        .await?;
         let cgroups = container.cgroups().await?;
 
-        container
-            .ctr()
-            .invoke(["task", "pause", container.id()])
-            .success()
-            .await?;
+        container.ctr().invoke(["task", "pause", container.id()]).success().await?;
         container.wait_status("PAUSED", SHORT).await?;
-        events
-            .wait_for(container.id(), "/tasks/paused", SHORT, |_| true)
-            .await?;
-        ensure!(
-            cgroups.frozen()?,
-            "the freezer does not report the cgroup frozen"
-        );
+        events.wait_for(container.id(), "/tasks/paused", SHORT, |_| true).await?;
+        ensure!(cgroups.frozen()?, "the freezer does not report the cgroup frozen");
         let frozen_at = container.read_log().len();
         tokio::time::sleep(Duration::from_millis(600)).await;
         let after_pause = container.read_log().len();
         ensure_eq!(after_pause, frozen_at, "output grew while paused");
 
-        container
-            .ctr()
-            .invoke(["task", "resume", container.id()])
-            .success()
-            .await?;
+        container.ctr().invoke(["task", "resume", container.id()]).success().await?;
         container.wait_status("RUNNING", SHORT).await?;
-        events
-            .wait_for(container.id(), "/tasks/resumed", SHORT, |_| true)
-            .await?;
-        ensure!(
-            !cgroups.frozen()?,
-            "the freezer still reports the cgroup frozen"
-        );
+        events.wait_for(container.id(), "/tasks/resumed", SHORT, |_| true).await?;
+        ensure!(!cgroups.frozen()?, "the freezer still reports the cgroup frozen");
         wait_until("the counter to advance after resume", SHORT, || async {
             Ok((container.read_log().len() > after_pause).then_some(()))
         })
@@ -343,31 +241,18 @@ async fn pause_freezes_and_resume_thaws() {
 async fn ps_lists_the_container_processes() {
     across_runtimes("task ps", |runtime| async move {
         let container = Container::new(&runtime, "ps");
-        let init = container
-            .start(&["sh", "-c", "sleep 1000 & sleep 1001 & wait"])
-            .await?;
+        let init = container.start(&["sh", "-c", "sleep 1000 & sleep 1001 & wait"]).await?;
         let pids = wait_until("three processes in the container", SHORT, || async {
             let pids = container.pids().await?;
             Ok((pids.len() == 3).then_some(pids))
         })
         .await?;
-        ensure!(
-            pids.contains(&init.pid),
-            "ps {pids:?} lacks the init pid {}",
-            init.pid
-        );
-        let mut commands: Vec<String> = pids
-            .iter()
-            .map(|pid| host::cmdline(*pid).join(" "))
-            .collect();
+        ensure!(pids.contains(&init.pid), "ps {pids:?} lacks the init pid {}", init.pid);
+        let mut commands: Vec<String> = pids.iter().map(|pid| host::cmdline(*pid).join(" ")).collect();
         commands.sort();
         ensure_eq!(
             commands,
-            vec![
-                "sh -c sleep 1000 & sleep 1001 & wait",
-                "sleep 1000",
-                "sleep 1001"
-            ],
+            vec!["sh -c sleep 1000 & sleep 1001 & wait", "sleep 1000", "sleep 1001"],
             "command lines of the listed pids"
         );
         Ok(commands)
@@ -379,55 +264,32 @@ async fn ps_lists_the_container_processes() {
 async fn metrics_report_memory_cpu_and_pids() {
     across_runtimes("task metrics", |runtime| async move {
         let container = Container::new(&runtime, "metrics");
-        container
-            .start(&[
-                "sh",
-                "-c",
-                "sleep 1000 & i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done; wait",
-            ])
-            .await?;
+        container.start(&["sh", "-c", "sleep 1000 & i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done; wait"]).await?;
         let metrics = wait_until("metrics showing two pids and used CPU", LONG, || async {
-            let output = container
-                .ctr()
-                .invoke(["task", "metrics", "--format", "json", container.id()])
-                .success()
-                .await?;
+            let output =
+                container.ctr().invoke(["task", "metrics", "--format", "json", container.id()]).success().await?;
             let metrics: serde_json::Value = serde_json::from_str(&output.stdout).map_err(|e| {
-                crab_integration::HarnessError::Parse {
-                    what: "ctr task metrics".into(),
-                    detail: e.to_string(),
-                }
+                crab_integration::HarnessError::Parse { what: "ctr task metrics".into(), detail: e.to_string() }
             })?;
-            let ready = metrics.pointer("/pids/current").and_then(|v| v.as_u64()) == Some(2)
-                && cpu_usage(&metrics) > 0;
+            let ready = metrics.pointer("/pids/current").and_then(|v| v.as_u64()) == Some(2) && cpu_usage(&metrics) > 0;
             Ok(ready.then_some(metrics))
         })
         .await?;
         let memory = memory_usage(&metrics);
         ensure!(memory > 0, "memory usage is 0 in {metrics}");
-        Ok((
-            metrics.pointer("/pids/current").cloned(),
-            memory > 0,
-            cpu_usage(&metrics) > 0,
-        ))
+        Ok((metrics.pointer("/pids/current").cloned(), memory > 0, cpu_usage(&metrics) > 0))
     })
     .await;
 }
 
 /// CPU time in the v1 (`cpu.usage.total`) or v2 (`cpu.usage_usec`) metrics layout.
 fn cpu_usage(metrics: &serde_json::Value) -> u64 {
-    ["/cpu/usage/total", "/cpu/usage_usec"]
-        .iter()
-        .find_map(|p| metrics.pointer(p)?.as_u64())
-        .unwrap_or(0)
+    ["/cpu/usage/total", "/cpu/usage_usec"].iter().find_map(|p| metrics.pointer(p)?.as_u64()).unwrap_or(0)
 }
 
 /// Memory use in the v1 (`memory.usage.usage`) or v2 (`memory.usage`) metrics layout.
 fn memory_usage(metrics: &serde_json::Value) -> u64 {
-    ["/memory/usage/usage", "/memory/usage"]
-        .iter()
-        .find_map(|p| metrics.pointer(p)?.as_u64())
-        .unwrap_or(0)
+    ["/memory/usage/usage", "/memory/usage"].iter().find_map(|p| metrics.pointer(p)?.as_u64()).unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -443,49 +305,28 @@ async fn delete_leaves_no_mounts_cgroups_or_processes() {
         .await?;
         let cgroup_dirs = ProcessCgroups::of_pid(init.pid)?.existing_dirs();
         ensure!(
-            cgroup_dirs
-                .iter()
-                .any(|d| d.display().to_string().contains(container.id())),
+            cgroup_dirs.iter().any(|d| d.display().to_string().contains(container.id())),
             "no cgroup of the container is named after it: {cgroup_dirs:?}"
         );
-        ensure!(
-            !container.mounts()?.is_empty(),
-            "the container's rootfs is not mounted"
-        );
+        ensure!(!container.mounts()?.is_empty(), "the container's rootfs is not mounted");
 
         container.kill("SIGKILL", false).await?;
         container.wait_status("STOPPED", SHORT).await?;
         container.delete_task().await?;
         container.delete_container().await?;
 
-        wait_until(
-            "container processes and the shim to exit",
-            SHORT,
-            || async {
-                Ok(pids
-                    .iter()
-                    .chain([&shim])
-                    .all(|pid| !host::process_running(*pid))
-                    .then_some(()))
-            },
-        )
+        wait_until("container processes and the shim to exit", SHORT, || async {
+            Ok(pids.iter().chain([&shim]).all(|pid| !host::process_running(*pid)).then_some(()))
+        })
         .await?;
-        let left_dirs: Vec<_> = cgroup_dirs
-            .iter()
-            .filter(|d| d.display().to_string().contains(container.id()) && d.exists())
-            .collect();
+        let left_dirs: Vec<_> =
+            cgroup_dirs.iter().filter(|d| d.display().to_string().contains(container.id()) && d.exists()).collect();
         ensure!(left_dirs.is_empty(), "cgroups left behind: {left_dirs:?}");
         let left_mounts = container.mounts()?;
-        ensure!(
-            left_mounts.is_empty(),
-            "mounts left behind: {left_mounts:?}"
-        );
+        ensure!(left_mounts.is_empty(), "mounts left behind: {left_mounts:?}");
         let snapshots = container.ctr().invoke(["snapshot", "ls"]).success().await?;
         ensure!(
-            !snapshots
-                .stdout
-                .lines()
-                .any(|l| l.split_whitespace().next() == Some(container.id())),
+            !snapshots.stdout.lines().any(|l| l.split_whitespace().next() == Some(container.id())),
             "snapshot left behind: {}",
             snapshots.stdout
         );
@@ -503,16 +344,9 @@ fn lifecycle_trace(events: &EventStream, id: &str) -> Vec<(String, String, Optio
         .into_iter()
         .filter(|e| e.topic.starts_with("/tasks/") || e.topic.starts_with("/containers/"))
         .map(|e| {
-            let process = e
-                .str_field("exec_id")
-                .or_else(|| e.str_field("id"))
-                .unwrap_or(id);
+            let process = e.str_field("exec_id").or_else(|| e.str_field("id")).unwrap_or(id);
             let process = if process == id { "init" } else { process };
-            (
-                e.topic.clone(),
-                process.to_string(),
-                e.u64_field("exit_status"),
-            )
+            (e.topic.clone(), process.to_string(), e.u64_field("exit_status"))
         })
         .collect()
 }
@@ -529,9 +363,7 @@ async fn events_follow_containerds_order() {
         events.wait_init_exit(container.id(), SHORT).await?;
         container.delete_task().await?;
         container.delete_container().await?;
-        events
-            .wait_for(container.id(), "/containers/delete", SHORT, |_| true)
-            .await?;
+        events.wait_for(container.id(), "/containers/delete", SHORT, |_| true).await?;
 
         let trace = lifecycle_trace(&events, container.id());
         let expected: Vec<(String, String, Option<u64>)> = [
@@ -655,7 +487,8 @@ async fn containers_of_one_pod_share_a_shim() {
         second.wait_status("STOPPED", SHORT).await?;
         second.delete_task().await?;
         second.delete_container().await?;
-        wait_until("the pod's shim to exit", LONG, || async { Ok((!host::process_running(shim)).then_some(())) }).await?;
+        wait_until("the pod's shim to exit", LONG, || async { Ok((!host::process_running(shim)).then_some(())) })
+            .await?;
         Ok("one shim per pod")
     })
     .await;
@@ -670,50 +503,32 @@ async fn sigkilled_shim_is_cleaned_up_and_reported() {
         let shim = container.shim_pid()?;
         let cgroup_dirs = ProcessCgroups::of_pid(init.pid)?.existing_dirs();
 
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(shim as i32),
-            nix::sys::signal::Signal::SIGKILL,
-        )
-        .map_err(|e| crab_integration::HarnessError::io("killing the shim", e.into()))?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(shim as i32), nix::sys::signal::Signal::SIGKILL)
+            .map_err(|e| crab_integration::HarnessError::io("killing the shim", e.into()))?;
 
         let exit = events.wait_init_exit(container.id(), LONG).await?;
-        let delete = events
-            .wait_for(container.id(), "/tasks/delete", LONG, |_| true)
-            .await?;
+        let delete = events.wait_for(container.id(), "/tasks/delete", LONG, |_| true).await?;
         // containerd cleans up after the dead shim: the task is gone (or at least not running).
         let task = wait_until("the task to stop being listed as running", LONG, || async {
             let task = container.task().await?;
             Ok((task.as_ref().map(|t| t.status.as_str()) != Some("RUNNING")).then_some(task))
         })
         .await?;
-        wait_until("the init to be gone", SHORT, || async {
-            Ok((!host::process_running(init.pid)).then_some(()))
-        })
-        .await?;
-        ensure!(
-            container.mounts()?.is_empty(),
-            "rootfs still mounted: {:?}",
-            container.mounts()?
-        );
-        let left_dirs: Vec<_> = cgroup_dirs
-            .iter()
-            .filter(|d| d.display().to_string().contains(container.id()) && d.exists())
-            .collect();
+        wait_until("the init to be gone", SHORT, || async { Ok((!host::process_running(init.pid)).then_some(())) })
+            .await?;
+        ensure!(container.mounts()?.is_empty(), "rootfs still mounted: {:?}", container.mounts()?);
+        let left_dirs: Vec<_> =
+            cgroup_dirs.iter().filter(|d| d.display().to_string().contains(container.id()) && d.exists()).collect();
         ensure!(left_dirs.is_empty(), "cgroups left behind: {left_dirs:?}");
         container.delete_container().await?;
         // Events arrive through `ctr events` after the call returns: the trace is complete once
         // the last one is in.
-        events
-            .wait_for(container.id(), "/containers/delete", SHORT, |_| true)
-            .await?;
+        events.wait_for(container.id(), "/containers/delete", SHORT, |_| true).await?;
         Ok((
             exit.u64_field("exit_status"),
             delete.u64_field("exit_status"),
             task.map(|t| t.status),
-            lifecycle_trace(&events, container.id())
-                .into_iter()
-                .map(|(topic, _, _)| topic)
-                .collect::<Vec<_>>(),
+            lifecycle_trace(&events, container.id()).into_iter().map(|(topic, _, _)| topic).collect::<Vec<_>>(),
         ))
     })
     .await;
@@ -727,10 +542,7 @@ async fn update_changes_the_memory_limit_in_the_cgroup() {
         container.start(IDLE).await?;
         let cgroups = container.cgroups().await?;
         let before = cgroups.memory_limit()?;
-        ensure!(
-            before > LIMIT,
-            "memory limit {before} is already at or below {LIMIT}"
-        );
+        ensure!(before > LIMIT, "memory limit {before} is already at or below {LIMIT}");
         crab_integration::api::update_task_resources(
             container.ctr(),
             container.id(),
@@ -739,16 +551,8 @@ async fn update_changes_the_memory_limit_in_the_cgroup() {
         .await?;
         let after = cgroups.memory_limit()?;
         ensure_eq!(after, LIMIT, "memory limit in the cgroup after update");
-        let metrics = container
-            .ctr()
-            .invoke(["task", "metrics", "--format", "json", container.id()])
-            .success()
-            .await?;
-        ensure!(
-            metrics.stdout.contains(&LIMIT.to_string()),
-            "metrics do not show the new limit: {}",
-            metrics.stdout
-        );
+        let metrics = container.ctr().invoke(["task", "metrics", "--format", "json", container.id()]).success().await?;
+        ensure!(metrics.stdout.contains(&LIMIT.to_string()), "metrics do not show the new limit: {}", metrics.stdout);
         Ok(after)
     })
     .await;

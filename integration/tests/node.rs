@@ -25,13 +25,7 @@ fn program_ids(name: &str) -> Outcome<Vec<u64>> {
         .map_err(|e| HarnessError::io("running bpftool", e))?;
     let list: serde_json::Value = serde_json::from_slice(&output.stdout)
         .map_err(|e| HarnessError::Parse { what: "bpftool output".into(), detail: e.to_string() })?;
-    Ok(list
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|p| p["name"] == name)
-        .filter_map(|p| p["id"].as_u64())
-        .collect())
+    Ok(list.as_array().into_iter().flatten().filter(|p| p["name"] == name).filter_map(|p| p["id"].as_u64()).collect())
 }
 
 /// The BPF program ids a process holds open (its fdinfo says `prog_id:`).
@@ -65,7 +59,8 @@ fn holders(programs: &[u64]) -> Vec<(u32, String, usize)> {
 
 /// The classes in a sandbox's turn log, in turn order.
 fn turn_classes(id: &str) -> Vec<(u64, String)> {
-    let text = std::fs::read_to_string(state_dir().join("turns").join(namespace()).join(format!("{id}.jsonl"))).unwrap_or_default();
+    let text = std::fs::read_to_string(state_dir().join("turns").join(namespace()).join(format!("{id}.jsonl")))
+        .unwrap_or_default();
     text.lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
         .filter_map(|r| Some((r["turn"].as_u64()?, r["class"].as_str()?.to_string())))
@@ -74,10 +69,11 @@ fn turn_classes(id: &str) -> Vec<(u64, String)> {
 
 /// Waits for turn `turn` of `container` in its turn log and checks its class.
 async fn expect_class(container: &Container, turn: u64, class: &str) -> Outcome<()> {
-    let (_, got) = wait_until(&format!("turn {turn} of {} in the turn log", container.id()), Duration::from_secs(30), || async {
-        Ok(turn_classes(container.id()).into_iter().find(|(t, _)| *t == turn))
-    })
-    .await?;
+    let (_, got) =
+        wait_until(&format!("turn {turn} of {} in the turn log", container.id()), Duration::from_secs(30), || async {
+            Ok(turn_classes(container.id()).into_iter().find(|(t, _)| *t == turn))
+        })
+        .await?;
     ensure_eq!(got.as_str(), class, "class of turn {turn} of {}", container.id());
     Ok(())
 }
@@ -186,7 +182,8 @@ fn turn_records(id: &str) -> Vec<(u64, String, Option<u64>, Vec<String>)> {
         .lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
         .filter_map(|r| {
-            let reasons = r["reasons"].as_array().into_iter().flatten().filter_map(|v| v.as_str().map(str::to_string)).collect();
+            let reasons =
+                r["reasons"].as_array().into_iter().flatten().filter_map(|v| v.as_str().map(str::to_string)).collect();
             Some((r["turn"].as_u64()?, r["class"].as_str()?.to_string(), r["checkpoint_turn"].as_u64(), reasons))
         })
         .collect()
@@ -340,7 +337,9 @@ fn peak_second(samples: &[DiskSample]) -> u64 {
     samples
         .iter()
         .enumerate()
-        .filter_map(|(i, a)| samples[i..].iter().find(|b| b.ended - a.began >= 1.0).map(|b| b.bytes.saturating_sub(a.bytes)))
+        .filter_map(|(i, a)| {
+            samples[i..].iter().find(|b| b.ended - a.began >= 1.0).map(|b| b.bytes.saturating_sub(a.bytes))
+        })
         .max()
         .unwrap_or(0)
 }
@@ -348,9 +347,11 @@ fn peak_second(samples: &[DiskSample]) -> u64 {
 /// A command the sandbox (no network) can run as the agent did: package
 /// installs and downloads would only wait for their timeouts.
 fn offline(cmd: &str) -> bool {
-    const NETWORK: [&str; 10] = ["pip ", "pip3 ", "apt ", "apt-get ", "conda ", "wget ", "sudo ", "git clone", "npm ", "huggingface"];
-    let remote_url =
-        (cmd.contains("http://") || cmd.contains("https://")) && !cmd.contains("localhost") && !cmd.contains("127.0.0.1");
+    const NETWORK: [&str; 10] =
+        ["pip ", "pip3 ", "apt ", "apt-get ", "conda ", "wget ", "sudo ", "git clone", "npm ", "huggingface"];
+    let remote_url = (cmd.contains("http://") || cmd.contains("https://"))
+        && !cmd.contains("localhost")
+        && !cmd.contains("127.0.0.1");
     !remote_url && !NETWORK.iter().any(|word| cmd.contains(word))
 }
 
@@ -366,7 +367,9 @@ fn starts_process(cmd: &str) -> bool {
     let bytes = cmd.as_bytes();
     let background = (0..bytes.len()).any(|i| {
         let at = |j: Option<usize>| j.and_then(|j| bytes.get(j)).copied();
-        bytes[i] == b'&' && ![Some(b'&'), Some(b'>')].contains(&at(i.checked_sub(1))) && ![Some(b'&'), Some(b'>')].contains(&at(Some(i + 1)))
+        bytes[i] == b'&'
+            && ![Some(b'&'), Some(b'>')].contains(&at(i.checked_sub(1)))
+            && ![Some(b'&'), Some(b'>')].contains(&at(Some(i + 1)))
     });
     background || cmd.split("&&").any(|part| part.trim() == "nginx")
 }
@@ -382,10 +385,15 @@ fn traces_dir() -> Outcome<PathBuf> {
     let candidates: Vec<PathBuf> = std::env::var_os("CRAB_TRACES")
         .map(PathBuf::from)
         .into_iter()
-        .chain([PathBuf::from("/work/shared/traces"), Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces")])
+        .chain([
+            PathBuf::from("/work/shared/traces"),
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces"),
+        ])
         .collect();
     candidates.iter().find(|dir| dir.join("tb").is_dir()).cloned().ok_or_else(|| {
-        HarnessError::Expectation(format!("no developer traces (a tb/ folder) in any of {candidates:?}: set CRAB_TRACES"))
+        HarnessError::Expectation(format!(
+            "no developer traces (a tb/ folder) in any of {candidates:?}: set CRAB_TRACES"
+        ))
     })
 }
 
@@ -456,7 +464,10 @@ impl Observed {
     fn note_status(&mut self, status: &serde_json::Value, ids: &[String]) {
         self.statuses += 1;
         for s in status["bucket"]["sandboxes"].as_array().into_iter().flatten() {
-            let Some(sandbox) = s["sandbox"].as_str().filter(|name| ids.iter().any(|id| *name == crabd_name(id))) else { continue };
+            let Some(sandbox) = s["sandbox"].as_str().filter(|name| ids.iter().any(|id| *name == crabd_name(id)))
+            else {
+                continue;
+            };
             let lag = s["max_lag_ms"].as_f64().unwrap_or(0.0).max(s["lag_ms"].as_f64().unwrap_or(0.0));
             if lag > self.max_lag_ms {
                 self.max_lag_ms = lag;
@@ -510,7 +521,12 @@ async fn sixteen_sandboxes_replaying_dev_traces_stay_in_the_bucket_and_lose_no_t
     }
 }
 
-async fn colocated_run(ctr: &crab::containerd::ctr::Ctr, ids: &[String], replays: Vec<Replay>, mut tiny: TinyCrabd) -> Outcome<()> {
+async fn colocated_run(
+    ctr: &crab::containerd::ctr::Ctr,
+    ids: &[String],
+    replays: Vec<Replay>,
+    mut tiny: TinyCrabd,
+) -> Outcome<()> {
     use crab::replay::sandbox::{Sandbox, SandboxSpec};
     const MIB: f64 = 1048576.0;
     let before = node_status()?;
@@ -557,7 +573,12 @@ async fn colocated_run(ctr: &crab::containerd::ctr::Ctr, ids: &[String], replays
                     tokio::time::sleep(Duration::from_secs_f64((turn.think_s * THINK_SCALE).min(1.0))).await;
                     let timeout = Duration::from_secs_f64(turn.timeout_s.clamp(1.0, TURN_TIMEOUT_CAP_S));
                     sandbox.exec(&turn.cmd, timeout).await.map_err(|e| {
-                        HarnessError::Expectation(format!("{} turn {} of {}: {e}", sandbox.id(), turn.turn, replay.trace))
+                        HarnessError::Expectation(format!(
+                            "{} turn {} of {}: {e}",
+                            sandbox.id(),
+                            turn.turn,
+                            replay.trace
+                        ))
                     })?;
                 }
                 Ok::<_, HarnessError>(())
@@ -571,7 +592,9 @@ async fn colocated_run(ctr: &crab::containerd::ctr::Ctr, ids: &[String], replays
     let mut last_status = f64::MIN;
     loop {
         let recorded = ids.iter().map(|id| turn_records(id).len()).sum::<usize>() as f64 / total_turns as f64;
-        if (recorded >= KILL_AT_SHARE && peak_second(&observed.disk) as f64 >= BOUND_SHARE * rate) || recorded >= KILL_AT_LATEST {
+        if (recorded >= KILL_AT_SHARE && peak_second(&observed.disk) as f64 >= BOUND_SHARE * rate)
+            || recorded >= KILL_AT_LATEST
+        {
             break;
         }
         let now = started.elapsed().as_secs_f64();
@@ -631,7 +654,10 @@ async fn colocated_run(ctr: &crab::containerd::ctr::Ctr, ids: &[String], replays
         observed.max_lag_ms, observed.max_lag_sandbox, lag_before_kill.0, lag_before_kill.1, observed.statuses
     );
     ensure!(worst <= 0.0, "the store's disk bytes grew {:.3} MiB faster than the bucket allows", worst / MIB);
-    ensure!(peak_1s as f64 >= BOUND_SHARE * rate, "the peak second ({peak_1s} bytes) never came near the rate: the bucket never bound");
+    ensure!(
+        peak_1s as f64 >= BOUND_SHARE * rate,
+        "the peak second ({peak_1s} bytes) never came near the rate: the bucket never bound"
+    );
     ensure!(
         observed.max_lag_ms <= lag_bound,
         "{} waited {:.0} ms for bandwidth (bound {lag_bound:.0} ms)",
@@ -656,7 +682,9 @@ async fn colocated_run(ctr: &crab::containerd::ctr::Ctr, ids: &[String], replays
             match r["superseded_by"].as_u64() {
                 Some(by) => ensure!(by > turn && r["checkpoint_turn"].is_null(), "{id} turn {turn}: {r}"),
                 // Clean: the previous checkpoint stands for it.
-                None if class == "clean" => ensure!(r["checkpoint_turn"].as_u64() < Some(turn), "{id} turn {turn}: {r}"),
+                None if class == "clean" => {
+                    ensure!(r["checkpoint_turn"].as_u64() < Some(turn), "{id} turn {turn}: {r}")
+                }
                 None => ensure_eq!(r["checkpoint_turn"].as_u64(), Some(turn), "checkpoint of {id} turn {turn}: {r}"),
             }
             *classes.entry(class).or_default() += 1;
@@ -670,7 +698,10 @@ async fn colocated_run(ctr: &crab::containerd::ctr::Ctr, ids: &[String], replays
         );
     }
     eprintln!("turn classes: {classes:?}");
-    ensure!(classes.get("proc").copied().unwrap_or(0) >= 4, "few process checkpoints in the replayed turns: {classes:?}");
+    ensure!(
+        classes.get("proc").copied().unwrap_or(0) >= 4,
+        "few process checkpoints in the replayed turns: {classes:?}"
+    );
     ensure!(classes.get("fs").copied().unwrap_or(0) >= 10, "few file changes in the replayed turns: {classes:?}");
 
     // A new crabd serves the socket, and commits after the kill went through it.
@@ -736,7 +767,8 @@ impl Drop for TinyCrabd {
 
 /// Every turn record of a sandbox as JSON.
 fn records(id: &str) -> Vec<serde_json::Value> {
-    let text = std::fs::read_to_string(state_dir().join("turns").join(namespace()).join(format!("{id}.jsonl"))).unwrap_or_default();
+    let text = std::fs::read_to_string(state_dir().join("turns").join(namespace()).join(format!("{id}.jsonl")))
+        .unwrap_or_default();
     let complete = text.rsplit_once('\n').map_or("", |(lines, _)| lines);
     complete.lines().filter_map(|line| serde_json::from_str(line).ok()).collect()
 }
@@ -824,12 +856,19 @@ async fn waiting_process_checkpoints_are_superseded_and_recover_restores_the_new
         let (turn, by) = superseded[0];
         let refused = run_crabctl(&["rollback", &id, "--turn", &turn.to_string()])?;
         let message = String::from_utf8_lossy(&refused.stderr);
-        ensure!(!refused.status.success() && message.contains(&format!("superseded by turn {by}")), "rollback to {turn}: {message}");
+        ensure!(
+            !refused.status.success() && message.contains(&format!("superseded by turn {by}")),
+            "rollback to {turn}: {message}"
+        );
 
         // The newest state, recovered after the processes are killed.
         let (before, _) = sandbox.exec(FINGERPRINT).await?;
         let before = before.stdout;
-        ensure!(before.contains(&format!("written-in-turn-{turn}")) && before.trim_end().ends_with(&SUPERSEDE_TURNS.to_string()), "{before}");
+        ensure!(
+            before.contains(&format!("written-in-turn-{turn}"))
+                && before.trim_end().ends_with(&SUPERSEDE_TURNS.to_string()),
+            "{before}"
+        );
         let ctr = crab_integration::TestEnv::get().ctr();
         ctr.invoke(["tasks", "kill", "--all", "--signal", "SIGKILL", id.as_str()]).success().await?;
         wait_until("the killed sandbox to stop", Duration::from_secs(20), || async {
@@ -936,7 +975,8 @@ async fn a_stopped_crabd_costs_a_turn_its_bounds_and_the_record_says_why() {
 /// crabd's resident memory (VmRSS of /proc/<pid>/status), bytes.
 fn rss_bytes(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib: u64 = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    let kib: u64 =
+        status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
     Some(kib << 10)
 }
 
@@ -1002,14 +1042,15 @@ async fn quiet_turns_while(
         let (output, n) = quiet.exec("echo quiet > /app/quiet-$RANDOM").await?;
         ensure!(output.status.success(), "quiet turn {n} of {id}: {output:?}");
         let ended = std::time::Instant::now();
-        let (delay, checkpoint_ms) = wait_until(&format!("the record of quiet turn {n} of {id}"), Duration::from_secs(120), || async {
-            peak_rss.fetch_max(rss_bytes(crabd).unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
-            Ok(records(&id)
-                .into_iter()
-                .find(|r| r["turn"] == n)
-                .map(|r| (ended.elapsed(), r["checkpoint_ms"].as_f64().unwrap_or(f64::NAN))))
-        })
-        .await?;
+        let (delay, checkpoint_ms) =
+            wait_until(&format!("the record of quiet turn {n} of {id}"), Duration::from_secs(120), || async {
+                peak_rss.fetch_max(rss_bytes(crabd).unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+                Ok(records(&id)
+                    .into_iter()
+                    .find(|r| r["turn"] == n)
+                    .map(|r| (ended.elapsed(), r["checkpoint_ms"].as_f64().unwrap_or(f64::NAN))))
+            })
+            .await?;
         let verdict = quiet.verdict(n).await?;
         ensure!(
             verdict.class == TurnClass::Fs && !verdict.escalated && verdict.checkpoint_failed.is_none(),
@@ -1081,7 +1122,9 @@ async fn storm_run(storms: usize, secs: u64) -> Outcome<StormFigures> {
         peak_rss as f64 / (1 << 20) as f64,
         STORM_RSS_BOUND >> 20
     );
-    for (sandbox, (n, renames)) in storm_boxes.iter().zip(&storm_turns).flat_map(|(s, turns)| turns.iter().map(move |t| (s, t))) {
+    for (sandbox, (n, renames)) in
+        storm_boxes.iter().zip(&storm_turns).flat_map(|(s, turns)| turns.iter().map(move |t| (s, t)))
+    {
         let verdict = sandbox.verdict(*n).await?;
         eprintln!(
             "storm turn {n} of {} ({renames} renames): {}, escalated {}, {} reasons, first {:?}, last {:?}",
@@ -1092,8 +1135,16 @@ async fn storm_run(storms: usize, secs: u64) -> Outcome<StormFigures> {
             verdict.reasons.first(),
             verdict.reasons.last()
         );
-        ensure!(verdict.escalated && verdict.checkpoint_failed.is_none(), "storm turn {n} of {}: {verdict:?}", sandbox.id());
-        ensure!(verdict.reasons.iter().any(|r| r.starts_with("effects overflowed: ")), "storm turn {n} of {}: {verdict:?}", sandbox.id());
+        ensure!(
+            verdict.escalated && verdict.checkpoint_failed.is_none(),
+            "storm turn {n} of {}: {verdict:?}",
+            sandbox.id()
+        );
+        ensure!(
+            verdict.reasons.iter().any(|r| r.starts_with("effects overflowed: ")),
+            "storm turn {n} of {}: {verdict:?}",
+            sandbox.id()
+        );
         ensure!(
             verdict.reasons.iter().any(|r| r.starts_with("escalated: the fs delta takes all")),
             "storm turn {n} of {} is captured in full: {verdict:?}",
@@ -1108,7 +1159,11 @@ async fn storm_run(storms: usize, secs: u64) -> Outcome<StormFigures> {
         let (output, n) = sandbox.exec("echo after > /app/after").await?;
         ensure!(output.status.success(), "turn {n} of {}: {output:?}", sandbox.id());
         let verdict = sandbox.verdict(n).await?;
-        ensure!(verdict.class == TurnClass::Fs && !verdict.escalated, "turn {n} of {} after its storm: {verdict:?}", sandbox.id());
+        ensure!(
+            verdict.class == TurnClass::Fs && !verdict.escalated,
+            "turn {n} of {} after its storm: {verdict:?}",
+            sandbox.id()
+        );
     }
     peak.fetch_max(rss_bytes(crabd).unwrap_or(0), Ordering::Relaxed);
     Ok(StormFigures { peak_rss: peak.load(Ordering::Relaxed), quiet_delays })
@@ -1175,7 +1230,9 @@ async fn storm_figures() {
         let crabd = node_status()?["pid"].as_u64().unwrap_or(0) as u32;
         let started = std::time::Instant::now();
         let peak = std::sync::atomic::AtomicU64::new(0);
-        let without = quiet_turns_while(&mut calm, crabd, &peak, || started.elapsed() < Duration::from_secs(secs.min(30))).await?;
+        let without =
+            quiet_turns_while(&mut calm, crabd, &peak, || started.elapsed() < Duration::from_secs(secs.min(30)))
+                .await?;
         drop(calm);
         let figures = storm_run(storms, secs).await?;
         let with = figures.quiet_delays;
@@ -1183,7 +1240,11 @@ async fn storm_figures() {
             let (p50, p99) = (percentile(delays, 0.5), percentile(delays, 0.99));
             format!(
                 "{what}: n={} exec end -> record p50 {:.1} ms p99 {:.1} ms, record's checkpoint_ms p50 {:.1} p99 {:.1}",
-                delays.len(), p50.0, p99.0, p50.1, p99.1
+                delays.len(),
+                p50.0,
+                p99.0,
+                p50.1,
+                p99.1
             )
         };
         eprintln!(

@@ -110,7 +110,8 @@ fn records(container: &str) -> Outcome<Vec<Record>> {
         .lines()
         .filter(|l| !l.trim().is_empty())
         .map(|line| {
-            let parse_error = |detail: &str| HarnessError::Parse { what: format!("turn record {line:?}"), detail: detail.into() };
+            let parse_error =
+                |detail: &str| HarnessError::Parse { what: format!("turn record {line:?}"), detail: detail.into() };
             let v: serde_json::Value = serde_json::from_str(line).map_err(|e| parse_error(&e.to_string()))?;
             Ok(Record {
                 turn: v["turn"].as_u64().ok_or_else(|| parse_error("no turn"))?,
@@ -170,13 +171,17 @@ impl Session {
         loop {
             let next = tokio::time::timeout(deadline, self.lines.next_line())
                 .await
-                .map_err(|_| HarnessError::Timeout { what: format!("the session's answer to {line:?}"), after: deadline })?
+                .map_err(|_| HarnessError::Timeout {
+                    what: format!("the session's answer to {line:?}"),
+                    after: deadline,
+                })?
                 .map_err(|e| HarnessError::io("reading the session", e))?;
             let Some(out) = next else {
                 return Err(HarnessError::Expectation(format!("the session ended before answering {line:?}")));
             };
             if let Some(ns) = out.trim().strip_prefix("@@DONE ") {
-                let ns: i64 = ns.trim().parse().map_err(|_| HarnessError::Parse { what: "stamp".into(), detail: out.clone() })?;
+                let ns: i64 =
+                    ns.trim().parse().map_err(|_| HarnessError::Parse { what: "stamp".into(), detail: out.clone() })?;
                 return Ok(ns / 1_000_000);
             }
         }
@@ -231,10 +236,24 @@ async fn feed(
             Fs => !own.is_empty() && own.iter().all(|r| r.contains("/app/")),
             Proc => own.iter().any(|r| r.contains("sleep")),
         };
-        ensure!(own_class, "turn {turn} ({}) should have {} effects of its own, reasons {:?}", cmd.line, cmd.class.name(), own);
-        ensure!(latency >= 0, "turn {turn} ended ({} ms) before its command printed its stamp ({done_ms} ms)", rec.ended_unix_ms);
+        ensure!(
+            own_class,
+            "turn {turn} ({}) should have {} effects of its own, reasons {:?}",
+            cmd.line,
+            cmd.class.name(),
+            own
+        );
+        ensure!(
+            latency >= 0,
+            "turn {turn} ended ({} ms) before its command printed its stamp ({done_ms} ms)",
+            rec.ended_unix_ms
+        );
         let bound = detection_bound_ms();
-        ensure!(latency <= bound, "turn {turn} ({}) was seen over after {latency} ms (bound {bound} ms at this load)", cmd.line);
+        ensure!(
+            latency <= bound,
+            "turn {turn} ({}) was seen over after {latency} ms (bound {bound} ms at this load)",
+            cmd.line
+        );
         latencies.push(latency);
         // The agent's think time: the turn stays over while nothing comes.
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -260,7 +279,12 @@ fn summary(name: &str, latencies: &[i64]) {
     }
 }
 
-async fn stdin_mode_turns(argv: &[&str], stamp: &str, commands: Vec<Command>, setup: Option<&str>) -> Outcome<Vec<i64>> {
+async fn stdin_mode_turns(
+    argv: &[&str],
+    stamp: &str,
+    commands: Vec<Command>,
+    setup: Option<&str>,
+) -> Outcome<Vec<i64>> {
     let name = format!("stdin-{}", argv[0]);
     let sandbox = Sandbox::start(&name, TERMINAL_IMAGE, &[("io.crab.turns", "stdin")], &[]).await?;
     let mut session = Session::start(&sandbox, "session", argv).await?;
@@ -273,7 +297,11 @@ async fn stdin_mode_turns(argv: &[&str], stamp: &str, commands: Vec<Command>, se
     let first = if setup.is_some() { 2 } else { 1 };
     let latencies = feed(&sandbox, &mut session, stamp, &commands, first).await?;
     let all = records(sandbox.id())?;
-    ensure_eq!(all.len() as u64, first - 1 + commands.len() as u64, "turns recorded (start-up makes none in stdin mode)");
+    ensure_eq!(
+        all.len() as u64,
+        first - 1 + commands.len() as u64,
+        "turns recorded (start-up makes none in stdin mode)"
+    );
     session.close().await?;
     Ok(latencies)
 }
@@ -286,9 +314,10 @@ async fn shell_fed_through_stdin_makes_one_turn_per_command() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_fed_through_stdin_makes_one_turn_per_statement() {
-    let latencies = stdin_mode_turns(&["python3", "-u", "-i", "-q"], PYTHON_STAMP, python_commands(), Some("import os, time"))
-        .await
-        .unwrap();
+    let latencies =
+        stdin_mode_turns(&["python3", "-u", "-i", "-q"], PYTHON_STAMP, python_commands(), Some("import os, time"))
+            .await
+            .unwrap();
     summary("python3 -i, stdin mode", &latencies);
 }
 
@@ -331,7 +360,8 @@ async fn mark(container: &str) -> Outcome<serde_json::Value> {
         .await
         .map_err(|e| HarnessError::io("running crabctl turn mark", e))?;
     ensure!(output.status.success(), "crabctl turn {container} mark: {}", String::from_utf8_lossy(&output.stderr));
-    serde_json::from_slice(&output.stdout).map_err(|e| HarnessError::Parse { what: "crabctl turn mark --json".into(), detail: e.to_string() })
+    serde_json::from_slice(&output.stdout)
+        .map_err(|e| HarnessError::Parse { what: "crabctl turn mark --json".into(), detail: e.to_string() })
 }
 
 /// A raw Task Update with `io.crab.turn=<value>`, as any containerd client can send it.
@@ -354,7 +384,8 @@ async fn send_turn_annotation(container: &str, value: &str) -> Result<(), contai
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explicit_marks_bound_turns() {
     let run = async {
-        let mut sandbox = Sandbox::start("explicit-marks", TERMINAL_IMAGE, &[("io.crab.turns", "explicit")], &[]).await?;
+        let mut sandbox =
+            Sandbox::start("explicit-marks", TERMINAL_IMAGE, &[("io.crab.turns", "explicit")], &[]).await?;
         for (script, class) in [
             ("echo a > /app/a && echo b > /app/b", Fs),
             ("nohup sleep 300 > /dev/null 2>&1 &", Proc),
@@ -367,17 +398,37 @@ async fn explicit_marks_bound_turns() {
             let reply = mark(sandbox.id()).await?;
             let ended = &reply["ended"];
             let turn = ended["turn"].as_u64().unwrap_or(0);
-            println!("  mark after {script:<40} -> turn {turn} {} ({:.0} ms)", ended["class"], reply["elapsed_ms"].as_f64().unwrap_or(0.0));
+            println!(
+                "  mark after {script:<40} -> turn {turn} {} ({:.0} ms)",
+                ended["class"],
+                reply["elapsed_ms"].as_f64().unwrap_or(0.0)
+            );
             ensure_eq!(turn, turns_before as u64 + 1, "the turn the mark ended");
             // The reply comes once the turn is recorded (checkpointed).
             let rec = records(sandbox.id())?.into_iter().find(|r| r.turn == turn);
-            let rec = rec.ok_or_else(|| HarnessError::Expectation(format!("turn {turn} not recorded when the mark returned")))?;
-            ensure_eq!((rec.source.as_str(), rec.class), ("mark", class), "turn {turn} after {script}, reasons {:?}", rec.reasons);
+            let rec = rec
+                .ok_or_else(|| HarnessError::Expectation(format!("turn {turn} not recorded when the mark returned")))?;
+            ensure_eq!(
+                (rec.source.as_str(), rec.class),
+                ("mark", class),
+                "turn {turn} after {script}, reasons {:?}",
+                rec.reasons
+            );
         }
         let refused = send_turn_annotation(sandbox.id(), "rollback").await;
-        let status = refused.err().ok_or_else(|| HarnessError::Expectation("io.crab.turn=rollback was accepted".into()))?;
-        ensure_eq!(status.code(), containerd_client::tonic::Code::InvalidArgument, "code for a bad mark ({})", status.message());
-        ensure!(status.message().contains("io.crab.turn") && status.message().contains("rollback"), "message: {}", status.message());
+        let status =
+            refused.err().ok_or_else(|| HarnessError::Expectation("io.crab.turn=rollback was accepted".into()))?;
+        ensure_eq!(
+            status.code(),
+            containerd_client::tonic::Code::InvalidArgument,
+            "code for a bad mark ({})",
+            status.message()
+        );
+        ensure!(
+            status.message().contains("io.crab.turn") && status.message().contains("rollback"),
+            "message: {}",
+            status.message()
+        );
         Ok::<_, HarnessError>(())
     };
     run.await.unwrap();
@@ -402,7 +453,12 @@ async fn a_mark_splits_a_running_exec_turn() {
         let second = record(&id, 2).await?;
         // The exec's shell and its sleep are alive at the mark: process state.
         ensure_eq!((first.source.as_str(), first.class), ("mark", Proc), "first part, reasons {:?}", first.reasons);
-        ensure!(first.reasons.iter().any(|r| r.contains("/app/one")) && !first.reasons.iter().any(|r| r.contains("/app/two")), "first part: {:?}", first.reasons);
+        ensure!(
+            first.reasons.iter().any(|r| r.contains("/app/one"))
+                && !first.reasons.iter().any(|r| r.contains("/app/two")),
+            "first part: {:?}",
+            first.reasons
+        );
         // They end in the second part, which the exec's exit closes.
         ensure_eq!((second.source.as_str(), second.class), ("exec", Proc), "second part, reasons {:?}", second.reasons);
         ensure!(second.reasons.iter().any(|r| r.contains("/app/two")), "second part: {:?}", second.reasons);
@@ -421,7 +477,8 @@ fn percentiles(latencies: &[i64]) -> (i64, i64, i64) {
 
 /// User plus system CPU time of `pid` in ms (`/proc/PID/stat` fields 14 and 15, in clock ticks).
 fn cpu_ms(pid: u32) -> Outcome<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|e| HarnessError::io(format!("reading /proc/{pid}/stat"), e))?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map_err(|e| HarnessError::io(format!("reading /proc/{pid}/stat"), e))?;
     let fields: Vec<&str> = stat.rsplit_once(')').map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
     let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
     // SAFETY: sysconf only reads a configuration value.
@@ -455,7 +512,8 @@ async fn stdin_detection_cost() {
         }
         let env = TestEnv::get();
         let shims = crab_integration::host::shim_daemons(&env.namespace, sandbox.id());
-        let shim = *shims.first().ok_or_else(|| HarnessError::Expectation(format!("no shim serves {}", sandbox.id())))?;
+        let shim =
+            *shims.first().ok_or_else(|| HarnessError::Expectation(format!("no shim serves {}", sandbox.id())))?;
         let minute = Duration::from_secs(60);
         let before = cpu_ms(shim)?;
         tokio::time::sleep(minute).await;

@@ -56,61 +56,26 @@ enum Step {
 }
 
 fn case(truth: TurnClass, script: &'static str) -> Step {
-    Step::Case(Case {
-        script,
-        argv: None,
-        truth,
-        exit: 0,
-        known_gap: None,
-        reason: None,
-    })
+    Step::Case(Case { script, argv: None, truth, exit: 0, known_gap: None, reason: None })
 }
 
 fn failing(truth: TurnClass, exit: i32, script: &'static str) -> Step {
-    Step::Case(Case {
-        script,
-        argv: None,
-        truth,
-        exit,
-        known_gap: None,
-        reason: None,
-    })
+    Step::Case(Case { script, argv: None, truth, exit, known_gap: None, reason: None })
 }
 
 /// An exec without a shell whose start fails in the runtime (`ctr` then exits 1).
 fn failed_direct_exec(display: &'static str, argv: &'static [&'static str]) -> Step {
-    Step::Case(Case {
-        script: display,
-        argv: Some(argv),
-        truth: Clean,
-        exit: 1,
-        known_gap: None,
-        reason: None,
-    })
+    Step::Case(Case { script: display, argv: Some(argv), truth: Clean, exit: 1, known_gap: None, reason: None })
 }
 
 #[allow(dead_code)] // no known gap at the moment; kept for the next one
 fn known_gap(truth: TurnClass, got: TurnClass, why: &'static str, script: &'static str) -> Step {
-    Step::Case(Case {
-        script,
-        argv: None,
-        truth,
-        exit: 0,
-        known_gap: Some((got, why)),
-        reason: None,
-    })
+    Step::Case(Case { script, argv: None, truth, exit: 0, known_gap: Some((got, why)), reason: None })
 }
 
 /// A case whose reasons must name something (the process from before that ran).
 fn naming(truth: TurnClass, reason: &'static str, script: &'static str) -> Step {
-    Step::Case(Case {
-        script,
-        argv: None,
-        truth,
-        exit: 0,
-        known_gap: None,
-        reason: Some(reason),
-    })
+    Step::Case(Case { script, argv: None, truth, exit: 0, known_gap: None, reason: Some(reason) })
 }
 
 struct Group {
@@ -136,9 +101,7 @@ fn read_only() -> Group {
                  && printf 'print(\"hi\")\\n' > src/main.py && seq 1 100 > nums.txt",
             ),
             // Files older than the index are not racily clean: `git status` then has no reason to rewrite it.
-            Step::Setup(
-                "sleep 1.1 && cd /app/proj && git init -q && git add -A && git commit -qm init",
-            ),
+            Step::Setup("sleep 1.1 && cd /app/proj && git init -q && git add -A && git commit -qm init"),
             Step::Setup("cd /app/proj && git status > /dev/null"),
             case(Clean, "ls -la /app/proj"),
             case(Clean, "cat /etc/os-release"),
@@ -148,16 +111,10 @@ fn read_only() -> Group {
             case(Fs, "cd /app/proj && git status"),
             case(Clean, "cd /app/proj && git --no-optional-locks status"),
             case(Clean, "cd /app/proj && git log --oneline -n 5"),
-            case(
-                Clean,
-                "cd /app/proj && git diff HEAD --stat && git show --stat HEAD",
-            ),
+            case(Clean, "cd /app/proj && git diff HEAD --stat && git show --stat HEAD"),
             case(Clean, "python3 -c 'print(sum(range(10)))'"),
             case(Clean, "python3 /app/proj/src/main.py"),
-            case(
-                Clean,
-                "python3 -c 'import json, sys; json.dump({\"a\": [1, 2]}, sys.stdout)'",
-            ),
+            case(Clean, "python3 -c 'import json, sys; json.dump({\"a\": [1, 2]}, sys.stdout)'"),
             case(Clean, "head -c 64 /dev/urandom | sha256sum"),
             case(Clean, "ps aux"),
             case(Clean, "wc -l /etc/passwd && stat /etc/hostname"),
@@ -167,19 +124,12 @@ fn read_only() -> Group {
             case(Clean, "df -h / && uname -a"),
             case(Clean, "tar -C /app/proj -cf - . | wc -c"),
             case(Clean, "sort /app/proj/a.txt | uniq -c"),
-            case(
-                Clean,
-                "for i in 1 2 3; do cat /app/proj/nums.txt > /dev/null; done",
-            ),
+            case(Clean, "for i in 1 2 3; do cat /app/proj/nums.txt > /dev/null; done"),
             failing(Clean, 7, "curl -s --max-time 2 http://127.0.0.1:1/"),
             failing(Clean, 1, "false"),
             failing(Clean, 127, "nosuchcommand --flag"),
             failing(Clean, 126, "/etc/passwd"),
-            failing(
-                Clean,
-                1,
-                "setpriv --reuid=65534 --regid=65534 --clear-groups bash -c 'echo x > /root/forbidden'",
-            ),
+            failing(Clean, 1, "setpriv --reuid=65534 --regid=65534 --clear-groups bash -c 'echo x > /root/forbidden'"),
             failing(Clean, 1, "cat /nonexistent"),
             failing(Clean, 3, "python3 -c 'raise SystemExit(3)'"),
             failing(Clean, 128, "git -C / status"),
@@ -214,10 +164,7 @@ fn files() -> Group {
     Group {
         name: "files",
         annotations: &[],
-        run_flags: &[
-            "--mount",
-            "type=tmpfs,src=tmpfs,dst=/tmp,options=rw:nosuid:nodev:mode=1777",
-        ],
+        run_flags: &["--mount", "type=tmpfs,src=tmpfs,dst=/tmp,options=rw:nosuid:nodev:mode=1777"],
         steps: vec![
             Step::Setup(GIT_IDENTITY),
             Step::Setup(
@@ -243,14 +190,8 @@ fn files() -> Group {
             case(Fs, "sed -i s/a/b/ /app/w/sed.txt"),
             case(Fs, "mkfifo /app/w/fifo"),
             case(Fs, "python3 -c \"open('/app/w/py.txt', 'w').write('x')\""),
-            case(
-                Fs,
-                "python3 -c \"import os; os.utime('/app/w/b.txt', (0, 0))\"",
-            ),
-            case(
-                Fs,
-                "python3 -c \"import os; os.setxattr('/app/w/b.txt', 'user.k', b'v')\"",
-            ),
+            case(Fs, "python3 -c \"import os; os.utime('/app/w/b.txt', (0, 0))\""),
+            case(Fs, "python3 -c \"import os; os.setxattr('/app/w/b.txt', 'user.k', b'v')\""),
             case(Fs, "cd /app/w/sub && echo x > rel.txt"),
             case(Fs, "cd /app/w && mkdir rel && cd rel && touch inner"),
             case(
@@ -258,14 +199,8 @@ fn files() -> Group {
                 "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); \
                  fd = os.open('viafd', os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=d); os.write(fd, b'x')\"",
             ),
-            case(
-                Fs,
-                "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); os.mkdir('mdir', dir_fd=d)\"",
-            ),
-            case(
-                Fs,
-                "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); os.unlink('gone', dir_fd=d)\"",
-            ),
+            case(Fs, "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); os.mkdir('mdir', dir_fd=d)\""),
+            case(Fs, "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); os.unlink('gone', dir_fd=d)\""),
             case(
                 Fs,
                 "python3 -c \"import os; d = os.open('/app/w/sub', os.O_RDONLY); \
@@ -281,19 +216,13 @@ fn files() -> Group {
             ),
             case(Fs, "find /app/w/fdir -name '*.tmp' -delete"),
             case(Fs, "echo x > /dev/shm/shared.txt"),
-            case(
-                Fs,
-                "dd if=/dev/zero of=/dev/shm/blob bs=1k count=4 status=none",
-            ),
+            case(Fs, "dd if=/dev/zero of=/dev/shm/blob bs=1k count=4 status=none"),
             case(Fs, "echo x > /tmp/t.txt"),
             // Created and removed: the directory itself still changed.
             case(Fs, "f=$(mktemp) && echo x > \"$f\" && rm \"$f\""),
             failing(Fs, 1, "echo x > /app/w/partial.txt && false"),
             failing(Fs, 127, "nosuchcommand > /app/w/out.txt"),
-            case(
-                Fs,
-                "sqlite3 /app/w/db.sqlite 'create table t(x); insert into t values (1)'",
-            ),
+            case(Fs, "sqlite3 /app/w/db.sqlite 'create table t(x); insert into t values (1)'"),
             case(Fs, "tar -C /app/w -czf /app/w.tgz sub"),
             case(Fs, "mkdir -p /app/g && cd /app/g && git init -q"),
             case(Fs, "cd /app/g && echo x > f && git add f"),
@@ -321,10 +250,7 @@ fn ignored() -> Group {
             case(Clean, "mkdir -p /app/cache/d/e && touch /app/cache/d/e/f"),
             case(Clean, "cd /app/cache && echo z > rel"),
             case(Clean, "rm -rf /app/cache/d"),
-            case(
-                Clean,
-                "python3 -c \"open('/root/.cache/x', 'w').write('x')\"",
-            ),
+            case(Clean, "python3 -c \"open('/root/.cache/x', 'w').write('x')\""),
             case(Fs, "echo x > /app/cache/b && echo y > /app/notcache.txt"),
         ],
     }
@@ -339,10 +265,7 @@ fn processes() -> Group {
         run_flags: &[],
         steps: vec![
             case(Clean, "sleep 100 & kill $!; wait"),
-            case(
-                Clean,
-                "python3 -c \"import subprocess; p = subprocess.Popen(['sleep', '100']); p.kill(); p.wait()\"",
-            ),
+            case(Clean, "python3 -c \"import subprocess; p = subprocess.Popen(['sleep', '100']); p.kill(); p.wait()\""),
             failing(Clean, 124, "timeout 1 sleep 10"),
             case(
                 Clean,
@@ -354,32 +277,19 @@ fn processes() -> Group {
                 "python3 -c \"import socket; s = socket.socket(); s.bind(('127.0.0.1', 9000)); s.listen(); s.close()\"",
             ),
             case(Clean, "sleep 0.2 & wait"),
-            failing(
-                Fs,
-                143,
-                "sleep 100 & pid=$!; echo x > /app/p.txt; kill $pid; wait $pid",
-            ),
+            failing(Fs, 143, "sleep 100 & pid=$!; echo x > /app/p.txt; kill $pid; wait $pid"),
             case(Fs, "(sleep 0.3; echo late > /app/late.txt) & wait"),
-            case(
-                Fs,
-                "python3 -c \"import socket; socket.socket(socket.AF_UNIX).bind('/app/left.sock')\"",
-            ),
+            case(Fs, "python3 -c \"import socket; socket.socket(socket.AF_UNIX).bind('/app/left.sock')\""),
             case(Proc, "sleep 300 > /dev/null 2>&1 &"),
             Step::Settle,
-            case(
-                Proc,
-                "pkill -f 'sleep [3]00'; while pgrep -f 'sleep [3]00' > /dev/null; do sleep 0.05; done",
-            ),
+            case(Proc, "pkill -f 'sleep [3]00'; while pgrep -f 'sleep [3]00' > /dev/null; do sleep 0.05; done"),
             case(Proc, "nohup sleep 301 > /dev/null 2>&1 &"),
             Step::Settle,
             case(Proc, "setsid -f sleep 302 > /dev/null 2>&1"),
             Step::Settle,
             case(Proc, "(sleep 303 > /dev/null 2>&1 &)"),
             Step::Settle,
-            case(
-                Proc,
-                "pkill -f 'sleep [3]0[123]'; while pgrep -f 'sleep [3]0[123]' > /dev/null; do sleep 0.05; done",
-            ),
+            case(Proc, "pkill -f 'sleep [3]0[123]'; while pgrep -f 'sleep [3]0[123]' > /dev/null; do sleep 0.05; done"),
             case(Proc, "tmux new -d -s work"),
             Step::Settle,
             // The tmux server answers (it runs): process state.
@@ -403,10 +313,7 @@ fn processes() -> Group {
                 Clean,
                 "python3 -c \"import socket; c = socket.socket(socket.AF_UNIX); c.connect('/app/srv.sock'); c.close()\"",
             ),
-            case(
-                Proc,
-                "pkill -f 'srv[.]sock'; while pgrep -f 'srv[.]sock' > /dev/null; do sleep 0.05; done",
-            ),
+            case(Proc, "pkill -f 'srv[.]sock'; while pgrep -f 'srv[.]sock' > /dev/null; do sleep 0.05; done"),
         ],
     }
 }
@@ -435,19 +342,13 @@ fn earlier_descriptors() -> Group {
             ),
             Step::Settle,
             // Each poke runs the daemon's handler: a process from before ran (proc), besides the file.
-            case(
-                Proc,
-                "pkill -USR1 -f 'usr1[.]log' && while [ ! -s /app/w/usr1[.]log ]; do sleep 0.05; done",
-            ),
+            case(Proc, "pkill -USR1 -f 'usr1[.]log' && while [ ! -s /app/w/usr1[.]log ]; do sleep 0.05; done"),
             case(Clean, "cat /app/w/usr1.log"),
             case(
                 Proc,
                 "pkill -USR1 -f 'usr1[.]log' && while [ $(wc -l < /app/w/usr1[.]log) -lt 2 ]; do sleep 0.05; done",
             ),
-            case(
-                Proc,
-                "pkill -f 'usr1[.]log'; while pgrep -f 'usr1[.]log' > /dev/null; do sleep 0.05; done",
-            ),
+            case(Proc, "pkill -f 'usr1[.]log'; while pgrep -f 'usr1[.]log' > /dev/null; do sleep 0.05; done"),
             // A shell of an earlier turn whose dd child writes over the start of an existing file
             // through the descriptor the shell holds (dd opens nothing itself).
             case(
@@ -489,10 +390,7 @@ fn earlier_descriptors() -> Group {
             Step::Settle,
             Step::Settle,
             case(Clean, "head -c 8 /app/w/mm.bin"),
-            case(
-                Proc,
-                "pkill -f 'w/mm[.]bin'; while pgrep -f 'w/mm[.]bin' > /dev/null; do sleep 0.05; done",
-            ),
+            case(Proc, "pkill -f 'w/mm[.]bin'; while pgrep -f 'w/mm[.]bin' > /dev/null; do sleep 0.05; done"),
         ],
     }
 }
@@ -513,10 +411,7 @@ fn servers() -> Group {
             Step::Settle,
             // The server answers (and polls every 0.5 s besides): it ran.
             case(Proc, "curl -s -o /dev/null http://127.0.0.1:8000/"),
-            case(
-                Proc,
-                "pkill -f 'http[.]server'; while pgrep -f 'http[.]server' > /dev/null; do sleep 0.05; done",
-            ),
+            case(Proc, "pkill -f 'http[.]server'; while pgrep -f 'http[.]server' > /dev/null; do sleep 0.05; done"),
             case(Proc, "nginx"),
             Step::Settle,
             // The worker answers and appends to the access log through a descriptor opened in an
@@ -525,10 +420,7 @@ fn servers() -> Group {
                 Proc,
                 "curl -s -o /dev/null http://127.0.0.1/ && while [ ! -s /var/log/nginx/access.log ]; do sleep 0.05; done",
             ),
-            case(
-                Proc,
-                "nginx -s stop; while pgrep -r R,S,D,T -x nginx > /dev/null; do sleep 0.05; done",
-            ),
+            case(Proc, "nginx -s stop; while pgrep -r R,S,D,T -x nginx > /dev/null; do sleep 0.05; done"),
         ],
     }
 }
@@ -558,10 +450,7 @@ fn ran_from_before() -> Group {
                 "python3 -c \"import urllib.request; urllib.request.urlopen('http://127.0.0.1:8100/').read()\"",
             ),
             case(Clean, "sleep 0.2"),
-            case(
-                Proc,
-                "pkill -f 'h[.]HTTPServer'; while pgrep -f 'h[.]HTTPServer' > /dev/null; do sleep 0.05; done",
-            ),
+            case(Proc, "pkill -f 'h[.]HTTPServer'; while pgrep -f 'h[.]HTTPServer' > /dev/null; do sleep 0.05; done"),
             // A job that computes when poked (its memory advances; no file, no syscall of note).
             case(
                 Proc,
@@ -573,10 +462,7 @@ fn ran_from_before() -> Group {
             Step::Settle,
             case(Clean, "sleep 0.2"),
             naming(Proc, "(python3) from before the turn ran", "pkill -USR1 -f 'job[.]ready' && sleep 0.3"),
-            case(
-                Proc,
-                "pkill -f 'job[.]ready'; while pgrep -f 'job[.]ready' > /dev/null; do sleep 0.05; done",
-            ),
+            case(Proc, "pkill -f 'job[.]ready'; while pgrep -f 'job[.]ready' > /dev/null; do sleep 0.05; done"),
         ],
     }
 }
@@ -613,10 +499,7 @@ fn async_io() -> Group {
                 "used io_submit",
                 "pkill -USR1 -f 'aio[.]ready' && while ! grep -q 'via aio' /app/aio/aio.txt; do sleep 0.05; done",
             ),
-            case(
-                Proc,
-                "pkill -f 'aio[.]ready'; while pgrep -f 'aio[.]ready' > /dev/null; do sleep 0.05; done",
-            ),
+            case(Proc, "pkill -f 'aio[.]ready'; while pgrep -f 'aio[.]ready' > /dev/null; do sleep 0.05; done"),
         ],
     }
 }
@@ -637,13 +520,7 @@ struct Row {
 
 /// Runs one group in a fresh sandbox.
 async fn run_group(group: Group) -> Outcome<Vec<Row>> {
-    let mut sandbox = Sandbox::start(
-        group.name,
-        TERMINAL_IMAGE,
-        group.annotations,
-        group.run_flags,
-    )
-    .await?;
+    let mut sandbox = Sandbox::start(group.name, TERMINAL_IMAGE, group.annotations, group.run_flags).await?;
     let mut rows = Vec::new();
     for step in group.steps {
         let (script, argv, truth, expected_exit, known_gap, reason) = match step {
@@ -652,14 +529,7 @@ async fn run_group(group: Group) -> Outcome<Vec<Row>> {
                 tokio::time::sleep(SETTLE_PAUSE).await;
                 ("true", None, None, 0, None, None)
             }
-            Step::Case(case) => (
-                case.script,
-                case.argv,
-                Some(case.truth),
-                case.exit,
-                case.known_gap,
-                case.reason,
-            ),
+            Step::Case(case) => (case.script, case.argv, Some(case.truth), case.exit, case.known_gap, case.reason),
         };
         let before = sandbox.observe()?;
         let (output, turn) = match argv {
@@ -749,16 +619,9 @@ async fn corpus_classes_match_the_truth() {
     let started = Instant::now();
     let mut rows = Vec::new();
     let mut failures = Vec::new();
-    for group in [
-        read_only(),
-        files(),
-        ignored(),
-        processes(),
-        earlier_descriptors(),
-        servers(),
-        ran_from_before(),
-        async_io(),
-    ] {
+    for group in
+        [read_only(), files(), ignored(), processes(), earlier_descriptors(), servers(), ran_from_before(), async_io()]
+    {
         let name = group.name;
         match run_group(group).await {
             Ok(group_rows) => rows.extend(group_rows),
@@ -767,10 +630,7 @@ async fn corpus_classes_match_the_truth() {
     }
     print_table(&rows);
 
-    let scored: Vec<(&Row, TurnClass)> = rows
-        .iter()
-        .filter_map(|r| r.truth.map(|t| (r, t)))
-        .collect();
+    let scored: Vec<(&Row, TurnClass)> = rows.iter().filter_map(|r| r.truth.map(|t| (r, t))).collect();
     let mut confusion: BTreeMap<(TurnClass, TurnClass), usize> = BTreeMap::new();
     for (row, truth) in &scored {
         *confusion.entry((*truth, row.verdict.class)).or_default() += 1;
@@ -784,21 +644,11 @@ async fn corpus_classes_match_the_truth() {
             .collect();
         println!("{truth:<6} {}", counts.join(" "));
     }
-    let exact = scored
-        .iter()
-        .filter(|(row, truth)| row.verdict.class == *truth)
-        .count();
-    let under: Vec<&Row> = scored
-        .iter()
-        .filter(|(row, truth)| row.verdict.class < *truth)
-        .map(|(r, _)| *r)
-        .collect();
+    let exact = scored.iter().filter(|(row, truth)| row.verdict.class == *truth).count();
+    let under: Vec<&Row> = scored.iter().filter(|(row, truth)| row.verdict.class < *truth).map(|(r, _)| *r).collect();
     let over = scored.len() - exact - under.len();
     let accuracy = exact as f64 / scored.len().max(1) as f64;
-    let no_record = rows
-        .iter()
-        .filter(|r| r.verdict.checkpoint_failed.is_some())
-        .count();
+    let no_record = rows.iter().filter(|r| r.verdict.checkpoint_failed.is_some()).count();
     println!(
         "\n{} scored turns ({} more unscored): {exact} exact ({:.1}%), {over} over-classified, {} under-classified \
          ({} of them known gaps); {no_record} proc turns without a record (CRIU dump failed); {:.1} s",
@@ -812,10 +662,8 @@ async fn corpus_classes_match_the_truth() {
 
     for (row, truth) in &scored {
         if row.exit != Some(row.expected_exit) {
-            failures.push(format!(
-                "`{}` exited with {:?}, the corpus expects {}",
-                row.script, row.exit, row.expected_exit
-            ));
+            failures
+                .push(format!("`{}` exited with {:?}, the corpus expects {}", row.script, row.exit, row.expected_exit));
         }
         if row.host != *truth {
             failures.push(format!(
@@ -826,18 +674,11 @@ async fn corpus_classes_match_the_truth() {
     }
     for (row, reason) in rows.iter().filter_map(|r| r.reason.map(|t| (r, t))) {
         if !row.verdict.reasons.iter().any(|r| r.contains(reason)) {
-            failures.push(format!(
-                "`{}`: no reason names {reason:?} ({:?})",
-                row.script, row.verdict.reasons
-            ));
+            failures.push(format!("`{}`: no reason names {reason:?} ({:?})", row.script, row.verdict.reasons));
         }
     }
     for (row, (got, why)) in rows.iter().filter_map(|r| r.known_gap.map(|g| (r, g))) {
-        println!(
-            "known gap: `{}` is {} but the shim says {got}: {why}",
-            row.script,
-            row.truth.expect("scored")
-        );
+        println!("known gap: `{}` is {} but the shim says {got}: {why}", row.script, row.truth.expect("scored"));
         if row.verdict.class != got {
             failures.push(format!(
                 "known gap changed: `{}` was {got}, now {} ({:?}): update the corpus",
@@ -855,10 +696,7 @@ async fn corpus_classes_match_the_truth() {
         ));
     }
     if scored.len() < 60 {
-        failures.push(format!(
-            "only {} scored turns ran (the corpus has more than 60)",
-            scored.len()
-        ));
+        failures.push(format!("only {} scored turns ran (the corpus has more than 60)", scored.len()));
     }
     if accuracy < 0.95 {
         failures.push(format!("{:.1}% exact, below 95%", accuracy * 100.0));
@@ -870,22 +708,13 @@ async fn corpus_classes_match_the_truth() {
 /// tracked files, a small build (byte-compiling a package tree, writing every output), and a
 /// write loop (`dd` in 512-byte blocks: one traced `write` per block, all to one file).
 const OVERHEAD_WORKLOADS: [(&str, &str); 4] = [
-    (
-        "3x find / -xdev",
-        "for i in 1 2 3; do find / -xdev | wc -l; done",
-    ),
+    ("3x find / -xdev", "for i in 1 2 3; do find / -xdev | wc -l; done"),
     (
         "10x git status (5k files)",
         "cd /app/big && for i in 1 2 3 4 5 6 7 8 9 10; do git --no-optional-locks status --porcelain; done | wc -l",
     ),
-    (
-        "small build",
-        "python3 -m compileall -q -f /app/big/lib/email /app/big/lib/json /app/big/lib/xml",
-    ),
-    (
-        "dd 100k x 512 B writes",
-        "dd if=/dev/zero of=/app/dd.out bs=512 count=100000 status=none",
-    ),
+    ("small build", "python3 -m compileall -q -f /app/big/lib/email /app/big/lib/json /app/big/lib/xml"),
+    ("dd 100k x 512 B writes", "dd if=/dev/zero of=/app/dd.out bs=512 count=100000 status=none"),
 ];
 
 /// A copy of the standard library as a git repository: thousands of files to stat. The pause makes
@@ -911,18 +740,12 @@ async fn timed_turn(sandbox: &mut Sandbox, workload: &str, checkpointed: bool) -
     let script = format!("TIMEFORMAT='%3R %3U %3S'; time {{ {workload}; }} > /dev/null 2>&1");
     let (output, turn) = sandbox.exec(&script).await?;
     if output.code() != Some(0) {
-        return Err(HarnessError::Expectation(format!(
-            "`{workload}` failed: {}",
-            output.stderr.trim()
-        )));
+        return Err(HarnessError::Expectation(format!("`{workload}` failed: {}", output.stderr.trim())));
     }
     if checkpointed {
         sandbox.verdict(turn).await?;
     }
-    let parse_error = || HarnessError::Parse {
-        what: format!("timing of `{workload}`"),
-        detail: output.stderr.clone(),
-    };
+    let parse_error = || HarnessError::Parse { what: format!("timing of `{workload}`"), detail: output.stderr.clone() };
     let seconds: Vec<f64> = output
         .stderr
         .trim()
@@ -935,10 +758,7 @@ async fn timed_turn(sandbox: &mut Sandbox, workload: &str, checkpointed: bool) -
     let [real, user, system] = seconds[..] else {
         return Err(parse_error());
     };
-    Ok(Timing {
-        wall: Duration::from_secs_f64(real),
-        cpu: Duration::from_secs_f64(user + system),
-    })
+    Ok(Timing { wall: Duration::from_secs_f64(real), cpu: Duration::from_secs_f64(user + system) })
 }
 
 fn median(samples: impl Iterator<Item = Duration>) -> Duration {
@@ -950,24 +770,14 @@ fn median(samples: impl Iterator<Item = Duration>) -> Duration {
 /// Inspector instances attached on this machine (each runs on every traced syscall of every
 /// process), by counting their `enter_write` programs; None without bpftool.
 fn attached_inspectors() -> Option<usize> {
-    let listing = std::process::Command::new("bpftool")
-        .args(["prog", "list"])
-        .output()
-        .ok()?;
+    let listing = std::process::Command::new("bpftool").args(["prog", "list"]).output().ok()?;
     let text = String::from_utf8_lossy(&listing.stdout);
-    Some(
-        text.lines()
-            .filter(|l| l.contains("name enter_write "))
-            .count(),
-    )
+    Some(text.lines().filter(|l| l.contains("name enter_write ")).count())
 }
 
 type Samples = BTreeMap<(usize, bool), Vec<Timing>>;
 
-async fn sample_rounds(
-    sandboxes: &mut [(&mut Sandbox, bool)],
-    samples: &mut Samples,
-) -> Outcome<()> {
+async fn sample_rounds(sandboxes: &mut [(&mut Sandbox, bool)], samples: &mut Samples) -> Outcome<()> {
     // Round 0 warms the page cache and is dropped; the order alternates so no sandbox always goes first.
     for round in 0..=OVERHEAD_ROUNDS {
         for (index, (_, workload)) in OVERHEAD_WORKLOADS.iter().enumerate() {
@@ -988,22 +798,8 @@ async fn sample_rounds(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement (about two minutes), not a check"]
 async fn inspector_overhead() {
-    let mut off = Sandbox::start(
-        "overhead-off",
-        TERMINAL_IMAGE,
-        &[("io.crab.policy", "off")],
-        &[],
-    )
-    .await
-    .unwrap();
-    let mut crab = Sandbox::start(
-        "overhead-crab",
-        TERMINAL_IMAGE,
-        &[("io.crab.policy", "crab")],
-        &[],
-    )
-    .await
-    .unwrap();
+    let mut off = Sandbox::start("overhead-off", TERMINAL_IMAGE, &[("io.crab.policy", "off")], &[]).await.unwrap();
+    let mut crab = Sandbox::start("overhead-crab", TERMINAL_IMAGE, &[("io.crab.policy", "crab")], &[]).await.unwrap();
     let (setup, _) = off.exec(OVERHEAD_SETUP).await.unwrap();
     assert_eq!(setup.code(), Some(0), "{}", setup.stderr);
     let (setup, setup_turn) = crab.exec(OVERHEAD_SETUP).await.unwrap();
@@ -1011,9 +807,7 @@ async fn inspector_overhead() {
     crab.verdict(setup_turn).await.unwrap();
     let attached = attached_inspectors();
     let mut samples = Samples::new();
-    sample_rounds(&mut [(&mut off, false), (&mut crab, true)], &mut samples)
-        .await
-        .unwrap();
+    sample_rounds(&mut [(&mut off, false), (&mut crab, true)], &mut samples).await.unwrap();
 
     println!(
         "\ninspector overhead: median of {OVERHEAD_ROUNDS} interleaved rounds, timed inside the container; \
@@ -1049,8 +843,6 @@ async fn inspector_overhead() {
         "geometric mean crab/off: wall {:.3}, cpu {:.3} (goal <= 1.02); load average {}",
         (log_wall / n).exp(),
         (log_cpu / n).exp(),
-        std::fs::read_to_string("/proc/loadavg")
-            .unwrap_or_default()
-            .trim()
+        std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
     );
 }

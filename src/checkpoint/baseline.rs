@@ -19,8 +19,8 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use super::chain::sandbox_key;
-use super::key::full_checkpoints_dir;
 use super::error::{CheckpointError, IoContext, Result};
+use super::key::full_checkpoints_dir;
 use super::sys;
 
 /// What one baseline checkpoint wrote.
@@ -54,21 +54,15 @@ pub fn overlay_upperdir(pid: u32) -> Result<PathBuf> {
 }
 
 fn upperdir_of_root(mountinfo: &str) -> std::result::Result<PathBuf, &'static str> {
-    let root = mountinfo
-        .lines()
-        .find(|l| l.split_whitespace().nth(4) == Some("/"))
-        .ok_or("no mount at / in its mountinfo")?;
+    let root =
+        mountinfo.lines().find(|l| l.split_whitespace().nth(4) == Some("/")).ok_or("no mount at / in its mountinfo")?;
     let (_, fs_part) = root.split_once(" - ").ok_or("malformed mountinfo line")?;
     let mut fields = fs_part.split_whitespace();
     if fields.next() != Some("overlay") {
         return Err("not an overlay mount, so it has no rootfs diff");
     }
     let options = fields.nth(1).unwrap_or_default();
-    options
-        .split(',')
-        .find_map(|o| o.strip_prefix("upperdir="))
-        .map(PathBuf::from)
-        .ok_or("overlay without an upperdir")
+    options.split(',').find_map(|o| o.strip_prefix("upperdir=")).map(PathBuf::from).ok_or("overlay without an upperdir")
 }
 
 /// Writes the baseline checkpoint of `turn`: the CRIU image directory and the rootfs diff,
@@ -116,12 +110,7 @@ pub fn write_full_checkpoint(
             let _ = fs::remove_dir_all(dirent.path());
         }
     }
-    Ok(FullCheckpoint {
-        dir: dest,
-        turn,
-        bytes_written: copier.bytes,
-        files: copier.files,
-    })
+    Ok(FullCheckpoint { dir: dest, turn, bytes_written: copier.bytes, files: copier.files })
 }
 
 /// Removes a container's baseline checkpoints.
@@ -145,14 +134,10 @@ fn copy_checkpoint(tmp: &Path, criu_images: &Path, rootfs_diff: &Path) -> Result
     sys::create_private_dir_all(tmp).io_ctx("create", tmp)?;
     copier.copy_tree(criu_images, &tmp.join("criu"), "criu")?;
     copier.copy_tree(rootfs_diff, &tmp.join("rw"), "rw")?;
-    let index = serde_json::to_vec(&copier.index).map_err(|source| CheckpointError::Json {
-        what: "baseline index",
-        source,
-    })?;
+    let index =
+        serde_json::to_vec(&copier.index).map_err(|source| CheckpointError::Json { what: "baseline index", source })?;
     let path = tmp.join("index.json");
-    File::create(&path)
-        .and_then(|mut f| f.write_all(&index))
-        .io_ctx("write", &path)?;
+    File::create(&path).and_then(|mut f| f.write_all(&index)).io_ctx("write", &path)?;
     copier.bytes += index.len() as u64;
     Ok(copier)
 }
@@ -183,12 +168,12 @@ impl Copier {
         match sys::file_type(&st) {
             libc::S_IFDIR => {
                 entry.kind = "dir";
-                let dir = sys::reopen(handle.as_fd(), libc::O_RDONLY | libc::O_DIRECTORY)
-                    .io_ctx("open", from)?;
+                let dir = sys::reopen(handle.as_fd(), libc::O_RDONLY | libc::O_DIRECTORY).io_ctx("open", from)?;
                 fs::create_dir(to).io_ctx("create", to)?;
                 self.index.push(entry);
                 for name in sys::read_dir_names(dir.as_fd()).io_ctx("read dir", from)? {
-                    let (child_from, child_to) = (from.join(OsStr::from_bytes(&name)), to.join(OsStr::from_bytes(&name)));
+                    let (child_from, child_to) =
+                        (from.join(OsStr::from_bytes(&name)), to.join(OsStr::from_bytes(&name)));
                     let name_c = sys::cstr(&name).io_ctx("read dir", from)?;
                     fail::fail_point!("baseline-copy-open");
                     // Removed since the listing: it is not part of this checkpoint.

@@ -38,11 +38,10 @@ use super::error::{CheckpointError, IoContext, Result};
 use super::fsdelta::{self, Applier, ApplyStats, ChangedPath, Root};
 use super::images::{self, RestoredImages};
 use super::key::{self, SandboxKey};
-use super::mounts::{self, ContainerMount};
 use super::manifest::{
-    FsEntry, FsNode, ImageSet, MANIFEST_VERSION, Manifest, ParentRef, Snapshot, TurnClass,
-    direct_blobs, seal, unseal,
+    FsEntry, FsNode, ImageSet, MANIFEST_VERSION, Manifest, ParentRef, Snapshot, TurnClass, direct_blobs, seal, unseal,
 };
+use super::mounts::{self, ContainerMount};
 use super::path::RelPath;
 use super::store::{BlobStore, Digest, Durability, PendingBlobs, Traffic, Unlimited, WriteTokens, publish_file};
 use super::sys;
@@ -115,12 +114,7 @@ impl StagedTurn {
     /// plus every CRIU image byte (chunk dedup only shows at write-out).
     pub fn estimated_write_bytes(&self) -> u64 {
         let images = self.criu_images.as_deref().map_or(0, |dir| {
-            fs::read_dir(dir)
-                .into_iter()
-                .flatten()
-                .filter_map(|d| d.ok()?.metadata().ok())
-                .map(|m| m.len())
-                .sum()
+            fs::read_dir(dir).into_iter().flatten().filter_map(|d| d.ok()?.metadata().ok()).map(|m| m.len()).sum()
         });
         self.staged_bytes() + images
     }
@@ -179,10 +173,7 @@ impl Chain {
         self.links
             .iter()
             .position(|(_, m)| m.turn == turn)
-            .ok_or_else(|| CheckpointError::NoSuchTurn {
-                container: container.to_owned(),
-                turn,
-            })
+            .ok_or_else(|| CheckpointError::NoSuchTurn { container: container.to_owned(), turn })
     }
 
     /// The state of every path ever recorded, as of link `index`: snapshot (if any) plus the
@@ -212,9 +203,7 @@ impl Chain {
                 return Some((manifest.turn, set, Some((id, manifest.as_ref()))));
             }
         }
-        self.snapshot
-            .as_ref()
-            .and_then(|s| s.images.as_ref().map(|(turn, set)| (*turn, set, None)))
+        self.snapshot.as_ref().and_then(|s| s.images.as_ref().map(|(turn, set)| (*turn, set, None)))
     }
 
     /// The newest image set at or below link `index`, with its turn.
@@ -224,9 +213,7 @@ impl Chain {
                 return Some((manifest.turn, set));
             }
         }
-        self.snapshot
-            .as_ref()
-            .and_then(|s| s.images.as_ref().map(|(turn, set)| (*turn, set)))
+        self.snapshot.as_ref().and_then(|s| s.images.as_ref().map(|(turn, set)| (*turn, set)))
     }
 }
 
@@ -263,10 +250,7 @@ fn past_state<'f>(fold: &'f BTreeMap<RelPath, FsEntry>, rel: &RelPath) -> PastSt
         };
     }
     for ancestor in rel.ancestors() {
-        if fold
-            .get(&ancestor)
-            .is_some_and(|e| e.node.replaces_subtree())
-        {
+        if fold.get(&ancestor).is_some_and(|e| e.node.replaces_subtree()) {
             return PastState::Absent;
         }
     }
@@ -322,10 +306,7 @@ fn draw_in_chunks(tokens: &mut dyn WriteTokens, bytes: u64) -> Result<()> {
 }
 
 fn now_unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
 impl CheckpointStore {
@@ -337,8 +318,7 @@ impl CheckpointStore {
         // A store made by an older build (0755): nothing below is anyone else's business.
         let mode = fs::metadata(&state_dir).io_ctx("stat", &state_dir)?.permissions().mode();
         if mode & 0o077 != 0 {
-            fs::set_permissions(&state_dir, fs::Permissions::from_mode(mode & 0o7700))
-                .io_ctx("chmod", &state_dir)?;
+            fs::set_permissions(&state_dir, fs::Permissions::from_mode(mode & 0o7700)).io_ctx("chmod", &state_dir)?;
         }
         let blobs = BlobStore::open(&state_dir)?;
         let manifests = state_dir.join("manifests");
@@ -348,9 +328,7 @@ impl CheckpointStore {
         match fs::read_link(&assembled) {
             // Kept elsewhere; that directory may be gone (a tmpfs after a reboot): recreate it.
             Ok(target) => sys::create_private_dir_all(&target).io_ctx("create", &target)?,
-            Err(_) if !assembled.is_dir() => {
-                sys::create_private_dir_all(&assembled).io_ctx("create", &assembled)?
-            }
+            Err(_) if !assembled.is_dir() => sys::create_private_dir_all(&assembled).io_ctx("create", &assembled)?,
             Err(_) => {}
         }
         key::migrate_legacy_layout(&state_dir, &state_dir.join("lock"), &assembled)?;
@@ -475,7 +453,9 @@ impl CheckpointStore {
             Ok(true) => debug!(container, id = %id, size, "CRIU images kept assembled"),
             Ok(false) => debug!(container, id = %id, dump = %dump_dir.display(),
                 "CRIU images not kept: the dump is on another file system than the kept copies (a copy would cost a full write)"),
-            Err(e) => tracing::warn!(container, id = %id, error = %e, "CRIU images not kept assembled: the next restore reassembles them"),
+            Err(e) => {
+                tracing::warn!(container, id = %id, error = %e, "CRIU images not kept assembled: the next restore reassembles them")
+            }
         }
     }
 
@@ -483,7 +463,9 @@ impl CheckpointStore {
     fn kept_bytes(&self) -> u64 {
         let sum_files = |dir: &Path| -> u64 {
             fs::read_dir(dir)
-                .map(|files| files.flatten().filter_map(|f| f.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum())
+                .map(|files| {
+                    files.flatten().filter_map(|f| f.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum()
+                })
                 .unwrap_or(0)
         };
         let Ok(namespaces) = fs::read_dir(&self.assembled) else { return 0 };
@@ -513,9 +495,7 @@ impl CheckpointStore {
         F: FnOnce(&CheckpointStore) -> Result<T> + Send + 'static,
     {
         let store = Arc::clone(self);
-        tokio::task::spawn_blocking(move || work(&store))
-            .await
-            .map_err(|e| CheckpointError::Join(e.to_string()))?
+        tokio::task::spawn_blocking(move || work(&store)).await.map_err(|e| CheckpointError::Join(e.to_string()))?
     }
 
     /// Writers share the lock; GC takes it exclusively so it never deletes a blob that a
@@ -554,10 +534,7 @@ impl CheckpointStore {
     }
 
     pub(crate) fn forget_cached(&self, id: &Digest) {
-        self.cache
-            .lock()
-            .expect("manifest cache poisoned")
-            .remove(id);
+        self.cache.lock().expect("manifest cache poisoned").remove(id);
     }
 
     /// Loads and verifies a manifest by id; `None` when it is not stored.
@@ -573,10 +550,7 @@ impl CheckpointStore {
         };
         let (_, manifest): (_, Manifest) = unseal(&bytes, &path, Some(id))?;
         let manifest = Arc::new(manifest);
-        self.cache
-            .lock()
-            .expect("manifest cache poisoned")
-            .insert(*id, Arc::clone(&manifest));
+        self.cache.lock().expect("manifest cache poisoned").insert(*id, Arc::clone(&manifest));
         Ok(Some(manifest))
     }
 
@@ -591,10 +565,7 @@ impl CheckpointStore {
         if snapshot.at != *id {
             return Err(CheckpointError::CorruptManifest {
                 path,
-                reason: format!(
-                    "snapshot is of manifest {}, file is named for {id}",
-                    snapshot.at
-                ),
+                reason: format!("snapshot is of manifest {}, file is named for {id}", snapshot.at),
             });
         }
         Ok(Some(snapshot))
@@ -603,12 +574,9 @@ impl CheckpointStore {
     pub fn head(&self, container: &str) -> Result<Option<Head>> {
         let path = self.head_path(&sandbox_key(container)?);
         match fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| {
-                CheckpointError::CorruptManifest {
-                    path,
-                    reason: format!("bad HEAD: {e}"),
-                }
-            }),
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| CheckpointError::CorruptManifest { path, reason: format!("bad HEAD: {e}") }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e).io_ctx("read", path),
         }
@@ -626,16 +594,8 @@ impl CheckpointStore {
                 sys::fsync_dir(&self.containers).io_ctx("fsync", &self.containers)?;
             }
         }
-        let bytes = serde_json::to_vec(head).map_err(|source| CheckpointError::Json {
-            what: "HEAD",
-            source,
-        })?;
-        publish_file(
-            &self.blobs.tmp_path("head"),
-            &self.head_path(&key),
-            &bytes,
-            durability,
-        )
+        let bytes = serde_json::to_vec(head).map_err(|source| CheckpointError::Json { what: "HEAD", source })?;
+        publish_file(&self.blobs.tmp_path("head"), &self.head_path(&key), &bytes, durability)
     }
 
     /// Keys (`<namespace>/<id>[@<generation>]`) of every chain that has a head, sorted, of all
@@ -744,10 +704,7 @@ impl CheckpointStore {
 
     /// Walks a chain from `from` to its root, verifying every manifest and every parent link.
     pub(crate) fn walk(&self, container: &str, from: Digest) -> Result<Chain> {
-        let broken = |missing: String| CheckpointError::BrokenChain {
-            container: container.to_owned(),
-            missing,
-        };
+        let broken = |missing: String| CheckpointError::BrokenChain { container: container.to_owned(), missing };
         let mut links: Vec<(Digest, Arc<Manifest>)> = Vec::new();
         let mut next = Some(from);
         while let Some(id) = next {
@@ -756,10 +713,7 @@ impl CheckpointStore {
                     return Err(broken(format!("head manifest {id} is missing")));
                 };
                 if let Some(snapshot) = self.load_snapshot(child_id)? {
-                    return Ok(Chain {
-                        links,
-                        snapshot: Some(Arc::new(snapshot)),
-                    });
+                    return Ok(Chain { links, snapshot: Some(Arc::new(snapshot)) });
                 }
                 return Err(broken(format!(
                     "manifest {id} (turn {}), parent of turn {}, is missing and no snapshot covers it",
@@ -768,8 +722,7 @@ impl CheckpointStore {
                 )));
             };
             if let Some((_, child)) = links.last()
-                && (manifest.turn >= child.turn
-                    || child.parent.map(|p| p.turn) != Some(manifest.turn))
+                && (manifest.turn >= child.turn || child.parent.map(|p| p.turn) != Some(manifest.turn))
             {
                 return Err(broken(format!(
                     "manifest {id} has turn {}, its child turn {} expects its parent at turn {:?}",
@@ -781,16 +734,11 @@ impl CheckpointStore {
             next = manifest.parent.map(|p| p.manifest);
             links.push((id, manifest));
         }
-        Ok(Chain {
-            links,
-            snapshot: None,
-        })
+        Ok(Chain { links, snapshot: None })
     }
 
     pub(crate) fn chain(&self, container: &str) -> Result<(Head, Chain)> {
-        let head = self
-            .head(container)?
-            .ok_or_else(|| CheckpointError::NoSuchContainer(container.to_owned()))?;
+        let head = self.head(container)?.ok_or_else(|| CheckpointError::NoSuchContainer(container.to_owned()))?;
         let chain = self.walk(container, head.manifest)?;
         Ok((head, chain))
     }
@@ -837,9 +785,7 @@ impl CheckpointStore {
             (_, true) => Vec::new(),
             (Some(rootfs), false) => capture_split(rootfs, input.changed, mounts, &mut batch)?,
             (None, false) => {
-                return Err(CheckpointError::InvalidRequest(
-                    "changed paths given without a rootfs".into(),
-                ));
+                return Err(CheckpointError::InvalidRequest("changed paths given without a rootfs".into()));
             }
         };
         Ok(StagedTurn {
@@ -863,23 +809,11 @@ impl CheckpointStore {
     /// [`publish`](Self::publish) with the new blob bytes and then the manifest drawn from
     /// `tokens` chunk by chunk as they go to the disk (only HEAD, under 100 bytes, is not drawn).
     pub fn publish_paced(&self, staged: StagedTurn, tokens: &mut dyn WriteTokens) -> Result<CommitReport> {
-        let StagedTurn {
-            container,
-            turn,
-            class,
-            fs_delta,
-            blobs,
-            criu_images,
-            _lock,
-        } = staged;
+        let StagedTurn { container, turn, class, fs_delta, blobs, criu_images, _lock } = staged;
         let parent = self.head(&container)?;
         if let Some(head) = &parent {
             if turn <= head.turn {
-                return Err(CheckpointError::TurnNotAfterHead {
-                    container,
-                    turn,
-                    head: head.turn,
-                });
+                return Err(CheckpointError::TurnNotAfterHead { container, turn, head: head.turn });
             }
             if self.load_manifest(&head.manifest)?.is_none() {
                 return Err(CheckpointError::BrokenChain {
@@ -889,10 +823,7 @@ impl CheckpointStore {
             }
         }
         let mut batch = self.blobs.resume(blobs);
-        let images = criu_images
-            .as_deref()
-            .map(|dir| images::store_images(dir, &mut batch))
-            .transpose()?;
+        let images = criu_images.as_deref().map(|dir| images::store_images(dir, &mut batch)).transpose()?;
         let traffic = batch.commit_paced(tokens)?;
 
         let manifest = Manifest {
@@ -900,10 +831,7 @@ impl CheckpointStore {
             container: container.clone(),
             turn,
             class,
-            parent: parent.map(|h| ParentRef {
-                manifest: h.manifest,
-                turn: h.turn,
-            }),
+            parent: parent.map(|h| ParentRef { manifest: h.manifest, turn: h.turn }),
             created_unix_ms: now_unix_ms(),
             fs_delta,
             images,
@@ -912,17 +840,10 @@ impl CheckpointStore {
         // A process turn's manifest lists every chunk of its images (tens of KiB): it is
         // checkpoint bytes like the blobs.
         draw_in_chunks(tokens, bytes.len() as u64)?;
-        publish_file(
-            &self.blobs.tmp_path("manifest"),
-            &self.manifest_path(&id),
-            &bytes,
-            Durability::Flushed,
-        )?;
+        publish_file(&self.blobs.tmp_path("manifest"), &self.manifest_path(&id), &bytes, Durability::Flushed)?;
         #[cfg(test)]
         if tests_hooks::crash_before_head() {
-            return Err(CheckpointError::InvalidRequest(
-                "simulated crash before HEAD".into(),
-            ));
+            return Err(CheckpointError::InvalidRequest("simulated crash before HEAD".into()));
         }
         self.set_head(&container, &Head { manifest: id, turn }, Durability::Flushed)?;
         if let (Some(set), Some(dir)) = (&manifest.images, &criu_images) {
@@ -936,10 +857,7 @@ impl CheckpointStore {
             traffic,
             manifest_bytes: bytes.len() as u64,
         };
-        self.cache
-            .lock()
-            .expect("manifest cache poisoned")
-            .insert(id, Arc::new(manifest));
+        self.cache.lock().expect("manifest cache poisoned").insert(id, Arc::new(manifest));
         info!(container = %container, turn, ?class, id = %id,
               new_bytes = traffic.written_bytes, logical_bytes = traffic.logical_bytes, "checkpoint committed");
         Ok(report)
@@ -979,7 +897,13 @@ impl CheckpointStore {
     /// [`materialize`](Self::materialize) of every path except those at or below `skip`: the
     /// destinations of the new container's mounts, which hide the rootfs there (their
     /// content goes into the mounts once they exist, [`materialize_mounts`](Self::materialize_mounts)).
-    pub fn materialize_rootfs(&self, container: &str, turn: u64, target: &Path, skip: &[RelPath]) -> Result<ApplyStats> {
+    pub fn materialize_rootfs(
+        &self,
+        container: &str,
+        turn: u64,
+        target: &Path,
+        skip: &[RelPath],
+    ) -> Result<ApplyStats> {
         let _lock = self.lock(false)?;
         let (_, chain) = self.chain(container)?;
         let mut state = chain.fold(chain.index_of(container, turn)?);
@@ -1040,12 +964,9 @@ impl CheckpointStore {
                             size: *size,
                             extents: extents.clone(),
                         },
-                        false => FsNode::File {
-                            meta: meta.clone(),
-                            blob: *blob,
-                            size: *size,
-                            extents: extents.clone(),
-                        },
+                        false => {
+                            FsNode::File { meta: meta.clone(), blob: *blob, size: *size, extents: extents.clone() }
+                        }
                     },
                     other => other.clone(),
                 };
@@ -1109,8 +1030,7 @@ impl CheckpointStore {
         let mut changed: BTreeMap<RelPath, Change> = BTreeMap::new();
         for (_, manifest) in &chain.links[..target] {
             for entry in &manifest.fs_delta {
-                changed.entry(entry.path.clone()).or_default().replaced |=
-                    entry.node.replaces_subtree();
+                changed.entry(entry.path.clone()).or_default().replaced |= entry.node.replaces_subtree();
             }
         }
         for extra in req.uncommitted {
@@ -1150,10 +1070,7 @@ impl CheckpointStore {
 
         // The live root was just rewritten without flushing (it dies with the host anyway), so
         // flushing the head would buy no consistency; the next commit flushes it with its own.
-        let new_head = Head {
-            manifest: chain.links[target].0,
-            turn: req.to_turn,
-        };
+        let new_head = Head { manifest: chain.links[target].0, turn: req.to_turn };
         self.set_head(req.container, &new_head, Durability::AtomicOnly)?;
         debug!(
             container = req.container,
@@ -1174,9 +1091,7 @@ impl CheckpointStore {
     /// Recreates the CRIU image directory in effect at `turn` (the newest proc turn at or below
     /// it) into `dest`. Returns the turn whose images were restored, `None` if there are none.
     pub fn restore_images(&self, container: &str, turn: u64, dest: &Path) -> Result<Option<u64>> {
-        Ok(self
-            .restore_images_report(container, turn, dest)?
-            .map(|(images_turn, _)| images_turn))
+        Ok(self.restore_images_report(container, turn, dest)?.map(|(images_turn, _)| images_turn))
     }
 
     /// [`restore_images`](Self::restore_images), also saying what was written.
@@ -1209,9 +1124,15 @@ impl CheckpointStore {
             if kept.is_dir() && linkable {
                 match images::restore_assembled(set, &self.blobs, &kept, dest) {
                     Ok(restored) => {
-                        debug!(container, turn = images_turn, files = restored.files, bytes = restored.bytes,
-                               chunks = restored.chunks, ms = clock.elapsed().as_secs_f64() * 1e3,
-                               "CRIU images linked from the kept copy and verified");
+                        debug!(
+                            container,
+                            turn = images_turn,
+                            files = restored.files,
+                            bytes = restored.bytes,
+                            chunks = restored.chunks,
+                            ms = clock.elapsed().as_secs_f64() * 1e3,
+                            "CRIU images linked from the kept copy and verified"
+                        );
                         return Ok(Some((images_turn, restored)));
                     }
                     Err(e) => {
@@ -1224,9 +1145,16 @@ impl CheckpointStore {
             }
         }
         let restored = images::restore_images(set, &self.blobs, dest)?;
-        debug!(container, turn = images_turn, files = restored.files, bytes = restored.bytes,
-               chunks = restored.chunks, chunks_read = restored.chunks_read,
-               ms = clock.elapsed().as_secs_f64() * 1e3, "CRIU images reassembled and verified");
+        debug!(
+            container,
+            turn = images_turn,
+            files = restored.files,
+            bytes = restored.bytes,
+            chunks = restored.chunks,
+            chunks_read = restored.chunks_read,
+            ms = clock.elapsed().as_secs_f64() * 1e3,
+            "CRIU images reassembled and verified"
+        );
         Ok(Some((images_turn, restored)))
     }
 
@@ -1236,16 +1164,11 @@ impl CheckpointStore {
         sandbox_key(new)?;
         let _lock = self.lock(false)?;
         if self.head(new)?.is_some() {
-            return Err(CheckpointError::InvalidRequest(format!(
-                "container {new:?} already has checkpoints"
-            )));
+            return Err(CheckpointError::InvalidRequest(format!("container {new:?} already has checkpoints")));
         }
         let (_, chain) = self.chain(source)?;
         let index = chain.index_of(source, turn)?;
-        let head = Head {
-            manifest: chain.links[index].0,
-            turn,
-        };
+        let head = Head { manifest: chain.links[index].0, turn };
         self.set_head(new, &head, Durability::Flushed)?;
         Ok(head)
     }
@@ -1339,35 +1262,23 @@ impl<'f> Step<'f> {
             Step::Apply(entry) => entry.node.blob().into_iter().collect(),
             Step::Rebuild { path, .. } => {
                 let (lo, hi) = path.descendant_bounds();
-                past.range(lo..hi)
-                    .filter_map(|(_, e)| e.node.blob())
-                    .collect()
+                past.range(lo..hi).filter_map(|(_, e)| e.node.blob()).collect()
             }
             Step::Remove(_) | Step::FromBase(_) => Vec::new(),
         }
     }
 
-    fn run(
-        &self,
-        applier: &mut Applier<'_>,
-        past: &BTreeMap<RelPath, FsEntry>,
-        base: Option<&Root>,
-    ) -> Result<()> {
+    fn run(&self, applier: &mut Applier<'_>, past: &BTreeMap<RelPath, FsEntry>, base: Option<&Root>) -> Result<()> {
         match self {
             Step::Remove(path) => applier.remove_path(path),
             Step::Apply(entry) => applier.apply(entry, false),
-            Step::FromBase(path) => {
-                applier.copy_from_base(base.expect("planned with a base"), path, false)
-            }
+            Step::FromBase(path) => applier.copy_from_base(base.expect("planned with a base"), path, false),
             Step::Rebuild { path, recorded } => {
                 applier.remove_path(path)?;
                 match recorded {
-                    Some(
-                        entry @ FsEntry {
-                            node: FsNode::Dir { complete: true, .. },
-                            ..
-                        },
-                    ) => applier.apply(entry, true)?,
+                    Some(entry @ FsEntry { node: FsNode::Dir { complete: true, .. }, .. }) => {
+                        applier.apply(entry, true)?
+                    }
                     _ => {
                         applier.copy_from_base(base.expect("planned with a base"), path, true)?;
                         if let Some(entry) = recorded {
@@ -1396,10 +1307,7 @@ fn plan_rollback<'f>(
         if have_base(path) {
             Ok(())
         } else {
-            Err(CheckpointError::NoBaseState {
-                path: path.to_string(),
-                turn: to_turn,
-            })
+            Err(CheckpointError::NoBaseState { path: path.to_string(), turn: to_turn })
         }
     };
     let mut plan = Vec::new();
@@ -1412,25 +1320,17 @@ fn plan_rollback<'f>(
         let step = match past_state(past, path) {
             PastState::Absent => Step::Remove(path.clone()),
             PastState::Base if change.absent_at_target => Step::Remove(path.clone()),
-            PastState::Recorded(entry)
-                if entry.node.is_dir() && (replaced || !root.is_dir(path)?) =>
-            {
+            PastState::Recorded(entry) if entry.node.is_dir() && (replaced || !root.is_dir(path)?) => {
                 if !matches!(entry.node, FsNode::Dir { complete: true, .. }) {
                     need_base(path)?;
                 }
-                Step::Rebuild {
-                    path: path.clone(),
-                    recorded: Some(entry),
-                }
+                Step::Rebuild { path: path.clone(), recorded: Some(entry) }
             }
             PastState::Recorded(entry) => Step::Apply(entry),
             PastState::Base => {
                 need_base(path)?;
                 if replaced || !root.is_dir(path)? {
-                    Step::Rebuild {
-                        path: path.clone(),
-                        recorded: None,
-                    }
+                    Step::Rebuild { path: path.clone(), recorded: None }
                 } else {
                     Step::FromBase(path.clone())
                 }
@@ -1480,13 +1380,8 @@ mod tests {
         let store = CheckpointStore::open(tmp.path().join("state")).unwrap();
         write(&rootfs, "f", b"one");
         let changed = [ChangedPath::created("/f")];
-        let input = |turn| TurnInput {
-            container: "c",
-            turn,
-            rootfs: Some(&rootfs),
-            changed: &changed,
-            criu_images: None,
-        };
+        let input =
+            |turn| TurnInput { container: "c", turn, rootfs: Some(&rootfs), changed: &changed, criu_images: None };
         let first = store.commit_turn(&input(1)).unwrap();
 
         write(&rootfs, "f", b"two");
@@ -1496,42 +1391,19 @@ mod tests {
         assert!(crashed.is_err());
 
         let reopened = CheckpointStore::open(tmp.path().join("state")).unwrap();
-        assert_eq!(
-            reopened.head("c").unwrap(),
-            Some(Head {
-                manifest: first.id,
-                turn: 1
-            })
-        );
+        assert_eq!(reopened.head("c").unwrap(), Some(Head { manifest: first.id, turn: 1 }));
         assert_eq!(reopened.history("c").unwrap().len(), 1);
-        assert!(matches!(
-            reopened.manifest_at("c", 2),
-            Err(CheckpointError::NoSuchTurn { turn: 2, .. })
-        ));
+        assert!(matches!(reopened.manifest_at("c", 2), Err(CheckpointError::NoSuchTurn { turn: 2, .. })));
 
         // Manifests carry their creation time in ms: a retry within the crashed commit's
         // millisecond would make the very same manifest, leaving no orphan to collect.
         std::thread::sleep(std::time::Duration::from_millis(2));
         let retried = reopened.commit_turn(&input(2)).unwrap();
         let (_, manifest) = reopened.manifest_at("c", 2).unwrap();
-        assert_eq!(
-            manifest.parent,
-            Some(ParentRef {
-                manifest: first.id,
-                turn: 1
-            })
-        );
-        assert_eq!(
-            retried.traffic.written_bytes, 0,
-            "the crashed commit's blob is reused"
-        );
-        let gc = reopened
-            .gc(&crate::checkpoint::RetentionPolicy { keep_last: 10 })
-            .unwrap();
-        assert_eq!(
-            gc.manifests_removed, 1,
-            "the orphan manifest of the crashed commit is collected"
-        );
+        assert_eq!(manifest.parent, Some(ParentRef { manifest: first.id, turn: 1 }));
+        assert_eq!(retried.traffic.written_bytes, 0, "the crashed commit's blob is reused");
+        let gc = reopened.gc(&crate::checkpoint::RetentionPolicy { keep_last: 10 }).unwrap();
+        assert_eq!(gc.manifests_removed, 1, "the orphan manifest of the crashed commit is collected");
     }
 
     fn commit_file(store: &CheckpointStore, rootfs: &Path, container: &str, turn: u64, data: &[u8]) -> CommitReport {
@@ -1633,69 +1505,16 @@ mod tests {
         };
         let p = |s: &str| RelPath::parse(s).unwrap();
         let mut state = BTreeMap::new();
-        let file = FsNode::File {
-            meta: meta.clone(),
-            blob: Digest::of(b"x"),
-            size: 1,
-            extents: None,
-        };
-        fold_entry(
-            &mut state,
-            &FsEntry {
-                path: p("/d"),
-                node: FsNode::Dir {
-                    meta: meta.clone(),
-                    complete: true,
-                },
-            },
-        );
-        fold_entry(
-            &mut state,
-            &FsEntry {
-                path: p("/d/old"),
-                node: file.clone(),
-            },
-        );
-        fold_entry(
-            &mut state,
-            &FsEntry {
-                path: p("/d"),
-                node: FsNode::Whiteout,
-            },
-        );
+        let file = FsNode::File { meta: meta.clone(), blob: Digest::of(b"x"), size: 1, extents: None };
+        fold_entry(&mut state, &FsEntry { path: p("/d"), node: FsNode::Dir { meta: meta.clone(), complete: true } });
+        fold_entry(&mut state, &FsEntry { path: p("/d/old"), node: file.clone() });
+        fold_entry(&mut state, &FsEntry { path: p("/d"), node: FsNode::Whiteout });
         assert_eq!(state.len(), 1);
-        fold_entry(
-            &mut state,
-            &FsEntry {
-                path: p("/d"),
-                node: FsNode::Dir {
-                    meta: meta.clone(),
-                    complete: false,
-                },
-            },
-        );
-        assert!(matches!(
-            state[&p("/d")].node,
-            FsNode::Dir { complete: true, .. }
-        ));
-        fold_entry(
-            &mut state,
-            &FsEntry {
-                path: p("/d.x"),
-                node: file,
-            },
-        );
-        fold_entry(
-            &mut state,
-            &FsEntry {
-                path: p("/d"),
-                node: FsNode::Whiteout,
-            },
-        );
-        assert!(
-            state.contains_key(&p("/d.x")),
-            "a sibling sharing the prefix survives"
-        );
+        fold_entry(&mut state, &FsEntry { path: p("/d"), node: FsNode::Dir { meta: meta.clone(), complete: false } });
+        assert!(matches!(state[&p("/d")].node, FsNode::Dir { complete: true, .. }));
+        fold_entry(&mut state, &FsEntry { path: p("/d.x"), node: file });
+        fold_entry(&mut state, &FsEntry { path: p("/d"), node: FsNode::Whiteout });
+        assert!(state.contains_key(&p("/d.x")), "a sibling sharing the prefix survives");
     }
 
     /// Paths on a mount of the container are captured through that mount, left out of the
@@ -1765,7 +1584,9 @@ mod tests {
         write(&base, "run/f", b"the image's, hidden by the tmpfs");
         write(&root, "keep", b"1");
         let commit = |turn: u64, changed: &[ChangedPath]| {
-            store.commit_turn(&TurnInput { container: "c", turn, rootfs: Some(&root), changed, criu_images: None }).unwrap();
+            store
+                .commit_turn(&TurnInput { container: "c", turn, rootfs: Some(&root), changed, criu_images: None })
+                .unwrap();
         };
         commit(1, &[ChangedPath::created("/keep")]);
         write(&root, "run/f", b"written in the tmpfs");
@@ -1775,7 +1596,6 @@ mod tests {
         assert!(!root.join("run/f").exists(), "absent at turn 1, not the image's copy");
         assert!(root.join("run").is_dir(), "the mount point stays");
     }
-
 }
 
 /// The fs delta of `changed`: paths on one of `mounts` (the longest destination above them)

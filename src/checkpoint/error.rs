@@ -15,11 +15,7 @@ pub enum CheckpointError {
     },
 
     #[error("blob {digest} at {path} is corrupt: its content hashes to {actual}")]
-    CorruptBlob {
-        digest: String,
-        path: PathBuf,
-        actual: String,
-    },
+    CorruptBlob { digest: String, path: PathBuf, actual: String },
 
     #[error("blob {digest} is missing (expected at {path})")]
     MissingBlob { digest: String, path: PathBuf },
@@ -31,11 +27,7 @@ pub enum CheckpointError {
     CorruptManifest { path: PathBuf, reason: String },
 
     #[error("manifest {path} has version {found}, this build reads version {supported}")]
-    UnsupportedManifestVersion {
-        path: PathBuf,
-        found: u32,
-        supported: u32,
-    },
+    UnsupportedManifestVersion { path: PathBuf, found: u32, supported: u32 },
 
     #[error("broken chain of container {container:?}: {missing}")]
     BrokenChain { container: String, missing: String },
@@ -50,11 +42,7 @@ pub enum CheckpointError {
     InvalidKey(#[from] super::key::KeyError),
 
     #[error("turn {turn} of container {container:?} must be greater than its head turn {head}")]
-    TurnNotAfterHead {
-        container: String,
-        turn: u64,
-        head: u64,
-    },
+    TurnNotAfterHead { container: String, turn: u64, head: u64 },
 
     #[error("path {path:?} is not allowed: {reason}")]
     UnsafePath { path: String, reason: &'static str },
@@ -62,9 +50,7 @@ pub enum CheckpointError {
     #[error("path {path:?} cannot be resolved inside the root: {reason}")]
     OutsideRoot { path: String, reason: String },
 
-    #[error(
-        "no base state for {path:?}: it was never checkpointed before turn {turn} and no base rootfs was given"
-    )]
+    #[error("no base state for {path:?}: it was never checkpointed before turn {turn} and no base rootfs was given")]
     NoBaseState { path: String, turn: u64 },
 
     #[error("sparse file {path}: {reason}")]
@@ -72,12 +58,10 @@ pub enum CheckpointError {
 
     /// A path was replaced again and again between two steps of a restore: a process in the
     /// container is racing it. Nothing outside the container was touched.
-    #[error("{path} was replaced {attempts} times while it was being {op}; a process in the container races the restore")]
-    KeptChanging {
-        path: PathBuf,
-        op: &'static str,
-        attempts: u32,
-    },
+    #[error(
+        "{path} was replaced {attempts} times while it was being {op}; a process in the container races the restore"
+    )]
+    KeptChanging { path: PathBuf, op: &'static str, attempts: u32 },
 
     #[error("CRIU image directory {path}: {reason}")]
     BadImageDir { path: PathBuf, reason: String },
@@ -110,10 +94,6 @@ pub(crate) trait IoContext<T> {
 
 impl<T> IoContext<T> for io::Result<T> {
     fn io_ctx(self, op: &'static str, path: impl Into<PathBuf>) -> Result<T> {
-        self.map_err(|source| CheckpointError::Io {
-            op,
-            path: path.into(),
-            source,
-        })
+        self.map_err(|source| CheckpointError::Io { op, path: path.into(), source })
     }
 }

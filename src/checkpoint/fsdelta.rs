@@ -18,8 +18,8 @@ use super::error::{CheckpointError, IoContext, Result};
 use super::manifest::{Extent, FsEntry, FsNode, Meta};
 use super::path::{Bytes, RelPath};
 use super::store::{BlobStore, Digest, WriteBatch};
-use std::io::Read;
 use super::sys::{self, cstr, file_type};
+use std::io::Read;
 
 /// A path an agent turn touched, as reported by the inspector (absolute inside the container).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,17 +32,11 @@ pub struct ChangedPath {
 
 impl ChangedPath {
     pub fn modified(path: impl AsRef<[u8]>) -> Self {
-        ChangedPath {
-            path: path.as_ref().to_vec(),
-            created: false,
-        }
+        ChangedPath { path: path.as_ref().to_vec(), created: false }
     }
 
     pub fn created(path: impl AsRef<[u8]>) -> Self {
-        ChangedPath {
-            path: path.as_ref().to_vec(),
-            created: true,
-        }
+        ChangedPath { path: path.as_ref().to_vec(), created: true }
     }
 }
 
@@ -68,10 +62,7 @@ impl Root {
 
     pub(crate) fn open(path: &Path) -> Result<Root> {
         let fd = sys::open_dir_path(path).io_ctx("open root", path)?;
-        Ok(Root {
-            fd,
-            path: path.to_owned(),
-        })
+        Ok(Root { fd, path: path.to_owned() })
     }
 
     pub(crate) fn fd(&self) -> BorrowedFd<'_> {
@@ -83,8 +74,7 @@ impl Root {
     }
 
     fn host_path(&self, rel: &RelPath) -> PathBuf {
-        self.path
-            .join(String::from_utf8_lossy(rel.as_bytes()).as_ref())
+        self.path.join(String::from_utf8_lossy(rel.as_bytes()).as_ref())
     }
 
     /// Resolves the parent of `rel` beneath the root. `None` when a parent component does not
@@ -94,21 +84,14 @@ impl Root {
             Some((parent, name)) => (parent, name),
             None => (&[][..], &b"."[..]),
         };
-        let parent_c = cstr(if parent.is_empty() { b"." } else { parent })
-            .io_ctx("resolve", self.host_path(rel))?;
+        let parent_c = cstr(if parent.is_empty() { b"." } else { parent }).io_ctx("resolve", self.host_path(rel))?;
         match sys::openat_beneath(self.fd.as_fd(), &parent_c, libc::O_PATH | libc::O_DIRECTORY) {
-            Ok(parent) => Ok(Some(Slot {
-                parent,
-                name: cstr(name).io_ctx("resolve", self.host_path(rel))?,
-            })),
+            Ok(parent) => Ok(Some(Slot { parent, name: cstr(name).io_ctx("resolve", self.host_path(rel))? })),
             Err(e) => match e.raw_os_error() {
                 Some(libc::ENOENT) | Some(libc::ENOTDIR) => Ok(None),
                 Some(libc::ELOOP) => Err(CheckpointError::OutsideRoot {
                     path: rel.to_string(),
-                    reason: format!(
-                        "a parent component is a symlink (under {})",
-                        self.path.display()
-                    ),
+                    reason: format!("a parent component is a symlink (under {})", self.path.display()),
                 }),
                 Some(libc::EXDEV) => Err(CheckpointError::OutsideRoot {
                     path: rel.to_string(),
@@ -123,8 +106,7 @@ impl Root {
         let Some(slot) = self.slot(rel)? else {
             return Ok(false);
         };
-        let st = sys::fstatat_opt(slot.parent.as_fd(), &slot.name)
-            .io_ctx("stat", self.host_path(rel))?;
+        let st = sys::fstatat_opt(slot.parent.as_fd(), &slot.name).io_ctx("stat", self.host_path(rel))?;
         Ok(st.is_some_and(|st| file_type(&st) == libc::S_IFDIR))
     }
 
@@ -155,8 +137,7 @@ fn read_xattrs(fd: BorrowedFd<'_>, path: &Path) -> Result<BTreeMap<String, Bytes
             warn!(path = %path.display(), name = %String::from_utf8_lossy(&name), "skipping xattr with a non-UTF-8 name");
             continue;
         };
-        let value =
-            sys::get_xattr(fd, &cstr(&name).io_ctx("getxattr", path)?).io_ctx("getxattr", path)?;
+        let value = sys::get_xattr(fd, &cstr(&name).io_ctx("getxattr", path)?).io_ctx("getxattr", path)?;
         out.insert(text, Bytes(value));
     }
     Ok(out)
@@ -164,30 +145,17 @@ fn read_xattrs(fd: BorrowedFd<'_>, path: &Path) -> Result<BTreeMap<String, Bytes
 
 /// Records the current state of `changes` under `root`, storing file contents in `batch`.
 /// Returns entries sorted by path, parents before children.
-pub(crate) fn capture(
-    root: &Path,
-    changes: &[ChangedPath],
-    batch: &mut WriteBatch<'_>,
-) -> Result<Vec<FsEntry>> {
+pub(crate) fn capture(root: &Path, changes: &[ChangedPath], batch: &mut WriteBatch<'_>) -> Result<Vec<FsEntry>> {
     capture_root(&Root::open(root)?, changes, batch)
 }
 
 /// [`capture`] under a root the caller opened.
-pub(crate) fn capture_root(
-    root: &Root,
-    changes: &[ChangedPath],
-    batch: &mut WriteBatch<'_>,
-) -> Result<Vec<FsEntry>> {
+pub(crate) fn capture_root(root: &Root, changes: &[ChangedPath], batch: &mut WriteBatch<'_>) -> Result<Vec<FsEntry>> {
     let mut wanted: BTreeMap<RelPath, bool> = BTreeMap::new();
     for change in changes {
         *wanted.entry(RelPath::parse(&change.path)?).or_default() |= change.created;
     }
-    let mut capturer = Capturer {
-        root,
-        batch,
-        links: HashMap::new(),
-        out: Vec::new(),
-    };
+    let mut capturer = Capturer { root, batch, links: HashMap::new(), out: Vec::new() };
     // Paths below a whiteout or a recursively captured directory are already described.
     let mut covering: HashSet<RelPath> = HashSet::new();
     for (rel, created) in wanted {
@@ -197,13 +165,8 @@ pub(crate) fn capture_root(
         let recursive = created && !rel.is_root();
         let before = capturer.out.len();
         match root.slot(&rel)? {
-            Some(slot) => {
-                capturer.capture_at(slot.parent.as_fd(), &slot.name, rel.clone(), recursive)?
-            }
-            None => capturer.out.push(FsEntry {
-                path: rel.clone(),
-                node: FsNode::Whiteout,
-            }),
+            Some(slot) => capturer.capture_at(slot.parent.as_fd(), &slot.name, rel.clone(), recursive)?,
+            None => capturer.out.push(FsEntry { path: rel.clone(), node: FsNode::Whiteout }),
         }
         if capturer.out[before].node.replaces_subtree() {
             covering.insert(rel);
@@ -223,31 +186,21 @@ struct Capturer<'r, 'b, 'a> {
 }
 
 impl Capturer<'_, '_, '_> {
-    fn capture_at(
-        &mut self,
-        dir: BorrowedFd<'_>,
-        name: &CStr,
-        rel: RelPath,
-        recursive: bool,
-    ) -> Result<()> {
+    fn capture_at(&mut self, dir: BorrowedFd<'_>, name: &CStr, rel: RelPath, recursive: bool) -> Result<()> {
         let host = self.root.host_path(&rel);
         fail::fail_point!("fsdelta-capture-open");
         // The entry is opened once, as itself (O_PATH, no link followed, no device opened), and
         // everything after is decided and read on that handle: a name the container swaps
         // meanwhile changes nothing we do.
         let Some(entry) = sys::open_entry_opt(dir, name).io_ctx("open", &host)? else {
-            self.out.push(FsEntry {
-                path: rel,
-                node: FsNode::Whiteout,
-            });
+            self.out.push(FsEntry { path: rel, node: FsNode::Whiteout });
             return Ok(());
         };
         let st = sys::fstat(entry.as_fd()).io_ctx("stat", &host)?;
         fail::fail_point!("fsdelta-capture-read");
         let node = match file_type(&st) {
             libc::S_IFREG => {
-                let file =
-                    File::from(sys::reopen(entry.as_fd(), libc::O_RDONLY).io_ctx("open", &host)?);
+                let file = File::from(sys::reopen(entry.as_fd(), libc::O_RDONLY).io_ctx("open", &host)?);
                 let meta = meta_of(&st, read_xattrs(file.as_fd(), &host)?);
                 let key = (st.st_dev, st.st_ino);
                 if st.st_nlink > 1
@@ -265,32 +218,15 @@ impl Capturer<'_, '_, '_> {
                 }
                 let (blob, size, extents) = read_content(self.batch, &file, &st, &host)?;
                 if st.st_nlink > 1 {
-                    let first = LinkSource {
-                        path: rel.clone(),
-                        blob,
-                        size,
-                        extents: extents.clone(),
-                    };
+                    let first = LinkSource { path: rel.clone(), blob, size, extents: extents.clone() };
                     self.links.insert(key, first);
                 }
-                FsNode::File {
-                    meta,
-                    blob,
-                    size,
-                    extents,
-                }
+                FsNode::File { meta, blob, size, extents }
             }
             libc::S_IFDIR => {
-                let fd = sys::reopen(entry.as_fd(), libc::O_RDONLY | libc::O_DIRECTORY)
-                    .io_ctx("open", &host)?;
+                let fd = sys::reopen(entry.as_fd(), libc::O_RDONLY | libc::O_DIRECTORY).io_ctx("open", &host)?;
                 let meta = meta_of(&st, read_xattrs(fd.as_fd(), &host)?);
-                self.out.push(FsEntry {
-                    path: rel.clone(),
-                    node: FsNode::Dir {
-                        meta,
-                        complete: recursive,
-                    },
-                });
+                self.out.push(FsEntry { path: rel.clone(), node: FsNode::Dir { meta, complete: recursive } });
                 if recursive {
                     // Children are resolved from this open directory, never by path again.
                     for child in sys::read_dir_names(fd.as_fd()).io_ctx("readdir", &host)? {
@@ -302,17 +238,10 @@ impl Capturer<'_, '_, '_> {
             }
             libc::S_IFLNK => {
                 let target = sys::readlink_entry(entry.as_fd()).io_ctx("readlink", &host)?;
-                FsNode::Symlink {
-                    meta: meta_of(&st, BTreeMap::new()),
-                    target: Bytes(target),
-                }
+                FsNode::Symlink { meta: meta_of(&st, BTreeMap::new()), target: Bytes(target) }
             }
             // Device nodes, fifos and sockets are metadata: never opened, never read.
-            other => FsNode::Special {
-                meta: meta_of(&st, BTreeMap::new()),
-                file_type: other,
-                rdev: st.st_rdev,
-            },
+            other => FsNode::Special { meta: meta_of(&st, BTreeMap::new()), file_type: other, rdev: st.st_rdev },
         };
         self.out.push(FsEntry { path: rel, node });
         Ok(())
@@ -350,12 +279,7 @@ fn read_content(
         return Ok((blob, read, None));
     }
     let extents = data_extents(file, size).io_ctx("seek", host)?;
-    let mut reader = ExtentReader {
-        file,
-        extents: &extents,
-        next: 0,
-        at: extents.first().map_or(0, Extent::offset),
-    };
+    let mut reader = ExtentReader { file, extents: &extents, next: 0, at: extents.first().map_or(0, Extent::offset) };
     let (blob, _) = batch.put_reader(&mut reader, host)?;
     Ok((blob, size, Some(extents)))
 }
@@ -478,19 +402,14 @@ impl<'a> Applier<'a> {
         }
     }
 
-    pub(crate) fn prefetch<'d>(
-        &mut self,
-        digests: impl IntoIterator<Item = &'d Digest>,
-    ) -> Result<()> {
+    pub(crate) fn prefetch<'d>(&mut self, digests: impl IntoIterator<Item = &'d Digest>) -> Result<()> {
         let mut budget = PREFETCH_BUDGET;
         let mut verified = HashSet::new();
         for digest in digests {
             if self.prefetched.contains_key(digest) || !verified.insert(*digest) {
                 continue;
             }
-            let size = std::fs::metadata(self.blobs.path_of(digest))
-                .map(|m| m.len() as usize)
-                .unwrap_or(0);
+            let size = std::fs::metadata(self.blobs.path_of(digest)).map(|m| m.len() as usize).unwrap_or(0);
             if size <= budget {
                 let data = self.blobs.read(digest)?;
                 budget -= data.len();
@@ -508,10 +427,7 @@ impl<'a> Applier<'a> {
     pub(crate) fn apply(&mut self, entry: &FsEntry, wipe_complete: bool) -> Result<()> {
         let rel = &entry.path;
         if rel.is_root() && !matches!(entry.node, FsNode::Dir { .. }) {
-            return Err(CheckpointError::UnsafePath {
-                path: "/".into(),
-                reason: "the root can only be a directory",
-            });
+            return Err(CheckpointError::UnsafePath { path: "/".into(), reason: "the root can only be a directory" });
         }
         let slot = match (&entry.node, self.root.slot(rel)?) {
             (_, Some(slot)) => slot,
@@ -526,106 +442,56 @@ impl<'a> Applier<'a> {
                 }
             }
             FsNode::Dir { meta, complete } => {
-                let keep = existing
-                    .as_ref()
-                    .is_some_and(|st| file_type(st) == libc::S_IFDIR)
-                    && !(*complete && wipe_complete);
+                let keep =
+                    existing.as_ref().is_some_and(|st| file_type(st) == libc::S_IFDIR) && !(*complete && wipe_complete);
                 self.make_dir(&slot, rel, existing.filter(|_| !keep), meta)?;
             }
-            FsNode::File {
-                meta,
-                blob,
-                size,
-                extents,
-            } => {
-                let content = Content::Blob {
-                    digest: blob,
-                    size: *size,
-                    extents: extents.as_deref(),
-                };
+            FsNode::File { meta, blob, size, extents } => {
+                let content = Content::Blob { digest: blob, size: *size, extents: extents.as_deref() };
                 self.write_file(&slot, rel, existing, content, meta)?
             }
-            FsNode::Hardlink {
-                meta,
-                link_to,
-                blob,
-                size,
-                extents,
-            } => {
+            FsNode::Hardlink { meta, link_to, blob, size, extents } => {
                 if !self.try_link(&slot, rel, existing.as_ref(), link_to, blob)? {
                     let existing = self.stat(&slot, rel)?;
-                    let content = Content::Blob {
-                        digest: blob,
-                        size: *size,
-                        extents: extents.as_deref(),
-                    };
+                    let content = Content::Blob { digest: blob, size: *size, extents: extents.as_deref() };
                     self.write_file(&slot, rel, existing, content, meta)?;
                 }
             }
-            FsNode::Symlink { meta, target } => {
-                self.make_symlink(&slot, rel, existing, &target.0, meta)?
+            FsNode::Symlink { meta, target } => self.make_symlink(&slot, rel, existing, &target.0, meta)?,
+            FsNode::Special { meta, file_type, rdev } => {
+                self.make_special(&slot, rel, existing, *file_type, *rdev, meta)?
             }
-            FsNode::Special {
-                meta,
-                file_type,
-                rdev,
-            } => self.make_special(&slot, rel, existing, *file_type, *rdev, meta)?,
         }
         Ok(())
     }
 
     /// Makes `rel` under our root what it is under `base` (a read-only image rootfs), down the
     /// whole subtree with `recursive`. A path missing in the base is removed.
-    pub(crate) fn copy_from_base(
-        &mut self,
-        base: &Root,
-        rel: &RelPath,
-        recursive: bool,
-    ) -> Result<()> {
+    pub(crate) fn copy_from_base(&mut self, base: &Root, rel: &RelPath, recursive: bool) -> Result<()> {
         let host = base.host_path(rel);
         let base_st = match base.slot(rel)? {
-            Some(bslot) => sys::fstatat_opt(bslot.parent.as_fd(), &bslot.name)
-                .io_ctx("stat", &host)?
-                .map(|st| (bslot, st)),
+            Some(bslot) => {
+                sys::fstatat_opt(bslot.parent.as_fd(), &bslot.name).io_ctx("stat", &host)?.map(|st| (bslot, st))
+            }
             None => None,
         };
         let Some((bslot, bst)) = base_st else {
-            return self.apply(
-                &FsEntry {
-                    path: rel.clone(),
-                    node: FsNode::Whiteout,
-                },
-                false,
-            );
+            return self.apply(&FsEntry { path: rel.clone(), node: FsNode::Whiteout }, false);
         };
         let slot = self.root.require_slot(rel)?;
         let existing = self.stat(&slot, rel)?;
         match file_type(&bst) {
             libc::S_IFREG => {
-                let fd = sys::openat(bslot.parent.as_fd(), &bslot.name, libc::O_RDONLY, 0)
-                    .io_ctx("open", &host)?;
+                let fd = sys::openat(bslot.parent.as_fd(), &bslot.name, libc::O_RDONLY, 0).io_ctx("open", &host)?;
                 let meta = meta_of(&bst, read_xattrs(fd.as_fd(), &host)?);
                 let size = bst.st_size as u64;
-                self.write_file(
-                    &slot,
-                    rel,
-                    existing,
-                    Content::Host(File::from(fd), size),
-                    &meta,
-                )?;
+                self.write_file(&slot, rel, existing, Content::Host(File::from(fd), size), &meta)?;
             }
             libc::S_IFDIR => {
-                let fd = sys::openat(
-                    bslot.parent.as_fd(),
-                    &bslot.name,
-                    libc::O_RDONLY | libc::O_DIRECTORY,
-                    0,
-                )
-                .io_ctx("open", &host)?;
+                let fd = sys::openat(bslot.parent.as_fd(), &bslot.name, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+                    .io_ctx("open", &host)?;
                 let meta = meta_of(&bst, read_xattrs(fd.as_fd(), &host)?);
-                let is_dir = existing
-                    .as_ref()
-                    .is_some_and(|st| file_type(st) == libc::S_IFDIR);
+                let is_dir = existing.as_ref().is_some_and(|st| file_type(st) == libc::S_IFDIR);
                 self.make_dir(&slot, rel, existing.filter(|_| !is_dir), &meta)?;
                 if recursive {
                     for child in sys::read_dir_names(fd.as_fd()).io_ctx("readdir", &host)? {
@@ -634,25 +500,11 @@ impl<'a> Applier<'a> {
                 }
             }
             libc::S_IFLNK => {
-                let target =
-                    sys::readlinkat(bslot.parent.as_fd(), &bslot.name).io_ctx("readlink", &host)?;
-                self.make_symlink(
-                    &slot,
-                    rel,
-                    existing,
-                    &target,
-                    &meta_of(&bst, BTreeMap::new()),
-                )?;
+                let target = sys::readlinkat(bslot.parent.as_fd(), &bslot.name).io_ctx("readlink", &host)?;
+                self.make_symlink(&slot, rel, existing, &target, &meta_of(&bst, BTreeMap::new()))?;
             }
             other => {
-                self.make_special(
-                    &slot,
-                    rel,
-                    existing,
-                    other,
-                    bst.st_rdev,
-                    &meta_of(&bst, BTreeMap::new()),
-                )?;
+                self.make_special(&slot, rel, existing, other, bst.st_rdev, &meta_of(&bst, BTreeMap::new()))?;
             }
         }
         Ok(())
@@ -660,13 +512,7 @@ impl<'a> Applier<'a> {
 
     /// Removes `rel` and everything below it, if present.
     pub(crate) fn remove_path(&mut self, rel: &RelPath) -> Result<()> {
-        self.apply(
-            &FsEntry {
-                path: rel.clone(),
-                node: FsNode::Whiteout,
-            },
-            false,
-        )
+        self.apply(&FsEntry { path: rel.clone(), node: FsNode::Whiteout }, false)
     }
 
     /// Sets the deferred directory mtimes, deepest first.
@@ -699,8 +545,7 @@ impl<'a> Applier<'a> {
 
     /// Opens what is at the slot now as an `O_PATH` handle and its stat; `None` when nothing is.
     fn open_current(&self, slot: &Slot, host: &Path) -> Result<Option<(OwnedFd, libc::stat)>> {
-        let Some(fd) = sys::open_entry_opt(slot.parent.as_fd(), &slot.name).io_ctx("open", host)?
-        else {
+        let Some(fd) = sys::open_entry_opt(slot.parent.as_fd(), &slot.name).io_ctx("open", host)? else {
             return Ok(None);
         };
         let st = sys::fstat(fd.as_fd()).io_ctx("stat", host)?;
@@ -730,16 +575,12 @@ impl<'a> Applier<'a> {
         // the container may have put a device node or a link there since.
         let mut file = None;
         let mut current = None;
-        if existing
-            .as_ref()
-            .is_some_and(|st| file_type(st) == libc::S_IFREG && st.st_nlink == 1)
+        if existing.as_ref().is_some_and(|st| file_type(st) == libc::S_IFREG && st.st_nlink == 1)
             && let Some((fd, st)) = self.open_current(slot, &host)?
         {
             let decided = existing.as_ref().is_some_and(|e| same_inode(e, &st));
             if decided && file_type(&st) == libc::S_IFREG && st.st_nlink == 1 {
-                file = Some(File::from(
-                    sys::reopen(fd.as_fd(), libc::O_WRONLY).io_ctx("open", &host)?,
-                ));
+                file = Some(File::from(sys::reopen(fd.as_fd(), libc::O_WRONLY).io_ctx("open", &host)?));
             }
             current = Some(st);
         }
@@ -750,11 +591,7 @@ impl<'a> Applier<'a> {
         };
         let old_size = current.as_ref().filter(|_| in_place).map(|st| st.st_size as u64);
         let bytes = match &content {
-            Content::Blob {
-                digest,
-                size,
-                extents: Some(extents),
-            } => {
+            Content::Blob { digest, size, extents: Some(extents) } => {
                 // Holes must read as zeros: the old bytes go first.
                 if old_size.is_some_and(|old| old > 0) {
                     file.set_len(0).io_ctx("truncate", &host)?;
@@ -861,26 +698,15 @@ impl<'a> Applier<'a> {
         }
         // linkat without AT_SYMLINK_FOLLOW links the entry itself: whatever the container put
         // at `link_to` meanwhile, the new name stays inside the rootfs and reaches nothing else.
-        sys::linkat(
-            src.parent.as_fd(),
-            &src.name,
-            slot.parent.as_fd(),
-            &slot.name,
-        )
-        .io_ctx("link", self.root.host_path(rel))?;
+        sys::linkat(src.parent.as_fd(), &src.name, slot.parent.as_fd(), &slot.name)
+            .io_ctx("link", self.root.host_path(rel))?;
         self.stats.links_made += 1;
         Ok(true)
     }
 
     /// Creates the directory unless `replace` is `None` and one is there; `replace` holds the
     /// non-directory (or wiped directory) that must go first.
-    fn make_dir(
-        &mut self,
-        slot: &Slot,
-        rel: &RelPath,
-        replace: Option<libc::stat>,
-        meta: &Meta,
-    ) -> Result<()> {
+    fn make_dir(&mut self, slot: &Slot, rel: &RelPath, replace: Option<libc::stat>, meta: &Meta) -> Result<()> {
         let host = self.root.host_path(rel);
         if let Some(st) = replace {
             self.remove(slot, rel, &st)?;
@@ -903,8 +729,7 @@ impl<'a> Applier<'a> {
                 self.remove(slot, rel, &st)?;
                 continue;
             }
-            let dir = sys::reopen(fd.as_fd(), libc::O_RDONLY | libc::O_DIRECTORY)
-                .io_ctx("open", &host)?;
+            let dir = sys::reopen(fd.as_fd(), libc::O_RDONLY | libc::O_DIRECTORY).io_ctx("open", &host)?;
             set_meta(dir.as_fd(), meta, &host, Some(&st))?;
             self.dir_times.push((rel.clone(), meta.mtime()));
             self.stats.dirs_set += 1;
@@ -927,8 +752,7 @@ impl<'a> Applier<'a> {
         for _ in 0..RACE_ATTEMPTS {
             let same = match &existing {
                 Some(st) if file_type(st) == libc::S_IFLNK => {
-                    sys::readlinkat(slot.parent.as_fd(), &slot.name).io_ctx("readlink", &host)?
-                        == target
+                    sys::readlinkat(slot.parent.as_fd(), &slot.name).io_ctx("readlink", &host)? == target
                 }
                 _ => false,
             };
@@ -951,17 +775,14 @@ impl<'a> Applier<'a> {
                 existing = None;
                 continue;
             };
-            if file_type(&st) != libc::S_IFLNK
-                || sys::readlink_entry(fd.as_fd()).io_ctx("readlink", &host)? != target
-            {
+            if file_type(&st) != libc::S_IFLNK || sys::readlink_entry(fd.as_fd()).io_ctx("readlink", &host)? != target {
                 existing = Some(st);
                 continue;
             }
             sys::chown_entry(fd.as_fd(), meta.uid, meta.gid).io_ctx("lchown", &host)?;
             // By name, never following: at worst it sets the time of an entry the container
             // swapped in since, inside its own rootfs.
-            return sys::lutimensat(slot.parent.as_fd(), &slot.name, meta.mtime())
-                .io_ctx("utimensat", &host);
+            return sys::lutimensat(slot.parent.as_fd(), &slot.name, meta.mtime()).io_ctx("utimensat", &host);
         }
         Err(kept_changing(&host, "made a symlink"))
     }
@@ -1015,11 +836,7 @@ impl<'a> Applier<'a> {
 const RACE_ATTEMPTS: u32 = 8;
 
 fn kept_changing(host: &Path, op: &'static str) -> CheckpointError {
-    CheckpointError::KeptChanging {
-        path: host.to_owned(),
-        op,
-        attempts: RACE_ATTEMPTS,
-    }
+    CheckpointError::KeptChanging { path: host.to_owned(), op, attempts: RACE_ATTEMPTS }
 }
 
 fn same_inode(a: &libc::stat, b: &libc::stat) -> bool {
@@ -1029,12 +846,7 @@ fn same_inode(a: &libc::stat, b: &libc::stat) -> bool {
 /// Owner, mode and xattrs of an open file or directory (mtime is the caller's, set last).
 /// `current` is the node's stat when it existed before: every inode update waits for the
 /// journal on a busy ext4, so what already matches is left alone.
-fn set_meta(
-    fd: BorrowedFd<'_>,
-    meta: &Meta,
-    host: &Path,
-    current: Option<&libc::stat>,
-) -> Result<()> {
+fn set_meta(fd: BorrowedFd<'_>, meta: &Meta, host: &Path, current: Option<&libc::stat>) -> Result<()> {
     let owner_ok = current.is_some_and(|st| st.st_uid == meta.uid && st.st_gid == meta.gid);
     if !owner_ok {
         sys::fchown(fd, meta.uid, meta.gid).io_ctx("chown", host)?;
@@ -1047,10 +859,7 @@ fn set_meta(
     let mut present = HashSet::new();
     for name in sys::list_xattrs(fd).io_ctx("listxattr", host)? {
         let name_c = cstr(&name).io_ctx("removexattr", host)?;
-        match std::str::from_utf8(&name)
-            .ok()
-            .and_then(|n| meta.xattrs.get(n))
-        {
+        match std::str::from_utf8(&name).ok().and_then(|n| meta.xattrs.get(n)) {
             Some(wanted) if sys::get_xattr(fd, &name_c).io_ctx("getxattr", host)? == wanted.0 => {
                 present.insert(name);
             }
@@ -1068,8 +877,7 @@ fn set_meta(
 }
 
 fn remove_tree(parent: BorrowedFd<'_>, name: &CStr, host: &Path) -> Result<()> {
-    let dir =
-        sys::openat(parent, name, libc::O_RDONLY | libc::O_DIRECTORY, 0).io_ctx("open", host)?;
+    let dir = sys::openat(parent, name, libc::O_RDONLY | libc::O_DIRECTORY, 0).io_ctx("open", host)?;
     for child in sys::read_dir_names(dir.as_fd()).io_ctx("readdir", host)? {
         let child_c = cstr(&child).io_ctx("readdir", host)?;
         let child_host = host.join(String::from_utf8_lossy(&child).as_ref());

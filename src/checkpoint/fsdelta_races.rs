@@ -43,11 +43,7 @@ impl HostDisk {
         let dir = tempfile::tempdir().unwrap();
         let backing = dir.path().join("disk");
         fs::write(&backing, HOST_SECRET.repeat(3000)).unwrap();
-        let out = Command::new("losetup")
-            .args(["--find", "--show"])
-            .arg(&backing)
-            .output()
-            .expect("run losetup");
+        let out = Command::new("losetup").args(["--find", "--show"]).arg(&backing).output().expect("run losetup");
         assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
         let dev = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
         let rdev = fs::metadata(&dev).unwrap().rdev();
@@ -138,7 +134,13 @@ const INTRUDERS: [Intruder; 3] = [Intruder::Disk, Intruder::LinkToHostFile, Intr
 /// Prepares the intruder under a hidden name beside `target`, and at the first pass through
 /// `failpoint` renames it over `target` (a directory there is moved away first), as a process
 /// in the container would. Returns how often the swap ran.
-fn swap_at(failpoint: &'static str, tree: &Tree, disk: &HostDisk, target: &str, intruder: Intruder) -> Arc<AtomicUsize> {
+fn swap_at(
+    failpoint: &'static str,
+    tree: &Tree,
+    disk: &HostDisk,
+    target: &str,
+    intruder: Intruder,
+) -> Arc<AtomicUsize> {
     let staged = tree.root.join(".intruder");
     let _ = fs::remove_file(&staged);
     match intruder {
@@ -305,7 +307,9 @@ fn rollback_races_never_reach_the_host() {
                 let node = match kind {
                     "file" => FsNode::File { meta: meta(0o4755), blob, size: CHECKPOINT.len() as u64, extents: None },
                     "dir" => FsNode::Dir { meta: meta(0o1777), complete: false },
-                    "symlink" => FsNode::Symlink { meta: meta(0o777), target: crate::checkpoint::path::Bytes(b"t".to_vec()) },
+                    "symlink" => {
+                        FsNode::Symlink { meta: meta(0o777), target: crate::checkpoint::path::Bytes(b"t".to_vec()) }
+                    }
                     _ => FsNode::Special { meta: meta(0o6666), file_type: libc::S_IFIFO, rdev: 0 },
                 };
                 let entry = FsEntry { path: RelPath::parse("/x").unwrap(), node };

@@ -46,11 +46,7 @@ pub struct GcReport {
 
 /// Digest-named files in a directory (`<hex><suffix>`), with their paths; other names are
 /// left alone.
-fn digest_files(
-    dir: &Path,
-    prefix: &str,
-    suffix: &str,
-) -> Result<Vec<(Digest, std::path::PathBuf)>> {
+fn digest_files(dir: &Path, prefix: &str, suffix: &str) -> Result<Vec<(Digest, std::path::PathBuf)>> {
     let mut out = Vec::new();
     for dirent in fs::read_dir(dir).io_ctx("read dir", dir)? {
         let dirent = dirent.io_ctx("read dir", dir)?;
@@ -70,9 +66,7 @@ fn digest_files(
 impl CheckpointStore {
     pub fn gc(&self, policy: &RetentionPolicy) -> Result<GcReport> {
         if policy.keep_last == 0 {
-            return Err(CheckpointError::InvalidRequest(
-                "retention must keep at least one checkpoint".into(),
-            ));
+            return Err(CheckpointError::InvalidRequest("retention must keep at least one checkpoint".into()));
         }
         let _lock = self.lock(true)?;
         let mut report = GcReport::default();
@@ -103,7 +97,8 @@ impl CheckpointStore {
             }
         }
         // Turn logs and specs of retired ids that never had a checkpoint: nothing to keep.
-        for (dir, suffix) in [(self.state_dir().join("turns"), ".jsonl"), (self.state_dir().join("sandboxes"), ".json")] {
+        for (dir, suffix) in [(self.state_dir().join("turns"), ".jsonl"), (self.state_dir().join("sandboxes"), ".json")]
+        {
             for retired in key::keys_under(&dir, suffix)? {
                 if retired.generation().is_some() && self.head(&retired.to_string())?.is_none() {
                     self.remove_retired(&retired)?;
@@ -135,9 +130,7 @@ impl CheckpointStore {
                         at: *oldest_id,
                         turn: oldest_manifest.turn,
                         entries: chain.fold(oldest).into_values().collect(),
-                        images: chain
-                            .images_at(oldest)
-                            .map(|(turn, set)| (turn, set.clone())),
+                        images: chain.images_at(oldest).map(|(turn, set)| (turn, set.clone())),
                     };
                     let (_, bytes) = seal(&snapshot, "snapshot")?;
                     publish_file(
@@ -152,11 +145,7 @@ impl CheckpointStore {
             };
             live_snapshots.insert(*oldest_id);
             let images = snapshot.images.as_ref().map(|(_, set)| set);
-            self.collect_blobs(
-                direct_blobs(&snapshot.entries, images),
-                images,
-                &mut live_blobs,
-            )?;
+            self.collect_blobs(direct_blobs(&snapshot.entries, images), images, &mut live_blobs)?;
         }
 
         for (id, path) in digest_files(self.manifests_dir(), "", ".json")? {

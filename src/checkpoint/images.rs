@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use super::error::{CheckpointError, IoContext, Result};
-use super::sys;
 use super::manifest::{ImageContent, ImageFile, ImageSet, valid_image_name};
 use super::store::{BlobStore, Digest, WriteBatch};
+use super::sys;
 
 pub const CHUNK_SIZE: usize = 4096;
 
@@ -22,10 +22,7 @@ fn is_page_image(name: &str) -> bool {
 }
 
 fn bad_dir(path: &Path, reason: impl Into<String>) -> CheckpointError {
-    CheckpointError::BadImageDir {
-        path: path.to_owned(),
-        reason: reason.into(),
-    }
+    CheckpointError::BadImageDir { path: path.to_owned(), reason: reason.into() }
 }
 
 /// Stores every file of a CRIU image directory; the directory must be flat and hold regular
@@ -35,10 +32,8 @@ pub(crate) fn store_images(dir: &Path, batch: &mut WriteBatch<'_>) -> Result<Ima
     for dirent in fs::read_dir(dir).io_ctx("read dir", dir)? {
         let dirent = dirent.io_ctx("read dir", dir)?;
         let path = dirent.path();
-        let name = dirent
-            .file_name()
-            .into_string()
-            .map_err(|n| bad_dir(dir, format!("file name {n:?} is not UTF-8")))?;
+        let name =
+            dirent.file_name().into_string().map_err(|n| bad_dir(dir, format!("file name {n:?} is not UTF-8")))?;
         let meta = fs::symlink_metadata(&path).io_ctx("stat", &path)?;
         if !meta.file_type().is_file() {
             return Err(bad_dir(dir, format!("{name} is not a regular file")));
@@ -50,22 +45,13 @@ pub(crate) fn store_images(dir: &Path, batch: &mut WriteBatch<'_>) -> Result<Ima
             let (blob, size) = batch.put_reader(&mut file, &path)?;
             (size, ImageContent::Whole { blob })
         };
-        files.push(ImageFile {
-            name,
-            mode: meta.mode() & 0o7777,
-            size,
-            content,
-        });
+        files.push(ImageFile { name, mode: meta.mode() & 0o7777, size, content });
     }
     files.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(ImageSet { files })
 }
 
-fn store_chunked(
-    file: &mut File,
-    path: &Path,
-    batch: &mut WriteBatch<'_>,
-) -> Result<(u64, ImageContent)> {
+fn store_chunked(file: &mut File, path: &Path, batch: &mut WriteBatch<'_>) -> Result<(u64, ImageContent)> {
     let mut list = Vec::new();
     let mut buf = vec![0u8; 256 * CHUNK_SIZE];
     let mut size = 0u64;
@@ -84,14 +70,7 @@ fn store_chunked(
     }
     let chunks = (list.len() / 32) as u64;
     let chunk_list = batch.put_bytes(&list)?;
-    Ok((
-        size,
-        ImageContent::Chunked {
-            chunk_size: CHUNK_SIZE as u32,
-            chunks,
-            chunk_list,
-        },
-    ))
+    Ok((size, ImageContent::Chunked { chunk_size: CHUNK_SIZE as u32, chunks, chunk_list }))
 }
 
 fn read_full(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -146,11 +125,7 @@ enum Job {
 /// for byte. Every blob is hashed before its bytes are written. The files are written into a
 /// sibling directory renamed to `dest` once all of them are complete, so `dest` never holds a
 /// partial image set: a failed restore leaves no `dest` behind.
-pub(crate) fn restore_images(
-    set: &ImageSet,
-    blobs: &BlobStore,
-    dest: &Path,
-) -> Result<RestoredImages> {
+pub(crate) fn restore_images(set: &ImageSet, blobs: &BlobStore, dest: &Path) -> Result<RestoredImages> {
     let Some(name) = dest.file_name() else {
         return Err(bad_dir(dest, "not a directory name"));
     };
@@ -218,7 +193,13 @@ fn write_image_files(set: &ImageSet, blobs: &BlobStore, dest: &Path) -> Result<R
                 &targets[target],
                 first,
                 count,
-                ChunkIo { blobs, repeated: &repeated, cache: &mut io.cache, scratch: &mut io.scratch, run: &mut io.run },
+                ChunkIo {
+                    blobs,
+                    repeated: &repeated,
+                    cache: &mut io.cache,
+                    scratch: &mut io.scratch,
+                    run: &mut io.run,
+                },
                 dest,
             )
             .map(|n| io.read += n),
@@ -228,10 +209,7 @@ fn write_image_files(set: &ImageSet, blobs: &BlobStore, dest: &Path) -> Result<R
         },
     )?;
 
-    let mut restored = RestoredImages {
-        chunks_read: chunks_read.into_inner(),
-        ..Default::default()
-    };
+    let mut restored = RestoredImages { chunks_read: chunks_read.into_inner(), ..Default::default() };
     for target in &targets {
         fs::set_permissions(&target.path, fs::Permissions::from_mode(target.image.mode))
             .io_ctx("chmod", &target.path)?;
@@ -245,27 +223,16 @@ fn write_image_files(set: &ImageSet, blobs: &BlobStore, dest: &Path) -> Result<R
 /// Creates one image file, sized already for page images, and loads its verified chunk list.
 fn open_target<'a>(image: &'a ImageFile, blobs: &BlobStore, dest: &Path) -> Result<Target<'a>> {
     if !valid_image_name(&image.name) {
-        return Err(bad_dir(
-            dest,
-            format!("image name {:?} is not a plain file name", image.name),
-        ));
+        return Err(bad_dir(dest, format!("image name {:?} is not a plain file name", image.name)));
     }
     let chunks = match &image.content {
         ImageContent::Whole { .. } => None,
-        ImageContent::Chunked {
-            chunk_list,
-            chunks,
-            chunk_size,
-        } => {
+        ImageContent::Chunked { chunk_list, chunks, chunk_size } => {
             let list = blobs.read(chunk_list)?;
             if list.len() as u64 != chunks * 32 {
                 return Err(bad_dir(
                     dest,
-                    format!(
-                        "chunk list of {} has {} bytes for {chunks} chunks",
-                        image.name,
-                        list.len()
-                    ),
+                    format!("chunk list of {} has {} bytes for {chunks} chunks", image.name, list.len()),
                 ));
             }
             let chunk_size = u64::from(*chunk_size);
@@ -287,21 +254,11 @@ fn open_target<'a>(image: &'a ImageFile, blobs: &BlobStore, dest: &Path) -> Resu
         }
     };
     let path = dest.join(&image.name);
-    let file = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&path)
-        .io_ctx("create", &path)?;
+    let file = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).io_ctx("create", &path)?;
     if chunks.is_some() {
         file.set_len(image.size).io_ctx("truncate", &path)?;
     }
-    Ok(Target {
-        image,
-        path,
-        file,
-        chunks,
-    })
+    Ok(Target { image, path, file, chunks })
 }
 
 /// Digests that occur more than once among the chunks: only these are worth keeping in
@@ -324,10 +281,7 @@ fn check_size(target: &Target<'_>, written: u64, dest: &Path) -> Result<()> {
     if written != target.image.size {
         return Err(bad_dir(
             dest,
-            format!(
-                "{} restored to {written} bytes, manifest says {}",
-                target.image.name, target.image.size
-            ),
+            format!("{} restored to {written} bytes, manifest says {}", target.image.name, target.image.size),
         ));
     }
     Ok(())
@@ -345,13 +299,7 @@ struct ChunkIo<'w> {
 
 /// Verifies chunks `first..first + count` of a page image and writes them at their offset.
 /// Returns how many chunk blobs were read.
-fn write_chunks(
-    target: &Target<'_>,
-    first: usize,
-    count: usize,
-    io: ChunkIo<'_>,
-    dest: &Path,
-) -> Result<u64> {
+fn write_chunks(target: &Target<'_>, first: usize, count: usize, io: ChunkIo<'_>, dest: &Path) -> Result<u64> {
     let (list, chunk_size) = target.chunks.as_ref().expect("chunk jobs are made for page images");
     let chunk_size = *chunk_size;
     let last = (list.len() / 32) as u64 - 1;
@@ -373,11 +321,7 @@ fn write_chunks(
                 &io.scratch[..n]
             }
         };
-        let expected = if index == last {
-            target.image.size - last * chunk_size
-        } else {
-            chunk_size
-        };
+        let expected = if index == last { target.image.size - last * chunk_size } else { chunk_size };
         if data.len() as u64 != expected {
             return Err(bad_dir(
                 dest,
@@ -437,12 +381,7 @@ pub(crate) fn keep_assembled(set: &ImageSet, dump_dir: &Path, dest: &Path) -> Re
 /// so nothing is copied. On any mismatch nothing is left at `dest` and the error names the
 /// file; the caller then reassembles from the chunks. Like [`restore_images`], `dest` appears
 /// only complete.
-pub(crate) fn restore_assembled(
-    set: &ImageSet,
-    blobs: &BlobStore,
-    kept: &Path,
-    dest: &Path,
-) -> Result<RestoredImages> {
+pub(crate) fn restore_assembled(set: &ImageSet, blobs: &BlobStore, kept: &Path, dest: &Path) -> Result<RestoredImages> {
     let partial = partial_of(dest)?;
     remove_if_present(&partial)?;
     let kept = fs::canonicalize(kept).io_ctx("resolve", kept)?;
@@ -492,7 +431,10 @@ fn link_verified(set: &ImageSet, blobs: &BlobStore, kept: &Path, dest: &Path) ->
         match fs::hard_link(&from, &path) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
-                return Err(refused(&image.name, format!("{} is on another file system than the kept copy", dest.display())));
+                return Err(refused(
+                    &image.name,
+                    format!("{} is on another file system than the kept copy", dest.display()),
+                ));
             }
             Err(e) => return Err(e).io_ctx("link", &path),
         }
@@ -516,7 +458,12 @@ fn link_verified(set: &ImageSet, blobs: &BlobStore, kept: &Path, dest: &Path) ->
                 if list.len() as u64 != chunks * 32 || !fits {
                     return Err(bad_dir(
                         kept,
-                        format!("{}: chunk list of {} bytes does not describe {} bytes in {chunks} chunks", image.name, list.len(), image.size),
+                        format!(
+                            "{}: chunk list of {} bytes does not describe {} bytes in {chunks} chunks",
+                            image.name,
+                            list.len(),
+                            image.size
+                        ),
                     ));
                 }
                 Some((list, chunk_size))
@@ -554,10 +501,12 @@ fn link_verified(set: &ImageSet, blobs: &BlobStore, kept: &Path, dest: &Path) ->
                     }
                 })
             }
-            Job::Chunks { target, first, count } => check_chunks(&targets[target], first, count, buf).map_err(|e| match e {
-                ChunkCheck::Io(e) => e,
-                ChunkCheck::Mismatch(reason) => refused(&targets[target].image.name, reason),
-            }),
+            Job::Chunks { target, first, count } => {
+                check_chunks(&targets[target], first, count, buf).map_err(|e| match e {
+                    ChunkCheck::Io(e) => e,
+                    ChunkCheck::Mismatch(reason) => refused(&targets[target].image.name, reason),
+                })
+            }
         },
         drop,
     )?;
@@ -619,7 +568,12 @@ enum ChunkCheck {
 
 /// Hashes chunks `first..first + count` of a kept page image and compares each with its entry
 /// in the chunk list.
-fn check_chunks(target: &Target<'_>, first: usize, count: usize, buf: &mut [u8]) -> std::result::Result<(), ChunkCheck> {
+fn check_chunks(
+    target: &Target<'_>,
+    first: usize,
+    count: usize,
+    buf: &mut [u8],
+) -> std::result::Result<(), ChunkCheck> {
     let (list, chunk_size) = target.chunks.as_ref().expect("chunk jobs are made for page images");
     let chunk_size = *chunk_size as usize;
     let start = first as u64 * chunk_size as u64;
@@ -630,18 +584,11 @@ fn check_chunks(target: &Target<'_>, first: usize, count: usize, buf: &mut [u8])
     while offset < end {
         let len = per_read.min((end - offset) as usize);
         let run = &mut buf[..len];
-        target
-            .file
-            .read_exact_at(run, offset)
-            .io_ctx("read", &target.path)
-            .map_err(ChunkCheck::Io)?;
+        target.file.read_exact_at(run, offset).io_ctx("read", &target.path).map_err(ChunkCheck::Io)?;
         for chunk in run.chunks(chunk_size) {
             let expected = &list[index * 32..index * 32 + 32];
             if Digest::of(chunk).0 != expected {
-                return Err(ChunkCheck::Mismatch(format!(
-                    "chunk {index} is not {}",
-                    hex::encode(expected)
-                )));
+                return Err(ChunkCheck::Mismatch(format!("chunk {index} is not {}", hex::encode(expected))));
             }
             index += 1;
         }
@@ -666,11 +613,7 @@ fn hash_reader_into(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<([u8; 
 }
 
 /// Every blob behind an image set, chunks included (for GC).
-pub(crate) fn referenced_blobs(
-    set: &ImageSet,
-    blobs: &BlobStore,
-    out: &mut HashSet<Digest>,
-) -> Result<()> {
+pub(crate) fn referenced_blobs(set: &ImageSet, blobs: &BlobStore, out: &mut HashSet<Digest>) -> Result<()> {
     for image in &set.files {
         match &image.content {
             ImageContent::Whole { blob } => {
@@ -680,9 +623,7 @@ pub(crate) fn referenced_blobs(
                 out.insert(*chunk_list);
                 if let Ok(list) = blobs.read(chunk_list) {
                     for digest in list.chunks_exact(32) {
-                        out.insert(Digest(
-                            digest.try_into().expect("chunks_exact yields 32 bytes"),
-                        ));
+                        out.insert(Digest(digest.try_into().expect("chunks_exact yields 32 bytes")));
                     }
                 } else {
                     // An unreadable chunk list already breaks this checkpoint; keeping its

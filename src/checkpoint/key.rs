@@ -76,7 +76,10 @@ pub fn validate_namespace(namespace: &str) -> std::result::Result<(), KeyError> 
     }
     let separator = |b: u8| matches!(b, b'.' | b'_' | b'-');
     let bytes = namespace.as_bytes();
-    if separator(bytes[0]) || separator(bytes[bytes.len() - 1]) || bytes.windows(2).any(|w| separator(w[0]) && separator(w[1])) {
+    if separator(bytes[0])
+        || separator(bytes[bytes.len() - 1])
+        || bytes.windows(2).any(|w| separator(w[0]) && separator(w[1]))
+    {
         return bad("it must start and end with a letter or digit, with single '.', '_' or '-' between them".into());
     }
     Ok(())
@@ -257,13 +260,8 @@ pub(crate) fn migrate_legacy_layout(state_dir: &Path, lock: &Path, assembled: &P
     if marker.is_file() {
         return Ok(());
     }
-    let lock_file = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .mode(0o600)
-        .open(lock)
-        .io_ctx("open", lock)?;
+    let lock_file =
+        OpenOptions::new().create(true).truncate(false).write(true).mode(0o600).open(lock).io_ctx("open", lock)?;
     sys::flock(&lock_file, true).io_ctx("flock", lock)?;
     if marker.is_file() {
         return Ok(());

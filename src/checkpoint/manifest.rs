@@ -131,13 +131,7 @@ impl FsNode {
 
     /// True when applying this node replaces whatever subtree was at its path.
     pub(crate) fn replaces_subtree(&self) -> bool {
-        !matches!(
-            self,
-            FsNode::Dir {
-                complete: false,
-                ..
-            }
-        )
+        !matches!(self, FsNode::Dir { complete: false, .. })
     }
 
     pub(crate) fn is_dir(&self) -> bool {
@@ -222,13 +216,10 @@ pub(crate) fn direct_blobs<'a>(
     images: Option<&'a ImageSet>,
 ) -> impl Iterator<Item = &'a Digest> + 'a {
     let entry_blobs = entries.iter().filter_map(|e| e.node.blob());
-    let image_blobs = images
-        .into_iter()
-        .flat_map(|set| set.files.iter())
-        .map(|f| match &f.content {
-            ImageContent::Whole { blob } => blob,
-            ImageContent::Chunked { chunk_list, .. } => chunk_list,
-        });
+    let image_blobs = images.into_iter().flat_map(|set| set.files.iter()).map(|f| match &f.content {
+        ImageContent::Whole { blob } => blob,
+        ImageContent::Chunked { chunk_list, .. } => chunk_list,
+    });
     entry_blobs.chain(image_blobs)
 }
 
@@ -256,37 +247,24 @@ pub(crate) fn seal<T: Serialize>(body: &T, what: &'static str) -> Result<(Digest
 
 /// Verifies and decodes a sealed envelope read from `path`. When `expected` is given the body
 /// must also hash to it (the id the reader followed to get here).
-pub(crate) fn unseal<T: DeserializeOwned>(
-    bytes: &[u8],
-    path: &Path,
-    expected: Option<&Digest>,
-) -> Result<(Digest, T)> {
-    let corrupt = |reason: String| CheckpointError::CorruptManifest {
-        path: path.to_owned(),
-        reason,
-    };
-    let sealed: SealIn<'_> = serde_json::from_slice(bytes)
-        .map_err(|e| corrupt(format!("not a sealed envelope: {e}")))?;
+pub(crate) fn unseal<T: DeserializeOwned>(bytes: &[u8], path: &Path, expected: Option<&Digest>) -> Result<(Digest, T)> {
+    let corrupt = |reason: String| CheckpointError::CorruptManifest { path: path.to_owned(), reason };
+    let sealed: SealIn<'_> =
+        serde_json::from_slice(bytes).map_err(|e| corrupt(format!("not a sealed envelope: {e}")))?;
     let actual = Digest::of(sealed.body.get().as_bytes());
     if actual != sealed.sha256 {
-        return Err(corrupt(format!(
-            "body hashes to {actual}, envelope says {}",
-            sealed.sha256
-        )));
+        return Err(corrupt(format!("body hashes to {actual}, envelope says {}", sealed.sha256)));
     }
     if let Some(expected) = expected
         && actual != *expected
     {
-        return Err(corrupt(format!(
-            "body hashes to {actual}, expected {expected}"
-        )));
+        return Err(corrupt(format!("body hashes to {actual}, expected {expected}")));
     }
     #[derive(Deserialize)]
     struct Versioned {
         version: u32,
     }
-    let v: Versioned =
-        serde_json::from_str(sealed.body.get()).map_err(|e| corrupt(format!("no version: {e}")))?;
+    let v: Versioned = serde_json::from_str(sealed.body.get()).map_err(|e| corrupt(format!("no version: {e}")))?;
     if v.version != MANIFEST_VERSION {
         return Err(CheckpointError::UnsupportedManifestVersion {
             path: path.to_owned(),
@@ -308,44 +286,23 @@ mod tests {
     use super::*;
 
     fn sample() -> Manifest {
-        let meta = Meta {
-            mode: 0o644,
-            uid: 1,
-            gid: 2,
-            mtime_sec: 3,
-            mtime_nsec: 4,
-            xattrs: BTreeMap::new(),
-        };
+        let meta = Meta { mode: 0o644, uid: 1, gid: 2, mtime_sec: 3, mtime_nsec: 4, xattrs: BTreeMap::new() };
         Manifest {
             version: MANIFEST_VERSION,
             container: "c1".into(),
             turn: 2,
             class: TurnClass::Fs,
-            parent: Some(ParentRef {
-                manifest: Digest::of(b"p"),
-                turn: 1,
-            }),
+            parent: Some(ParentRef { manifest: Digest::of(b"p"), turn: 1 }),
             created_unix_ms: 5,
             fs_delta: vec![
                 FsEntry {
                     path: RelPath::parse("/a").unwrap(),
-                    node: FsNode::File {
-                        meta: meta.clone(),
-                        blob: Digest::of(b"x"),
-                        size: 1,
-                        extents: None,
-                    },
+                    node: FsNode::File { meta: meta.clone(), blob: Digest::of(b"x"), size: 1, extents: None },
                 },
-                FsEntry {
-                    path: RelPath::parse("/b").unwrap(),
-                    node: FsNode::Whiteout,
-                },
+                FsEntry { path: RelPath::parse("/b").unwrap(), node: FsNode::Whiteout },
                 FsEntry {
                     path: RelPath::parse("/c").unwrap(),
-                    node: FsNode::Symlink {
-                        meta,
-                        target: Bytes(b"/etc/\xff".to_vec()),
-                    },
+                    node: FsNode::Symlink { meta, target: Bytes(b"/etc/\xff".to_vec()) },
                 },
             ],
             images: None,
@@ -356,18 +313,12 @@ mod tests {
     fn seal_round_trip_and_tamper_detection() {
         let m = sample();
         let (id, bytes) = seal(&m, "manifest").unwrap();
-        let (id2, back): (Digest, Manifest) =
-            unseal(&bytes, Path::new("m.json"), Some(&id)).unwrap();
+        let (id2, back): (Digest, Manifest) = unseal(&bytes, Path::new("m.json"), Some(&id)).unwrap();
         assert_eq!((id2, &back), (id, &m));
 
-        let tampered = String::from_utf8(bytes.clone())
-            .unwrap()
-            .replace("\"turn\":2", "\"turn\":9");
+        let tampered = String::from_utf8(bytes.clone()).unwrap().replace("\"turn\":2", "\"turn\":9");
         let err = unseal::<Manifest>(tampered.as_bytes(), Path::new("m.json"), None).unwrap_err();
-        assert!(
-            matches!(err, CheckpointError::CorruptManifest { .. }),
-            "{err}"
-        );
+        assert!(matches!(err, CheckpointError::CorruptManifest { .. }), "{err}");
         let other = Digest::of(b"other");
         assert!(unseal::<Manifest>(&bytes, Path::new("m.json"), Some(&other)).is_err());
     }
@@ -378,13 +329,7 @@ mod tests {
         m.version = MANIFEST_VERSION + 1;
         let (_, bytes) = seal(&m, "manifest").unwrap();
         let err = unseal::<Manifest>(&bytes, Path::new("m.json"), None).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                CheckpointError::UnsupportedManifestVersion { found: 2, .. }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, CheckpointError::UnsupportedManifestVersion { found: 2, .. }), "{err}");
     }
 
     #[test]
@@ -394,10 +339,7 @@ mod tests {
         let body_start = evil.find("\"body\":").unwrap() + 7;
         let body = &evil[body_start..evil.len() - 1];
         let evil_body = body.replace("\"/b\"", "\"/../../etc/shadow\"");
-        let resealed = format!(
-            "{{\"sha256\":\"{}\",\"body\":{evil_body}}}",
-            Digest::of(evil_body.as_bytes())
-        );
+        let resealed = format!("{{\"sha256\":\"{}\",\"body\":{evil_body}}}", Digest::of(evil_body.as_bytes()));
         let err = unseal::<Manifest>(resealed.as_bytes(), Path::new("m.json"), None).unwrap_err();
         assert!(err.to_string().contains("escapes the root"), "{err}");
     }

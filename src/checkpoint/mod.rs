@@ -25,15 +25,15 @@ pub use chain::{
 };
 pub use error::{CheckpointError, Result};
 pub use fsdelta::{ApplyStats, ChangedPath};
+pub use gc::{GcReport, RetentionPolicy};
+pub use images::{CHUNK_SIZE, RestoredImages};
 pub use key::{
     DEFAULT_NAMESPACE, KeyError, SandboxKey, full_checkpoints_dir, saved_spec_path, turn_log_path, validate_id,
     validate_namespace,
 };
-pub use gc::{GcReport, RetentionPolicy};
-pub use images::{CHUNK_SIZE, RestoredImages};
 pub use manifest::{
-    FsEntry, FsNode, ImageContent, ImageFile, ImageSet, MANIFEST_VERSION, Manifest, Meta,
-    ParentRef, Snapshot, TurnClass,
+    FsEntry, FsNode, ImageContent, ImageFile, ImageSet, MANIFEST_VERSION, Manifest, Meta, ParentRef, Snapshot,
+    TurnClass,
 };
 pub use mounts::{ContainerMount, ContainerRoot, MountKind, SandboxMounts, SpecMount};
 pub use path::{Bytes, RelPath};

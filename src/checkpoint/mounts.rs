@@ -68,8 +68,8 @@ impl SandboxMounts {
         let spec: Spec = serde_json::from_slice(bytes).map_err(|e| format!("OCI spec: {e}"))?;
         let mut mounts = Vec::new();
         for m in spec.mounts {
-            let destination =
-                RelPath::parse(m.destination.as_bytes()).map_err(|e| format!("mount destination {:?}: {e}", m.destination))?;
+            let destination = RelPath::parse(m.destination.as_bytes())
+                .map_err(|e| format!("mount destination {:?}: {e}", m.destination))?;
             let bind = m.options.iter().any(|o| o == "bind" || o == "rbind");
             let fs_type = match m.fs_type.as_deref() {
                 Some(t) if !t.is_empty() && !bind => t.to_string(),
@@ -225,7 +225,10 @@ impl ContainerRoot {
                 Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::EXDEV)) => {
                     return Err(CheckpointError::OutsideRoot {
                         path: destination.to_string(),
-                        reason: format!("the mount point is reached through a symlink or leaves {}", proc_root.display()),
+                        reason: format!(
+                            "the mount point is reached through a symlink or leaves {}",
+                            proc_root.display()
+                        ),
                     });
                 }
                 Err(e) => return Err(e).io_ctx("open mount", &shown),
@@ -311,12 +314,19 @@ mod tests {
         assert_eq!(kind(&m, "/dev/mqueue/q"), Some((MountKind::External, "/dev/mqueue".into())));
         assert_eq!(kind(&m, "/run/a/b"), Some((MountKind::Tmpfs, "/run".into())));
         assert_eq!(kind(&m, "/data/shared/f"), Some((MountKind::External, "/data/shared".into())));
-        assert_eq!(kind(&m, "/etc/hosts"), Some((MountKind::External, "/etc/hosts".into())), "a bind given by its options");
+        assert_eq!(
+            kind(&m, "/etc/hosts"),
+            Some((MountKind::External, "/etc/hosts".into())),
+            "a bind given by its options"
+        );
         assert_eq!(kind(&m, "/dev/.crab/sock"), Some((MountKind::Crab, "/dev/.crab".into())));
         assert_eq!(kind(&m, "/dev/.crab/init"), Some((MountKind::Crab, "/dev/.crab/init".into())));
         assert_eq!(kind(&m, "/data/own"), None, "the rootfs");
         assert_eq!(kind(&m, "/runner"), None);
-        assert_eq!(m.tmpfs(), vec![RelPath::parse("/dev").unwrap(), RelPath::parse("/dev/shm").unwrap(), RelPath::parse("/run").unwrap()]);
+        assert_eq!(
+            m.tmpfs(),
+            vec![RelPath::parse("/dev").unwrap(), RelPath::parse("/dev/shm").unwrap(), RelPath::parse("/run").unwrap()]
+        );
     }
 
     #[test]

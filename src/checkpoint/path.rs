@@ -25,16 +25,10 @@ impl RelPath {
         let raw = raw.as_ref();
         let shown = || String::from_utf8_lossy(raw).into_owned();
         if raw.first() != Some(&b'/') {
-            return Err(CheckpointError::UnsafePath {
-                path: shown(),
-                reason: "not an absolute path",
-            });
+            return Err(CheckpointError::UnsafePath { path: shown(), reason: "not an absolute path" });
         }
         if raw.contains(&0) {
-            return Err(CheckpointError::UnsafePath {
-                path: shown(),
-                reason: "contains a NUL byte",
-            });
+            return Err(CheckpointError::UnsafePath { path: shown(), reason: "contains a NUL byte" });
         }
         let mut parts: Vec<&[u8]> = Vec::new();
         for part in raw.split(|b| *b == b'/') {
@@ -42,10 +36,7 @@ impl RelPath {
                 b"" | b"." => {}
                 b".." => {
                     if parts.pop().is_none() {
-                        return Err(CheckpointError::UnsafePath {
-                            path: shown(),
-                            reason: "'..' escapes the root",
-                        });
+                        return Err(CheckpointError::UnsafePath { path: shown(), reason: "'..' escapes the root" });
                     }
                 }
                 _ => parts.push(part),
@@ -92,9 +83,7 @@ impl RelPath {
         if self.0.is_empty() {
             return !other.0.is_empty();
         }
-        other.0.len() > self.0.len()
-            && other.0.starts_with(&self.0)
-            && other.0[self.0.len()] == b'/'
+        other.0.len() > self.0.len() && other.0.starts_with(&self.0) && other.0[self.0.len()] == b'/'
     }
 
     /// Strict ancestors, nearest first, ending with the root.
@@ -150,9 +139,7 @@ impl TextOrHex {
     pub(crate) fn encode(bytes: &[u8]) -> Self {
         match std::str::from_utf8(bytes) {
             Ok(s) => TextOrHex::Text(s.to_owned()),
-            Err(_) => TextOrHex::Hex {
-                hex: hex::encode(bytes),
-            },
+            Err(_) => TextOrHex::Hex { hex: hex::encode(bytes) },
         }
     }
 
@@ -179,9 +166,7 @@ impl<'de> Deserialize<'de> for RelPath {
         let parsed = RelPath::parse(&raw).map_err(serde::de::Error::custom)?;
         // A manifest holds normalised paths only; anything else was not written by this store.
         if raw.len() != parsed.0.len() + 1 {
-            return Err(serde::de::Error::custom(format!(
-                "path {parsed} is not in normal form"
-            )));
+            return Err(serde::de::Error::custom(format!("path {parsed} is not in normal form")));
         }
         Ok(parsed)
     }
@@ -213,10 +198,7 @@ mod tests {
         assert_eq!(RelPath::parse("/a/x/../b").unwrap().as_bytes(), b"a/b");
         assert!(RelPath::parse("/").unwrap().is_root());
         for bad in ["/../etc/passwd", "/a/../../etc", "relative/path", ""] {
-            assert!(
-                matches!(RelPath::parse(bad), Err(CheckpointError::UnsafePath { .. })),
-                "{bad}"
-            );
+            assert!(matches!(RelPath::parse(bad), Err(CheckpointError::UnsafePath { .. })), "{bad}");
         }
         assert!(RelPath::parse(b"/a\0b").is_err());
     }
@@ -230,11 +212,7 @@ mod tests {
         assert!(!a.is_ancestor_of(&a_b));
         assert!(!a.is_ancestor_of(&a));
         assert!(RelPath::root().is_ancestor_of(&a));
-        let ancestors: Vec<String> = RelPath::parse("/x/y/z")
-            .unwrap()
-            .ancestors()
-            .map(|p| p.to_string())
-            .collect();
+        let ancestors: Vec<String> = RelPath::parse("/x/y/z").unwrap().ancestors().map(|p| p.to_string()).collect();
         assert_eq!(ancestors, ["/x/y", "/x", "/"]);
         let (lo, hi) = a.descendant_bounds();
         assert!(lo <= ab && ab < hi && !(lo <= a_b && a_b < hi));

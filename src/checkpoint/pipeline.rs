@@ -129,17 +129,11 @@ impl TurnSlot {
     /// include them.
     pub fn carried(&self) -> Carried {
         let unpublished = self.unpublished();
-        let mut paths: Vec<ChangedPath> = unpublished
-            .paths
-            .range(..self.turn)
-            .flat_map(|(_, p)| p.iter().cloned())
-            .collect();
+        let mut paths: Vec<ChangedPath> =
+            unpublished.paths.range(..self.turn).flat_map(|(_, p)| p.iter().cloned()).collect();
         paths.sort_by(|a, b| a.path.cmp(&b.path).then(b.created.cmp(&a.created)));
         paths.dedup_by(|later, earlier| later.path == earlier.path);
-        Carried {
-            paths,
-            processes_of: unpublished.processes_since.filter(|t| *t < self.turn),
-        }
+        Carried { paths, processes_of: unpublished.processes_since.filter(|t| *t < self.turn) }
     }
 
     /// Registers what this turn captures, so later turns take it in until it is durable.
@@ -221,7 +215,12 @@ impl TurnSlot {
                     Ok(report) => report,
                     Err(CheckpointError::WriteOutStopped(_)) if superseded.get().is_some() => {
                         let by_turn = *superseded.get().expect("checked above");
-                        tracing::info!(sandbox, turn = self.turn, by_turn, "process checkpoint superseded while waiting for bandwidth");
+                        tracing::info!(
+                            sandbox,
+                            turn = self.turn,
+                            by_turn,
+                            "process checkpoint superseded while waiting for bandwidth"
+                        );
                         return Ok(WrittenOut::Superseded { by_turn });
                     }
                     Err(e) => return Err(e),
@@ -270,7 +269,8 @@ impl WriteTokens for GateTokens {
             return Ok(());
         }
         let supersedable = self.kind == CommitKind::Proc;
-        let acquired = self.runtime.block_on(self.gate.acquire(&self.sandbox, bytes, self.kind, self.turn, supersedable));
+        let acquired =
+            self.runtime.block_on(self.gate.acquire(&self.sandbox, bytes, self.kind, self.turn, supersedable));
         match acquired {
             Acquired::Granted { .. } => Ok(()),
             Acquired::Ungated { reason, .. } => {
@@ -370,12 +370,21 @@ mod tests {
             8192
         }
 
-        async fn acquire(&self, _sandbox: &str, bytes: u64, _kind: CommitKind, turn: u64, supersedable: bool) -> Acquired {
+        async fn acquire(
+            &self,
+            _sandbox: &str,
+            bytes: u64,
+            _kind: CommitKind,
+            turn: u64,
+            supersedable: bool,
+        ) -> Acquired {
             loop {
                 let notified = self.reported.notified();
                 let newest = *self.captured.lock().unwrap();
                 match newest {
-                    Some(by_turn) if supersedable && by_turn > turn => return Acquired::Superseded { by_turn, waited_ms: 0.0 },
+                    Some(by_turn) if supersedable && by_turn > turn => {
+                        return Acquired::Superseded { by_turn, waited_ms: 0.0 };
+                    }
                     _ if !supersedable => {
                         self.draws.lock().unwrap().push((turn, bytes));
                         return Acquired::Granted { waited_ms: 0.0 };
@@ -453,7 +462,9 @@ mod tests {
         one.previous_written().await;
         let job_one = {
             let (store, gate) = (store.clone(), gate.clone());
-            tokio::spawn(async move { one.write_out(&store, Some(gate), "c1", staged_one).await.map(|w| format!("{w:?}")) })
+            tokio::spawn(
+                async move { one.write_out(&store, Some(gate), "c1", staged_one).await.map(|w| format!("{w:?}")) },
+            )
         };
 
         // Turn 2 changes a again and makes b; it carries turn 1's unwritten paths.
@@ -504,7 +515,14 @@ mod tests {
             self.0.chunk_bytes()
         }
 
-        async fn acquire(&self, sandbox: &str, bytes: u64, kind: CommitKind, turn: u64, _supersedable: bool) -> Acquired {
+        async fn acquire(
+            &self,
+            sandbox: &str,
+            bytes: u64,
+            kind: CommitKind,
+            turn: u64,
+            _supersedable: bool,
+        ) -> Acquired {
             self.0.acquire(sandbox, bytes, kind, turn, false).await
         }
 
@@ -525,7 +543,14 @@ mod tests {
             4096
         }
 
-        async fn acquire(&self, _sandbox: &str, _bytes: u64, _kind: CommitKind, _turn: u64, _supersedable: bool) -> Acquired {
+        async fn acquire(
+            &self,
+            _sandbox: &str,
+            _bytes: u64,
+            _kind: CommitKind,
+            _turn: u64,
+            _supersedable: bool,
+        ) -> Acquired {
             *self.asked.lock().unwrap() += 1;
             tokio::time::sleep(Duration::from_millis(200)).await;
             Acquired::Ungated { waited_ms: 200.0, reason: "no grant within the bound".into() }

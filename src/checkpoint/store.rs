@@ -160,13 +160,7 @@ impl BlobStore {
             sys::fsync_dir(state_dir).io_ctx("fsync", state_dir)?;
         }
         let blobs_fd = sys::open_dir_path(&blobs).io_ctx("open", &blobs)?;
-        Ok(BlobStore {
-            blobs,
-            blobs_fd,
-            tmp,
-            traffic: TrafficCounters::default(),
-            tmp_seq: AtomicU64::new(0),
-        })
+        Ok(BlobStore { blobs, blobs_fd, tmp, traffic: TrafficCounters::default(), tmp_seq: AtomicU64::new(0) })
     }
 
     pub fn path_of(&self, digest: &Digest) -> PathBuf {
@@ -198,20 +192,15 @@ impl BlobStore {
 
     fn record(&self, t: &Traffic) {
         let c = &self.traffic;
-        c.logical_bytes
-            .fetch_add(t.logical_bytes, Ordering::Relaxed);
-        c.written_bytes
-            .fetch_add(t.written_bytes, Ordering::Relaxed);
-        c.blobs_written
-            .fetch_add(t.blobs_written, Ordering::Relaxed);
-        c.blobs_deduplicated
-            .fetch_add(t.blobs_deduplicated, Ordering::Relaxed);
+        c.logical_bytes.fetch_add(t.logical_bytes, Ordering::Relaxed);
+        c.written_bytes.fetch_add(t.written_bytes, Ordering::Relaxed);
+        c.blobs_written.fetch_add(t.blobs_written, Ordering::Relaxed);
+        c.blobs_deduplicated.fetch_add(t.blobs_deduplicated, Ordering::Relaxed);
     }
 
     pub(crate) fn tmp_path(&self, what: &str) -> PathBuf {
         let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
-        self.tmp
-            .join(format!("{what}-{}-{seq}", std::process::id()))
+        self.tmp.join(format!("{what}-{}-{seq}", std::process::id()))
     }
 
     pub fn batch(&self) -> WriteBatch<'_> {
@@ -262,21 +251,14 @@ impl BlobStore {
         match sys::openat(self.blobs_fd.as_fd(), &name, libc::O_RDONLY | libc::O_NOATIME, 0) {
             Ok(fd) => Ok((File::from(fd), path())),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                Err(CheckpointError::MissingBlob {
-                    digest: hex,
-                    path: path(),
-                })
+                Err(CheckpointError::MissingBlob { digest: hex, path: path() })
             }
             Err(e) => Err(e).io_ctx("open", path()),
         }
     }
 
     fn corrupt(digest: &Digest, path: PathBuf, actual: [u8; 32]) -> CheckpointError {
-        CheckpointError::CorruptBlob {
-            digest: digest.to_hex(),
-            path,
-            actual: hex::encode(actual),
-        }
+        CheckpointError::CorruptBlob { digest: digest.to_hex(), path, actual: hex::encode(actual) }
     }
 
     /// Reads a whole blob, refusing it unless it hashes to its name.
@@ -452,9 +434,7 @@ impl WriteBatch<'_> {
         if self.known(&digest, data.len() as u64) {
             return Ok(digest);
         }
-        let (tmp, ()) = self
-            .store
-            .write_tmp(|f, tmp| f.write_all(data).io_ctx("write", tmp))?;
+        let (tmp, ()) = self.store.write_tmp(|f, tmp| f.write_all(data).io_ctx("write", tmp))?;
         self.queue(digest, tmp, data.len() as u64);
         Ok(digest)
     }
@@ -463,9 +443,7 @@ impl WriteBatch<'_> {
     /// read, so a file changing under us still gets a self-consistent blob.
     pub fn put_reader(&mut self, src: &mut impl Read, src_path: &Path) -> Result<(Digest, u64)> {
         let mut head = Vec::with_capacity(64 * 1024);
-        src.take(IN_MEMORY_LIMIT as u64 + 1)
-            .read_to_end(&mut head)
-            .io_ctx("read", src_path)?;
+        src.take(IN_MEMORY_LIMIT as u64 + 1).read_to_end(&mut head).io_ctx("read", src_path)?;
         if head.len() <= IN_MEMORY_LIMIT {
             let digest = self.put_bytes(&head)?;
             return Ok((digest, head.len() as u64));
@@ -575,11 +553,7 @@ impl WriteBatch<'_> {
         let mut dirs = std::collections::BTreeSet::new();
         for (tmp, dst) in pending {
             fs::rename(tmp, dst).io_ctx("rename", dst)?;
-            dirs.insert(
-                dst.parent()
-                    .expect("blob paths have a fan-out parent")
-                    .to_owned(),
-            );
+            dirs.insert(dst.parent().expect("blob paths have a fan-out parent").to_owned());
         }
         for dir in dirs {
             sys::fsync_dir(&dir).io_ctx("fsync", &dir)?;
@@ -610,18 +584,8 @@ pub(crate) enum Durability {
 }
 
 /// Replaces `dst` with `data` atomically. Used for manifests, snapshots and heads.
-pub(crate) fn publish_file(
-    tmp: &Path,
-    dst: &Path,
-    data: &[u8],
-    durability: Durability,
-) -> Result<()> {
-    let mut f = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(tmp)
-        .io_ctx("create", tmp)?;
+pub(crate) fn publish_file(tmp: &Path, dst: &Path, data: &[u8], durability: Durability) -> Result<()> {
+    let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(tmp).io_ctx("create", tmp)?;
     let written = f.write_all(data).and_then(|()| match durability {
         Durability::Flushed => f.sync_all(),
         Durability::AtomicOnly => Ok(()),
@@ -651,20 +615,9 @@ mod tests {
         let b = store.put(b"hello").unwrap();
         assert_eq!(a, b);
         let t = store.traffic();
-        assert_eq!(
-            (
-                t.logical_bytes,
-                t.written_bytes,
-                t.blobs_written,
-                t.blobs_deduplicated
-            ),
-            (10, 5, 1, 1)
-        );
+        assert_eq!((t.logical_bytes, t.written_bytes, t.blobs_written, t.blobs_deduplicated), (10, 5, 1, 1));
         assert_eq!(store.read(&a).unwrap(), b"hello");
-        assert_eq!(
-            a.to_hex(),
-            "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
-        );
+        assert_eq!(a.to_hex(), "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824");
     }
 
     #[test]
@@ -676,23 +629,15 @@ mod tests {
         fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
         fs::write(&path, b"tampered").unwrap();
         let err = store.read(&d).unwrap_err().to_string();
-        assert!(
-            err.contains(&d.to_hex()) && err.contains(&path.display().to_string()),
-            "{err}"
-        );
-        assert!(matches!(
-            store.verify(&d),
-            Err(CheckpointError::CorruptBlob { .. })
-        ));
+        assert!(err.contains(&d.to_hex()) && err.contains(&path.display().to_string()), "{err}");
+        assert!(matches!(store.verify(&d), Err(CheckpointError::CorruptBlob { .. })));
     }
 
     #[test]
     fn large_reader_streams_and_dedups() {
         let dir = tempfile::tempdir().unwrap();
         let store = BlobStore::open(dir.path()).unwrap();
-        let data: Vec<u8> = (0..3 * IN_MEMORY_LIMIT)
-            .map(|i| (i * 7 % 251) as u8)
-            .collect();
+        let data: Vec<u8> = (0..3 * IN_MEMORY_LIMIT).map(|i| (i * 7 % 251) as u8).collect();
         let mut batch = store.batch();
         let (d1, n1) = batch.put_reader(&mut &data[..], Path::new("mem")).unwrap();
         let (d2, _) = batch.put_reader(&mut &data[..], Path::new("mem")).unwrap();
@@ -717,14 +662,8 @@ mod tests {
     #[test]
     fn digest_parsing_is_strict() {
         assert!("AB".parse::<Digest>().is_err());
-        assert!(
-            "2CF24DBA5FB0A30E26E83B2AC5B9E29E1B161E5C1FA7425E73043362938B9824"
-                .parse::<Digest>()
-                .is_err()
-        );
-        let d: Digest = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
-            .parse()
-            .unwrap();
+        assert!("2CF24DBA5FB0A30E26E83B2AC5B9E29E1B161E5C1FA7425E73043362938B9824".parse::<Digest>().is_err());
+        let d: Digest = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824".parse().unwrap();
         assert_eq!(d, Digest::of(b"hello"));
     }
 }

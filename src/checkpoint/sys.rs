@@ -12,45 +12,27 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 pub(crate) fn cstr(bytes: &[u8]) -> io::Result<CString> {
-    CString::new(bytes)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
+    CString::new(bytes).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
 }
 
 fn check(ret: libc::c_int) -> io::Result<libc::c_int> {
-    if ret < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(ret)
-    }
+    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(ret) }
 }
 
 fn check_size(ret: libc::ssize_t) -> io::Result<usize> {
-    if ret < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(ret as usize)
-    }
+    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(ret as usize) }
 }
 
 /// Opens a directory on the host as an `O_PATH` anchor for the `*at` calls.
 pub(crate) fn open_dir_path(path: &Path) -> io::Result<OwnedFd> {
     let c = cstr(path.as_os_str().as_bytes())?;
-    let fd = check(unsafe {
-        libc::open(
-            c.as_ptr(),
-            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
-        )
-    })?;
+    let fd = check(unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) })?;
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// `openat2` that refuses to leave `dir` and refuses every symlink on the way: `..` and absolute
 /// symlinks fail with EXDEV, any symlink component with ELOOP.
-pub(crate) fn openat_beneath(
-    dir: BorrowedFd<'_>,
-    rel: &CStr,
-    flags: libc::c_int,
-) -> io::Result<OwnedFd> {
+pub(crate) fn openat_beneath(dir: BorrowedFd<'_>, rel: &CStr, flags: libc::c_int) -> io::Result<OwnedFd> {
     // open_how is non-exhaustive (the kernel may grow it); unset fields must be zero.
     let mut how: libc::open_how = unsafe { std::mem::zeroed() };
     how.flags = (flags | libc::O_CLOEXEC) as u64;
@@ -71,19 +53,9 @@ pub(crate) fn openat_beneath(
 }
 
 /// `openat` of a single component, never following a symlink there.
-pub(crate) fn openat(
-    dir: BorrowedFd<'_>,
-    name: &CStr,
-    flags: libc::c_int,
-    mode: libc::mode_t,
-) -> io::Result<OwnedFd> {
+pub(crate) fn openat(dir: BorrowedFd<'_>, name: &CStr, flags: libc::c_int, mode: libc::mode_t) -> io::Result<OwnedFd> {
     let fd = check(unsafe {
-        libc::openat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            mode as libc::c_uint,
-        )
+        libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_NOFOLLOW | libc::O_CLOEXEC, mode as libc::c_uint)
     })?;
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
@@ -137,13 +109,7 @@ pub(crate) fn chown_entry(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<
     // SAFETY: the empty string is NUL-terminated and static; AT_EMPTY_PATH makes the call act
     // on `fd` itself.
     check(unsafe {
-        libc::fchownat(
-            fd.as_raw_fd(),
-            c"".as_ptr(),
-            uid,
-            gid,
-            libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
-        )
+        libc::fchownat(fd.as_raw_fd(), c"".as_ptr(), uid, gid, libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW)
     })
     .map(drop)
 }
@@ -155,14 +121,7 @@ pub(crate) fn readlink_entry(fd: BorrowedFd<'_>) -> io::Result<Vec<u8>> {
 
 pub(crate) fn fstatat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<libc::stat> {
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    check(unsafe {
-        libc::fstatat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            &mut st,
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    })?;
+    check(unsafe { libc::fstatat(dir.as_raw_fd(), name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) })?;
     Ok(st)
 }
 
@@ -196,46 +155,18 @@ pub(crate) fn symlinkat(target: &CStr, dir: BorrowedFd<'_>, name: &CStr) -> io::
 
 pub(crate) fn readlinkat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; libc::PATH_MAX as usize + 1];
-    let n = check_size(unsafe {
-        libc::readlinkat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    })?;
+    let n =
+        check_size(unsafe { libc::readlinkat(dir.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) })?;
     buf.truncate(n);
     Ok(buf)
 }
 
-pub(crate) fn linkat(
-    old_dir: BorrowedFd<'_>,
-    old: &CStr,
-    new_dir: BorrowedFd<'_>,
-    new: &CStr,
-) -> io::Result<()> {
-    check(unsafe {
-        libc::linkat(
-            old_dir.as_raw_fd(),
-            old.as_ptr(),
-            new_dir.as_raw_fd(),
-            new.as_ptr(),
-            0,
-        )
-    })
-    .map(drop)
+pub(crate) fn linkat(old_dir: BorrowedFd<'_>, old: &CStr, new_dir: BorrowedFd<'_>, new: &CStr) -> io::Result<()> {
+    check(unsafe { libc::linkat(old_dir.as_raw_fd(), old.as_ptr(), new_dir.as_raw_fd(), new.as_ptr(), 0) }).map(drop)
 }
 
 pub(crate) fn mknodat(dir: BorrowedFd<'_>, name: &CStr, mode: u32, rdev: u64) -> io::Result<()> {
-    check(unsafe {
-        libc::mknodat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            mode as libc::mode_t,
-            rdev as libc::dev_t,
-        )
-    })
-    .map(drop)
+    check(unsafe { libc::mknodat(dir.as_raw_fd(), name.as_ptr(), mode as libc::mode_t, rdev as libc::dev_t) }).map(drop)
 }
 
 pub(crate) fn fchown(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
@@ -247,15 +178,9 @@ pub(crate) fn fchmod(fd: BorrowedFd<'_>, mode: u32) -> io::Result<()> {
 }
 
 fn timespecs(mtime: (i64, u32)) -> [libc::timespec; 2] {
-    let mtime = libc::timespec {
-        tv_sec: mtime.0,
-        tv_nsec: mtime.1 as _,
-    };
+    let mtime = libc::timespec { tv_sec: mtime.0, tv_nsec: mtime.1 as _ };
     // atime is not part of a checkpoint: leave it as the kernel has it.
-    let atime = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: libc::UTIME_OMIT,
-    };
+    let atime = libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT };
     [atime, mtime]
 }
 
@@ -276,15 +201,7 @@ pub(crate) fn utimens_entry(fd: BorrowedFd<'_>, mtime: (i64, u32)) -> io::Result
 
 pub(crate) fn lutimensat(dir: BorrowedFd<'_>, name: &CStr, mtime: (i64, u32)) -> io::Result<()> {
     let ts = timespecs(mtime);
-    check(unsafe {
-        libc::utimensat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            ts.as_ptr(),
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    })
-    .map(drop)
+    check(unsafe { libc::utimensat(dir.as_raw_fd(), name.as_ptr(), ts.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) }).map(drop)
 }
 
 pub(crate) fn list_xattrs(fd: BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
@@ -294,11 +211,7 @@ pub(crate) fn list_xattrs(fd: BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
         match check_size(ret) {
             Ok(n) => {
                 buf.truncate(n);
-                return Ok(buf
-                    .split(|b| *b == 0)
-                    .filter(|s| !s.is_empty())
-                    .map(<[u8]>::to_vec)
-                    .collect());
+                return Ok(buf.split(|b| *b == 0).filter(|s| !s.is_empty()).map(<[u8]>::to_vec).collect());
             }
             Err(e) if e.raw_os_error() == Some(libc::ERANGE) => buf.resize(buf.len() * 4, 0),
             Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => return Ok(Vec::new()),
@@ -310,14 +223,7 @@ pub(crate) fn list_xattrs(fd: BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
 pub(crate) fn get_xattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; 256];
     loop {
-        let ret = unsafe {
-            libc::fgetxattr(
-                fd.as_raw_fd(),
-                name.as_ptr(),
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-            )
-        };
+        let ret = unsafe { libc::fgetxattr(fd.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
         match check_size(ret) {
             Ok(n) => {
                 buf.truncate(n);
@@ -330,16 +236,7 @@ pub(crate) fn get_xattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>> 
 }
 
 pub(crate) fn set_xattr(fd: BorrowedFd<'_>, name: &CStr, value: &[u8]) -> io::Result<()> {
-    check(unsafe {
-        libc::fsetxattr(
-            fd.as_raw_fd(),
-            name.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    })
-    .map(drop)
+    check(unsafe { libc::fsetxattr(fd.as_raw_fd(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) }).map(drop)
 }
 
 pub(crate) fn remove_xattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<()> {
@@ -363,11 +260,7 @@ pub(crate) fn read_dir_names(dir: BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
         let ent = unsafe { libc::readdir64(stream) };
         if ent.is_null() {
             let errno = unsafe { *libc::__errno_location() };
-            break if errno == 0 {
-                Ok(())
-            } else {
-                Err(io::Error::from_raw_os_error(errno))
-            };
+            break if errno == 0 { Ok(()) } else { Err(io::Error::from_raw_os_error(errno)) };
         }
         let name = unsafe { CStr::from_ptr((*ent).d_name.as_ptr()) }.to_bytes();
         if name != b"." && name != b".." {
@@ -388,21 +281,11 @@ pub(crate) fn copy_file_range_all(src: &File, dst: &File, len: u64) -> io::Resul
     while left > 0 {
         let chunk = left.min(1 << 30) as usize;
         let n = unsafe {
-            libc::copy_file_range(
-                src.as_raw_fd(),
-                &mut off_in,
-                dst.as_raw_fd(),
-                std::ptr::null_mut(),
-                chunk,
-                0,
-            )
+            libc::copy_file_range(src.as_raw_fd(), &mut off_in, dst.as_raw_fd(), std::ptr::null_mut(), chunk, 0)
         };
         let n = check_size(n)?;
         if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "source shorter than expected",
-            ));
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "source shorter than expected"));
         }
         left -= n as u64;
     }
@@ -465,8 +348,7 @@ pub(crate) fn write_back_range(file: &File, offset: u64, len: u64, wait: bool) -
 
 /// Starts writeback of a whole file without waiting for it.
 pub(crate) fn start_writeback(file: &File) -> io::Result<()> {
-    check(unsafe { libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) })
-        .map(drop)
+    check(unsafe { libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) }).map(drop)
 }
 
 pub(crate) fn syncfs(fd: BorrowedFd<'_>) -> io::Result<()> {
@@ -485,11 +367,7 @@ pub(crate) fn create_private_dir_all(path: &Path) -> io::Result<()> {
 }
 
 pub(crate) fn flock(file: &File, exclusive: bool) -> io::Result<()> {
-    let op = if exclusive {
-        libc::LOCK_EX
-    } else {
-        libc::LOCK_SH
-    };
+    let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
     loop {
         match check(unsafe { libc::flock(file.as_raw_fd(), op) }) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,

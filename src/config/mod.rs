@@ -145,12 +145,7 @@ pub const DEFAULT_INIT: &str = "/usr/local/lib/crab/crab-init";
 
 impl Default for RuntimeConfig {
     fn default() -> Self {
-        Self {
-            binary: "runc".into(),
-            root: "/run/crab/runc".into(),
-            systemd_cgroup: false,
-            init: DEFAULT_INIT.into(),
-        }
+        Self { binary: "runc".into(), root: "/run/crab/runc".into(), systemd_cgroup: false, init: DEFAULT_INIT.into() }
     }
 }
 
@@ -298,8 +293,12 @@ mod tests {
         assert!(!c.checkpoint.restore_allowed("a", "b"));
         let c = Config::parse("[checkpoint]\nrestore_from_namespaces = [\"*\"]\n", Path::new("c.toml")).unwrap();
         assert!(c.checkpoint.restore_allowed("a", "b"));
-        let err = Config::parse("[checkpoint]\nrestore_from_namespaces = [\"../x\"]\n", Path::new("c.toml")).unwrap_err();
-        assert!(err.to_string().contains("checkpoint.restore_from_namespaces") && err.to_string().contains("../x"), "{err}");
+        let err =
+            Config::parse("[checkpoint]\nrestore_from_namespaces = [\"../x\"]\n", Path::new("c.toml")).unwrap_err();
+        assert!(
+            err.to_string().contains("checkpoint.restore_from_namespaces") && err.to_string().contains("../x"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -330,9 +329,11 @@ mod tests {
 
     #[test]
     fn kept_images_dir_is_absolute_or_empty() {
-        let err = Config::parse("[checkpoint]\nkept_images_dir = \"run/kept\"\n", Path::new("/etc/crab/crab.toml")).unwrap_err();
+        let err = Config::parse("[checkpoint]\nkept_images_dir = \"run/kept\"\n", Path::new("/etc/crab/crab.toml"))
+            .unwrap_err();
         assert!(err.to_string().contains("checkpoint.kept_images_dir"), "{err}");
-        let inside = Config::parse("[checkpoint]\nkept_images_dir = \"\"\nkept_images_max_mib = 3\n", Path::new("c")).unwrap();
+        let inside =
+            Config::parse("[checkpoint]\nkept_images_dir = \"\"\nkept_images_max_mib = 3\n", Path::new("c")).unwrap();
         assert_eq!(inside.checkpoint.kept_images(), crate::checkpoint::KeptImages { dir: None, max_bytes: 3 << 20 });
     }
 

@@ -17,11 +17,7 @@ pub enum CtrError {
         source: std::io::Error,
     },
     #[error("`{command}` failed (exit {code:?}): {stderr}")]
-    Failed {
-        command: String,
-        code: Option<i32>,
-        stderr: String,
-    },
+    Failed { command: String, code: Option<i32>, stderr: String },
     #[error("`{command}` did not finish within {after:?}")]
     Timeout { command: String, after: Duration },
     #[error("waiting for `{command}`: {source}")]
@@ -64,10 +60,7 @@ pub struct Ctr {
 
 impl Ctr {
     pub fn new(socket: impl Into<PathBuf>, namespace: impl Into<String>) -> Ctr {
-        Ctr {
-            socket: socket.into(),
-            namespace: namespace.into(),
-        }
+        Ctr { socket: socket.into(), namespace: namespace.into() }
     }
 
     /// The containerd socket this client talks to.
@@ -81,8 +74,7 @@ impl Ctr {
 
     /// `CRAB_CTRD_SOCK` and `CRAB_NS`, defaulting to the private containerd of `scripts/containerd`.
     pub fn from_env() -> Ctr {
-        let socket = std::env::var("CRAB_CTRD_SOCK")
-            .unwrap_or_else(|_| "/run/crab-dev/containerd.sock".to_string());
+        let socket = std::env::var("CRAB_CTRD_SOCK").unwrap_or_else(|_| "/run/crab-dev/containerd.sock".to_string());
         let namespace = std::env::var("CRAB_NS").unwrap_or_else(|_| "crab".to_string());
         Ctr::new(socket, namespace)
     }
@@ -94,11 +86,7 @@ impl Ctr {
     /// Runs `ctr ARGS` and returns whatever it produced, whatever its exit code.
     /// On `deadline` the `ctr` process is killed and `timed_out` is set; callers
     /// that started something inside a container stop it themselves.
-    pub async fn run_raw(
-        &self,
-        args: &[String],
-        deadline: Duration,
-    ) -> Result<CtrOutput, CtrError> {
+    pub async fn run_raw(&self, args: &[String], deadline: Duration) -> Result<CtrOutput, CtrError> {
         let command = self.command_line(args);
         let started = Instant::now();
         let mut child = Command::new("ctr")
@@ -112,10 +100,7 @@ impl Ctr {
             .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
-            .map_err(|source| CtrError::Spawn {
-                command: command.clone(),
-                source,
-            })?;
+            .map_err(|source| CtrError::Spawn { command: command.clone(), source })?;
         let mut stdout_pipe = child.stdout.take().expect("stdout is piped");
         let mut stderr_pipe = child.stderr.take().expect("stderr is piped");
         let stdout_task = tokio::spawn(async move {
@@ -129,40 +114,22 @@ impl Ctr {
             buffer
         });
         let (status, timed_out) = match tokio::time::timeout(deadline, child.wait()).await {
-            Ok(status) => (
-                status.map_err(|source| CtrError::Wait {
-                    command: command.clone(),
-                    source,
-                })?,
-                false,
-            ),
+            Ok(status) => (status.map_err(|source| CtrError::Wait { command: command.clone(), source })?, false),
             Err(_) => {
                 let _ = child.start_kill();
-                let status = child.wait().await.map_err(|source| CtrError::Wait {
-                    command: command.clone(),
-                    source,
-                })?;
+                let status =
+                    child.wait().await.map_err(|source| CtrError::Wait { command: command.clone(), source })?;
                 (status, true)
             }
         };
         let elapsed = started.elapsed();
         // A process left running in the container may hold the pipes open: do not wait for it forever.
         let collect = |task: tokio::task::JoinHandle<Vec<u8>>| async move {
-            tokio::time::timeout(Duration::from_secs(2), task)
-                .await
-                .ok()
-                .and_then(Result::ok)
-                .unwrap_or_default()
+            tokio::time::timeout(Duration::from_secs(2), task).await.ok().and_then(Result::ok).unwrap_or_default()
         };
         let stdout = collect(stdout_task).await;
         let stderr = collect(stderr_task).await;
-        Ok(CtrOutput {
-            code: if timed_out { None } else { status.code() },
-            stdout,
-            stderr,
-            elapsed,
-            timed_out,
-        })
+        Ok(CtrOutput { code: if timed_out { None } else { status.code() }, stdout, stderr, elapsed, timed_out })
     }
 
     /// Kills container `id`'s task, deletes the task once containerd lets go of it (2 s at
@@ -187,10 +154,7 @@ impl Ctr {
         let args: Vec<String> = args.iter().map(|arg| arg.as_ref().to_string()).collect();
         let output = self.run_raw(&args, ADMIN_TIMEOUT).await?;
         if output.timed_out {
-            return Err(CtrError::Timeout {
-                command: self.command_line(&args),
-                after: ADMIN_TIMEOUT,
-            });
+            return Err(CtrError::Timeout { command: self.command_line(&args), after: ADMIN_TIMEOUT });
         }
         if output.code != Some(0) {
             return Err(CtrError::Failed {
@@ -204,9 +168,7 @@ impl Ctr {
 
     /// The manifest or index digest an image name points to, `None` when absent.
     pub async fn image_digest(&self, reference: &str) -> Result<Option<String>, CtrError> {
-        let output = self
-            .run(&["images", "ls", &format!("name=={reference}")])
-            .await?;
+        let output = self.run(&["images", "ls", &format!("name=={reference}")]).await?;
         Ok(parse_image_digest(&output.stdout_text(), reference))
     }
 }
@@ -231,13 +193,7 @@ mod tests {
         let listing = "REF TYPE DIGEST SIZE PLATFORMS LABELS\n\
             crab.local/terminal:latest application/vnd.oci.image.manifest.v1+json sha256:b7ee 314.1 MiB linux/amd64 -\n\
             crab.local/terminal:latest2 application/vnd.oci.image.manifest.v1+json sha256:ffff 1 MiB linux/amd64 -\n";
-        assert_eq!(
-            parse_image_digest(listing, "crab.local/terminal:latest").as_deref(),
-            Some("sha256:b7ee")
-        );
-        assert_eq!(
-            parse_image_digest(listing, "crab.local/busybox:latest"),
-            None
-        );
+        assert_eq!(parse_image_digest(listing, "crab.local/terminal:latest").as_deref(), Some("sha256:b7ee"));
+        assert_eq!(parse_image_digest(listing, "crab.local/busybox:latest"), None);
     }
 }

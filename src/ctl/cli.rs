@@ -140,7 +140,10 @@ impl CheckpointCommand {
         let ctl = Ctl::open(&common.state_dir()?, ctr)?;
         match &self {
             Self::Turns { container, .. } => print(json, &ctl.turns(container)?, |turns| {
-                let mut out = format!("{:>5} {:<6} {:<6} {:>3} {:>10} {:>9} {:>10}  {}\n", "turn", "source", "class", "ext", "ckpt", "bytes", "ckpt ms", "reasons");
+                let mut out = format!(
+                    "{:>5} {:<6} {:<6} {:>3} {:>10} {:>9} {:>10}  {}\n",
+                    "turn", "source", "class", "ext", "ckpt", "bytes", "ckpt ms", "reasons"
+                );
                 for t in turns {
                     out += &format!(
                         "{:>5} {:<6} {:<6} {:>3} {:>10} {:>9} {:>10.1}  {}\n",
@@ -220,7 +223,11 @@ impl CheckpointCommand {
                 print(json, &gc, |g| {
                     format!(
                         "removed {} manifests, {} blobs ({} bytes), {} tmp files, {} retired chains; {} snapshots written\n",
-                        g.manifests_removed, g.blobs_removed, g.bytes_freed, g.tmp_files_removed, g.retired_removed,
+                        g.manifests_removed,
+                        g.blobs_removed,
+                        g.bytes_freed,
+                        g.tmp_files_removed,
+                        g.retired_removed,
                         g.snapshots_written
                     )
                 });
@@ -258,7 +265,8 @@ impl CheckpointCommand {
 
 /// A turn's reasons column: its reasons, then why each failed dump attempt failed.
 fn turn_reasons(t: &crate::turns::TurnRecord) -> String {
-    let attempts = t.dump_failures.iter().enumerate().map(|(i, cause)| format!("dump attempt {} failed: {cause}", i + 1));
+    let attempts =
+        t.dump_failures.iter().enumerate().map(|(i, cause)| format!("dump attempt {} failed: {cause}", i + 1));
     t.reasons.iter().cloned().chain(attempts).collect::<Vec<_>>().join("; ")
 }
 

@@ -275,9 +275,9 @@ impl Ctl {
                 let info: Info = serde_json::from_str(&out.stdout_text())
                     .map_err(|e| CtlError::Containerd(format!("container info of {container}: {e}")))?;
                 let config_path = match info.runtime.and_then(|r| r.options) {
-                    Some(options) => options.config_path().map_err(|e| {
-                        CtlError::Containerd(format!("runtime options of {container}: {e}"))
-                    })?,
+                    Some(options) => options
+                        .config_path()
+                        .map_err(|e| CtlError::Containerd(format!("runtime options of {container}: {e}")))?,
                     None => None,
                 };
                 (image_override.map(str::to_string).unwrap_or(info.image), info.spec, config_path)
@@ -288,8 +288,9 @@ impl Ctl {
                     CtlError::Invalid(format!("containerd does not know {container:?}: name its image with --image"))
                 })?;
                 let path = crate::engine::sandbox_spec_path(&self.state_dir, &self.key(container)?)?;
-                let bytes = std::fs::read(&path)
-                    .map_err(|e| CtlError::Invalid(format!("no saved spec for {container:?} at {}: {e}", path.display())))?;
+                let bytes = std::fs::read(&path).map_err(|e| {
+                    CtlError::Invalid(format!("no saved spec for {container:?} at {}: {e}", path.display()))
+                })?;
                 let spec: Spec = serde_json::from_slice(&bytes)
                     .map_err(|e| CtlError::Invalid(format!("saved spec {}: {e}", path.display())))?;
                 // containerd's record of the runtime options is gone with it; the config
@@ -448,7 +449,13 @@ impl Ctl {
             let report = store
                 .run_blocking(move |store| {
                     store.rollback_in_place_with(
-                        &RollbackRequest { container: &c, to_turn, root: &root, base: base.as_deref(), uncommitted: &[] },
+                        &RollbackRequest {
+                            container: &c,
+                            to_turn,
+                            root: &root,
+                            base: base.as_deref(),
+                            uncommitted: &[],
+                        },
                         &tmpfs,
                     )
                 })

@@ -137,8 +137,14 @@ pub trait CommitGate: Send + Sync {
     fn chunk_bytes(&self) -> u64;
     /// Waits until `bytes` more of turn `turn`'s write-out may go to disk. A
     /// `supersedable` process checkpoint may hear instead that a newer one replaces it.
-    async fn acquire(&self, sandbox: &str, bytes: u64, kind: crate::node::CommitKind, turn: u64, supersedable: bool)
-    -> crate::node::Acquired;
+    async fn acquire(
+        &self,
+        sandbox: &str,
+        bytes: u64,
+        kind: crate::node::CommitKind,
+        turn: u64,
+        supersedable: bool,
+    ) -> crate::node::Acquired;
     /// Turn `turn` of `sandbox` holds a full process capture: waiting process
     /// write-outs of its earlier turns may be dropped.
     async fn process_captured(&self, sandbox: &str, turn: u64);
@@ -300,7 +306,9 @@ impl SandboxEngine {
                         tracing::error!(container, error = %e, "inspector cannot watch: every turn will be checkpointed in full");
                     }
                 }
-                Err(e) => tracing::error!(container, error = %e, "no cgroup v2 id: every turn will be checkpointed in full"),
+                Err(e) => {
+                    tracing::error!(container, error = %e, "no cgroup v2 id: every turn will be checkpointed in full")
+                }
             }
         }
         Ok(Arc::new(Self {
@@ -348,7 +356,9 @@ impl SandboxEngine {
     async fn set_aside_effects(&self, what: &str) {
         let Some(inspector) = &self.ctx.inspector else { return };
         match inspector.drain(&self.key, monotonic_now_ns()).await {
-            Ok(set) => tracing::debug!(container = %self.container, what, effects = set.effects.len(), "effects set aside"),
+            Ok(set) => {
+                tracing::debug!(container = %self.container, what, effects = set.effects.len(), "effects set aside")
+            }
             Err(e) => tracing::debug!(container = %self.container, what, error = %e, "no effects to set aside"),
         }
     }
@@ -655,7 +665,10 @@ impl SandboxEngine {
         let was_starting = std::mem::replace(&mut session.starting, false);
         session.busy = false;
         let execs_make_turns = self.execs_make_turns();
-        if was_starting && execs_make_turns && let Some(open) = &mut state.open {
+        if was_starting
+            && execs_make_turns
+            && let Some(open) = &mut state.open
+        {
             open.running_execs = open.running_execs.saturating_sub(1);
         }
         tracing::info!(container = %self.container, exec = exec_id, starting = was_starting, samples = report.samples,
@@ -730,7 +743,9 @@ impl SandboxEngine {
             // I/O, an unresolved path): take every path the rootfs diff holds.
             match upperdir_changes(self.init_pid).await {
                 Ok(all) => {
-                    record.reasons.push(format!("escalated: the fs delta takes all {} paths of the rootfs diff", all.len()));
+                    record
+                        .reasons
+                        .push(format!("escalated: the fs delta takes all {} paths of the rootfs diff", all.len()));
                     changed.extend(all);
                 }
                 Err(e) => return Err((record, e)),
@@ -738,7 +753,9 @@ impl SandboxEngine {
             // The tmpfs mounts have no diff to read: everything on them is taken.
             match self.tmpfs_paths().await {
                 Ok(all) => {
-                    record.reasons.push(format!("escalated: the fs delta takes all {} paths of the tmpfs mounts", all.len()));
+                    record
+                        .reasons
+                        .push(format!("escalated: the fs delta takes all {} paths of the tmpfs mounts", all.len()));
                     changed.extend(all);
                 }
                 Err(e) => return Err((record, e)),
@@ -902,7 +919,9 @@ impl SandboxEngine {
             if tmpfs.is_empty() {
                 return Ok(out);
             }
-            let root = root.ok_or_else(|| EngineError::Other("no pidfd of the container's init to reach its tmpfs mounts".into()))?;
+            let root = root.ok_or_else(|| {
+                EngineError::Other("no pidfd of the container's init to reach its tmpfs mounts".into())
+            })?;
             for dest in &tmpfs {
                 let mount = root.open_mount(dest)?;
                 for path in mount.all_paths(1 << 20)? {
@@ -928,7 +947,11 @@ impl SandboxEngine {
 
     /// The `every-turn` baseline: the dump plus the whole rootfs diff, written again without
     /// dedup while the next turn waits, as a plain containerd checkpoint would be.
-    async fn write_full_checkpoint(&self, turn: u64, dump: &Path) -> Result<crate::checkpoint::FullCheckpoint, EngineError> {
+    async fn write_full_checkpoint(
+        &self,
+        turn: u64,
+        dump: &Path,
+    ) -> Result<crate::checkpoint::FullCheckpoint, EngineError> {
         let (state_dir, container, dump, pid) =
             (self.ctx.store.state_dir().to_owned(), self.key.clone(), dump.to_owned(), self.init_pid);
         tokio::task::spawn_blocking(move || {
@@ -1153,7 +1176,8 @@ async fn upperdir_changes(init_pid: u32) -> Result<Vec<ChangedPath>, EngineError
         let mut changed = Vec::new();
         let mut dirs = vec![upper.clone()];
         while let Some(dir) = dirs.pop() {
-            let entries = std::fs::read_dir(&dir).map_err(|e| EngineError::Other(format!("rootfs diff {}: {e}", dir.display())))?;
+            let entries = std::fs::read_dir(&dir)
+                .map_err(|e| EngineError::Other(format!("rootfs diff {}: {e}", dir.display())))?;
             for entry in entries {
                 let entry = entry.map_err(|e| EngineError::Other(format!("rootfs diff {}: {e}", dir.display())))?;
                 let path = entry.path();
@@ -1173,7 +1197,8 @@ async fn upperdir_changes(init_pid: u32) -> Result<Vec<ChangedPath>, EngineError
 pub fn changed_paths(effects: &[Effect], ignore: &[PathBuf]) -> Vec<ChangedPath> {
     const O_CREAT: u64 = libc::O_CREAT as u64;
     let ignored = |p: &Path| {
-        crate::inspector::DEFAULT_IGNORED_PREFIXES.iter().any(|i| p.starts_with(i)) || ignore.iter().any(|i| p.starts_with(i))
+        crate::inspector::DEFAULT_IGNORED_PREFIXES.iter().any(|i| p.starts_with(i))
+            || ignore.iter().any(|i| p.starts_with(i))
     };
     let mut created = BTreeSet::new();
     let mut modified = BTreeSet::new();
@@ -1225,7 +1250,9 @@ mod tests {
         let runtime = OciRuntime::new("runc", dir.join("runc"), false, crate::runtime::Reaper::default());
         let policy = SandboxPolicy { turns, policy: Policy::Off, ..Default::default() };
         let key = crate::checkpoint::SandboxKey::new("ns", "c1").unwrap();
-        SandboxEngine::new(&key, policy, ctx, runtime, std::process::id(), dir.join("bundle/crab"), ChainStart::New).await.unwrap()
+        SandboxEngine::new(&key, policy, ctx, runtime, std::process::id(), dir.join("bundle/crab"), ChainStart::New)
+            .await
+            .unwrap()
     }
 
     /// Settles the jobs and returns (turn, source, exec id) of every record.
@@ -1365,11 +1392,23 @@ mod tests {
     #[test]
     fn changed_paths_mark_created_and_skip_ignored() {
         let effects = vec![
-            effect(EffectKind::Open { path: EffectPath::resolved("/app/new.txt"), flags: libc::O_CREAT as u64 | 1, mode: 0o644 }),
+            effect(EffectKind::Open {
+                path: EffectPath::resolved("/app/new.txt"),
+                flags: libc::O_CREAT as u64 | 1,
+                mode: 0o644,
+            }),
             effect(EffectKind::Open { path: EffectPath::resolved("/app/old.txt"), flags: 1, mode: 0 }),
             effect(EffectKind::Mkdir { path: EffectPath::resolved("/app/dir"), mode: 0o755 }),
-            effect(EffectKind::Rename { from: EffectPath::resolved("/app/a"), to: EffectPath::resolved("/app/b"), flags: 0 }),
-            effect(EffectKind::Open { path: EffectPath::resolved("/root/.cache/pip/x"), flags: libc::O_CREAT as u64, mode: 0 }),
+            effect(EffectKind::Rename {
+                from: EffectPath::resolved("/app/a"),
+                to: EffectPath::resolved("/app/b"),
+                flags: 0,
+            }),
+            effect(EffectKind::Open {
+                path: EffectPath::resolved("/root/.cache/pip/x"),
+                flags: libc::O_CREAT as u64,
+                mode: 0,
+            }),
             effect(EffectKind::Open { path: EffectPath::resolved("/dev/null"), flags: 1, mode: 0 }),
         ];
         let got = changed_paths(&effects, &[PathBuf::from("/root/.cache")]);

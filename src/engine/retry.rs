@@ -30,7 +30,11 @@ impl RetryPolicy {
 /// Runs `attempt(n)` for n = 1, 2, ... until it succeeds or `policy.attempts` were made,
 /// pausing between attempts. The cause of each failed attempt is pushed onto `failures`
 /// (also of the last one, which is returned as well).
-pub async fn with_retries<T, E, F, Fut>(policy: &RetryPolicy, failures: &mut Vec<String>, mut attempt: F) -> Result<T, E>
+pub async fn with_retries<T, E, F, Fut>(
+    policy: &RetryPolicy,
+    failures: &mut Vec<String>,
+    mut attempt: F,
+) -> Result<T, E>
 where
     E: std::fmt::Display,
     F: FnMut(u32) -> Fut,
@@ -73,7 +77,11 @@ mod tests {
             let (failing, calls) = (self.failing, Arc::clone(&self.calls));
             async move {
                 calls.lock().unwrap().push((n, tokio::time::Instant::now()));
-                if n <= failing { Err(format!("runc checkpoint failed: unable to freeze (attempt {n})")) } else { Ok("dumped") }
+                if n <= failing {
+                    Err(format!("runc checkpoint failed: unable to freeze (attempt {n})"))
+                } else {
+                    Ok("dumped")
+                }
             }
         }
 
@@ -115,7 +123,10 @@ mod tests {
         assert!(pauses[0] >= QUICK.pause_after(1) && pauses[1] >= QUICK.pause_after(2), "{pauses:?}");
         assert_eq!(
             failures,
-            vec!["runc checkpoint failed: unable to freeze (attempt 1)", "runc checkpoint failed: unable to freeze (attempt 2)"]
+            vec![
+                "runc checkpoint failed: unable to freeze (attempt 1)",
+                "runc checkpoint failed: unable to freeze (attempt 2)"
+            ]
         );
     }
 

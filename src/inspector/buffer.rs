@@ -114,9 +114,7 @@ impl EffectBuffer {
 
     /// Bytes held now (see the module's accounting).
     pub fn held_bytes(&self) -> usize {
-        self.heap_bytes
-            + self.entries.capacity() * size_of::<Held>()
-            + self.index.capacity() * INDEX_SLOT_BYTES
+        self.heap_bytes + self.entries.capacity() * size_of::<Held>() + self.index.capacity() * INDEX_SLOT_BYTES
     }
 
     /// Distinct effects held.
@@ -286,12 +284,8 @@ pub(crate) fn is_file_effect(kind: &EffectKind) -> bool {
 
 /// Heap bytes an effect holds: its strings and paths, by allocated capacity.
 fn heap_bytes(effect: &Effect) -> usize {
-    let paths: usize = effect
-        .kind
-        .paths()
-        .iter()
-        .map(|p| p.path.capacity() + p.fs_type.as_ref().map_or(0, String::capacity))
-        .sum();
+    let paths: usize =
+        effect.kind.paths().iter().map(|p| p.path.capacity() + p.fs_type.as_ref().map_or(0, String::capacity)).sum();
     let strings = match &effect.kind {
         EffectKind::Symlink { target, .. } => target.capacity(),
         EffectKind::SetXattr { name, .. } | EffectKind::RemoveXattr { name, .. } => name.capacity(),
@@ -316,7 +310,10 @@ mod tests {
     fn rename(pid: u32, time_ns: u64, from: &str, to: &str) -> Effect {
         Effect {
             time_ns,
-            ..Effect::of_shell(pid, EffectKind::Rename { from: EffectPath::resolved(from), to: EffectPath::resolved(to), flags: 0 })
+            ..Effect::of_shell(
+                pid,
+                EffectKind::Rename { from: EffectPath::resolved(from), to: EffectPath::resolved(to), flags: 0 },
+            )
         }
     }
 
@@ -428,11 +425,13 @@ mod tests {
         buffer.push(rename(1, 25, "/e", "/f")); // after only
         let (taken, overflow) = buffer.take_until(20);
         assert_eq!(overflow, None);
-        let mut got: Vec<(String, u64)> = taken.iter().map(|e| (e.kind.paths()[0].path.display().to_string(), e.time_ns)).collect();
+        let mut got: Vec<(String, u64)> =
+            taken.iter().map(|e| (e.kind.paths()[0].path.display().to_string(), e.time_ns)).collect();
         got.sort();
         assert_eq!(got, vec![("/a".to_string(), 10), ("/c".to_string(), 15)]);
         let (rest, _) = buffer.take_until(u64::MAX);
-        let mut got: Vec<(String, u64)> = rest.iter().map(|e| (e.kind.paths()[0].path.display().to_string(), e.time_ns)).collect();
+        let mut got: Vec<(String, u64)> =
+            rest.iter().map(|e| (e.kind.paths()[0].path.display().to_string(), e.time_ns)).collect();
         got.sort();
         assert_eq!(got, vec![("/a".to_string(), 30), ("/e".to_string(), 25)]);
 

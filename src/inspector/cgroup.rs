@@ -8,10 +8,7 @@ use super::mounts::{MountTable, MountsError};
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
     #[error("reading {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Read { path: PathBuf, source: std::io::Error },
     #[error("{path} has no cgroup v2 (0::) line")]
     NoUnifiedLine { path: PathBuf },
     #[error("no cgroup2 file system is mounted")]
@@ -35,10 +32,7 @@ pub fn cgroup2_mount() -> Result<PathBuf, CgroupError> {
 /// The cgroup v2 path of `pid`, relative to the v2 root (the `0::` line).
 pub fn cgroup2_path_of_pid(pid: u32) -> Result<PathBuf, CgroupError> {
     let path = PathBuf::from(format!("/proc/{pid}/cgroup"));
-    let text = std::fs::read_to_string(&path).map_err(|source| CgroupError::Read {
-        path: path.clone(),
-        source,
-    })?;
+    let text = std::fs::read_to_string(&path).map_err(|source| CgroupError::Read { path: path.clone(), source })?;
     text.lines()
         .find_map(|line| line.strip_prefix("0::"))
         .map(|p| PathBuf::from(p.trim_start_matches('/')))
@@ -47,12 +41,7 @@ pub fn cgroup2_path_of_pid(pid: u32) -> Result<PathBuf, CgroupError> {
 
 /// The cgroup v2 id of a cgroup directory: its inode number.
 pub fn cgroup_id_of_dir(dir: &Path) -> Result<u64, CgroupError> {
-    std::fs::metadata(dir)
-        .map(|m| m.ino())
-        .map_err(|source| CgroupError::Read {
-            path: dir.to_path_buf(),
-            source,
-        })
+    std::fs::metadata(dir).map(|m| m.ino()).map_err(|source| CgroupError::Read { path: dir.to_path_buf(), source })
 }
 
 /// The cgroup v2 id of the cgroup `pid` is in.
@@ -69,24 +58,13 @@ mod tests {
     fn own_cgroup_id_is_the_v2_directory_inode() {
         let mount = cgroup2_mount().unwrap();
         let dir = mount.join(cgroup2_path_of_pid(std::process::id()).unwrap());
-        assert!(
-            dir.join("cgroup.procs").exists(),
-            "{} is not a cgroup v2 directory",
-            dir.display()
-        );
-        assert_eq!(
-            cgroup_id_of_pid(std::process::id()).unwrap(),
-            cgroup_id_of_dir(&dir).unwrap()
-        );
+        assert!(dir.join("cgroup.procs").exists(), "{} is not a cgroup v2 directory", dir.display());
+        assert_eq!(cgroup_id_of_pid(std::process::id()).unwrap(), cgroup_id_of_dir(&dir).unwrap());
     }
 
     #[test]
     fn missing_process_is_an_error_naming_the_file() {
         let err = cgroup_id_of_pid(u32::MAX).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains(&format!("/proc/{}/cgroup", u32::MAX)),
-            "{err}"
-        );
+        assert!(err.to_string().contains(&format!("/proc/{}/cgroup", u32::MAX)), "{err}");
     }
 }

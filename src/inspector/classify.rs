@@ -94,11 +94,9 @@ impl fmt::Display for Reason {
             Reason::MountChanged { op, target } => write!(f, "{op} {}", target.display()),
             Reason::LostEvents { count } => write!(f, "{count} inspector records lost"),
             Reason::ExternalConnect { pid, addr } => write!(f, "process {pid} connected to {addr}"),
-            Reason::ProcessRan(ProcessRan { pid, comm, cpu_ns }) => write!(
-                f,
-                "process {pid} ({comm}) from before the turn ran {:.3} ms",
-                *cpu_ns as f64 / 1e6
-            ),
+            Reason::ProcessRan(ProcessRan { pid, comm, cpu_ns }) => {
+                write!(f, "process {pid} ({comm}) from before the turn ran {:.3} ms", *cpu_ns as f64 / 1e6)
+            }
             Reason::CpuTimesUnknown => {
                 write!(f, "CPU times of the processes unreadable: any may have run")
             }
@@ -160,12 +158,7 @@ pub struct ClassifyOptions {
 pub fn classify(effects: &[Effect], options: &ClassifyOptions) -> Classification {
     let mut verdict = Verdict::default();
     if options.lost_events > 0 {
-        verdict.escalate(
-            TurnClass::Proc,
-            Reason::LostEvents {
-                count: options.lost_events,
-            },
-        );
+        verdict.escalate(TurnClass::Proc, Reason::LostEvents { count: options.lost_events });
     }
     classify_files(effects, options, &mut verdict);
     classify_processes(effects, options, &mut verdict);
@@ -173,34 +166,17 @@ pub fn classify(effects: &[Effect], options: &ClassifyOptions) -> Classification
         match &effect.kind {
             EffectKind::Connect { addr } if addr.is_external() => {
                 verdict.external = true;
-                verdict.reasons.push(Reason::ExternalConnect {
-                    pid: effect.pid,
-                    addr: addr.to_string(),
-                });
+                verdict.reasons.push(Reason::ExternalConnect { pid: effect.pid, addr: addr.to_string() });
             }
             // Whatever the kernel did for it is file work (io_uring and AIO
             // cannot start processes or mount): escalate to fs, like a
             // change at an unresolved path.
-            EffectKind::AsyncIo { call, .. } => verdict.escalate(
-                TurnClass::Fs,
-                Reason::AsyncIo {
-                    pid: effect.pid,
-                    call: call.name(),
-                },
-            ),
+            EffectKind::AsyncIo { call, .. } => {
+                verdict.escalate(TurnClass::Fs, Reason::AsyncIo { pid: effect.pid, call: call.name() })
+            }
             kind if kind.is_mount_change() => {
-                let target = kind
-                    .paths()
-                    .first()
-                    .map(|p| p.path.clone())
-                    .unwrap_or_default();
-                verdict.raise(
-                    TurnClass::Proc,
-                    Reason::MountChanged {
-                        op: kind.name(),
-                        target,
-                    },
-                );
+                let target = kind.paths().first().map(|p| p.path.clone()).unwrap_or_default();
+                verdict.raise(TurnClass::Proc, Reason::MountChanged { op: kind.name(), target });
             }
             _ => {}
         }
@@ -219,18 +195,12 @@ fn classify_files(effects: &[Effect], options: &ClassifyOptions, verdict: &mut V
     for effect in effects {
         for path in effect.kind.changed_paths() {
             if !path.resolved {
-                let reason = Reason::UnresolvedPath {
-                    op: effect.kind.name(),
-                    path: path.path.clone(),
-                };
+                let reason = Reason::UnresolvedPath { op: effect.kind.name(), path: path.path.clone() };
                 verdict.escalate(TurnClass::Fs, reason);
             } else if !ignored.iter().any(|prefix| path.path.starts_with(prefix))
                 && seen.insert((effect.kind.name(), path.path.clone()))
             {
-                let reason = Reason::FileChanged {
-                    op: effect.kind.name(),
-                    path: path.path.clone(),
-                };
+                let reason = Reason::FileChanged { op: effect.kind.name(), path: path.path.clone() };
                 verdict.raise(TurnClass::Fs, reason);
             }
         }
@@ -238,11 +208,8 @@ fn classify_files(effects: &[Effect], options: &ClassifyOptions, verdict: &mut V
 }
 
 fn classify_processes(effects: &[Effect], options: &ClassifyOptions, verdict: &mut Verdict) {
-    let exited: HashSet<u32> = effects
-        .iter()
-        .filter(|e| matches!(e.kind, EffectKind::Exit { .. }))
-        .map(|e| e.pid)
-        .collect();
+    let exited: HashSet<u32> =
+        effects.iter().filter(|e| matches!(e.kind, EffectKind::Exit { .. })).map(|e| e.pid).collect();
     // A process is new when the turn forked it, or exec'd in it (the turn's
     // own command enters the container by exec, its fork happens outside).
     let mut started: Vec<(u32, String)> = Vec::new();
@@ -265,10 +232,7 @@ fn classify_processes(effects: &[Effect], options: &ClassifyOptions, verdict: &m
     // do failed (no such binary): it entered the container only to run it.
     let failed_exec_helpers: HashSet<u32> = effects
         .iter()
-        .filter(|e| {
-            matches!(e.kind, EffectKind::Exit { .. })
-                && e.comm.starts_with(RUNTIME_INIT_COMM_PREFIX)
-        })
+        .filter(|e| matches!(e.kind, EffectKind::Exit { .. }) && e.comm.starts_with(RUNTIME_INIT_COMM_PREFIX))
         .map(|e| e.pid)
         .collect();
     let mut ended: Vec<u32> = exited
@@ -300,13 +264,7 @@ fn classify_processes(effects: &[Effect], options: &ClassifyOptions, verdict: &m
                 SockAddr::Other { .. } => "a socket".to_string(),
                 other => other.to_string(),
             };
-            verdict.raise(
-                TurnClass::Proc,
-                Reason::Listening {
-                    pid: effect.pid,
-                    addr,
-                },
-            );
+            verdict.raise(TurnClass::Proc, Reason::Listening { pid: effect.pid, addr });
         }
     }
 }
@@ -350,11 +308,7 @@ mod tests {
     }
 
     fn open(path: &str) -> EffectKind {
-        EffectKind::Open {
-            path: EffectPath::resolved(path),
-            flags: 0o101,
-            mode: 0o644,
-        }
+        EffectKind::Open { path: EffectPath::resolved(path), flags: 0o101, mode: 0o644 }
     }
 
     fn classify_plain(effects: &[Effect]) -> Classification {
@@ -364,10 +318,7 @@ mod tests {
     #[test]
     fn no_effects_is_clean() {
         let c = classify_plain(&[]);
-        assert_eq!(
-            (c.class, c.external, c.escalated),
-            (TurnClass::Clean, false, false)
-        );
+        assert_eq!((c.class, c.external, c.escalated), (TurnClass::Clean, false, false));
         assert!(c.reasons.is_empty());
     }
 
@@ -375,45 +326,25 @@ mod tests {
     fn file_writes_are_fs_even_on_tmpfs() {
         let mut tmpfs_path = EffectPath::resolved("/tmp/x");
         tmpfs_path.fs_type = Some("tmpfs".into());
-        let effects = [effect(
-            1,
-            EffectKind::Mkdir {
-                path: tmpfs_path,
-                mode: 0o755,
-            },
-        )];
+        let effects = [effect(1, EffectKind::Mkdir { path: tmpfs_path, mode: 0o755 })];
         let c = classify_plain(&effects);
         assert_eq!(c.class, TurnClass::Fs);
-        assert_eq!(
-            c.reasons,
-            vec![Reason::FileChanged {
-                op: "mkdir",
-                path: "/tmp/x".into()
-            }]
-        );
+        assert_eq!(c.reasons, vec![Reason::FileChanged { op: "mkdir", path: "/tmp/x".into() }]);
     }
 
     #[test]
     fn kernel_and_device_writes_are_ignored() {
-        let effects: Vec<Effect> = [
-            "/dev/null",
-            "/proc/self/oom_score_adj",
-            "/sys/fs/cgroup/x",
-            "/dev/pts/0",
-            "/dev/tty",
-        ]
-        .into_iter()
-        .map(|p| effect(1, open(p)))
-        .collect();
+        let effects: Vec<Effect> =
+            ["/dev/null", "/proc/self/oom_score_adj", "/sys/fs/cgroup/x", "/dev/pts/0", "/dev/tty"]
+                .into_iter()
+                .map(|p| effect(1, open(p)))
+                .collect();
         assert_eq!(classify_plain(&effects).class, TurnClass::Clean);
     }
 
     #[test]
     fn ignored_prefix_matches_whole_components() {
-        let options = ClassifyOptions {
-            ignored_prefixes: vec!["/root/.cache".into()],
-            ..Default::default()
-        };
+        let options = ClassifyOptions { ignored_prefixes: vec!["/root/.cache".into()], ..Default::default() };
         let cached = classify(&[effect(1, open("/root/.cache/pip/x"))], &options);
         assert_eq!(cached.class, TurnClass::Clean);
         let sibling = classify(&[effect(1, open("/root/.cachex"))], &options);
@@ -430,13 +361,7 @@ mod tests {
             flags: 0,
         };
         let c = classify_plain(&[effect(1, kind)]);
-        assert_eq!(
-            c.reasons,
-            vec![Reason::FileChanged {
-                op: "rename",
-                path: "/w/f".into()
-            }]
-        );
+        assert_eq!(c.reasons, vec![Reason::FileChanged { op: "rename", path: "/w/f".into() }]);
     }
 
     #[test]
@@ -447,25 +372,15 @@ mod tests {
 
     #[test]
     fn unresolved_path_escalates_even_if_it_looks_ignored() {
-        let path = EffectPath {
-            path: "/proc/x".into(),
-            resolved: false,
-            fs_type: None,
-        };
+        let path = EffectPath { path: "/proc/x".into(), resolved: false, fs_type: None };
         let c = classify_plain(&[effect(1, EffectKind::Unlink { path })]);
         assert_eq!((c.class, c.escalated), (TurnClass::Fs, true));
-        assert!(matches!(
-            c.reasons[0],
-            Reason::UnresolvedPath { op: "unlink", .. }
-        ));
+        assert!(matches!(c.reasons[0], Reason::UnresolvedPath { op: "unlink", .. }));
     }
 
     #[test]
     fn lost_events_escalate_to_proc() {
-        let options = ClassifyOptions {
-            lost_events: 3,
-            ..Default::default()
-        };
+        let options = ClassifyOptions { lost_events: 3, ..Default::default() };
         let c = classify(&[], &options);
         assert_eq!((c.class, c.escalated), (TurnClass::Proc, true));
         assert_eq!(c.reasons, vec![Reason::LostEvents { count: 3 }]);
@@ -474,13 +389,7 @@ mod tests {
     #[test]
     fn exited_children_are_clean_survivors_are_proc() {
         let finished = [
-            effect(
-                10,
-                EffectKind::Exec {
-                    path: EffectPath::resolved("/bin/bash"),
-                    filename: "/bin/bash".into(),
-                },
-            ),
+            effect(10, EffectKind::Exec { path: EffectPath::resolved("/bin/bash"), filename: "/bin/bash".into() }),
             effect(10, EffectKind::Fork { child: 11 }),
             effect(11, EffectKind::Exit { status: 0 }),
             effect(10, EffectKind::Exit { status: 0 }),
@@ -491,84 +400,44 @@ mod tests {
         background.push(effect(10, EffectKind::Fork { child: 12 }));
         let c = classify_plain(&background);
         assert_eq!(c.class, TurnClass::Proc);
-        assert_eq!(
-            c.reasons,
-            vec![Reason::ProcessSurvives {
-                pid: 12,
-                comm: "sh".into()
-            }]
-        );
+        assert_eq!(c.reasons, vec![Reason::ProcessSurvives { pid: 12, comm: "sh".into() }]);
     }
 
     #[test]
     fn ending_a_process_from_before_is_proc() {
         let effects = [effect(5, EffectKind::Exit { status: 9 })];
         // Not started in the turn: it was running before (a daemon killed by `pkill`).
-        assert_eq!(
-            classify_plain(&effects).reasons,
-            vec![Reason::ProcessEnded { pid: 5 }]
-        );
-        let known = ClassifyOptions {
-            processes_before: Some(HashSet::from([5])),
-            ..Default::default()
-        };
-        assert_eq!(
-            classify(&effects, &known).reasons,
-            vec![Reason::ProcessEnded { pid: 5 }]
-        );
+        assert_eq!(classify_plain(&effects).reasons, vec![Reason::ProcessEnded { pid: 5 }]);
+        let known = ClassifyOptions { processes_before: Some(HashSet::from([5])), ..Default::default() };
+        assert_eq!(classify(&effects, &known).reasons, vec![Reason::ProcessEnded { pid: 5 }]);
         // A caller's list that does not hold it overrides the inference.
-        let unknown = ClassifyOptions {
-            processes_before: Some(HashSet::new()),
-            ..Default::default()
-        };
+        let unknown = ClassifyOptions { processes_before: Some(HashSet::new()), ..Default::default() };
         assert_eq!(classify(&effects, &unknown).class, TurnClass::Clean);
     }
 
     #[test]
     fn a_process_from_before_that_ran_is_proc() {
-        let ran = ProcessRan {
-            pid: 40,
-            comm: "python3".into(),
-            cpu_ns: 1_250_000,
-        };
-        let options = ClassifyOptions {
-            processes_ran: vec![ran.clone()],
-            ..Default::default()
-        };
+        let ran = ProcessRan { pid: 40, comm: "python3".into(), cpu_ns: 1_250_000 };
+        let options = ClassifyOptions { processes_ran: vec![ran.clone()], ..Default::default() };
         let c = classify(&[], &options);
         assert_eq!((c.class, c.escalated), (TurnClass::Proc, false));
         assert_eq!(c.reasons, vec![Reason::ProcessRan(ran)]);
-        assert_eq!(
-            c.reasons[0].to_string(),
-            "process 40 (python3) from before the turn ran 1.250 ms"
-        );
-        let unknown = ClassifyOptions {
-            cpu_times_unknown: true,
-            ..Default::default()
-        };
+        assert_eq!(c.reasons[0].to_string(), "process 40 (python3) from before the turn ran 1.250 ms");
+        let unknown = ClassifyOptions { cpu_times_unknown: true, ..Default::default() };
         let c = classify(&[], &unknown);
         assert_eq!((c.class, c.escalated), (TurnClass::Proc, true));
     }
 
     #[test]
     fn a_runtime_init_whose_exec_failed_is_not_from_before() {
-        let failed = Effect {
-            comm: "runc:[2:INIT]".into(),
-            ..effect(12, EffectKind::Exit { status: 255 << 8 })
-        };
+        let failed = Effect { comm: "runc:[2:INIT]".into(), ..effect(12, EffectKind::Exit { status: 255 << 8 }) };
         assert_eq!(classify_plain(&[failed]).class, TurnClass::Clean);
     }
 
     #[test]
     fn a_child_forked_and_killed_in_the_turn_is_not_from_before() {
         let effects = [
-            effect(
-                10,
-                EffectKind::Exec {
-                    path: EffectPath::resolved("/bin/bash"),
-                    filename: "/bin/bash".into(),
-                },
-            ),
+            effect(10, EffectKind::Exec { path: EffectPath::resolved("/bin/bash"), filename: "/bin/bash".into() }),
             effect(10, EffectKind::Fork { child: 11 }),
             effect(11, EffectKind::Exit { status: 9 }),
             effect(10, EffectKind::Exit { status: 0 }),
@@ -582,9 +451,7 @@ mod tests {
         let listen = effect(7, EffectKind::Listen { addr, backlog: 5 });
         let c = classify_plain(std::slice::from_ref(&listen));
         assert_eq!(c.class, TurnClass::Proc);
-        assert!(
-            matches!(&c.reasons[0], Reason::Listening { pid: 7, addr } if addr == "0.0.0.0:8000")
-        );
+        assert!(matches!(&c.reasons[0], Reason::Listening { pid: 7, addr } if addr == "0.0.0.0:8000"));
 
         let fork = effect(1, EffectKind::Fork { child: 7 });
         let closed = classify_plain(&[fork, listen, effect(7, EffectKind::Exit { status: 0 })]);
@@ -604,27 +471,11 @@ mod tests {
 
     #[test]
     fn only_non_loopback_connects_are_external() {
-        let connect = |addr: &str| {
-            effect(
-                1,
-                EffectKind::Connect {
-                    addr: SockAddr::Inet(addr.parse().unwrap()),
-                },
-            )
-        };
-        let local = classify_plain(&[
-            connect("127.0.0.53:53"),
-            connect("[::1]:80"),
-            connect("[::ffff:127.0.0.1]:1"),
-        ]);
+        let connect = |addr: &str| effect(1, EffectKind::Connect { addr: SockAddr::Inet(addr.parse().unwrap()) });
+        let local = classify_plain(&[connect("127.0.0.53:53"), connect("[::1]:80"), connect("[::ffff:127.0.0.1]:1")]);
         assert!(!local.external);
         assert_eq!(local.class, TurnClass::Clean);
-        let unix = effect(
-            1,
-            EffectKind::Connect {
-                addr: SockAddr::Unix(EffectPath::resolved("/run/s")),
-            },
-        );
+        let unix = effect(1, EffectKind::Connect { addr: SockAddr::Unix(EffectPath::resolved("/run/s")) });
         assert!(!classify_plain(&[unix]).external);
         let remote = classify_plain(&[connect("93.184.216.34:443")]);
         assert!(remote.external);
@@ -641,28 +492,17 @@ mod tests {
             AsyncIoCall::IoSubmit,
             AsyncIoCall::EarlierPollingRing,
         ] {
-            let kind = EffectKind::AsyncIo {
-                call,
-                polling_ring: false,
-            };
+            let kind = EffectKind::AsyncIo { call, polling_ring: false };
             let c = classify_plain(&[effect(4, kind)]);
             assert_eq!((c.class, c.escalated), (TurnClass::Fs, true));
-            assert_eq!(
-                c.reasons,
-                vec![Reason::AsyncIo {
-                    pid: 4,
-                    call: call.name()
-                }]
-            );
+            assert_eq!(c.reasons, vec![Reason::AsyncIo { pid: 4, call: call.name() }]);
             assert!(c.reasons[0].to_string().contains(call.name()));
         }
     }
 
     #[test]
     fn unix_socket_bind_creates_a_file() {
-        let kind = EffectKind::Bind {
-            addr: SockAddr::Unix(EffectPath::resolved("/w/s.sock")),
-        };
+        let kind = EffectKind::Bind { addr: SockAddr::Unix(EffectPath::resolved("/w/s.sock")) };
         assert_eq!(classify_plain(&[effect(1, kind)]).class, TurnClass::Fs);
     }
 }

@@ -21,11 +21,7 @@ pub struct EffectPath {
 
 impl EffectPath {
     pub fn resolved(path: impl Into<PathBuf>) -> Self {
-        Self {
-            path: path.into(),
-            resolved: true,
-            fs_type: None,
-        }
+        Self { path: path.into(), resolved: true, fs_type: None }
     }
 }
 
@@ -69,9 +65,7 @@ fn is_local_ip(ip: IpAddr) -> bool {
         IpAddr::V6(v6) => {
             v6.is_loopback()
                 || v6.is_unspecified()
-                || v6
-                    .to_ipv4_mapped()
-                    .is_some_and(|v4| v4.is_loopback() || v4.is_unspecified())
+                || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback() || v4.is_unspecified())
         }
     }
 }
@@ -136,10 +130,7 @@ impl WriteVia {
 
     /// True for a mapping, which stays writable after the call.
     pub fn is_mapping(self) -> bool {
-        matches!(
-            self,
-            WriteVia::SharedMapping | WriteVia::EarlierSharedMapping
-        )
+        matches!(self, WriteVia::SharedMapping | WriteVia::EarlierSharedMapping)
     }
 }
 
@@ -388,9 +379,7 @@ impl EffectKind {
             | EffectKind::Utimes { path }
             | EffectKind::Write { path, .. } => vec![path],
             EffectKind::Rename { from, to, .. } => vec![from, to],
-            EffectKind::Bind {
-                addr: SockAddr::Unix(path),
-            } => vec![path],
+            EffectKind::Bind { addr: SockAddr::Unix(path) } => vec![path],
             _ => Vec::new(),
         }
     }
@@ -414,12 +403,9 @@ impl EffectKind {
             | EffectKind::Exec { path, .. } => vec![path],
             EffectKind::Rename { from, to, .. } => vec![from, to],
             EffectKind::Link { path, existing } => vec![path, existing],
-            EffectKind::Bind {
-                addr: SockAddr::Unix(path),
+            EffectKind::Bind { addr: SockAddr::Unix(path) } | EffectKind::Connect { addr: SockAddr::Unix(path) } => {
+                vec![path]
             }
-            | EffectKind::Connect {
-                addr: SockAddr::Unix(path),
-            } => vec![path],
             EffectKind::Mount { target, .. } | EffectKind::Unmount { target, .. } => vec![target],
             EffectKind::MoveMount { to, from } => vec![to, from],
             _ => Vec::new(),
@@ -428,10 +414,7 @@ impl EffectKind {
 
     /// True when the effect changes the mount table.
     pub fn is_mount_change(&self) -> bool {
-        matches!(
-            self,
-            EffectKind::Mount { .. } | EffectKind::Unmount { .. } | EffectKind::MoveMount { .. }
-        )
+        matches!(self, EffectKind::Mount { .. } | EffectKind::Unmount { .. } | EffectKind::MoveMount { .. })
     }
 }
 
@@ -443,10 +426,7 @@ impl Effect {
 
     /// True when the effect changed something at or under `prefix`.
     pub fn changes_under(&self, prefix: &Path) -> bool {
-        self.kind
-            .changed_paths()
-            .iter()
-            .any(|p| p.path.starts_with(prefix))
+        self.kind.changed_paths().iter().any(|p| p.path.starts_with(prefix))
     }
 }
 
@@ -457,17 +437,10 @@ impl fmt::Display for Effect {
             EffectKind::Rename { from, to, .. } => write!(f, "{from} -> {to}"),
             EffectKind::Link { path, existing } => write!(f, "{path} => {existing}"),
             EffectKind::Symlink { path, target } => write!(f, "{path} -> {}", target.display()),
-            EffectKind::Bind { addr }
-            | EffectKind::Connect { addr }
-            | EffectKind::Listen { addr, .. } => {
+            EffectKind::Bind { addr } | EffectKind::Connect { addr } | EffectKind::Listen { addr, .. } => {
                 write!(f, "{addr}")
             }
-            EffectKind::Mount {
-                target,
-                source,
-                fs_type,
-                ..
-            } => {
+            EffectKind::Mount { target, source, fs_type, .. } => {
                 write!(f, "{source} ({fs_type}) on {target}")
             }
             EffectKind::MoveMount { to, from } => write!(f, "{from} -> {to}"),

@@ -54,14 +54,11 @@ use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, MapHandle, OpenObject, RingBufferBuilder};
 use tokio::sync::oneshot;
 
-pub use cgroup::{
-    CgroupError, cgroup_id_of_dir, cgroup_id_of_pid, cgroup2_mount, cgroup2_path_of_pid,
-};
-pub use classify::{
-    Classification, ClassifyOptions, DEFAULT_IGNORED_PREFIXES, ProcessRan, Reason, TurnClass,
-    classify,
-};
 pub use buffer::Overflow;
+pub use cgroup::{CgroupError, cgroup_id_of_dir, cgroup_id_of_pid, cgroup2_mount, cgroup2_path_of_pid};
+pub use classify::{
+    Classification, ClassifyOptions, DEFAULT_IGNORED_PREFIXES, ProcessRan, Reason, TurnClass, classify,
+};
 pub use effect::{AsyncIoCall, Effect, EffectKind, EffectPath, SockAddr, WriteVia};
 pub use mounts::{MountEntry, MountTable, MountsError};
 pub use record::RecordError;
@@ -72,13 +69,7 @@ use record::{FsTypeLookup, NoFsTypes};
 use writes::{ProcFs, SeenAtDrain, WriteKey, WriteMemory, WriteSeen};
 
 mod skel {
-    #![allow(
-        clippy::all,
-        clippy::pedantic,
-        missing_docs,
-        non_camel_case_types,
-        unused
-    )]
+    #![allow(clippy::all, clippy::pedantic, missing_docs, non_camel_case_types, unused)]
     include!(concat!(env!("OUT_DIR"), "/inspector.skel.rs"));
 }
 use skel::{InspectorSkel, InspectorSkelBuilder};
@@ -99,10 +90,7 @@ pub enum InspectorError {
     #[error("loading or attaching the BPF programs: {0}")]
     Load(#[source] libbpf_rs::Error),
     #[error("BPF map {map}: {source}")]
-    Map {
-        map: &'static str,
-        source: libbpf_rs::Error,
-    },
+    Map { map: &'static str, source: libbpf_rs::Error },
     #[error("container {0:?} is not watched")]
     NotWatched(String),
     #[error("cgroup {cgroup_id} is already watched for container {container:?}")]
@@ -134,10 +122,7 @@ pub struct InspectorConfig {
 
 impl Default for InspectorConfig {
     fn default() -> Self {
-        Self {
-            ring_buffer_bytes: 16 << 20,
-            max_effects_bytes: DEFAULT_MAX_EFFECTS_BYTES,
-        }
+        Self { ring_buffer_bytes: 16 << 20, max_effects_bytes: DEFAULT_MAX_EFFECTS_BYTES }
     }
 }
 
@@ -165,10 +150,7 @@ pub struct TurnEffects {
 
 /// CLOCK_MONOTONIC in nanoseconds: the clock of [`Effect::time_ns`].
 pub fn monotonic_now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: clock_gettime only writes the timespec we own.
     let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     assert_eq!(rc, 0, "CLOCK_MONOTONIC is always available");
@@ -238,8 +220,7 @@ impl ContainerLog {
                     self.writes.observe_open(&decoded.effect, inode_key);
                 }
                 if decoded.process_gone {
-                    self.writes
-                        .observe_gone(decoded.effect.pid, decoded.effect.time_ns);
+                    self.writes.observe_gone(decoded.effect.pid, decoded.effect.time_ns);
                 }
                 self.effects.push(decoded.effect);
                 if remount {
@@ -263,25 +244,17 @@ struct Logs {
 
 impl Logs {
     fn new(max_effects_bytes: usize) -> Self {
-        Self {
-            by_cgroup: Mutex::new(HashMap::new()),
-            max_effects_bytes,
-        }
+        Self { by_cgroup: Mutex::new(HashMap::new()), max_effects_bytes }
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<u64, ContainerLog>> {
         // A panic while holding the lock leaves plain data behind: keep going.
-        self.by_cgroup
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.by_cgroup.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn on_record(&self, bytes: &[u8]) {
         let Ok(cgroup_id) = record::record_cgroup(bytes) else {
-            tracing::warn!(
-                len = bytes.len(),
-                "inspector record too short to name its cgroup"
-            );
+            tracing::warn!(len = bytes.len(), "inspector record too short to name its cgroup");
             return;
         };
         // Records of a container unwatched a moment ago are dropped here.
@@ -372,19 +345,13 @@ impl Inspector {
         {
             let mut logs = self.logs.lock();
             if let Some(existing) = logs.get(&cgroup_id) {
-                return Err(InspectorError::AlreadyWatched {
-                    cgroup_id,
-                    container: existing.container.id.clone(),
-                });
+                return Err(InspectorError::AlreadyWatched { cgroup_id, container: existing.container.id.clone() });
             }
             if logs.values().any(|l| l.container.id == container.id) {
                 return Err(InspectorError::DuplicateContainer(container.id));
             }
             tracing::info!(container = %container.id, cgroup_id, "watching container");
-            logs.insert(
-                cgroup_id,
-                ContainerLog::new(container, self.logs.max_effects_bytes),
-            );
+            logs.insert(cgroup_id, ContainerLog::new(container, self.logs.max_effects_bytes));
         }
         // The first boundary is now: processes already running (the entrypoint)
         // count as from an earlier turn, whose repeated writes are timed.
@@ -400,10 +367,7 @@ impl Inspector {
         let cgroup_id = self.cgroup_of(container)?;
         self.watched
             .delete(&cgroup_id.to_ne_bytes())
-            .map_err(|source| InspectorError::Map {
-                map: "watched",
-                source,
-            })?;
+            .map_err(|source| InspectorError::Map { map: "watched", source })?;
         // Records already in the ring buffer still belong to the container.
         self.flush().await?;
         // The lost counter may never have been created: nothing to delete then.
@@ -424,9 +388,7 @@ impl Inspector {
     /// Returns once every record submitted before the call is in the logs.
     pub async fn flush(&self) -> Result<(), InspectorError> {
         let (done_tx, done_rx) = oneshot::channel();
-        self.commands
-            .send(Command::Flush(done_tx))
-            .map_err(|_| InspectorError::ReaderGone)?;
+        self.commands.send(Command::Flush(done_tx)).map_err(|_| InspectorError::ReaderGone)?;
         signal_eventfd(&self.wake);
         done_rx.await.map_err(|_| InspectorError::ReaderGone)
     }
@@ -438,11 +400,7 @@ impl Inspector {
 
     /// Takes the effects of `container` that happened at or before `until_ns`
     /// (CLOCK_MONOTONIC, see [`monotonic_now_ns`]); later ones stay for the next turn.
-    pub fn take_effects_until(
-        &self,
-        container: &str,
-        until_ns: u64,
-    ) -> Result<Vec<Effect>, InspectorError> {
+    pub fn take_effects_until(&self, container: &str, until_ns: u64) -> Result<Vec<Effect>, InspectorError> {
         let mut logs = self.logs.lock();
         let log = find_log(&mut logs, container)?;
         let (taken, overflow) = log.effects.take_until(until_ns);
@@ -462,8 +420,13 @@ impl Inspector {
         let log = find_log(&mut logs, container)?;
         let (taken, overflow) = log.effects.take_until(until_ns);
         let overflow = merge_overflow(log.overflow_taken.take(), overflow);
-        tracing::debug!(container, taken = taken.len(), kept = log.effects.len(),
-            folded_so_far = log.effects.folded(), "effects taken");
+        tracing::debug!(
+            container,
+            taken = taken.len(),
+            kept = log.effects.len(),
+            folded_so_far = log.effects.folded(),
+            "effects taken"
+        );
         if let Some(overflow) = &overflow {
             tracing::warn!(container, %overflow, held_after = log.effects.held_bytes(),
                 "the container's effects exceeded their bound: its turn is captured in full");
@@ -493,11 +456,7 @@ impl Inspector {
     /// meanwhile: everything a turn classification needs. `until_ns` is the
     /// turn boundary: the kernel reports the first write of each process to
     /// each file again after it. A boundary in the future means now.
-    pub async fn drain(
-        &self,
-        container: &str,
-        until_ns: u64,
-    ) -> Result<TurnEffects, InspectorError> {
+    pub async fn drain(&self, container: &str, until_ns: u64) -> Result<TurnEffects, InspectorError> {
         // Records after the boundary stay for the next drain, and so must the
         // dedup entries made after it: both halves cut at the same instant.
         let until_ns = until_ns.min(monotonic_now_ns());
@@ -508,20 +467,13 @@ impl Inspector {
         self.flush().await?;
         self.settle_writes(container, cgroup_id, until_ns)?;
         let (effects, overflow) = self.take_turn_until(container, until_ns)?;
-        Ok(TurnEffects {
-            effects,
-            lost_events: self.take_lost_events(container)?,
-            overflow,
-        })
+        Ok(TurnEffects { effects, lost_events: self.take_lost_events(container)?, overflow })
     }
 
     /// Kernel memory held by the inspector's BPF maps (ring buffer, pending
     /// syscalls, ...), as the kernel accounts it.
     pub fn map_memory_bytes(&self) -> u64 {
-        self.all_maps
-            .iter()
-            .filter_map(|map| fdinfo_field(map.as_fd().as_raw_fd(), "memlock:"))
-            .sum()
+        self.all_maps.iter().filter_map(|map| fdinfo_field(map.as_fd().as_raw_fd(), "memlock:")).sum()
     }
 
     /// Run counts and times of the BPF programs (see [`ProgramStats`]).
@@ -530,52 +482,28 @@ impl Inspector {
             .iter()
             .map(|(name, fd)| {
                 let field = |key| fdinfo_field(fd.as_raw_fd(), key).unwrap_or(0);
-                ProgramStats {
-                    name: name.clone(),
-                    run_count: field("run_cnt:"),
-                    run_time_ns: field("run_time_ns:"),
-                }
+                ProgramStats { name: name.clone(), run_count: field("run_cnt:"), run_time_ns: field("run_time_ns:") }
             })
             .collect()
     }
 
     /// The containers being watched, by cgroup id.
     pub fn watched(&self) -> Vec<(u64, WatchedContainer)> {
-        self.logs
-            .lock()
-            .iter()
-            .map(|(id, log)| (*id, log.container.clone()))
-            .collect()
+        self.logs.lock().iter().map(|(id, log)| (*id, log.container.clone())).collect()
     }
 
-    fn set_epoch(
-        &self,
-        cgroup_id: u64,
-        epoch_ns: u64,
-        flags: MapFlags,
-    ) -> Result<(), InspectorError> {
+    fn set_epoch(&self, cgroup_id: u64, epoch_ns: u64, flags: MapFlags) -> Result<(), InspectorError> {
         self.watched
             .update(&cgroup_id.to_ne_bytes(), &epoch_ns.to_ne_bytes(), flags)
-            .map_err(|source| InspectorError::Map {
-                map: "watched",
-                source,
-            })
+            .map_err(|source| InspectorError::Map { map: "watched", source })
     }
 
     /// At a drain up to `until_ns`: deletes the container's dedup entries of
     /// turns up to the cut, carries writes the kernel skipped after the cut
     /// into the next turn, and adds the writes through shared mappings of
     /// earlier turns (see the `writes` module).
-    fn settle_writes(
-        &self,
-        container: &str,
-        cgroup_id: u64,
-        until_ns: u64,
-    ) -> Result<(), InspectorError> {
-        let map_error = |source| InspectorError::Map {
-            map: "written",
-            source,
-        };
+    fn settle_writes(&self, container: &str, cgroup_id: u64, until_ns: u64) -> Result<(), InspectorError> {
+        let map_error = |source| InspectorError::Map { map: "written", source };
         // Deleting while walking the keys would restart the walk.
         let keys: Vec<Vec<u8>> = self.written.keys().collect();
         let mut live = HashSet::new();
@@ -584,25 +512,16 @@ impl Inspector {
         let mut logs = self.logs.lock();
         let log = find_log(&mut logs, container)?;
         for raw_key in keys {
-            let Some(value) = self
-                .written
-                .lookup(&raw_key, MapFlags::ANY)
-                .map_err(map_error)?
-            else {
+            let Some(value) = self.written.lookup(&raw_key, MapFlags::ANY).map_err(map_error)? else {
                 continue; // evicted meanwhile
             };
-            let (Some(key), Some(seen)) = (
-                WriteKey::from_bytes(&raw_key),
-                WriteSeen::from_bytes(&value),
-            ) else {
+            let (Some(key), Some(seen)) = (WriteKey::from_bytes(&raw_key), WriteSeen::from_bytes(&value)) else {
                 continue;
             };
             if seen.cgroup_id != cgroup_id {
                 continue;
             }
-            let gone = log
-                .writes
-                .gone_between(key.pid, seen.recorded_ns, until_ns);
+            let gone = log.writes.gone_between(key.pid, seen.recorded_ns, until_ns);
             match writes::seen_at_drain(&seen, until_ns, gone) {
                 SeenAtDrain::NextTurn => {
                     live.insert(key);
@@ -621,9 +540,7 @@ impl Inspector {
             log.effects.push(effect);
         }
         log.writes.keep_only(&live);
-        let mapped = log
-            .writes
-            .mapped_writes(until_ns, monotonic_now_ns(), &ProcFs);
+        let mapped = log.writes.mapped_writes(until_ns, monotonic_now_ns(), &ProcFs);
         for effect in mapped {
             log.effects.push(effect);
         }
@@ -643,16 +560,8 @@ impl Inspector {
         let value = self
             .lost
             .lookup(&cgroup_id.to_ne_bytes(), MapFlags::ANY)
-            .map_err(|source| InspectorError::Map {
-                map: "lost",
-                source,
-            })?;
-        Ok(value
-            .and_then(|v| {
-                v.get(..8)
-                    .map(|b| u64::from_ne_bytes(b.try_into().expect("8 bytes")))
-            })
-            .unwrap_or(0))
+            .map_err(|source| InspectorError::Map { map: "lost", source })?;
+        Ok(value.and_then(|v| v.get(..8).map(|b| u64::from_ne_bytes(b.try_into().expect("8 bytes")))).unwrap_or(0))
     }
 }
 
@@ -727,22 +636,13 @@ fn run_reader(
             watched: map_handle(&skel.maps.watched, "watched")?,
             lost: map_handle(&skel.maps.lost, "lost")?,
             written: map_handle(&skel.maps.written, "written")?,
-            all_maps: skel
-                .object()
-                .maps()
-                .map(|m| map_handle(&m, "any"))
-                .collect::<Result<_, _>>()?,
+            all_maps: skel.object().maps().map(|m| map_handle(&m, "any")).collect::<Result<_, _>>()?,
             programs: skel
                 .object()
                 .progs()
                 // Programs of syscalls this kernel lacks were not loaded: no descriptor.
                 .filter(|p| p.autoload())
-                .map(|p| {
-                    Ok((
-                        p.name().to_string_lossy().into_owned(),
-                        p.as_fd().try_clone_to_owned()?,
-                    ))
-                })
+                .map(|p| Ok((p.name().to_string_lossy().into_owned(), p.as_fd().try_clone_to_owned()?)))
                 .collect::<Result<_, io::Error>>()
                 .map_err(|e| InspectorError::Load(e.into()))?,
         };
@@ -755,14 +655,8 @@ fn run_reader(
                 counter.fetch_add(ring_record_bytes(bytes.len()), Ordering::Relaxed);
                 0
             })
-            .map_err(|source| InspectorError::Map {
-                map: "events",
-                source,
-            })?;
-        let ring = builder.build().map_err(|source| InspectorError::Map {
-            map: "events",
-            source,
-        })?;
+            .map_err(|source| InspectorError::Map { map: "events", source })?;
+        let ring = builder.build().map_err(|source| InspectorError::Map { map: "events", source })?;
         Ok((skel, ring, handles))
     });
     if let Some(normal) = normal {
@@ -782,28 +676,14 @@ fn run_reader(
         }
     };
     let mut fds = [
-        libc::pollfd {
-            fd: ring.epoll_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: wake.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
+        libc::pollfd { fd: ring.epoll_fd(), events: libc::POLLIN, revents: 0 },
+        libc::pollfd { fd: wake.as_raw_fd(), events: libc::POLLIN, revents: 0 },
     ];
     // Flushes not yet answered, with the bytes consumed when each was asked.
     let mut flushes: Vec<(oneshot::Sender<()>, u64)> = Vec::new();
     loop {
         // SAFETY: fds is a valid array of two pollfd for the duration of the call.
-        let rc = unsafe {
-            libc::poll(
-                fds.as_mut_ptr(),
-                fds.len() as libc::nfds_t,
-                READ_INTERVAL.as_millis() as i32,
-            )
-        };
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, READ_INTERVAL.as_millis() as i32) };
         if rc < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
             tracing::error!(error = %io::Error::last_os_error(), "inspector poll failed");
             return;
@@ -826,9 +706,8 @@ fn run_reader(
             }
             let emptied = n < 0 || (n as usize) < CONSUME_BATCH;
             let now = consumed.load(Ordering::Relaxed);
-            let (answered, waiting): (Vec<_>, Vec<_>) = flushes
-                .drain(..)
-                .partition(|(_, asked_at)| emptied || now.saturating_sub(*asked_at) >= ring_bytes);
+            let (answered, waiting): (Vec<_>, Vec<_>) =
+                flushes.drain(..).partition(|(_, asked_at)| emptied || now.saturating_sub(*asked_at) >= ring_bytes);
             flushes = waiting;
             for (done, _) in answered {
                 // A waiter that gave up (timed out) is fine.
@@ -881,9 +760,7 @@ fn load<'obj>(
     let started = Instant::now();
     libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Info, libbpf_log)));
     let tracefs = tracefs::Tracefs::ensure_mounted()?;
-    let mut open = InspectorSkelBuilder::default()
-        .open(storage)
-        .map_err(InspectorError::Load)?;
+    let mut open = InspectorSkelBuilder::default().open(storage).map_err(InspectorError::Load)?;
     // A syscall this kernel does not have (too old, or another architecture)
     // cannot be called either: its programs are simply not loaded.
     let mut skipped = Vec::new();
@@ -902,10 +779,7 @@ fn load<'obj>(
     open.maps
         .events
         .set_max_entries(config.ring_buffer_bytes)
-        .map_err(|source| InspectorError::Map {
-            map: "events",
-            source,
-        })?;
+        .map_err(|source| InspectorError::Map { map: "events", source })?;
     let mut skel = open.load().map_err(InspectorError::Load)?;
     let loaded = started.elapsed();
     skel.attach().map_err(InspectorError::Load)?;
@@ -922,9 +796,7 @@ fn load<'obj>(
 /// A numeric line (`key` includes the colon) of a BPF descriptor's fdinfo.
 fn fdinfo_field(fd: i32, key: &str) -> Option<u64> {
     let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
-    info.lines()
-        .find_map(|line| line.strip_prefix(key))
-        .and_then(|v| v.trim().parse().ok())
+    info.lines().find_map(|line| line.strip_prefix(key)).and_then(|v| v.trim().parse().ok())
 }
 
 /// Sends libbpf's messages (verifier logs on failure) to tracing.

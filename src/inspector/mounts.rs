@@ -22,10 +22,7 @@ pub struct MountTable {
 #[derive(Debug, thiserror::Error)]
 pub enum MountsError {
     #[error("reading {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Read { path: PathBuf, source: std::io::Error },
     #[error("mountinfo line {line} is malformed: {text:?}")]
     Malformed { line: usize, text: String },
 }
@@ -33,28 +30,17 @@ pub enum MountsError {
 impl MountTable {
     pub fn of_pid(pid: u32) -> Result<Self, MountsError> {
         let path = PathBuf::from(format!("/proc/{pid}/mountinfo"));
-        let text =
-            std::fs::read_to_string(&path).map_err(|source| MountsError::Read { path, source })?;
+        let text = std::fs::read_to_string(&path).map_err(|source| MountsError::Read { path, source })?;
         Self::parse(&text)
     }
 
     /// Parses mountinfo(5): `id parent major:minor root mount_point options [optional...] - fstype source super_options`.
     pub fn parse(text: &str) -> Result<Self, MountsError> {
         let mut entries = Vec::new();
-        for (index, line) in text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-        {
-            let malformed = || MountsError::Malformed {
-                line: index + 1,
-                text: line.to_string(),
-            };
+        for (index, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let malformed = || MountsError::Malformed { line: index + 1, text: line.to_string() };
             let fields: Vec<&str> = line.split(' ').collect();
-            let separator = fields
-                .iter()
-                .position(|f| *f == "-")
-                .ok_or_else(malformed)?;
+            let separator = fields.iter().position(|f| *f == "-").ok_or_else(malformed)?;
             if separator < 6 || fields.len() < separator + 2 {
                 return Err(malformed());
             }
@@ -94,16 +80,11 @@ fn unescape_octal(field: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        let octal = bytes
-            .get(i + 1..i + 4)
-            .filter(|d| bytes[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        let octal =
+            bytes.get(i + 1..i + 4).filter(|d| bytes[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
         match octal {
             Some(digits) => {
-                out.push(
-                    digits
-                        .iter()
-                        .fold(0u8, |acc, d| acc.wrapping_mul(8) + (d - b'0')),
-                );
+                out.push(digits.iter().fold(0u8, |acc, d| acc.wrapping_mul(8) + (d - b'0')));
                 i += 4;
             }
             None => {
@@ -132,37 +113,19 @@ mod tests {
     #[test]
     fn deepest_and_latest_mount_wins() {
         let table = MountTable::parse(SAMPLE).unwrap();
-        assert_eq!(
-            table.fs_type(Path::new("/etc/passwd")).as_deref(),
-            Some("overlay")
-        );
-        assert_eq!(
-            table.fs_type(Path::new("/dev/pts/0")).as_deref(),
-            Some("devpts")
-        );
-        assert_eq!(
-            table.fs_type(Path::new("/dev/null")).as_deref(),
-            Some("tmpfs")
-        );
+        assert_eq!(table.fs_type(Path::new("/etc/passwd")).as_deref(), Some("overlay"));
+        assert_eq!(table.fs_type(Path::new("/dev/pts/0")).as_deref(), Some("devpts"));
+        assert_eq!(table.fs_type(Path::new("/dev/null")).as_deref(), Some("tmpfs"));
         assert_eq!(table.mount_of(Path::new("/tmp/x")).unwrap().mount_id, 622);
-        assert_eq!(
-            table.fs_type(Path::new("/my dir/f")).as_deref(),
-            Some("tmpfs")
-        );
+        assert_eq!(table.fs_type(Path::new("/my dir/f")).as_deref(), Some("tmpfs"));
         // "/tmpfoo" is not under "/tmp".
-        assert_eq!(
-            table.fs_type(Path::new("/tmpfoo")).as_deref(),
-            Some("overlay")
-        );
+        assert_eq!(table.fs_type(Path::new("/tmpfoo")).as_deref(), Some("overlay"));
     }
 
     #[test]
     fn malformed_line_is_named() {
         let err = MountTable::parse("1 2 3\n").unwrap_err();
-        assert!(
-            matches!(err, MountsError::Malformed { line: 1, .. }),
-            "{err}"
-        );
+        assert!(matches!(err, MountsError::Malformed { line: 1, .. }), "{err}");
     }
 
     #[test]

@@ -77,16 +77,8 @@ pub enum RecordError {
     UnknownWriteVia { via: u64 },
     #[error("asynchronous I/O record names an unknown call ({call})")]
     UnknownAsyncIoCall { call: u64 },
-    #[error(
-        "path {index} of a {kind} record points outside the record's data ({start}..{end} of {len})"
-    )]
-    PathOutOfBounds {
-        kind: u32,
-        index: usize,
-        start: usize,
-        end: usize,
-        len: usize,
-    },
+    #[error("path {index} of a {kind} record points outside the record's data ({start}..{end} of {len})")]
+    PathOutOfBounds { kind: u32, index: usize, start: usize, end: usize, len: usize },
 }
 
 /// A decoded record: the watched cgroup it belongs to and the effect.
@@ -134,9 +126,8 @@ pub fn path_only_time(bytes: &[u8]) -> Option<u64> {
         // An open the kernel took as the record of later writes through its
         // descriptor feeds the write tracking: decoded.
         KIND_OPEN => u64_at(bytes, OFF_ARG + 16) == 0,
-        KIND_TRUNCATE | KIND_UNLINK | KIND_RENAME | KIND_MKDIR | KIND_RMDIR | KIND_LINK
-        | KIND_SYMLINK | KIND_CHMOD | KIND_CHOWN | KIND_SETXATTR | KIND_REMOVEXATTR
-        | KIND_MKNOD | KIND_UTIMES => true,
+        KIND_TRUNCATE | KIND_UNLINK | KIND_RENAME | KIND_MKDIR | KIND_RMDIR | KIND_LINK | KIND_SYMLINK | KIND_CHMOD
+        | KIND_CHOWN | KIND_SETXATTR | KIND_REMOVEXATTR | KIND_MKNOD | KIND_UTIMES => true,
         _ => false,
     };
     path_only.then(|| u64_at(bytes, OFF_TS))
@@ -146,12 +137,7 @@ pub fn decode(bytes: &[u8], mounts: &dyn FsTypeLookup) -> Result<Record, RecordE
     if bytes.len() < HEADER_LEN {
         return Err(RecordError::Short { len: bytes.len() });
     }
-    let raw = RawRecord {
-        bytes,
-        data: &bytes[HEADER_LEN..],
-        kind: u32_at(bytes, OFF_KIND),
-        mounts,
-    };
+    let raw = RawRecord { bytes, data: &bytes[HEADER_LEN..], kind: u32_at(bytes, OFF_KIND), mounts };
     let kind = raw.effect_kind()?;
     let comm = &bytes[OFF_COMM..OFF_COMM + 16];
     let opened_inode = (raw.kind == KIND_OPEN && raw.arg(2) != 0).then(|| raw.arg(2));
@@ -203,23 +189,17 @@ impl<'a> RawRecord<'a> {
         let at = OFF_PATH + index * PATH_REF_LEN;
         let field = |i: usize| u16_at(self.bytes, at + 2 * i) as usize;
         let slice = |start: usize, len: usize| {
-            self.data
-                .get(start..start + len)
-                .ok_or(RecordError::PathOutOfBounds {
-                    kind: self.kind,
-                    index,
-                    start,
-                    end: start + len,
-                    len: self.data.len(),
-                })
+            self.data.get(start..start + len).ok_or(RecordError::PathOutOfBounds {
+                kind: self.kind,
+                index,
+                start,
+                end: start + len,
+                len: self.data.len(),
+            })
         };
         let base = slice(field(0), field(1))?;
         let user = slice(field(2), field(3))?;
-        Ok(RawPath {
-            flags: u32_at(self.bytes, at + 8),
-            base,
-            user: until_nul(user),
-        })
+        Ok(RawPath { flags: u32_at(self.bytes, at + 8), base, user: until_nul(user) })
     }
 
     /// A path argument joined with the directory it was relative to.
@@ -230,16 +210,8 @@ impl<'a> RawRecord<'a> {
         } else {
             join_captured(raw.base, raw.user, raw.flags)
         };
-        let fs_type = if resolved {
-            self.mounts.fs_type(&path)
-        } else {
-            None
-        };
-        Ok(EffectPath {
-            path,
-            resolved,
-            fs_type,
-        })
+        let fs_type = if resolved { self.mounts.fs_type(&path) } else { None };
+        Ok(EffectPath { path, resolved, fs_type })
     }
 
     /// A string kept as the process gave it (symlink target, mount source, execve filename).
@@ -258,12 +230,7 @@ impl<'a> RawRecord<'a> {
             }
             AF_INET6 => {
                 let octets: [u8; 16] = extra[8..24].try_into().expect("16-byte slice");
-                SockAddr::Inet(SocketAddr::V6(SocketAddrV6::new(
-                    Ipv6Addr::from(octets),
-                    port,
-                    0,
-                    0,
-                )))
+                SockAddr::Inet(SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::from(octets), port, 0, 0)))
             }
             AF_UNIX if self.raw_path(0)?.flags & PATH_PRESENT == 0 => SockAddr::Other { family },
             AF_UNIX if self.raw_path(0)?.flags & PATH_ABSTRACT != 0 => {
@@ -277,69 +244,24 @@ impl<'a> RawRecord<'a> {
     fn effect_kind(&self) -> Result<EffectKind, RecordError> {
         let mode = self.arg(1) as u32;
         Ok(match self.kind {
-            KIND_OPEN => EffectKind::Open {
-                path: self.path(0)?,
-                flags: self.arg(0),
-                mode,
-            },
-            KIND_TRUNCATE => EffectKind::Truncate {
-                path: self.path(0)?,
-            },
-            KIND_UNLINK if self.arg(0) & AT_REMOVEDIR != 0 => EffectKind::Rmdir {
-                path: self.path(0)?,
-            },
-            KIND_UNLINK => EffectKind::Unlink {
-                path: self.path(0)?,
-            },
-            KIND_RMDIR => EffectKind::Rmdir {
-                path: self.path(0)?,
-            },
-            KIND_RENAME => EffectKind::Rename {
-                from: self.path(0)?,
-                to: self.path(1)?,
-                flags: self.arg(0),
-            },
-            KIND_MKDIR => EffectKind::Mkdir {
-                path: self.path(0)?,
-                mode: self.arg(0) as u32,
-            },
-            KIND_LINK => EffectKind::Link {
-                path: self.path(0)?,
-                existing: self.path(1)?,
-            },
-            KIND_SYMLINK => EffectKind::Symlink {
-                path: self.path(0)?,
-                target: self.verbatim(1)?,
-            },
-            KIND_CHMOD => EffectKind::Chmod {
-                path: self.path(0)?,
-                mode: self.arg(0) as u32,
-            },
-            KIND_CHOWN => EffectKind::Chown {
-                path: self.path(0)?,
-                uid: id_arg(self.arg(0)),
-                gid: id_arg(self.arg(1)),
-            },
-            KIND_SETXATTR => EffectKind::SetXattr {
-                path: self.path(0)?,
-                name: self.extra_string(),
-            },
-            KIND_REMOVEXATTR => EffectKind::RemoveXattr {
-                path: self.path(0)?,
-                name: self.extra_string(),
-            },
-            KIND_MKNOD => EffectKind::Mknod {
-                path: self.path(0)?,
-                mode: self.arg(0) as u32,
-                dev: self.arg(1),
-            },
-            KIND_UTIMES => EffectKind::Utimes {
-                path: self.path(0)?,
-            },
+            KIND_OPEN => EffectKind::Open { path: self.path(0)?, flags: self.arg(0), mode },
+            KIND_TRUNCATE => EffectKind::Truncate { path: self.path(0)? },
+            KIND_UNLINK if self.arg(0) & AT_REMOVEDIR != 0 => EffectKind::Rmdir { path: self.path(0)? },
+            KIND_UNLINK => EffectKind::Unlink { path: self.path(0)? },
+            KIND_RMDIR => EffectKind::Rmdir { path: self.path(0)? },
+            KIND_RENAME => EffectKind::Rename { from: self.path(0)?, to: self.path(1)?, flags: self.arg(0) },
+            KIND_MKDIR => EffectKind::Mkdir { path: self.path(0)?, mode: self.arg(0) as u32 },
+            KIND_LINK => EffectKind::Link { path: self.path(0)?, existing: self.path(1)? },
+            KIND_SYMLINK => EffectKind::Symlink { path: self.path(0)?, target: self.verbatim(1)? },
+            KIND_CHMOD => EffectKind::Chmod { path: self.path(0)?, mode: self.arg(0) as u32 },
+            KIND_CHOWN => EffectKind::Chown { path: self.path(0)?, uid: id_arg(self.arg(0)), gid: id_arg(self.arg(1)) },
+            KIND_SETXATTR => EffectKind::SetXattr { path: self.path(0)?, name: self.extra_string() },
+            KIND_REMOVEXATTR => EffectKind::RemoveXattr { path: self.path(0)?, name: self.extra_string() },
+            KIND_MKNOD => EffectKind::Mknod { path: self.path(0)?, mode: self.arg(0) as u32, dev: self.arg(1) },
+            KIND_UTIMES => EffectKind::Utimes { path: self.path(0)? },
             KIND_WRITE => EffectKind::Write {
                 path: self.path(0)?,
-                via: WriteVia::from_raw(self.arg(0))
-                    .ok_or(RecordError::UnknownWriteVia { via: self.arg(0) })?,
+                via: WriteVia::from_raw(self.arg(0)).ok_or(RecordError::UnknownWriteVia { via: self.arg(0) })?,
                 inode_key: self.arg(1),
                 ino: self.arg(2),
             },
@@ -348,40 +270,22 @@ impl<'a> RawRecord<'a> {
                     .ok_or(RecordError::UnknownAsyncIoCall { call: self.arg(0) })?,
                 polling_ring: self.arg(1) & IORING_SETUP_SQPOLL != 0,
             },
-            KIND_BIND => EffectKind::Bind {
-                addr: self.sockaddr()?,
-            },
-            KIND_LISTEN => EffectKind::Listen {
-                addr: self.sockaddr()?,
-                backlog: self.arg(0) as i32,
-            },
-            KIND_CONNECT => EffectKind::Connect {
-                addr: self.sockaddr()?,
-            },
+            KIND_BIND => EffectKind::Bind { addr: self.sockaddr()? },
+            KIND_LISTEN => EffectKind::Listen { addr: self.sockaddr()?, backlog: self.arg(0) as i32 },
+            KIND_CONNECT => EffectKind::Connect { addr: self.sockaddr()? },
             KIND_MOUNT => EffectKind::Mount {
                 target: self.path(0)?,
                 source: self.verbatim(1)?.to_string_lossy().into_owned(),
                 fs_type: self.extra_string(),
                 flags: self.arg(0),
             },
-            KIND_UMOUNT => EffectKind::Unmount {
-                target: self.path(0)?,
-                flags: self.arg(0),
-            },
-            KIND_MOVE_MOUNT => EffectKind::MoveMount {
-                to: self.path(0)?,
-                from: self.path(1)?,
-            },
-            KIND_FORK => EffectKind::Fork {
-                child: self.arg(0) as u32,
-            },
-            KIND_EXEC => EffectKind::Exec {
-                path: self.path(0)?,
-                filename: self.verbatim(1)?.to_string_lossy().into_owned(),
-            },
-            KIND_EXIT => EffectKind::Exit {
-                status: self.arg(0) as i32,
-            },
+            KIND_UMOUNT => EffectKind::Unmount { target: self.path(0)?, flags: self.arg(0) },
+            KIND_MOVE_MOUNT => EffectKind::MoveMount { to: self.path(0)?, from: self.path(1)? },
+            KIND_FORK => EffectKind::Fork { child: self.arg(0) as u32 },
+            KIND_EXEC => {
+                EffectKind::Exec { path: self.path(0)?, filename: self.verbatim(1)?.to_string_lossy().into_owned() }
+            }
+            KIND_EXIT => EffectKind::Exit { status: self.arg(0) as i32 },
             kind => return Err(RecordError::UnknownKind { kind }),
         })
     }
@@ -468,10 +372,7 @@ mod tests {
             header[OFF_CGROUP..OFF_CGROUP + 8].copy_from_slice(&7u64.to_ne_bytes());
             header[OFF_TS..OFF_TS + 8].copy_from_slice(&1000u64.to_ne_bytes());
             header[OFF_COMM..OFF_COMM + 3].copy_from_slice(b"sh\0");
-            Self {
-                header,
-                data: Vec::new(),
-            }
+            Self { header, data: Vec::new() }
         }
 
         fn arg(mut self, i: usize, value: u64) -> Self {
@@ -491,12 +392,8 @@ mod tests {
             self.data.extend_from_slice(user.as_bytes());
             self.data.push(0);
             let at = OFF_PATH + index * PATH_REF_LEN;
-            for (i, value) in [base_off, base_len, user_off, user.len() + 1]
-                .into_iter()
-                .enumerate()
-            {
-                self.header[at + 2 * i..at + 2 * i + 2]
-                    .copy_from_slice(&(value as u16).to_ne_bytes());
+            for (i, value) in [base_off, base_len, user_off, user.len() + 1].into_iter().enumerate() {
+                self.header[at + 2 * i..at + 2 * i + 2].copy_from_slice(&(value as u16).to_ne_bytes());
             }
             self.header[at + 8..at + 12].copy_from_slice(&(flags | PATH_PRESENT).to_ne_bytes());
             self
@@ -522,14 +419,42 @@ mod tests {
         assert_eq!(path_only_time(&plain_open), Some(1000));
         // An open that starts the write tracking of its descriptor, writes,
         // processes, sockets and mounts are always decoded.
-        let tracked_open = RecordBuilder::new(KIND_OPEN).arg(0, 0o101).arg(2, 0xffff_8880_0000_1000).path(0, &[], "/f", 0).bytes();
+        let tracked_open =
+            RecordBuilder::new(KIND_OPEN).arg(0, 0o101).arg(2, 0xffff_8880_0000_1000).path(0, &[], "/f", 0).bytes();
         assert_eq!(path_only_time(&tracked_open), None);
-        for kind in [KIND_WRITE, KIND_ASYNC_IO, KIND_FORK, KIND_EXEC, KIND_EXIT, KIND_BIND, KIND_LISTEN, KIND_CONNECT, KIND_MOUNT, KIND_UMOUNT, KIND_MOVE_MOUNT] {
+        for kind in [
+            KIND_WRITE,
+            KIND_ASYNC_IO,
+            KIND_FORK,
+            KIND_EXEC,
+            KIND_EXIT,
+            KIND_BIND,
+            KIND_LISTEN,
+            KIND_CONNECT,
+            KIND_MOUNT,
+            KIND_UMOUNT,
+            KIND_MOVE_MOUNT,
+        ] {
             assert_eq!(path_only_time(&RecordBuilder::new(kind).bytes()), None, "kind {kind}");
         }
         assert_eq!(path_only_time(&[0u8; 10]), None);
         // Everything skippable is a file effect, cut with the file details.
-        for kind in [KIND_TRUNCATE, KIND_UNLINK, KIND_RENAME, KIND_MKDIR, KIND_RMDIR, KIND_LINK, KIND_SYMLINK, KIND_CHMOD, KIND_CHOWN, KIND_SETXATTR, KIND_REMOVEXATTR, KIND_MKNOD, KIND_UTIMES, KIND_OPEN] {
+        for kind in [
+            KIND_TRUNCATE,
+            KIND_UNLINK,
+            KIND_RENAME,
+            KIND_MKDIR,
+            KIND_RMDIR,
+            KIND_LINK,
+            KIND_SYMLINK,
+            KIND_CHMOD,
+            KIND_CHOWN,
+            KIND_SETXATTR,
+            KIND_REMOVEXATTR,
+            KIND_MKNOD,
+            KIND_UTIMES,
+            KIND_OPEN,
+        ] {
             let bytes = RecordBuilder::new(kind).path(0, &[], "/a", 0).path(1, &[], "/b", 0).bytes();
             assert!(path_only_time(&bytes).is_some(), "kind {kind}");
             assert!(crate::inspector::buffer::is_file_effect(&kind_of(&bytes)), "kind {kind}");
@@ -542,10 +467,7 @@ mod tests {
 
     #[test]
     fn relative_path_joins_walked_base() {
-        let bytes = RecordBuilder::new(KIND_OPEN)
-            .arg(0, 0o101)
-            .path(0, &["tmp", "x"], "./d/../f", 0)
-            .bytes();
+        let bytes = RecordBuilder::new(KIND_OPEN).arg(0, 0o101).path(0, &["tmp", "x"], "./d/../f", 0).bytes();
         let record = decode(&bytes, &NoFsTypes).unwrap();
         assert_eq!(record.cgroup_id, 7);
         assert_eq!(record.opened_inode, None);
@@ -553,51 +475,26 @@ mod tests {
         assert_eq!(record.effect.comm, "sh");
         assert_eq!(
             record.effect.kind,
-            EffectKind::Open {
-                path: EffectPath::resolved("/tmp/x/f"),
-                flags: 0o101,
-                mode: 0
-            }
+            EffectKind::Open { path: EffectPath::resolved("/tmp/x/f"), flags: 0o101, mode: 0 }
         );
     }
 
     #[test]
     fn absolute_user_path_ignores_base() {
-        let bytes = RecordBuilder::new(KIND_MKDIR)
-            .path(0, &["ignored"], "/a//b/", 0)
-            .bytes();
-        assert_eq!(
-            kind_of(&bytes),
-            EffectKind::Mkdir {
-                path: EffectPath::resolved("/a/b"),
-                mode: 0
-            }
-        );
+        let bytes = RecordBuilder::new(KIND_MKDIR).path(0, &["ignored"], "/a//b/", 0).bytes();
+        assert_eq!(kind_of(&bytes), EffectKind::Mkdir { path: EffectPath::resolved("/a/b"), mode: 0 });
     }
 
     #[test]
     fn fd_only_path_is_the_base() {
-        let bytes = RecordBuilder::new(KIND_CHMOD)
-            .arg(0, 0o600)
-            .path(0, &["srv", "f"], "", 0)
-            .bytes();
-        assert_eq!(
-            kind_of(&bytes),
-            EffectKind::Chmod {
-                path: EffectPath::resolved("/srv/f"),
-                mode: 0o600
-            }
-        );
+        let bytes = RecordBuilder::new(KIND_CHMOD).arg(0, 0o600).path(0, &["srv", "f"], "", 0).bytes();
+        assert_eq!(kind_of(&bytes), EffectKind::Chmod { path: EffectPath::resolved("/srv/f"), mode: 0o600 });
     }
 
     #[test]
     fn unresolved_flag_marks_the_path() {
-        let bytes = RecordBuilder::new(KIND_UNLINK)
-            .path(0, &["a"], "f", PATH_UNRESOLVED)
-            .bytes();
-        let EffectKind::Unlink { path } = kind_of(&bytes) else {
-            panic!("not an unlink")
-        };
+        let bytes = RecordBuilder::new(KIND_UNLINK).path(0, &["a"], "f", PATH_UNRESOLVED).bytes();
+        let EffectKind::Unlink { path } = kind_of(&bytes) else { panic!("not an unlink") };
         assert!(!path.resolved);
     }
 
@@ -618,88 +515,40 @@ mod tests {
                 ino: 77,
             }
         );
-        let unknown = RecordBuilder::new(KIND_WRITE)
-            .arg(0, 99)
-            .path(0, &["f"], "", 0)
-            .bytes();
-        assert_eq!(
-            decode(&unknown, &NoFsTypes),
-            Err(RecordError::UnknownWriteVia { via: 99 })
-        );
+        let unknown = RecordBuilder::new(KIND_WRITE).arg(0, 99).path(0, &["f"], "", 0).bytes();
+        assert_eq!(decode(&unknown, &NoFsTypes), Err(RecordError::UnknownWriteVia { via: 99 }));
     }
 
     #[test]
     fn asynchronous_io_names_the_call_and_a_polling_ring() {
-        let setup = RecordBuilder::new(KIND_ASYNC_IO)
-            .arg(0, 1)
-            .arg(1, IORING_SETUP_SQPOLL | 1)
-            .bytes();
-        assert_eq!(
-            kind_of(&setup),
-            EffectKind::AsyncIo {
-                call: AsyncIoCall::IoUringSetup,
-                polling_ring: true,
-            }
-        );
+        let setup = RecordBuilder::new(KIND_ASYNC_IO).arg(0, 1).arg(1, IORING_SETUP_SQPOLL | 1).bytes();
+        assert_eq!(kind_of(&setup), EffectKind::AsyncIo { call: AsyncIoCall::IoUringSetup, polling_ring: true });
         let submit = RecordBuilder::new(KIND_ASYNC_IO).arg(0, 4).bytes();
-        assert_eq!(
-            kind_of(&submit),
-            EffectKind::AsyncIo {
-                call: AsyncIoCall::IoSubmit,
-                polling_ring: false,
-            }
-        );
+        assert_eq!(kind_of(&submit), EffectKind::AsyncIo { call: AsyncIoCall::IoSubmit, polling_ring: false });
         let unknown = RecordBuilder::new(KIND_ASYNC_IO).arg(0, 0).bytes();
-        assert_eq!(
-            decode(&unknown, &NoFsTypes),
-            Err(RecordError::UnknownAsyncIoCall { call: 0 })
-        );
+        assert_eq!(decode(&unknown, &NoFsTypes), Err(RecordError::UnknownAsyncIoCall { call: 0 }));
     }
 
     #[test]
     fn unlinkat_removedir_is_rmdir() {
-        let bytes = RecordBuilder::new(KIND_UNLINK)
-            .arg(0, AT_REMOVEDIR)
-            .path(0, &[], "/d", 0)
-            .bytes();
-        assert_eq!(
-            kind_of(&bytes),
-            EffectKind::Rmdir {
-                path: EffectPath::resolved("/d")
-            }
-        );
+        let bytes = RecordBuilder::new(KIND_UNLINK).arg(0, AT_REMOVEDIR).path(0, &[], "/d", 0).bytes();
+        assert_eq!(kind_of(&bytes), EffectKind::Rmdir { path: EffectPath::resolved("/d") });
     }
 
     #[test]
     fn symlink_target_stays_verbatim() {
-        let bytes = RecordBuilder::new(KIND_SYMLINK)
-            .path(0, &["w"], "l", 0)
-            .path(1, &[], "../d", PATH_VERBATIM)
-            .bytes();
+        let bytes =
+            RecordBuilder::new(KIND_SYMLINK).path(0, &["w"], "l", 0).path(1, &[], "../d", PATH_VERBATIM).bytes();
         assert_eq!(
             kind_of(&bytes),
-            EffectKind::Symlink {
-                path: EffectPath::resolved("/w/l"),
-                target: PathBuf::from("../d")
-            }
+            EffectKind::Symlink { path: EffectPath::resolved("/w/l"), target: PathBuf::from("../d") }
         );
     }
 
     #[test]
     fn chown_minus_one_means_unchanged() {
-        let bytes = RecordBuilder::new(KIND_CHOWN)
-            .arg(0, u32::MAX as u64)
-            .arg(1, 5)
-            .path(0, &[], "/f", 0)
-            .bytes();
-        assert_eq!(
-            kind_of(&bytes),
-            EffectKind::Chown {
-                path: EffectPath::resolved("/f"),
-                uid: None,
-                gid: Some(5)
-            }
-        );
+        let bytes = RecordBuilder::new(KIND_CHOWN).arg(0, u32::MAX as u64).arg(1, 5).path(0, &[], "/f", 0).bytes();
+        assert_eq!(kind_of(&bytes), EffectKind::Chown { path: EffectPath::resolved("/f"), uid: None, gid: Some(5) });
     }
 
     #[test]
@@ -709,65 +558,33 @@ mod tests {
         v4[2..4].copy_from_slice(&8080u16.to_be_bytes());
         v4[4..8].copy_from_slice(&[10, 1, 2, 3]);
         let bytes = RecordBuilder::new(KIND_CONNECT).extra(&v4).bytes();
-        assert_eq!(
-            kind_of(&bytes),
-            EffectKind::Connect {
-                addr: SockAddr::Inet("10.1.2.3:8080".parse().unwrap())
-            }
-        );
+        assert_eq!(kind_of(&bytes), EffectKind::Connect { addr: SockAddr::Inet("10.1.2.3:8080".parse().unwrap()) });
 
         let mut v6 = vec![0u8; 28];
         v6[0..2].copy_from_slice(&AF_INET6.to_ne_bytes());
         v6[2..4].copy_from_slice(&443u16.to_be_bytes());
         v6[8..24].copy_from_slice(&Ipv6Addr::LOCALHOST.octets());
         let bytes = RecordBuilder::new(KIND_BIND).extra(&v6).bytes();
-        assert_eq!(
-            kind_of(&bytes),
-            EffectKind::Bind {
-                addr: SockAddr::Inet("[::1]:443".parse().unwrap())
-            }
-        );
+        assert_eq!(kind_of(&bytes), EffectKind::Bind { addr: SockAddr::Inet("[::1]:443".parse().unwrap()) });
     }
 
     #[test]
     fn unix_socket_path_resolves_against_cwd() {
-        let bytes = RecordBuilder::new(KIND_BIND)
-            .extra(&AF_UNIX.to_ne_bytes())
-            .path(0, &["run"], "s.sock", 0)
-            .bytes();
-        assert_eq!(
-            kind_of(&bytes),
-            EffectKind::Bind {
-                addr: SockAddr::Unix(EffectPath::resolved("/run/s.sock"))
-            }
-        );
+        let bytes = RecordBuilder::new(KIND_BIND).extra(&AF_UNIX.to_ne_bytes()).path(0, &["run"], "s.sock", 0).bytes();
+        assert_eq!(kind_of(&bytes), EffectKind::Bind { addr: SockAddr::Unix(EffectPath::resolved("/run/s.sock")) });
     }
 
     #[test]
     fn bad_records_are_errors() {
-        assert_eq!(
-            decode(&[0u8; 10], &NoFsTypes),
-            Err(RecordError::Short { len: 10 })
-        );
-        assert_eq!(
-            decode(&RecordBuilder::new(999).bytes(), &NoFsTypes),
-            Err(RecordError::UnknownKind { kind: 999 })
-        );
-        let mut bytes = RecordBuilder::new(KIND_UNLINK)
-            .path(0, &[], "/f", 0)
-            .bytes();
+        assert_eq!(decode(&[0u8; 10], &NoFsTypes), Err(RecordError::Short { len: 10 }));
+        assert_eq!(decode(&RecordBuilder::new(999).bytes(), &NoFsTypes), Err(RecordError::UnknownKind { kind: 999 }));
+        let mut bytes = RecordBuilder::new(KIND_UNLINK).path(0, &[], "/f", 0).bytes();
         bytes.truncate(HEADER_LEN + 1);
-        assert!(matches!(
-            decode(&bytes, &NoFsTypes),
-            Err(RecordError::PathOutOfBounds { .. })
-        ));
+        assert!(matches!(decode(&bytes, &NoFsTypes), Err(RecordError::PathOutOfBounds { .. })));
     }
 
     #[test]
     fn normalize_stays_under_root() {
-        assert_eq!(
-            normalize(Path::new("/../../etc/./x/..")),
-            PathBuf::from("/etc")
-        );
+        assert_eq!(normalize(Path::new("/../../etc/./x/..")), PathBuf::from("/etc"));
     }
 }

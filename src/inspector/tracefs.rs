@@ -21,9 +21,7 @@ pub enum TracefsError {
         #[source]
         source: io::Error,
     },
-    #[error(
-        "tracefs at {path} lists no syscall tracepoints (kernel built without CONFIG_FTRACE_SYSCALLS?)"
-    )]
+    #[error("tracefs at {path} lists no syscall tracepoints (kernel built without CONFIG_FTRACE_SYSCALLS?)")]
     NoSyscallEvents { path: PathBuf },
 }
 
@@ -60,10 +58,7 @@ impl Tracefs {
 }
 
 fn mount_tracefs(target: &Path) -> Result<(), TracefsError> {
-    let error = |source| TracefsError::Mount {
-        path: target.to_owned(),
-        source,
-    };
+    let error = |source| TracefsError::Mount { path: target.to_owned(), source };
     let c_target = CString::new(target.as_os_str().as_encoded_bytes())
         .map_err(|e| error(io::Error::new(io::ErrorKind::InvalidInput, e)))?;
     // SAFETY: all pointers are NUL-terminated strings that live across the call.
@@ -89,9 +84,7 @@ fn mount_tracefs(target: &Path) -> Result<(), TracefsError> {
 
 /// The tracepoint a program's ELF section names: `tp/<category>/<name>`.
 pub fn tracepoint_of_section(section: &str) -> Option<(&str, &str)> {
-    let rest = section
-        .strip_prefix("tp/")
-        .or_else(|| section.strip_prefix("tracepoint/"))?;
+    let rest = section.strip_prefix("tp/").or_else(|| section.strip_prefix("tracepoint/"))?;
     rest.split_once('/')
 }
 
@@ -101,14 +94,8 @@ mod tests {
 
     #[test]
     fn tracepoint_sections_name_category_and_event() {
-        assert_eq!(
-            tracepoint_of_section("tp/syscalls/sys_enter_openat"),
-            Some(("syscalls", "sys_enter_openat"))
-        );
-        assert_eq!(
-            tracepoint_of_section("tracepoint/sched/sched_switch"),
-            Some(("sched", "sched_switch"))
-        );
+        assert_eq!(tracepoint_of_section("tp/syscalls/sys_enter_openat"), Some(("syscalls", "sys_enter_openat")));
+        assert_eq!(tracepoint_of_section("tracepoint/sched/sched_switch"), Some(("sched", "sched_switch")));
         assert_eq!(tracepoint_of_section("tp_btf/sched_process_fork"), None);
         assert_eq!(tracepoint_of_section("tp/nocategory"), None);
     }

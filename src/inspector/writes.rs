@@ -71,18 +71,10 @@ impl WriteKey {
             EffectKind::Write { inode_key, via, .. } => Some(Self {
                 inode_key,
                 pid: effect.pid,
-                channel: if via.is_mapping() {
-                    Channel::Mapping
-                } else {
-                    Channel::Descriptor
-                },
+                channel: if via.is_mapping() { Channel::Mapping } else { Channel::Descriptor },
             }),
             EffectKind::AsyncIo { call, .. } if call != AsyncIoCall::EarlierPollingRing => {
-                Some(Self {
-                    inode_key: call.raw(),
-                    pid: effect.pid,
-                    channel: Channel::AsyncIo,
-                })
+                Some(Self { inode_key: call.raw(), pid: effect.pid, channel: Channel::AsyncIo })
             }
             _ => None,
         }
@@ -150,13 +142,9 @@ pub(crate) fn seen_at_drain(seen: &WriteSeen, until_ns: u64, gone_by_cut: bool) 
     if seen.recorded_ns > until_ns {
         SeenAtDrain::NextTurn
     } else if seen.last_ns > until_ns {
-        SeenAtDrain::SkippedAfterCut {
-            at_ns: seen.last_ns,
-        }
+        SeenAtDrain::SkippedAfterCut { at_ns: seen.last_ns }
     } else if seen.untimed && !gone_by_cut {
-        SeenAtDrain::SkippedAfterCut {
-            at_ns: until_ns.saturating_add(1),
-        }
+        SeenAtDrain::SkippedAfterCut { at_ns: until_ns.saturating_add(1) }
     } else {
         SeenAtDrain::Stale
     }
@@ -199,10 +187,7 @@ impl WriteMemory {
                 if *call == AsyncIoCall::IoUringSetup && *polling_ring {
                     self.mappings
                         .entry((effect.pid, RING_KEY))
-                        .or_insert_with(|| LiveMapping {
-                            effect: effect.clone(),
-                            cpu_ns_at_drain: None,
-                        });
+                        .or_insert_with(|| LiveMapping { effect: effect.clone(), cpu_ns_at_drain: None });
                 }
             }
             EffectKind::Write { via, inode_key, .. } => {
@@ -212,10 +197,7 @@ impl WriteMemory {
                 if *via == WriteVia::SharedMapping {
                     self.mappings
                         .entry((effect.pid, *inode_key))
-                        .or_insert_with(|| LiveMapping {
-                            effect: effect.clone(),
-                            cpu_ns_at_drain: None,
-                        });
+                        .or_insert_with(|| LiveMapping { effect: effect.clone(), cpu_ns_at_drain: None });
                 }
             }
             // A forked child shares its parent's MAP_SHARED mappings.
@@ -228,10 +210,7 @@ impl WriteMemory {
                         let mut effect = mapping.effect.clone();
                         effect.pid = *child;
                         effect.tid = *child;
-                        LiveMapping {
-                            effect,
-                            cpu_ns_at_drain: None,
-                        }
+                        LiveMapping { effect, cpu_ns_at_drain: None }
                     })
                     .collect();
                 for mapping in inherited {
@@ -259,9 +238,7 @@ impl WriteMemory {
     /// gone, so an exit of the pid after a record of its process means that
     /// process is gone, even if a later one has the pid now.
     pub fn gone_between(&self, pid: u32, after_ns: u64, until_ns: u64) -> bool {
-        self.gone
-            .get(&pid)
-            .is_some_and(|&t| t > after_ns && t <= until_ns)
+        self.gone.get(&pid).is_some_and(|&t| t > after_ns && t <= until_ns)
     }
 
     /// Forgets exits up to `until_ns`: the drain up to there has judged every
@@ -277,19 +254,10 @@ impl WriteMemory {
             return;
         };
         let as_write = Effect {
-            kind: EffectKind::Write {
-                path: path.clone(),
-                via: WriteVia::Write,
-                inode_key,
-                ino: 0,
-            },
+            kind: EffectKind::Write { path: path.clone(), via: WriteVia::Write, inode_key, ino: 0 },
             ..effect.clone()
         };
-        let key = WriteKey {
-            inode_key,
-            pid: effect.pid,
-            channel: Channel::Descriptor,
-        };
+        let key = WriteKey { inode_key, pid: effect.pid, channel: Channel::Descriptor };
         self.latest.insert(key, as_write);
     }
 
@@ -298,42 +266,23 @@ impl WriteMemory {
     /// file is unknown: an unresolved path, which escalates.
     pub fn carry_over(&self, key: &WriteKey, at_ns: u64) -> Effect {
         match self.latest.get(key) {
-            Some(recorded) => Effect {
-                time_ns: at_ns,
-                ..recorded.clone()
-            },
+            Some(recorded) => Effect { time_ns: at_ns, ..recorded.clone() },
             None => {
-                let unresolved = EffectPath {
-                    path: PathBuf::new(),
-                    resolved: false,
-                    fs_type: None,
-                };
+                let unresolved = EffectPath { path: PathBuf::new(), resolved: false, fs_type: None };
                 let kind = match key.channel {
                     Channel::Descriptor | Channel::Mapping => EffectKind::Write {
                         path: unresolved,
-                        via: if key.channel == Channel::Mapping {
-                            WriteVia::SharedMapping
-                        } else {
-                            WriteVia::Write
-                        },
+                        via: if key.channel == Channel::Mapping { WriteVia::SharedMapping } else { WriteVia::Write },
                         inode_key: key.inode_key,
                         ino: 0,
                     },
                     // The kernel keys only the calls it knows.
                     Channel::AsyncIo => EffectKind::AsyncIo {
-                        call: AsyncIoCall::from_raw(key.inode_key)
-                            .unwrap_or(AsyncIoCall::IoUringEnter),
+                        call: AsyncIoCall::from_raw(key.inode_key).unwrap_or(AsyncIoCall::IoUringEnter),
                         polling_ring: false,
                     },
                 };
-                Effect {
-                    time_ns: at_ns,
-                    pid: key.pid,
-                    tid: key.pid,
-                    comm: String::new(),
-                    result: 0,
-                    kind,
-                }
+                Effect { time_ns: at_ns, pid: key.pid, tid: key.pid, comm: String::new(), result: 0, kind }
             }
         }
     }
@@ -347,12 +296,7 @@ impl WriteMemory {
     /// since the previous drain, for the turn up to `until_ns` and, because
     /// the process may also have run after that cut, for the next turn
     /// (`now_ns`). Mappings that are gone are forgotten.
-    pub fn mapped_writes(
-        &mut self,
-        until_ns: u64,
-        now_ns: u64,
-        probe: &dyn ProcessProbe,
-    ) -> Vec<Effect> {
+    pub fn mapped_writes(&mut self, until_ns: u64, now_ns: u64, probe: &dyn ProcessProbe) -> Vec<Effect> {
         let mut effects = Vec::new();
         self.mappings.retain(|(pid, _), mapping| {
             let Some(cpu_ns) = probe.cpu_ns(*pid) else {
@@ -363,10 +307,7 @@ impl WriteMemory {
             {
                 return false;
             }
-            if mapping
-                .cpu_ns_at_drain
-                .is_some_and(|before| before != cpu_ns)
-            {
+            if mapping.cpu_ns_at_drain.is_some_and(|before| before != cpu_ns) {
                 for time_ns in [until_ns, now_ns] {
                     let mut effect = mapping.effect.clone();
                     effect.time_ns = time_ns;
@@ -467,11 +408,7 @@ mod tests {
         key.extend_from_slice(&1u32.to_ne_bytes());
         assert_eq!(
             WriteKey::from_bytes(&key),
-            Some(WriteKey {
-                inode_key: 0xffff_8880_0000_1000,
-                pid: 42,
-                channel: Channel::Mapping
-            })
+            Some(WriteKey { inode_key: 0xffff_8880_0000_1000, pid: 42, channel: Channel::Mapping })
         );
         assert_eq!(WriteKey::from_bytes(&key[..15]), None);
         let mut seen: Vec<u8> = [5u64, 9, 7, 3].iter().flat_map(|v| v.to_ne_bytes()).collect();
@@ -479,67 +416,35 @@ mod tests {
         seen.extend_from_slice(&0u32.to_ne_bytes());
         assert_eq!(
             WriteSeen::from_bytes(&seen),
-            Some(WriteSeen {
-                recorded_ns: 5,
-                last_ns: 9,
-                cgroup_id: 7,
-                start_ns: 3,
-                untimed: true,
-            })
+            Some(WriteSeen { recorded_ns: 5, last_ns: 9, cgroup_id: 7, start_ns: 3, untimed: true })
         );
         assert_eq!(WriteSeen::from_bytes(&seen[..24]), None);
     }
 
     #[test]
     fn a_write_skipped_after_the_cut_is_carried_over() {
-        let seen = |recorded_ns, last_ns| WriteSeen {
-            recorded_ns,
-            last_ns,
-            cgroup_id: 1,
-            start_ns: 0,
-            untimed: false,
-        };
+        let seen = |recorded_ns, last_ns| WriteSeen { recorded_ns, last_ns, cgroup_id: 1, start_ns: 0, untimed: false };
         for gone in [false, true] {
             assert_eq!(seen_at_drain(&seen(150, 160), 100, gone), SeenAtDrain::NextTurn);
             assert_eq!(seen_at_drain(&seen(50, 100), 100, gone), SeenAtDrain::Stale);
-            assert_eq!(
-                seen_at_drain(&seen(50, 130), 100, gone),
-                SeenAtDrain::SkippedAfterCut { at_ns: 130 }
-            );
+            assert_eq!(seen_at_drain(&seen(50, 130), 100, gone), SeenAtDrain::SkippedAfterCut { at_ns: 130 });
         }
 
         let mut memory = WriteMemory::default();
         memory.observe(&write(7, 0xa0, WriteVia::Write, 50));
-        let key = WriteKey {
-            inode_key: 0xa0,
-            pid: 7,
-            channel: Channel::Descriptor,
-        };
+        let key = WriteKey { inode_key: 0xa0, pid: 7, channel: Channel::Descriptor };
         let carried = memory.carry_over(&key, 130);
         assert_eq!(carried, write(7, 0xa0, WriteVia::Write, 130));
         // An open for writing stands for the writes through its descriptor.
         let open = Effect {
-            kind: EffectKind::Open {
-                path: EffectPath::resolved("/app/out.log"),
-                flags: 0o1101,
-                mode: 0o644,
-            },
+            kind: EffectKind::Open { path: EffectPath::resolved("/app/out.log"), flags: 0o1101, mode: 0o644 },
             ..write(9, 0xb0, WriteVia::Write, 60)
         };
         memory.observe_open(&open, 0xb0);
-        let from_open = memory.carry_over(
-            &WriteKey {
-                inode_key: 0xb0,
-                pid: 9,
-                channel: Channel::Descriptor,
-            },
-            140,
-        );
+        let from_open = memory.carry_over(&WriteKey { inode_key: 0xb0, pid: 9, channel: Channel::Descriptor }, 140);
         assert_eq!(from_open.time_ns, 140);
-        assert!(
-            matches!(&from_open.kind, EffectKind::Write { path, via: WriteVia::Write, .. }
-            if path == &EffectPath::resolved("/app/out.log"))
-        );
+        assert!(matches!(&from_open.kind, EffectKind::Write { path, via: WriteVia::Write, .. }
+            if path == &EffectPath::resolved("/app/out.log")));
         // The process exited after the cut, before the drain: still named.
         memory.observe(&process(7, EffectKind::Exit { status: 0 }));
         assert_eq!(memory.carry_over(&key, 130), write(7, 0xa0, WriteVia::Write, 130));
@@ -552,17 +457,9 @@ mod tests {
     /// the next turn unless the process was gone by the cut.
     #[test]
     fn an_untimed_repeat_is_carried_over_unless_its_process_was_gone() {
-        let untimed = |recorded_ns| WriteSeen {
-            recorded_ns,
-            last_ns: recorded_ns,
-            cgroup_id: 1,
-            start_ns: 40,
-            untimed: true,
-        };
-        assert_eq!(
-            seen_at_drain(&untimed(50), 100, false),
-            SeenAtDrain::SkippedAfterCut { at_ns: 101 }
-        );
+        let untimed =
+            |recorded_ns| WriteSeen { recorded_ns, last_ns: recorded_ns, cgroup_id: 1, start_ns: 40, untimed: true };
+        assert_eq!(seen_at_drain(&untimed(50), 100, false), SeenAtDrain::SkippedAfterCut { at_ns: 101 });
         assert_eq!(seen_at_drain(&untimed(50), 100, true), SeenAtDrain::Stale);
         assert_eq!(seen_at_drain(&untimed(150), 100, false), SeenAtDrain::NextTurn);
 
@@ -613,13 +510,9 @@ mod tests {
         let effects = memory.mapped_writes(300, 310, &probe);
         let times: Vec<u64> = effects.iter().map(|e| e.time_ns).collect();
         assert_eq!(times, vec![300, 310]);
-        assert!(effects.iter().all(|e| matches!(
-            e.kind,
-            EffectKind::Write {
-                via: WriteVia::EarlierSharedMapping,
-                ..
-            }
-        )));
+        assert!(
+            effects.iter().all(|e| matches!(e.kind, EffectKind::Write { via: WriteVia::EarlierSharedMapping, .. }))
+        );
         // Gone: forgotten.
         probe.cpu.borrow_mut().remove(&7);
         assert!(memory.mapped_writes(400, 410, &probe).is_empty());
@@ -634,20 +527,13 @@ mod tests {
         memory.observe(&process(7, EffectKind::Fork { child: 8 }));
         memory.observe(&process(
             7,
-            EffectKind::Exec {
-                path: EffectPath::resolved("/bin/true"),
-                filename: "true".into(),
-            },
+            EffectKind::Exec { path: EffectPath::resolved("/bin/true"), filename: "true".into() },
         ));
         let probe = FakeProbe::default();
         probe.cpu.borrow_mut().extend([(7, 1), (8, 1)]);
         memory.mapped_writes(100, 110, &probe);
         probe.cpu.borrow_mut().extend([(7, 2), (8, 2)]);
-        let pids: Vec<u32> = memory
-            .mapped_writes(200, 210, &probe)
-            .iter()
-            .map(|e| e.pid)
-            .collect();
+        let pids: Vec<u32> = memory.mapped_writes(200, 210, &probe).iter().map(|e| e.pid).collect();
         assert_eq!(pids, vec![8, 8]);
     }
 

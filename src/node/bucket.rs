@@ -39,7 +39,6 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-
 /// On the wire (see [`super::protocol`], whose digest names the build's compatibility).
 pub use super::protocol::CommitKind;
 
@@ -277,12 +276,7 @@ impl Scheduler {
             // Rounded up, and at least a nanosecond ahead, so that time moves on.
             let refill_at = now + Duration::from_nanos((short / self.config.rate_bytes_per_s * 1e9).ceil() as u64 + 1);
             // A request reaching its age may change the head before then.
-            let next_aging = self
-                .waiting
-                .values()
-                .map(|w| w.enqueued + self.config.aging)
-                .filter(|at| *at > now)
-                .min();
+            let next_aging = self.waiting.values().map(|w| w.enqueued + self.config.aging).filter(|at| *at > now).min();
             next_aging.map_or(refill_at, |aging| aging.min(refill_at))
         });
         (decisions, next)
@@ -539,7 +533,10 @@ mod tests {
         let mut s = Scheduler::new(config, start);
         // Empty the bucket so that everything below has to wait.
         let drain = s.enqueue(request("x", MIB, CommitKind::Fs), start);
-        assert_eq!(s.poll(start).0, vec![Decision { ticket: drain, waited: Duration::ZERO, outcome: Outcome::Granted }]);
+        assert_eq!(
+            s.poll(start).0,
+            vec![Decision { ticket: drain, waited: Duration::ZERO, outcome: Outcome::Granted }]
+        );
         let dump = s.enqueue(request("a", 900_000, CommitKind::Proc), start);
         let big_fs = s.enqueue(request("b", 800_000, CommitKind::Fs), start);
         let small_fs = s.enqueue(request("c", 1_000, CommitKind::Fs), start);
@@ -599,7 +596,11 @@ mod tests {
         let (decisions, _) = s.poll(later);
         assert_eq!(
             decisions,
-            vec![Decision { ticket: old, waited: Duration::from_millis(100), outcome: Outcome::Superseded { by_turn: 4 } }]
+            vec![Decision {
+                ticket: old,
+                waited: Duration::from_millis(100),
+                outcome: Outcome::Superseded { by_turn: 4 }
+            }]
         );
         let status = s.status(later);
         let a = status.sandboxes.iter().find(|x| x.sandbox == "a").unwrap();
@@ -646,12 +647,19 @@ mod tests {
         let (decisions, _) = s.poll(later);
         assert_eq!(
             decisions,
-            vec![Decision { ticket: waiting_dump, waited: Duration::from_millis(50), outcome: Outcome::Superseded { by_turn: 5 } }]
+            vec![Decision {
+                ticket: waiting_dump,
+                waited: Duration::from_millis(50),
+                outcome: Outcome::Superseded { by_turn: 5 }
+            }]
         );
         // A draw of the same turn 4 arriving later, while the bucket is empty: dropped at once.
         let late_draw = s.enqueue(draw("a", 4, CommitKind::Proc, true), later);
         let (decisions, _) = s.poll(later);
-        assert_eq!(decisions.iter().map(|d| (d.ticket, d.outcome)).collect::<Vec<_>>(), vec![(late_draw, Outcome::Superseded { by_turn: 5 })]);
+        assert_eq!(
+            decisions.iter().map(|d| (d.ticket, d.outcome)).collect::<Vec<_>>(),
+            vec![(late_draw, Outcome::Superseded { by_turn: 5 })]
+        );
         // Turn 5's own draws are not superseded by its own report.
         let own = s.enqueue(draw("a", 5, CommitKind::Proc, true), later);
         // Once the bucket has refilled, a draw of an older turn that can be paid at once still goes.
@@ -671,7 +679,10 @@ mod tests {
         s.poll(idle);
         let paid_at_once = s.enqueue(draw("a", 4, CommitKind::Proc, true), idle);
         let (decisions, _) = s.poll(idle);
-        assert_eq!(decisions, vec![Decision { ticket: paid_at_once, waited: Duration::ZERO, outcome: Outcome::Granted }]);
+        assert_eq!(
+            decisions,
+            vec![Decision { ticket: paid_at_once, waited: Duration::ZERO, outcome: Outcome::Granted }]
+        );
         let a = s.status(idle).sandboxes.into_iter().find(|x| x.sandbox == "a").unwrap();
         assert_eq!((a.superseded, a.superseded_bytes), (2, 600_000));
     }

@@ -34,7 +34,9 @@ enum NodeAction {
 pub async fn run(args: NodeArgs) -> Result<(), NodeError> {
     let socket = match args.socket {
         Some(socket) => socket,
-        None => crate::config::Config::load(None).map(|c| c.node.socket).unwrap_or_else(|_| super::DEFAULT_SOCKET.into()),
+        None => {
+            crate::config::Config::load(None).map(|c| c.node.socket).unwrap_or_else(|_| super::DEFAULT_SOCKET.into())
+        }
     };
     match args.action.unwrap_or(NodeAction::Status) {
         NodeAction::Status => {

@@ -130,7 +130,8 @@ fn check_hello(socket: &Path, reply: Reply) -> Result<(String, Option<u64>), Nod
             if protocol::compatible(identity.as_deref()) {
                 Ok((instance, chunk_bytes))
             } else {
-                let theirs = identity.unwrap_or_else(|| format!("none (protocol {version}, a build older than identities)"));
+                let theirs =
+                    identity.unwrap_or_else(|| format!("none (protocol {version}, a build older than identities)"));
                 Err(incompatible(format!("pid {pid}"), theirs))
             }
         }
@@ -139,9 +140,10 @@ fn check_hello(socket: &Path, reply: Reply) -> Result<(String, Option<u64>), Nod
             identity.unwrap_or_else(|| format!("none (protocol {supported:?})")),
         )),
         // A crabd older than identities does not know the hello's identity field.
-        Reply::Error { message } if message.starts_with("malformed message") => {
-            Err(incompatible(format!("it refused this build's hello: {message}"), "none (a build older than identities)".into()))
-        }
+        Reply::Error { message } if message.starts_with("malformed message") => Err(incompatible(
+            format!("it refused this build's hello: {message}"),
+            "none (a build older than identities)".into(),
+        )),
         Reply::Error { message } => Err(NodeError::Remote(message)),
         other => Err(NodeError::UnexpectedReply { request: "hello", got: other.name().into() }),
     }
@@ -245,12 +247,15 @@ impl NodeClient {
             let Some(watch) = self.watches.lock().expect("watches lock").get(&container).copied() else { continue };
             // Records from before the watch are gone.
             self.gaps.lock().expect("gaps lock").insert(container.clone());
-            let request = Request::Watch { container: container.clone(), cgroup_id: watch.cgroup_id, root_pid: watch.root_pid };
+            let request =
+                Request::Watch { container: container.clone(), cgroup_id: watch.cgroup_id, root_pid: watch.root_pid };
             match connection.exchange(&request).await?.pop() {
                 Some(Reply::Ok) => {
                     self.unconfirmed.lock().expect("unconfirmed lock").remove(&container);
                 }
-                other => tracing::error!(%container, reply = ?other.map(|r| r.name()), "crabd did not watch the container again"),
+                other => {
+                    tracing::error!(%container, reply = ?other.map(|r| r.name()), "crabd did not watch the container again")
+                }
             }
         }
         control.instance = Some(connection.instance.clone());
@@ -280,7 +285,10 @@ impl NodeClient {
             Ok(connection) => return Ok(connection),
             Err(NodeError::Connect { source, .. })
                 if self.options.spawn
-                    && matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) =>
+                    && matches!(
+                        source.kind(),
+                        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                    ) =>
             {
                 tracing::info!(socket = %socket.display(), error = %source, "crabd not running: starting it");
             }
@@ -299,7 +307,10 @@ impl NodeClient {
                 // crabd gone and nobody serving. Start another while nobody listens.
                 Err(NodeError::Connect { source, .. })
                     if spawned.elapsed() >= RESPAWN_AFTER
-                        && matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) =>
+                        && matches!(
+                            source.kind(),
+                            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                        ) =>
                 {
                     spawn_crabd(&self.options)?;
                     spawned = Instant::now();
@@ -318,7 +329,8 @@ impl NodeClient {
             Ok(result) => result,
             Err(_) => {
                 // The exchange was cut off: its connection went with it (see call_unbounded).
-                let error = NodeError::Timeout { path: self.options.socket.clone(), after_ms: bound.as_millis() as u64 };
+                let error =
+                    NodeError::Timeout { path: self.options.socket.clone(), after_ms: bound.as_millis() as u64 };
                 tracing::warn!(request = request.name(), %error, "crabd did not answer in time");
                 self.after_failed(&request);
                 Err(error)
@@ -370,7 +382,13 @@ impl NodeClient {
 
     /// Waits for the bandwidth to commit `bytes`; Err when crabd cannot be
     /// reached or answers something else than a grant.
-    pub async fn acquire_bandwidth(&self, sandbox: &str, bytes: u64, kind: CommitKind, turn: u64) -> Result<f64, NodeError> {
+    pub async fn acquire_bandwidth(
+        &self,
+        sandbox: &str,
+        bytes: u64,
+        kind: CommitKind,
+        turn: u64,
+    ) -> Result<f64, NodeError> {
         let request = Request::Acquire { sandbox: sandbox.into(), bytes, kind, turn, supersedable: false };
         match self.acquire_request(request).await? {
             Acquired::Granted { waited_ms } => Ok(waited_ms),
@@ -386,8 +404,14 @@ impl NodeClient {
     /// this wait with [`Acquired::Superseded`]. The caller promises that the
     /// newer commit covers every path this one would have written.
     pub async fn acquire_supersedable(&self, sandbox: &str, bytes: u64, turn: u64) -> Result<Acquired, NodeError> {
-        self.acquire_request(Request::Acquire { sandbox: sandbox.into(), bytes, kind: CommitKind::Proc, turn, supersedable: true })
-            .await
+        self.acquire_request(Request::Acquire {
+            sandbox: sandbox.into(),
+            bytes,
+            kind: CommitKind::Proc,
+            turn,
+            supersedable: true,
+        })
+        .await
     }
 
     /// One acquire on a connection of its own (dropping the future closes it,
@@ -411,7 +435,9 @@ impl NodeClient {
             .await;
             let error = match outcome.map(|mut replies| replies.pop()) {
                 Ok(Some(Reply::Granted { waited_ms })) => return Ok(Acquired::Granted { waited_ms }),
-                Ok(Some(Reply::Superseded { by_turn, waited_ms })) => return Ok(Acquired::Superseded { by_turn, waited_ms }),
+                Ok(Some(Reply::Superseded { by_turn, waited_ms })) => {
+                    return Ok(Acquired::Superseded { by_turn, waited_ms });
+                }
                 Ok(Some(Reply::Error { message })) => return Err(NodeError::Remote(message)),
                 Ok(other) => {
                     return Err(NodeError::UnexpectedReply {
@@ -433,12 +459,20 @@ impl NodeClient {
 /// How an acquire ended.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Acquired {
-    Granted { waited_ms: f64 },
+    Granted {
+        waited_ms: f64,
+    },
     /// Dropped for the newer commit of turn `by_turn`: do not write this one.
-    Superseded { by_turn: u64, waited_ms: f64 },
+    Superseded {
+        by_turn: u64,
+        waited_ms: f64,
+    },
     /// No grant within the bound, or crabd unavailable: the bytes go ahead
     /// anyway, and `reason` says why (the write-out stops asking).
-    Ungated { waited_ms: f64, reason: String },
+    Ungated {
+        waited_ms: f64,
+        reason: String,
+    },
 }
 
 #[async_trait::async_trait]
@@ -462,7 +496,8 @@ impl EffectSource for NodeClient {
     }
 
     async fn drain(&self, container: &str, until_ns: u64) -> Result<TurnEffects, String> {
-        let replies = self.call(Request::Drain { container: container.into(), until_ns }).await.map_err(|e| e.to_string())?;
+        let replies =
+            self.call(Request::Drain { container: container.into(), until_ns }).await.map_err(|e| e.to_string())?;
         let mut effects: Vec<Effect> = Vec::new();
         let mut lost_events = 0;
         let mut overflow = None;
@@ -500,7 +535,8 @@ impl CommitGate for NodeClient {
         let started = Instant::now();
         let request = Request::Acquire { sandbox: sandbox.into(), bytes, kind, turn, supersedable };
         let waited_ms = || started.elapsed().as_secs_f64() * 1e3;
-        let recent_expiry = self.ungated_until.lock().expect("ungated lock").clone().filter(|(until, _)| Instant::now() < *until);
+        let recent_expiry =
+            self.ungated_until.lock().expect("ungated lock").clone().filter(|(until, _)| Instant::now() < *until);
         if let Some((_, reason)) = recent_expiry {
             return Acquired::Ungated { waited_ms: 0.0, reason: format!("{reason} (a moment ago: not asked again)") };
         }
@@ -517,11 +553,15 @@ impl CommitGate for NodeClient {
             Err(_) => {
                 let max_wait_ms = self.options.max_wait.as_millis() as u64;
                 tracing::warn!(sandbox, turn, bytes, max_wait_ms, "no bandwidth grant in time: writing anyway");
-                let reason = format!("no grant from crabd at {} within node.max_wait_ms = {max_wait_ms}", self.options.socket.display());
+                let reason = format!(
+                    "no grant from crabd at {} within node.max_wait_ms = {max_wait_ms}",
+                    self.options.socket.display()
+                );
                 // A crabd that stopped answering would cost every write-out the whole bound:
                 // for as long again the next ones go ahead at once (a grant to an acquire
                 // already under way ends that early).
-                *self.ungated_until.lock().expect("ungated lock") = Some((Instant::now() + self.options.max_wait, reason.clone()));
+                *self.ungated_until.lock().expect("ungated lock") =
+                    Some((Instant::now() + self.options.max_wait, reason.clone()));
                 Acquired::Ungated { waited_ms: waited_ms(), reason }
             }
         }

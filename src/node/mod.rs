@@ -132,7 +132,11 @@ pub fn render_status(status: &NodeStatus) -> String {
     );
     let _ = writeln!(out, "watched containers: {}", status.watched.len());
     for w in &status.watched {
-        let _ = writeln!(out, "  {:<40} cgroup {:<8} pid {:<8} lost {}", w.container, w.cgroup_id, w.root_pid, w.lost_events);
+        let _ = writeln!(
+            out,
+            "  {:<40} cgroup {:<8} pid {:<8} lost {}",
+            w.container, w.cgroup_id, w.root_pid, w.lost_events
+        );
     }
     let _ = writeln!(
         out,

@@ -84,10 +84,19 @@ pub enum Request {
         identity: Option<String>,
     },
     /// Start recording `container`, whose processes live in cgroup v2 `cgroup_id`.
-    Watch { container: String, cgroup_id: u64, root_pid: u32 },
+    Watch {
+        container: String,
+        cgroup_id: u64,
+        root_pid: u32,
+    },
     /// Take the effects of `container` up to `until_ns` (CLOCK_MONOTONIC).
-    Drain { container: String, until_ns: u64 },
-    Unwatch { container: String },
+    Drain {
+        container: String,
+        until_ns: u64,
+    },
+    Unwatch {
+        container: String,
+    },
     /// Wait for bandwidth to commit `bytes` of `sandbox`'s turn `turn`; crabd
     /// draws them from the bucket in chunks and answers once all are paid.
     /// `supersedable`: a newer supersedable process checkpoint of the same
@@ -106,9 +115,15 @@ pub enum Request {
     /// whose file-system delta holds every path of the sandbox's unwritten
     /// earlier turns: its waiting supersedable acquires of earlier turns are
     /// answered `superseded`, now or as soon as they would have to wait.
-    ProcessCaptured { sandbox: String, turn: u64 },
+    ProcessCaptured {
+        sandbox: String,
+        turn: u64,
+    },
     /// Mark (or unmark) a sandbox for eviction: its commits go first.
-    Evict { sandbox: String, evicting: bool },
+    Evict {
+        sandbox: String,
+        evicting: bool,
+    },
     Status,
 }
 
@@ -160,12 +175,19 @@ pub enum Reply {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         overflow: Option<Overflow>,
     },
-    Granted { waited_ms: f64 },
+    Granted {
+        waited_ms: f64,
+    },
     /// The commit was dropped for the newer one of turn `by_turn`: do not write it.
-    Superseded { by_turn: u64, waited_ms: f64 },
+    Superseded {
+        by_turn: u64,
+        waited_ms: f64,
+    },
     Cancelled,
     Status(Box<NodeStatus>),
-    Error { message: String },
+    Error {
+        message: String,
+    },
 }
 
 impl Reply {
@@ -309,7 +331,12 @@ pub fn effect_frames(effects: Vec<Effect>, lost_events: u64, overflow: Option<Ov
         chunk_bytes += 128 + effect.kind.paths().iter().map(|p| p.path.as_os_str().len() * 2).sum::<usize>();
         chunk.push(effect);
         if chunk_bytes >= EFFECTS_FRAME_BYTES {
-            frames.push(Reply::Effects { effects: std::mem::take(&mut chunk), lost_events: 0, more: true, overflow: None });
+            frames.push(Reply::Effects {
+                effects: std::mem::take(&mut chunk),
+                lost_events: 0,
+                more: true,
+                overflow: None,
+            });
             chunk_bytes = 0;
         }
     }
@@ -331,7 +358,11 @@ mod tests {
     fn effects_round_trip_including_non_utf8_paths() {
         let odd = std::path::PathBuf::from(std::ffi::OsString::from_vec(b"/app/\xff\xfe.bin".to_vec()));
         let effects = vec![
-            effect(EffectKind::Open { path: EffectPath { path: odd.clone(), resolved: true, fs_type: Some("overlay".into()) }, flags: 65, mode: 0o644 }),
+            effect(EffectKind::Open {
+                path: EffectPath { path: odd.clone(), resolved: true, fs_type: Some("overlay".into()) },
+                flags: 65,
+                mode: 0o644,
+            }),
             effect(EffectKind::Symlink { path: EffectPath::resolved("/app/l"), target: odd }),
             effect(EffectKind::Connect { addr: SockAddr::Inet("10.0.0.1:443".parse().unwrap()) }),
             effect(EffectKind::Exit { status: 256 }),
@@ -350,7 +381,10 @@ mod tests {
     fn requests_are_tagged_by_op_and_reject_unknown_fields() {
         let text = r#"{"op":"acquire","sandbox":"s","bytes":10,"kind":"proc","turn":3}"#;
         let req: Request = serde_json::from_str(text).unwrap();
-        assert_eq!(req, Request::Acquire { sandbox: "s".into(), bytes: 10, kind: CommitKind::Proc, turn: 3, supersedable: false });
+        assert_eq!(
+            req,
+            Request::Acquire { sandbox: "s".into(), bytes: 10, kind: CommitKind::Proc, turn: 3, supersedable: false }
+        );
         assert!(serde_json::from_str::<Request>(r#"{"op":"drain","container":"c","until_ns":1,"x":1}"#).is_err());
         assert!(serde_json::from_str::<Request>(r#"{"op":"format_disk"}"#).is_err());
         // A client of this version may mark a process checkpoint supersedable.
@@ -359,10 +393,16 @@ mod tests {
         let reply = Reply::Superseded { by_turn: 4, waited_ms: 1.5 };
         assert_eq!(serde_json::from_slice::<Reply>(&encode(&reply).unwrap()[4..]).unwrap(), reply);
         let text = r#"{"op":"process_captured","sandbox":"s","turn":5}"#;
-        assert_eq!(serde_json::from_str::<Request>(text).unwrap(), Request::ProcessCaptured { sandbox: "s".into(), turn: 5 });
+        assert_eq!(
+            serde_json::from_str::<Request>(text).unwrap(),
+            Request::ProcessCaptured { sandbox: "s".into(), turn: 5 }
+        );
         // The hello of a crabd that does not name its chunk still parses.
         let old_hello = r#"{"reply":"hello","version":1,"instance":"i","pid":7}"#;
-        assert!(matches!(serde_json::from_str(old_hello).unwrap(), Reply::Hello { chunk_bytes: None, identity: None, .. }));
+        assert!(matches!(
+            serde_json::from_str(old_hello).unwrap(),
+            Reply::Hello { chunk_bytes: None, identity: None, .. }
+        ));
     }
 
     #[test]
@@ -381,7 +421,10 @@ mod tests {
         let old = r#"{"op":"hello","version":1}"#;
         assert_eq!(serde_json::from_str::<Request>(old).unwrap(), Request::Hello { version: 1, identity: None });
         let refused = r#"{"reply":"unsupported","supported":[1]}"#;
-        assert_eq!(serde_json::from_str::<Reply>(refused).unwrap(), Reply::Unsupported { supported: vec![1], identity: None });
+        assert_eq!(
+            serde_json::from_str::<Reply>(refused).unwrap(),
+            Reply::Unsupported { supported: vec![1], identity: None }
+        );
     }
 
     #[test]

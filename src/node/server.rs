@@ -202,7 +202,9 @@ async fn serve_connection(node: Arc<Node>, stream: UnixStream) {
             }
         };
         let replies = match (greeted, request) {
-            (false, Request::Hello { version, identity }) if version == PROTOCOL_VERSION && protocol::compatible(identity.as_deref()) => {
+            (false, Request::Hello { version, identity })
+                if version == PROTOCOL_VERSION && protocol::compatible(identity.as_deref()) =>
+            {
                 greeted = true;
                 vec![Reply::Hello {
                     version: PROTOCOL_VERSION,
@@ -216,7 +218,10 @@ async fn serve_connection(node: Arc<Node>, stream: UnixStream) {
                 // A shim of another build: it reads the refusal and goes on without crabd.
                 tracing::warn!(version, client_identity = identity.as_deref().unwrap_or("none (older than identities)"),
                     crabd_identity = %protocol::compat_identity(), "refused a client of another build");
-                let reply = Reply::Unsupported { supported: vec![PROTOCOL_VERSION], identity: Some(protocol::compat_identity()) };
+                let reply = Reply::Unsupported {
+                    supported: vec![PROTOCOL_VERSION],
+                    identity: Some(protocol::compat_identity()),
+                };
                 let _ = protocol::write_message(&mut writer, &reply).await;
                 return;
             }
@@ -284,10 +289,12 @@ impl Node {
     async fn handle(&self, request: Request) -> Vec<Reply> {
         let reply = match request {
             Request::Hello { .. } => Reply::error("hello twice"),
-            Request::Watch { container, cgroup_id, root_pid } => match self.watch(&container, cgroup_id, root_pid).await {
-                Ok(()) => Reply::Ok,
-                Err(e) => Reply::error(e),
-            },
+            Request::Watch { container, cgroup_id, root_pid } => {
+                match self.watch(&container, cgroup_id, root_pid).await {
+                    Ok(()) => Reply::Ok,
+                    Err(e) => Reply::error(e),
+                }
+            }
             Request::Drain { container, until_ns } => match self.inspector.drain(&container, until_ns).await {
                 Ok(turn) => return protocol::effect_frames(turn.effects, turn.lost_events, turn.overflow),
                 Err(e) => Reply::error(e),
@@ -325,7 +332,12 @@ impl Node {
             if existing.cgroup_id == cgroup_id {
                 return Ok(());
             }
-            tracing::info!(container, old = existing.cgroup_id, new = cgroup_id, "container id reused: replacing its watch");
+            tracing::info!(
+                container,
+                old = existing.cgroup_id,
+                new = cgroup_id,
+                "container id reused: replacing its watch"
+            );
             let _ = self.inspector.unwatch(container).await;
         }
         let watched = WatchedContainer {
@@ -428,7 +440,10 @@ impl Drop for PendingGrant {
 impl Bandwidth {
     fn start(config: BucketConfig) -> Self {
         let shared = Arc::new(BandwidthShared {
-            state: Mutex::new(BandwidthState { scheduler: Scheduler::new(config, Instant::now()), waiters: HashMap::new() }),
+            state: Mutex::new(BandwidthState {
+                scheduler: Scheduler::new(config, Instant::now()),
+                waiters: HashMap::new(),
+            }),
             changed: Notify::new(),
         });
         tokio::spawn(drive(shared.clone()));
@@ -460,7 +475,8 @@ impl Bandwidth {
     }
 
     fn supersede(&self, sandbox: &str, turn: u64) -> usize {
-        let dropped = self.shared.state.lock().expect("bandwidth lock").scheduler.supersede(sandbox, turn, Instant::now());
+        let dropped =
+            self.shared.state.lock().expect("bandwidth lock").scheduler.supersede(sandbox, turn, Instant::now());
         // The driver answers the dropped waiters at its next poll.
         self.shared.changed.notify_one();
         dropped

@@ -63,7 +63,8 @@ impl ArchiveWriter {
     pub fn create(path: &Path, reference: &str, index: &Descriptor) -> Result<ArchiveWriter, ArchiveError> {
         let partial = path.with_extension("partial");
         let file = File::create(&partial).map_err(|source| ArchiveError::Io { path: partial.clone(), source })?;
-        let mut writer = ArchiveWriter { path: path.to_path_buf(), partial, tar: Some(BufWriter::new(file)), written: 0 };
+        let mut writer =
+            ArchiveWriter { path: path.to_path_buf(), partial, tar: Some(BufWriter::new(file)), written: 0 };
         writer.entry("oci-layout", OCI_LAYOUT)?;
         let layout_index = serde_json::json!({
             "schemaVersion": 2,
@@ -115,7 +116,8 @@ impl ArchiveWriter {
 
     fn entry(&mut self, name: &str, data: &[u8]) -> Result<(), ArchiveError> {
         let tar = self.tar.as_mut().expect("an unfinished archive has its file");
-        self.written += tar_entry(tar, name, data).map_err(|source| ArchiveError::Io { path: self.partial.clone(), source })?;
+        self.written +=
+            tar_entry(tar, name, data).map_err(|source| ArchiveError::Io { path: self.partial.clone(), source })?;
         Ok(())
     }
 }
@@ -130,7 +132,11 @@ impl Drop for ArchiveWriter {
 
 /// The content containerd handed out must be the blob the index names.
 pub fn check_blob(descriptor: &Descriptor, data: &[u8]) -> Result<(), ArchiveError> {
-    let hex = descriptor.digest.strip_prefix("sha256:").filter(|hex| hex.len() == 64).ok_or_else(|| ArchiveError::BadDigest(descriptor.digest.clone()))?;
+    let hex = descriptor
+        .digest
+        .strip_prefix("sha256:")
+        .filter(|hex| hex.len() == 64)
+        .ok_or_else(|| ArchiveError::BadDigest(descriptor.digest.clone()))?;
     let got_hex = hex::encode(Sha256::digest(data));
     if data.len() as u64 != descriptor.size || got_hex != hex {
         return Err(ArchiveError::BlobMismatch {
@@ -211,7 +217,8 @@ mod tests {
         let hex = layer.0.digest.strip_prefix("sha256:").unwrap();
         assert_eq!(std::fs::read(unpacked.join("blobs/sha256").join(hex)).unwrap(), layer.1);
         assert_eq!(std::fs::read(unpacked.join("oci-layout")).unwrap(), OCI_LAYOUT);
-        let layout: serde_json::Value = serde_json::from_slice(&std::fs::read(unpacked.join("index.json")).unwrap()).unwrap();
+        let layout: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(unpacked.join("index.json")).unwrap()).unwrap();
         assert_eq!(layout["manifests"][0]["digest"], index.0.digest.as_str());
         assert_eq!(layout["manifests"][0]["annotations"][IMAGE_NAME_ANNOTATION], "crab.local/replay/x:turn-3");
     }
@@ -220,7 +227,8 @@ mod tests {
     fn a_blob_that_is_not_what_the_index_says_leaves_no_archive() {
         let dir = tempfile::tempdir().unwrap();
         let index = blob(b"{}", "application/vnd.oci.image.index.v1+json");
-        let (mut descriptor, data) = blob(b"criu images", "application/vnd.containerd.container.criu.checkpoint.criu.tar");
+        let (mut descriptor, data) =
+            blob(b"criu images", "application/vnd.containerd.container.criu.checkpoint.criu.tar");
         descriptor.size += 1;
         let path = dir.path().join("turn-1.tar");
         let mut archive = ArchiveWriter::create(&path, "r", &index.0).unwrap();

@@ -95,7 +95,8 @@ pub async fn run(args: ReplayArgs) -> Result<(), Box<dyn std::error::Error>> {
     let reports = super::replay(&options).await?;
     let json = serde_json::to_string_pretty(&reports)?;
     if let Some(path) = &args.json_out {
-        std::fs::write(path, format!("{json}\n")).map_err(|error| format!("cannot write {}: {error}", path.display()))?;
+        std::fs::write(path, format!("{json}\n"))
+            .map_err(|error| format!("cannot write {}: {error}", path.display()))?;
     }
     if args.json {
         println!("{json}");

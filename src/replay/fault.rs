@@ -64,17 +64,16 @@ impl fmt::Display for FaultKind {
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("unknown fault {0:?} (expected one of: none, kill-processes, kill-shim, restart-containerd, kill-crabd, node-loss)")]
+#[error(
+    "unknown fault {0:?} (expected one of: none, kill-processes, kill-shim, restart-containerd, kill-crabd, node-loss)"
+)]
 pub struct UnknownFault(pub String);
 
 impl FromStr for FaultKind {
     type Err = UnknownFault;
 
     fn from_str(text: &str) -> Result<FaultKind, UnknownFault> {
-        FaultKind::ALL
-            .into_iter()
-            .find(|kind| kind.name() == text)
-            .ok_or_else(|| UnknownFault(text.to_string()))
+        FaultKind::ALL.into_iter().find(|kind| kind.name() == text).ok_or_else(|| UnknownFault(text.to_string()))
     }
 }
 
@@ -97,18 +96,14 @@ impl FaultTurn {
         }
         Some(match self {
             FaultTurn::Fixed(turn) => turn,
-            FaultTurn::Random(seed) => {
-                (splitmix64(seed ^ fnv1a(trace_name.as_bytes())) % u64::from(turns)) as u32 + 1
-            }
+            FaultTurn::Random(seed) => (splitmix64(seed ^ fnv1a(trace_name.as_bytes())) % u64::from(turns)) as u32 + 1,
             FaultTurn::Middle => turns.div_ceil(2),
         })
     }
 }
 
 fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
-        (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3)
-    })
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3))
 }
 
 fn splitmix64(seed: u64) -> u64 {
@@ -129,9 +124,8 @@ mod tests {
             assert!((1..=7).contains(&turn));
             assert_eq!(FaultTurn::Random(seed).resolve("trace-a", 7), Some(turn));
         }
-        let spread: std::collections::BTreeSet<u32> = (0..200)
-            .map(|seed| FaultTurn::Random(seed).resolve("trace-a", 7).unwrap())
-            .collect();
+        let spread: std::collections::BTreeSet<u32> =
+            (0..200).map(|seed| FaultTurn::Random(seed).resolve("trace-a", 7).unwrap()).collect();
         assert_eq!(spread.len(), 7, "every turn is reachable");
     }
 

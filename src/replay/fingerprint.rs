@@ -50,11 +50,7 @@ exit 0
 #[derive(Debug, thiserror::Error)]
 pub enum FingerprintError {
     #[error("fingerprint record {index}: {problem} ({record:?})")]
-    BadRecord {
-        index: usize,
-        problem: &'static str,
-        record: String,
-    },
+    BadRecord { index: usize, problem: &'static str, record: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -113,58 +109,31 @@ impl Fingerprint {
         let mut fingerprint = Fingerprint::default();
         let mut hashes: BTreeMap<String, String> = BTreeMap::new();
         let mut last_link: Option<String> = None;
-        let records = output
-            .split(|byte| *byte == 0)
-            .filter(|record| !record.is_empty());
+        let records = output.split(|byte| *byte == 0).filter(|record| !record.is_empty());
         for (index, record) in records.enumerate() {
             let text = String::from_utf8_lossy(record).into_owned();
-            let bad = |problem| FingerprintError::BadRecord {
-                index,
-                problem,
-                record: text.clone(),
-            };
+            let bad = |problem| FingerprintError::BadRecord { index, problem, record: text.clone() };
             if let Some(cmdline) = text.strip_prefix("P ") {
-                *fingerprint
-                    .processes
-                    .entry(cmdline.to_string())
-                    .or_default() += 1;
+                *fingerprint.processes.entry(cmdline.to_string()).or_default() += 1;
             } else if let Some(listener) = text.strip_prefix("L ") {
                 fingerprint.listeners.insert(listener.to_string());
             } else if let Some(target) = text.strip_prefix("T ") {
-                let path = last_link
-                    .take()
-                    .ok_or_else(|| bad("link target without a symlink before it"))?;
+                let path = last_link.take().ok_or_else(|| bad("link target without a symlink before it"))?;
                 if let Some(entry) = fingerprint.files.get_mut(&path) {
                     entry.link_target = Some(target.to_string());
                 }
             } else if let Some(rest) = text.strip_prefix("F ") {
                 let mut fields = rest.splitn(5, ' ');
-                let kind = fields
-                    .next()
-                    .and_then(|k| k.chars().next())
-                    .ok_or_else(|| bad("no file type"))?;
+                let kind = fields.next().and_then(|k| k.chars().next()).ok_or_else(|| bad("no file type"))?;
                 let mode = fields.next().ok_or_else(|| bad("no mode"))?.to_string();
                 let owner = fields.next().ok_or_else(|| bad("no owner"))?.to_string();
-                let size: u64 = fields
-                    .next()
-                    .and_then(|s| s.parse().ok())
-                    .ok_or_else(|| bad("no size"))?;
+                let size: u64 = fields.next().and_then(|s| s.parse().ok()).ok_or_else(|| bad("no size"))?;
                 let path = fields.next().ok_or_else(|| bad("no path"))?.to_string();
                 let size = matches!(kind, 'f' | 'l').then_some(size);
                 if kind == 'l' {
                     last_link = Some(path.clone());
                 }
-                fingerprint.files.insert(
-                    path,
-                    FileEntry {
-                        kind,
-                        mode,
-                        owner,
-                        size,
-                        link_target: None,
-                        sha256: None,
-                    },
-                );
+                fingerprint.files.insert(path, FileEntry { kind, mode, owner, size, link_target: None, sha256: None });
             } else if is_sha256_line(&text) {
                 hashes.insert(text[66..].to_string(), text[..64].to_string());
             } else {
@@ -191,32 +160,17 @@ impl Fingerprint {
         for (path, expected) in &reference.files {
             let key = format!("file:{path}");
             match self.files.get(path) {
-                None => differences.push(Difference {
-                    key,
-                    detail: "missing".to_string(),
-                }),
-                Some(actual) if actual != expected => differences.push(Difference {
-                    key,
-                    detail: describe_change(actual, expected),
-                }),
+                None => differences.push(Difference { key, detail: "missing".to_string() }),
+                Some(actual) if actual != expected => {
+                    differences.push(Difference { key, detail: describe_change(actual, expected) })
+                }
                 Some(_) => {}
             }
         }
-        for path in self
-            .files
-            .keys()
-            .filter(|path| !reference.files.contains_key(*path))
-        {
-            differences.push(Difference {
-                key: format!("file:{path}"),
-                detail: "unexpected".to_string(),
-            });
+        for path in self.files.keys().filter(|path| !reference.files.contains_key(*path)) {
+            differences.push(Difference { key: format!("file:{path}"), detail: "unexpected".to_string() });
         }
-        let commands: BTreeSet<&String> = self
-            .processes
-            .keys()
-            .chain(reference.processes.keys())
-            .collect();
+        let commands: BTreeSet<&String> = self.processes.keys().chain(reference.processes.keys()).collect();
         for command in commands {
             let actual = self.processes.get(command).copied().unwrap_or(0);
             let expected = reference.processes.get(command).copied().unwrap_or(0);
@@ -228,33 +182,21 @@ impl Fingerprint {
             }
         }
         for listener in reference.listeners.difference(&self.listeners) {
-            differences.push(Difference {
-                key: format!("listen:{listener}"),
-                detail: "not listening".to_string(),
-            });
+            differences.push(Difference { key: format!("listen:{listener}"), detail: "not listening".to_string() });
         }
         for listener in self.listeners.difference(&reference.listeners) {
-            differences.push(Difference {
-                key: format!("listen:{listener}"),
-                detail: "unexpected".to_string(),
-            });
+            differences.push(Difference { key: format!("listen:{listener}"), detail: "unexpected".to_string() });
         }
         differences
     }
 }
 
 fn is_within(path: &str, root: &str) -> bool {
-    root == "/"
-        || path == root
-        || path
-            .strip_prefix(root)
-            .is_some_and(|rest| rest.starts_with('/'))
+    root == "/" || path == root || path.strip_prefix(root).is_some_and(|rest| rest.starts_with('/'))
 }
 
 fn is_sha256_line(text: &str) -> bool {
-    text.len() > 66
-        && text.as_bytes()[..64].iter().all(u8::is_ascii_hexdigit)
-        && &text[64..66] == "  "
+    text.len() > 66 && text.as_bytes()[..64].iter().all(u8::is_ascii_hexdigit) && &text[64..66] == "  "
 }
 
 fn describe_change(actual: &FileEntry, expected: &FileEntry) -> String {
@@ -314,18 +256,9 @@ mod tests {
         assert_eq!(fingerprint.processes.get("sleep infinity"), Some(&1));
         assert!(fingerprint.listeners.contains("tcp 00000000:1F90"));
         let file = &fingerprint.files["/app/with space.txt"];
-        assert_eq!(
-            (file.kind, file.size, file.sha256.as_deref()),
-            ('f', Some(3), Some(HASH_A))
-        );
-        assert_eq!(
-            fingerprint.files["/app/link"].link_target.as_deref(),
-            Some("with space.txt")
-        );
-        assert_eq!(
-            fingerprint.files["/app"].size, None,
-            "directory sizes are history, not state"
-        );
+        assert_eq!((file.kind, file.size, file.sha256.as_deref()), ('f', Some(3), Some(HASH_A)));
+        assert_eq!(fingerprint.files["/app/link"].link_target.as_deref(), Some("with space.txt"));
+        assert_eq!(fingerprint.files["/app"].size, None, "directory sizes are history, not state");
     }
 
     #[test]

@@ -33,13 +33,10 @@ pub enum InjectError {
     NoListener { daemon: &'static str, socket: PathBuf },
     #[error("container {container} has no running task to find its shim by")]
     NoTask { container: String },
-    #[error("container {container}: the parent of its init (pid {init}) is pid {parent} ({command:?}), not its containerd shim")]
-    NotItsShim {
-        container: String,
-        init: u32,
-        parent: u32,
-        command: String,
-    },
+    #[error(
+        "container {container}: the parent of its init (pid {init}) is pid {parent} ({command:?}), not its containerd shim"
+    )]
+    NotItsShim { container: String, init: u32, parent: u32, command: String },
     #[error("cannot send SIGKILL to {what} (pid {pid}): {source}")]
     Kill {
         what: String,
@@ -49,26 +46,16 @@ pub enum InjectError {
     },
     #[error("{what} (pid {pid}) still runs {after:?} after SIGKILL")]
     Survived { what: String, pid: u32, after: Duration },
-    #[error("restart-containerd needs the command that starts containerd again (--containerd-start or CRAB_CTRD_START_CMD)")]
+    #[error(
+        "restart-containerd needs the command that starts containerd again (--containerd-start or CRAB_CTRD_START_CMD)"
+    )]
     NoStartCommand,
     #[error("containerd start command `{command}` failed ({status}): {stderr}")]
-    StartFailed {
-        command: String,
-        status: String,
-        stderr: String,
-    },
+    StartFailed { command: String, status: String, stderr: String },
     #[error("containerd at {socket} does not answer {after:?} after `{command}`")]
-    NotAnswering {
-        socket: PathBuf,
-        command: String,
-        after: Duration,
-    },
+    NotAnswering { socket: PathBuf, command: String, after: Duration },
     #[error("containerd still reports the task of {container} as {status} {after:?} after the fault")]
-    TaskStillRunning {
-        container: String,
-        status: String,
-        after: Duration,
-    },
+    TaskStillRunning { container: String, status: String, after: Duration },
     #[error("containerd still knows container {container} after node loss")]
     StillKnown { container: String },
 }
@@ -179,7 +166,9 @@ impl FaultInjector {
             return Err(InjectError::StillKnown { container: container.into() });
         }
         Ok(Injected {
-            detail: format!("SIGKILL to the container's processes and its shim (pid {shim}); container and snapshot deleted from containerd"),
+            detail: format!(
+                "SIGKILL to the container's processes and its shim (pid {shim}); container and snapshot deleted from containerd"
+            ),
             task_running: false,
         })
     }
@@ -190,13 +179,14 @@ impl FaultInjector {
         let containerd = listener_pid("containerd", &socket)?;
         kill_and_wait(containerd, "containerd").await?;
         let started = Instant::now();
-        let output = Command::new("sh")
-            .arg("-c")
-            .arg(&command)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .await
-            .map_err(|e| InjectError::StartFailed { command: command.clone(), status: "not started".into(), stderr: e.to_string() })?;
+        let output =
+            Command::new("sh").arg("-c").arg(&command).stdin(std::process::Stdio::null()).output().await.map_err(
+                |e| InjectError::StartFailed {
+                    command: command.clone(),
+                    status: "not started".into(),
+                    stderr: e.to_string(),
+                },
+            )?;
         // What counts is containerd serving again: a start script can give up
         // on a daemon that comes up after all (seen under heavy load).
         while self.ctr.run(&["version"]).await.is_err() {
@@ -230,7 +220,8 @@ impl FaultInjector {
     /// the shim is the subreaper its runtime leaves the init with.
     async fn shim_of(&self, container: &str) -> Result<u32, InjectError> {
         let listing = self.ctr.run(&["tasks", "ls"]).await?.stdout_text();
-        let (init, _) = task_entry(&listing, container).ok_or_else(|| InjectError::NoTask { container: container.into() })?;
+        let (init, _) =
+            task_entry(&listing, container).ok_or_else(|| InjectError::NoTask { container: container.into() })?;
         let stat_path = PathBuf::from(format!("/proc/{init}/stat"));
         let stat = read_proc(&stat_path)?;
         let parent = stat_parent(&stat).ok_or_else(|| InjectError::Proc {
@@ -322,7 +313,11 @@ fn read_proc(path: &Path) -> Result<String, InjectError> {
 
 /// SIGKILLs `pid` and waits until it is gone (or a zombie nobody reaped yet).
 async fn kill_and_wait(pid: u32, what: &str) -> Result<(), InjectError> {
-    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).map_err(|source| InjectError::Kill { what: what.into(), pid, source })?;
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).map_err(|source| InjectError::Kill {
+        what: what.into(),
+        pid,
+        source,
+    })?;
     let started = Instant::now();
     while is_alive(pid) {
         if started.elapsed() > DEATH {
@@ -334,7 +329,8 @@ async fn kill_and_wait(pid: u32, what: &str) -> Result<(), InjectError> {
 }
 
 fn is_alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| stat_state(&stat).is_some_and(|state| state != 'Z' && state != 'X'))
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|stat| stat_state(&stat).is_some_and(|state| state != 'Z' && state != 'X'))
 }
 
 /// The pid of the process that listens on the Unix socket `socket`.
@@ -402,7 +398,8 @@ pub fn is_shim_of(cmdline: &[u8], container: &str) -> bool {
     let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).filter(|a| !a.is_empty()).collect();
     let Some(program) = args.first() else { return false };
     let name = program.rsplit(|b| *b == b'/').next().unwrap_or(program);
-    name.starts_with(b"containerd-shim") && args.windows(2).any(|pair| pair[0] == b"-id" && pair[1] == container.as_bytes())
+    name.starts_with(b"containerd-shim")
+        && args.windows(2).any(|pair| pair[0] == b"-id" && pair[1] == container.as_bytes())
 }
 
 /// The init pid and status of `container` in a `ctr tasks ls` listing.

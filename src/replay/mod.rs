@@ -50,17 +50,9 @@ pub enum ReplayError {
         source: oracle::OracleError,
     },
     #[error("{file}: image {image} is not in containerd (build it with `{hint}`)")]
-    ImageMissing {
-        file: PathBuf,
-        image: String,
-        hint: String,
-    },
+    ImageMissing { file: PathBuf, image: String, hint: String },
     #[error("{file}: fault turn {turn} is outside the trace (turns 1..={turns})")]
-    FaultTurnOutOfRange {
-        file: PathBuf,
-        turn: u32,
-        turns: u32,
-    },
+    FaultTurnOutOfRange { file: PathBuf, turn: u32, turns: u32 },
     #[error("fault {fault}: {source}")]
     Fault {
         fault: FaultKind,

@@ -44,7 +44,12 @@ static STAMPS: LazyLock<Vec<(Regex, &'static str)>> = LazyLock::new(|| {
         // common log format (nginx, apache): day/month/year:time offset
         (format!(r"\b\d{{2}}/{MONTH}/\d{{4}}:{hms}(?: [+-]\d{{4}})?"), "<date>"),
         // ISO 8601 with a time, T or space separated, optional zone
-        (format!(r"\b\d{{4}}-\d{{2}}-\d{{2}}[T ]\d{{2}}:\d{{2}}(?::\d{{2}}(?:[.,]\d+)?)?(?:Z|[+-]\d{{2}}:?\d{{2}}| [+-]\d{{4}})?"), "<datetime>"),
+        (
+            format!(
+                r"\b\d{{4}}-\d{{2}}-\d{{2}}[T ]\d{{2}}:\d{{2}}(?::\d{{2}}(?:[.,]\d+)?)?(?:Z|[+-]\d{{2}}:?\d{{2}}| [+-]\d{{4}})?"
+            ),
+            "<datetime>",
+        ),
         // ls -l: month, day, then HH:MM (this year) or a year (older files)
         (format!(r"\b{MONTH} [ \d]\d (?:\d{{2}}:\d{{2}}| \d{{4}})\b"), "<mtime>"),
         // any other time of day with seconds
@@ -229,10 +234,7 @@ mod tests {
     #[test]
     fn first_difference_names_the_line() {
         assert_eq!(first_difference("a\nb\nc\n", "a\nb\nc\n", 80), None);
-        assert_eq!(
-            first_difference("a\nb\nc\n", "a\nX\nc\n", 80),
-            Some((2, "b".to_string(), "X".to_string()))
-        );
+        assert_eq!(first_difference("a\nb\nc\n", "a\nX\nc\n", 80), Some((2, "b".to_string(), "X".to_string())));
         assert_eq!(first_difference("a\n", "a\nmore\n", 2), Some((2, String::new(), "mo".to_string())));
     }
 }

@@ -160,13 +160,8 @@ impl Reference {
     pub fn new(runs: Vec<ReferenceRun>) -> Result<Reference, OracleError> {
         let first = runs.first().ok_or(OracleError::NoReference)?;
         for run in &runs[1..] {
-            if run.results.len() != first.results.len()
-                || run.fingerprints.len() != first.fingerprints.len()
-            {
-                return Err(OracleError::RunLengthMismatch(
-                    first.results.len(),
-                    run.results.len(),
-                ));
+            if run.results.len() != first.results.len() || run.fingerprints.len() != first.fingerprints.len() {
+                return Err(OracleError::RunLengthMismatch(first.results.len(), run.results.len()));
             }
         }
         Ok(Reference { runs })
@@ -181,9 +176,7 @@ impl Reference {
     }
 
     pub fn fingerprint(&self, turn: u32) -> Option<&Fingerprint> {
-        self.primary()
-            .fingerprints
-            .get(turn.checked_sub(1)? as usize)
+        self.primary().fingerprints.get(turn.checked_sub(1)? as usize)
     }
 
     /// Turns whose agent-visible result differs between reference runs,
@@ -217,11 +210,7 @@ impl Reference {
     pub fn volatile_keys(&self, turn: u32) -> BTreeSet<String> {
         let index = (turn - 1) as usize;
         let primary = &self.primary().fingerprints[index];
-        self.runs[1..]
-            .iter()
-            .flat_map(|run| run.fingerprints[index].diff(primary))
-            .map(|d| d.key)
-            .collect()
+        self.runs[1..].iter().flat_map(|run| run.fingerprints[index].diff(primary)).map(|d| d.key).collect()
     }
 
     /// Judges a run that was killed after `fault_turn` and recovered into
@@ -234,18 +223,11 @@ impl Reference {
         recovery_possible: bool,
     ) -> Result<Verdict, OracleError> {
         let turns = self.primary().results.len();
-        let reference_state = self
-            .fingerprint(fault_turn)
-            .ok_or(OracleError::NoSuchTurn {
-                turn: fault_turn,
-                turns,
-            })?;
+        let reference_state =
+            self.fingerprint(fault_turn).ok_or(OracleError::NoSuchTurn { turn: fault_turn, turns })?;
         let volatile = self.volatile_keys(fault_turn);
-        let state_differences: Vec<Difference> = recovered
-            .diff(reference_state)
-            .into_iter()
-            .filter(|d| !volatile.contains(&d.key))
-            .collect();
+        let state_differences: Vec<Difference> =
+            recovered.diff(reference_state).into_iter().filter(|d| !volatile.contains(&d.key)).collect();
         let nondeterministic = self.nondeterministic_turns();
         let mut verdict = Verdict {
             fault_turn,
@@ -267,10 +249,7 @@ impl Reference {
                 .primary()
                 .results
                 .get((result.turn as usize).wrapping_sub(1))
-                .ok_or(OracleError::NoSuchTurn {
-                    turn: result.turn,
-                    turns,
-                })?;
+                .ok_or(OracleError::NoSuchTurn { turn: result.turn, turns })?;
             if nondeterministic.contains(&result.turn) {
                 verdict.turns_excluded.push(result.turn);
                 continue;
@@ -320,11 +299,7 @@ mod tests {
 
     fn run(outputs: [&str; 3], states: [&[&str]; 3]) -> ReferenceRun {
         ReferenceRun {
-            results: outputs
-                .iter()
-                .enumerate()
-                .map(|(i, out)| result(i as u32 + 1, 0, out))
-                .collect(),
+            results: outputs.iter().enumerate().map(|(i, out)| result(i as u32 + 1, 0, out)).collect(),
             fingerprints: states.iter().map(|records| state(records)).collect(),
         }
     }
@@ -334,41 +309,27 @@ mod tests {
 
     #[test]
     fn exact_recovery_is_correct() {
-        let reference =
-            Reference::new(vec![run(["a", "b", "c"], [EMPTY, WITH_FILE, WITH_FILE])]).unwrap();
-        let verdict = reference
-            .judge(2, &state(WITH_FILE), &[result(3, 0, "c")], true)
-            .unwrap();
+        let reference = Reference::new(vec![run(["a", "b", "c"], [EMPTY, WITH_FILE, WITH_FILE])]).unwrap();
+        let verdict = reference.judge(2, &state(WITH_FILE), &[result(3, 0, "c")], true).unwrap();
         assert!(verdict.correct);
         assert_eq!(verdict.turns_compared, [3]);
     }
 
     #[test]
     fn lost_file_is_incorrect_and_named() {
-        let reference =
-            Reference::new(vec![run(["a", "b", "c"], [EMPTY, WITH_FILE, WITH_FILE])]).unwrap();
-        let verdict = reference
-            .judge(2, &state(EMPTY), &[result(3, 0, "c")], true)
-            .unwrap();
+        let reference = Reference::new(vec![run(["a", "b", "c"], [EMPTY, WITH_FILE, WITH_FILE])]).unwrap();
+        let verdict = reference.judge(2, &state(EMPTY), &[result(3, 0, "c")], true).unwrap();
         assert!(!verdict.correct);
         assert_eq!(verdict.state_differences[0].key, "file:/app/x");
     }
 
     #[test]
     fn a_later_exit_code_or_output_mismatch_is_incorrect() {
-        let reference =
-            Reference::new(vec![run(["a", "b", "c"], [EMPTY, WITH_FILE, WITH_FILE])]).unwrap();
-        let rc = reference
-            .judge(2, &state(WITH_FILE), &[result(3, 1, "c")], true)
-            .unwrap();
+        let reference = Reference::new(vec![run(["a", "b", "c"], [EMPTY, WITH_FILE, WITH_FILE])]).unwrap();
+        let rc = reference.judge(2, &state(WITH_FILE), &[result(3, 1, "c")], true).unwrap();
         assert_eq!((rc.correct, rc.rc_mismatches.as_slice()), (false, &[3][..]));
-        let output = reference
-            .judge(2, &state(WITH_FILE), &[result(3, 0, "other")], true)
-            .unwrap();
-        assert_eq!(
-            (output.correct, output.output_mismatches.as_slice()),
-            (false, &[3][..])
-        );
+        let output = reference.judge(2, &state(WITH_FILE), &[result(3, 0, "other")], true).unwrap();
+        assert_eq!((output.correct, output.output_mismatches.as_slice()), (false, &[3][..]));
     }
 
     #[test]
@@ -381,35 +342,19 @@ mod tests {
 
     #[test]
     fn nondeterminism_between_reference_runs_is_excluded() {
-        const STAMP_1: &[&str] = &[
-            "F d 0755 0:0 4096 /app",
-            "F f 0644 0:0 2 /app/x",
-            "F f 0644 0:0 10 /tmp/stamp",
-        ];
-        const STAMP_2: &[&str] = &[
-            "F d 0755 0:0 4096 /app",
-            "F f 0644 0:0 2 /app/x",
-            "F f 0644 0:0 11 /tmp/stamp",
-        ];
+        const STAMP_1: &[&str] = &["F d 0755 0:0 4096 /app", "F f 0644 0:0 2 /app/x", "F f 0644 0:0 10 /tmp/stamp"];
+        const STAMP_2: &[&str] = &["F d 0755 0:0 4096 /app", "F f 0644 0:0 2 /app/x", "F f 0644 0:0 11 /tmp/stamp"];
         let first = run(["a", "b", "date 1"], [EMPTY, STAMP_1, STAMP_1]);
         let second = run(["a", "b", "date 2"], [EMPTY, STAMP_2, STAMP_2]);
         let reference = Reference::new(vec![first, second]).unwrap();
         assert_eq!(reference.nondeterministic_turns(), BTreeSet::from([3]));
-        const STAMP_3: &[&str] = &[
-            "F d 0755 0:0 4096 /app",
-            "F f 0644 0:0 2 /app/x",
-            "F f 0644 0:0 12 /tmp/stamp",
-        ];
-        let verdict = reference
-            .judge(2, &state(STAMP_3), &[result(3, 0, "date 3")], true)
-            .unwrap();
+        const STAMP_3: &[&str] = &["F d 0755 0:0 4096 /app", "F f 0644 0:0 2 /app/x", "F f 0644 0:0 12 /tmp/stamp"];
+        let verdict = reference.judge(2, &state(STAMP_3), &[result(3, 0, "date 3")], true).unwrap();
         assert!(verdict.correct, "{verdict:?}");
         assert_eq!(verdict.masked_entries, 1);
         assert_eq!(verdict.turns_excluded, [3]);
         // Masking covers only what varied: losing the stable file is still caught.
-        let lost = reference
-            .judge(2, &state(&["F d 0755 0:0 4096 /app"]), &[], true)
-            .unwrap();
+        let lost = reference.judge(2, &state(&["F d 0755 0:0 4096 /app"]), &[], true).unwrap();
         assert!(!lost.correct);
     }
 
@@ -425,15 +370,14 @@ mod tests {
         assert!(reference.nondeterministic_turns().is_empty());
         assert_eq!(reference.normalised_turns(), BTreeSet::from([3]));
         assert_eq!(reference.turns_with_wall_clock(), BTreeSet::from([3]));
-        let verdict = reference
-            .judge(2, &state(WITH_FILE), &[result(3, 0, &listing("20:40"))], true)
-            .unwrap();
+        let verdict = reference.judge(2, &state(WITH_FILE), &[result(3, 0, &listing("20:40"))], true).unwrap();
         assert!(verdict.correct, "{verdict:?}");
-        assert_eq!((verdict.turns_compared.as_slice(), verdict.turns_normalised_wall_clock.as_slice()), (&[3][..], &[3][..]));
+        assert_eq!(
+            (verdict.turns_compared.as_slice(), verdict.turns_normalised_wall_clock.as_slice()),
+            (&[3][..], &[3][..])
+        );
         // Normalising hides the time, not the rest of the line.
-        let lost = reference
-            .judge(2, &state(WITH_FILE), &[result(3, 0, "total 0\n")], true)
-            .unwrap();
+        let lost = reference.judge(2, &state(WITH_FILE), &[result(3, 0, "total 0\n")], true).unwrap();
         assert!(!lost.correct);
         assert_eq!(lost.output_mismatches, [3]);
         assert_eq!(
@@ -471,9 +415,8 @@ mod tests {
         let reference = Reference::new(vec![first, second]).unwrap();
         assert!(reference.nondeterministic_turns().is_empty());
         assert_eq!(reference.normalised_turns(), BTreeSet::from([2]));
-        let verdict = reference
-            .judge(1, &state(EMPTY), &[result_with_stderr(2, "", "y: failed\nx: failed\n")], true)
-            .unwrap();
+        let verdict =
+            reference.judge(1, &state(EMPTY), &[result_with_stderr(2, "", "y: failed\nx: failed\n")], true).unwrap();
         assert!(verdict.correct);
         assert_eq!(verdict.turns_normalised_stderr_order, [2]);
     }
@@ -481,13 +424,7 @@ mod tests {
     #[test]
     fn fault_turn_outside_the_trace_is_an_error() {
         let reference = Reference::new(vec![run(["a", "b", "c"], [EMPTY, EMPTY, EMPTY])]).unwrap();
-        assert!(matches!(
-            reference.judge(4, &state(EMPTY), &[], true),
-            Err(OracleError::NoSuchTurn { .. })
-        ));
-        assert!(matches!(
-            reference.judge(0, &state(EMPTY), &[], true),
-            Err(OracleError::NoSuchTurn { .. })
-        ));
+        assert!(matches!(reference.judge(4, &state(EMPTY), &[], true), Err(OracleError::NoSuchTurn { .. })));
+        assert!(matches!(reference.judge(0, &state(EMPTY), &[], true), Err(OracleError::NoSuchTurn { .. })));
     }
 }

@@ -12,9 +12,9 @@ use serde::Serialize;
 use tracing::info;
 
 use super::ReplayError;
-use crate::containerd::ctr::Ctr;
 use super::archive::ArchiveWriter;
 use super::sandbox::{CheckpointImage, Sandbox, SandboxSpec, remove_container, remove_image};
+use crate::containerd::ctr::Ctr;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -75,10 +75,7 @@ impl FromStr for PolicyKind {
     type Err = UnknownPolicy;
 
     fn from_str(text: &str) -> Result<PolicyKind, UnknownPolicy> {
-        PolicyKind::ALL
-            .into_iter()
-            .find(|kind| kind.name() == text)
-            .ok_or_else(|| UnknownPolicy(text.to_string()))
+        PolicyKind::ALL.into_iter().find(|kind| kind.name() == text).ok_or_else(|| UnknownPolicy(text.to_string()))
     }
 }
 
@@ -184,22 +181,14 @@ impl RecoveryPolicy for FreshSandbox {
         self.kind
     }
 
-    async fn after_turn(
-        &mut self,
-        _sandbox: &Sandbox,
-        _turn: u32,
-    ) -> Result<TurnCost, ReplayError> {
+    async fn after_turn(&mut self, _sandbox: &Sandbox, _turn: u32) -> Result<TurnCost, ReplayError> {
         Ok(TurnCost::default())
     }
 
     async fn recover(&mut self, dead: Sandbox) -> Result<Recovery, ReplayError> {
         dead.remove().await?;
         let sandbox = self.launch.fresh().await?;
-        Ok(Recovery {
-            sandbox,
-            method: RecoveryMethod::BaseImage,
-            possible: self.kind != PolicyKind::Off,
-        })
+        Ok(Recovery { sandbox, method: RecoveryMethod::BaseImage, possible: self.kind != PolicyKind::Off })
     }
 
     async fn cleanup(&mut self) -> Result<(), ReplayError> {
@@ -238,10 +227,12 @@ impl EveryTurn {
     /// Copies the checkpoint's blobs out of containerd into `turn-N.tar`.
     async fn export(&self, turn: u32, image: &CheckpointImage) -> Result<(PathBuf, u64), ReplayError> {
         let directory = self.archive_dir();
-        let failed = |problem: String| ReplayError::Policy(format!("every-turn export of {}: {problem}", image.reference));
+        let failed =
+            |problem: String| ReplayError::Policy(format!("every-turn export of {}: {problem}", image.reference));
         std::fs::create_dir_all(&directory).map_err(|error| failed(format!("{}: {error}", directory.display())))?;
         let path = directory.join(format!("turn-{turn}.tar"));
-        let mut archive = ArchiveWriter::create(&path, &image.reference, &image.index).map_err(|e| failed(e.to_string()))?;
+        let mut archive =
+            ArchiveWriter::create(&path, &image.reference, &image.index).map_err(|e| failed(e.to_string()))?;
         for blob in &image.blobs {
             let data = self.launch.ctr.run(&["content", "get", &blob.digest]).await?.stdout;
             archive.add(blob, &data).map_err(|e| failed(e.to_string()))?;
@@ -282,19 +273,8 @@ impl RecoveryPolicy for EveryTurn {
             remove_archive(&previous)?;
         }
         let blocking_s = started.elapsed().as_secs_f64();
-        info!(
-            container = sandbox.id(),
-            turn,
-            bytes = image.bytes,
-            exported_bytes,
-            seconds = blocking_s,
-            "checkpoint"
-        );
-        Ok(TurnCost {
-            blocking_s,
-            bytes: image.bytes + exported_bytes,
-            exported_bytes,
-        })
+        info!(container = sandbox.id(), turn, bytes = image.bytes, exported_bytes, seconds = blocking_s, "checkpoint");
+        Ok(TurnCost { blocking_s, bytes: image.bytes + exported_bytes, exported_bytes })
     }
 
     async fn recover(&mut self, dead: Sandbox) -> Result<Recovery, ReplayError> {
@@ -366,7 +346,8 @@ const CRAB_CHECKPOINT_WAIT: std::time::Duration = std::time::Duration::from_secs
 
 impl CrabPolicy {
     fn ctl(&self) -> Result<crate::ctl::Ctl, ReplayError> {
-        crate::ctl::Ctl::open(&crab_state_dir(), self.launch.ctr.clone()).map_err(|e| ReplayError::Policy(e.to_string()))
+        crate::ctl::Ctl::open(&crab_state_dir(), self.launch.ctr.clone())
+            .map_err(|e| ReplayError::Policy(e.to_string()))
     }
 }
 
@@ -394,14 +375,19 @@ impl RecoveryPolicy for CrabPolicy {
         let Some(exec_id) = sandbox.last_exec_id() else { return Ok(TurnCost::default()) };
         // The turn log of the sandbox in the replay's containerd namespace.
         let key = self.ctl()?.key(sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?;
-        let log = crate::turns::TurnLog::open(&crab_state_dir(), &key).map_err(|e| ReplayError::Policy(e.to_string()))?;
+        let log =
+            crate::turns::TurnLog::open(&crab_state_dir(), &key).map_err(|e| ReplayError::Policy(e.to_string()))?;
         let deadline = Instant::now() + CRAB_CHECKPOINT_WAIT;
         loop {
             // Matched by exec id, which the replay never reuses in a sandbox: a
             // sandbox recovered from the base image starts a new turn log.
             let records = log.read().map_err(|e| ReplayError::Policy(e.to_string()))?;
             if let Some(record) = records.iter().rev().find(|r| r.exec_id.as_deref() == Some(exec_id.as_str())) {
-                return Ok(TurnCost { blocking_s: record.checkpoint_ms / 1e3, bytes: record.bytes_written, exported_bytes: 0 });
+                return Ok(TurnCost {
+                    blocking_s: record.checkpoint_ms / 1e3,
+                    bytes: record.bytes_written,
+                    exported_bytes: 0,
+                });
             }
             if Instant::now() > deadline {
                 return Err(ReplayError::Policy(format!(
@@ -416,7 +402,10 @@ impl RecoveryPolicy for CrabPolicy {
 
     async fn recover(&mut self, dead: Sandbox) -> Result<Recovery, ReplayError> {
         let ctl = self.ctl()?;
-        let report = ctl.recover(dead.id(), Some(&self.launch.spec.image)).await.map_err(|e| ReplayError::Policy(e.to_string()))?;
+        let report = ctl
+            .recover(dead.id(), Some(&self.launch.spec.image))
+            .await
+            .map_err(|e| ReplayError::Policy(e.to_string()))?;
         info!(container = dead.id(), checkpoint = ?report.checkpoint_turn, ms = report.elapsed_ms, "crab recovered");
         let sandbox = Sandbox::attach(&dead);
         let method = match report.checkpoint_turn {
@@ -427,7 +416,8 @@ impl RecoveryPolicy for CrabPolicy {
     }
 
     async fn check_store(&mut self, container: &str) -> Option<StoreCheck> {
-        let verified = self.ctl().and_then(|ctl| ctl.verify(Some(container)).map_err(|e| ReplayError::Policy(e.to_string())));
+        let verified =
+            self.ctl().and_then(|ctl| ctl.verify(Some(container)).map_err(|e| ReplayError::Policy(e.to_string())));
         Some(match verified.map(|rows| rows.into_iter().next()) {
             Ok(Some(row)) => StoreCheck {
                 ok: row.ok,

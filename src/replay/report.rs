@@ -117,17 +117,8 @@ impl DelaySummary {
         delays.sort_by(f64::total_cmp);
         let total_s: f64 = delays.iter().sum();
         let middle = delays.len() / 2;
-        let median_s = if delays.len() % 2 == 1 {
-            delays[middle]
-        } else {
-            (delays[middle - 1] + delays[middle]) / 2.0
-        };
-        DelaySummary {
-            total_s,
-            mean_s: total_s / delays.len() as f64,
-            median_s,
-            max_s: delays[delays.len() - 1],
-        }
+        let median_s = if delays.len() % 2 == 1 { delays[middle] } else { (delays[middle - 1] + delays[middle]) / 2.0 };
+        DelaySummary { total_s, mean_s: total_s / delays.len() as f64, median_s, max_s: delays[delays.len() - 1] }
     }
 }
 
@@ -139,11 +130,7 @@ pub fn human_bytes(bytes: u64) -> String {
         value /= 1024.0;
         unit += 1;
     }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{value:.1} {}", UNITS[unit])
-    }
+    if unit == 0 { format!("{bytes} B") } else { format!("{value:.1} {}", UNITS[unit]) }
 }
 
 fn rc_text(rc: Option<i32>, timed_out: bool) -> String {
@@ -159,11 +146,7 @@ fn verdict_text(run: &PolicyRun) -> (String, String, String) {
         return ("-".to_string(), "-".to_string(), "-".to_string());
     };
     let Some(verdict) = &fault.verdict else {
-        return (
-            "NO (failed)".to_string(),
-            "-".to_string(),
-            "not run".to_string(),
-        );
+        return ("NO (failed)".to_string(), "-".to_string(), "not run".to_string());
     };
     let recovered = match (run.recovered_correctly, verdict.recovery_possible) {
         (_, false) => "NO (impossible)".to_string(),
@@ -246,9 +229,7 @@ fn render_trace(out: &mut String, report: &TraceReport) {
     );
     for run in &report.runs {
         let (recovered, state, later) = verdict_text(run);
-        let recovery = run.fault.as_ref().map_or("-".to_string(), |fault| {
-            format!("{:.2} s", fault.recovery_s)
-        });
+        let recovery = run.fault.as_ref().map_or("-".to_string(), |fault| format!("{:.2} s", fault.recovery_s));
         let _ = writeln!(
             out,
             "{:<11} {:<16} {:<15} {:<20} {:>5} {:>10} {:>8.2} s {:>8.2} s {:>9} {:>7.1} s",
@@ -265,35 +246,19 @@ fn render_trace(out: &mut String, report: &TraceReport) {
         );
     }
     for run in &report.runs {
-        let failed: Vec<&TurnReport> = run
-            .turns
-            .iter()
-            .filter(|turn| turn.checkpoint_error.is_some())
-            .collect();
+        let failed: Vec<&TurnReport> = run.turns.iter().filter(|turn| turn.checkpoint_error.is_some()).collect();
         if let Some(first) = failed.first() {
             let turns: Vec<u32> = failed.iter().map(|turn| turn.turn).collect();
             let _ = writeln!(out);
-            let _ = writeln!(
-                out,
-                "{}: checkpoint failed after turns {turns:?}",
-                run.policy.name()
-            );
-            let _ = writeln!(
-                out,
-                "  first error: {}",
-                first.checkpoint_error.as_deref().unwrap_or_default()
-            );
+            let _ = writeln!(out, "{}: checkpoint failed after turns {turns:?}", run.policy.name());
+            let _ = writeln!(out, "  first error: {}", first.checkpoint_error.as_deref().unwrap_or_default());
         }
     }
     for run in &report.runs {
         let Some(fault) = &run.fault else { continue };
         if let Some(error) = &fault.error {
             let _ = writeln!(out);
-            let _ = writeln!(
-                out,
-                "{}: recovery failed, the run stopped there: {error}",
-                run.policy.name()
-            );
+            let _ = writeln!(out, "{}: recovery failed, the run stopped there: {error}", run.policy.name());
             continue;
         }
         let (Some(verdict), Some(recovery)) = (&fault.verdict, &fault.recovery) else {
@@ -310,41 +275,22 @@ fn render_trace(out: &mut String, report: &TraceReport) {
             RecoveryMethod::BaseImage => "started a fresh sandbox from the base image".to_string(),
             RecoveryMethod::NotNeeded => "found the sandbox still running".to_string(),
         };
-        let _ = writeln!(
-            out,
-            "{}: {method}; why it is not a correct recovery:",
-            run.policy.name()
-        );
+        let _ = writeln!(out, "{}: {method}; why it is not a correct recovery:", run.policy.name());
         if !verdict.recovery_possible {
-            let _ = writeln!(
-                out,
-                "  the policy keeps no state, so the run cannot continue"
-            );
+            let _ = writeln!(out, "  the policy keeps no state, so the run cannot continue");
         }
         const SHOWN: usize = 8;
         for difference in verdict.state_differences.iter().take(SHOWN) {
             let _ = writeln!(out, "  {difference}");
         }
         if verdict.state_differences.len() > SHOWN {
-            let _ = writeln!(
-                out,
-                "  ... and {} more differences",
-                verdict.state_differences.len() - SHOWN
-            );
+            let _ = writeln!(out, "  ... and {} more differences", verdict.state_differences.len() - SHOWN);
         }
         if !verdict.rc_mismatches.is_empty() {
-            let _ = writeln!(
-                out,
-                "  exit codes differ from the reference on turns {:?}",
-                verdict.rc_mismatches
-            );
+            let _ = writeln!(out, "  exit codes differ from the reference on turns {:?}", verdict.rc_mismatches);
         }
         if !verdict.output_mismatches.is_empty() {
-            let _ = writeln!(
-                out,
-                "  outputs differ from the reference on turns {:?}",
-                verdict.output_mismatches
-            );
+            let _ = writeln!(out, "  outputs differ from the reference on turns {:?}", verdict.output_mismatches);
             for difference in verdict.output_differences.iter().take(SHOWN) {
                 let _ = writeln!(
                     out,
@@ -367,17 +313,16 @@ fn render_trace(out: &mut String, report: &TraceReport) {
         for (run, fault) in faulted {
             let lost = fault.lost.as_deref().map(|lost| format!("; {lost}")).unwrap_or_default();
             let store = run.store.as_ref().map_or(String::new(), |store| match (store.ok, store.head_turn) {
-                (true, head) => format!("; store verifies (head turn {})", head.map_or("-".to_string(), |t| t.to_string())),
+                (true, head) => {
+                    format!("; store verifies (head turn {})", head.map_or("-".to_string(), |t| t.to_string()))
+                }
                 (false, _) => format!("; store does NOT verify: {}", store.error.as_deref().unwrap_or("?")),
             });
             let _ = writeln!(out, "  {:<11} {}{lost}{store}", run.policy.name(), fault.detail);
         }
     }
     let _ = writeln!(out);
-    let _ = writeln!(
-        out,
-        "per turn: exit code, exec time, agent-visible delay added by the policy (checkpoint)"
-    );
+    let _ = writeln!(out, "per turn: exit code, exec time, agent-visible delay added by the policy (checkpoint)");
     let _ = write!(out, "{:>4}", "turn");
     for run in &report.runs {
         let _ = write!(out, " | {:^26}", run.policy.name());
@@ -388,15 +333,8 @@ fn render_trace(out: &mut String, report: &TraceReport) {
         for run in &report.runs {
             match run.turns.get(index) {
                 Some(turn) => {
-                    let marker = if run
-                        .fault
-                        .as_ref()
-                        .is_some_and(|fault| fault.turn == turn.turn)
-                    {
-                        "!"
-                    } else {
-                        " "
-                    };
+                    let marker =
+                        if run.fault.as_ref().is_some_and(|fault| fault.turn == turn.turn) { "!" } else { " " };
                     let _ = write!(
                         out,
                         " | {:>4}{marker} {:>7.2} s {:>+8.2} s",
@@ -413,10 +351,7 @@ fn render_trace(out: &mut String, report: &TraceReport) {
         let _ = writeln!(out);
     }
     if report.fault_turn.is_some() {
-        let _ = writeln!(
-            out,
-            "(! = the sandbox was killed after this turn and recovered)"
-        );
+        let _ = writeln!(out, "(! = the sandbox was killed after this turn and recovered)");
     }
     let _ = writeln!(out);
 }
@@ -428,15 +363,7 @@ mod tests {
     #[test]
     fn delay_summary() {
         let summary = DelaySummary::of([3.0, 1.0, 2.0, 10.0].into_iter());
-        assert_eq!(
-            (
-                summary.total_s,
-                summary.mean_s,
-                summary.median_s,
-                summary.max_s
-            ),
-            (16.0, 4.0, 2.5, 10.0)
-        );
+        assert_eq!((summary.total_s, summary.mean_s, summary.median_s, summary.max_s), (16.0, 4.0, 2.5, 10.0));
         assert_eq!(DelaySummary::of(std::iter::empty()).max_s, 0.0);
     }
 

@@ -8,17 +8,15 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use super::ReplayError;
-use crate::containerd::ctr::Ctr;
 use super::fault::{FaultKind, FaultTurn};
 use super::fingerprint::Fingerprint;
 use super::injector::{Daemons, FaultInjector};
 use super::oracle::{Reference, ReferenceRun, TurnResult};
 use super::policy::{Launch, PolicyKind, Recovery, RecoveryMethod, RecoveryPolicy, StoreCheck, TurnCost, discard};
-use super::report::{
-    DelaySummary, FaultReport, PolicyRun, ReferenceSummary, TraceReport, TurnReport,
-};
+use super::report::{DelaySummary, FaultReport, PolicyRun, ReferenceSummary, TraceReport, TurnReport};
 use super::sandbox::{ExecResult, Sandbox, SandboxSpec};
 use super::trace::Trace;
+use crate::containerd::ctr::Ctr;
 
 #[derive(Debug, Clone)]
 pub struct ReplayOptions {
@@ -57,16 +55,10 @@ pub async fn replay(options: &ReplayOptions) -> Result<Vec<TraceReport>, ReplayE
         injector.check(*fault).map_err(|source| ReplayError::Fault { fault: *fault, source })?;
     }
     if !(1..=2).contains(&options.ref_runs) {
-        return Err(ReplayError::Options(format!(
-            "--ref-runs must be 1 or 2, not {}",
-            options.ref_runs
-        )));
+        return Err(ReplayError::Options(format!("--ref-runs must be 1 or 2, not {}", options.ref_runs)));
     }
     if !options.think_scale.is_finite() || options.think_scale < 0.0 {
-        return Err(ReplayError::Options(format!(
-            "--think-scale must be >= 0, not {}",
-            options.think_scale
-        )));
+        return Err(ReplayError::Options(format!("--think-scale must be >= 0, not {}", options.think_scale)));
     }
     let mut planned = Vec::new();
     for file in &options.traces {
@@ -76,19 +68,11 @@ pub async fn replay(options: &ReplayOptions) -> Result<Vec<TraceReport>, ReplayE
         if let Some(turn) = fault_turn
             && !(1..=trace.header.turns).contains(&turn)
         {
-            return Err(ReplayError::FaultTurnOutOfRange {
-                file: file.clone(),
-                turn,
-                turns: trace.header.turns,
-            });
+            return Err(ReplayError::FaultTurnOutOfRange { file: file.clone(), turn, turns: trace.header.turns });
         }
         let image = trace.header.image.reference();
         if options.ctr.image_digest(&image).await?.is_none() {
-            return Err(ReplayError::ImageMissing {
-                file: file.clone(),
-                image,
-                hint: trace.header.image.build_hint(),
-            });
+            return Err(ReplayError::ImageMissing { file: file.clone(), image, hint: trace.header.image.build_hint() });
         }
         planned.push((trace, fault_turn));
     }
@@ -122,26 +106,13 @@ async fn replay_trace(
         runs_done += 1;
         info!(trace = %trace.header.trace, run = runs_done, of = runs_total, "progress: reference run (fault-free, no checkpoints)");
         let launch = launch(options, trace, PolicyKind::Off, "ref");
-        let outcome = run_guarded(
-            trace,
-            &launch,
-            PolicyKind::Off.build(launch.clone()),
-            None,
-            options,
-            injector,
-            true,
-        )
-        .await?;
-        reference_runs.push(ReferenceRun {
-            results: outcome.results(),
-            fingerprints: outcome.fingerprints,
-        });
+        let outcome =
+            run_guarded(trace, &launch, PolicyKind::Off.build(launch.clone()), None, options, injector, true).await?;
+        reference_runs.push(ReferenceRun { results: outcome.results(), fingerprints: outcome.fingerprints });
     }
     let reference_time = started.elapsed();
-    let reference = Reference::new(reference_runs).map_err(|source| ReplayError::Oracle {
-        file: trace.file.clone(),
-        source,
-    })?;
+    let reference =
+        Reference::new(reference_runs).map_err(|source| ReplayError::Oracle { file: trace.file.clone(), source })?;
 
     let reference_summary = ReferenceSummary {
         runs: reference.runs(),
@@ -192,10 +163,7 @@ fn launch(options: &ReplayOptions, trace: &Trace, policy: PolicyKind, role: &str
             image: trace.header.image.reference(),
             runtime: options.runtime.clone(),
             workdir: trace.header.workdir.clone(),
-            annotations: vec![(
-                crate::turns::ANNOTATION_POLICY.to_string(),
-                policy.shim_policy().to_string(),
-            )],
+            annotations: vec![(crate::turns::ANNOTATION_POLICY.to_string(), policy.shim_policy().to_string())],
         },
     }
 }
@@ -258,16 +226,7 @@ async fn run_guarded(
     injector: &FaultInjector,
     fingerprint_every_turn: bool,
 ) -> Result<RunOutcome, ReplayError> {
-    let mut outcome = run(
-        trace,
-        launch,
-        policy.as_mut(),
-        strike,
-        options,
-        injector,
-        fingerprint_every_turn,
-    )
-    .await;
+    let mut outcome = run(trace, launch, policy.as_mut(), strike, options, injector, fingerprint_every_turn).await;
     if let Ok(outcome) = &mut outcome {
         outcome.store = policy.check_store(&launch.container_id).await;
     }
@@ -308,9 +267,7 @@ async fn run(
     };
     tokio::time::sleep(think(0)).await;
     for (index, turn) in trace.turns.iter().enumerate() {
-        let exec = sandbox
-            .exec(&turn.cmd, Duration::from_secs_f64(turn.timeout_s))
-            .await?;
+        let exec = sandbox.exec(&turn.cmd, Duration::from_secs_f64(turn.timeout_s)).await?;
         // The policy saves while the agent thinks about its next turn; the
         // agent waits only for what outlasts its thinking.
         let next_think = think(index + 1);
@@ -331,14 +288,7 @@ async fn run(
             Ok(cost) => (cost, None),
             Err(error) => {
                 warn!(container = sandbox.id(), turn = turn.turn, %error, "checkpoint failed");
-                (
-                    TurnCost {
-                        blocking_s: save_time.as_secs_f64(),
-                        bytes: 0,
-                        exported_bytes: 0,
-                    },
-                    Some(error.to_string()),
-                )
+                (TurnCost { blocking_s: save_time.as_secs_f64(), bytes: 0, exported_bytes: 0 }, Some(error.to_string()))
             }
         };
         info!(
@@ -374,13 +324,7 @@ async fn run(
             }
         }
     }
-    Ok(RunOutcome {
-        turns,
-        fingerprints,
-        fault,
-        run_time: started.elapsed(),
-        store: None,
-    })
+    Ok(RunOutcome { turns, fingerprints, fault, run_time: started.elapsed(), store: None })
 }
 
 /// Strikes the fault after `turn`, then lets the policy bring the sandbox
@@ -394,7 +338,8 @@ async fn strike_and_recover(
     policy: &mut dyn RecoveryPolicy,
     injector: &FaultInjector,
 ) -> Result<(Option<Sandbox>, FaultOutcome), ReplayError> {
-    let injected = injector.inject(kind, &sandbox).await.map_err(|source| ReplayError::Fault { fault: kind, source })?;
+    let injected =
+        injector.inject(kind, &sandbox).await.map_err(|source| ReplayError::Fault { fault: kind, source })?;
     let lost = if kind.loses_containerd_state() { policy.lose_containerd_state().await? } else { None };
     let recovering = Instant::now();
     let recovery = if injected.task_running {
@@ -435,12 +380,8 @@ fn policy_report(
     let fault = match &outcome.fault {
         None => None,
         Some(fault) => {
-            let later: Vec<TurnResult> = outcome
-                .turns
-                .iter()
-                .filter(|turn| turn.turn > fault.turn)
-                .map(|turn| turn.result.clone())
-                .collect();
+            let later: Vec<TurnResult> =
+                outcome.turns.iter().filter(|turn| turn.turn > fault.turn).map(|turn| turn.result.clone()).collect();
             let mut report = FaultReport {
                 kind: fault.kind,
                 turn: fault.turn,
@@ -457,16 +398,8 @@ fn policy_report(
             match &fault.result {
                 Ok(recovered) => {
                     let verdict = reference
-                        .judge(
-                            fault.turn,
-                            &recovered.state_after,
-                            &later,
-                            recovered.possible,
-                        )
-                        .map_err(|source| ReplayError::Oracle {
-                            file: file.to_path_buf(),
-                            source,
-                        })?;
+                        .judge(fault.turn, &recovered.state_after, &later, recovered.possible)
+                        .map_err(|source| ReplayError::Oracle { file: file.to_path_buf(), source })?;
                     report.recovery = Some(recovered.method.clone());
                     report.state_after = Some(recovered.state_after.digest());
                     report.verdict = Some(verdict);
@@ -503,14 +436,8 @@ fn policy_report(
         policy,
         recovered_correctly: fault.as_ref().map(|fault| recovered_correctly(fault, outcome.store.as_ref())),
         store: outcome.store.clone(),
-        checkpoints: turns
-            .iter()
-            .filter(|turn| turn.checkpoint_bytes > 0)
-            .count() as u32,
-        checkpoint_failures: turns
-            .iter()
-            .filter(|turn| turn.checkpoint_error.is_some())
-            .count() as u32,
+        checkpoints: turns.iter().filter(|turn| turn.checkpoint_bytes > 0).count() as u32,
+        checkpoint_failures: turns.iter().filter(|turn| turn.checkpoint_error.is_some()).count() as u32,
         checkpoint_bytes: turns.iter().map(|turn| turn.checkpoint_bytes).sum(),
         checkpoint_exported_bytes: turns.iter().map(|turn| turn.checkpoint_exported_bytes).sum(),
         run_time_s: outcome.run_time.as_secs_f64(),
@@ -524,8 +451,8 @@ fn policy_report(
 /// pipeline also that every later checkpoint was taken and the store verifies.
 fn recovered_correctly(fault: &FaultReport, store: Option<&StoreCheck>) -> bool {
     let state_and_turns = fault.verdict.as_ref().is_some_and(|verdict| verdict.correct);
-    let checkpoints_complete =
-        !fault.kind.strikes_checkpointing() || (fault.later_checkpoint_failures == 0 && store.is_none_or(|store| store.ok));
+    let checkpoints_complete = !fault.kind.strikes_checkpointing()
+        || (fault.later_checkpoint_failures == 0 && store.is_none_or(|store| store.ok));
     state_and_turns && checkpoints_complete
 }
 

@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 use serde::Deserialize;
 use tracing::{debug, warn};
 
-use crate::containerd::ctr::{Ctr, CtrError, CtrOutput};
 use super::archive::Descriptor;
 use super::fingerprint::{Fingerprint, FingerprintError, SCRIPT};
+use crate::containerd::ctr::{Ctr, CtrError, CtrOutput};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
@@ -60,8 +60,7 @@ pub struct CheckpointImage {
 }
 
 /// containerd's media type for the CRIU image of a task checkpoint.
-const CRIU_CHECKPOINT_MEDIA_TYPE: &str =
-    "application/vnd.containerd.container.criu.checkpoint.criu.tar";
+const CRIU_CHECKPOINT_MEDIA_TYPE: &str = "application/vnd.containerd.container.criu.checkpoint.criu.tar";
 /// The index `ctr c checkpoint` writes (containerd's `writeIndex`).
 const INDEX_MEDIA_TYPE: &str = "application/vnd.oci.image.index.v1+json";
 /// An entry of a checkpoint index of one of these types is its base image.
@@ -86,55 +85,34 @@ pub struct Sandbox {
 impl Sandbox {
     /// Starts a new container from the spec's image.
     pub async fn create(ctr: &Ctr, id: &str, spec: &SandboxSpec) -> Result<Sandbox, SandboxError> {
-        let mut args = vec![
-            "run".to_string(),
-            "-d".to_string(),
-            "--runtime".to_string(),
-            spec.runtime.clone(),
-        ];
+        let mut args = vec!["run".to_string(), "-d".to_string(), "--runtime".to_string(), spec.runtime.clone()];
         for (key, value) in &spec.annotations {
             args.push("--annotation".to_string());
             args.push(format!("{key}={value}"));
         }
-        args.extend([
-            spec.image.clone(),
-            id.to_string(),
-            "sleep".to_string(),
-            "infinity".to_string(),
-        ]);
+        args.extend([spec.image.clone(), id.to_string(), "sleep".to_string(), "infinity".to_string()]);
         ctr.run(&args).await?;
         debug!(container = id, image = %spec.image, runtime = %spec.runtime, "sandbox created");
-        Ok(Sandbox {
-            ctr: ctr.clone(),
-            id: id.to_string(),
-            spec: spec.clone(),
-            next_exec: 0,
-        })
+        Ok(Sandbox { ctr: ctr.clone(), id: id.to_string(), spec: spec.clone(), next_exec: 0 })
     }
 
     /// Recreates container `id` from a checkpoint image, processes and rw layer included.
-    pub async fn restore(
-        ctr: &Ctr,
-        id: &str,
-        spec: &SandboxSpec,
-        reference: &str,
-    ) -> Result<Sandbox, SandboxError> {
-        ctr.run(&["containers", "restore", "--live", "--rw", id, reference])
-            .await?;
+    pub async fn restore(ctr: &Ctr, id: &str, spec: &SandboxSpec, reference: &str) -> Result<Sandbox, SandboxError> {
+        ctr.run(&["containers", "restore", "--live", "--rw", id, reference]).await?;
         debug!(container = id, checkpoint = reference, "sandbox restored");
-        Ok(Sandbox {
-            ctr: ctr.clone(),
-            id: id.to_string(),
-            spec: spec.clone(),
-            next_exec: 0,
-        })
+        Ok(Sandbox { ctr: ctr.clone(), id: id.to_string(), spec: spec.clone(), next_exec: 0 })
     }
 
     /// A handle on container `id`, already running (recreated by someone
     /// else, under the same id): exec ids go on from `previous`'s, so the
     /// sandbox's turn log never sees one twice.
     pub fn attach(previous: &Sandbox) -> Sandbox {
-        Sandbox { ctr: previous.ctr.clone(), id: previous.id.clone(), spec: previous.spec.clone(), next_exec: previous.next_exec }
+        Sandbox {
+            ctr: previous.ctr.clone(),
+            id: previous.id.clone(),
+            spec: previous.spec.clone(),
+            next_exec: previous.next_exec,
+        }
     }
 
     pub fn id(&self) -> &str {
@@ -167,13 +145,7 @@ impl Sandbox {
         // `ctr tasks exec` never closes the process's stdin, so a command that
         // reads it (a `tail` whose file argument slipped to the next line) would
         // hang until its timeout; agents run commands with stdin at EOF.
-        let (exec_id, args) = self.exec_args(&[
-            "bash",
-            "-c",
-            "exec bash -c \"$1\" </dev/null",
-            "crab-turn",
-            cmd,
-        ]);
+        let (exec_id, args) = self.exec_args(&["bash", "-c", "exec bash -c \"$1\" </dev/null", "crab-turn", cmd]);
         let started = Instant::now();
         let run = self.ctr.run_raw(&args, timeout + KILL_GRACE);
         tokio::pin!(run);
@@ -186,10 +158,7 @@ impl Sandbox {
         };
         let duration = started.elapsed();
         if !timed_out && is_ctr_failure(&output) {
-            return Err(SandboxError::ExecFailed {
-                container: self.id.clone(),
-                stderr: output.stderr_text(),
-            });
+            return Err(SandboxError::ExecFailed { container: self.id.clone(), stderr: output.stderr_text() });
         }
         Ok(ExecResult {
             rc: if timed_out { None } else { output.code },
@@ -201,18 +170,7 @@ impl Sandbox {
     }
 
     async fn kill_exec(&self, exec_id: &str) {
-        let killed = self
-            .ctr
-            .run(&[
-                "tasks",
-                "kill",
-                "--exec-id",
-                exec_id,
-                "--signal",
-                "SIGKILL",
-                &self.id,
-            ])
-            .await;
+        let killed = self.ctr.run(&["tasks", "kill", "--exec-id", exec_id, "--signal", "SIGKILL", &self.id]).await;
         match killed {
             Ok(_) => {}
             // The command itself exited; background children still hold its output open.
@@ -229,18 +187,14 @@ impl Sandbox {
         argv.extend(roots.iter().map(String::as_str));
         let (_, args) = self.exec_args(&argv);
         let output = self.ctr.run(&args).await?;
-        Fingerprint::parse(&output.stdout).map_err(|source| SandboxError::Fingerprint {
-            container: self.id.clone(),
-            source,
-        })
+        Fingerprint::parse(&output.stdout)
+            .map_err(|source| SandboxError::Fingerprint { container: self.id.clone(), source })
     }
 
     /// The fault: SIGKILL every process of the container, as an OOM kill or a
     /// crashed node would. The dead container stays until [`Sandbox::remove`].
     pub async fn kill_all(&self) -> Result<(), SandboxError> {
-        self.ctr
-            .run(&["tasks", "kill", "--all", "--signal", "SIGKILL", &self.id])
-            .await?;
+        self.ctr.run(&["tasks", "kill", "--all", "--signal", "SIGKILL", &self.id]).await?;
         Ok(())
     }
 
@@ -251,54 +205,24 @@ impl Sandbox {
 
     /// `ctr c checkpoint --task --rw`: processes (CRIU) plus the rw layer, into image `reference`.
     pub async fn checkpoint(&self, reference: &str) -> Result<CheckpointImage, SandboxError> {
-        self.ctr
-            .run(&[
-                "containers",
-                "checkpoint",
-                "--task",
-                "--rw",
-                &self.id,
-                reference,
-            ])
-            .await?;
-        let problem = |problem: String| SandboxError::Checkpoint {
-            reference: reference.to_string(),
-            problem,
-        };
-        let digest = self
-            .ctr
-            .image_digest(reference)
-            .await?
-            .ok_or_else(|| problem("the image was not created".to_string()))?;
+        self.ctr.run(&["containers", "checkpoint", "--task", "--rw", &self.id, reference]).await?;
+        let problem = |problem: String| SandboxError::Checkpoint { reference: reference.to_string(), problem };
+        let digest =
+            self.ctr.image_digest(reference).await?.ok_or_else(|| problem("the image was not created".to_string()))?;
         let index_blob = self.ctr.run(&["content", "get", &digest]).await?.stdout;
         let parsed: CheckpointIndex = serde_json::from_slice(&index_blob)
             .map_err(|error| problem(format!("index {digest} is not an OCI index: {error}")))?;
         // containerd 1.6 drops the task part without an error when one of its
         // blobs already exists (the spec of an earlier checkpoint of the same
         // container): a checkpoint that could not restore processes must not pass.
-        if !parsed
-            .manifests
-            .iter()
-            .any(|m| m.media_type == CRIU_CHECKPOINT_MEDIA_TYPE)
-        {
-            return Err(problem(
-                "containerd stored no CRIU image (task part missing)".to_string(),
-            ));
+        if !parsed.manifests.iter().any(|m| m.media_type == CRIU_CHECKPOINT_MEDIA_TYPE) {
+            return Err(problem("containerd stored no CRIU image (task part missing)".to_string()));
         }
-        let index = Descriptor {
-            media_type: INDEX_MEDIA_TYPE.to_string(),
-            digest,
-            size: index_blob.len() as u64,
-        };
+        let index = Descriptor { media_type: INDEX_MEDIA_TYPE.to_string(), digest, size: index_blob.len() as u64 };
         let mut blobs = vec![index.clone()];
         blobs.extend(parsed.manifests.into_iter().filter(|m| !IMAGE_MEDIA_TYPES.contains(&m.media_type.as_str())));
         let bytes = blobs.iter().map(|blob| blob.size).sum();
-        Ok(CheckpointImage {
-            reference: reference.to_string(),
-            index,
-            blobs,
-            bytes,
-        })
+        Ok(CheckpointImage { reference: reference.to_string(), index, blobs, bytes })
     }
 
     /// Recreates container `id` from a checkpoint kept out of containerd:
@@ -352,10 +276,5 @@ fn ignore_not_found(result: Result<CtrOutput, CtrError>) -> Result<(), SandboxEr
 /// `ctr` reports its own failures (no such container, exec id in use) as exit 1
 /// with a last stderr line `ctr: ...`; the command's own exit codes pass through.
 fn is_ctr_failure(output: &CtrOutput) -> bool {
-    output.code == Some(1)
-        && output
-            .stderr_text()
-            .lines()
-            .last()
-            .is_some_and(|line| line.starts_with("ctr: "))
+    output.code == Some(1) && output.stderr_text().lines().last().is_some_and(|line| line.starts_with("ctr: "))
 }

@@ -19,43 +19,17 @@ pub enum TraceError {
     #[error("{file}: empty trace (no header line)")]
     Empty { file: PathBuf },
     #[error("{file}:{line}: not valid JSON: {message}")]
-    Json {
-        file: PathBuf,
-        line: usize,
-        message: String,
-    },
+    Json { file: PathBuf, line: usize, message: String },
     #[error("{file}:{line}: expected a JSON object, found {found}")]
-    NotAnObject {
-        file: PathBuf,
-        line: usize,
-        found: &'static str,
-    },
+    NotAnObject { file: PathBuf, line: usize, found: &'static str },
     #[error("{file}:{line}: missing field `{field}`")]
-    MissingField {
-        file: PathBuf,
-        line: usize,
-        field: &'static str,
-    },
+    MissingField { file: PathBuf, line: usize, field: &'static str },
     #[error("{file}:{line}: field `{field}`: {problem}")]
-    BadField {
-        file: PathBuf,
-        line: usize,
-        field: &'static str,
-        problem: String,
-    },
+    BadField { file: PathBuf, line: usize, field: &'static str, problem: String },
     #[error("{file}:{line}: turn {found} out of order (expected turn {expected})")]
-    TurnOutOfOrder {
-        file: PathBuf,
-        line: usize,
-        expected: u32,
-        found: u32,
-    },
+    TurnOutOfOrder { file: PathBuf, line: usize, expected: u32, found: u32 },
     #[error("{file}: header says {declared} turns but the file has {found}")]
-    TurnCountMismatch {
-        file: PathBuf,
-        declared: u32,
-        found: u32,
-    },
+    TurnCountMismatch { file: PathBuf, declared: u32, found: u32 },
 }
 
 /// How each turn reaches the sandbox. Only `exec` traces exist today: every
@@ -134,35 +108,23 @@ pub struct Trace {
 
 impl Trace {
     pub fn load(file: &Path) -> Result<Trace, TraceError> {
-        let text = std::fs::read_to_string(file).map_err(|source| TraceError::Read {
-            file: file.to_path_buf(),
-            source,
-        })?;
+        let text =
+            std::fs::read_to_string(file).map_err(|source| TraceError::Read { file: file.to_path_buf(), source })?;
         Trace::parse(file, &text)
     }
 
     /// Parses trace text; `file` only names the source in errors.
     pub fn parse(file: &Path, text: &str) -> Result<Trace, TraceError> {
-        let mut lines = text
-            .lines()
-            .enumerate()
-            .map(|(index, line)| (index + 1, line))
-            .filter(|(_, line)| !line.trim().is_empty());
-        let (header_line, header_text) = lines.next().ok_or_else(|| TraceError::Empty {
-            file: file.to_path_buf(),
-        })?;
+        let mut lines =
+            text.lines().enumerate().map(|(index, line)| (index + 1, line)).filter(|(_, line)| !line.trim().is_empty());
+        let (header_line, header_text) = lines.next().ok_or_else(|| TraceError::Empty { file: file.to_path_buf() })?;
         let header = Fields::parse(file, header_line, header_text)?.header()?;
         let mut turns = Vec::new();
         for (line, line_text) in lines {
             let turn = Fields::parse(file, line, line_text)?.turn()?;
             let expected = turns.len() as u32 + 1;
             if turn.turn != expected {
-                return Err(TraceError::TurnOutOfOrder {
-                    file: file.to_path_buf(),
-                    line,
-                    expected,
-                    found: turn.turn,
-                });
+                return Err(TraceError::TurnOutOfOrder { file: file.to_path_buf(), line, expected, found: turn.turn });
             }
             turns.push(turn);
         }
@@ -173,11 +135,7 @@ impl Trace {
                 found: turns.len() as u32,
             });
         }
-        Ok(Trace {
-            file: file.to_path_buf(),
-            header,
-            turns,
-        })
+        Ok(Trace { file: file.to_path_buf(), header, turns })
     }
 }
 
@@ -197,11 +155,7 @@ impl<'a> Fields<'a> {
         })?;
         match value {
             Value::Object(object) => Ok(Fields { file, line, object }),
-            other => Err(TraceError::NotAnObject {
-                file: file.to_path_buf(),
-                line,
-                found: json_type(&other),
-            }),
+            other => Err(TraceError::NotAnObject { file: file.to_path_buf(), line, found: json_type(&other) }),
         }
     }
 
@@ -210,10 +164,7 @@ impl<'a> Fields<'a> {
         let mode = match self.string("mode")?.as_str() {
             "exec" => Mode::Exec,
             other => {
-                return Err(self.bad(
-                    "mode",
-                    format!("unknown mode {other:?} (expected \"exec\")"),
-                ));
+                return Err(self.bad("mode", format!("unknown mode {other:?} (expected \"exec\")")));
             }
         };
         let workdir = self.string("workdir")?;
@@ -227,20 +178,13 @@ impl<'a> Fields<'a> {
                 version: self.image_component("version")?,
             },
             other => {
-                return Err(self.bad(
-                    "image",
-                    format!("unknown image {other:?} (expected \"terminal\" or \"code-repair\")"),
-                ));
+                return Err(
+                    self.bad("image", format!("unknown image {other:?} (expected \"terminal\" or \"code-repair\")"))
+                );
             }
         };
         let turns = self.unsigned("turns")?;
-        Ok(TraceHeader {
-            trace,
-            mode,
-            workdir,
-            image,
-            turns,
-        })
+        Ok(TraceHeader { trace, mode, workdir, image, turns })
     }
 
     fn turn(&self) -> Result<Turn, TraceError> {
@@ -257,40 +201,23 @@ impl<'a> Fields<'a> {
         // Informational only; the original recorder produced small negative values.
         let exec_s = self.optional(|fields| fields.finite("exec_s"), "exec_s")?;
         let rc = self.optional(|fields| fields.integer("rc"), "rc")?;
-        Ok(Turn {
-            turn,
-            think_s,
-            cmd,
-            timeout_s,
-            exec_s,
-            rc,
-        })
+        Ok(Turn { turn, think_s, cmd, timeout_s, exec_s, rc })
     }
 
     fn get(&self, field: &'static str) -> Result<&Value, TraceError> {
-        self.object
-            .get(field)
-            .ok_or_else(|| TraceError::MissingField {
-                file: self.file.to_path_buf(),
-                line: self.line,
-                field,
-            })
-    }
-
-    fn bad(&self, field: &'static str, problem: String) -> TraceError {
-        TraceError::BadField {
+        self.object.get(field).ok_or_else(|| TraceError::MissingField {
             file: self.file.to_path_buf(),
             line: self.line,
             field,
-            problem,
-        }
+        })
+    }
+
+    fn bad(&self, field: &'static str, problem: String) -> TraceError {
+        TraceError::BadField { file: self.file.to_path_buf(), line: self.line, field, problem }
     }
 
     fn wrong_type(&self, field: &'static str, expected: &str, value: &Value) -> TraceError {
-        self.bad(
-            field,
-            format!("expected {expected}, found {}", json_type(value)),
-        )
+        self.bad(field, format!("expected {expected}, found {}", json_type(value)))
     }
 
     fn string(&self, field: &'static str) -> Result<String, TraceError> {
@@ -306,10 +233,7 @@ impl<'a> Fields<'a> {
         let text = self.string(field)?;
         let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_');
         if text.is_empty() || !text.chars().all(allowed) || text.starts_with('.') {
-            return Err(self.bad(
-                field,
-                format!("{text:?} is not a plain project/version name"),
-            ));
+            return Err(self.bad(field, format!("{text:?} is not a plain project/version name")));
         }
         Ok(text)
     }
@@ -324,10 +248,7 @@ impl<'a> Fields<'a> {
 
     fn integer(&self, field: &'static str) -> Result<i32, TraceError> {
         let value = self.get(field)?;
-        value
-            .as_i64()
-            .and_then(|n| i32::try_from(n).ok())
-            .ok_or_else(|| self.wrong_type(field, "an integer", value))
+        value.as_i64().and_then(|n| i32::try_from(n).ok()).ok_or_else(|| self.wrong_type(field, "an integer", value))
     }
 
     fn finite(&self, field: &'static str) -> Result<f64, TraceError> {
@@ -413,10 +334,7 @@ mod tests {
     fn code_repair_image_names_project_and_version() {
         let header = r#"{"trace": "t", "mode": "exec", "workdir": "/testbed", "image": "code-repair", "project": "marshmallow", "version": "3.0.0", "turns": 0}"#;
         let trace = parse(header).unwrap();
-        assert_eq!(
-            trace.header.image.reference(),
-            "crab.local/code-repair-marshmallow-3.0.0:latest"
-        );
+        assert_eq!(trace.header.image.reference(), "crab.local/code-repair-marshmallow-3.0.0:latest");
     }
 
     #[test]
@@ -474,15 +392,9 @@ mod tests {
 
     #[test]
     fn wrong_type_names_the_field_and_types() {
-        let text = with_turns(
-            HEADER,
-            &[r#"{"turn": 1, "think_s": "slow", "cmd": "ls", "timeout_s": 60}"#],
-        );
+        let text = with_turns(HEADER, &[r#"{"turn": 1, "think_s": "slow", "cmd": "ls", "timeout_s": 60}"#]);
         let error = parse(&text).unwrap_err().to_string();
-        assert_eq!(
-            error,
-            "t1.jsonl:2: field `think_s`: expected a number, found a string"
-        );
+        assert_eq!(error, "t1.jsonl:2: field `think_s`: expected a number, found a string");
     }
 
     #[test]
@@ -500,10 +412,7 @@ mod tests {
 
     #[test]
     fn turn_count_must_match_header() {
-        let text = with_turns(
-            HEADER,
-            &[r#"{"turn": 1, "think_s": 0, "cmd": "ls", "timeout_s": 60}"#],
-        );
+        let text = with_turns(HEADER, &[r#"{"turn": 1, "think_s": 0, "cmd": "ls", "timeout_s": 60}"#]);
         let error = parse(&text).unwrap_err().to_string();
         assert_eq!(error, "t1.jsonl: header says 2 turns but the file has 1");
     }
@@ -512,37 +421,18 @@ mod tests {
     fn unknown_mode_and_image_are_named() {
         let mode = HEADER.replace(r#""mode": "exec""#, r#""mode": "pty""#);
         let error = parse(&mode).unwrap_err().to_string();
-        assert!(
-            error.contains("field `mode`: unknown mode \"pty\""),
-            "{error}"
-        );
+        assert!(error.contains("field `mode`: unknown mode \"pty\""), "{error}");
         let image = HEADER.replace(r#""image": "terminal""#, r#""image": "windows""#);
         let error = parse(&image).unwrap_err().to_string();
-        assert!(
-            error.contains("field `image`: unknown image \"windows\""),
-            "{error}"
-        );
+        assert!(error.contains("field `image`: unknown image \"windows\""), "{error}");
     }
 
     #[test]
     fn relative_workdir_and_zero_timeout_are_rejected() {
         let relative = HEADER.replace(r#""workdir": "/app""#, r#""workdir": "app""#);
-        assert!(
-            parse(&relative)
-                .unwrap_err()
-                .to_string()
-                .contains("field `workdir`")
-        );
-        let text = with_turns(
-            HEADER,
-            &[r#"{"turn": 1, "think_s": 0, "cmd": "ls", "timeout_s": 0}"#],
-        );
-        assert!(
-            parse(&text)
-                .unwrap_err()
-                .to_string()
-                .contains("field `timeout_s`: must be greater than 0")
-        );
+        assert!(parse(&relative).unwrap_err().to_string().contains("field `workdir`"));
+        let text = with_turns(HEADER, &[r#"{"turn": 1, "think_s": 0, "cmd": "ls", "timeout_s": 0}"#]);
+        assert!(parse(&text).unwrap_err().to_string().contains("field `timeout_s`: must be greater than 0"));
     }
 
     #[test]
@@ -557,12 +447,7 @@ mod tests {
         let trace = parse(&ok).unwrap();
         assert_eq!((trace.turns[0].rc, trace.turns[1].rc), (None, Some(2)));
         let bad = ok.replace(r#""rc": 2"#, r#""rc": "2""#);
-        assert!(
-            parse(&bad)
-                .unwrap_err()
-                .to_string()
-                .contains("field `rc`: expected an integer")
-        );
+        assert!(parse(&bad).unwrap_err().to_string().contains("field `rc`: expected an integer"));
     }
 
     #[test]

@@ -87,7 +87,9 @@ pub fn name_config(bundle: &Path, config_file: &Path) -> Result<bool, CriuConfig
     let mut spec: Value = serde_json::from_slice(&bytes).map_err(|e| spec_error(e.to_string()))?;
     let Some(object) = spec.as_object_mut() else { return Err(spec_error("not a JSON object".into())) };
     let annotations = object.entry("annotations").or_insert_with(|| Value::Object(Default::default()));
-    let Some(annotations) = annotations.as_object_mut() else { return Err(spec_error("annotations is not an object".into())) };
+    let Some(annotations) = annotations.as_object_mut() else {
+        return Err(spec_error("annotations is not an object".into()));
+    };
     let ours = config_file.display().to_string();
     match annotations.get(CONFIG_ANNOTATION).and_then(Value::as_str) {
         Some(theirs) if theirs != ours => return Ok(false),
@@ -106,7 +108,11 @@ pub fn name_config(bundle: &Path, config_file: &Path) -> Result<bool, CriuConfig
 
 /// Writes the CRIU config file: the ghost limit, `action_script` while a restore runs, and
 /// the network lock of the next dump.
-pub fn write_config(config_file: &Path, action_script: Option<&Path>, lock: NetworkLock) -> Result<(), CriuConfigError> {
+pub fn write_config(
+    config_file: &Path,
+    action_script: Option<&Path>,
+    lock: NetworkLock,
+) -> Result<(), CriuConfigError> {
     let mut text = format!("ghost-limit {GHOST_LIMIT_MIB}M\n");
     if let Some(script) = action_script {
         let plain = script.to_str().filter(|s| !s.contains(|c: char| c.is_whitespace() || c == '"' || c == '\''));
@@ -244,10 +250,12 @@ mod tests {
 
     #[test]
     fn only_tcp_connections_need_the_network_lock() {
-        let header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n";
+        let header =
+            "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n";
         let listening = "   0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0 100 0 0 10 0\n";
         let established = "   1: 0100007F:1F90 0100007F:A1B2 01 00000000:00000000 00:00000000 00000000     0        0 2 1 0 20 4 30 10 -1\n";
-        let time_wait = "   2: 0100007F:1F90 0100007F:A1B3 06 00000000:00000000 03:00001000 00000000     0        0 0 3 0\n";
+        let time_wait =
+            "   2: 0100007F:1F90 0100007F:A1B3 06 00000000:00000000 03:00001000 00000000     0        0 0 3 0\n";
         let closing = "   3: 0100007F:1F90 0100007F:A1B4 04 00000000:00000000 01:00000010 00000000     0        0 3 2 0 20 4 30 10 -1\n";
         assert!(!has_tcp_connection(header));
         assert!(!has_tcp_connection(&format!("{header}{listening}")));

@@ -233,10 +233,8 @@ pub fn install(bundle: &Path, init: &Path, check_entrypoint: bool) -> Result<Opt
         let cwd = process.get("cwd").and_then(Value::as_str).unwrap_or("/").to_string();
         let rootfs = spec.get("root").and_then(|r| r.get("path")).and_then(Value::as_str).unwrap_or("rootfs");
         let rootfs = bundle.join(rootfs);
-        let mount_points: Vec<String> = mounts
-            .iter()
-            .filter_map(|m| m.get("destination").and_then(Value::as_str).map(String::from))
-            .collect();
+        let mount_points: Vec<String> =
+            mounts.iter().filter_map(|m| m.get("destination").and_then(Value::as_str).map(String::from)).collect();
         check_entrypoint_exists(&rootfs, &args[0], &env, &cwd, &mount_points)?;
     }
     spec["mounts"] = Value::Array(mounts);
@@ -301,12 +299,15 @@ fn is_executable(path: &Path) -> bool {
 pub fn resolve_in_root(root: &Path, path: &Path) -> Option<PathBuf> {
     const MAX_LINKS: usize = 40;
     let mut resolved = PathBuf::new();
-    let mut pending: Vec<std::ffi::OsString> =
-        path.components().rev().filter_map(|c| match c {
+    let mut pending: Vec<std::ffi::OsString> = path
+        .components()
+        .rev()
+        .filter_map(|c| match c {
             Component::Normal(n) => Some(n.to_os_string()),
             Component::ParentDir => Some("..".into()),
             _ => None,
-        }).collect();
+        })
+        .collect();
     let mut links = 0;
     while let Some(name) = pending.pop() {
         if name == ".." {

@@ -236,7 +236,8 @@ impl OciRuntime {
 
     /// Host pids of every process in the container.
     pub async fn ps(&self, id: &str) -> Result<Vec<u32>> {
-        let out = self.run(id, &["ps".into(), "--format".into(), "json".into(), id.into()], ProcessStdio::default()).await?;
+        let out =
+            self.run(id, &["ps".into(), "--format".into(), "json".into(), id.into()], ProcessStdio::default()).await?;
         // runc prints `null` for an empty list.
         let pids: Option<Vec<u32>> = serde_json::from_slice(&out).map_err(|e| self.output_error("ps", e))?;
         Ok(pids.unwrap_or_default())
@@ -283,7 +284,9 @@ impl OciRuntime {
         for hook in hooks.iter().rev() {
             hook.after_dump(dumped.is_ok().then_some(opts.image_path.as_path())).await;
         }
-        dumped.map_err(|e| self.with_criu_error(id, e, opts.work_path.as_deref().unwrap_or(&opts.image_path).join("dump.log")))
+        dumped.map_err(|e| {
+            self.with_criu_error(id, e, opts.work_path.as_deref().unwrap_or(&opts.image_path).join("dump.log"))
+        })
     }
 
     /// Restores a container from `opts.image_path` and leaves it running.
@@ -319,7 +322,9 @@ impl OciRuntime {
         args.push(id.into());
         let _exclusive = self.exclusive.lock().await;
         let restored = self.run(id, &args, launch.stdio).await.map(drop);
-        restored.map_err(|e| self.with_criu_error(id, e, opts.work_path.as_deref().unwrap_or(&opts.image_path).join("restore.log")))
+        restored.map_err(|e| {
+            self.with_criu_error(id, e, opts.work_path.as_deref().unwrap_or(&opts.image_path).join("restore.log"))
+        })
     }
 
     /// runc reports only "criu failed" and the log's name, and the caller may
@@ -366,8 +371,7 @@ impl OciRuntime {
         cmd.stderr(stdio.stderr.map(Stdio::from).unwrap_or_else(Stdio::piped));
 
         tracing::debug!(binary = %self.binary.display(), ?args, "oci runtime");
-        let spawn_error =
-            |source| RuntimeError::Spawn { binary: self.binary_name(), verb: verb.clone(), source };
+        let spawn_error = |source| RuntimeError::Spawn { binary: self.binary_name(), verb: verb.clone(), source };
         // Keep the reaper lock-free of our pid until it is known: the reaper
         // parks unclaimed exits, so registering after spawn cannot miss one.
         let mut child = cmd.spawn().map_err(spawn_error)?;
@@ -466,7 +470,8 @@ fn which(binary: &Path) -> std::io::Result<PathBuf> {
             Err(std::io::Error::new(std::io::ErrorKind::NotFound, "no executable at this path"))
         };
     }
-    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
+    let path = std::env::var_os("PATH")
+        .unwrap_or_else(|| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
     std::env::split_paths(&path)
         .map(|dir| dir.join(binary))
         .find(|p| is_exec(p))

@@ -100,7 +100,9 @@ impl Reaper {
     fn reap_all(&self) {
         loop {
             let exit = match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
-                Ok(WaitStatus::Exited(pid, code)) => Exit { pid: pid.as_raw() as u32, status: code, at: SystemTime::now() },
+                Ok(WaitStatus::Exited(pid, code)) => {
+                    Exit { pid: pid.as_raw() as u32, status: code, at: SystemTime::now() }
+                }
                 Ok(WaitStatus::Signaled(pid, sig, _)) => {
                     Exit { pid: pid.as_raw() as u32, status: 128 + sig as i32, at: SystemTime::now() }
                 }

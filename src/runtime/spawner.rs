@@ -325,7 +325,10 @@ fn session_fds(received: Received) -> Result<SessionFds, SpawnerError> {
 /// The host pid behind a pidfd (its `Pid:` line in fdinfo).
 pub fn pidfd_pid(pidfd: &OwnedFd) -> Option<u32> {
     let text = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd())).ok()?;
-    text.lines().find_map(|l| l.strip_prefix("Pid:")).and_then(|v| v.trim().parse::<i64>().ok()).and_then(|p| u32::try_from(p).ok())
+    text.lines()
+        .find_map(|l| l.strip_prefix("Pid:"))
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .and_then(|p| u32::try_from(p).ok())
 }
 
 /// Sends `signal` through a pidfd: it cannot hit a recycled pid.
@@ -353,12 +356,8 @@ async fn connect_socket_entry(dir: &Path) -> std::io::Result<UnixStream> {
     use nix::fcntl::{OFlag, open, openat};
     use nix::sys::stat::{Mode, SFlag, fstat};
     let dir_fd = open(dir, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())?;
-    let entry = openat(
-        &dir_fd,
-        crab_init::SOCKET_NAME,
-        OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    )?;
+    let entry =
+        openat(&dir_fd, crab_init::SOCKET_NAME, OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())?;
     let kind = SFlag::from_bits_truncate(fstat(&entry)?.st_mode & SFlag::S_IFMT.bits());
     if kind != SFlag::S_IFSOCK {
         return Err(std::io::Error::new(
@@ -422,7 +421,11 @@ async fn write_all(stream: &UnixStream, mut bytes: &[u8]) -> std::io::Result<()>
 }
 
 /// One recvmsg: bytes into `buf`, descriptors onto `fds`.
-fn receive(stream: &UnixStream, buf: &mut Vec<u8>, fds: &mut std::collections::VecDeque<OwnedFd>) -> std::io::Result<usize> {
+fn receive(
+    stream: &UnixStream,
+    buf: &mut Vec<u8>,
+    fds: &mut std::collections::VecDeque<OwnedFd>,
+) -> std::io::Result<usize> {
     use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
     let mut chunk = [0u8; 16 * 1024];
     let mut cmsg = nix::cmsg_space!([RawFd; protocol::MAX_FDS]);

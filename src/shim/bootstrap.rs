@@ -95,10 +95,7 @@ fn run(runtime_id: &str, flags: Flags) -> Result<(), BootstrapError> {
     if flags.action.is_empty() {
         set_subreaper()?;
     }
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(io_err("tokio runtime"))?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(io_err("tokio runtime"))?;
     let result = rt.block_on(async move {
         match flags.action.as_str() {
             "start" => start(&flags).await,
@@ -114,12 +111,18 @@ fn run(runtime_id: &str, flags: Flags) -> Result<(), BootstrapError> {
 }
 
 fn binary_name() -> String {
-    std::env::args().next().and_then(|a| Path::new(&a).file_name().map(|f| f.to_string_lossy().into_owned())).unwrap_or_default()
+    std::env::args()
+        .next()
+        .and_then(|a| Path::new(&a).file_name().map(|f| f.to_string_lossy().into_owned()))
+        .unwrap_or_default()
 }
 
 fn set_subreaper() -> Result<(), BootstrapError> {
     if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
-        return Err(BootstrapError::Io { what: "PR_SET_CHILD_SUBREAPER".into(), source: std::io::Error::last_os_error() });
+        return Err(BootstrapError::Io {
+            what: "PR_SET_CHILD_SUBREAPER".into(),
+            source: std::io::Error::last_os_error(),
+        });
     }
     Ok(())
 }
@@ -233,7 +236,11 @@ async fn start(flags: &Flags) -> Result<(), BootstrapError> {
     out.flush().map_err(io_err("flush address"))
 }
 
-fn spawn_server(flags: &Flags, address: &str, listener: std::os::unix::net::UnixListener) -> Result<(), BootstrapError> {
+fn spawn_server(
+    flags: &Flags,
+    address: &str,
+    listener: std::os::unix::net::UnixListener,
+) -> Result<(), BootstrapError> {
     use std::os::fd::AsRawFd;
     use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe().map_err(io_err("current executable"))?;
@@ -285,8 +292,9 @@ fn server_listener(path: &str) -> Result<std::os::unix::net::UnixListener, Boots
         unsafe { std::env::remove_var(LISTENER_FD_ENV) };
         // Inherited without close-on-exec: nothing this shim starts (runc, crabd, CRIU)
         // may keep the shim's socket open after the shim is gone.
-        nix::fcntl::fcntl(&listener, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC))
-            .map_err(|e| BootstrapError::Io { what: "close-on-exec on the inherited listener".into(), source: e.into() })?;
+        nix::fcntl::fcntl(&listener, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC)).map_err(|e| {
+            BootstrapError::Io { what: "close-on-exec on the inherited listener".into(), source: e.into() }
+        })?;
         return Ok(listener);
     }
     if let Some(dir) = Path::new(path).parent() {
@@ -300,7 +308,8 @@ fn init_logging(debug: bool, level: &str) {
     use tracing_subscriber::EnvFilter;
     // containerd reads shim logs from the `log` fifo in the bundle.
     let log = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open("log").ok();
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(if debug { "debug" } else { level }));
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(if debug { "debug" } else { level }));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(false).with_target(false);
     match log {
         Some(f) => {
@@ -328,12 +337,8 @@ async fn serve(flags: &Flags) -> Result<(), BootstrapError> {
     }
     let shutdown = CancellationToken::new();
     let events = EventSink::new(events_address, &flags.namespace);
-    let service: Arc<dyn Task + Send + Sync> = Arc::new(TaskService::new(
-        &flags.namespace,
-        events.clone(),
-        reaper,
-        shutdown.clone(),
-    ));
+    let service: Arc<dyn Task + Send + Sync> =
+        Arc::new(TaskService::new(&flags.namespace, events.clone(), reaper, shutdown.clone()));
 
     let path = socket_path(&flags.socket).to_string();
     let listener = server_listener(&path)?;
@@ -349,7 +354,8 @@ async fn serve(flags: &Flags) -> Result<(), BootstrapError> {
     server.start().await.map_err(|e| BootstrapError::Other(format!("serve {path}: {e}")))?;
     tracing::info!(socket = %path, pid = std::process::id(), "serving");
 
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io_err("SIGTERM handler"))?;
+    let mut sigterm =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io_err("SIGTERM handler"))?;
     tokio::select! {
         _ = shutdown.cancelled() => {}
         _ = sigterm.recv() => tracing::info!("SIGTERM"),
@@ -437,7 +443,8 @@ mod tests {
             .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        std::io::BufRead::read_line(&mut std::io::BufReader::new(python.stdout.take().unwrap()), &mut String::new()).unwrap();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(python.stdout.take().unwrap()), &mut String::new())
+            .unwrap();
         let started = std::time::Instant::now();
         assert!(!live_shim_at(other.to_str().unwrap()).await, "python3 is no shim");
         assert!(started.elapsed() < LIVENESS_PROBE_TIMEOUT, "decided by the owner, without a probe");
@@ -458,11 +465,8 @@ mod tests {
     #[test]
     fn pods_share_one_shim() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(
-            dir.path().join("config.json"),
-            r#"{"annotations":{"io.kubernetes.cri.sandbox-id":"pod-1"}}"#,
-        )
-        .unwrap();
+        std::fs::write(dir.path().join("config.json"), r#"{"annotations":{"io.kubernetes.cri.sandbox-id":"pod-1"}}"#)
+            .unwrap();
         assert_eq!(grouping(dir.path(), "ctr-a"), "pod-1");
         std::fs::write(dir.path().join("config.json"), r#"{"annotations":{}}"#).unwrap();
         assert_eq!(grouping(dir.path(), "ctr-a"), "ctr-a");

@@ -22,8 +22,14 @@ pub enum CgroupError {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Cgroup {
     /// v1 controller directories (memory, cpuacct, pids, ...).
-    V1 { memory: Option<PathBuf>, cpuacct: Option<PathBuf>, pids: Option<PathBuf> },
-    V2 { dir: PathBuf },
+    V1 {
+        memory: Option<PathBuf>,
+        cpuacct: Option<PathBuf>,
+        pids: Option<PathBuf>,
+    },
+    V2 {
+        dir: PathBuf,
+    },
 }
 
 fn v2_mount() -> Option<PathBuf> {

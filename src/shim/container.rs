@@ -271,8 +271,7 @@ impl Container {
         if self.config.restore_from.is_some() {
             return Ok(0);
         }
-        let (io, launch) =
-            ProcessIo::prepare(&self.init.uris, &self.owner(), &self.work_dir(), &self.reaper).await?;
+        let (io, launch) = ProcessIo::prepare(&self.init.uris, &self.owner(), &self.work_dir(), &self.reaper).await?;
         self.init.set_io(io.clone());
         let pid_file = self.work_dir().join("init.pid");
         let console_path = launch.console.as_ref().map(|c| c.path().to_path_buf());
@@ -310,8 +309,7 @@ impl Container {
     }
 
     async fn restore(&self, image: &Path) -> Result<u32, ShimError> {
-        let (io, launch) =
-            ProcessIo::prepare(&self.init.uris, &self.owner(), &self.work_dir(), &self.reaper).await?;
+        let (io, launch) = ProcessIo::prepare(&self.init.uris, &self.owner(), &self.work_dir(), &self.reaper).await?;
         self.init.set_io(io.clone());
         let pid_file = self.work_dir().join("init.pid");
         let console_path = launch.console.as_ref().map(|c| c.path().to_path_buf());
@@ -378,8 +376,12 @@ impl Container {
                     init: self.init.clone(),
                 }));
             }
-            Ok(false) => tracing::info!(container = %self.id(), "the spec names a CRIU config of its own: crab's ghost limit and restore action script are not used"),
-            Err(e) => tracing::warn!(container = %self.id(), error = %e, "crab's CRIU config not named: deleted files over 1 MiB fail dumps, restored loopback TCP connections fail"),
+            Ok(false) => {
+                tracing::info!(container = %self.id(), "the spec names a CRIU config of its own: crab's ghost limit and restore action script are not used")
+            }
+            Err(e) => {
+                tracing::warn!(container = %self.id(), error = %e, "crab's CRIU config not named: deleted files over 1 MiB fail dumps, restored loopback TCP connections fail")
+            }
         }
     }
 
@@ -470,7 +472,12 @@ impl Container {
             e => ShimError::Other(format!("exec {exec_id} through the spawner: {e}")),
         })?;
         let pid = session.pid;
-        let ends = ParentEnds { stdin: session.stdin, stdout: session.stdout, stderr: session.stderr, console: session.console };
+        let ends = ParentEnds {
+            stdin: session.stdin,
+            stdout: session.stdout,
+            stderr: session.stderr,
+            console: session.console,
+        };
         let io = ProcessIo::from_parent_ends(&process.uris, &self.owner(), ends, &self.reaper).await?;
         process.set_io(io.clone());
         let pidfd = Arc::new(session.pidfd);

@@ -127,7 +127,11 @@ async fn forward_all(address: String, mut queue: mpsc::Receiver<Queued>) {
     }
 }
 
-async fn forward_once(address: &str, client: &mut Option<EventsClient>, request: &ForwardRequest) -> Result<(), String> {
+async fn forward_once(
+    address: &str,
+    client: &mut Option<EventsClient>,
+    request: &ForwardRequest,
+) -> Result<(), String> {
     if client.is_none() {
         let path = address.strip_prefix("unix://").unwrap_or(address);
         let connected = ttrpc::r#async::Client::connect(&format!("unix://{path}"))

@@ -202,12 +202,13 @@ async fn open_output_fifo(path: &Path) -> Result<FifoSink, IoError> {
             Err(e) => return Err(os(what())(e)),
         }
     };
-    let keep_reader = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-        .map_err(os(what()))?;
-    Ok(FifoSink { writer: AsyncRaw::new(writer).map_err(os("register fifo"))?, _keep_reader: keep_reader.into(), client_reads })
+    let keep_reader =
+        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(os(what()))?;
+    Ok(FifoSink {
+        writer: AsyncRaw::new(writer).map_err(os("register fifo"))?,
+        _keep_reader: keep_reader.into(),
+        client_reads,
+    })
 }
 
 /// A client's output fifo, with the shim's own read side held open.
@@ -565,7 +566,12 @@ impl ProcessIo {
 
     /// Starts the copies over pipe ends: stdin from its fifo, outputs to
     /// their sinks or to one logging binary.
-    async fn connect_pipes(self: &Arc<Self>, ends: ParentEnds, owner: &IoOwner<'_>, reaper: &Reaper) -> Result<(), IoError> {
+    async fn connect_pipes(
+        self: &Arc<Self>,
+        ends: ParentEnds,
+        owner: &IoOwner<'_>,
+        reaper: &Reaper,
+    ) -> Result<(), IoError> {
         let stdin_t = parse_uri(&self.uris.stdin)?;
         let stdout_t = parse_uri(&self.uris.stdout)?;
         let stderr_t = parse_uri(&self.uris.stderr)?;
@@ -586,7 +592,9 @@ impl ProcessIo {
             }
         }
         if logger_needed {
-            let Target::Binary { path, args } = (if matches!(stdout_t, Target::Binary { .. }) { &stdout_t } else { &stderr_t }) else {
+            let Target::Binary { path, args } =
+                (if matches!(stdout_t, Target::Binary { .. }) { &stdout_t } else { &stderr_t })
+            else {
                 unreachable!()
             };
             start_logger(path, args, owner, logger_fds, reaper).await?;
@@ -637,7 +645,8 @@ impl ProcessIo {
         });
         if let Ok(Target::Fifo(path)) = parse_uri(&self.uris.stdin) {
             let writer = AsyncRaw::new(master).map_err(os("pty master"))?;
-            let (stdin, observer, closed) = (self.stdin.clone(), self.stdin_observer.clone(), self.stdin_closed.clone());
+            let (stdin, observer, closed) =
+                (self.stdin.clone(), self.stdin_observer.clone(), self.stdin_closed.clone());
             self.spawn_input(async move {
                 *stdin.lock().await = Some(writer);
                 copy_stdin(path, stdin, observer).await;
@@ -770,7 +779,10 @@ mod tests {
         assert_eq!(parse_uri("file:///var/log/c.log").unwrap(), Target::File("/var/log/c.log".into()));
         assert_eq!(
             parse_uri("binary:///usr/bin/logger?id=a%20b&flag").unwrap(),
-            Target::Binary { path: "/usr/bin/logger".into(), args: vec![("id".into(), "a b".into()), ("flag".into(), "".into())] }
+            Target::Binary {
+                path: "/usr/bin/logger".into(),
+                args: vec![("id".into(), "a b".into()), ("flag".into(), "".into())]
+            }
         );
         let err = parse_uri("http://x/y").unwrap_err();
         assert!(err.to_string().contains("http://x/y"), "{err}");

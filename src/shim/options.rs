@@ -22,7 +22,8 @@ pub struct CreateOptions {
 
 const RUNC_OPTIONS: &[&str] = &["containerd.runc.v1.Options", "io.containerd.runc.v1.Options"];
 const RUNTIME_OPTIONS: &str = "runtimeoptions.v1.Options";
-const CHECKPOINT_OPTIONS: &[&str] = &["containerd.runc.v1.CheckpointOptions", "containerd.linux.runc.CheckpointOptions"];
+const CHECKPOINT_OPTIONS: &[&str] =
+    &["containerd.runc.v1.CheckpointOptions", "containerd.linux.runc.CheckpointOptions"];
 
 /// containerd writes bare type names; protobuf's own packing adds a host
 /// prefix. Compare the last path segment.
@@ -59,8 +60,7 @@ impl CreateOptions {
         }
         Err(ShimError::InvalidArgument(format!(
             "unsupported runtime options type {:?} (expected {} or {RUNTIME_OPTIONS})",
-            any.type_url,
-            RUNC_OPTIONS[0]
+            any.type_url, RUNC_OPTIONS[0]
         )))
     }
 }

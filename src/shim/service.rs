@@ -21,11 +21,11 @@ pub use super::events::EventSink;
 use super::io::StdioUris;
 use super::options::{self, CreateOptions};
 use super::process::{Process, Status};
-use crate::config::Config;
 use crate::checkpoint::SandboxKey;
+use crate::config::Config;
 use crate::engine::{ChainStart, EngineContext, SandboxEngine};
-use crate::turns::{Policy, SandboxPolicy};
 use crate::runtime::{CheckpointOptions, Exit, OciRuntime, Reaper};
+use crate::turns::{Policy, SandboxPolicy};
 
 /// How long an exit waits for the process's output to drain before it is
 /// published: output written before exit reaches the client first.
@@ -165,13 +165,14 @@ impl TaskService {
         let bundle = PathBuf::from(&req.bundle);
         let policy = sandbox_policy(&bundle, &config)?;
         // Checkpoints are the sandbox's by containerd namespace and id: two tenants' `t2` never share one.
-        let key = if policy.policy != Policy::Off || policy.restore_from.is_some() {
-            Some(SandboxKey::new(&self.namespace, &req.id).map_err(|e| {
-                ShimError::InvalidArgument(format!("container {} cannot be checkpointed: {e}", req.id))
-            })?)
-        } else {
-            None
-        };
+        let key =
+            if policy.policy != Policy::Off || policy.restore_from.is_some() {
+                Some(SandboxKey::new(&self.namespace, &req.id).map_err(|e| {
+                    ShimError::InvalidArgument(format!("container {} cannot be checkpointed: {e}", req.id))
+                })?)
+            } else {
+                None
+            };
         let restore_source = match (&policy.restore_from, &key) {
             (Some(source), Some(_)) => Some(restore_source(&config.checkpoint, source, &self.namespace)?),
             _ => None,
@@ -191,7 +192,9 @@ impl TaskService {
             tokio::spawn(async move { engine_context(cell, config, yielding).await })
         });
         let prepared = match (&policy.restore_from, &restore_source, &key) {
-            (Some(from), Some(source), Some(key)) => prepare_restore(&config.checkpoint, source, from.turn, key, &bundle).await,
+            (Some(from), Some(source), Some(key)) => {
+                prepare_restore(&config.checkpoint, source, from.turn, key, &bundle).await
+            }
             _ => Ok(None),
         };
         let prepared = match prepared {
@@ -252,7 +255,12 @@ impl TaskService {
             },
             runtime,
             self.reaper.clone(),
-            StdioUris { stdin: req.stdin.clone(), stdout: req.stdout.clone(), stderr: req.stderr.clone(), terminal: req.terminal },
+            StdioUris {
+                stdin: req.stdin.clone(),
+                stdout: req.stdout.clone(),
+                stderr: req.stderr.clone(),
+                terminal: req.terminal,
+            },
         );
         let pid = match container.create().await {
             Ok(pid) => pid,
@@ -566,7 +574,13 @@ async fn joined_engine_context(loading: EngineLoad) -> Result<Arc<EngineContext>
 
 /// Attaches the engine of a restored container once its context is set up,
 /// behind Start's reply; settles the container's engine either way.
-fn attach_restored_engine(container: Arc<Container>, loading: EngineLoad, policy: SandboxPolicy, pid: u32, start: ChainStart) {
+fn attach_restored_engine(
+    container: Arc<Container>,
+    loading: EngineLoad,
+    policy: SandboxPolicy,
+    pid: u32,
+    start: ChainStart,
+) {
     tokio::spawn(async move {
         let clock = std::time::Instant::now();
         let attached = match joined_engine_context(loading).await {
@@ -660,8 +674,8 @@ fn sandbox_policy(bundle: &Path, config: &Config) -> Result<SandboxPolicy, ShimE
         #[serde(default)]
         annotations: HashMap<String, String>,
     }
-    let spec: Spec = serde_json::from_slice(&bytes)
-        .map_err(|e| ShimError::InvalidArgument(format!("{}: {e}", path.display())))?;
+    let spec: Spec =
+        serde_json::from_slice(&bytes).map_err(|e| ShimError::InvalidArgument(format!("{}: {e}", path.display())))?;
     let defaults = SandboxPolicy {
         policy: crate::turns::parse_policy(&config.checkpoint.policy).unwrap_or(Policy::Crab),
         ..Default::default()
@@ -717,7 +731,9 @@ async fn restore_mounts(pending: PendingMounts, pid: u32) -> Result<(), ShimErro
 fn chain_start(policy: &SandboxPolicy, namespace: &str, id: &str) -> ChainStart {
     match &policy.restore_from {
         None => ChainStart::New,
-        Some(source) if source.key(namespace).is_ok_and(|k| k == k.current() && k.namespace() == namespace && k.id() == id) => {
+        Some(source)
+            if source.key(namespace).is_ok_and(|k| k == k.current() && k.namespace() == namespace && k.id() == id) =>
+        {
             ChainStart::Continued
         }
         Some(_) => ChainStart::Forked,
@@ -734,9 +750,7 @@ fn restore_source(
     namespace: &str,
 ) -> Result<SandboxKey, ShimError> {
     let annotation = crate::turns::ANNOTATION_RESTORE_FROM;
-    let key = source.key(namespace).map_err(|e| {
-        ShimError::InvalidArgument(format!("annotation {annotation}: {e}"))
-    })?;
+    let key = source.key(namespace).map_err(|e| ShimError::InvalidArgument(format!("annotation {annotation}: {e}")))?;
     if !checkpoint.restore_allowed(key.namespace(), namespace) {
         return Err(ShimError::InvalidArgument(format!(
             "annotation {annotation}={key}:{turn} refused: chain {key} is in containerd namespace {:?}, \
@@ -767,7 +781,8 @@ async fn prepare_restore(
     let (src, new) = (source.to_string(), new_key.to_string());
     let (state_dir, kept) = (checkpoint.state_dir.clone(), checkpoint.kept_images());
     let ms = |since: std::time::Instant| since.elapsed().as_secs_f64() * 1e3;
-    let failed = |e: &dyn std::fmt::Display| ShimError::FailedPrecondition(format!("restore from {source}:{turn}: {e}"));
+    let failed =
+        |e: &dyn std::fmt::Display| ShimError::FailedPrecondition(format!("restore from {source}:{turn}: {e}"));
     let restored = tokio::task::spawn_blocking(move || {
         let store = crate::checkpoint::CheckpointStore::open_with(&state_dir, &kept)?;
         if src != new {
@@ -828,7 +843,12 @@ async fn copy_dir(from: &Path, to: &Path) -> Result<(), ShimError> {
 fn delete_response(process: &Process) -> DeleteResponse {
     let snap = process.snapshot();
     let exit = snap.exit.unwrap_or(Exit { pid: snap.pid, status: 0, at: SystemTime::now() });
-    DeleteResponse { pid: snap.pid, exit_status: exit.status as u32, exited_at: timestamp(exit.at), ..Default::default() }
+    DeleteResponse {
+        pid: snap.pid,
+        exit_status: exit.status as u32,
+        exited_at: timestamp(exit.at),
+        ..Default::default()
+    }
 }
 
 /// Mounts the rootfs containerd prepared (usually one overlay) on bundle/rootfs.
@@ -928,9 +948,7 @@ impl Task for TaskService {
             .ok_or_else(|| ShimError::InvalidArgument(format!("exec {}: no process spec", req.exec_id)))?;
         let uris = StdioUris { stdin: req.stdin, stdout: req.stdout, stderr: req.stderr, terminal: req.terminal };
         container.add_exec(&req.exec_id, uris, spec)?;
-        self.events
-            .publish(TaskExecAdded { container_id: req.id, exec_id: req.exec_id, ..Default::default() })
-            .await;
+        self.events.publish(TaskExecAdded { container_id: req.id, exec_id: req.exec_id, ..Default::default() }).await;
         empty()
     }
 

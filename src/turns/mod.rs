@@ -127,7 +127,10 @@ impl Default for SandboxPolicy {
 
 impl SandboxPolicy {
     /// Reads the `io.crab.*` annotations; absent ones take `defaults`' values.
-    pub fn from_annotations(annotations: &HashMap<String, String>, defaults: &SandboxPolicy) -> Result<Self, AnnotationError> {
+    pub fn from_annotations(
+        annotations: &HashMap<String, String>,
+        defaults: &SandboxPolicy,
+    ) -> Result<Self, AnnotationError> {
         let mut p = defaults.clone();
         if let Some(v) = annotations.get(ANNOTATION_TURNS) {
             p.turns = match v.as_str() {
@@ -388,7 +391,8 @@ mod tests {
         assert_eq!(p.policy, Policy::EveryTurn);
         assert_eq!(p.ignore, vec![PathBuf::from("/root/.cache"), PathBuf::from("/tmp/pip")]);
         assert_eq!(p.restore_from, Some(RestoreFrom { namespace: None, container: "sandbox-1".into(), turn: 7 }));
-        let other = SandboxPolicy::from_annotations(&ann(&[(ANNOTATION_RESTORE_FROM, "tenant-b/sandbox-1@2:3")]), &d).unwrap();
+        let other =
+            SandboxPolicy::from_annotations(&ann(&[(ANNOTATION_RESTORE_FROM, "tenant-b/sandbox-1@2:3")]), &d).unwrap();
         let source = other.restore_from.unwrap();
         assert_eq!(source.key("tenant-a").unwrap().to_string(), "tenant-b/sandbox-1@2");
         let own = SandboxPolicy::from_annotations(&ann(&[(ANNOTATION_RESTORE_FROM, "sandbox-1:3")]), &d).unwrap();

@@ -39,7 +39,10 @@ pub enum SyscallState {
     Running,
     /// Blocked, but not in a system call (e.g. stopped by a signal).
     NotInSyscall,
-    Blocked { nr: i64, args: [u64; 6] },
+    Blocked {
+        nr: i64,
+        args: [u64; 6],
+    },
 }
 
 /// The scheduler state of a thread (the letter of `/proc/<tid>/stat`).
@@ -380,7 +383,8 @@ impl ProcReader for ProcFs {
 
     fn cgroup_threads(&self, cgroup_dir: &Path) -> Result<Vec<u32>, StdinError> {
         let path = cgroup_dir.join("cgroup.threads");
-        let text = std::fs::read_to_string(&path).map_err(|source| StdinError::Cgroup { dir: cgroup_dir.into(), source })?;
+        let text =
+            std::fs::read_to_string(&path).map_err(|source| StdinError::Cgroup { dir: cgroup_dir.into(), source })?;
         Ok(text.lines().filter_map(|l| l.trim().parse().ok()).collect())
     }
 
@@ -491,7 +495,12 @@ mod tests {
     }
 
     fn sample(waiting: bool, queued: usize, busy: usize, forwarded: u64) -> Sample {
-        Sample { waiting_on_stdin: waiting, stdin_queued: queued, busy: (0..busy as u32).map(|t| (t, 'R')).collect(), forwarded }
+        Sample {
+            waiting_on_stdin: waiting,
+            stdin_queued: queued,
+            busy: (0..busy as u32).map(|t| (t, 'R')).collect(),
+            forwarded,
+        }
     }
 
     fn ms(n: u64) -> Duration {
@@ -586,11 +595,8 @@ mod tests {
     #[tokio::test]
     async fn waiting_ends_when_the_session_is_back_at_its_prompt() {
         // Working (wait4 on a child), then reading stdin while a child still runs, then quiet.
-        let fake = FakeProc::session_then(&[
-            blocked(libc::SYS_wait4, [0; 6]),
-            blocked(libc::SYS_wait4, [0; 6]),
-            READ_STDIN,
-        ]);
+        let fake =
+            FakeProc::session_then(&[blocked(libc::SYS_wait4, [0; 6]), blocked(libc::SYS_wait4, [0; 6]), READ_STDIN]);
         fake.threads.lock().unwrap().insert(50, 'R');
         let forwarded = AtomicU64::new(7);
         let config = DetectorConfig { interval: ms(1), ..Default::default() };
