@@ -184,7 +184,7 @@ impl Container {
     /// containerd's own runc shim (1.6) an exec that exits at once sometimes loses its whole
     /// output (the shim publishes the exit before the client has read the fifo): there, and
     /// only there, an empty answer is asked for again, twice at most. crab's shim must answer
-    /// the first time (it waits for the reader; see `src/shim/io.rs`).
+    /// the first time (it waits for the reader; see `crates/crab-shim/src/io.rs`).
     pub async fn exec_output(&self, exec_id: &str, cmd: &[&str]) -> Outcome<String> {
         let mut out = self.exec_ok(exec_id, cmd).await?;
         if self.runtime.name() == crate::env::RUNC_RUNTIME {

@@ -402,13 +402,13 @@ fn traces_dir() -> Outcome<PathBuf> {
 struct Replay {
     trace: String,
     workdir: String,
-    turns: Vec<crab::replay::trace::Turn>,
+    turns: Vec<crab_replay::trace::Turn>,
 }
 
 /// `COLOCATED` traces of the terminal image, those with process turns first
 /// (then by name: every run replays the same).
 fn dev_trace_replays() -> Outcome<Vec<Replay>> {
-    use crab::replay::trace::{Trace, TraceImage};
+    use crab_replay::trace::{Trace, TraceImage};
     let dir = traces_dir()?.join("tb");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .map_err(|e| HarnessError::io(format!("listing {}", dir.display()), e))?
@@ -507,14 +507,14 @@ async fn sixteen_sandboxes_replaying_dev_traces_stay_in_the_bucket_and_lose_no_t
     let _alone = ONE_AT_A_TIME.lock().await;
     let replays = dev_trace_replays().unwrap();
     let tiny = TinyCrabd::replace_running(TIGHT_RATE_KIB, TIGHT_BURST_KIB).await.unwrap();
-    let ctr = crab::containerd::ctr::Ctr::from_env();
+    let ctr = crabctl::containerd::ctr::Ctr::from_env();
     let ids: Vec<String> = (0..COLOCATED).map(|i| format!("node-colo-{i}")).collect();
     for id in &ids {
-        let _ = crab::replay::sandbox::remove_container(&ctr, id).await;
+        let _ = crab_replay::sandbox::remove_container(&ctr, id).await;
     }
     let outcome = colocated_run(&ctr, &ids, replays, tiny).await;
     for id in &ids {
-        let _ = crab::replay::sandbox::remove_container(&ctr, id).await;
+        let _ = crab_replay::sandbox::remove_container(&ctr, id).await;
     }
     if let Err(e) = outcome {
         panic!("{e}");
@@ -522,12 +522,12 @@ async fn sixteen_sandboxes_replaying_dev_traces_stay_in_the_bucket_and_lose_no_t
 }
 
 async fn colocated_run(
-    ctr: &crab::containerd::ctr::Ctr,
+    ctr: &crabctl::containerd::ctr::Ctr,
     ids: &[String],
     replays: Vec<Replay>,
     mut tiny: TinyCrabd,
 ) -> Outcome<()> {
-    use crab::replay::sandbox::{Sandbox, SandboxSpec};
+    use crab_replay::sandbox::{Sandbox, SandboxSpec};
     const MIB: f64 = 1048576.0;
     let before = node_status()?;
     let old_pid = before["pid"].as_u64().unwrap_or(0);
@@ -911,7 +911,7 @@ const DUMP_AND_WRITE_SLACK: Duration = Duration::from_secs(30);
 async fn a_stopped_crabd_costs_a_turn_its_bounds_and_the_record_says_why() {
     let _alone = ONE_AT_A_TIME.lock().await;
     use crab_integration::sandbox::{Sandbox, TERMINAL_IMAGE, TurnClass};
-    let node = crab::config::Config::load(None).expect("the crab config of CRAB_CONFIG").node;
+    let node = crab_config::Config::load(None).expect("the crab config of CRAB_CONFIG").node;
     let (timeout, max_wait) = (Duration::from_millis(node.timeout_ms), Duration::from_millis(node.max_wait_ms));
     let outcome = async {
         // 64 MiB/s with a 64 MiB burst: only a stopped crabd makes a commit wait.

@@ -428,7 +428,7 @@ fn servers() -> Group {
 /// Processes of earlier turns that run during a later one, doing nothing the inspector sees: a
 /// server answering a request, a job advancing when poked. Their memory changed (proc); idle,
 /// they leave a turn clean. The server blocks with no timeout (Python's `http.server` also wakes
-/// every 0.5 s by itself, which is running too: see `src/turns/cpu.rs`).
+/// every 0.5 s by itself, which is running too: see `crates/crab-engine/src/cpu.rs`).
 fn ran_from_before() -> Group {
     Group {
         name: "ran",
@@ -477,7 +477,7 @@ fn async_io() -> Group {
         steps: vec![
             Step::Setup(concat!(
                 "mkdir -p /app/aio && cat > /app/aio/async_io.py <<'PYEOF'\n",
-                include_str!("../../bpf/testdata/async_io.py"),
+                include_str!("../../crates/crab-inspector/bpf/testdata/async_io.py"),
                 "PYEOF"
             )),
             // The ring opens and writes the file: no open or write syscall.

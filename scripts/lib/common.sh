@@ -50,10 +50,10 @@ ensure_cargo() {
 stage_crab_bins() {
   local target_dir="${CARGO_TARGET_DIR:-$CRAB_ROOT/target}" dir b from
   dir="$target_dir/crab-bin"
-  (cd "$CRAB_ROOT" && cargo build --release --quiet --bin crabd --bin crabctl &&
-    cargo build --profile shim --quiet --bin containerd-shim-crab-v2) >&2 || die "building the shim, crabd and crabctl failed"
+  (cd "$CRAB_ROOT" && cargo build --release --quiet --bin crabd --bin crabctl --bin crab-replay &&
+    cargo build --profile shim --quiet --bin containerd-shim-crab-v2) >&2 || die "building the shim, crabd, crabctl and crab-replay failed"
   mkdir -p "$dir"
-  for b in containerd-shim-crab-v2 crabd crabctl; do
+  for b in containerd-shim-crab-v2 crabd crabctl crab-replay; do
     from="$target_dir/release/$b"
     [ "$b" = containerd-shim-crab-v2 ] && from="$target_dir/shim/$b"
     install -m 0755 "$from" "$dir/.$b.tmp"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Aggregates the JSON that `crabctl replay --json-out` wrote for each trace of
+"""Aggregates the JSON that `crab-replay --json-out` wrote for each trace of
 an evaluation run into report.md, summary.json and SVG plots.
 
 Usage: eval_report.py OUTDIR

@@ -324,8 +324,8 @@ recipe_code_repair_from_base() {
 }
 
 # The image name of PROJECT VERSION: lowercased (an image reference's repository must be),
-# exactly as crabctl replay derives it from a trace header (code_repair_image_name in
-# src/replay/trace.rs); the header keeps the project's own spelling, which pip needs.
+# exactly as crab-replay derives it from a trace header (code_repair_image_name in
+# crates/crab-replay/src/trace.rs); the header keeps the project's own spelling, which pip needs.
 code_repair_image_name() {
   printf 'code-repair-%s-%s\n' "${1,,}" "${2,,}"
 }

@@ -1,0 +1,523 @@
+//! Replays each trace: fault-free reference run(s) first, then one run per
+//! policy with the fault, each in its own container.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use super::ReplayError;
+use super::fault::{FaultKind, FaultTurn};
+use super::fingerprint::Fingerprint;
+use super::injector::{Daemons, FaultInjector};
+use super::oracle::{Reference, ReferenceRun, TurnResult};
+use super::policy::{Launch, PolicyKind, Recovery, RecoveryMethod, RecoveryPolicy, StoreCheck, TurnCost, discard};
+use super::report::{DelaySummary, FaultReport, PolicyRun, ReferenceSummary, TraceReport, TurnReport};
+use super::sandbox::{ExecResult, Sandbox, SandboxSpec};
+use super::trace::Trace;
+use crabctl::containerd::ctr::Ctr;
+
+#[derive(Debug, Clone)]
+pub struct ReplayOptions {
+    pub traces: Vec<PathBuf>,
+    pub policies: Vec<PolicyKind>,
+    /// Each fault gets its own run of every policy; the reference runs are shared.
+    pub faults: Vec<FaultKind>,
+    pub fault_turn: FaultTurn,
+    /// Multiplies the recorded think times; 0 replays back to back.
+    pub think_scale: f64,
+    pub runtime: String,
+    /// Fault-free runs to compare against; with 2, what differs between them is ignored.
+    pub ref_runs: u8,
+    /// Least time between the starts of two reference runs: output that
+    /// prints the clock in a form the normaliser does not know (minutes in
+    /// `ps`) then differs between them and the turn counts as nondeterministic.
+    pub ref_spacing: Duration,
+    pub ctr: Ctr,
+    /// How faults reach containerd and crabd.
+    pub daemons: Daemons,
+    /// Where policies keep checkpoints outside containerd (every-turn's archives).
+    pub checkpoint_dir: PathBuf,
+}
+
+/// Replays every trace; all traces are parsed and checked before any runs.
+/// One report per trace and fault, in that order.
+pub async fn replay(options: &ReplayOptions) -> Result<Vec<TraceReport>, ReplayError> {
+    if options.policies.is_empty() {
+        return Err(ReplayError::Options("no policy given".to_string()));
+    }
+    if options.faults.is_empty() {
+        return Err(ReplayError::Options("no fault given (use none for fault-free runs)".to_string()));
+    }
+    let injector = FaultInjector::new(options.ctr.clone(), options.daemons.clone());
+    for fault in &options.faults {
+        injector.check(*fault).map_err(|source| ReplayError::Fault { fault: *fault, source })?;
+    }
+    if !(1..=2).contains(&options.ref_runs) {
+        return Err(ReplayError::Options(format!("--ref-runs must be 1 or 2, not {}", options.ref_runs)));
+    }
+    if !options.think_scale.is_finite() || options.think_scale < 0.0 {
+        return Err(ReplayError::Options(format!("--think-scale must be >= 0, not {}", options.think_scale)));
+    }
+    let mut planned = Vec::new();
+    for file in &options.traces {
+        let trace = Trace::load(file)?;
+        // One turn for every fault of the trace, so their results line up.
+        let fault_turn = options.fault_turn.resolve(&trace.header.trace, trace.header.turns);
+        if let Some(turn) = fault_turn
+            && !(1..=trace.header.turns).contains(&turn)
+        {
+            return Err(ReplayError::FaultTurnOutOfRange { file: file.clone(), turn, turns: trace.header.turns });
+        }
+        let image = trace.header.image.reference();
+        if options.ctr.image_digest(&image).await?.is_none() {
+            return Err(ReplayError::ImageMissing { file: file.clone(), image, hint: trace.header.image.build_hint() });
+        }
+        planned.push((trace, fault_turn));
+    }
+    let mut reports = Vec::new();
+    for (index, (trace, fault_turn)) in planned.iter().enumerate() {
+        info!(trace = %trace.header.trace, number = index + 1, of = planned.len(), "progress: trace");
+        reports.extend(replay_trace(options, &injector, trace, *fault_turn).await?);
+    }
+    Ok(reports)
+}
+
+async fn replay_trace(
+    options: &ReplayOptions,
+    injector: &FaultInjector,
+    trace: &Trace,
+    fault_turn: Option<u32>,
+) -> Result<Vec<TraceReport>, ReplayError> {
+    let image = trace.header.image.reference();
+    let started = Instant::now();
+    let runs_total = usize::from(options.ref_runs) + options.faults.len() * options.policies.len();
+    let mut runs_done = 0;
+    let mut reference_runs = Vec::new();
+    for index in 0..options.ref_runs {
+        if index > 0 {
+            let spaced = started + options.ref_spacing * u32::from(index);
+            if let Some(wait) = spaced.checked_duration_since(Instant::now()) {
+                info!(trace = %trace.header.trace, wait_s = wait.as_secs_f64(), "spacing the reference runs apart");
+                tokio::time::sleep(wait).await;
+            }
+        }
+        runs_done += 1;
+        info!(trace = %trace.header.trace, run = runs_done, of = runs_total, "progress: reference run (fault-free, no checkpoints)");
+        let launch = launch(options, trace, PolicyKind::Off, "ref");
+        let outcome =
+            run_guarded(trace, &launch, PolicyKind::Off.build(launch.clone()), None, options, injector, true).await?;
+        reference_runs.push(ReferenceRun { results: outcome.results(), fingerprints: outcome.fingerprints });
+    }
+    let reference_time = started.elapsed();
+    let reference =
+        Reference::new(reference_runs).map_err(|source| ReplayError::Oracle { file: trace.file.clone(), source })?;
+
+    let reference_summary = ReferenceSummary {
+        runs: reference.runs(),
+        run_time_s: reference_time.as_secs_f64(),
+        nondeterministic_turns: reference.nondeterministic_turns().into_iter().collect(),
+        normalised_turns: reference.normalised_turns().into_iter().collect(),
+        turns_with_wall_clock: reference.turns_with_wall_clock().into_iter().collect(),
+        final_state: reference.fingerprint(trace.header.turns).map(Fingerprint::digest),
+    };
+
+    let mut reports = Vec::new();
+    for fault in &options.faults {
+        let strike = (*fault != FaultKind::None).then_some(fault_turn).flatten().map(|turn| (*fault, turn));
+        let mut runs = Vec::new();
+        for policy in &options.policies {
+            runs_done += 1;
+            info!(trace = %trace.header.trace, run = runs_done, of = runs_total, policy = %policy, %fault, fault_turn, "progress: policy run");
+            let launch = launch(options, trace, *policy, policy.name());
+            let outcome =
+                run_guarded(trace, &launch, policy.build(launch.clone()), strike, options, injector, false).await?;
+            runs.push(policy_report(*policy, &reference, outcome, &trace.file)?);
+        }
+        reports.push(TraceReport {
+            trace: trace.header.trace.clone(),
+            file: trace.file.clone(),
+            image: image.clone(),
+            runtime: options.runtime.clone(),
+            turns: trace.header.turns,
+            fault: *fault,
+            fault_turn: strike.map(|(_, turn)| turn),
+            think_scale: options.think_scale,
+            reference: reference_summary.clone(),
+            runs,
+        });
+    }
+    Ok(reports)
+}
+
+static NEXT_CONTAINER: AtomicU64 = AtomicU64::new(1);
+
+fn launch(options: &ReplayOptions, trace: &Trace, policy: PolicyKind, role: &str) -> Launch {
+    let sequence = NEXT_CONTAINER.fetch_add(1, Ordering::Relaxed);
+    Launch {
+        ctr: options.ctr.clone(),
+        container_id: format!("replay-{}-{sequence}-{role}", std::process::id()),
+        checkpoint_dir: options.checkpoint_dir.clone(),
+        spec: SandboxSpec {
+            image: trace.header.image.reference(),
+            runtime: options.runtime.clone(),
+            workdir: trace.header.workdir.clone(),
+            annotations: vec![(crab_store::turns::ANNOTATION_POLICY.to_string(), policy.shim_policy().to_string())],
+        },
+    }
+}
+
+/// One turn as it happened in a run.
+struct TurnOutcome {
+    turn: u32,
+    exec: ExecResult,
+    /// The exec's result as the oracle compares it.
+    result: TurnResult,
+    checkpoint_s: f64,
+    checkpoint_bytes: u64,
+    checkpoint_exported_bytes: u64,
+    checkpoint_error: Option<String>,
+    /// How long the agent waited for the policy beyond its think time.
+    agent_visible_delay_s: f64,
+}
+
+struct FaultOutcome {
+    kind: FaultKind,
+    turn: u32,
+    /// What the injector did, and what the policy lost with containerd's state.
+    detail: String,
+    lost: Option<String>,
+    recovery_s: f64,
+    /// A failed recovery ends the run: it is the policy's result, not the replay's error.
+    result: Result<Recovered, String>,
+}
+
+struct Recovered {
+    method: RecoveryMethod,
+    possible: bool,
+    state_after: Fingerprint,
+}
+
+struct RunOutcome {
+    turns: Vec<TurnOutcome>,
+    /// After every turn when requested (reference runs), else empty.
+    fingerprints: Vec<Fingerprint>,
+    fault: Option<FaultOutcome>,
+    run_time: Duration,
+    /// The policy's own check of its store after the run, where it has one.
+    store: Option<StoreCheck>,
+}
+
+impl RunOutcome {
+    fn results(&self) -> Vec<TurnResult> {
+        self.turns.iter().map(|turn| turn.result.clone()).collect()
+    }
+}
+
+/// Runs the trace, then removes the container and the policy's images
+/// whether the run succeeded or not.
+async fn run_guarded(
+    trace: &Trace,
+    launch: &Launch,
+    mut policy: Box<dyn RecoveryPolicy>,
+    strike: Option<(FaultKind, u32)>,
+    options: &ReplayOptions,
+    injector: &FaultInjector,
+    fingerprint_every_turn: bool,
+) -> Result<RunOutcome, ReplayError> {
+    let mut outcome = run(trace, launch, policy.as_mut(), strike, options, injector, fingerprint_every_turn).await;
+    if let Ok(outcome) = &mut outcome {
+        outcome.store = policy.check_store(&launch.container_id).await;
+    }
+    let cleaned = async {
+        policy.cleanup().await?;
+        discard(launch).await
+    }
+    .await;
+    match (outcome, cleaned) {
+        (Ok(outcome), Ok(())) => Ok(outcome),
+        (Ok(_), Err(error)) => Err(error),
+        (Err(error), cleaned) => {
+            if let Err(cleanup_error) = cleaned {
+                warn!(container = %launch.container_id, error = %cleanup_error, "cleanup after a failed run");
+            }
+            Err(error)
+        }
+    }
+}
+
+async fn run(
+    trace: &Trace,
+    launch: &Launch,
+    policy: &mut dyn RecoveryPolicy,
+    strike: Option<(FaultKind, u32)>,
+    options: &ReplayOptions,
+    injector: &FaultInjector,
+    fingerprint_every_turn: bool,
+) -> Result<RunOutcome, ReplayError> {
+    let started = Instant::now();
+    let mut sandbox = launch.fresh().await?;
+    let mut turns = Vec::new();
+    let mut fingerprints = Vec::new();
+    let mut fault = None;
+    let think = |index: usize| {
+        let seconds = trace.turns.get(index).map_or(0.0, |turn| turn.think_s * options.think_scale);
+        Duration::from_secs_f64(seconds)
+    };
+    tokio::time::sleep(think(0)).await;
+    for (index, turn) in trace.turns.iter().enumerate() {
+        let exec = sandbox.exec(&turn.cmd, Duration::from_secs_f64(turn.timeout_s)).await?;
+        // The policy saves while the agent thinks about its next turn; the
+        // agent waits only for what outlasts its thinking.
+        let next_think = think(index + 1);
+        let saving = Instant::now();
+        let (saved, ()) = tokio::join!(
+            async {
+                let saved = policy.after_turn(&sandbox, turn.turn).await;
+                (saved, saving.elapsed())
+            },
+            tokio::time::sleep(next_think)
+        );
+        let (saved, save_time) = saved;
+        let agent_visible_delay_s = save_time.saturating_sub(next_think).as_secs_f64();
+        // A failed checkpoint is the policy's result (CRIU cannot dump every
+        // sandbox): the run goes on without it, and a later recovery has only
+        // what was saved before.
+        let (cost, checkpoint_error) = match saved {
+            Ok(cost) => (cost, None),
+            Err(error) => {
+                warn!(container = sandbox.id(), turn = turn.turn, %error, "checkpoint failed");
+                (TurnCost { blocking_s: save_time.as_secs_f64(), bytes: 0, exported_bytes: 0 }, Some(error.to_string()))
+            }
+        };
+        info!(
+            container = sandbox.id(),
+            turn = turn.turn,
+            rc = ?exec.rc,
+            exec_s = exec.duration.as_secs_f64(),
+            checkpoint_s = cost.blocking_s,
+            "turn"
+        );
+        turns.push(TurnOutcome {
+            turn: turn.turn,
+            result: TurnResult::new(turn.turn, exec.rc, exec.timed_out, &exec.stdout, &exec.stderr),
+            exec,
+            checkpoint_s: cost.blocking_s,
+            checkpoint_bytes: cost.bytes,
+            checkpoint_exported_bytes: cost.exported_bytes,
+            checkpoint_error,
+            agent_visible_delay_s,
+        });
+        if fingerprint_every_turn {
+            fingerprints.push(sandbox.fingerprint().await?);
+        }
+        if let Some((kind, fault_turn)) = strike
+            && fault_turn == turn.turn
+        {
+            let (recovered, outcome) = strike_and_recover(kind, turn.turn, sandbox, policy, injector).await?;
+            let failed = outcome.result.is_err();
+            fault = Some(outcome);
+            match recovered {
+                Some(recovered) if !failed => sandbox = recovered,
+                _ => break,
+            }
+        }
+    }
+    Ok(RunOutcome { turns, fingerprints, fault, run_time: started.elapsed(), store: None })
+}
+
+/// Strikes the fault after `turn`, then lets the policy bring the sandbox
+/// back, unless it survived. A recovery that fails, or whose sandbox cannot
+/// even be looked at, is the policy's result; a fault that cannot be struck
+/// is the replay's error.
+async fn strike_and_recover(
+    kind: FaultKind,
+    turn: u32,
+    sandbox: Sandbox,
+    policy: &mut dyn RecoveryPolicy,
+    injector: &FaultInjector,
+) -> Result<(Option<Sandbox>, FaultOutcome), ReplayError> {
+    let injected =
+        injector.inject(kind, &sandbox).await.map_err(|source| ReplayError::Fault { fault: kind, source })?;
+    let lost = if kind.loses_containerd_state() { policy.lose_containerd_state().await? } else { None };
+    let recovering = Instant::now();
+    let recovery = if injected.task_running {
+        Ok(Recovery { sandbox, method: RecoveryMethod::NotNeeded, possible: true })
+    } else {
+        policy.recover(sandbox).await
+    };
+    let mut outcome = FaultOutcome {
+        kind,
+        turn,
+        detail: injected.detail,
+        lost,
+        recovery_s: recovering.elapsed().as_secs_f64(),
+        result: Err(String::new()),
+    };
+    let mut recovery = match recovery {
+        Ok(recovery) => recovery,
+        Err(error) => {
+            warn!(turn, %kind, %error, "recovery failed");
+            outcome.result = Err(error.to_string());
+            return Ok((None, outcome));
+        }
+    };
+    info!(container = recovery.sandbox.id(), turn, %kind, method = ?recovery.method, recovery_s = outcome.recovery_s, "recovered");
+    outcome.result = match recovery.sandbox.fingerprint().await {
+        Ok(state_after) => Ok(Recovered { method: recovery.method, possible: recovery.possible, state_after }),
+        Err(error) => Err(format!("the sandbox after recovery ({:?}) does not answer: {error}", recovery.method)),
+    };
+    Ok((Some(recovery.sandbox), outcome))
+}
+
+fn policy_report(
+    policy: PolicyKind,
+    reference: &Reference,
+    outcome: RunOutcome,
+    file: &std::path::Path,
+) -> Result<PolicyRun, ReplayError> {
+    let fault = match &outcome.fault {
+        None => None,
+        Some(fault) => {
+            let later: Vec<TurnResult> =
+                outcome.turns.iter().filter(|turn| turn.turn > fault.turn).map(|turn| turn.result.clone()).collect();
+            let mut report = FaultReport {
+                kind: fault.kind,
+                turn: fault.turn,
+                detail: fault.detail.clone(),
+                lost: fault.lost.clone(),
+                recovery: None,
+                recovery_s: fault.recovery_s,
+                error: None,
+                state_after: None,
+                reference_state: reference.fingerprint(fault.turn).map(Fingerprint::digest),
+                verdict: None,
+                later_checkpoint_failures: 0,
+            };
+            match &fault.result {
+                Ok(recovered) => {
+                    let verdict = reference
+                        .judge(fault.turn, &recovered.state_after, &later, recovered.possible)
+                        .map_err(|source| ReplayError::Oracle { file: file.to_path_buf(), source })?;
+                    report.recovery = Some(recovered.method.clone());
+                    report.state_after = Some(recovered.state_after.digest());
+                    report.verdict = Some(verdict);
+                }
+                Err(error) => report.error = Some(error.clone()),
+            }
+            Some(report)
+        }
+    };
+    let turns: Vec<TurnReport> = outcome
+        .turns
+        .iter()
+        .map(|turn| TurnReport {
+            turn: turn.turn,
+            rc: turn.exec.rc,
+            timed_out: turn.exec.timed_out,
+            exec_s: turn.exec.duration.as_secs_f64(),
+            checkpoint_s: turn.checkpoint_s,
+            checkpoint_bytes: turn.checkpoint_bytes,
+            checkpoint_exported_bytes: turn.checkpoint_exported_bytes,
+            agent_visible_delay_s: turn.agent_visible_delay_s,
+            checkpoint_error: turn.checkpoint_error.clone(),
+            stdout_sha256: turn.result.stdout_sha256.clone(),
+            stderr_sha256: turn.result.stderr_sha256.clone(),
+            wall_clock_stamps: turn.result.wall_clock_stamps,
+        })
+        .collect();
+    let fault = fault.map(|mut fault| {
+        fault.later_checkpoint_failures =
+            turns.iter().filter(|turn| turn.turn > fault.turn && turn.checkpoint_error.is_some()).count() as u32;
+        fault
+    });
+    Ok(PolicyRun {
+        policy,
+        recovered_correctly: fault.as_ref().map(|fault| recovered_correctly(fault, outcome.store.as_ref())),
+        store: outcome.store.clone(),
+        checkpoints: turns.iter().filter(|turn| turn.checkpoint_bytes > 0).count() as u32,
+        checkpoint_failures: turns.iter().filter(|turn| turn.checkpoint_error.is_some()).count() as u32,
+        checkpoint_bytes: turns.iter().map(|turn| turn.checkpoint_bytes).sum(),
+        checkpoint_exported_bytes: turns.iter().map(|turn| turn.checkpoint_exported_bytes).sum(),
+        run_time_s: outcome.run_time.as_secs_f64(),
+        agent_delay: DelaySummary::of(turns.iter().map(|turn| turn.agent_visible_delay_s)),
+        fault,
+        turns,
+    })
+}
+
+/// The oracle's verdict, and for a fault that strikes the checkpoint
+/// pipeline also that every later checkpoint was taken and the store verifies.
+fn recovered_correctly(fault: &FaultReport, store: Option<&StoreCheck>) -> bool {
+    let state_and_turns = fault.verdict.as_ref().is_some_and(|verdict| verdict.correct);
+    let checkpoints_complete = !fault.kind.strikes_checkpointing()
+        || (fault.later_checkpoint_failures == 0 && store.is_none_or(|store| store.ok));
+    state_and_turns && checkpoints_complete
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::oracle::Verdict;
+
+    fn fault(kind: FaultKind, correct: bool, later_checkpoint_failures: u32) -> FaultReport {
+        FaultReport {
+            kind,
+            turn: 2,
+            detail: String::new(),
+            lost: None,
+            recovery: Some(RecoveryMethod::NotNeeded),
+            recovery_s: 0.0,
+            error: None,
+            state_after: None,
+            reference_state: None,
+            verdict: Some(Verdict {
+                fault_turn: 2,
+                state_equal: correct,
+                state_differences: Vec::new(),
+                masked_entries: 0,
+                turns_compared: vec![3],
+                turns_excluded: Vec::new(),
+                turns_normalised_wall_clock: Vec::new(),
+                turns_normalised_stderr_order: Vec::new(),
+                rc_mismatches: Vec::new(),
+                output_mismatches: Vec::new(),
+                output_differences: Vec::new(),
+                recovery_possible: true,
+                correct,
+            }),
+            later_checkpoint_failures,
+        }
+    }
+
+    fn store(ok: bool) -> StoreCheck {
+        StoreCheck { ok, head_turn: Some(4), manifests: 4, blobs: 9, bytes: 100, error: None }
+    }
+
+    #[test]
+    fn the_verdict_decides_for_faults_that_strike_the_sandbox() {
+        assert!(recovered_correctly(&fault(FaultKind::KillShim, true, 0), None));
+        assert!(!recovered_correctly(&fault(FaultKind::KillShim, false, 0), Some(&store(true))));
+        // A checkpoint failing later is not the recovery's fault here.
+        assert!(recovered_correctly(&fault(FaultKind::RestartContainerd, true, 1), Some(&store(false))));
+    }
+
+    #[test]
+    fn after_kill_crabd_later_checkpoints_and_the_store_must_be_complete() {
+        assert!(recovered_correctly(&fault(FaultKind::KillCrabd, true, 0), Some(&store(true))));
+        assert!(!recovered_correctly(&fault(FaultKind::KillCrabd, true, 1), Some(&store(true))));
+        assert!(!recovered_correctly(&fault(FaultKind::KillCrabd, true, 0), Some(&store(false))));
+        // Baselines keep no store of their own to verify.
+        assert!(recovered_correctly(&fault(FaultKind::KillCrabd, true, 0), None));
+        assert!(!recovered_correctly(&fault(FaultKind::KillCrabd, false, 0), Some(&store(true))));
+    }
+
+    #[test]
+    fn a_failed_recovery_is_never_correct() {
+        let mut failed = fault(FaultKind::NodeLoss, true, 0);
+        failed.verdict = None;
+        failed.error = Some("no checkpoint".into());
+        assert!(!recovered_correctly(&failed, None));
+    }
+}

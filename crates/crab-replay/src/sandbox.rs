@@ -1,0 +1,280 @@
+//! One agent sandbox: a containerd container running `sleep infinity`, into
+//! which each turn is exec'd, driven through `ctr` as a user of containerd would.
+
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+use tracing::{debug, warn};
+
+use super::archive::Descriptor;
+use super::fingerprint::{Fingerprint, FingerprintError, SCRIPT};
+use crabctl::containerd::ctr::{Ctr, CtrError, CtrOutput};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error(transparent)]
+    Ctr(#[from] CtrError),
+    #[error("sandbox {container}: `ctr` could not run the turn: {stderr}")]
+    ExecFailed { container: String, stderr: String },
+    #[error("checkpoint {reference}: {problem}")]
+    Checkpoint { reference: String, problem: String },
+    #[error("sandbox {container}: fingerprint: {source}")]
+    Fingerprint {
+        container: String,
+        #[source]
+        source: FingerprintError,
+    },
+}
+
+/// What a sandbox is made from.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec {
+    pub image: String,
+    pub runtime: String,
+    pub workdir: String,
+    /// OCI annotations, e.g. `io.crab.policy` to choose what the crab shim itself saves.
+    pub annotations: Vec<(String, String)>,
+}
+
+/// The agent-visible result of one exec'd command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecResult {
+    /// `None` when the command was stopped at its timeout.
+    pub rc: Option<i32>,
+    pub timed_out: bool,
+    pub duration: Duration,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+}
+
+/// A checkpoint image in containerd's content store.
+#[derive(Debug, Clone)]
+pub struct CheckpointImage {
+    pub reference: String,
+    /// The checkpoint's index blob.
+    pub index: Descriptor,
+    /// What the checkpoint wrote: the index and every blob it lists but the
+    /// base image's manifest, which the checkpoint only names.
+    pub blobs: Vec<Descriptor>,
+    pub bytes: u64,
+}
+
+/// containerd's media type for the CRIU image of a task checkpoint.
+const CRIU_CHECKPOINT_MEDIA_TYPE: &str = "application/vnd.containerd.container.criu.checkpoint.criu.tar";
+/// The index `ctr c checkpoint` writes (containerd's `writeIndex`).
+const INDEX_MEDIA_TYPE: &str = "application/vnd.oci.image.index.v1+json";
+/// An entry of a checkpoint index of one of these types is its base image.
+const IMAGE_MEDIA_TYPES: [&str; 4] = [
+    "application/vnd.oci.image.manifest.v1+json",
+    INDEX_MEDIA_TYPE,
+    "application/vnd.docker.distribution.manifest.v2+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+];
+/// How long `ctr` may go on after a turn's timeout: enough for the SIGKILLed
+/// command to be reaped, not for background children that keep its output open.
+const KILL_GRACE: Duration = Duration::from_secs(2);
+
+#[derive(Debug)]
+pub struct Sandbox {
+    ctr: Ctr,
+    id: String,
+    spec: SandboxSpec,
+    next_exec: u64,
+}
+
+impl Sandbox {
+    /// Starts a new container from the spec's image.
+    pub async fn create(ctr: &Ctr, id: &str, spec: &SandboxSpec) -> Result<Sandbox, SandboxError> {
+        let mut args = vec!["run".to_string(), "-d".to_string(), "--runtime".to_string(), spec.runtime.clone()];
+        for (key, value) in &spec.annotations {
+            args.push("--annotation".to_string());
+            args.push(format!("{key}={value}"));
+        }
+        args.extend([spec.image.clone(), id.to_string(), "sleep".to_string(), "infinity".to_string()]);
+        ctr.run(&args).await?;
+        debug!(container = id, image = %spec.image, runtime = %spec.runtime, "sandbox created");
+        Ok(Sandbox { ctr: ctr.clone(), id: id.to_string(), spec: spec.clone(), next_exec: 0 })
+    }
+
+    /// Recreates container `id` from a checkpoint image, processes and rw layer included.
+    pub async fn restore(ctr: &Ctr, id: &str, spec: &SandboxSpec, reference: &str) -> Result<Sandbox, SandboxError> {
+        ctr.run(&["containers", "restore", "--live", "--rw", id, reference]).await?;
+        debug!(container = id, checkpoint = reference, "sandbox restored");
+        Ok(Sandbox { ctr: ctr.clone(), id: id.to_string(), spec: spec.clone(), next_exec: 0 })
+    }
+
+    /// A handle on container `id`, already running (recreated by someone
+    /// else, under the same id): exec ids go on from `previous`'s, so the
+    /// sandbox's turn log never sees one twice.
+    pub fn attach(previous: &Sandbox) -> Sandbox {
+        Sandbox {
+            ctr: previous.ctr.clone(),
+            id: previous.id.clone(),
+            spec: previous.spec.clone(),
+            next_exec: previous.next_exec,
+        }
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The exec id of the last command run, if any.
+    pub fn last_exec_id(&self) -> Option<String> {
+        (self.next_exec > 0).then(|| format!("replay-{}", self.next_exec))
+    }
+
+    fn exec_args(&mut self, argv: &[&str]) -> (String, Vec<String>) {
+        self.next_exec += 1;
+        let exec_id = format!("replay-{}", self.next_exec);
+        let mut args = vec![
+            "tasks".to_string(),
+            "exec".to_string(),
+            "--exec-id".to_string(),
+            exec_id.clone(),
+            "--cwd".to_string(),
+            self.spec.workdir.clone(),
+            self.id.clone(),
+        ];
+        args.extend(argv.iter().map(|arg| arg.to_string()));
+        (exec_id, args)
+    }
+
+    /// Runs `bash -c CMD` in the workdir; at `timeout` the command is SIGKILLed.
+    pub async fn exec(&mut self, cmd: &str, timeout: Duration) -> Result<ExecResult, SandboxError> {
+        // `ctr tasks exec` never closes the process's stdin, so a command that
+        // reads it (a `tail` whose file argument slipped to the next line) would
+        // hang until its timeout; agents run commands with stdin at EOF.
+        let (exec_id, args) = self.exec_args(&["bash", "-c", "exec bash -c \"$1\" </dev/null", "crab-turn", cmd]);
+        let started = Instant::now();
+        let run = self.ctr.run_raw(&args, timeout + KILL_GRACE);
+        tokio::pin!(run);
+        let (output, timed_out) = tokio::select! {
+            output = &mut run => (output?, false),
+            _ = tokio::time::sleep(timeout) => {
+                self.kill_exec(&exec_id).await;
+                (run.await?, true)
+            }
+        };
+        let duration = started.elapsed();
+        if !timed_out && is_ctr_failure(&output) {
+            return Err(SandboxError::ExecFailed { container: self.id.clone(), stderr: output.stderr_text() });
+        }
+        Ok(ExecResult {
+            rc: if timed_out { None } else { output.code },
+            timed_out,
+            duration,
+            stdout: output.stdout,
+            stderr: output.stderr,
+        })
+    }
+
+    async fn kill_exec(&self, exec_id: &str) {
+        let killed = self.ctr.run(&["tasks", "kill", "--exec-id", exec_id, "--signal", "SIGKILL", &self.id]).await;
+        match killed {
+            Ok(_) => {}
+            // The command itself exited; background children still hold its output open.
+            Err(CtrError::Failed { stderr, .. }) if stderr.contains("not found") => {}
+            Err(error) => {
+                warn!(container = %self.id, exec = exec_id, %error, "could not kill a timed-out command")
+            }
+        }
+    }
+
+    pub async fn fingerprint(&mut self) -> Result<Fingerprint, SandboxError> {
+        let roots = Fingerprint::roots(&self.spec.workdir);
+        let mut argv = vec!["bash", "-c", SCRIPT, "crab-fingerprint"];
+        argv.extend(roots.iter().map(String::as_str));
+        let (_, args) = self.exec_args(&argv);
+        let output = self.ctr.run(&args).await?;
+        Fingerprint::parse(&output.stdout)
+            .map_err(|source| SandboxError::Fingerprint { container: self.id.clone(), source })
+    }
+
+    /// The fault: SIGKILL every process of the container, as an OOM kill or a
+    /// crashed node would. The dead container stays until [`Sandbox::remove`].
+    pub async fn kill_all(&self) -> Result<(), SandboxError> {
+        self.ctr.run(&["tasks", "kill", "--all", "--signal", "SIGKILL", &self.id]).await?;
+        Ok(())
+    }
+
+    /// Deletes the task (killing what still runs) and the container with its rw snapshot.
+    pub async fn remove(self) -> Result<(), SandboxError> {
+        remove_container(&self.ctr, &self.id).await
+    }
+
+    /// `ctr c checkpoint --task --rw`: processes (CRIU) plus the rw layer, into image `reference`.
+    pub async fn checkpoint(&self, reference: &str) -> Result<CheckpointImage, SandboxError> {
+        self.ctr.run(&["containers", "checkpoint", "--task", "--rw", &self.id, reference]).await?;
+        let problem = |problem: String| SandboxError::Checkpoint { reference: reference.to_string(), problem };
+        let digest =
+            self.ctr.image_digest(reference).await?.ok_or_else(|| problem("the image was not created".to_string()))?;
+        let index_blob = self.ctr.run(&["content", "get", &digest]).await?.stdout;
+        let parsed: CheckpointIndex = serde_json::from_slice(&index_blob)
+            .map_err(|error| problem(format!("index {digest} is not an OCI index: {error}")))?;
+        // containerd 1.6 drops the task part without an error when one of its
+        // blobs already exists (the spec of an earlier checkpoint of the same
+        // container): a checkpoint that could not restore processes must not pass.
+        if !parsed.manifests.iter().any(|m| m.media_type == CRIU_CHECKPOINT_MEDIA_TYPE) {
+            return Err(problem("containerd stored no CRIU image (task part missing)".to_string()));
+        }
+        let index = Descriptor { media_type: INDEX_MEDIA_TYPE.to_string(), digest, size: index_blob.len() as u64 };
+        let mut blobs = vec![index.clone()];
+        blobs.extend(parsed.manifests.into_iter().filter(|m| !IMAGE_MEDIA_TYPES.contains(&m.media_type.as_str())));
+        let bytes = blobs.iter().map(|blob| blob.size).sum();
+        Ok(CheckpointImage { reference: reference.to_string(), index, blobs, bytes })
+    }
+
+    /// Recreates container `id` from a checkpoint kept out of containerd:
+    /// imports the archive as image `reference` (blobs checked against their
+    /// digests on the way in), then restores from it.
+    pub async fn restore_from_archive(
+        ctr: &Ctr,
+        id: &str,
+        spec: &SandboxSpec,
+        reference: &str,
+        archive: &std::path::Path,
+    ) -> Result<Sandbox, SandboxError> {
+        // The image is a checkpoint, not a rootfs: nothing to unpack.
+        let archive = archive.to_string_lossy();
+        ctr.run(&["images", "import", "--no-unpack", archive.as_ref()]).await?;
+        if ctr.image_digest(reference).await?.is_none() {
+            return Err(SandboxError::Checkpoint {
+                reference: reference.to_string(),
+                problem: format!("importing {archive} did not create the image"),
+            });
+        }
+        Sandbox::restore(ctr, id, spec, reference).await
+    }
+}
+
+#[derive(Deserialize)]
+struct CheckpointIndex {
+    manifests: Vec<Descriptor>,
+}
+
+/// Removes a container by id whatever state it is in; absent is fine.
+pub async fn remove_container(ctr: &Ctr, id: &str) -> Result<(), SandboxError> {
+    ignore_not_found(ctr.run(&["tasks", "delete", "--force", id]).await)?;
+    ignore_not_found(ctr.run(&["containers", "delete", id]).await)?;
+    Ok(())
+}
+
+/// Removes an image and waits for containerd's garbage collection to free its blobs.
+pub async fn remove_image(ctr: &Ctr, reference: &str) -> Result<(), SandboxError> {
+    ignore_not_found(ctr.run(&["images", "rm", "--sync", reference]).await)
+}
+
+fn ignore_not_found(result: Result<CtrOutput, CtrError>) -> Result<(), SandboxError> {
+    match result {
+        Ok(_) => Ok(()),
+        Err(CtrError::Failed { stderr, .. }) if stderr.contains("not found") => Ok(()),
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// `ctr` reports its own failures (no such container, exec id in use) as exit 1
+/// with a last stderr line `ctr: ...`; the command's own exit codes pass through.
+fn is_ctr_failure(output: &CtrOutput) -> bool {
+    output.code == Some(1) && output.stderr_text().lines().last().is_some_and(|line| line.starts_with("ctr: "))
+}

@@ -1,0 +1,249 @@
+//! `crab::replay` against the real containerd of `scripts/containerd` (or
+//! CRAB_CTRD_SOCK / CRAB_NS) with the `crab.local/terminal:latest` image:
+//! a short trace that leaves a file and a background process behind, killed
+//! after turn 2, under each recovery policy and each runtime of
+//! CRAB_TEST_RUNTIMES (runc, crab or full names; default both); then every
+//! fault kind against the crab policy. restart-containerd restarts that
+//! containerd with `scripts/containerd start` (CRAB_CTRD_DIR etc. from the
+//! environment), so the tests that use containerd take turns.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use crab_replay::policy::RecoveryMethod;
+use crab_replay::report::{PolicyRun, TraceReport};
+use crab_replay::{Daemons, FaultKind, FaultTurn, PolicyKind, ReplayError, ReplayOptions, replay};
+use crabctl::containerd::ctr::Ctr;
+
+/// restart-containerd takes containerd away from everything else running on it.
+static CONTAINERD: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const TRACE: &str = r#"{"trace": "replay-itest", "source": "crab tests", "mode": "exec", "workdir": "/app", "image": "terminal", "turns": 4}
+{"turn": 1, "think_s": 0.5, "cmd": "mkdir -p data && echo hello > data/a.txt && chmod 600 data/a.txt", "timeout_s": 30}
+{"turn": 2, "think_s": 0.5, "cmd": "nohup sleep 4321 >/dev/null 2>&1 & echo started", "timeout_s": 30}
+{"turn": 3, "think_s": 0.5, "cmd": "cat data/a.txt && pgrep -xc sleep", "timeout_s": 30}
+{"turn": 4, "think_s": 0.5, "cmd": "echo more >> data/a.txt && wc -c data/a.txt", "timeout_s": 30}
+"#;
+
+fn trace_file(text: &str) -> tempfile::NamedTempFile {
+    let mut file = tempfile::Builder::new().suffix(".jsonl").tempfile().unwrap();
+    file.write_all(text.as_bytes()).unwrap();
+    file
+}
+
+fn runtimes() -> Vec<String> {
+    let listed = std::env::var("CRAB_TEST_RUNTIMES").unwrap_or_else(|_| "runc,crab".to_string());
+    listed
+        .split(',')
+        .map(str::trim)
+        .filter(|name| !name.is_empty())
+        .map(|name| match name {
+            "runc" => "io.containerd.runc.v2".to_string(),
+            "crab" => "io.containerd.crab.v2".to_string(),
+            full => full.to_string(),
+        })
+        .collect()
+}
+
+fn options(traces: Vec<PathBuf>, runtime: &str) -> ReplayOptions {
+    ReplayOptions {
+        traces,
+        policies: vec![PolicyKind::EveryTurn, PolicyKind::ChatOnly, PolicyKind::Off],
+        faults: vec![FaultKind::KillProcesses],
+        fault_turn: FaultTurn::Fixed(2),
+        think_scale: 0.0,
+        runtime: runtime.to_string(),
+        ref_runs: 2,
+        ref_spacing: std::time::Duration::ZERO,
+        ctr: Ctr::from_env(),
+        daemons: Daemons {
+            containerd_start: Some(format!("bash {}/scripts/containerd start", env!("CARGO_MANIFEST_DIR"))),
+            ..Daemons::from_env()
+        },
+        checkpoint_dir: std::env::var_os("CRAB_REPLAY_CHECKPOINT_DIR")
+            .map_or_else(|| crab_replay::cli::DEFAULT_CHECKPOINT_DIR.into(), PathBuf::from),
+    }
+}
+
+fn run_of(runs: &[PolicyRun], policy: PolicyKind) -> &PolicyRun {
+    runs.iter().find(|run| run.policy == policy).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_turn_restores_exactly_and_chat_only_loses_files_and_processes() {
+    let _containerd = CONTAINERD.lock().await;
+    let file = trace_file(TRACE);
+    for runtime in runtimes() {
+        let reports = replay(&options(vec![file.path().to_path_buf()], &runtime))
+            .await
+            .unwrap_or_else(|error| panic!("replay under {runtime}: {error}"));
+        let report = &reports[0];
+        assert_eq!((report.turns, report.fault_turn), (4, Some(2)));
+        assert_eq!(report.reference.runs, 2);
+        assert!(report.reference.nondeterministic_turns.is_empty(), "{runtime}: {:?}", report.reference);
+
+        let every_turn = run_of(&report.runs, PolicyKind::EveryTurn);
+        let verdict = &every_turn.fault.as_ref().unwrap().verdict.as_ref().unwrap();
+        assert_eq!(every_turn.recovered_correctly, Some(true), "{runtime}: every-turn {verdict:?}");
+        assert!(verdict.state_equal && verdict.turns_compared == [3, 4], "{runtime}: {verdict:?}");
+        assert_eq!((every_turn.checkpoints, every_turn.checkpoint_failures), (4, 0));
+        assert!(every_turn.checkpoint_bytes > 0);
+        assert!(every_turn.turns.iter().all(|turn| turn.agent_visible_delay_s > 0.0));
+        // The restored `sleep 4321` is still there on turn 3: pid 1's sleep plus it.
+        assert_eq!(every_turn.turns[2].rc, Some(0));
+
+        let chat_only = run_of(&report.runs, PolicyKind::ChatOnly);
+        let verdict = &chat_only.fault.as_ref().unwrap().verdict.as_ref().unwrap();
+        assert_eq!(chat_only.recovered_correctly, Some(false), "{runtime}: chat-only {verdict:?}");
+        let keys: Vec<&str> = verdict.state_differences.iter().map(|d| d.key.as_str()).collect();
+        assert!(keys.contains(&"file:/app/data/a.txt"), "{runtime}: {keys:?}");
+        assert!(keys.contains(&"process:sleep 4321"), "{runtime}: {keys:?}");
+        assert!(verdict.rc_mismatches.contains(&3), "{runtime}: {verdict:?}");
+        assert_eq!((chat_only.checkpoints, chat_only.checkpoint_bytes), (0, 0));
+
+        let off = run_of(&report.runs, PolicyKind::Off);
+        let verdict = &off.fault.as_ref().unwrap().verdict.as_ref().unwrap();
+        assert_eq!(off.recovered_correctly, Some(false));
+        assert!(!verdict.recovery_possible);
+    }
+}
+
+#[tokio::test]
+async fn a_bad_trace_fails_before_any_sandbox_with_file_line_and_field() {
+    let good = trace_file(TRACE);
+    let bad =
+        trace_file(&TRACE.replace(r#""turn": 3, "think_s": 0.5, "cmd""#, r#""turn": 3, "think_s": 0.5, "command""#));
+    // The good trace comes first: nothing may run before every trace is checked.
+    let error = replay(&options(vec![good.path().to_path_buf(), bad.path().to_path_buf()], "io.containerd.runc.v2"))
+        .await
+        .unwrap_err();
+    assert!(matches!(error, ReplayError::Trace(_)), "{error:?}");
+    assert_eq!(error.to_string(), format!("{}:4: missing field `cmd`", bad.path().display()));
+}
+
+#[tokio::test]
+async fn a_fault_turn_past_the_end_is_rejected() {
+    let file = trace_file(TRACE);
+    let mut options = options(vec![file.path().to_path_buf()], "io.containerd.runc.v2");
+    options.fault_turn = FaultTurn::Fixed(5);
+    let error = replay(&options).await.unwrap_err();
+    assert!(error.to_string().ends_with("fault turn 5 is outside the trace (turns 1..=4)"), "{error}");
+}
+
+fn report_for(reports: &[TraceReport], fault: FaultKind) -> &TraceReport {
+    reports.iter().find(|report| report.fault == fault).unwrap_or_else(|| panic!("no report for {fault}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crab_recovers_from_every_fault_kind_and_the_later_turns_match() {
+    let _containerd = CONTAINERD.lock().await;
+    let file = trace_file(TRACE);
+    let mut options = options(vec![file.path().to_path_buf()], "io.containerd.crab.v2");
+    options.policies = vec![PolicyKind::Crab];
+    options.faults = vec![
+        FaultKind::KillProcesses,
+        FaultKind::KillShim,
+        FaultKind::RestartContainerd,
+        FaultKind::KillCrabd,
+        FaultKind::NodeLoss,
+    ];
+    let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
+    assert_eq!(reports.len(), 5, "one report per fault");
+    for kind in &options.faults {
+        let report = report_for(&reports, *kind);
+        assert_eq!(report.fault_turn, Some(2));
+        let crab = run_of(&report.runs, PolicyKind::Crab);
+        let fault = crab.fault.as_ref().unwrap();
+        let verdict = fault.verdict.as_ref().unwrap_or_else(|| panic!("{kind}: recovery failed: {:?}", fault.error));
+        assert_eq!(crab.recovered_correctly, Some(true), "{kind}: {verdict:?} {fault:?}");
+        // The state right after recovery and both later turns, file and restored process included.
+        assert!(verdict.state_equal, "{kind}: {:?}", verdict.state_differences);
+        assert_eq!(verdict.turns_compared, [3, 4], "{kind}");
+        assert!(verdict.rc_mismatches.is_empty() && verdict.output_mismatches.is_empty(), "{kind}: {verdict:?}");
+        assert_eq!(crab.turns.len(), 4, "{kind}: the replay went on after the fault");
+        assert_eq!(crab.turns[2].rc, Some(0), "{kind}: `pgrep` found the background sleep on turn 3");
+        let expected = match kind {
+            FaultKind::RestartContainerd | FaultKind::KillCrabd => RecoveryMethod::NotNeeded,
+            _ => RecoveryMethod::Checkpoint { turn: 2 },
+        };
+        assert_eq!(fault.recovery.as_ref(), Some(&expected), "{kind}: {}", fault.detail);
+        let store = crab.store.as_ref().expect("crab verifies its store");
+        assert!(store.ok, "{kind}: {store:?}");
+        assert_eq!(fault.later_checkpoint_failures, 0, "{kind}");
+    }
+    let shim = report_for(&reports, FaultKind::KillShim);
+    assert!(run_of(&shim.runs, PolicyKind::Crab).fault.as_ref().unwrap().detail.contains("SIGKILL to its shim (pid "));
+    let restart =
+        run_of(&report_for(&reports, FaultKind::RestartContainerd).runs, PolicyKind::Crab).fault.clone().unwrap();
+    assert!(restart.detail.contains("started again") && restart.detail.ends_with("task RUNNING"), "{}", restart.detail);
+    // crabd is gone, yet turn 4 (it appends to a file) was checkpointed and
+    // the chain verifies up to it. The shim numbers turns by exec, and the
+    // oracle's look at the sandbox after the fault is one: replay turn 4 is
+    // the shim's turn 5.
+    let crabd = run_of(&report_for(&reports, FaultKind::KillCrabd).runs, PolicyKind::Crab);
+    assert!(crabd.fault.as_ref().unwrap().detail.starts_with("SIGKILL to crabd (pid "), "{:?}", crabd.fault);
+    assert_eq!(crabd.store.as_ref().unwrap().head_turn, Some(5), "{:?}", crabd.store);
+    assert!(crabd.turns[3].checkpoint_bytes > 0, "{:?}", crabd.turns[3]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_node_loss_every_turn_restores_its_archive_and_chat_only_lost_its_state() {
+    let _containerd = CONTAINERD.lock().await;
+    let file = trace_file(TRACE);
+    let checkpoints = tempfile::tempdir().unwrap();
+    let mut options = options(vec![file.path().to_path_buf()], "io.containerd.crab.v2");
+    options.policies = vec![PolicyKind::EveryTurn, PolicyKind::ChatOnly];
+    options.faults = vec![FaultKind::NodeLoss];
+    options.ref_runs = 1;
+    options.checkpoint_dir = checkpoints.path().to_path_buf();
+    let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
+    let report = report_for(&reports, FaultKind::NodeLoss);
+
+    let every_turn = run_of(&report.runs, PolicyKind::EveryTurn);
+    let fault = every_turn.fault.as_ref().unwrap();
+    let verdict = fault.verdict.as_ref().unwrap_or_else(|| panic!("every-turn: recovery failed: {:?}", fault.error));
+    assert_eq!(every_turn.recovered_correctly, Some(true), "every-turn: {verdict:?} {fault:?}");
+    // The image in containerd went with the node; the archive did not.
+    assert_eq!(
+        fault.lost.as_deref(),
+        Some(
+            "checkpoint image of turn 2 lost with containerd's content store; its archive of turn 2 outside containerd remains"
+        )
+    );
+    assert_eq!(fault.recovery, Some(RecoveryMethod::Checkpoint { turn: 2 }));
+    assert!(verdict.state_equal && verdict.turns_compared == [3, 4], "{verdict:?}");
+    assert_eq!(every_turn.turns[2].rc, Some(0), "the restored `sleep 4321` is there on turn 3");
+    // Every checkpoint went out of containerd too, and that is counted: the
+    // archive holds every blob the checkpoint wrote into containerd, plus
+    // the tar's own headers.
+    assert_eq!((every_turn.checkpoints, every_turn.checkpoint_failures), (4, 0));
+    for turn in &every_turn.turns {
+        let in_containerd = turn.checkpoint_bytes - turn.checkpoint_exported_bytes;
+        assert!(in_containerd > 0 && turn.checkpoint_exported_bytes > in_containerd, "{turn:?}");
+    }
+    assert_eq!(
+        every_turn.checkpoint_exported_bytes,
+        every_turn.turns.iter().map(|turn| turn.checkpoint_exported_bytes).sum::<u64>()
+    );
+    // The run's archives are gone with it.
+    assert_eq!(std::fs::read_dir(checkpoints.path()).unwrap().count(), 0);
+
+    let chat_only = run_of(&report.runs, PolicyKind::ChatOnly);
+    let fault = chat_only.fault.as_ref().unwrap();
+    assert_eq!(chat_only.recovered_correctly, Some(false), "chat-only: {fault:?}");
+    assert_eq!(fault.recovery, Some(RecoveryMethod::BaseImage));
+    assert_eq!(fault.lost, None);
+    let keys: Vec<&str> = fault.verdict.as_ref().unwrap().state_differences.iter().map(|d| d.key.as_str()).collect();
+    assert!(keys.contains(&"file:/app/data/a.txt") && keys.contains(&"process:sleep 4321"), "chat-only: {keys:?}");
+}
+
+#[tokio::test]
+async fn restart_containerd_without_a_start_command_fails_before_any_sandbox() {
+    let file = trace_file(TRACE);
+    let mut options = options(vec![file.path().to_path_buf()], "io.containerd.crab.v2");
+    options.faults = vec![FaultKind::KillProcesses, FaultKind::RestartContainerd];
+    options.daemons.containerd_start = None;
+    let error = replay(&options).await.unwrap_err();
+    assert!(matches!(error, ReplayError::Fault { fault: FaultKind::RestartContainerd, .. }), "{error:?}");
+    assert!(error.to_string().contains("--containerd-start"), "{error}");
+}

@@ -1,0 +1,493 @@
+//! Client for an OCI runtime's command line (runc, or crun which speaks the same
+//! dialect), including the checkpoint and restore verbs.
+//!
+//! Every invocation goes through [`OciRuntime::run`], which spawns the binary
+//! with a plain `std::process::Command` and waits for it through the shim's
+//! [`Reaper`]: the shim is a child subreaper that reaps every child with
+//! `waitpid(-1)`, so a second waiter (tokio's own child handling) would race it
+//! and lose exit statuses.
+
+pub mod criu;
+pub mod init;
+mod reaper;
+pub mod spawner;
+
+use std::ffi::OsString;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use serde::Deserialize;
+use tokio::io::AsyncReadExt;
+
+pub use reaper::{Exit, Reaper};
+
+/// Errors of one runtime invocation.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("OCI runtime binary {path} not found: {source}")]
+    Missing { path: PathBuf, source: std::io::Error },
+    #[error("spawning {binary} {verb}: {source}")]
+    Spawn { binary: String, verb: String, source: std::io::Error },
+    /// The runtime ran and failed; `message` is the last error line of its log.
+    #[error("{binary} {verb} failed ({status}): {message}")]
+    Failed { binary: String, verb: String, status: i32, message: String },
+    #[error("{binary} {verb}: unreadable output: {detail}")]
+    Output { binary: String, verb: String, detail: String },
+}
+
+pub type Result<T> = std::result::Result<T, RuntimeError>;
+
+/// How the runtime is invoked: binary, state root and global flags.
+///
+/// The shim makes one per container and hands clones to whoever drives that
+/// container (the Task API, the checkpoint engine). Clones share one lock that
+/// runs the verbs changing the container's frozen/dumped state one at a time:
+/// runc does not lock between its own invocations, and a `pause`, `resume`
+/// or `kill --all` (which freezes and thaws the cgroup) landing in the middle
+/// of a CRIU dump fails it or the dump ("container not running").
+#[derive(Debug, Clone)]
+pub struct OciRuntime {
+    binary: PathBuf,
+    root: PathBuf,
+    systemd_cgroup: bool,
+    reaper: Reaper,
+    exclusive: std::sync::Arc<tokio::sync::Mutex<()>>,
+    dump_hooks: std::sync::Arc<std::sync::Mutex<Vec<std::sync::Arc<dyn DumpHooks>>>>,
+    /// Host pid of the runtime's own process inside the container (crab-init's
+    /// spawner): it is not the workload's, whatever it does.
+    helper_pid: std::sync::Arc<std::sync::atomic::AtomicU32>,
+}
+
+/// What must happen around every CRIU dump of the container, whoever asks
+/// for it (containerd's Checkpoint or the turn engine): the spawner's
+/// connection to the shim would be an external socket CRIU refuses.
+#[async_trait::async_trait]
+pub trait DumpHooks: Send + Sync + std::fmt::Debug {
+    async fn before_dump(&self);
+    /// `dumped_to` is the image directory when the dump succeeded.
+    async fn after_dump(&self, dumped_to: Option<&Path>);
+}
+
+/// The container process's standard streams, as the runtime sees them.
+#[derive(Debug, Default)]
+pub struct ProcessStdio {
+    pub stdin: Option<OwnedFd>,
+    pub stdout: Option<OwnedFd>,
+    pub stderr: Option<OwnedFd>,
+}
+
+/// Options shared by `create`, `exec` and `restore`.
+#[derive(Debug)]
+pub struct LaunchOptions<'a> {
+    pub pid_file: &'a Path,
+    pub console_socket: Option<&'a Path>,
+    pub no_pivot: bool,
+    pub no_new_keyring: bool,
+    pub stdio: ProcessStdio,
+}
+
+/// What `runc checkpoint` is asked to do.
+#[derive(Debug, Default, Clone)]
+pub struct CheckpointOptions {
+    pub image_path: PathBuf,
+    pub work_path: Option<PathBuf>,
+    pub parent_path: Option<PathBuf>,
+    pub leave_running: bool,
+    pub tcp_established: bool,
+    pub ext_unix_sockets: bool,
+    pub shell_job: bool,
+    pub file_locks: bool,
+    pub empty_namespaces: Vec<String>,
+    pub manage_cgroups_mode: Option<String>,
+}
+
+/// `runc state` output, the fields the shim uses.
+#[derive(Debug, Deserialize)]
+pub struct ContainerState {
+    pub id: String,
+    pub pid: u32,
+    pub status: String,
+    #[serde(default)]
+    pub bundle: String,
+}
+
+impl OciRuntime {
+    pub fn new(binary: impl Into<PathBuf>, root: impl Into<PathBuf>, systemd_cgroup: bool, reaper: Reaper) -> Self {
+        Self {
+            binary: binary.into(),
+            root: root.into(),
+            systemd_cgroup,
+            reaper,
+            exclusive: Default::default(),
+            dump_hooks: Default::default(),
+            helper_pid: Default::default(),
+        }
+    }
+
+    /// Shared by every clone: the container sets them once its spawner is up.
+    /// Adds hooks run around every dump: `before_dump` in the order added, `after_dump` in
+    /// the reverse order.
+    pub fn add_dump_hooks(&self, hooks: std::sync::Arc<dyn DumpHooks>) {
+        self.dump_hooks.lock().expect("dump hooks lock").push(hooks);
+    }
+
+    /// Records the spawner's host pid (it changes with a restore); 0 for none.
+    pub fn set_helper_pid(&self, pid: u32) {
+        self.helper_pid.store(pid, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The runtime's own processes in the container, to leave out of what a turn did.
+    pub fn helper_pids(&self) -> std::collections::HashSet<u32> {
+        let pid = self.helper_pid.load(std::sync::atomic::Ordering::SeqCst);
+        (pid != 0).then_some(pid).into_iter().collect()
+    }
+
+    pub fn binary(&self) -> &Path {
+        &self.binary
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Fails with a message naming the path when the runtime binary is absent,
+    /// so a misconfigured host is reported at Create rather than as a spawn error.
+    pub fn check_binary(&self) -> Result<PathBuf> {
+        which(&self.binary).map_err(|source| RuntimeError::Missing { path: self.binary.clone(), source })
+    }
+
+    fn log_path(&self, id: &str) -> PathBuf {
+        self.root.join(format!("{id}.log"))
+    }
+
+    pub async fn create(&self, id: &str, bundle: &Path, opts: LaunchOptions<'_>) -> Result<()> {
+        let mut args: Vec<OsString> = vec!["create".into(), "--bundle".into(), bundle.into()];
+        push_launch_args(&mut args, &opts);
+        args.push(id.into());
+        self.run(id, &args, opts.stdio).await.map(drop)
+    }
+
+    pub async fn start(&self, id: &str) -> Result<()> {
+        self.run(id, &["start".into(), id.into()], ProcessStdio::default()).await.map(drop)
+    }
+
+    /// Starts an extra process described by `process_json` (an OCI `Process`).
+    pub async fn exec(&self, id: &str, process_json: &Path, opts: LaunchOptions<'_>) -> Result<()> {
+        let mut args: Vec<OsString> = vec!["exec".into(), "--detach".into(), "--process".into(), process_json.into()];
+        args.push("--pid-file".into());
+        args.push(opts.pid_file.into());
+        if let Some(socket) = opts.console_socket {
+            args.push("--console-socket".into());
+            args.push(socket.into());
+        }
+        args.push(id.into());
+        self.run(id, &args, opts.stdio).await.map(drop)
+    }
+
+    pub async fn kill(&self, id: &str, signal: u32, all: bool) -> Result<()> {
+        let mut args: Vec<OsString> = vec!["kill".into()];
+        if all {
+            args.push("--all".into());
+        }
+        args.push(id.into());
+        args.push(signal.to_string().into());
+        let _exclusive = self.exclusive.lock().await;
+        self.run(id, &args, ProcessStdio::default()).await.map(drop)
+    }
+
+    pub async fn delete(&self, id: &str, force: bool) -> Result<()> {
+        let mut args: Vec<OsString> = vec!["delete".into()];
+        if force {
+            args.push("--force".into());
+        }
+        args.push(id.into());
+        let _exclusive = self.exclusive.lock().await;
+        self.run(id, &args, ProcessStdio::default()).await.map(drop)
+    }
+
+    pub async fn state(&self, id: &str) -> Result<ContainerState> {
+        let out = self.run(id, &["state".into(), id.into()], ProcessStdio::default()).await?;
+        serde_json::from_slice(&out).map_err(|e| self.output_error("state", e))
+    }
+
+    /// Host pids of every process in the container.
+    pub async fn ps(&self, id: &str) -> Result<Vec<u32>> {
+        let out =
+            self.run(id, &["ps".into(), "--format".into(), "json".into(), id.into()], ProcessStdio::default()).await?;
+        // runc prints `null` for an empty list.
+        let pids: Option<Vec<u32>> = serde_json::from_slice(&out).map_err(|e| self.output_error("ps", e))?;
+        Ok(pids.unwrap_or_default())
+    }
+
+    pub async fn pause(&self, id: &str) -> Result<()> {
+        let _exclusive = self.exclusive.lock().await;
+        self.run(id, &["pause".into(), id.into()], ProcessStdio::default()).await.map(drop)
+    }
+
+    pub async fn resume(&self, id: &str) -> Result<()> {
+        let _exclusive = self.exclusive.lock().await;
+        self.run(id, &["resume".into(), id.into()], ProcessStdio::default()).await.map(drop)
+    }
+
+    /// Applies `resources_json` (an OCI `LinuxResources`) to the running container.
+    pub async fn update(&self, id: &str, resources_json: &Path) -> Result<()> {
+        let args: Vec<OsString> = vec!["update".into(), "--resources".into(), resources_json.into(), id.into()];
+        let _exclusive = self.exclusive.lock().await;
+        self.run(id, &args, ProcessStdio::default()).await.map(drop)
+    }
+
+    pub async fn checkpoint(&self, id: &str, opts: &CheckpointOptions) -> Result<()> {
+        let mut args: Vec<OsString> = vec!["checkpoint".into(), "--image-path".into(), opts.image_path.clone().into()];
+        if let Some(work) = &opts.work_path {
+            args.push("--work-path".into());
+            args.push(work.into());
+        }
+        if let Some(parent) = &opts.parent_path {
+            args.push("--parent-path".into());
+            args.push(parent.into());
+        }
+        push_criu_flags(&mut args, opts);
+        if opts.leave_running {
+            args.push("--leave-running".into());
+        }
+        args.push(id.into());
+        let _exclusive = self.exclusive.lock().await;
+        let hooks = self.dump_hooks.lock().expect("dump hooks lock").clone();
+        for hook in &hooks {
+            hook.before_dump().await;
+        }
+        let dumped = self.run(id, &args, ProcessStdio::default()).await.map(drop);
+        for hook in hooks.iter().rev() {
+            hook.after_dump(dumped.is_ok().then_some(opts.image_path.as_path())).await;
+        }
+        dumped.map_err(|e| {
+            self.with_criu_error(id, e, opts.work_path.as_deref().unwrap_or(&opts.image_path).join("dump.log"))
+        })
+    }
+
+    /// Restores a container from `opts.image_path` and leaves it running.
+    pub async fn restore(
+        &self,
+        id: &str,
+        bundle: &Path,
+        opts: &CheckpointOptions,
+        launch: LaunchOptions<'_>,
+    ) -> Result<()> {
+        let mut args: Vec<OsString> = vec![
+            "restore".into(),
+            "--detach".into(),
+            "--bundle".into(),
+            bundle.into(),
+            "--image-path".into(),
+            opts.image_path.clone().into(),
+        ];
+        if let Some(work) = &opts.work_path {
+            args.push("--work-path".into());
+            args.push(work.into());
+        }
+        push_criu_flags(&mut args, opts);
+        args.push("--pid-file".into());
+        args.push(launch.pid_file.into());
+        if let Some(socket) = launch.console_socket {
+            args.push("--console-socket".into());
+            args.push(socket.into());
+        }
+        if launch.no_pivot {
+            args.push("--no-pivot".into());
+        }
+        args.push(id.into());
+        let _exclusive = self.exclusive.lock().await;
+        let restored = self.run(id, &args, launch.stdio).await.map(drop);
+        restored.map_err(|e| {
+            self.with_criu_error(id, e, opts.work_path.as_deref().unwrap_or(&opts.image_path).join("restore.log"))
+        })
+    }
+
+    /// runc reports only "criu failed" and the log's name, and the caller may
+    /// remove the directory holding it: the message gets CRIU's own last
+    /// error line, and the whole log is kept beside the runtime's own log.
+    fn with_criu_error(&self, id: &str, error: RuntimeError, log: PathBuf) -> RuntimeError {
+        let RuntimeError::Failed { binary, verb, status, message } = error else { return error };
+        let Ok(text) = std::fs::read_to_string(&log) else {
+            return RuntimeError::Failed { binary, verb, status, message };
+        };
+        // The last line only says "Dumping FAILED."; the cause is the error before it.
+        let is_cause = |l: &&str| l.contains("Error (") && !l.contains("FAILED.");
+        let cause = text.lines().rev().find(is_cause).map(str::trim).unwrap_or("no error line");
+        let kept = self.root.join(format!("{id}.criu-{verb}.log"));
+        let message = match std::fs::write(&kept, &text) {
+            Ok(()) => format!("{message}; criu: {cause} (log kept at {})", kept.display()),
+            Err(_) => format!("{message}; criu: {cause}"),
+        };
+        RuntimeError::Failed { binary, verb, status, message }
+    }
+
+    fn output_error(&self, verb: &str, e: impl std::fmt::Display) -> RuntimeError {
+        RuntimeError::Output { binary: self.binary_name(), verb: verb.into(), detail: e.to_string() }
+    }
+
+    pub fn binary_name(&self) -> String {
+        self.binary.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+    }
+
+    /// Runs one runtime verb and returns its stdout.
+    async fn run(&self, id: &str, args: &[OsString], stdio: ProcessStdio) -> Result<Vec<u8>> {
+        let verb = args.first().map(|a| a.to_string_lossy().into_owned()).unwrap_or_default();
+        let log = self.log_path(id);
+        let mut cmd = std::process::Command::new(&self.binary);
+        cmd.arg("--root").arg(&self.root).arg("--log").arg(&log).arg("--log-format").arg("json");
+        if self.systemd_cgroup {
+            cmd.arg("--systemd-cgroup");
+        }
+        cmd.args(args);
+        cmd.stdin(stdio.stdin.map(Stdio::from).unwrap_or_else(Stdio::null));
+        // Detached create/exec/restore hand these to the container process;
+        // otherwise the runtime's own stdout is read back.
+        cmd.stdout(stdio.stdout.map(Stdio::from).unwrap_or_else(Stdio::piped));
+        cmd.stderr(stdio.stderr.map(Stdio::from).unwrap_or_else(Stdio::piped));
+
+        tracing::debug!(binary = %self.binary.display(), ?args, "oci runtime");
+        let spawn_error = |source| RuntimeError::Spawn { binary: self.binary_name(), verb: verb.clone(), source };
+        // Keep the reaper lock-free of our pid until it is known: the reaper
+        // parks unclaimed exits, so registering after spawn cannot miss one.
+        let mut child = cmd.spawn().map_err(spawn_error)?;
+        let exit = self.reaper.wait_for(child.id());
+        let stdout = read_all(child.stdout.take());
+        let stderr = read_all(child.stderr.take());
+        let (exit, stdout, stderr) = tokio::join!(exit, stdout, stderr);
+        // std's Child is never waited on: the reaper reaped it. Dropping it does
+        // not wait or kill.
+        drop(child);
+        if exit.status != 0 {
+            let message = last_error_line(&log)
+                .await
+                .or_else(|| last_line(&stderr))
+                .unwrap_or_else(|| format!("exit status {}", exit.status));
+            return Err(RuntimeError::Failed { binary: self.binary_name(), verb, status: exit.status, message });
+        }
+        Ok(stdout)
+    }
+}
+
+fn push_launch_args(args: &mut Vec<OsString>, opts: &LaunchOptions<'_>) {
+    args.push("--pid-file".into());
+    args.push(opts.pid_file.into());
+    if let Some(socket) = opts.console_socket {
+        args.push("--console-socket".into());
+        args.push(socket.into());
+    }
+    if opts.no_pivot {
+        args.push("--no-pivot".into());
+    }
+    if opts.no_new_keyring {
+        args.push("--no-new-keyring".into());
+    }
+}
+
+fn push_criu_flags(args: &mut Vec<OsString>, opts: &CheckpointOptions) {
+    if opts.tcp_established {
+        args.push("--tcp-established".into());
+    }
+    if opts.ext_unix_sockets {
+        args.push("--ext-unix-sk".into());
+    }
+    if opts.shell_job {
+        args.push("--shell-job".into());
+    }
+    if opts.file_locks {
+        args.push("--file-locks".into());
+    }
+    for ns in &opts.empty_namespaces {
+        args.push("--empty-ns".into());
+        args.push(ns.into());
+    }
+    if let Some(mode) = &opts.manage_cgroups_mode {
+        args.push("--manage-cgroups-mode".into());
+        args.push(mode.into());
+    }
+}
+
+async fn read_all(pipe: Option<impl std::io::Read + std::os::fd::AsRawFd + Into<OwnedFd>>) -> Vec<u8> {
+    let Some(pipe) = pipe else { return Vec::new() };
+    let fd: OwnedFd = pipe.into();
+    let mut file = tokio::fs::File::from(std::fs::File::from(fd));
+    let mut buf = Vec::new();
+    // A read error leaves what was read so far; the exit status decides success.
+    let _ = file.read_to_end(&mut buf).await;
+    buf
+}
+
+fn last_line(bytes: &[u8]) -> Option<String> {
+    String::from_utf8_lossy(bytes).lines().rev().find(|l| !l.trim().is_empty()).map(|l| l.trim().to_string())
+}
+
+/// The last `"level":"error"` message of a JSON runtime log.
+async fn last_error_line(log: &Path) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Entry {
+        level: Option<String>,
+        msg: Option<String>,
+    }
+    let text = tokio::fs::read_to_string(log).await.ok()?;
+    text.lines().rev().find_map(|line| {
+        let entry: Entry = serde_json::from_str(line).ok()?;
+        (entry.level.as_deref() == Some("error")).then_some(entry.msg).flatten()
+    })
+}
+
+/// Resolves `binary` against PATH unless it is already a path.
+fn which(binary: &Path) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let is_exec = |p: &Path| p.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false);
+    if binary.components().count() > 1 {
+        return if is_exec(binary) {
+            Ok(binary.to_path_buf())
+        } else {
+            Err(std::io::Error::new(std::io::ErrorKind::NotFound, "no executable at this path"))
+        };
+    }
+    let path = std::env::var_os("PATH")
+        .unwrap_or_else(|| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(binary))
+        .find(|p| is_exec(p))
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "not on PATH"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn last_line_skips_blank_lines() {
+        assert_eq!(last_line(b"first\nsecond\n\n  \n").as_deref(), Some("second"));
+        assert_eq!(last_line(b""), None);
+    }
+
+    #[tokio::test]
+    async fn last_error_line_picks_the_last_error_entry() {
+        let dir = std::env::temp_dir().join(format!("crab-rt-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("x.log");
+        std::fs::write(
+            &log,
+            concat!(
+                "{\"level\":\"error\",\"msg\":\"first failure\"}\n",
+                "{\"level\":\"warning\",\"msg\":\"noise\"}\n",
+                "{\"level\":\"error\",\"msg\":\"container_linux.go: exec failed: no such file\"}\n",
+                "{\"level\":\"info\",\"msg\":\"after\"}\n",
+            ),
+        )
+        .unwrap();
+        assert_eq!(last_error_line(&log).await.as_deref(), Some("container_linux.go: exec failed: no such file"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn which_names_missing_binaries() {
+        assert!(which(Path::new("sh")).is_ok());
+        assert!(which(Path::new("/nonexistent/runc")).is_err());
+        assert!(which(Path::new("crab-no-such-runtime")).is_err());
+    }
+}

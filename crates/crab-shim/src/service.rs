@@ -1,0 +1,1021 @@
+//! The containerd Task API (ttrpc) over [`Container`]s.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use containerd_shim_protos::api::*;
+use containerd_shim_protos::events::task::*;
+use containerd_shim_protos::protobuf::well_known_types::{any::Any, timestamp::Timestamp};
+use containerd_shim_protos::protobuf::{Message, MessageField};
+use containerd_shim_protos::shim::oci;
+use containerd_shim_protos::shim_async::Task;
+use containerd_shim_protos::ttrpc::{self, r#async::TtrpcContext};
+use tokio_util::sync::CancellationToken;
+
+use super::ShimError;
+use super::container::{Container, ContainerConfig, EngineLoad};
+pub use super::events::EventSink;
+use super::io::StdioUris;
+use super::process::{Process, Status};
+use crab_config::Config;
+use crab_config::runtime_options::{self as options, CreateOptions};
+use crab_engine::{ChainStart, EngineContext, SandboxEngine};
+use crab_runtime::{CheckpointOptions, Exit, OciRuntime, Reaper};
+use crab_store::SandboxKey;
+use crab_store::turns::{Policy, SandboxPolicy};
+
+/// How long an exit waits for the process's output to drain before it is
+/// published: output written before exit reaches the client first.
+const DRAIN_BEFORE_EXIT: Duration = Duration::from_secs(2);
+
+pub struct TaskService {
+    namespace: String,
+    /// Store and inspector, set up by the first checkpointed sandbox.
+    engine_ctx: Arc<tokio::sync::OnceCell<Arc<EngineContext>>>,
+    containers: Mutex<HashMap<String, Arc<Container>>>,
+    events: EventSink,
+    reaper: Reaper,
+    shutdown: CancellationToken,
+}
+
+fn timestamp(t: SystemTime) -> MessageField<Timestamp> {
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    let mut ts = Timestamp::new();
+    ts.seconds = d.as_secs() as i64;
+    ts.nanos = d.subsec_nanos() as i32;
+    MessageField::some(ts)
+}
+
+fn status_of(s: Status) -> containerd_shim_protos::types::task::Status {
+    use containerd_shim_protos::types::task::Status as S;
+    match s {
+        Status::Created => S::CREATED,
+        Status::Running => S::RUNNING,
+        Status::Paused => S::PAUSED,
+        Status::Stopped => S::STOPPED,
+    }
+}
+
+type TtrpcResult<T> = ttrpc::Result<T>;
+
+impl TaskService {
+    pub fn new(namespace: &str, events: EventSink, reaper: Reaper, shutdown: CancellationToken) -> Self {
+        Self {
+            namespace: namespace.into(),
+            engine_ctx: Default::default(),
+            containers: Mutex::new(HashMap::new()),
+            events,
+            reaper,
+            shutdown,
+        }
+    }
+
+    fn container(&self, id: &str) -> Result<Arc<Container>, ShimError> {
+        self.containers
+            .lock()
+            .expect("containers lock")
+            .get(id)
+            .cloned()
+            .ok_or_else(|| ShimError::NotFound(format!("container {id}")))
+    }
+
+    /// Watches a started process: when it exits, drain its output, record the
+    /// exit and publish TaskExit.
+    fn watch_exit(
+        &self,
+        container: &Arc<Container>,
+        process: &Arc<Process>,
+        pid: u32,
+        exit: impl std::future::Future<Output = Exit> + Send + 'static,
+    ) {
+        let events = self.events.clone();
+        let container_id = container.id().to_string();
+        let process = process.clone();
+        let container = container.clone();
+        tokio::spawn(async move {
+            let exit: Exit = exit.await;
+            if let Some(io) = process.io() {
+                io.drain(DRAIN_BEFORE_EXIT).await;
+            }
+            if !process.exec_id.is_empty()
+                && let Some(engine) = container.engine()
+            {
+                // Before the exit is published: the agent's next exec must find the turn closed.
+                engine.exec_exited(&process.exec_id).await;
+            }
+            if process.exec_id.is_empty() {
+                // With the init gone, the kernel killed the rest of the pid
+                // namespace; their exits come first, as containerd expects.
+                for exec in container.execs() {
+                    if exec.status() == Status::Running {
+                        let _ = tokio::time::timeout(Duration::from_secs(1), exec.wait()).await;
+                    }
+                }
+            }
+            if !process.set_exited(exit) {
+                return;
+            }
+            tracing::info!(container = %container_id, exec = %process.exec_id, pid, status = exit.status, "process exited");
+            let id = if process.exec_id.is_empty() { container_id.clone() } else { process.exec_id.clone() };
+            events
+                .publish(TaskExit {
+                    container_id,
+                    id,
+                    pid,
+                    exit_status: exit.status as u32,
+                    exited_at: timestamp(exit.at),
+                    ..Default::default()
+                })
+                .await;
+        });
+    }
+
+    fn watch_oom(&self, container: &Arc<Container>) {
+        let Some(cgroup) = container.cgroup() else { return };
+        let events = self.events.clone();
+        let container_id = container.id().to_string();
+        tokio::spawn(async move {
+            let mut state = Default::default();
+            while cgroup.next_oom(&mut state).await.is_some() {
+                tracing::warn!(container = %container_id, "OOM kill");
+                events.publish(TaskOOM { container_id: container_id.clone(), ..Default::default() }).await;
+            }
+        });
+    }
+
+    async fn do_create(&self, req: CreateTaskRequest) -> Result<CreateTaskResponse, ShimError> {
+        let opts = CreateOptions::decode(req.options.as_ref())?;
+        let config = Config::load(opts.config_path.as_deref())?;
+        let runtime = OciRuntime::new(
+            opts.binary_name.clone().map(PathBuf::from).unwrap_or(config.runtime.binary.clone()),
+            opts.root.clone().map(PathBuf::from).unwrap_or(config.runtime.root.clone()).join(&self.namespace),
+            opts.systemd_cgroup || config.runtime.systemd_cgroup,
+            self.reaper.clone(),
+        );
+        runtime.check_binary()?;
+        if let Err(e) = super::bootstrap::write_runtime_record(Path::new(&req.bundle), &runtime) {
+            tracing::warn!(error = %e, "runtime record not written: a later `delete` falls back to the config");
+        }
+        if self.containers.lock().expect("containers lock").contains_key(&req.id) {
+            return Err(ShimError::AlreadyExists(format!("container {}", req.id)));
+        }
+        let bundle = PathBuf::from(&req.bundle);
+        let policy = sandbox_policy(&bundle, &config)?;
+        // Checkpoints are the sandbox's by containerd namespace and id: two tenants' `t2` never share one.
+        let key =
+            if policy.policy != Policy::Off || policy.restore_from.is_some() {
+                Some(SandboxKey::new(&self.namespace, &req.id).map_err(|e| {
+                    ShimError::InvalidArgument(format!("container {} cannot be checkpointed: {e}", req.id))
+                })?)
+            } else {
+                None
+            };
+        let restore_source = match (&policy.restore_from, &key) {
+            (Some(source), Some(_)) => Some(restore_source(&config.checkpoint, source, &self.namespace)?),
+            _ => None,
+        };
+        if let Some(source) = &restore_source {
+            tracing::debug!(container = %req.id, %source, "create of a restored container");
+        }
+        let rootfs_mounted = mount_rootfs(&bundle, &req.rootfs).await?;
+        // The engine context (crabd's connection, or this shim's own BPF programs
+        // when there is no crabd) is set up in the background: a restore
+        // reassembles its images meanwhile and restores its processes without
+        // waiting for it; the engine attaches once both are done.
+        let clock = std::time::Instant::now();
+        let loading = (policy.policy != Policy::Off).then(|| {
+            let (cell, config) = (self.engine_ctx.clone(), config.clone());
+            let yielding = policy.restore_from.is_some();
+            tokio::spawn(async move { engine_context(cell, config, yielding).await })
+        });
+        let prepared = match (&policy.restore_from, &restore_source, &key) {
+            (Some(from), Some(source), Some(key)) => {
+                prepare_restore(&config.checkpoint, source, from.turn, key, &bundle).await
+            }
+            _ => Ok(None),
+        };
+        let prepared = match prepared {
+            Ok(prepared) => {
+                if policy.restore_from.is_some() {
+                    tracing::info!(container = %req.id, prepare_ms = clock.elapsed().as_secs_f64() * 1e3,
+                        engine_ready = loading.as_ref().is_some_and(|l| l.is_finished()), "restore prepared");
+                }
+                prepared
+            }
+            Err(e) => {
+                if rootfs_mounted {
+                    super::container::unmount_rootfs(&bundle);
+                }
+                return Err(e);
+            }
+        };
+        tokio::fs::create_dir_all(runtime.root()).await.map_err(|e| ShimError::io(runtime.root(), e))?;
+        let restore_images_owned = prepared.is_some();
+        // The sandbox's tmpfs mounts exist only once the runtime made them: their content is
+        // written after Create (no process checkpoint: into empty mounts) or after the
+        // runtime's restore (CRIU brought them back as at the process checkpoint).
+        let pending_mounts = match (&policy.restore_from, &restore_source) {
+            // The chain's key (namespace and id), as checked above: never the bare name.
+            (Some(from), Some(source)) => Some(PendingMounts {
+                source: source.to_string(),
+                turn: from.turn,
+                since: prepared.as_ref().map(|(_, images_turn)| *images_turn),
+                tmpfs: spec_mounts(&bundle)?.tmpfs(),
+                state_dir: config.checkpoint.state_dir.clone(),
+                kept: config.checkpoint.kept_images(),
+            }),
+            _ => None,
+        };
+        let prepared = prepared.map(|(images, _)| images);
+        let restore_from = prepared.or_else(|| (!req.checkpoint.is_empty()).then(|| PathBuf::from(&req.checkpoint)));
+        let init_binary = match usable_init(&config, restore_from.as_deref()) {
+            Ok(init) => init,
+            Err(e) => {
+                if rootfs_mounted {
+                    super::container::unmount_rootfs(&bundle);
+                }
+                return Err(e);
+            }
+        };
+        let container = Container::new(
+            ContainerConfig {
+                id: req.id.clone(),
+                namespace: self.namespace.clone(),
+                bundle: bundle.clone(),
+                restore_from,
+                restore_images_owned,
+                no_pivot: opts.no_pivot_root,
+                no_new_keyring: opts.no_new_keyring,
+                io_uid: opts.io_uid,
+                io_gid: opts.io_gid,
+                init_binary,
+            },
+            runtime,
+            self.reaper.clone(),
+            StdioUris {
+                stdin: req.stdin.clone(),
+                stdout: req.stdout.clone(),
+                stderr: req.stderr.clone(),
+                terminal: req.terminal,
+            },
+        );
+        let pid = match container.create().await {
+            Ok(pid) => pid,
+            Err(e) => {
+                if rootfs_mounted {
+                    super::container::unmount_rootfs(&bundle);
+                }
+                return Err(e);
+            }
+        };
+        if let Some(pending) = pending_mounts {
+            if pid != 0 {
+                if let Err(e) = restore_mounts(pending, pid).await {
+                    let _ = container.delete().await;
+                    if rootfs_mounted {
+                        super::container::unmount_rootfs(&bundle);
+                    }
+                    return Err(e);
+                }
+            } else {
+                *container.pending_mounts.lock().expect("pending mounts lock") = Some(pending);
+            }
+        }
+        self.containers.lock().expect("containers lock").insert(req.id.clone(), container.clone());
+        if pid != 0 {
+            self.watch_exit(&container, &container.init, pid, self.reaper.wait_for(pid));
+            let engine_ctx = match loading {
+                Some(loading) => Some(joined_engine_context(loading).await?),
+                None => None,
+            };
+            let start = chain_start(&policy, &self.namespace, &req.id);
+            attach_engine(&container, engine_ctx.as_ref(), &policy, pid, start).await?;
+        } else {
+            if loading.is_some() {
+                container.engine_pending();
+            }
+            *container.pending_policy.lock().expect("policy lock") = Some((policy, loading));
+        }
+        tracing::info!(container = %req.id, pid, "created");
+        self.events
+            .publish(TaskCreate {
+                container_id: req.id.clone(),
+                bundle: req.bundle.clone(),
+                rootfs: req.rootfs.clone(),
+                io: MessageField::some(TaskIO {
+                    stdin: req.stdin,
+                    stdout: req.stdout,
+                    stderr: req.stderr,
+                    terminal: req.terminal,
+                    ..Default::default()
+                }),
+                checkpoint: req.checkpoint,
+                pid,
+                ..Default::default()
+            })
+            .await;
+        Ok(CreateTaskResponse { pid, ..Default::default() })
+    }
+
+    async fn do_start(&self, req: StartRequest) -> Result<StartResponse, ShimError> {
+        let container = self.container(&req.id)?;
+        if req.exec_id.is_empty() {
+            let restoring = container.config.restore_from.is_some();
+            let clock = std::time::Instant::now();
+            let pid = container.start().await?;
+            container.spawner_started();
+            let pending_mounts = container.pending_mounts.lock().expect("pending mounts lock").take();
+            if let Some(pending) = pending_mounts
+                && let Err(e) = restore_mounts(pending, pid).await
+            {
+                // The restored processes must not go on with their tmpfs state missing.
+                let _ = container.kill(&container.init, libc::SIGKILL as u32, true).await;
+                return Err(e);
+            }
+            if restoring {
+                tracing::info!(container = %req.id, pid, runtime_restore_ms = clock.elapsed().as_secs_f64() * 1e3,
+                    "restored by the runtime");
+                self.watch_exit(&container, &container.init, pid, self.reaper.wait_for(pid));
+                let pending = container.pending_policy.lock().expect("policy lock").take();
+                if let Some((policy, Some(loading))) = pending {
+                    // The processes run again: the engine attaches behind the reply
+                    // (what they do until then is start-up, set aside anyway), and
+                    // execs, marks and Delete wait for it.
+                    let start = chain_start(&policy, &self.namespace, &req.id);
+                    attach_restored_engine(container.clone(), loading, policy, pid, start);
+                }
+            } else if let Some(engine) = container.engine() {
+                engine.container_started().await;
+            }
+            self.watch_oom(&container);
+            self.events.publish(TaskStart { container_id: req.id, pid, ..Default::default() }).await;
+            return Ok(StartResponse { pid, ..Default::default() });
+        }
+        let process = container.process(&req.exec_id)?;
+        if let Some(engine) = container.settled_engine().await? {
+            let waited = engine.exec_started(&req.exec_id).await;
+            if waited > Duration::from_millis(1) {
+                tracing::info!(container = %req.id, exec = %req.exec_id, waited_ms = waited.as_secs_f64() * 1e3,
+                    "exec waited for the previous turn's checkpoint");
+            }
+        }
+        let (pid, exit) = match container.start_exec(&process).await {
+            Ok(started) => started,
+            Err(e) => {
+                if let Some(engine) = container.engine() {
+                    engine.exec_exited(&req.exec_id).await;
+                }
+                return Err(e);
+            }
+        };
+        self.watch_exit(&container, &process, pid, exit);
+        if let (Some(engine), Some(io), false) = (container.engine(), process.io(), process.uris.stdin.is_empty())
+            && let Some(observer) = engine.stdin_session(&req.exec_id, pid).await
+        {
+            io.observe_stdin(observer);
+        }
+        self.events
+            .publish(TaskExecStarted { container_id: req.id, exec_id: req.exec_id, pid, ..Default::default() })
+            .await;
+        Ok(StartResponse { pid, ..Default::default() })
+    }
+
+    async fn do_delete(&self, req: DeleteRequest) -> Result<DeleteResponse, ShimError> {
+        let container = self.container(&req.id)?;
+        if !req.exec_id.is_empty() {
+            let process = container.delete_exec(&req.exec_id)?;
+            return Ok(delete_response(&process));
+        }
+        container.delete().await?;
+        self.containers.lock().expect("containers lock").remove(&req.id);
+        let response = delete_response(&container.init);
+        self.events
+            .publish(TaskDelete {
+                container_id: req.id,
+                pid: response.pid,
+                exit_status: response.exit_status,
+                exited_at: response.exited_at.clone(),
+                ..Default::default()
+            })
+            .await;
+        Ok(response)
+    }
+
+    async fn do_checkpoint(&self, req: CheckpointTaskRequest) -> Result<(), ShimError> {
+        let container = self.container(&req.id)?;
+        let o = options::checkpoint_options(req.options.as_ref())?;
+        // containerd 1.6/1.7 honour the options' image path only for runtimes
+        // named io.containerd.runc*: for others they pass a temporary directory
+        // in `path` (and commit it to their content store) while the user's
+        // directory stays in the options. Write where the user asked, and give
+        // containerd its copy. (`ctr task checkpoint` itself drops
+        // `--image-path`/`--exit` for such runtimes: only API clients that send
+        // runc's CheckpointOptions reach this.)
+        let image_path = if o.image_path.is_empty() { PathBuf::from(&req.path) } else { PathBuf::from(&o.image_path) };
+        if image_path.as_os_str().is_empty() {
+            return Err(ShimError::InvalidArgument("checkpoint: no image path".into()));
+        }
+        let opts = CheckpointOptions {
+            image_path: image_path.clone(),
+            work_path: (!o.work_path.is_empty()).then(|| PathBuf::from(&o.work_path)),
+            leave_running: !o.exit,
+            tcp_established: o.open_tcp,
+            ext_unix_sockets: o.external_unix_sockets,
+            shell_job: o.terminal || container.init.uris.terminal,
+            file_locks: o.file_locks,
+            empty_namespaces: o.empty_namespaces.clone(),
+            manage_cgroups_mode: (!o.cgroups_mode.is_empty()).then(|| o.cgroups_mode.clone()),
+            parent_path: None,
+        };
+        container.checkpoint(&opts).await?;
+        if !req.path.is_empty() && Path::new(&req.path) != image_path {
+            copy_dir(&image_path, Path::new(&req.path)).await?;
+        }
+        self.events
+            .publish(TaskCheckpointed {
+                container_id: req.id,
+                checkpoint: image_path.display().to_string(),
+                ..Default::default()
+            })
+            .await;
+        Ok(())
+    }
+
+    async fn do_stats(&self, req: StatsRequest) -> Result<StatsResponse, ShimError> {
+        let container = self.container(&req.id)?;
+        let cgroup = container
+            .cgroup()
+            .ok_or_else(|| ShimError::FailedPrecondition(format!("container {} has no cgroup yet", req.id)))?;
+        let mut stats = cgroup.metrics().map_err(|e| ShimError::Other(e.to_string()))?;
+        if container.spawner_pid().is_some() {
+            // The spawner is the runtime's own helper (as the shim is), not
+            // the workload's: a container shows the pids it would under runc.
+            stats = without_one_pid(stats);
+        }
+        Ok(StatsResponse { stats: MessageField::some(stats), ..Default::default() })
+    }
+
+    async fn do_pids(&self, req: PidsRequest) -> Result<PidsResponse, ShimError> {
+        let container = self.container(&req.id)?;
+        let processes = container
+            .pids()
+            .await?
+            .into_iter()
+            .map(|(pid, exec_id)| {
+                let mut info = containerd_shim_protos::types::task::ProcessInfo { pid, ..Default::default() };
+                if let Some(exec_id) = exec_id {
+                    let details = oci::ProcessDetails { exec_id, ..Default::default() };
+                    if let Ok(value) = details.write_to_bytes() {
+                        info.info = MessageField::some(Any {
+                            type_url: "containerd.runc.v1.ProcessDetails".into(),
+                            value,
+                            ..Default::default()
+                        });
+                    }
+                }
+                info
+            })
+            .collect();
+        Ok(PidsResponse { processes, ..Default::default() })
+    }
+}
+
+/// Store and inspector of this shim's checkpointed sandboxes, set up by the first one.
+/// The store and the inspector of this shim's checkpointed sandboxes, set up
+/// by the first one: crabd's connection, else BPF programs of this shim's own.
+/// `yielding`: a restore needs the CPU more than a BPF load does (see
+/// [`crab_inspector::Inspector::start_yielding`]).
+async fn engine_context(
+    cell: Arc<tokio::sync::OnceCell<Arc<EngineContext>>>,
+    config: Config,
+    yielding: bool,
+) -> Result<Arc<EngineContext>, ShimError> {
+    let state_dir = config.checkpoint.state_dir.clone();
+    let kept = config.checkpoint.kept_images();
+    let node = crab_node::ClientOptions::from_config(&config.node);
+    let max_effects_bytes = config.node.max_effects_bytes();
+    cell
+        .get_or_try_init(|| async move {
+            let store = crab_store::CheckpointStore::open_with(&state_dir, &kept).map_err(|e| {
+                ShimError::FailedPrecondition(format!("checkpoint store {}: {e}", state_dir.display()))
+            })?;
+            // The node's inspector and bandwidth live in crabd; only without it
+            // does this shim load BPF programs of its own.
+            let (inspector, commit_gate) = match crab_node::NodeClient::connect(node).await {
+                Ok(client) => {
+                    let client = Arc::new(client);
+                    tracing::info!(socket = %client.socket().display(), "using the node's crabd");
+                    (Some(client.clone() as Arc<dyn crab_engine::EffectSource>),
+                        Some(client as Arc<dyn crab_engine::CommitGate>))
+                }
+                Err(e) => {
+                    if matches!(e, crab_node::NodeError::Incompatible { .. }) {
+                        // Never used: its records or messages may mean something else to this build.
+                        tracing::error!(error = %e, "crabd of another build: loading an inspector in this shim, commits not paced");
+                    } else {
+                        tracing::warn!(error = %e, "crabd unavailable: loading an inspector in this shim, commits not paced");
+                    }
+                    let config = crab_inspector::InspectorConfig {
+                        ring_buffer_bytes: 4 << 20,
+                        max_effects_bytes,
+                    };
+                    let local = if yielding {
+                        crab_inspector::Inspector::start_yielding(config).await
+                    } else {
+                        crab_inspector::Inspector::start(config).await
+                    };
+                    match local {
+                        Ok(i) => (Some(Arc::new(i) as Arc<dyn crab_engine::EffectSource>), None),
+                        Err(e) => {
+                            tracing::error!(error = %e, "inspector unavailable: every turn will be checkpointed in full");
+                            (None, None)
+                        }
+                    }
+                }
+            };
+            Ok(Arc::new(EngineContext { store: Arc::new(store), inspector, commit_gate, state_dir }))
+        })
+        .await
+        .cloned()
+}
+
+async fn attach_engine(
+    container: &Arc<Container>,
+    ctx: Option<&Arc<EngineContext>>,
+    policy: &SandboxPolicy,
+    pid: u32,
+    start: ChainStart,
+) -> Result<(), ShimError> {
+    let Some(ctx) = ctx else { return Ok(()) };
+    let key = SandboxKey::new(&container.config.namespace, container.id())
+        .map_err(|e| ShimError::InvalidArgument(format!("container {} cannot be checkpointed: {e}", container.id())))?;
+    let engine = SandboxEngine::new(
+        &key,
+        policy.clone(),
+        ctx.clone(),
+        container.runtime.clone(),
+        pid,
+        container.work_dir(),
+        start,
+    )
+    .await
+    .map_err(|e| ShimError::FailedPrecondition(format!("checkpoint engine for {}: {e}", container.id())))?;
+    container.set_engine(engine);
+    Ok(())
+}
+
+/// The engine context a background set-up produced.
+async fn joined_engine_context(loading: EngineLoad) -> Result<Arc<EngineContext>, ShimError> {
+    loading.await.map_err(|e| ShimError::Other(format!("engine set-up: {e}")))?
+}
+
+/// Attaches the engine of a restored container once its context is set up,
+/// behind Start's reply; settles the container's engine either way.
+fn attach_restored_engine(
+    container: Arc<Container>,
+    loading: EngineLoad,
+    policy: SandboxPolicy,
+    pid: u32,
+    start: ChainStart,
+) {
+    tokio::spawn(async move {
+        let clock = std::time::Instant::now();
+        let attached = match joined_engine_context(loading).await {
+            Ok(ctx) => attach_engine(&container, Some(&ctx), &policy, pid, start).await,
+            Err(e) => Err(e),
+        };
+        match attached {
+            Ok(()) => {
+                if let Some(engine) = container.engine() {
+                    engine.container_started().await;
+                }
+                tracing::info!(container = %container.id(), waited_ms = clock.elapsed().as_secs_f64() * 1e3,
+                    "engine attached to the restored container");
+                container.engine_settled(Ok(()));
+            }
+            Err(e) => {
+                tracing::error!(container = %container.id(), error = %e, "engine not attached to the restored container: its execs will fail");
+                container.engine_settled(Err(e.to_string()));
+            }
+        }
+    });
+}
+
+/// crab-init from the config, if it is enabled and fit to run in any image.
+/// The crab-init the container runs: for a restore, the pinned build its
+/// checkpoint was taken with (a restore with another build fails in CRIU);
+/// otherwise the configured one, pinned (`runtime::init::pin`) under the
+/// store's `init/`. None without a usable crab-init.
+fn usable_init(config: &Config, restore_from: Option<&Path>) -> Result<Option<PathBuf>, ShimError> {
+    use crab_runtime::init;
+    let path = &config.runtime.init;
+    if path.as_os_str().is_empty() {
+        return Ok(None);
+    }
+    let pins = config.checkpoint.state_dir.join("init");
+    if let Some(images) = restore_from
+        && let Some(pinned) = init::pinned_for_images(images, &pins)
+            .map_err(|e| ShimError::FailedPrecondition(format!("restore from {}: {e}", images.display())))?
+    {
+        return Ok(Some(pinned));
+    }
+    match init::pin(path, &pins) {
+        Ok(pinned) => Ok(Some(pinned)),
+        Err(e @ init::InitError::Unusable { .. }) => {
+            tracing::warn!(error = %e, "exec sessions go through the runtime and are left out of checkpoints");
+            Ok(None)
+        }
+        Err(e) => {
+            // Checked and usable (pin fails as Unusable otherwise), only not pinned: an upgrade
+            // of it in place breaks restores.
+            tracing::warn!(error = %e, init = %path.display(), "crab-init not pinned: it is used where it is installed");
+            Ok(Some(path.clone()))
+        }
+    }
+}
+
+/// Metrics with the spawner taken out of the current pid count.
+fn without_one_pid(mut stats: Any) -> Any {
+    use containerd_shim_protos::cgroups::metrics as v1;
+    use containerd_shim_protos::cgroups_v2::metrics as v2;
+    fn adjust<M: Message>(stats: &mut Any, f: impl FnOnce(&mut M)) {
+        if let Ok(mut m) = M::parse_from_bytes(&stats.value) {
+            f(&mut m);
+            if let Ok(bytes) = m.write_to_bytes() {
+                stats.value = bytes;
+            }
+        }
+    }
+    if stats.type_url.ends_with("v1.Metrics") {
+        adjust::<v1::Metrics>(&mut stats, |m| {
+            if let Some(p) = m.pids.as_mut() {
+                p.current = p.current.saturating_sub(1);
+            }
+        });
+    } else if stats.type_url.ends_with("v2.Metrics") {
+        adjust::<v2::Metrics>(&mut stats, |m| {
+            if let Some(p) = m.pids.as_mut() {
+                p.current = p.current.saturating_sub(1);
+            }
+        });
+    }
+    stats
+}
+
+/// The sandbox's checkpoint policy from its spec's `io.crab.*` annotations.
+fn sandbox_policy(bundle: &Path, config: &Config) -> Result<SandboxPolicy, ShimError> {
+    let path = bundle.join("config.json");
+    let bytes = std::fs::read(&path).map_err(|e| ShimError::io(&path, e))?;
+    #[derive(serde::Deserialize)]
+    struct Spec {
+        #[serde(default)]
+        annotations: HashMap<String, String>,
+    }
+    let spec: Spec =
+        serde_json::from_slice(&bytes).map_err(|e| ShimError::InvalidArgument(format!("{}: {e}", path.display())))?;
+    let defaults = SandboxPolicy {
+        policy: crab_store::turns::parse_policy(&config.checkpoint.policy).unwrap_or(Policy::Crab),
+        ..Default::default()
+    };
+    SandboxPolicy::from_annotations(&spec.annotations, &defaults).map_err(|e| ShimError::InvalidArgument(e.to_string()))
+}
+
+/// The mounts the bundle's spec gives the container.
+fn spec_mounts(bundle: &Path) -> Result<crab_store::SandboxMounts, ShimError> {
+    crab_store::SandboxMounts::from_spec_file(&bundle.join("config.json")).map_err(ShimError::InvalidArgument)
+}
+
+/// What a restored container's tmpfs mounts must get once they exist.
+pub struct PendingMounts {
+    source: String,
+    turn: u64,
+    /// The turn of the process checkpoint CRIU restores them from (None: they start empty).
+    since: Option<u64>,
+    tmpfs: Vec<crab_store::RelPath>,
+    state_dir: PathBuf,
+    kept: crab_store::KeptImages,
+}
+
+/// Writes the checkpointed content of the tmpfs mounts into the new container's own mounts,
+/// reached through its init `pid` (just created or restored by the runtime).
+async fn restore_mounts(pending: PendingMounts, pid: u32) -> Result<(), ShimError> {
+    if pending.tmpfs.is_empty() {
+        return Ok(());
+    }
+    let what = format!("restore from {}:{} into the container's tmpfs mounts", pending.source, pending.turn);
+    tokio::task::spawn_blocking(move || {
+        let clock = std::time::Instant::now();
+        let root = crab_store::ContainerRoot::new(pid).map_err(|source| crab_store::CheckpointError::Io {
+            op: "pidfd_open",
+            path: PathBuf::from(format!("/proc/{pid}")),
+            source,
+        })?;
+        let mounts = pending.tmpfs.iter().map(|d| root.open_mount(d)).collect::<Result<Vec<_>, _>>()?;
+        let store = crab_store::CheckpointStore::open_with(&pending.state_dir, &pending.kept)?;
+        let stats = store.materialize_mounts(&pending.source, pending.turn, &mounts, pending.since)?;
+        tracing::info!(source = %pending.source, turn = pending.turn, since = ?pending.since, files = stats.files_written,
+            bytes = stats.bytes_written, removed = stats.paths_removed, ms = clock.elapsed().as_secs_f64() * 1e3,
+            "tmpfs mounts restored");
+        Ok::<_, crab_store::CheckpointError>(())
+    })
+    .await
+    .map_err(|e| ShimError::Other(format!("{what}: {e}")))?
+    .map_err(|e| ShimError::FailedPrecondition(format!("{what}: {e}")))
+}
+
+/// How the chain of container `id` (namespace `namespace`) begins: from its own
+/// checkpoint it continues, from another's it is a fork, else it is new.
+fn chain_start(policy: &SandboxPolicy, namespace: &str, id: &str) -> ChainStart {
+    match &policy.restore_from {
+        None => ChainStart::New,
+        Some(source)
+            if source.key(namespace).is_ok_and(|k| k == k.current() && k.namespace() == namespace && k.id() == id) =>
+        {
+            ChainStart::Continued
+        }
+        Some(_) => ChainStart::Forked,
+    }
+}
+
+/// The chain `io.crab.restore-from` names for a container of `namespace`: one of its own
+/// namespace, or of another only where crab.toml allows it. A restore hands the source's files
+/// and process memory to the new container, so naming another tenant's chain is refused
+/// with an error that says which annotation, which chain and why.
+fn restore_source(
+    checkpoint: &crab_config::CheckpointConfig,
+    source: &crab_store::turns::RestoreFrom,
+    namespace: &str,
+) -> Result<SandboxKey, ShimError> {
+    let annotation = crab_store::turns::ANNOTATION_RESTORE_FROM;
+    let key = source.key(namespace).map_err(|e| ShimError::InvalidArgument(format!("annotation {annotation}: {e}")))?;
+    if !checkpoint.restore_allowed(key.namespace(), namespace) {
+        return Err(ShimError::InvalidArgument(format!(
+            "annotation {annotation}={key}:{turn} refused: chain {key} is in containerd namespace {:?}, \
+             this container in {namespace:?}, and a container may restore only from its own namespace's \
+             chains unless crab.toml allows that namespace ([checkpoint] restore_from_namespaces)",
+            key.namespace(),
+            turn = source.turn,
+        )));
+    }
+    Ok(key)
+}
+
+/// Prepares a container created from a checkpoint: writes the source's rootfs as
+/// at the turn onto the fresh rootfs, points the new chain at that checkpoint
+/// (retiring whatever chain the new container's key had, when it is another's),
+/// and returns the CRIU images to restore at Start (None when the chain has no
+/// process checkpoint up to that turn). Opens the store itself, so it does not
+/// wait for the engine (and its inspector).
+async fn prepare_restore(
+    checkpoint: &crab_config::CheckpointConfig,
+    source: &SandboxKey,
+    turn: u64,
+    new_key: &SandboxKey,
+    bundle: &Path,
+) -> Result<Option<(PathBuf, u64)>, ShimError> {
+    let rootfs = bundle.join("rootfs");
+    let skip = spec_mounts(bundle)?.destinations();
+    let (src, new) = (source.to_string(), new_key.to_string());
+    let (state_dir, kept) = (checkpoint.state_dir.clone(), checkpoint.kept_images());
+    let ms = |since: std::time::Instant| since.elapsed().as_secs_f64() * 1e3;
+    let failed =
+        |e: &dyn std::fmt::Display| ShimError::FailedPrecondition(format!("restore from {source}:{turn}: {e}"));
+    let restored = tokio::task::spawn_blocking(move || {
+        let store = crab_store::CheckpointStore::open_with(&state_dir, &kept)?;
+        if src != new {
+            // A fork onto an id that had a chain: that one is kept aside, not overwritten.
+            store.retire(&new)?;
+        }
+        // The rootfs and the CRIU images are independent: both are put together at once.
+        let (rootfs_done, images) = std::thread::scope(|scope| {
+            let rootfs_job = scope.spawn(|| {
+                let clock = std::time::Instant::now();
+                store.materialize_rootfs(&src, turn, &rootfs, &skip).map(|_| ms(clock))
+            });
+            let clock = std::time::Instant::now();
+            // Beside the kept copy, so that it is linked, not copied.
+            let images = store.restore_path(&new).and_then(|dest| {
+                let _ = std::fs::remove_dir_all(&dest);
+                store.restore_images_report(&src, turn, &dest).map(|report| (report, dest))
+            });
+            let images_ms = ms(clock);
+            let rootfs_done = rootfs_job.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            (rootfs_done, images.map(|(report, dest)| (report, dest, images_ms)))
+        });
+        let rootfs_ms = rootfs_done?;
+        let (images, dest, images_ms) = images?;
+        let clock = std::time::Instant::now();
+        if src != new {
+            store.fork(&src, turn, &new)?;
+        }
+        tracing::info!(container = %new, source = %src, turn, images_turn = ?images.map(|(t, _)| t),
+            rootfs_ms, images_ms, fork_ms = ms(clock),
+            image_bytes = images.map_or(0, |(_, r)| r.bytes),
+            chunks = images.map_or(0, |(_, r)| r.chunks),
+            chunks_read = images.map_or(0, |(_, r)| r.chunks_read),
+            "restoring from checkpoint");
+        Ok::<_, crab_store::CheckpointError>(images.map(|(images_turn, _)| (dest, images_turn)))
+    })
+    .await
+    .map_err(|e| failed(&e))?
+    .map_err(|e| failed(&e))?;
+    Ok(restored)
+}
+
+async fn copy_dir(from: &Path, to: &Path) -> Result<(), ShimError> {
+    tokio::fs::create_dir_all(to).await.map_err(|e| ShimError::io(to, e))?;
+    let mut entries = tokio::fs::read_dir(from).await.map_err(|e| ShimError::io(from, e))?;
+    while let Some(entry) = entries.next_entry().await.map_err(|e| ShimError::io(from, e))? {
+        let target = to.join(entry.file_name());
+        let kind = entry.file_type().await.map_err(|e| ShimError::io(&entry.path(), e))?;
+        if kind.is_dir() {
+            Box::pin(copy_dir(&entry.path(), &target)).await?;
+        } else if kind.is_file() {
+            tokio::fs::copy(entry.path(), &target).await.map_err(|e| ShimError::io(&target, e))?;
+        }
+    }
+    Ok(())
+}
+
+fn delete_response(process: &Process) -> DeleteResponse {
+    let snap = process.snapshot();
+    let exit = snap.exit.unwrap_or(Exit { pid: snap.pid, status: 0, at: SystemTime::now() });
+    DeleteResponse {
+        pid: snap.pid,
+        exit_status: exit.status as u32,
+        exited_at: timestamp(exit.at),
+        ..Default::default()
+    }
+}
+
+/// Mounts the rootfs containerd prepared (usually one overlay) on bundle/rootfs.
+async fn mount_rootfs(bundle: &Path, mounts: &[containerd_shim_protos::api::Mount]) -> Result<bool, ShimError> {
+    if mounts.is_empty() {
+        return Ok(false);
+    }
+    let target = bundle.join("rootfs");
+    tokio::fs::create_dir_all(&target).await.map_err(|e| ShimError::io(&target, e))?;
+    for m in mounts {
+        containerd_shim::asynchronous::util::mount_rootfs(m, &target)
+            .await
+            .map_err(|e| ShimError::Other(format!("mount {} ({}) on {}: {e}", m.source, m.type_, target.display())))?;
+    }
+    Ok(true)
+}
+
+fn empty() -> ttrpc::Result<Empty> {
+    Ok(Empty::new())
+}
+
+#[async_trait]
+impl Task for TaskService {
+    async fn state(&self, _ctx: &TtrpcContext, req: StateRequest) -> TtrpcResult<StateResponse> {
+        let container = self.container(&req.id)?;
+        let process = container.process(&req.exec_id)?;
+        let snap = process.snapshot();
+        let mut resp = StateResponse {
+            id: if req.exec_id.is_empty() { req.id.clone() } else { req.exec_id.clone() },
+            bundle: container.config.bundle.display().to_string(),
+            pid: snap.pid,
+            stdin: process.uris.stdin.clone(),
+            stdout: process.uris.stdout.clone(),
+            stderr: process.uris.stderr.clone(),
+            terminal: process.uris.terminal,
+            exec_id: req.exec_id,
+            ..Default::default()
+        };
+        resp.status = status_of(snap.status).into();
+        if let Some(exit) = snap.exit {
+            resp.exit_status = exit.status as u32;
+            resp.exited_at = timestamp(exit.at);
+        }
+        Ok(resp)
+    }
+
+    async fn create(&self, _ctx: &TtrpcContext, req: CreateTaskRequest) -> TtrpcResult<CreateTaskResponse> {
+        let id = req.id.clone();
+        self.do_create(req).await.map_err(|e| {
+            tracing::error!(container = %id, error = %e, "create failed");
+            e.into()
+        })
+    }
+
+    async fn start(&self, _ctx: &TtrpcContext, req: StartRequest) -> TtrpcResult<StartResponse> {
+        Ok(self.do_start(req).await?)
+    }
+
+    async fn delete(&self, _ctx: &TtrpcContext, req: DeleteRequest) -> TtrpcResult<DeleteResponse> {
+        Ok(self.do_delete(req).await?)
+    }
+
+    async fn pids(&self, _ctx: &TtrpcContext, req: PidsRequest) -> TtrpcResult<PidsResponse> {
+        Ok(self.do_pids(req).await?)
+    }
+
+    async fn pause(&self, _ctx: &TtrpcContext, req: PauseRequest) -> TtrpcResult<Empty> {
+        self.container(&req.id)?.pause().await?;
+        self.events.publish(TaskPaused { container_id: req.id, ..Default::default() }).await;
+        empty()
+    }
+
+    async fn resume(&self, _ctx: &TtrpcContext, req: ResumeRequest) -> TtrpcResult<Empty> {
+        self.container(&req.id)?.resume().await?;
+        self.events.publish(TaskResumed { container_id: req.id, ..Default::default() }).await;
+        empty()
+    }
+
+    async fn checkpoint(&self, _ctx: &TtrpcContext, req: CheckpointTaskRequest) -> TtrpcResult<Empty> {
+        self.do_checkpoint(req).await?;
+        empty()
+    }
+
+    async fn kill(&self, _ctx: &TtrpcContext, req: KillRequest) -> TtrpcResult<Empty> {
+        let container = self.container(&req.id)?;
+        let process = container.process(&req.exec_id)?;
+        container.kill(&process, req.signal, req.all).await?;
+        empty()
+    }
+
+    async fn exec(&self, _ctx: &TtrpcContext, req: ExecProcessRequest) -> TtrpcResult<Empty> {
+        let container = self.container(&req.id)?;
+        let spec = req
+            .spec
+            .as_ref()
+            .map(|any| any.value.clone())
+            .ok_or_else(|| ShimError::InvalidArgument(format!("exec {}: no process spec", req.exec_id)))?;
+        let uris = StdioUris { stdin: req.stdin, stdout: req.stdout, stderr: req.stderr, terminal: req.terminal };
+        container.add_exec(&req.exec_id, uris, spec)?;
+        self.events.publish(TaskExecAdded { container_id: req.id, exec_id: req.exec_id, ..Default::default() }).await;
+        empty()
+    }
+
+    async fn resize_pty(&self, _ctx: &TtrpcContext, req: ResizePtyRequest) -> TtrpcResult<Empty> {
+        let process = self.container(&req.id)?.process(&req.exec_id)?;
+        match process.io() {
+            Some(io) => io.resize(req.width, req.height).map_err(ShimError::from)?,
+            None => return Err(ShimError::FailedPrecondition("process has no io yet".into()).into()),
+        }
+        empty()
+    }
+
+    async fn close_io(&self, _ctx: &TtrpcContext, req: CloseIORequest) -> TtrpcResult<Empty> {
+        let process = self.container(&req.id)?.process(&req.exec_id)?;
+        if req.stdin
+            && let Some(io) = process.io()
+        {
+            io.close_stdin().await;
+        }
+        empty()
+    }
+
+    async fn update(&self, _ctx: &TtrpcContext, req: UpdateTaskRequest) -> TtrpcResult<Empty> {
+        let container = self.container(&req.id)?;
+        if let Some(value) = req.annotations.get(crab_store::turns::ANNOTATION_TURN)
+            && req.resources.as_ref().is_none_or(|r| r.value.is_empty())
+        {
+            let engine = container.settled_engine().await?;
+            crab_engine::turn_request(container.id(), engine, value).await.map_err(ShimError::from)?;
+            return empty();
+        }
+        let resources = req
+            .resources
+            .as_ref()
+            .map(|any| any.value.clone())
+            .ok_or_else(|| ShimError::InvalidArgument("update: no resources".into()))?;
+        container.update(&resources).await?;
+        empty()
+    }
+
+    async fn wait(&self, _ctx: &TtrpcContext, req: WaitRequest) -> TtrpcResult<WaitResponse> {
+        let process = self.container(&req.id)?.process(&req.exec_id)?;
+        let exit = process.wait().await;
+        Ok(WaitResponse { exit_status: exit.status as u32, exited_at: timestamp(exit.at), ..Default::default() })
+    }
+
+    async fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> TtrpcResult<StatsResponse> {
+        Ok(self.do_stats(req).await?)
+    }
+
+    async fn connect(&self, _ctx: &TtrpcContext, req: ConnectRequest) -> TtrpcResult<ConnectResponse> {
+        let task_pid = self.container(&req.id).map(|c| c.init.pid()).unwrap_or(0);
+        Ok(ConnectResponse {
+            shim_pid: std::process::id(),
+            task_pid,
+            version: env!("CARGO_PKG_VERSION").into(),
+            ..Default::default()
+        })
+    }
+
+    async fn shutdown(&self, _ctx: &TtrpcContext, req: ShutdownRequest) -> TtrpcResult<Empty> {
+        // One shim may serve a whole pod: it stays while any container remains.
+        if !self.containers.lock().expect("containers lock").is_empty() && !req.now {
+            return empty();
+        }
+        tracing::info!("shutdown requested");
+        self.shutdown.cancel();
+        empty()
+    }
+}

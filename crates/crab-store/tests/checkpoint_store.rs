@@ -1,0 +1,1204 @@
+//! Checkpoint store against real files in temp dirs: capture/restore round trips, in-place
+//! rollback, dedup, corruption, crash leftovers, path escapes, chunked CRIU images, forks, GC.
+//! Runs as root (owners, devices-free special files, CRIU).
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::fs;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt, lchown, symlink};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use crab_store::{
+    ChangedPath, CheckpointError, CheckpointStore, KeptImages, RetentionPolicy, RollbackRequest, TurnClass, TurnInput,
+};
+
+// ---------- helpers ----------
+
+/// Everything the store promises to preserve about a tree, keyed by path. Directory mtimes are
+/// left out: creating entries inside a directory changes them in the live tree too.
+#[derive(Debug, PartialEq, Eq, Clone)]
+enum Node {
+    File { mode: u32, uid: u32, gid: u32, mtime: (i64, i64), xattrs: BTreeMap<String, Vec<u8>>, content: Vec<u8> },
+    Dir { mode: u32, uid: u32, gid: u32, xattrs: BTreeMap<String, Vec<u8>> },
+    Symlink { uid: u32, gid: u32, target: PathBuf },
+    Other { mode: u32, uid: u32, gid: u32 },
+}
+
+fn xattrs(path: &Path) -> BTreeMap<String, Vec<u8>> {
+    let c = CString::new(path.as_os_str().as_bytes()).unwrap();
+    let mut names = vec![0u8; 4096];
+    let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+    assert!(n >= 0, "llistxattr {}", path.display());
+    names.truncate(n as usize);
+    let mut out = BTreeMap::new();
+    for name in names.split(|b| *b == 0).filter(|s| !s.is_empty()) {
+        let cname = CString::new(name).unwrap();
+        let mut value = vec![0u8; 4096];
+        let n = unsafe { libc::lgetxattr(c.as_ptr(), cname.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
+        assert!(n >= 0);
+        value.truncate(n as usize);
+        out.insert(String::from_utf8(name.to_vec()).unwrap(), value);
+    }
+    out
+}
+
+fn set_xattr(path: &Path, name: &str, value: &[u8]) {
+    let c = CString::new(path.as_os_str().as_bytes()).unwrap();
+    let n = CString::new(name).unwrap();
+    let ret = unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+    assert_eq!(ret, 0, "setxattr {}: {}", path.display(), std::io::Error::last_os_error());
+}
+
+fn mkfifo(path: &Path) {
+    let c = CString::new(path.as_os_str().as_bytes()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o640) }, 0);
+}
+
+fn tree(root: &Path) -> BTreeMap<String, Node> {
+    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, Node>) {
+        let mut names: Vec<_> = fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+        names.sort();
+        for path in names {
+            let rel = format!("/{}", path.strip_prefix(root).unwrap().display());
+            let md = fs::symlink_metadata(&path).unwrap();
+            let (mode, uid, gid) = (md.mode() & 0o7777, md.uid(), md.gid());
+            let node = if md.file_type().is_symlink() {
+                Node::Symlink { uid, gid, target: fs::read_link(&path).unwrap() }
+            } else if md.is_dir() {
+                Node::Dir { mode, uid, gid, xattrs: xattrs(&path) }
+            } else if md.is_file() {
+                let content = fs::read(&path).unwrap();
+                Node::File { mode, uid, gid, mtime: (md.mtime(), md.mtime_nsec()), xattrs: xattrs(&path), content }
+            } else {
+                Node::Other { mode: md.mode(), uid, gid }
+            };
+            out.insert(rel, node);
+            if md.is_dir() {
+                walk(root, &path, out);
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(root, root, &mut out);
+    out
+}
+
+fn assert_same_tree(actual: &Path, expected: &BTreeMap<String, Node>) {
+    let actual = tree(actual);
+    for (path, node) in expected {
+        assert_eq!(actual.get(path), Some(node), "at {path}");
+    }
+    for path in actual.keys() {
+        assert!(expected.contains_key(path), "unexpected {path}");
+    }
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    let status = Command::new("cp").arg("-a").arg(format!("{}/.", from.display())).arg(to).status().unwrap();
+    assert!(status.success());
+}
+
+fn write(root: &Path, rel: &str, content: &[u8]) {
+    let path = root.join(rel.trim_start_matches('/'));
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    fs::write(path, content).unwrap();
+}
+
+/// A small image rootfs: what a container starts from.
+fn make_base(dir: &Path) {
+    write(dir, "/etc/hostname", b"sandbox\n");
+    write(dir, "/etc/old.conf", b"old=1\n");
+    write(dir, "/etc/sub/a.conf", b"a\n");
+    write(dir, "/etc/sub/deeper/b.conf", b"b\n");
+    write(dir, "/app/README", b"readme\n");
+    write(dir, "/usr/bin/tool", b"#!/bin/sh\necho tool\n");
+    fs::set_permissions(dir.join("usr/bin/tool"), fs::Permissions::from_mode(0o755)).unwrap();
+    symlink("usr/bin", dir.join("bin")).unwrap();
+}
+
+struct Sandbox {
+    _tmp: tempfile::TempDir,
+    state: PathBuf,
+    base: PathBuf,
+    live: PathBuf,
+    store: CheckpointStore,
+}
+
+impl Sandbox {
+    fn new() -> Self {
+        let tmp = tempfile::tempdir().unwrap();
+        let (state, base, live) = (tmp.path().join("state"), tmp.path().join("base"), tmp.path().join("live"));
+        fs::create_dir_all(&base).unwrap();
+        fs::create_dir_all(&live).unwrap();
+        make_base(&base);
+        copy_tree(&base, &live);
+        let store = CheckpointStore::open(&state).unwrap();
+        Sandbox { _tmp: tmp, state, base, live, store }
+    }
+
+    fn commit(&self, container: &str, turn: u64, changed: &[ChangedPath]) -> crab_store::CommitReport {
+        self.store
+            .commit_turn(&TurnInput { container, turn, rootfs: Some(&self.live), changed, criu_images: None })
+            .unwrap()
+    }
+
+    fn fresh_target(&self, name: &str) -> PathBuf {
+        let target = self._tmp.path().join(name);
+        fs::create_dir_all(&target).unwrap();
+        copy_tree(&self.base, &target);
+        target
+    }
+
+    fn rollback(&self, container: &str, to_turn: u64) -> crab_store::Result<crab_store::RollbackReport> {
+        self.store.rollback_in_place(&RollbackRequest {
+            container,
+            to_turn,
+            root: &self.live,
+            base: Some(&self.base),
+            uncommitted: &[],
+        })
+    }
+}
+
+fn m(p: &str) -> ChangedPath {
+    ChangedPath::modified(p)
+}
+
+fn c(p: &str) -> ChangedPath {
+    ChangedPath::created(p)
+}
+
+/// A turn that exercises every kind of entry; returns its change list.
+fn rich_turn(live: &Path) -> Vec<ChangedPath> {
+    write(live, "/app/a.txt", b"alpha\n");
+    fs::set_permissions(live.join("app/a.txt"), fs::Permissions::from_mode(0o640)).unwrap();
+    lchown(live.join("app/a.txt"), Some(1000), Some(1001)).unwrap();
+    set_xattr(&live.join("app/a.txt"), "user.note", b"hi\xff");
+    write(live, "/app/suid", b"s");
+    lchown(live.join("app/suid"), Some(0), Some(50)).unwrap();
+    fs::set_permissions(live.join("app/suid"), fs::Permissions::from_mode(0o4755)).unwrap();
+    symlink("../etc/hostname", live.join("app/rel-link")).unwrap();
+    symlink("/etc/passwd", live.join("app/abs-link")).unwrap();
+    lchown(live.join("app/abs-link"), Some(7), Some(8)).unwrap();
+    write(live, "/app/h1", b"linked content\n");
+    fs::hard_link(live.join("app/h1"), live.join("app/h2")).unwrap();
+    write(live, "/app/new/deep/x.txt", b"x\n");
+    write(live, "/app/new/deep/y.txt", b"y\n");
+    set_xattr(&live.join("app/new/deep"), "user.dir", b"d");
+    fs::set_permissions(live.join("app/new"), fs::Permissions::from_mode(0o711)).unwrap();
+    mkfifo(&live.join("app/new/fifo"));
+    fs::remove_file(live.join("etc/old.conf")).unwrap();
+    write(live, "/etc/hostname", b"changed\n");
+    vec![
+        c("/app/a.txt"),
+        c("/app/suid"),
+        c("/app/rel-link"),
+        c("/app/abs-link"),
+        c("/app/h1"),
+        c("/app/h2"),
+        c("/app/new"),
+        m("/app/new/deep/x.txt"), // already covered by the new directory
+        m("/etc/old.conf"),
+        m("/etc/hostname"),
+        m("/app"),
+    ]
+}
+
+// ---------- capture / restore ----------
+
+#[test]
+fn materialize_reproduces_modes_owners_xattrs_links_and_deletions() {
+    let sb = Sandbox::new();
+    sb.commit("c1", 0, &[]);
+    let report = sb.commit("c1", 1, &rich_turn(&sb.live));
+    assert_eq!(report.class, TurnClass::Fs);
+
+    let target = sb.fresh_target("restored");
+    let stats = sb.store.materialize("c1", 1, &target).unwrap();
+    assert!(stats.links_made >= 1, "{stats:?}");
+    assert_same_tree(&target, &tree(&sb.live));
+    let (h1, h2) = (fs::metadata(target.join("app/h1")).unwrap(), fs::metadata(target.join("app/h2")).unwrap());
+    assert_eq!(h1.ino(), h2.ino(), "hardlinks restored as one inode");
+    assert!(!target.join("etc/old.conf").exists());
+
+    // Turn 0 is the base: materialising it changes nothing.
+    let target0 = sb.fresh_target("restored0");
+    sb.store.materialize("c1", 0, &target0).unwrap();
+    assert_same_tree(&target0, &tree(&sb.base));
+}
+
+#[test]
+fn manifest_records_entry_kinds() {
+    let sb = Sandbox::new();
+    let report = sb.commit("c1", 1, &rich_turn(&sb.live));
+    let (id, manifest) = sb.store.manifest_at("c1", 1).unwrap();
+    assert_eq!(id, report.id);
+    let kinds: BTreeMap<String, String> = manifest
+        .fs_delta
+        .iter()
+        .map(|e| {
+            let json = serde_json::to_value(e).unwrap();
+            (e.path.to_string(), json["kind"].as_str().unwrap().to_owned())
+        })
+        .collect();
+    assert_eq!(kinds["/etc/old.conf"], "whiteout");
+    assert_eq!(kinds["/app/h2"], "hardlink");
+    assert_eq!(kinds["/app/abs-link"], "symlink");
+    assert_eq!(kinds["/app/new"], "dir");
+    assert_eq!(kinds["/app/new/deep/y.txt"], "file");
+    assert_eq!(kinds["/app/new/fifo"], "special");
+    assert_eq!(kinds["/app"], "dir");
+    let app = manifest.fs_delta.iter().find(|e| e.path.to_string() == "/app").unwrap();
+    assert!(matches!(app.node, crab_store::FsNode::Dir { complete: false, .. }), "modified dir is not recursive");
+}
+
+#[test]
+fn in_place_rollback_restores_every_turn_exactly() {
+    let sb = Sandbox::new();
+    sb.commit("c1", 0, &[]);
+    let mut trees = vec![tree(&sb.live)];
+
+    let changes = rich_turn(&sb.live);
+    sb.commit("c1", 1, &changes);
+    trees.push(tree(&sb.live));
+
+    // Turn 2: a file becomes a directory, a directory becomes a file, a base directory is
+    // deleted recursively, contents and metadata change.
+    fs::remove_file(sb.live.join("app/a.txt")).unwrap();
+    write(&sb.live, "/app/a.txt/inner", b"now a dir\n");
+    fs::remove_dir_all(sb.live.join("app/new")).unwrap();
+    write(&sb.live, "/app/new", b"now a file\n");
+    fs::remove_dir_all(sb.live.join("etc/sub")).unwrap();
+    fs::set_permissions(sb.live.join("usr/bin/tool"), fs::Permissions::from_mode(0o700)).unwrap();
+    write(&sb.live, "/app/README", b"edited\n");
+    sb.commit("c1", 2, &[c("/app/a.txt"), c("/app/new"), m("/etc/sub"), m("/usr/bin/tool"), m("/app/README")]);
+    trees.push(tree(&sb.live));
+
+    // Turn 3: recreate a deleted base directory with different content, delete a symlink.
+    write(&sb.live, "/etc/sub/other", b"other\n");
+    fs::remove_file(sb.live.join("app/rel-link")).unwrap();
+    sb.commit("c1", 3, &[c("/etc/sub"), m("/app/rel-link")]);
+    trees.push(tree(&sb.live));
+
+    let report = sb.rollback("c1", 2).unwrap();
+    assert_eq!((report.from_turn, report.to_turn), (3, 2));
+    assert_same_tree(&sb.live, &trees[2]);
+
+    sb.rollback("c1", 1).unwrap();
+    assert_same_tree(&sb.live, &trees[1]);
+    assert_eq!(sb.store.head("c1").unwrap().unwrap().turn, 1);
+
+    sb.rollback("c1", 0).unwrap();
+    assert_same_tree(&sb.live, &trees[0]);
+    assert_same_tree(&sb.live, &tree(&sb.base));
+
+    // The chain goes on from the rollback point; the abandoned turns are gone from history.
+    write(&sb.live, "/app/after", b"after rollback\n");
+    sb.commit("c1", 1, &[c("/app/after")]);
+    let turns: Vec<u64> = sb.store.history("c1").unwrap().iter().map(|i| i.turn).collect();
+    assert_eq!(turns, [1, 0]);
+}
+
+#[test]
+fn rollback_of_uncommitted_changes_and_missing_base() {
+    let sb = Sandbox::new();
+    sb.commit("c1", 0, &[]);
+    write(&sb.live, "/app/README", b"turn 1\n");
+    sb.commit("c1", 1, &[m("/app/README")]);
+    let at_turn1 = tree(&sb.live);
+
+    // Changes after the head that no checkpoint saw are put back too when reported.
+    write(&sb.live, "/app/README", b"uncommitted\n");
+    write(&sb.live, "/app/scratch/tmp.txt", b"junk\n");
+    let uncommitted = [m("/app/README"), c("/app/scratch")];
+    sb.store
+        .rollback_in_place(&RollbackRequest {
+            container: "c1",
+            to_turn: 1,
+            root: &sb.live,
+            base: None,
+            uncommitted: &uncommitted,
+        })
+        .unwrap();
+    assert_same_tree(&sb.live, &at_turn1);
+
+    // Going back to turn 0 needs the base for /app/README, which no checkpoint holds.
+    let err = sb
+        .store
+        .rollback_in_place(&RollbackRequest {
+            container: "c1",
+            to_turn: 0,
+            root: &sb.live,
+            base: None,
+            uncommitted: &[],
+        })
+        .unwrap_err();
+    assert!(matches!(err, CheckpointError::NoBaseState { ref path, turn: 0 } if path == "/app/README"), "{err}");
+    assert_same_tree(&sb.live, &at_turn1);
+}
+
+// ---------- dedup and traffic ----------
+
+#[test]
+fn identical_content_is_stored_once_across_turns_and_containers() {
+    let sb = Sandbox::new();
+    let big: Vec<u8> = (0..3_000_000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    write(&sb.live, "/app/big.bin", &big);
+    let first = sb.commit("a", 1, &[c("/app/big.bin")]);
+    assert!(first.traffic.written_bytes >= big.len() as u64);
+
+    // Same content under a new name in the next turn: no new blob bytes.
+    write(&sb.live, "/app/copy.bin", &big);
+    let second = sb.commit("a", 2, &[c("/app/copy.bin")]);
+    assert_eq!(second.traffic.written_bytes, 0, "{:?}", second.traffic);
+    assert_eq!(second.traffic.logical_bytes, big.len() as u64);
+
+    // Another container writing the same file shares the blob too.
+    let other = sb.commit("b", 1, &[c("/app/big.bin")]);
+    assert_eq!(other.traffic.written_bytes, 0);
+
+    let total = sb.store.blobs().traffic();
+    assert_eq!(total.logical_bytes, 3 * big.len() as u64);
+    assert_eq!(total.written_bytes, big.len() as u64);
+}
+
+/// The store holds sandboxes' files, environment and memory: nothing in it is readable by
+/// another host user, including a store an older build made world-readable.
+#[test]
+fn the_store_is_root_s_alone() {
+    use std::os::unix::fs::PermissionsExt;
+    let sb = Sandbox::new();
+    write(&sb.live, "/app/secret.txt", b"sandbox secret");
+    sb.commit("a", 1, &[c("/app/secret.txt")]);
+    // An older store's modes: opening it again closes it.
+    fs::set_permissions(&sb.state, fs::Permissions::from_mode(0o755)).unwrap();
+    let store = CheckpointStore::open(&sb.state).unwrap();
+    drop(store);
+    let mut seen = 0;
+    let mut stack = vec![sb.state.clone()];
+    while let Some(path) = stack.pop() {
+        let md = fs::symlink_metadata(&path).unwrap();
+        if md.file_type().is_symlink() {
+            continue;
+        }
+        let mode = md.permissions().mode() & 0o777;
+        assert_eq!(mode & 0o077, 0, "{} is {mode:o}: readable by other users", path.display());
+        seen += 1;
+        if md.is_dir() {
+            stack.extend(fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
+        }
+    }
+    assert!(seen > 256, "walked only {seen} entries");
+}
+
+// ---------- capture and write-out ----------
+
+/// The next turn may change files as soon as a turn is staged: what is published later is the
+/// state at the capture. Nothing is visible before the publish, a dropped staged turn leaves
+/// nothing behind, and GC waits for a staged turn instead of deleting its blobs.
+#[test]
+fn a_staged_turn_publishes_the_state_at_its_capture() {
+    let sb = Sandbox::new();
+    write(&sb.live, "/app/notes.txt", b"turn one");
+    let one = sb
+        .store
+        .stage_turn(&TurnInput {
+            container: "s",
+            turn: 1,
+            rootfs: Some(&sb.live),
+            changed: &[c("/app/notes.txt")],
+            criu_images: None,
+        })
+        .unwrap();
+    assert_eq!(one.staged_bytes(), 8);
+    // The next turn runs while turn 1 waits for its write-out.
+    write(&sb.live, "/app/notes.txt", b"turn two!");
+    let two = sb
+        .store
+        .stage_turn(&TurnInput {
+            container: "s",
+            turn: 2,
+            rootfs: Some(&sb.live),
+            changed: &[m("/app/notes.txt")],
+            criu_images: None,
+        })
+        .unwrap();
+    assert_eq!(sb.store.head("s").unwrap(), None, "nothing is visible before a publish");
+
+    // GC needs the store to itself: it waits until the staged turns are published.
+    let gc = std::thread::spawn({
+        let state = sb.state.clone();
+        move || CheckpointStore::open(state).unwrap().gc(&RetentionPolicy { keep_last: 10 }).unwrap()
+    });
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert!(!gc.is_finished(), "GC waits for staged turns");
+    let first = sb.store.publish(one).unwrap();
+    let second = sb.store.publish(two).unwrap();
+    assert_eq!((first.turn, second.turn), (1, 2));
+    assert_eq!(gc.join().unwrap().blobs_removed, 0);
+
+    for (turn, content) in [(1, &b"turn one"[..]), (2, &b"turn two!"[..])] {
+        let target = sb.fresh_target(&format!("t{turn}"));
+        sb.store.materialize("s", turn, &target).unwrap();
+        assert_eq!(fs::read(target.join("app/notes.txt")).unwrap(), content);
+    }
+
+    // A staged turn that is never published leaves neither blobs nor tmp files.
+    write(&sb.live, "/app/notes.txt", b"abandoned");
+    let abandoned = sb
+        .store
+        .stage_turn(&TurnInput {
+            container: "s",
+            turn: 3,
+            rootfs: Some(&sb.live),
+            changed: &[m("/app/notes.txt")],
+            criu_images: None,
+        })
+        .unwrap();
+    drop(abandoned);
+    assert_eq!(fs::read_dir(sb.state.join("tmp")).unwrap().count(), 0);
+    assert!(!sb.store.blobs().contains(&crab_store::Digest::of(b"abandoned")));
+    assert_eq!(sb.store.head("s").unwrap().map(|h| h.turn), Some(2));
+
+    // Turns publish in order: a staged turn older than the head is refused by name.
+    write(&sb.live, "/app/notes.txt", b"late");
+    let late = sb
+        .store
+        .stage_turn(&TurnInput {
+            container: "s",
+            turn: 4,
+            rootfs: Some(&sb.live),
+            changed: &[m("/app/notes.txt")],
+            criu_images: None,
+        })
+        .unwrap();
+    sb.commit("s", 5, &[m("/app/notes.txt")]);
+    let err = sb.store.publish(late).unwrap_err();
+    assert!(matches!(err, CheckpointError::TurnNotAfterHead { turn: 4, head: 5, .. }), "{err}");
+}
+
+// ---------- integrity ----------
+
+#[test]
+fn corrupt_blob_is_refused_before_anything_is_written() {
+    let sb = Sandbox::new();
+    write(&sb.live, "/app/one", b"first file\n");
+    write(&sb.live, "/app/two", b"second file\n");
+    sb.commit("c1", 1, &[c("/app/one"), c("/app/two")]);
+    let (_, manifest) = sb.store.manifest_at("c1", 1).unwrap();
+    let blob = *manifest.fs_delta.iter().find(|e| e.path.to_string() == "/app/two").unwrap().node.blob().unwrap();
+    let blob_path = sb.store.blobs().path_of(&blob);
+    fs::set_permissions(&blob_path, fs::Permissions::from_mode(0o644)).unwrap();
+    fs::write(&blob_path, b"second filf\n").unwrap();
+
+    let target = sb.fresh_target("restored");
+    let err = sb.store.materialize("c1", 1, &target).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, CheckpointError::CorruptBlob { .. }), "{text}");
+    assert!(text.contains(&blob.to_hex()) && text.contains(&blob_path.display().to_string()), "{text}");
+    assert!(!target.join("app/one").exists(), "nothing restored from a corrupt checkpoint");
+    assert!(matches!(sb.store.verify("c1", 1), Err(CheckpointError::CorruptBlob { .. })));
+
+    fs::remove_file(&blob_path).unwrap();
+    let err = sb.store.materialize("c1", 1, &target).unwrap_err();
+    assert!(matches!(err, CheckpointError::MissingBlob { .. }), "{err}");
+}
+
+#[test]
+fn tampered_or_missing_manifests_break_the_chain_loudly() {
+    let sb = Sandbox::new();
+    sb.commit("c1", 1, &[]);
+    write(&sb.live, "/app/f", b"f");
+    let second = sb.commit("c1", 2, &[c("/app/f")]);
+    let (first_id, _) = sb.store.manifest_at("c1", 1).unwrap();
+
+    // A fresh store instance has no cache: everything comes from disk.
+    let manifest_path = sb.state.join("manifests").join(format!("{first_id}.json"));
+    fs::remove_file(&manifest_path).unwrap();
+    let reopened = CheckpointStore::open(&sb.state).unwrap();
+    let err = reopened.history("c1").unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, CheckpointError::BrokenChain { .. }), "{text}");
+    assert!(text.contains(&first_id.to_hex()) && text.contains("turn 1"), "{text}");
+
+    let head_path = sb.state.join("manifests").join(format!("{}.json", second.id));
+    let bytes = fs::read_to_string(&head_path).unwrap().replace("\"turn\":2", "\"turn\":3");
+    fs::write(&head_path, bytes).unwrap();
+    let err = CheckpointStore::open(&sb.state).unwrap().history("c1").unwrap_err();
+    assert!(matches!(err, CheckpointError::CorruptManifest { .. }), "{err}");
+}
+
+#[test]
+fn leftovers_of_a_crashed_commit_are_invisible_and_collected() {
+    let sb = Sandbox::new();
+    sb.commit("c1", 1, &[]);
+    let head = sb.store.head("c1").unwrap().unwrap();
+    // What a crash mid-commit leaves: blob and manifest tmp files, and an orphan manifest that
+    // was published but never made the head.
+    fs::write(sb.state.join("tmp/blob-999-0"), b"half a blob").unwrap();
+    fs::write(sb.state.join("tmp/manifest-999-1"), b"{\"sha256\":").unwrap();
+    write(&sb.live, "/app/orphan", b"orphan");
+    sb.commit("c2", 1, &[c("/app/orphan")]);
+    let orphan = sb.store.head("c2").unwrap().unwrap();
+    fs::remove_dir_all(sb.state.join("containers/crab/c2")).unwrap();
+
+    let reopened = CheckpointStore::open(&sb.state).unwrap();
+    assert_eq!(reopened.head("c1").unwrap(), Some(head));
+    assert_eq!(reopened.history("c1").unwrap().len(), 1);
+    assert!(matches!(reopened.history("c2"), Err(CheckpointError::NoSuchContainer(_))));
+
+    let gc = reopened.gc(&RetentionPolicy { keep_last: 5 }).unwrap();
+    assert_eq!(gc.tmp_files_removed, 2);
+    assert_eq!(gc.manifests_removed, 1);
+    assert!(gc.blobs_removed >= 1);
+    assert!(!sb.state.join("manifests").join(format!("{}.json", orphan.manifest)).exists());
+    assert_eq!(reopened.history("c1").unwrap().len(), 1);
+}
+
+// ---------- untrusted paths ----------
+
+#[test]
+fn escaping_paths_are_refused() {
+    let sb = Sandbox::new();
+    let outside = sb._tmp.path().join("outside");
+    write(&outside, "/secret", b"host secret\n");
+    symlink(&outside, sb.live.join("evil-abs")).unwrap();
+    symlink("../outside", sb.live.join("evil-rel")).unwrap();
+    fs::create_dir_all(sb.live.join("app/inner")).unwrap();
+    symlink("../../../outside", sb.live.join("app/inner/up")).unwrap();
+
+    let cases = [
+        "/../outside/secret",
+        "/app/../../outside/secret",
+        "/evil-abs/secret",
+        "/evil-rel/secret",
+        "/app/inner/up/secret",
+        "relative",
+    ];
+    for path in cases {
+        let err = sb
+            .store
+            .commit_turn(&TurnInput {
+                container: "c1",
+                turn: 1,
+                rootfs: Some(&sb.live),
+                changed: &[m(path)],
+                criu_images: None,
+            })
+            .unwrap_err();
+        assert!(
+            matches!(err, CheckpointError::UnsafePath { .. } | CheckpointError::OutsideRoot { .. }),
+            "{path}: {err}"
+        );
+    }
+    assert!(sb.store.head("c1").unwrap().is_none(), "a refused capture publishes nothing");
+
+    // The symlink itself is recorded as a symlink, not followed.
+    sb.commit("c1", 1, &[c("/evil-abs")]);
+    let (_, manifest) = sb.store.manifest_at("c1", 1).unwrap();
+    assert!(matches!(manifest.fs_delta[0].node, crab_store::FsNode::Symlink { .. }));
+
+    // Restoring into a root where a recorded directory is now a symlink to the outside replaces
+    // the symlink itself; nothing is written through it.
+    write(&sb.live, "/app/data/file", b"inside\n");
+    sb.commit("c1", 2, &[c("/app/data")]);
+    let target = sb.fresh_target("restored");
+    symlink(&outside, target.join("app/data")).unwrap();
+    sb.store.materialize("c1", 2, &target).unwrap();
+    assert!(fs::symlink_metadata(target.join("app/data")).unwrap().is_dir());
+    assert_eq!(fs::read(target.join("app/data/file")).unwrap(), b"inside\n");
+    assert_eq!(fs::read(outside.join("secret")).unwrap(), b"host secret\n");
+    assert!(!outside.join("file").exists());
+}
+
+#[test]
+fn restore_never_writes_through_a_symlinked_parent() {
+    let sb = Sandbox::new();
+    let outside = sb._tmp.path().join("outside");
+    write(&outside, "/keep", b"keep\n");
+    write(&sb.live, "/app/cfg/settings", b"v1\n");
+    sb.commit("c1", 1, &[c("/app/cfg")]);
+    write(&sb.live, "/app/cfg/settings", b"v2\n");
+    sb.commit("c1", 2, &[m("/app/cfg/settings")]);
+
+    // The live root's /app/cfg is swapped for a symlink pointing out of the root.
+    fs::remove_dir_all(sb.live.join("app/cfg")).unwrap();
+    symlink(&outside, sb.live.join("app/cfg")).unwrap();
+    let err = sb
+        .store
+        .rollback_in_place(&RollbackRequest {
+            container: "c1",
+            to_turn: 1,
+            root: &sb.live,
+            base: Some(&sb.base),
+            uncommitted: &[m("/app/cfg/settings")],
+        })
+        .unwrap_err();
+    assert!(matches!(err, CheckpointError::OutsideRoot { .. }), "{err}");
+    assert!(!outside.join("settings").exists());
+    assert_eq!(fs::read(outside.join("keep")).unwrap(), b"keep\n");
+}
+
+// ---------- CRIU images ----------
+
+fn synthetic_dump(dir: &Path, seed: u32) {
+    fs::create_dir_all(dir).unwrap();
+    let mut pages: Vec<u8> = (0..2 * 1024 * 1024u32).map(|i| (i.wrapping_mul(2246822519) >> 11) as u8).collect();
+    pages.extend(std::iter::repeat_n(0u8, 64 * 4096));
+    pages.extend_from_slice(&[7u8; 1000]); // a page file whose size is not a chunk multiple
+    fs::write(dir.join("pages-1.img"), &pages).unwrap();
+    fs::write(dir.join("pagemap-1.img"), b"pagemap bytes").unwrap();
+    fs::write(dir.join("core-1.img"), format!("core {seed}")).unwrap();
+    fs::write(dir.join("pages-2.img"), b"").unwrap();
+}
+
+fn assert_same_dir(a: &Path, b: &Path) {
+    let list = |d: &Path| {
+        let mut v: Vec<_> = fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name()).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(list(a), list(b));
+    for name in list(a) {
+        assert_eq!(fs::read(a.join(&name)).unwrap(), fs::read(b.join(&name)).unwrap(), "{name:?}");
+        let (ma, mb) = (fs::metadata(a.join(&name)).unwrap(), fs::metadata(b.join(&name)).unwrap());
+        assert_eq!(ma.mode() & 0o7777, mb.mode() & 0o7777, "{name:?}");
+    }
+}
+
+#[test]
+fn chunked_images_round_trip_and_second_dump_is_nearly_free() {
+    let sb = Sandbox::new();
+    let (d1, d2) = (sb._tmp.path().join("dump1"), sb._tmp.path().join("dump2"));
+    synthetic_dump(&d1, 1);
+    synthetic_dump(&d2, 2);
+    let commit = |turn, dir: &Path| {
+        sb.store
+            .commit_turn(&TurnInput { container: "c1", turn, rootfs: None, changed: &[], criu_images: Some(dir) })
+            .unwrap()
+    };
+    let first = commit(1, &d1);
+    assert_eq!(first.class, TurnClass::Proc);
+    let second = commit(2, &d2);
+    let ratio = second.traffic.written_bytes as f64 / second.traffic.logical_bytes as f64;
+    assert!(ratio <= 0.05, "second dump wrote {ratio:.4} of its bytes: {:?}", second.traffic);
+    assert!(second.manifest_bytes < 4096, "manifest of an image set stays small: {}", second.manifest_bytes);
+
+    for (turn, dir) in [(1, &d1), (2, &d2)] {
+        let out = sb._tmp.path().join(format!("restored{turn}"));
+        assert_eq!(sb.store.restore_images("c1", turn, &out).unwrap(), Some(turn));
+        assert_same_dir(&out, dir);
+    }
+    // A later fs turn restores the images of the newest proc turn before it.
+    write(&sb.live, "/app/x", b"x");
+    sb.commit("c1", 3, &[c("/app/x")]);
+    let out = sb._tmp.path().join("restored3");
+    assert_eq!(sb.store.restore_images("c1", 3, &out).unwrap(), Some(2));
+}
+
+/// A page image of several reassembly jobs (thousands of chunks, repeated zero pages spread
+/// over them, a short last chunk) comes back byte for byte; a corrupt chunk, unique or
+/// repeated, is refused by name and leaves no image directory behind.
+#[test]
+fn large_page_images_reassemble_exactly_and_refuse_a_corrupt_chunk() {
+    let sb = Sandbox::new();
+    let dump = sb._tmp.path().join("dump");
+    fs::create_dir_all(&dump).unwrap();
+    let page = 4096usize;
+    let mut pages = Vec::new();
+    for i in 0..3000usize {
+        if i % 7 == 0 {
+            pages.extend(std::iter::repeat_n(0u8, page));
+        } else {
+            pages.extend((0..page).map(|j| (((i * page + j) as u32).wrapping_mul(2654435761) >> 13) as u8));
+        }
+    }
+    pages.extend_from_slice(&[9u8; 123]);
+    fs::write(dump.join("pages-1.img"), &pages).unwrap();
+    fs::write(dump.join("core-1.img"), b"core").unwrap();
+    fs::set_permissions(dump.join("core-1.img"), fs::Permissions::from_mode(0o640)).unwrap();
+    sb.store
+        .commit_turn(&TurnInput { container: "c1", turn: 1, rootfs: None, changed: &[], criu_images: Some(&dump) })
+        .unwrap();
+    let out = sb._tmp.path().join("restored");
+    assert_eq!(sb.store.restore_images("c1", 1, &out).unwrap(), Some(1));
+    assert_same_dir(&out, &dump);
+    let (_, report) = sb.store.restore_images_report("c1", 1, &sb._tmp.path().join("restored-again")).unwrap().unwrap();
+    assert_eq!(report.chunks, 3001);
+    assert!(report.chunks_read < report.chunks, "repeated zero pages are read once per worker: {report:?}");
+
+    // The chunks themselves, not the copy the commit kept assembled (tested below).
+    fs::remove_dir_all(sb.state.join("assembled")).unwrap();
+    let unique = page * 2048; // in the second job of 1024 chunks
+    let zero = page * 7 * 200;
+    for (offset, len) in [(unique, page), (zero, page)] {
+        let digest = crab_store::Digest::of(&pages[offset..offset + len]);
+        let path = sb.store.blobs().path_of(&digest);
+        let good = fs::read(&path).unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+        let mut bad = good.clone();
+        bad[100] ^= 1;
+        fs::write(&path, &bad).unwrap();
+        let out = sb._tmp.path().join(format!("refused-{offset}"));
+        let err = sb.store.restore_images("c1", 1, &out).unwrap_err();
+        assert!(
+            matches!(err, CheckpointError::CorruptBlob { .. }) && err.to_string().contains(&digest.to_hex()),
+            "{err}"
+        );
+        assert!(!out.exists(), "no image directory from a corrupt checkpoint");
+        let partial = sb._tmp.path().join(format!("refused-{offset}.partial"));
+        assert!(!partial.exists(), "the partial directory is removed");
+        fs::write(&path, &good).unwrap();
+    }
+}
+
+/// The kept copy of container `c`'s newest process checkpoint.
+fn kept_dir(sb: &Sandbox, container: &str) -> PathBuf {
+    let owner = sb.state.join("assembled").join(crab_store::DEFAULT_NAMESPACE).join(container);
+    let mut dirs: Vec<PathBuf> = fs::read_dir(&owner)
+        .unwrap_or_else(|e| panic!("{}: {e}", owner.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with(".dump-"))
+        .collect();
+    assert_eq!(dirs.len(), 1, "one kept image set per container: {dirs:?}");
+    dirs.pop().unwrap()
+}
+
+fn commit_dump(sb: &Sandbox, container: &str, turn: u64, dump: &Path) {
+    sb.store.commit_turn(&TurnInput { container, turn, rootfs: None, changed: &[], criu_images: Some(dump) }).unwrap();
+}
+
+/// The newest process checkpoint's image files are kept as CRIU wrote them (linked, not
+/// copied), and a restore checks them against the manifest and links them: no chunk is read.
+/// Only the newest is kept; an older turn, a fork's restore after the source moved on, and a
+/// removed container fall back to (or lose) the kept copy as they should.
+#[test]
+fn newest_images_are_kept_assembled_and_restored_by_link_after_a_check() {
+    let sb = Sandbox::new();
+    let (d1, d2) = (sb._tmp.path().join("dump1"), sb._tmp.path().join("dump2"));
+    synthetic_dump(&d1, 1);
+    synthetic_dump(&d2, 2);
+    commit_dump(&sb, "c1", 1, &d1);
+    let kept1 = kept_dir(&sb, "c1");
+    assert_eq!(
+        fs::metadata(kept1.join("pages-1.img")).unwrap().ino(),
+        fs::metadata(d1.join("pages-1.img")).unwrap().ino(),
+        "kept by a hard link to CRIU's own file"
+    );
+    let out = sb._tmp.path().join("restored1");
+    let (turn, report) = sb.store.restore_images_report("c1", 1, &out).unwrap().unwrap();
+    assert_eq!(turn, 1);
+    assert!(report.assembled, "{report:?}");
+    assert_eq!(report.chunks_read, 0, "{report:?}");
+    assert!(report.chunks > 500, "{report:?}");
+    assert_same_dir(&out, &d1);
+    // CRIU reads the dump's own bytes: nothing was copied.
+    assert_eq!(
+        fs::metadata(out.join("pages-1.img")).unwrap().ino(),
+        fs::metadata(d1.join("pages-1.img")).unwrap().ino()
+    );
+    // The engine removes its dump directory once published: the kept copy stays.
+    fs::remove_dir_all(&d1).unwrap();
+    let out = sb._tmp.path().join("restored1-again");
+    assert!(sb.store.restore_images_report("c1", 1, &out).unwrap().unwrap().1.assembled);
+
+    // A fork restores its source's kept copy too.
+    sb.store.fork("c1", 1, "f1").unwrap();
+    let out = sb._tmp.path().join("restored-fork");
+    assert!(sb.store.restore_images_report("f1", 1, &out).unwrap().unwrap().1.assembled);
+
+    // A newer process checkpoint replaces the kept copy.
+    commit_dump(&sb, "c1", 2, &d2);
+    let kept2 = kept_dir(&sb, "c1");
+    assert_ne!(kept1, kept2);
+    assert!(!kept1.exists());
+    let out = sb._tmp.path().join("restored2");
+    assert!(sb.store.restore_images_report("c1", 2, &out).unwrap().unwrap().1.assembled);
+    assert_same_dir(&out, &d2);
+    // Turn 1 is no longer kept: reassembled from its chunks, the same bytes.
+    let out = sb._tmp.path().join("restored1-chunks");
+    let (_, report) = sb.store.restore_images_report("c1", 1, &out).unwrap().unwrap();
+    assert!(!report.assembled && report.chunks_read > 0, "{report:?}");
+    synthetic_dump(&d1, 1);
+    assert_same_dir(&out, &d1);
+
+    // A removed container takes its kept copy along; GC drops the copy of a gone checkpoint.
+    sb.store.remove_container("c1").unwrap();
+    assert!(!sb.state.join("assembled/crab/c1").exists());
+    commit_dump(&sb, "c2", 1, &d1);
+    let kept_c2 = kept_dir(&sb, "c2");
+    sb.store.remove_container("c2").unwrap();
+    fs::create_dir_all(&kept_c2).unwrap(); // as if a crash had left it behind
+    let report = sb.store.gc(&RetentionPolicy { keep_last: 1 }).unwrap();
+    assert_eq!(report.assembled_removed, 1, "{report:?}");
+    assert!(!kept_c2.exists());
+}
+
+/// A dump on another file system than the store is not kept (a copy would write the whole
+/// image set again): the restore reassembles from the chunks.
+#[test]
+fn a_dump_on_another_file_system_is_not_kept() {
+    let sb = Sandbox::new();
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    if fs::metadata(shm.path()).unwrap().dev() == fs::metadata(&sb.state).unwrap().dev() {
+        eprintln!("/dev/shm is on the store's file system here: nothing to test");
+        return;
+    }
+    let dump = shm.path().join("dump");
+    synthetic_dump(&dump, 1);
+    commit_dump(&sb, "c1", 1, &dump);
+    let owner = sb.state.join("assembled/crab/c1");
+    assert!(
+        !owner.exists() || fs::read_dir(&owner).unwrap().next().is_none(),
+        "nothing kept: {:?}",
+        fs::read_dir(&owner).map(|d| d.map(|e| e.unwrap().file_name()).collect::<Vec<_>>())
+    );
+    let out = sb._tmp.path().join("restored");
+    let (_, report) = sb.store.restore_images_report("c1", 1, &out).unwrap().unwrap();
+    assert!(!report.assembled && report.chunks_read > 0, "{report:?}");
+    assert_same_dir(&out, &dump);
+
+    // The other way round: a copy kept on the store's file system cannot serve a restore into
+    // a directory elsewhere (only a hard link does: CRIU reads images from inside the
+    // container's mount namespace, where a symbolic link to a host path leads nowhere). The
+    // chunks restore it, and the copy stays for a restore on its own file system.
+    let local = sb._tmp.path().join("dump-local");
+    synthetic_dump(&local, 2);
+    commit_dump(&sb, "c2", 1, &local);
+    let out = shm.path().join("restored-elsewhere");
+    let (_, report) = sb.store.restore_images_report("c2", 1, &out).unwrap().unwrap();
+    assert!(!report.assembled && report.chunks_read > 0, "{report:?}");
+    assert!(!fs::symlink_metadata(out.join("pages-1.img")).unwrap().file_type().is_symlink());
+    assert_same_dir(&out, &local);
+    let out = sb._tmp.path().join("restored-here");
+    assert!(sb.store.restore_images_report("c2", 1, &out).unwrap().unwrap().1.assembled, "the copy was kept");
+}
+
+/// With the kept copies in a directory of their own (a tmpfs, as `/run` is on a node), the
+/// store's `assembled` entry links there, the engine's dumps are written there too (so keeping
+/// one is a hard link, whatever file system the store is on), and every opener of the store
+/// (crabctl opens it without the config) finds them. After a reboot has emptied that
+/// directory the store opens as before; copies beyond the bound are not kept.
+#[test]
+fn kept_copies_live_beside_the_dumps_in_a_directory_of_their_own() {
+    let sb = Sandbox::new();
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    let kept = KeptImages { dir: Some(shm.path().join("kept")), max_bytes: u64::MAX };
+    let store = CheckpointStore::open_with(&sb.state, &kept).unwrap();
+    let link = fs::read_link(sb.state.join("assembled")).expect("assembled is a link");
+    assert!(link.starts_with(shm.path().join("kept")), "{}", link.display());
+    assert_eq!(fs::metadata(&link).unwrap().mode() & 0o777, 0o700, "root's alone");
+    // Opening it again with the same settings leaves the link as it is.
+    drop(CheckpointStore::open_with(&sb.state, &kept).unwrap());
+    assert_eq!(fs::read_link(sb.state.join("assembled")).unwrap(), link);
+
+    let dump = store.dump_path("c1", 1).unwrap();
+    let dump_home = fs::canonicalize(dump.parent().unwrap()).unwrap();
+    assert!(dump_home.starts_with(&link), "the dump is written beside the kept copies: {}", dump_home.display());
+    synthetic_dump(&dump, 1);
+    store
+        .commit_turn(&TurnInput { container: "c1", turn: 1, rootfs: None, changed: &[], criu_images: Some(&dump) })
+        .unwrap();
+    let kept1 = kept_dir(&sb, "c1");
+    assert_eq!(
+        fs::metadata(kept1.join("pages-1.img")).unwrap().ino(),
+        fs::metadata(dump.join("pages-1.img")).unwrap().ino(),
+        "kept by a hard link"
+    );
+    assert!(dump.exists(), "the dump in flight is not taken for an old copy");
+    fs::remove_dir_all(&dump).unwrap();
+    // A plain open follows the link: a restore beside the copy links it after its check.
+    let plain = CheckpointStore::open(&sb.state).unwrap();
+    let out = plain.restore_path("r1").unwrap();
+    let (_, report) = plain.restore_images_report("c1", 1, &out).unwrap().unwrap();
+    assert!(report.assembled && report.chunks_read == 0, "{report:?}");
+    synthetic_dump(&sb._tmp.path().join("expected"), 1);
+    assert_same_dir(&out, &sb._tmp.path().join("expected"));
+    // Restored elsewhere (another file system), the chunks serve and the copy stays.
+    let (_, report) = plain.restore_images_report("c1", 1, &sb._tmp.path().join("restored")).unwrap().unwrap();
+    assert!(!report.assembled, "{report:?}");
+    assert_same_dir(&sb._tmp.path().join("restored"), &sb._tmp.path().join("expected"));
+    assert!(kept1.exists());
+
+    // A dead shim's dump is removed when the container's engine starts again.
+    let stale = store.dump_path("c1", 2).unwrap();
+    synthetic_dump(&stale, 2);
+    store.remove_stale_dumps("c1");
+    assert!(!stale.exists() && kept1.exists());
+
+    // A bound smaller than the dump: nothing kept, the chunks restore it.
+    let bounded = CheckpointStore::open_with(&sb.state, &KeptImages { max_bytes: 1 << 20, ..kept.clone() }).unwrap();
+    let dump2 = bounded.dump_path("c2", 1).unwrap();
+    synthetic_dump(&dump2, 2);
+    bounded
+        .commit_turn(&TurnInput { container: "c2", turn: 1, rootfs: None, changed: &[], criu_images: Some(&dump2) })
+        .unwrap();
+    let c2_sets: Vec<_> = fs::read_dir(sb.state.join("assembled/crab/c2"))
+        .unwrap()
+        .flatten()
+        .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+        .collect();
+    assert!(c2_sets.is_empty(), "over the bound: not kept");
+    let (_, report) = bounded.restore_images_report("c2", 1, &sb._tmp.path().join("restored2")).unwrap().unwrap();
+    assert!(!report.assembled && report.chunks_read > 0, "{report:?}");
+
+    // A reboot empties the tmpfs: the store opens, restores from its chunks, and keeps again.
+    fs::remove_dir_all(shm.path().join("kept")).unwrap();
+    let after_reboot = CheckpointStore::open_with(&sb.state, &kept).unwrap();
+    let (_, report) = after_reboot.restore_images_report("c1", 1, &sb._tmp.path().join("restored3")).unwrap().unwrap();
+    assert!(!report.assembled, "{report:?}");
+    assert_same_dir(&sb._tmp.path().join("restored3"), &sb._tmp.path().join("expected"));
+    assert!(CheckpointStore::open(&sb.state).is_ok(), "a plain open too");
+}
+
+/// A kept copy that does not match the manifest (a flipped byte in a page image, a truncated
+/// or swapped small file, a file missing, a symlink in place of a file) is refused and never
+/// used: the restore reassembles from the chunks, byte for byte, and drops the bad copy. A
+/// corrupt chunk behind a corrupt kept copy still fails the restore, naming the chunk.
+#[test]
+fn a_corrupted_kept_copy_is_refused_and_the_chunks_restore_instead() {
+    type Damage = fn(&Path, &Path);
+    let damages: [(&str, Damage); 5] = [
+        ("flipped page byte", |kept, _| {
+            let path = kept.join("pages-1.img");
+            let mut bytes = fs::read(&path).unwrap();
+            bytes[4096 * 300 + 17] ^= 0x40;
+            // A new file under the same name: the dump's inode stays intact.
+            fs::remove_file(&path).unwrap();
+            fs::write(&path, &bytes).unwrap();
+        }),
+        ("truncated page image", |kept, _| {
+            let path = kept.join("pages-1.img");
+            let bytes = fs::read(&path).unwrap();
+            fs::remove_file(&path).unwrap();
+            fs::write(&path, &bytes[..bytes.len() - 1000]).unwrap();
+        }),
+        ("swapped small file", |kept, _| {
+            let path = kept.join("core-1.img");
+            fs::remove_file(&path).unwrap();
+            fs::write(&path, b"core 9").unwrap();
+        }),
+        ("missing file", |kept, _| fs::remove_file(kept.join("pagemap-1.img")).unwrap()),
+        ("symlink to a file of the same content elsewhere", |kept, elsewhere| {
+            let path = kept.join("core-1.img");
+            let outside = elsewhere.join("outside-core");
+            fs::copy(&path, &outside).unwrap();
+            fs::remove_file(&path).unwrap();
+            symlink(&outside, &path).unwrap();
+        }),
+    ];
+    for (what, damage) in damages {
+        let sb = Sandbox::new();
+        let dump = sb._tmp.path().join("dump");
+        synthetic_dump(&dump, 1);
+        commit_dump(&sb, "c1", 1, &dump);
+        let kept = kept_dir(&sb, "c1");
+        damage(&kept, sb._tmp.path());
+        let out = sb._tmp.path().join("restored");
+        let (_, report) = sb.store.restore_images_report("c1", 1, &out).unwrap().unwrap();
+        assert!(!report.assembled, "{what}: the damaged copy was used: {report:?}");
+        assert!(report.chunks_read > 0, "{what}: {report:?}");
+        assert_same_dir(&out, &dump);
+        assert!(!kept.exists(), "{what}: the damaged copy is dropped");
+        assert!(!sb._tmp.path().join("restored.partial").exists(), "{what}");
+    }
+
+    // Bad kept copy and a bad chunk: refused, naming the chunk, nothing left at the target.
+    let sb = Sandbox::new();
+    let dump = sb._tmp.path().join("dump");
+    synthetic_dump(&dump, 1);
+    commit_dump(&sb, "c1", 1, &dump);
+    let kept = kept_dir(&sb, "c1");
+    let pages = fs::read(dump.join("pages-1.img")).unwrap();
+    let chunk = &pages[4096 * 10..4096 * 11];
+    let digest = crab_store::Digest::of(chunk);
+    let path = sb.store.blobs().path_of(&digest);
+    fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+    let mut bad = chunk.to_vec();
+    bad[1] ^= 1;
+    fs::write(&path, &bad).unwrap();
+    let kept_pages = kept.join("pages-1.img");
+    fs::remove_file(&kept_pages).unwrap();
+    fs::write(&kept_pages, [&pages[..4096 * 10], &bad[..], &pages[4096 * 11..]].concat()).unwrap();
+    let out = sb._tmp.path().join("refused");
+    let err = sb.store.restore_images("c1", 1, &out).unwrap_err();
+    assert!(matches!(err, CheckpointError::CorruptBlob { .. }) && err.to_string().contains(&digest.to_hex()), "{err}");
+    assert!(!out.exists() && !sb._tmp.path().join("refused.partial").exists());
+}
+
+struct Victim(Child);
+
+impl Drop for Victim {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn criu_dump(pid: u32, dir: &Path) {
+    fs::create_dir_all(dir).unwrap();
+    let out = Command::new("criu")
+        .args(["dump", "--leave-running", "-o", "dump.log", "-t", &pid.to_string(), "-D"])
+        .arg(dir)
+        .output()
+        .expect("criu must be installed (scripts/install-deps)");
+    assert!(out.status.success(), "criu dump failed: {}", fs::read_to_string(dir.join("dump.log")).unwrap_or_default());
+    fs::remove_file(dir.join("dump.log")).unwrap();
+}
+
+#[test]
+fn real_criu_dump_twice_writes_little_and_restores_byte_identical() {
+    let sb = Sandbox::new();
+    let script = "import time\nx = bytearray(16 << 20)\nfor i in range(0, len(x), 4096): x[i] = i % 251\nprint('ready', flush=True)\ntime.sleep(600)\n";
+    let mut child = Command::new("setsid")
+        .args(["python3", "-c", script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+    assert_eq!(line.trim(), "ready");
+    let victim = Victim(child);
+
+    let (d1, d2) = (sb._tmp.path().join("criu1"), sb._tmp.path().join("criu2"));
+    criu_dump(victim.0.id(), &d1);
+    criu_dump(victim.0.id(), &d2);
+    let commit = |turn, dir: &Path| {
+        sb.store
+            .commit_turn(&TurnInput { container: "c1", turn, rootfs: None, changed: &[], criu_images: Some(dir) })
+            .unwrap()
+    };
+    let first = commit(1, &d1);
+    assert!(first.traffic.logical_bytes > 16 << 20, "{:?}", first.traffic);
+    let second = commit(2, &d2);
+    let ratio = second.traffic.written_bytes as f64 / second.traffic.logical_bytes as f64;
+    assert!(ratio <= 0.05, "second dump wrote {ratio:.4} of its bytes: {:?}", second.traffic);
+
+    let out = sb._tmp.path().join("criu-restored");
+    sb.store.restore_images("c1", 2, &out).unwrap();
+    assert_same_dir(&out, &d2);
+}
+
+// ---------- forks and GC ----------
+
+#[test]
+fn gc_keeps_the_window_and_what_forks_reference() {
+    let sb = Sandbox::new();
+    sb.commit("a", 0, &[]);
+    let mut trees = vec![tree(&sb.live)];
+    for turn in 1..=6u64 {
+        write(&sb.live, &format!("/app/file{turn}"), format!("content of turn {turn}\n").as_bytes());
+        write(&sb.live, "/app/counter", format!("{turn}\n").as_bytes());
+        sb.commit("a", turn, &[c(&format!("/app/file{turn}")), m("/app/counter")]);
+        trees.push(tree(&sb.live));
+    }
+    // Fork b off turn 2, and let it make a turn of its own.
+    sb.store.fork("a", 2, "b").unwrap();
+    let b_live = sb.fresh_target("b-live");
+    sb.store.materialize("b", 2, &b_live).unwrap();
+    assert_same_tree(&b_live, &trees[2]);
+    write(&b_live, "/app/b-only", b"fork data\n");
+    sb.store
+        .commit_turn(&TurnInput {
+            container: "b",
+            turn: 3,
+            rootfs: Some(&b_live),
+            changed: &[c("/app/b-only")],
+            criu_images: None,
+        })
+        .unwrap();
+    let b_tree = tree(&b_live);
+
+    let (_, t1) = sb.store.manifest_at("a", 1).unwrap();
+    let counter_turn1 =
+        *t1.fs_delta.iter().find(|e| e.path.to_string() == "/app/counter").unwrap().node.blob().unwrap();
+    let (_, t4) = sb.store.manifest_at("a", 4).unwrap();
+    let counter_turn4 =
+        *t4.fs_delta.iter().find(|e| e.path.to_string() == "/app/counter").unwrap().node.blob().unwrap();
+
+    let report = sb.store.gc(&RetentionPolicy { keep_last: 2 }).unwrap();
+    assert_eq!(report.snapshots_written, 2, "{report:?}");
+    // a keeps 6 and 5; b keeps its 3 and a's 2: turns 0, 1, 3, 4 of a go.
+    assert_eq!(report.manifests_removed, 4, "{report:?}");
+    assert!(!sb.store.blobs().contains(&counter_turn4), "a blob only dropped turns used is collected");
+    assert!(!sb.store.blobs().contains(&counter_turn1));
+
+    let a_turns: Vec<u64> = sb.store.history("a").unwrap().iter().map(|i| i.turn).collect();
+    assert_eq!(a_turns, [6, 5]);
+    assert!(matches!(sb.store.materialize("a", 3, &sb.fresh_target("x")), Err(CheckpointError::NoSuchTurn { .. })));
+    for turn in [5, 6] {
+        let target = sb.fresh_target(&format!("a{turn}"));
+        sb.store.materialize("a", turn, &target).unwrap();
+        assert_same_tree(&target, &trees[turn as usize]);
+    }
+    let target = sb.fresh_target("b3");
+    sb.store.materialize("b", 3, &target).unwrap();
+    assert_same_tree(&target, &b_tree);
+    let target = sb.fresh_target("b2");
+    sb.store.materialize("b", 2, &target).unwrap();
+    assert_same_tree(&target, &trees[2]);
+
+    // Rolling back within the window still works after GC, on a fresh store instance.
+    let reopened = CheckpointStore::open(&sb.state).unwrap();
+    reopened
+        .rollback_in_place(&RollbackRequest {
+            container: "a",
+            to_turn: 5,
+            root: &sb.live,
+            base: Some(&sb.base),
+            uncommitted: &[],
+        })
+        .unwrap();
+    assert_same_tree(&sb.live, &trees[5]);
+
+    // The rollback abandoned turn 6 of a: the next run drops it, and a run after that finds
+    // nothing more to do.
+    let abandoned = reopened.gc(&RetentionPolicy { keep_last: 2 }).unwrap();
+    assert_eq!((abandoned.manifests_removed, abandoned.snapshots_written), (1, 0), "{abandoned:?}");
+    assert!(abandoned.blobs_removed >= 1, "{abandoned:?}");
+    let again = reopened.gc(&RetentionPolicy { keep_last: 2 }).unwrap();
+    assert_eq!((again.manifests_removed, again.blobs_removed, again.snapshots_written), (0, 0, 0), "{again:?}");
+    // Turn 5 is now the head of a; a third turn pushes the window and replaces its snapshot.
+    write(&sb.live, "/app/file7", b"7\n");
+    reopened
+        .commit_turn(&TurnInput {
+            container: "a",
+            turn: 7,
+            rootfs: Some(&sb.live),
+            changed: &[c("/app/file7")],
+            criu_images: None,
+        })
+        .unwrap();
+    let third = reopened.gc(&RetentionPolicy { keep_last: 1 }).unwrap();
+    assert!(third.snapshots_written >= 1 && third.snapshots_removed >= 1, "{third:?}");
+    let target = sb.fresh_target("a7");
+    reopened.materialize("a", 7, &target).unwrap();
+    assert_same_tree(&target, &tree(&sb.live));
+}
+
+#[test]
+fn bad_requests_are_named() {
+    let sb = Sandbox::new();
+    let err =
+        sb.store.commit_turn(&TurnInput { container: "../x", turn: 1, rootfs: None, changed: &[], criu_images: None });
+    assert!(matches!(err, Err(CheckpointError::InvalidKey(_))));
+    sb.commit("c1", 5, &[]);
+    let err =
+        sb.store.commit_turn(&TurnInput { container: "c1", turn: 5, rootfs: None, changed: &[], criu_images: None });
+    assert!(matches!(err, Err(CheckpointError::TurnNotAfterHead { turn: 5, head: 5, .. })));
+    let err = sb.store.commit_turn(&TurnInput {
+        container: "c1",
+        turn: 6,
+        rootfs: None,
+        changed: &[m("/x")],
+        criu_images: None,
+    });
+    assert!(matches!(err, Err(CheckpointError::InvalidRequest(_))));
+    assert!(matches!(sb.store.manifest_at("c1", 4), Err(CheckpointError::NoSuchTurn { turn: 4, .. })));
+    assert!(matches!(sb.store.fork("c1", 5, "c1"), Err(CheckpointError::InvalidRequest(_))));
+    assert!(matches!(sb.store.gc(&RetentionPolicy { keep_last: 0 }), Err(CheckpointError::InvalidRequest(_))));
+}

@@ -1,0 +1,284 @@
+//! `crabctl` subcommands over checkpoints, defined here so the binary only
+//! dispatches. Every command takes `--json`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+use serde::Serialize;
+
+use super::{Ctl, Result};
+use crate::containerd::ctr::Ctr;
+use crab_store::RetentionPolicy;
+
+#[derive(Args, Debug)]
+pub struct Common {
+    /// crab's state directory (the checkpoint store). Default: `[checkpoint] state_dir` of the
+    /// crab config the shims read ($CRAB_CONFIG, else /etc/crab/crab.toml, else /var/lib/crab).
+    #[arg(long, env = "CRAB_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// The containerd namespace of the sandbox (its chain and turn log are that namespace's).
+    #[arg(long, short = 'n', env = "CRAB_NS", default_value = crab_store::DEFAULT_NAMESPACE)]
+    pub namespace: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl Common {
+    /// The store the shims of this host write to, unless told otherwise.
+    pub fn state_dir(&self) -> Result<PathBuf> {
+        match &self.state_dir {
+            Some(dir) => Ok(dir.clone()),
+            None => crab_config::Config::load(None)
+                .map(|config| config.checkpoint.state_dir)
+                .map_err(|e| super::CtlError::Invalid(format!("{e} (or give --state-dir)"))),
+        }
+    }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum CheckpointCommand {
+    /// The turns of a sandbox: class, reasons, checkpoint, bytes.
+    Turns {
+        container: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// The checkpoints of a sandbox's chain, newest first.
+    Checkpoints {
+        container: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Verifies every blob of a sandbox's chain (or of all chains).
+    Verify {
+        container: Option<String>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Drops old checkpoints and unreferenced blobs, of every namespace (blobs are shared);
+    /// a retired chain (`<id>@<n>`, left by a new container that reused its id) goes once
+    /// newer checkpoints of its id fill the window.
+    Gc {
+        /// Checkpoints kept per sandbox.
+        #[arg(long, default_value_t = 16)]
+        keep: usize,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Brings a crashed sandbox back from its latest checkpoint.
+    Recover {
+        container: String,
+        /// The sandbox's image, when containerd no longer knows the sandbox (node loss).
+        #[arg(long)]
+        image: Option<String>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Puts a sandbox back to turn N, in place.
+    Rollback {
+        container: String,
+        #[arg(long)]
+        turn: u64,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Acts on a sandbox's turns: `mark` ends the current turn (it is
+    /// checkpointed) and begins the next.
+    Turn {
+        container: String,
+        action: TurnAction,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Starts a new sandbox from another's turn N; the source keeps running.
+    Fork {
+        container: String,
+        #[arg(long)]
+        turn: u64,
+        /// Id of the new sandbox.
+        #[arg(long = "as")]
+        new_id: String,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+pub enum TurnAction {
+    /// End the current turn and begin the next.
+    Mark,
+}
+
+fn print<T: Serialize>(json: bool, value: &T, table: impl FnOnce(&T) -> String) {
+    if json {
+        println!("{}", serde_json::to_string_pretty(value).expect("serialisable"));
+    } else {
+        print!("{}", table(value));
+    }
+}
+
+impl CheckpointCommand {
+    fn common(&self) -> &Common {
+        match self {
+            Self::Turns { common, .. }
+            | Self::Checkpoints { common, .. }
+            | Self::Verify { common, .. }
+            | Self::Gc { common, .. }
+            | Self::Recover { common, .. }
+            | Self::Rollback { common, .. }
+            | Self::Turn { common, .. }
+            | Self::Fork { common, .. } => common,
+        }
+    }
+
+    pub async fn run(self) -> Result<()> {
+        let common = self.common();
+        let json = common.json;
+        crab_store::validate_namespace(&common.namespace)?;
+        let ctr = Ctr::new(Ctr::from_env().socket(), common.namespace.clone());
+        let ctl = Ctl::open(&common.state_dir()?, ctr)?;
+        match &self {
+            Self::Turns { container, .. } => print(json, &ctl.turns(container)?, |turns| {
+                let mut out = format!(
+                    "{:>5} {:<6} {:<6} {:>3} {:>10} {:>9} {:>10}  {}\n",
+                    "turn", "source", "class", "ext", "ckpt", "bytes", "ckpt ms", "reasons"
+                );
+                for t in turns {
+                    out += &format!(
+                        "{:>5} {:<6} {:<6} {:>3} {:>10} {:>9} {:>10.1}  {}\n",
+                        t.turn,
+                        t.source,
+                        format!("{:?}", t.class).to_lowercase(),
+                        if t.external { "yes" } else { "" },
+                        t.checkpoint_turn.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
+                        t.bytes_written,
+                        t.checkpoint_ms,
+                        turn_reasons(t)
+                    );
+                }
+                out
+            }),
+            Self::Checkpoints { container, .. } => print(json, &ctl.checkpoints(container)?, |rows| {
+                let mut out = format!("{:>5} {:<10} {:>8} {:<6} {}\n", "turn", "class", "entries", "images", "id");
+                for r in rows {
+                    let id = match r.superseded_by {
+                        Some(by) => format!("-> turn {by} (dropped before it was written)"),
+                        None => r.id[..16].to_string(),
+                    };
+                    out += &format!(
+                        "{:>5} {:<10} {:>8} {:<6} {}\n",
+                        r.turn,
+                        r.class,
+                        r.fs_entries,
+                        if r.has_images { "yes" } else { "" },
+                        id
+                    );
+                }
+                out
+            }),
+            Self::Verify { container, .. } => {
+                let rows = ctl.verify(container.as_deref())?;
+                let failed = rows.iter().any(|r| !r.ok);
+                print(json, &rows, |rows| {
+                    rows.iter()
+                        .map(|r| match &r.error {
+                            None => format!(
+                                "{}: ok (head turn {}, {} manifests, {} blobs, {} bytes)\n",
+                                r.container,
+                                r.head_turn.unwrap_or(0),
+                                r.manifests,
+                                r.blobs,
+                                r.bytes
+                            ),
+                            Some(e) => format!("{}: BROKEN: {e}\n", r.container),
+                        })
+                        .collect()
+                });
+                if failed {
+                    return Err(super::CtlError::Invalid("verification failed".into()));
+                }
+            }
+            Self::Gc { keep, .. } => {
+                let store = ctl.store.clone();
+                let keep = (*keep).max(1);
+                let report = tokio::task::block_in_place(move || store.gc(&RetentionPolicy { keep_last: keep }))?;
+                #[derive(Serialize)]
+                struct Gc {
+                    manifests_removed: u64,
+                    blobs_removed: u64,
+                    bytes_freed: u64,
+                    snapshots_written: u64,
+                    tmp_files_removed: u64,
+                    retired_removed: u64,
+                }
+                let gc = Gc {
+                    manifests_removed: report.manifests_removed,
+                    blobs_removed: report.blobs_removed,
+                    bytes_freed: report.bytes_freed,
+                    snapshots_written: report.snapshots_written,
+                    tmp_files_removed: report.tmp_files_removed,
+                    retired_removed: report.retired_removed,
+                };
+                print(json, &gc, |g| {
+                    format!(
+                        "removed {} manifests, {} blobs ({} bytes), {} tmp files, {} retired chains; {} snapshots written\n",
+                        g.manifests_removed,
+                        g.blobs_removed,
+                        g.bytes_freed,
+                        g.tmp_files_removed,
+                        g.retired_removed,
+                        g.snapshots_written
+                    )
+                });
+            }
+            Self::Recover { container, image, .. } => {
+                let r = ctl.recover(container, image.as_deref()).await?;
+                print(json, &r, restore_line);
+            }
+            Self::Rollback { container, turn, .. } => {
+                let r = ctl.rollback(container, *turn).await?;
+                print(json, &r, restore_line);
+            }
+            Self::Turn { container, action: TurnAction::Mark, .. } => {
+                let r = ctl.mark_turn(container).await?;
+                print(json, &r, |r| match &r.ended {
+                    Some(t) => format!(
+                        "{}: turn {} ended ({}, checkpoint {}) in {:.1} ms\n",
+                        r.container,
+                        t.turn,
+                        format!("{:?}", t.class).to_lowercase(),
+                        t.checkpoint_turn.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
+                        r.elapsed_ms
+                    ),
+                    None => format!("{}: no turn was open\n", r.container),
+                });
+            }
+            Self::Fork { container, turn, new_id, .. } => {
+                let r = ctl.fork(container, *turn, new_id).await?;
+                print(json, &r, restore_line);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A turn's reasons column: its reasons, then why each failed dump attempt failed.
+fn turn_reasons(t: &crab_store::turns::TurnRecord) -> String {
+    let attempts =
+        t.dump_failures.iter().enumerate().map(|(i, cause)| format!("dump attempt {} failed: {cause}", i + 1));
+    t.reasons.iter().cloned().chain(attempts).collect::<Vec<_>>().join("; ")
+}
+
+fn restore_line(r: &super::RestoreReport) -> String {
+    format!(
+        "{}: {} from {} at turn {} (checkpoint {}){} in {:.1} ms\n",
+        r.container,
+        r.mode,
+        r.from,
+        r.turn,
+        r.checkpoint_turn.map(|t| t.to_string()).unwrap_or_else(|| "none: image".into()),
+        r.changed_paths.map(|n| format!(", {n} paths")).unwrap_or_default(),
+        r.elapsed_ms
+    )
+}

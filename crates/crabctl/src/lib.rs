@@ -1,0 +1,587 @@
+//! What `crabctl` does with checkpoints: list turns and checkpoints, verify,
+//! collect garbage, and bring sandboxes back (recover, rollback, fork); and its
+//! client of containerd ([`containerd`]), which `crab-replay` shares.
+//!
+//! Restores go through containerd: a restored or forked sandbox is a normal
+//! container on the crab runtime, created with the `io.crab.restore-from`
+//! annotation; its shim writes the rootfs as at the turn and restores the
+//! processes from the newest process checkpoint at or before it.
+
+pub mod cli;
+pub mod containerd;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::containerd::ctr::Ctr;
+use crab_store::turns::{ANNOTATION_RESTORE_FROM, RecordedClass, TurnLog, TurnRecord};
+use crab_store::{CheckpointStore, RollbackRequest, SandboxKey};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CtlError {
+    #[error(transparent)]
+    Store(#[from] crab_store::CheckpointError),
+    #[error(transparent)]
+    Log(#[from] crab_store::turns::TurnLogError),
+    #[error("containerd: {0}")]
+    Containerd(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Key(#[from] crab_store::KeyError),
+}
+
+pub type Result<T> = std::result::Result<T, CtlError>;
+
+pub const CRAB_RUNTIME: &str = "io.containerd.crab.v2";
+
+/// How long rollback and fork wait for a turn in flight to be checkpointed.
+const SETTLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The state directory and the containerd (socket and namespace) a command works against.
+/// Sandboxes are named by container id (or `<id>@<n>` for a retired chain) in the namespace
+/// of `ctr`; their chains and turn logs are that namespace's.
+pub struct Ctl {
+    pub state_dir: PathBuf,
+    pub store: Arc<CheckpointStore>,
+    pub ctr: Ctr,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CheckpointRow {
+    pub turn: u64,
+    pub class: String,
+    pub id: String,
+    pub created_unix_ms: u64,
+    pub fs_entries: usize,
+    pub has_images: bool,
+    /// A turn whose checkpoint was dropped for the newer one of this turn (no id then).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub superseded_by: Option<u64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct VerifyRow {
+    pub container: String,
+    pub head_turn: Option<u64>,
+    pub ok: bool,
+    pub manifests: u64,
+    pub blobs: u64,
+    pub bytes: u64,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct RestoreReport {
+    pub container: String,
+    pub from: String,
+    pub turn: u64,
+    /// The checkpoint the state came from (the newest at or before `turn`), none for turn 0.
+    pub checkpoint_turn: Option<u64>,
+    /// `in-place` (files put back in the running container) or `restore` (container recreated).
+    pub mode: String,
+    pub changed_paths: Option<usize>,
+    pub elapsed_ms: f64,
+}
+
+/// What an explicit turn mark ended.
+#[derive(Debug, Serialize)]
+pub struct MarkReport {
+    pub container: String,
+    /// The turn the mark ended (None when the sandbox had no turn open).
+    pub ended: Option<TurnRecord>,
+    /// From the request until the ended turn was checkpointed.
+    pub elapsed_ms: f64,
+}
+
+/// How a container was run, to run it again.
+#[derive(Debug, Clone)]
+struct SandboxInfo {
+    /// The sandbox's own `io.crab.*` annotations (policy, turns, ignore), carried over.
+    annotations: Vec<(String, String)>,
+    image: String,
+    args: Vec<String>,
+    cwd: Option<String>,
+    env: Vec<String>,
+    /// The crab config the sandbox's shim was given (`ConfigPath` of its runtime options),
+    /// so the restored one reads the same store.
+    config_path: Option<String>,
+}
+
+impl Ctl {
+    pub fn open(state_dir: &Path, ctr: Ctr) -> Result<Self> {
+        Ok(Self { state_dir: state_dir.into(), store: Arc::new(CheckpointStore::open(state_dir)?), ctr })
+    }
+
+    /// The store key of `container` (an id, or `<id>@<n>`) in this Ctl's namespace.
+    pub fn key(&self, container: &str) -> Result<String> {
+        if container.contains('/') {
+            return Err(CtlError::Invalid(format!(
+                "{container:?}: name the sandbox by its container id and its namespace with --namespace (or CRAB_NS)"
+            )));
+        }
+        Ok(SandboxKey::from_name(self.ctr.namespace(), container)?.to_string())
+    }
+
+    pub fn turns(&self, container: &str) -> Result<Vec<TurnRecord>> {
+        Ok(TurnLog::open(&self.state_dir, &self.key(container)?)?.read()?)
+    }
+
+    /// Ends the sandbox's current turn and begins the next: a Task Update
+    /// through containerd carrying `io.crab.turn=mark`. Returns once the
+    /// ended turn is checkpointed.
+    pub async fn mark_turn(&self, container: &str) -> Result<MarkReport> {
+        let log = TurnLog::open(&self.state_dir, &self.key(container)?)?;
+        let last_before = log.read()?.last().map(|r| r.turn).unwrap_or(0);
+        let started = Instant::now();
+        crate::containerd::grpc::Containerd::new(self.ctr.socket(), self.ctr.namespace())
+            .turn_request(container, crab_store::turns::TurnRequest::Mark)
+            .await
+            .map_err(|e| CtlError::Containerd(e.to_string()))?;
+        let elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
+        let ended = log
+            .read()?
+            .into_iter()
+            .filter(|r| r.turn > last_before && r.source == crab_store::turns::TurnSource::Mark)
+            .last();
+        Ok(MarkReport { container: container.into(), ended, elapsed_ms })
+    }
+
+    /// The chain's checkpoints and the turns whose checkpoint a newer one superseded, newest first.
+    pub fn checkpoints(&self, container: &str) -> Result<Vec<CheckpointRow>> {
+        let mut rows: Vec<CheckpointRow> = self
+            .store
+            .history(&self.key(container)?)?
+            .into_iter()
+            .map(|c| CheckpointRow {
+                turn: c.turn,
+                class: format!("{:?}", c.class).to_lowercase(),
+                id: c.id.to_hex(),
+                created_unix_ms: c.created_unix_ms,
+                fs_entries: c.fs_entries,
+                has_images: c.has_images,
+                superseded_by: None,
+            })
+            .collect();
+        rows.extend(self.turns(container)?.into_iter().filter_map(|r| {
+            Some(CheckpointRow {
+                superseded_by: Some(r.superseded_by?),
+                turn: r.turn,
+                class: "superseded".into(),
+                id: String::new(),
+                created_unix_ms: r.ended_unix_ms,
+                fs_entries: 0,
+                has_images: false,
+            })
+        }));
+        rows.sort_by(|a, b| b.turn.cmp(&a.turn));
+        Ok(rows)
+    }
+
+    /// Verifies every blob of each container's chain (all chains of the namespace, retired
+    /// ones too, when none is named).
+    pub fn verify(&self, container: Option<&str>) -> Result<Vec<VerifyRow>> {
+        let names = match container {
+            Some(c) => vec![(c.to_string(), self.key(c)?)],
+            None => self
+                .store
+                .namespace_keys(self.ctr.namespace())?
+                .into_iter()
+                .map(|k| (k.name(), k.to_string()))
+                .collect(),
+        };
+        Ok(names
+            .into_iter()
+            .map(|(name, key)| {
+                let head = self.store.head(&key);
+                let result = head.as_ref().map_err(|e| e.to_string()).and_then(|h| match h {
+                    Some(h) => self.store.verify(&key, h.turn).map(|r| (Some(h.turn), r)).map_err(|e| e.to_string()),
+                    None => Err(format!("container {name:?} has no checkpoints")),
+                });
+                match result {
+                    Ok((head_turn, r)) => VerifyRow {
+                        container: name,
+                        head_turn,
+                        ok: true,
+                        manifests: r.manifests,
+                        blobs: r.blobs,
+                        bytes: r.bytes,
+                        error: None,
+                    },
+                    Err(e) => VerifyRow {
+                        container: name,
+                        head_turn: None,
+                        ok: false,
+                        manifests: 0,
+                        blobs: 0,
+                        bytes: 0,
+                        error: Some(e),
+                    },
+                }
+            })
+            .collect())
+    }
+
+    /// The newest checkpoint at or before `turn` (clean turns have none of their own).
+    fn checkpoint_at_or_before(&self, container: &str, turn: u64) -> Result<Option<u64>> {
+        if turn == 0 {
+            return Ok(None);
+        }
+        let history = self.store.history(&self.key(container)?)?;
+        let newest = history.iter().map(|c| c.turn).filter(|t| *t <= turn).max();
+        let turns = self.turns(container)?;
+        if let Some(by) = turns.iter().find(|r| r.turn == turn).and_then(|r| r.superseded_by) {
+            let before = newest.map_or("0 (the image)".to_string(), |t| t.to_string());
+            return Err(CtlError::Invalid(format!(
+                "turn {turn} of {container:?} cannot be restored: its checkpoint was superseded by turn {by}'s \
+                 while it waited for write bandwidth, so no checkpoint holds turn {turn} itself; \
+                 use turn {by} or turn {before} or earlier"
+            )));
+        }
+        if !turns.is_empty() && !turns.iter().any(|r| r.turn == turn) && newest != Some(turn) {
+            return Err(CtlError::Invalid(format!("container {container:?} has no turn {turn}")));
+        }
+        Ok(newest)
+    }
+
+    async fn sandbox_info(&self, container: &str, image_override: Option<&str>) -> Result<SandboxInfo> {
+        #[derive(serde::Deserialize)]
+        struct Process {
+            #[serde(default)]
+            args: Vec<String>,
+            cwd: Option<String>,
+            #[serde(default)]
+            env: Vec<String>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Spec {
+            process: Option<Process>,
+            #[serde(default)]
+            annotations: std::collections::HashMap<String, String>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Info {
+            #[serde(rename = "Image")]
+            image: String,
+            #[serde(rename = "Spec")]
+            spec: Option<Spec>,
+            #[serde(rename = "Runtime")]
+            runtime: Option<RuntimeInfo>,
+        }
+        let from_containerd = self.ctr.run(&["containers", "info", container]).await;
+        let (image, spec, config_path) = match from_containerd {
+            Ok(out) => {
+                let info: Info = serde_json::from_str(&out.stdout_text())
+                    .map_err(|e| CtlError::Containerd(format!("container info of {container}: {e}")))?;
+                let config_path = match info.runtime.and_then(|r| r.options) {
+                    Some(options) => options
+                        .config_path()
+                        .map_err(|e| CtlError::Containerd(format!("runtime options of {container}: {e}")))?,
+                    None => None,
+                };
+                (image_override.map(str::to_string).unwrap_or(info.image), info.spec, config_path)
+            }
+            Err(_) => {
+                // Node loss: containerd forgot the sandbox. The shim kept its spec.
+                let image = image_override.ok_or_else(|| {
+                    CtlError::Invalid(format!("containerd does not know {container:?}: name its image with --image"))
+                })?;
+                let path = crab_store::saved_spec_path_of(&self.state_dir, &self.key(container)?)?;
+                let bytes = std::fs::read(&path).map_err(|e| {
+                    CtlError::Invalid(format!("no saved spec for {container:?} at {}: {e}", path.display()))
+                })?;
+                let spec: Spec = serde_json::from_slice(&bytes)
+                    .map_err(|e| CtlError::Invalid(format!("saved spec {}: {e}", path.display())))?;
+                // containerd's record of the runtime options is gone with it; the config
+                // crabctl itself was pointed at is the best guess.
+                let config_path = std::env::var(crab_config::CONFIG_ENV).ok().filter(|p| !p.is_empty());
+                (image.to_string(), Some(spec), config_path)
+            }
+        };
+        let annotations = spec
+            .as_ref()
+            .map(|s| {
+                let mut a: Vec<_> = s
+                    .annotations
+                    .iter()
+                    .filter(|(k, _)| k.starts_with("io.crab.") && k.as_str() != ANNOTATION_RESTORE_FROM)
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                a.sort();
+                a
+            })
+            .unwrap_or_default();
+        let process = spec.and_then(|s| s.process);
+        Ok(SandboxInfo {
+            annotations,
+            image,
+            args: process.as_ref().map(|p| p.args.clone()).unwrap_or_default(),
+            cwd: process.as_ref().and_then(|p| p.cwd.clone()),
+            env: process.map(|p| p.env).unwrap_or_default(),
+            config_path,
+        })
+    }
+
+    /// Removes the container from containerd, whatever state it is in.
+    async fn remove_from_containerd(&self, container: &str) {
+        let _ = self.ctr.run(&["tasks", "kill", "--signal", "SIGKILL", container]).await;
+        for _ in 0..50 {
+            if self.ctr.run(&["tasks", "delete", "--force", container]).await.is_ok() {
+                break;
+            }
+            match self.ctr.run(&["tasks", "ls", "-q"]).await {
+                Ok(out) if !out.stdout_text().lines().any(|l| l.trim() == container) => break,
+                _ => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+            }
+        }
+        let _ = self.ctr.run(&["containers", "delete", container]).await;
+    }
+
+    /// Creates `new` on the crab runtime from `source`'s state at `turn`.
+    async fn run_restored(&self, info: &SandboxInfo, source: &str, turn: u64, new: &str) -> Result<()> {
+        let mut args: Vec<String> = vec!["run".into(), "-d".into(), "--runtime".into(), CRAB_RUNTIME.into()];
+        if let Some(config) = &info.config_path {
+            args.push("--runtime-config-path".into());
+            args.push(config.clone());
+        }
+        if turn > 0 {
+            args.push("--annotation".into());
+            args.push(format!("{ANNOTATION_RESTORE_FROM}={source}:{turn}"));
+        }
+        for (k, v) in &info.annotations {
+            args.push("--annotation".into());
+            args.push(format!("{k}={v}"));
+        }
+        if let Some(cwd) = &info.cwd {
+            args.push("--cwd".into());
+            args.push(cwd.clone());
+        }
+        for e in &info.env {
+            args.push("--env".into());
+            args.push(e.clone());
+        }
+        args.push(info.image.clone());
+        args.push(new.into());
+        args.extend(info.args.iter().cloned());
+        self.ctr.run(&args).await.map_err(|e| CtlError::Containerd(e.to_string()))?;
+        Ok(())
+    }
+
+    /// Waits until no turn of `container` is in flight: its last checkpoint
+    /// is written, so the chain says everything the sandbox did.
+    async fn settle(&self, container: &str) -> Result<()> {
+        let log = TurnLog::open(&self.state_dir, &self.key(container)?)?;
+        let deadline = Instant::now() + SETTLE_TIMEOUT;
+        while log.is_busy() {
+            if Instant::now() > deadline {
+                return Err(CtlError::Invalid(format!(
+                    "container {container:?} still has a turn in flight after {SETTLE_TIMEOUT:?} (a command still running?)"
+                )));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        Ok(())
+    }
+
+    /// Starts `new` from `source` as it was at `turn`; `source` keeps running.
+    pub async fn fork(&self, source: &str, turn: u64, new: &str) -> Result<RestoreReport> {
+        let clock = Instant::now();
+        self.settle(source).await?;
+        let checkpoint = self.checkpoint_at_or_before(source, turn)?;
+        let info = self.sandbox_info(source, None).await?;
+        self.run_restored(&info, source, checkpoint.unwrap_or(0), new).await?;
+        Ok(RestoreReport {
+            container: new.into(),
+            from: source.into(),
+            turn,
+            checkpoint_turn: checkpoint,
+            mode: "restore".into(),
+            changed_paths: None,
+            elapsed_ms: clock.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    /// Brings a sandbox back from its latest checkpoint after a crash (its
+    /// processes, its shim, containerd, or the node's containerd state lost).
+    pub async fn recover(&self, container: &str, image: Option<&str>) -> Result<RestoreReport> {
+        let clock = Instant::now();
+        let head = self.store.head(&self.key(container)?)?;
+        let last_turn = self.turns(container)?.last().map(|r| r.turn).max(head.map(|h| h.turn)).unwrap_or(0);
+        let info = self.sandbox_info(container, image).await?;
+        self.remove_from_containerd(container).await;
+        self.run_restored(&info, container, head.map(|h| h.turn).unwrap_or(0), container).await?;
+        Ok(RestoreReport {
+            container: container.into(),
+            from: container.into(),
+            turn: last_turn,
+            checkpoint_turn: head.map(|h| h.turn),
+            mode: "restore".into(),
+            changed_paths: None,
+            elapsed_ms: clock.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    /// Puts `container` back to `turn`. When every later turn changed only
+    /// files, exactly those paths are put back in the running container;
+    /// otherwise the container is recreated from the checkpoint.
+    pub async fn rollback(&self, container: &str, turn: u64) -> Result<RestoreReport> {
+        let clock = Instant::now();
+        self.settle(container).await?;
+        let turns = self.turns(container)?;
+        let checkpoint = self.checkpoint_at_or_before(container, turn)?;
+        let later_proc = turns.iter().any(|r| r.turn > turn && r.class == RecordedClass::Proc);
+        if !later_proc && let Some(pid) = self.task_pid(container).await? {
+            let root = PathBuf::from(format!("/proc/{pid}/root"));
+            let base = overlay_lowerdir(pid);
+            let to_turn = checkpoint.unwrap_or(0);
+            // The sandbox's tmpfs mounts started empty, whatever the image holds below them.
+            let spec = crab_store::saved_spec_path_of(&self.state_dir, &self.key(container)?)?;
+            let tmpfs = match crab_store::SandboxMounts::from_spec_file(&spec) {
+                Ok(mounts) => mounts.tmpfs(),
+                Err(e) => {
+                    tracing::warn!(container, error = %e, "the sandbox's mounts are unknown: paths on its tmpfs mounts are put back from the image's");
+                    Vec::new()
+                }
+            };
+            let store = self.store.clone();
+            let c = self.key(container)?;
+            // The store blocks on file I/O: off the runtime's worker, which other tasks may need.
+            let report = tokio::task::block_in_place(move || {
+                store.rollback_in_place_with(
+                    &RollbackRequest { container: &c, to_turn, root: &root, base: base.as_deref(), uncommitted: &[] },
+                    &tmpfs,
+                )
+            })?;
+            return Ok(RestoreReport {
+                container: container.into(),
+                from: container.into(),
+                turn,
+                checkpoint_turn: checkpoint,
+                mode: "in-place".into(),
+                changed_paths: Some(report.changed_paths),
+                elapsed_ms: clock.elapsed().as_secs_f64() * 1e3,
+            });
+        }
+        let info = self.sandbox_info(container, None).await?;
+        if let Some(t) = checkpoint {
+            self.store.rewind(&self.key(container)?, t)?;
+        }
+        self.remove_from_containerd(container).await;
+        self.run_restored(&info, container, checkpoint.unwrap_or(0), container).await?;
+        Ok(RestoreReport {
+            container: container.into(),
+            from: container.into(),
+            turn,
+            checkpoint_turn: checkpoint,
+            mode: "restore".into(),
+            changed_paths: None,
+            elapsed_ms: clock.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    async fn task_pid(&self, container: &str) -> Result<Option<u32>> {
+        let out = self.ctr.run(&["tasks", "ls"]).await.map_err(|e| CtlError::Containerd(e.to_string()))?;
+        Ok(out.stdout_text().lines().skip(1).find_map(|l| {
+            let mut cols = l.split_whitespace();
+            (cols.next()? == container).then(|| cols.next()?.parse().ok()).flatten()
+        }))
+    }
+}
+
+/// A container's runtime options as `ctr containers info` prints them: a protobuf `Any`
+/// with its bytes in base64.
+#[derive(serde::Deserialize)]
+struct RuntimeInfo {
+    #[serde(rename = "Options")]
+    options: Option<RuntimeOptionsJson>,
+}
+
+#[derive(serde::Deserialize)]
+struct RuntimeOptionsJson {
+    type_url: String,
+    #[serde(default)]
+    value: String,
+}
+
+impl RuntimeOptionsJson {
+    /// The `ConfigPath` in these options, decoded as the shim decodes them.
+    fn config_path(&self) -> std::result::Result<Option<String>, String> {
+        use containerd_shim_protos::protobuf::well_known_types::any::Any;
+        let mut any = Any::new();
+        any.type_url = self.type_url.clone();
+        any.value = decode_base64(&self.value)?;
+        let options = crab_config::runtime_options::CreateOptions::decode(Some(&any)).map_err(|e| e.to_string())?;
+        Ok(options.config_path.map(|p| p.to_string_lossy().into_owned()))
+    }
+}
+
+/// Standard base64 with optional padding (how Go's JSON encodes `[]byte`).
+fn decode_base64(text: &str) -> std::result::Result<Vec<u8>, String> {
+    let value = |c: u8| -> std::result::Result<u32, String> {
+        Ok(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return Err(format!("{:?} is not a base64 character", c as char)),
+        } as u32)
+    };
+    let digits = text.trim_end_matches('=').as_bytes();
+    if digits.len() % 4 == 1 {
+        return Err(format!("base64 of {} characters is truncated", text.len()));
+    }
+    let mut out = Vec::with_capacity(digits.len() * 3 / 4);
+    for group in digits.chunks(4) {
+        let mut bits = 0u32;
+        for (i, &c) in group.iter().enumerate() {
+            bits |= value(c)? << (18 - 6 * i);
+        }
+        out.extend_from_slice(&bits.to_be_bytes()[1..group.len()]);
+    }
+    Ok(out)
+}
+
+/// The image layer a container's overlay root starts from: the base of an
+/// in-place rollback for paths no checkpoint recorded. Only a single lower
+/// layer can serve as a plain directory.
+fn overlay_lowerdir(pid: u32) -> Option<PathBuf> {
+    let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).ok()?;
+    let root = mountinfo.lines().find(|l| l.split_whitespace().nth(4) == Some("/"))?;
+    let opts = root.rsplit(" - ").next()?;
+    let lower = opts.split(',').find_map(|o| o.strip_prefix("lowerdir="))?;
+    (!lower.contains(':')).then(|| PathBuf::from(lower))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_decodes_what_go_encodes() {
+        assert_eq!(decode_base64("").unwrap(), b"");
+        assert_eq!(decode_base64("Zg==").unwrap(), b"f");
+        assert_eq!(decode_base64("Zm8=").unwrap(), b"fo");
+        assert_eq!(decode_base64("Zm9v").unwrap(), b"foo");
+        assert_eq!(decode_base64("Zm9vYmFy").unwrap(), b"foobar");
+        assert!(decode_base64("Zm9v!A").unwrap_err().contains("'!'"));
+        assert!(decode_base64("Z").is_err());
+    }
+
+    #[test]
+    fn config_path_comes_from_runtimeoptions_as_ctr_prints_them() {
+        // What `ctr containers info` printed for `--runtime-config-path /tmp/store/cfgtest.toml`.
+        let options = RuntimeOptionsJson {
+            type_url: "runtimeoptions.v1.Options".into(),
+            value: "EhcvdG1wL3N0b3JlL2NmZ3Rlc3QudG9tbA==".into(),
+        };
+        assert_eq!(options.config_path().unwrap().as_deref(), Some("/tmp/store/cfgtest.toml"));
+        let none = RuntimeOptionsJson { type_url: "runtimeoptions.v1.Options".into(), value: String::new() };
+        assert_eq!(none.config_path().unwrap(), None);
+        let bad = RuntimeOptionsJson { type_url: "example.Unknown".into(), value: String::new() };
+        assert!(bad.config_path().unwrap_err().contains("example.Unknown"));
+    }
+}

@@ -1,0 +1,96 @@
+//! `crabctl` finds the store the shims of its host write to: `[checkpoint] state_dir` of the
+//! crab config they read ($CRAB_CONFIG), unless `--state-dir` or $CRAB_STATE_DIR names one;
+//! a bad config file is named. No containerd needed: `turns` only reads the store.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use crab_store::turns::{Policy, RecordedClass, TurnLog, TurnRecord, TurnSource};
+
+fn record(turn: u64) -> TurnRecord {
+    TurnRecord {
+        turn,
+        exec_id: Some(format!("e{turn}")),
+        source: TurnSource::Exec,
+        started_unix_ms: 1,
+        ended_unix_ms: 2,
+        class: RecordedClass::Fs,
+        external: false,
+        escalated: false,
+        reasons: vec!["open /app/x".into()],
+        checkpoint_turn: Some(turn),
+        superseded_by: None,
+        bytes_written: 10,
+        capture_ms: 0.1,
+        checkpoint_ms: 0.2,
+        policy: Policy::Crab,
+        dump_failures: Vec::new(),
+    }
+}
+
+fn turns(config: Option<&Path>, state_env: Option<&Path>) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_crabctl"));
+    cmd.args(["turns", "sb", "--json"]).env_remove("CRAB_STATE_DIR").env_remove("CRAB_CONFIG").env_remove("CRAB_NS");
+    if let Some(config) = config {
+        cmd.env("CRAB_CONFIG", config);
+    }
+    if let Some(state) = state_env {
+        cmd.env("CRAB_STATE_DIR", state);
+    }
+    cmd.output().expect("running crabctl")
+}
+
+fn turn_numbers(output: &Output) -> Vec<u64> {
+    assert!(output.status.success(), "crabctl failed: {}", String::from_utf8_lossy(&output.stderr));
+    let rows: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    rows.as_array().expect("an array").iter().filter_map(|r| r["turn"].as_u64()).collect()
+}
+
+#[test]
+fn crabctl_reads_the_store_named_by_the_shims_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    TurnLog::open(&state, "sb").unwrap().append(&record(1)).unwrap();
+    TurnLog::open(&state, "sb").unwrap().append(&record(2)).unwrap();
+    let config = dir.path().join("crab.toml");
+    std::fs::write(&config, format!("[checkpoint]\nstate_dir = \"{}\"\n", state.display())).unwrap();
+
+    assert_eq!(turn_numbers(&turns(Some(&config), None)), vec![1, 2], "the config's store");
+    let other = dir.path().join("other");
+    assert_eq!(turn_numbers(&turns(Some(&config), Some(&other))), Vec::<u64>::new(), "CRAB_STATE_DIR wins");
+
+    std::fs::write(&config, "[checkpoint]\nstat_dir = \"/x\"\n").unwrap();
+    let bad = turns(Some(&config), None);
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success(), "a bad config must fail");
+    assert!(stderr.contains(&config.display().to_string()) && stderr.contains("stat_dir"), "{stderr}");
+}
+
+/// Turn logs are kept per containerd namespace: crabctl reads the one of `--namespace`, else
+/// `CRAB_NS`, else the default namespace, and never another namespace's log of the same id.
+#[test]
+fn crabctl_reads_the_turn_log_of_its_namespace() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    TurnLog::open(&state, "sb").unwrap().append(&record(1)).unwrap();
+    TurnLog::open(&state, "tenant-b/sb").unwrap().append(&record(7)).unwrap();
+    let run = |args: &[&str], ns_env: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_crabctl"));
+        cmd.args(["turns", "sb", "--json"]).args(args).env("CRAB_STATE_DIR", &state).env_remove("CRAB_NS");
+        if let Some(ns) = ns_env {
+            cmd.env("CRAB_NS", ns);
+        }
+        cmd.output().expect("running crabctl")
+    };
+    assert_eq!(turn_numbers(&run(&[], None)), vec![1], "the default namespace's log");
+    assert_eq!(turn_numbers(&run(&["--namespace", "tenant-b"], None)), vec![7]);
+    assert_eq!(turn_numbers(&run(&[], Some("tenant-b"))), vec![7], "CRAB_NS");
+    assert_eq!(turn_numbers(&run(&["-n", "tenant-c"], None)), Vec::<u64>::new(), "no log in tenant-c");
+    let bad = run(&["--namespace", "../tenant-b"], None);
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && stderr.contains("namespace") && stderr.contains("../tenant-b"), "{stderr}");
+    assert!(
+        std::fs::read_dir(state.join("turns")).unwrap().all(|e| e.unwrap().path().is_dir()),
+        "namespaces are directories"
+    );
+}
