@@ -137,6 +137,22 @@ impl TestEnv {
     }
 }
 
+/// A binary of crab's (`crabctl`, `crabd`, ...) as the tests' containerd runs it: from
+/// `$CRAB_SHIM_DIR` (where `scripts/test` stages them), else the target directory's
+/// `crab-bin/` or `release/`. Panics naming where it looked: the tests cannot run without it.
+pub fn crab_binary(name: &str) -> PathBuf {
+    let repo_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root.join("target"));
+    let candidates: Vec<PathBuf> = std::env::var_os("CRAB_SHIM_DIR")
+        .map(|dir| PathBuf::from(dir).join(name))
+        .into_iter()
+        .chain([target.join("crab-bin").join(name), target.join("release").join(name)])
+        .collect();
+    candidates.iter().find(|p| p.is_file()).cloned().unwrap_or_else(|| {
+        panic!("{name} not found (looked at {candidates:?}): build it (cargo build --release --workspace)")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -154,20 +170,4 @@ mod tests {
         let error = Runtime::parse("kata").unwrap_err();
         assert!(error.contains("\"kata\""), "{error}");
     }
-}
-
-/// A binary of crab's (`crabctl`, `crabd`, ...) as the tests' containerd runs it: from
-/// `$CRAB_SHIM_DIR` (where `scripts/test` stages them), else the target directory's
-/// `crab-bin/` or `release/`. Panics naming where it looked: the tests cannot run without it.
-pub fn crab_binary(name: &str) -> PathBuf {
-    let repo_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root.join("target"));
-    let candidates: Vec<PathBuf> = std::env::var_os("CRAB_SHIM_DIR")
-        .map(|dir| PathBuf::from(dir).join(name))
-        .into_iter()
-        .chain([target.join("crab-bin").join(name), target.join("release").join(name)])
-        .collect();
-    candidates.iter().find(|p| p.is_file()).cloned().unwrap_or_else(|| {
-        panic!("{name} not found (looked at {candidates:?}): build it (cargo build --release --workspace)")
-    })
 }

@@ -1173,7 +1173,7 @@ mod tests {
     /// calls): what is left is the turn bookkeeping of each mode.
     async fn engine(dir: &Path, turns: TurnsMode) -> Arc<SandboxEngine> {
         let ctx = Arc::new(EngineContext {
-            store: Arc::new(CheckpointStore::open(&dir.join("state")).unwrap()),
+            store: Arc::new(CheckpointStore::open(dir.join("state")).unwrap()),
             inspector: None,
             commit_gate: None,
             state_dir: dir.join("state"),

@@ -193,7 +193,7 @@ impl TurnSlot {
         let with_processes = staged.class() == TurnClass::Proc;
         let mut ungated = None;
         let report = match gate {
-            None => crate::blocking::on_store(&store, move |store| store.publish(staged)).await?,
+            None => crate::blocking::on_store(store, move |store| store.publish(staged)).await?,
             Some(gate) => {
                 let superseded = Arc::new(OnceLock::new());
                 let ungated_because = Arc::new(OnceLock::new());
@@ -208,7 +208,7 @@ impl TurnSlot {
                     ungated: Arc::clone(&ungated_because),
                 };
                 let paced =
-                    crate::blocking::on_store(&store, move |store| store.publish_paced(staged, &mut tokens)).await;
+                    crate::blocking::on_store(store, move |store| store.publish_paced(staged, &mut tokens)).await;
                 ungated = ungated_because.get().cloned();
                 match paced {
                     Ok(report) => report,

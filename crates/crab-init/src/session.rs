@@ -67,6 +67,7 @@ fn cstring(s: &str, what: &str) -> Result<CString, String> {
 
 fn is_executable_file(path: &str) -> bool {
     let Ok(c) = CString::new(path) else { return false };
+    // SAFETY: all-zero bytes are a valid `stat` (plain integers).
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: valid path and out-pointer.
     unsafe {
@@ -379,8 +380,8 @@ mod tests {
             args: vec!["sh".into(), "-c".into(), "echo out; echo err >&2".into()],
             env: vec!["PATH=/bin:/usr/bin".into()],
             cwd: "/".into(),
-            uid: unsafe { libc::getuid() },
-            gid: unsafe { libc::getgid() },
+            uid: nix::unistd::getuid().as_raw(),
+            gid: nix::unistd::getgid().as_raw(),
             additional_gids: vec![],
             umask: None,
             terminal: false,
@@ -395,6 +396,7 @@ mod tests {
         std::io::Read::read_to_string(&mut std::fs::File::from(stdout), &mut out).unwrap();
         assert_eq!(out, "out\n");
         let mut status = 0;
+        // SAFETY: waitpid writes one int, `status`, for the call's duration.
         unsafe { libc::waitpid(session.info.pid, &mut status, 0) };
         assert_eq!(crab_init::exit_status(status), 0);
 

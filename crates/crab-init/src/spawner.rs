@@ -144,8 +144,10 @@ impl Spawner {
         if fd < 0 {
             return false;
         }
+        // SAFETY: `fd` was just returned by accept4 and is owned by nobody else.
         let socket = unsafe { OwnedFd::from_raw_fd(fd) };
         set_send_timeout(&socket);
+        // SAFETY: all-zero bytes are a valid `ucred` (plain integers).
         let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
         let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
         // SAFETY: SO_PEERCRED fills a ucred.
@@ -167,12 +169,12 @@ impl Spawner {
             let _ = send(&socket, &Message::Error { message }, &[]);
             return true;
         }
-        let pidfd = pidfd_open(unsafe { libc::getpid() });
+        let pidfd = pidfd_open(std::process::id() as libc::pid_t);
         let (roles, fds): (Vec<FdRole>, Vec<BorrowedFd>) = match &pidfd {
             Some(fd) => (vec![FdRole::Pidfd], vec![fd.as_fd()]),
             None => (Vec::new(), Vec::new()),
         };
-        let hello = Message::Hello { pid: unsafe { libc::getpid() }, fds: roles };
+        let hello = Message::Hello { pid: std::process::id() as libc::pid_t, fds: roles };
         // A shim that gave up waiting (this spawner was frozen or slow) has
         // closed its end: such a connection must not replace a live one.
         if send(&socket, &hello, &fds).is_ok() {
@@ -351,6 +353,7 @@ impl Spawner {
 fn pidfd_open(pid: libc::pid_t) -> Option<OwnedFd> {
     // SAFETY: the syscall returns a new descriptor or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    // SAFETY: a non-negative result is a new descriptor owned by nobody else.
     (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 

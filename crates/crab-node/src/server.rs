@@ -151,6 +151,7 @@ fn bind_private(socket: &Path) -> Result<UnixListener, NodeError> {
     // SAFETY: umask only changes this process's file creation mask.
     let previous = unsafe { libc::umask(0o177) };
     let bound = UnixListener::bind(socket);
+    // SAFETY: as above; the mask is put back as it was.
     unsafe { libc::umask(previous) };
     let listener = bound.map_err(|e| io("binding", e))?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(|e| io("chmod 0600", e))?;

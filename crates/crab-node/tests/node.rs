@@ -236,11 +236,13 @@ fn connect_as_nobody(socket: &Path, how: Nobody) -> (i32, Vec<u8>) {
     // SAFETY: pipe writes two descriptors into the array.
     assert_eq!(unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
     // SAFETY: the child only makes raw system calls on data prepared before the fork, then _exits.
+    // SAFETY: the child only makes raw system calls and _exits (no allocation, no locks).
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0);
     if pid == 0 {
+        // SAFETY: raw system calls on plain values and a sockaddr on this stack: they change
+        // this (the only) thread, no library bookkeeping, then _exit.
         unsafe {
-            // Raw system calls: they change this (the only) thread, no library bookkeeping.
             let ok = match how {
                 Nobody::Fully => libc::syscall(libc::SYS_setresuid, NOBODY, NOBODY, NOBODY) == 0,
                 Nobody::EffectiveOnly => {
@@ -274,6 +276,7 @@ fn connect_as_nobody(socket: &Path, how: Nobody) -> (i32, Vec<u8>) {
             libc::_exit(0);
         }
     }
+    // SAFETY: the write end is ours and nothing else holds it.
     unsafe { libc::close(pipe[1]) };
     // SAFETY: the read end is ours alone.
     let mut reader = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(pipe[0]) };

@@ -45,9 +45,7 @@ static STAMPS: LazyLock<Vec<(Regex, &'static str)>> = LazyLock::new(|| {
         (format!(r"\b\d{{2}}/{MONTH}/\d{{4}}:{hms}(?: [+-]\d{{4}})?"), "<date>"),
         // ISO 8601 with a time, T or space separated, optional zone
         (
-            format!(
-                r"\b\d{{4}}-\d{{2}}-\d{{2}}[T ]\d{{2}}:\d{{2}}(?::\d{{2}}(?:[.,]\d+)?)?(?:Z|[+-]\d{{2}}:?\d{{2}}| [+-]\d{{4}})?"
-            ),
+            r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:Z|[+-]\d{2}:?\d{2}| [+-]\d{4})?".to_string(),
             "<datetime>",
         ),
         // ls -l: month, day, then HH:MM (this year) or a year (older files)

@@ -149,7 +149,7 @@ impl SpawnerClient {
         };
         match hello.message {
             Message::Hello { .. } => {
-                let pid = hello.fds.first().and_then(|fd| pidfd_pid(fd));
+                let pid = hello.fds.first().and_then(pidfd_pid);
                 *self.host_pid.lock().expect("spawner lock") = pid;
             }
             Message::Error { message } => return Err(SpawnerError::Refused(message)),

@@ -118,6 +118,7 @@ fn binary_name() -> String {
 }
 
 fn set_subreaper() -> Result<(), BootstrapError> {
+    // SAFETY: PR_SET_CHILD_SUBREAPER takes an integer and changes only this process's attributes.
     if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
         return Err(BootstrapError::Io {
             what: "PR_SET_CHILD_SUBREAPER".into(),
@@ -289,6 +290,8 @@ fn server_listener(path: &str) -> Result<std::os::unix::net::UnixListener, Boots
     if std::env::var(LISTENER_FD_ENV).ok().as_deref() == Some(&LISTENER_FD.to_string()) {
         // SAFETY: `start` placed a listening socket at this descriptor for us alone.
         let listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(LISTENER_FD) };
+        // SAFETY: the shim's server calls this before it starts any thread of its own, so no
+        // other thread reads the environment while it changes.
         unsafe { std::env::remove_var(LISTENER_FD_ENV) };
         // Inherited without close-on-exec: nothing this shim starts (runc, crabd, CRIU)
         // may keep the shim's socket open after the shim is gone.

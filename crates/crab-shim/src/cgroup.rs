@@ -233,10 +233,12 @@ pub struct OomState {
 
 fn register_v1_oom(dir: &Path) -> std::io::Result<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: eventfd takes two integers and returns a new descriptor or -1.
     let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
     if efd < 0 {
         return Err(std::io::Error::last_os_error());
     }
+    // SAFETY: `efd` was just returned by eventfd and is owned by nobody else.
     let efd = unsafe { OwnedFd::from_raw_fd(efd) };
     let control = std::fs::File::open(dir.join("memory.oom_control"))?;
     std::fs::write(dir.join("cgroup.event_control"), format!("{} {}", efd.as_raw_fd(), control.as_raw_fd()))?;

@@ -112,6 +112,7 @@ impl AsyncRaw {
         loop {
             let mut guard = self.0.readable().await?;
             match guard.try_io(|fd| {
+                // SAFETY: `buf` is valid for writes of `buf.len()` bytes for the call's duration.
                 let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
                 if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) }
             }) {
@@ -126,6 +127,7 @@ impl AsyncRaw {
         while !buf.is_empty() {
             let mut guard = self.0.writable().await?;
             match guard.try_io(|fd| {
+                // SAFETY: `buf` is valid for reads of `buf.len()` bytes for the call's duration.
                 let n = unsafe { libc::write(fd.as_raw_fd(), buf.as_ptr().cast(), buf.len()) };
                 if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) }
             }) {
@@ -139,7 +141,9 @@ impl AsyncRaw {
 }
 
 fn set_nonblocking(fd: RawFd) -> io::Result<()> {
+    // SAFETY: F_GETFL and F_SETFL take and return integers; `fd` is a descriptor the caller owns.
     let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
     if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -412,6 +416,7 @@ impl ConsoleSocket {
                 if let ControlMessageOwned::ScmRights(fds) = c
                     && let Some(&fd) = fds.first()
                 {
+                    // SAFETY: SCM_RIGHTS installed this descriptor in our table for us alone.
                     return Ok(unsafe { OwnedFd::from_raw_fd(fd) });
                 }
             }
@@ -665,6 +670,7 @@ impl ProcessIo {
             });
         };
         let ws = libc::winsize { ws_row: height as u16, ws_col: width as u16, ws_xpixel: 0, ws_ypixel: 0 };
+        // SAFETY: TIOCSWINSZ reads one winsize, which `ws` is, for the call's duration.
         if unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSWINSZ, &ws) } < 0 {
             return Err(IoError::Os { what: "TIOCSWINSZ".into(), source: io::Error::last_os_error() });
         }
@@ -738,6 +744,8 @@ async fn start_logger(
     cmd.env("CONTAINER_ID", owner.container_id).env("CONTAINER_NAMESPACE", owner.namespace);
     cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
     let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).chain([ready_w.as_raw_fd()]).collect();
+    // SAFETY: the closure runs in the forked child before exec and only calls dup2, fcntl and
+    // close, which are async-signal-safe, on descriptors copied in as integers.
     unsafe {
         cmd.pre_exec(move || {
             // Place the inherited descriptors at 3, 4, 5 without clobbering

@@ -39,6 +39,7 @@ fn report(label: &str, mut samples: Vec<Duration>) {
 /// User plus system CPU time of this process so far: on a shared machine a figure that other
 /// tenants' load does not inflate.
 fn cpu_time() -> Duration {
+    // SAFETY: all-zero bytes are a valid `rusage` (plain integers).
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: getrusage only writes the struct it is given.
     let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };

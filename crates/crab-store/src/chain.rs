@@ -168,6 +168,10 @@ pub(crate) struct Chain {
     pub(crate) snapshot: Option<Arc<Snapshot>>,
 }
 
+/// The process images a turn restores from: the turn that dumped them, the set, and the
+/// manifest holding it with its digest (None when the set comes from a snapshot).
+pub(crate) type ImagesSource<'a> = (u64, &'a ImageSet, Option<(&'a Digest, &'a Manifest)>);
+
 impl Chain {
     fn index_of(&self, container: &str, turn: u64) -> Result<usize> {
         self.links
@@ -197,7 +201,7 @@ impl Chain {
 
     /// [`images_at`](Self::images_at), with the manifest holding the set (None when the set
     /// comes from a snapshot).
-    pub(crate) fn images_source_at(&self, index: usize) -> Option<(u64, &ImageSet, Option<(&Digest, &Manifest)>)> {
+    pub(crate) fn images_source_at(&self, index: usize) -> Option<ImagesSource<'_>> {
         for (id, manifest) in &self.links[index..] {
             if let Some(set) = &manifest.images {
                 return Some((manifest.turn, set, Some((id, manifest.as_ref()))));
@@ -1035,7 +1039,7 @@ impl CheckpointStore {
         let past = chain.fold(target);
         // A mount point never recorded is the runtime's: nothing to put back, and it cannot
         // be removed or replaced while mounted.
-        changed.retain(|path, _| !(empty_base.contains(path) && !past.contains_key(path)));
+        changed.retain(|path, _| !empty_base.contains(path) || past.contains_key(path));
         let root = Root::open(req.root)?;
         let base = req.base.map(Root::open).transpose()?;
         let empty_based = |p: &RelPath| empty_base.iter().any(|d| d.is_ancestor_of(p));

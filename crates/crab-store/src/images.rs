@@ -553,7 +553,7 @@ fn run_jobs<J: Sync, S>(
         result
     };
     std::thread::scope(|scope| {
-        let handles: Vec<_> = (1..workers).map(|_| scope.spawn(&worker)).collect();
+        let handles: Vec<_> = (1..workers).map(|_| scope.spawn(worker)).collect();
         let mut results = vec![worker()];
         results.extend(handles.into_iter().map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))));
         results.into_iter().collect::<Result<Vec<()>>>()

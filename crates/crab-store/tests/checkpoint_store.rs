@@ -29,6 +29,7 @@ enum Node {
 fn xattrs(path: &Path) -> BTreeMap<String, Vec<u8>> {
     let c = CString::new(path.as_os_str().as_bytes()).unwrap();
     let mut names = vec![0u8; 4096];
+    // SAFETY: `c` is NUL-terminated and `names` is valid for its length.
     let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
     assert!(n >= 0, "llistxattr {}", path.display());
     names.truncate(n as usize);
@@ -36,6 +37,7 @@ fn xattrs(path: &Path) -> BTreeMap<String, Vec<u8>> {
     for name in names.split(|b| *b == 0).filter(|s| !s.is_empty()) {
         let cname = CString::new(name).unwrap();
         let mut value = vec![0u8; 4096];
+        // SAFETY: both names are NUL-terminated and `value` is valid for its length.
         let n = unsafe { libc::lgetxattr(c.as_ptr(), cname.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
         assert!(n >= 0);
         value.truncate(n as usize);
@@ -47,12 +49,14 @@ fn xattrs(path: &Path) -> BTreeMap<String, Vec<u8>> {
 fn set_xattr(path: &Path, name: &str, value: &[u8]) {
     let c = CString::new(path.as_os_str().as_bytes()).unwrap();
     let n = CString::new(name).unwrap();
+    // SAFETY: both names are NUL-terminated and `value` is valid for its length.
     let ret = unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
     assert_eq!(ret, 0, "setxattr {}: {}", path.display(), std::io::Error::last_os_error());
 }
 
 fn mkfifo(path: &Path) {
     let c = CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: `c` is NUL-terminated.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o640) }, 0);
 }
 

@@ -142,11 +142,8 @@ impl Ctl {
             .await
             .map_err(|e| CtlError::Containerd(e.to_string()))?;
         let elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
-        let ended = log
-            .read()?
-            .into_iter()
-            .filter(|r| r.turn > last_before && r.source == crab_store::turns::TurnSource::Mark)
-            .last();
+        let ended =
+            log.read()?.into_iter().rfind(|r| r.turn > last_before && r.source == crab_store::turns::TurnSource::Mark);
         Ok(MarkReport { container: container.into(), ended, elapsed_ms })
     }
 
@@ -177,7 +174,7 @@ impl Ctl {
                 has_images: false,
             })
         }));
-        rows.sort_by(|a, b| b.turn.cmp(&a.turn));
+        rows.sort_by_key(|row| std::cmp::Reverse(row.turn));
         Ok(rows)
     }
 
