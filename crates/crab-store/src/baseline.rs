@@ -8,6 +8,7 @@
 //! flushed, renamed into place; the previous turn's checkpoint is then removed (only the latest
 //! is ever restored, as with a checkpoint image that is replaced).
 
+use rustix::fs::OFlags;
 use std::ffi::OsStr;
 use std::fs::{self, File};
 use std::io::{Read, Write};
@@ -168,7 +169,7 @@ impl Copier {
         match sys::file_type(&st) {
             libc::S_IFDIR => {
                 entry.kind = "dir";
-                let dir = sys::reopen(handle.as_fd(), libc::O_RDONLY | libc::O_DIRECTORY).io_ctx("open", from)?;
+                let dir = sys::reopen(handle.as_fd(), OFlags::RDONLY | OFlags::DIRECTORY).io_ctx("open", from)?;
                 fs::create_dir(to).io_ctx("create", to)?;
                 self.index.push(entry);
                 for name in sys::read_dir_names(dir.as_fd()).io_ctx("read dir", from)? {
@@ -188,7 +189,7 @@ impl Copier {
             libc::S_IFREG => {
                 entry.kind = "file";
                 fail::fail_point!("baseline-copy-read");
-                let src = File::from(sys::reopen(handle.as_fd(), libc::O_RDONLY).io_ctx("open", from)?);
+                let src = File::from(sys::reopen(handle.as_fd(), OFlags::RDONLY).io_ctx("open", from)?);
                 let mut dst = File::create(to).io_ctx("create", to)?;
                 // Never past the size seen at open: a file still growing cannot keep us copying.
                 entry.size = std::io::copy(&mut (&src).take(st.st_size.max(0) as u64), &mut dst).io_ctx("copy", to)?;

@@ -5,6 +5,7 @@
 //! and `O_NOFOLLOW`/`AT_SYMLINK_NOFOLLOW` for its last component: a symlink anywhere in a parent
 //! component is refused, and the last component is recorded or replaced as itself.
 
+use rustix::fs::OFlags;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::{CStr, CString};
 use std::fs::File;
@@ -85,7 +86,7 @@ impl Root {
             None => (&[][..], &b"."[..]),
         };
         let parent_c = cstr(if parent.is_empty() { b"." } else { parent }).io_ctx("resolve", self.host_path(rel))?;
-        match sys::openat_beneath(self.fd.as_fd(), &parent_c, libc::O_PATH | libc::O_DIRECTORY) {
+        match sys::openat_beneath(self.fd.as_fd(), &parent_c, OFlags::PATH | OFlags::DIRECTORY) {
             Ok(parent) => Ok(Some(Slot { parent, name: cstr(name).io_ctx("resolve", self.host_path(rel))? })),
             Err(e) => match e.raw_os_error() {
                 Some(libc::ENOENT) | Some(libc::ENOTDIR) => Ok(None),
@@ -119,7 +120,7 @@ impl Root {
     }
 }
 
-fn meta_of(st: &libc::stat, xattrs: BTreeMap<String, Bytes>) -> Meta {
+fn meta_of(st: &sys::Stat, xattrs: BTreeMap<String, Bytes>) -> Meta {
     Meta {
         mode: st.st_mode & 0o7777,
         uid: st.st_uid,
@@ -200,7 +201,7 @@ impl Capturer<'_, '_, '_> {
         fail::fail_point!("fsdelta-capture-read");
         let node = match file_type(&st) {
             libc::S_IFREG => {
-                let file = File::from(sys::reopen(entry.as_fd(), libc::O_RDONLY).io_ctx("open", &host)?);
+                let file = File::from(sys::reopen(entry.as_fd(), OFlags::RDONLY).io_ctx("open", &host)?);
                 let meta = meta_of(&st, read_xattrs(file.as_fd(), &host)?);
                 let key = (st.st_dev, st.st_ino);
                 if st.st_nlink > 1
@@ -224,7 +225,7 @@ impl Capturer<'_, '_, '_> {
                 FsNode::File { meta, blob, size, extents }
             }
             libc::S_IFDIR => {
-                let fd = sys::reopen(entry.as_fd(), libc::O_RDONLY | libc::O_DIRECTORY).io_ctx("open", &host)?;
+                let fd = sys::reopen(entry.as_fd(), OFlags::RDONLY | OFlags::DIRECTORY).io_ctx("open", &host)?;
                 let meta = meta_of(&st, read_xattrs(fd.as_fd(), &host)?);
                 self.out.push(FsEntry { path: rel.clone(), node: FsNode::Dir { meta, complete: recursive } });
                 if recursive {
@@ -269,7 +270,7 @@ const MAX_EXTENTS: usize = 4096;
 fn read_content(
     batch: &mut WriteBatch<'_>,
     file: &File,
-    st: &libc::stat,
+    st: &sys::Stat,
     host: &Path,
 ) -> Result<(Digest, u64, Option<Vec<Extent>>)> {
     let size = st.st_size.max(0) as u64;
@@ -482,13 +483,13 @@ impl<'a> Applier<'a> {
         let existing = self.stat(&slot, rel)?;
         match file_type(&bst) {
             libc::S_IFREG => {
-                let fd = sys::openat(bslot.parent.as_fd(), &bslot.name, libc::O_RDONLY, 0).io_ctx("open", &host)?;
+                let fd = sys::openat(bslot.parent.as_fd(), &bslot.name, OFlags::RDONLY, 0).io_ctx("open", &host)?;
                 let meta = meta_of(&bst, read_xattrs(fd.as_fd(), &host)?);
                 let size = bst.st_size as u64;
                 self.write_file(&slot, rel, existing, Content::Host(File::from(fd), size), &meta)?;
             }
             libc::S_IFDIR => {
-                let fd = sys::openat(bslot.parent.as_fd(), &bslot.name, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+                let fd = sys::openat(bslot.parent.as_fd(), &bslot.name, OFlags::RDONLY | OFlags::DIRECTORY, 0)
                     .io_ctx("open", &host)?;
                 let meta = meta_of(&bst, read_xattrs(fd.as_fd(), &host)?);
                 let is_dir = existing.as_ref().is_some_and(|st| file_type(st) == libc::S_IFDIR);
@@ -527,11 +528,11 @@ impl<'a> Applier<'a> {
         Ok(self.stats)
     }
 
-    fn stat(&self, slot: &Slot, rel: &RelPath) -> Result<Option<libc::stat>> {
+    fn stat(&self, slot: &Slot, rel: &RelPath) -> Result<Option<sys::Stat>> {
         sys::fstatat_opt(slot.parent.as_fd(), &slot.name).io_ctx("stat", self.root.host_path(rel))
     }
 
-    fn remove(&mut self, slot: &Slot, rel: &RelPath, st: &libc::stat) -> Result<()> {
+    fn remove(&mut self, slot: &Slot, rel: &RelPath, st: &sys::Stat) -> Result<()> {
         let host = self.root.host_path(rel);
         if file_type(st) == libc::S_IFDIR {
             remove_tree(slot.parent.as_fd(), &slot.name, &host)?;
@@ -544,7 +545,7 @@ impl<'a> Applier<'a> {
     }
 
     /// Opens what is at the slot now as an `O_PATH` handle and its stat; `None` when nothing is.
-    fn open_current(&self, slot: &Slot, host: &Path) -> Result<Option<(OwnedFd, libc::stat)>> {
+    fn open_current(&self, slot: &Slot, host: &Path) -> Result<Option<(OwnedFd, sys::Stat)>> {
         let Some(fd) = sys::open_entry_opt(slot.parent.as_fd(), &slot.name).io_ctx("open", host)? else {
             return Ok(None);
         };
@@ -564,7 +565,7 @@ impl<'a> Applier<'a> {
         &mut self,
         slot: &Slot,
         rel: &RelPath,
-        existing: Option<libc::stat>,
+        existing: Option<sys::Stat>,
         content: Content<'_>,
         meta: &Meta,
     ) -> Result<()> {
@@ -580,7 +581,7 @@ impl<'a> Applier<'a> {
         {
             let decided = existing.as_ref().is_some_and(|e| same_inode(e, &st));
             if decided && file_type(&st) == libc::S_IFREG && st.st_nlink == 1 {
-                file = Some(File::from(sys::reopen(fd.as_fd(), libc::O_WRONLY).io_ctx("open", &host)?));
+                file = Some(File::from(sys::reopen(fd.as_fd(), OFlags::WRONLY).io_ctx("open", &host)?));
             }
             current = Some(st);
         }
@@ -634,7 +635,7 @@ impl<'a> Applier<'a> {
     fn create_file(&mut self, slot: &Slot, rel: &RelPath, host: &Path) -> Result<File> {
         for _ in 0..RACE_ATTEMPTS {
             self.remove_current(slot, rel)?;
-            let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL;
+            let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL;
             match sys::openat(slot.parent.as_fd(), &slot.name, flags, 0o600) {
                 Ok(fd) => return Ok(File::from(fd)),
                 // Something was put there again since the removal.
@@ -683,7 +684,7 @@ impl<'a> Applier<'a> {
         &mut self,
         slot: &Slot,
         rel: &RelPath,
-        existing: Option<&libc::stat>,
+        existing: Option<&sys::Stat>,
         link_to: &RelPath,
         blob: &Digest,
     ) -> Result<bool> {
@@ -706,7 +707,7 @@ impl<'a> Applier<'a> {
 
     /// Creates the directory unless `replace` is `None` and one is there; `replace` holds the
     /// non-directory (or wiped directory) that must go first.
-    fn make_dir(&mut self, slot: &Slot, rel: &RelPath, replace: Option<libc::stat>, meta: &Meta) -> Result<()> {
+    fn make_dir(&mut self, slot: &Slot, rel: &RelPath, replace: Option<sys::Stat>, meta: &Meta) -> Result<()> {
         let host = self.root.host_path(rel);
         if let Some(st) = replace {
             self.remove(slot, rel, &st)?;
@@ -729,7 +730,7 @@ impl<'a> Applier<'a> {
                 self.remove(slot, rel, &st)?;
                 continue;
             }
-            let dir = sys::reopen(fd.as_fd(), libc::O_RDONLY | libc::O_DIRECTORY).io_ctx("open", &host)?;
+            let dir = sys::reopen(fd.as_fd(), OFlags::RDONLY | OFlags::DIRECTORY).io_ctx("open", &host)?;
             set_meta(dir.as_fd(), meta, &host, Some(&st))?;
             self.dir_times.push((rel.clone(), meta.mtime()));
             self.stats.dirs_set += 1;
@@ -742,7 +743,7 @@ impl<'a> Applier<'a> {
         &mut self,
         slot: &Slot,
         rel: &RelPath,
-        existing: Option<libc::stat>,
+        existing: Option<sys::Stat>,
         target: &[u8],
         meta: &Meta,
     ) -> Result<()> {
@@ -791,7 +792,7 @@ impl<'a> Applier<'a> {
         &mut self,
         slot: &Slot,
         rel: &RelPath,
-        existing: Option<libc::stat>,
+        existing: Option<sys::Stat>,
         kind: u32,
         rdev: u64,
         meta: &Meta,
@@ -839,14 +840,14 @@ fn kept_changing(host: &Path, op: &'static str) -> CheckpointError {
     CheckpointError::KeptChanging { path: host.to_owned(), op, attempts: RACE_ATTEMPTS }
 }
 
-fn same_inode(a: &libc::stat, b: &libc::stat) -> bool {
+fn same_inode(a: &sys::Stat, b: &sys::Stat) -> bool {
     (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 }
 
 /// Owner, mode and xattrs of an open file or directory (mtime is the caller's, set last).
 /// `current` is the node's stat when it existed before: every inode update waits for the
 /// journal on a busy ext4, so what already matches is left alone.
-fn set_meta(fd: BorrowedFd<'_>, meta: &Meta, host: &Path, current: Option<&libc::stat>) -> Result<()> {
+fn set_meta(fd: BorrowedFd<'_>, meta: &Meta, host: &Path, current: Option<&sys::Stat>) -> Result<()> {
     let owner_ok = current.is_some_and(|st| st.st_uid == meta.uid && st.st_gid == meta.gid);
     if !owner_ok {
         sys::fchown(fd, meta.uid, meta.gid).io_ctx("chown", host)?;
@@ -877,7 +878,7 @@ fn set_meta(fd: BorrowedFd<'_>, meta: &Meta, host: &Path, current: Option<&libc:
 }
 
 fn remove_tree(parent: BorrowedFd<'_>, name: &CStr, host: &Path) -> Result<()> {
-    let dir = sys::openat(parent, name, libc::O_RDONLY | libc::O_DIRECTORY, 0).io_ctx("open", host)?;
+    let dir = sys::openat(parent, name, OFlags::RDONLY | OFlags::DIRECTORY, 0).io_ctx("open", host)?;
     for child in sys::read_dir_names(dir.as_fd()).io_ctx("readdir", host)? {
         let child_c = cstr(&child).io_ctx("readdir", host)?;
         let child_host = host.join(String::from_utf8_lossy(&child).as_ref());

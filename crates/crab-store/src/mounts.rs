@@ -13,6 +13,7 @@
 //! - every other mount (a bind mount, mqueue, an overlay crab did not set up) is external:
 //!   a change there is reported in the turn record, not checkpointed, and never restored.
 
+use rustix::fs::OFlags;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
@@ -220,7 +221,7 @@ impl ContainerRoot {
             root
         } else {
             let rel = sys::cstr(destination.as_bytes()).io_ctx("open mount", &shown)?;
-            match sys::openat_beneath(root.as_fd(), &rel, libc::O_PATH | libc::O_DIRECTORY) {
+            match sys::openat_beneath(root.as_fd(), &rel, OFlags::PATH | OFlags::DIRECTORY) {
                 Ok(fd) => fd,
                 Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::EXDEV)) => {
                     return Err(CheckpointError::OutsideRoot {
@@ -253,7 +254,7 @@ impl ContainerMount {
     /// escalated turn captures when the inspector could not name the changes.
     pub fn all_paths(&self, limit: usize) -> Result<Vec<Vec<u8>>> {
         let mut out = Vec::new();
-        let start = sys::openat_beneath(self.root.fd(), c".", libc::O_RDONLY | libc::O_DIRECTORY)
+        let start = sys::openat_beneath(self.root.fd(), c".", OFlags::RDONLY | OFlags::DIRECTORY)
             .io_ctx("open", self.root.path())?;
         let mut dirs = vec![(start, self.destination.clone())];
         while let Some((dir, rel)) = dirs.pop() {
@@ -271,7 +272,7 @@ impl ContainerMount {
                 let name_c = sys::cstr(&name).io_ctx("readdir", self.root.path())?;
                 if let Ok(st) = sys::fstatat(dir.as_fd(), &name_c)
                     && sys::file_type(&st) == libc::S_IFDIR
-                    && let Ok(sub) = sys::openat(dir.as_fd(), &name_c, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+                    && let Ok(sub) = sys::openat(dir.as_fd(), &name_c, OFlags::RDONLY | OFlags::DIRECTORY, 0)
                 {
                     dirs.push((sub, child));
                 }

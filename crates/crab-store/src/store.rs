@@ -6,6 +6,7 @@
 //! `syncfs` before the renames and one after, the same guarantee at two flushes per turn
 //! instead of two per blob.
 
+use rustix::fs::OFlags;
 use std::collections::HashSet;
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
@@ -248,7 +249,7 @@ impl BlobStore {
         let name = sys::cstr(rel.as_bytes()).expect("hex has no NUL");
         // O_NOATIME: the first read of a freshly written chunk would otherwise dirty its inode
         // (relatime), and a restore reads thousands of them.
-        match sys::openat(self.blobs_fd.as_fd(), &name, libc::O_RDONLY | libc::O_NOATIME, 0) {
+        match sys::openat(self.blobs_fd.as_fd(), &name, OFlags::RDONLY | OFlags::NOATIME, 0) {
             Ok(fd) => Ok((File::from(fd), path())),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 Err(CheckpointError::MissingBlob { digest: hex, path: path() })

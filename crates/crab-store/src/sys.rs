@@ -1,5 +1,8 @@
 //! Thin, fd-relative wrappers over the Linux calls the store needs and std does not offer
-//! (openat2, *at calls with AT_SYMLINK_NOFOLLOW, fd xattrs, copy_file_range, syncfs).
+//! (openat2, *at calls with AT_SYMLINK_NOFOLLOW, fd xattrs, copy_file_range, syncfs), made
+//! through rustix. Each wrapper fixes the flags that make the call safe against a sandbox
+//! that swaps names under us (never follow a link, close on exec), so call sites cannot forget
+//! them, and turns rustix's errno into `std::io::Error` for the store's error context.
 //!
 //! Every path argument here is a single component or a path already validated by [`super::path`],
 //! so none of them contains a NUL byte.
@@ -7,57 +10,37 @@
 use std::ffi::{CStr, CString};
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
+
+use rustix::fs::{AtFlags, Dev, FileType, FlockOperation, Mode, OFlags, ResolveFlags, SeekFrom, Timespec, Timestamps};
+use rustix::io::Errno;
+
+pub(crate) use rustix::fs::Stat;
 
 pub(crate) fn cstr(bytes: &[u8]) -> io::Result<CString> {
     CString::new(bytes).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
 }
 
-fn check(ret: libc::c_int) -> io::Result<libc::c_int> {
-    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(ret) }
-}
-
-fn check_size(ret: libc::ssize_t) -> io::Result<usize> {
-    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(ret as usize) }
+fn mode(bits: u32) -> Mode {
+    Mode::from_raw_mode(bits & 0o7777)
 }
 
 /// Opens a directory on the host as an `O_PATH` anchor for the `*at` calls.
 pub(crate) fn open_dir_path(path: &Path) -> io::Result<OwnedFd> {
-    let c = cstr(path.as_os_str().as_bytes())?;
-    let fd = check(unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) })?;
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    Ok(rustix::fs::open(path, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?)
 }
 
 /// `openat2` that refuses to leave `dir` and refuses every symlink on the way: `..` and absolute
 /// symlinks fail with EXDEV, any symlink component with ELOOP.
-pub(crate) fn openat_beneath(dir: BorrowedFd<'_>, rel: &CStr, flags: libc::c_int) -> io::Result<OwnedFd> {
-    // open_how is non-exhaustive (the kernel may grow it); unset fields must be zero.
-    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = (flags | libc::O_CLOEXEC) as u64;
-    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_openat2,
-            dir.as_raw_fd(),
-            rel.as_ptr(),
-            &how as *const libc::open_how,
-            std::mem::size_of::<libc::open_how>(),
-        )
-    };
-    if ret < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(unsafe { OwnedFd::from_raw_fd(ret as RawFd) })
+pub(crate) fn openat_beneath(dir: BorrowedFd<'_>, rel: &CStr, flags: OFlags) -> io::Result<OwnedFd> {
+    let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
+    Ok(rustix::fs::openat2(dir, rel, flags | OFlags::CLOEXEC, Mode::empty(), resolve)?)
 }
 
 /// `openat` of a single component, never following a symlink there.
-pub(crate) fn openat(dir: BorrowedFd<'_>, name: &CStr, flags: libc::c_int, mode: libc::mode_t) -> io::Result<OwnedFd> {
-    let fd = check(unsafe {
-        libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_NOFOLLOW | libc::O_CLOEXEC, mode as libc::c_uint)
-    })?;
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+pub(crate) fn openat(dir: BorrowedFd<'_>, name: &CStr, flags: OFlags, mode_bits: u32) -> io::Result<OwnedFd> {
+    Ok(rustix::fs::openat(dir, name, flags | OFlags::NOFOLLOW | OFlags::CLOEXEC, mode(mode_bits))?)
 }
 
 /// Opens the entry `name` in `dir` itself, as an `O_PATH` handle: a symlink is not followed
@@ -66,7 +49,7 @@ pub(crate) fn openat(dir: BorrowedFd<'_>, name: &CStr, flags: libc::c_int, mode:
 /// is done to it afterwards goes through it, so a container that swaps the name between two
 /// calls cannot redirect us.
 pub(crate) fn open_entry(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<OwnedFd> {
-    openat(dir, name, libc::O_PATH, 0)
+    openat(dir, name, OFlags::PATH, 0)
 }
 
 /// Like [`open_entry`], but a missing entry is `None` rather than an error.
@@ -84,34 +67,29 @@ fn proc_fd_path(fd: BorrowedFd<'_>) -> CString {
     CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd())).expect("digits have no NUL")
 }
 
-/// Opens the inode an `O_PATH` handle holds for I/O (`flags`: `O_RDONLY`, `O_WRONLY`,
-/// `O_DIRECTORY`...). The caller has checked what the handle is with [`fstat`]: only regular
+/// Opens the inode an `O_PATH` handle holds for I/O (`flags`: `RDONLY`, `WRONLY`,
+/// `DIRECTORY`...). The caller has checked what the handle is with [`fstat`]: only regular
 /// files and directories are reopened, never a device node, fifo or socket.
-pub(crate) fn reopen(fd: BorrowedFd<'_>, flags: libc::c_int) -> io::Result<OwnedFd> {
-    let path = proc_fd_path(fd);
+pub(crate) fn reopen(fd: BorrowedFd<'_>, flags: OFlags) -> io::Result<OwnedFd> {
     // No O_NOFOLLOW: the procfs entry is a magic link and must be followed to reach the inode.
-    // SAFETY: `path` is a NUL-terminated string that outlives the call.
-    let raw = check(unsafe { libc::open(path.as_ptr(), flags | libc::O_CLOEXEC | libc::O_NOCTTY) })?;
-    // SAFETY: `raw` was just returned by open(2) and is owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+    Ok(rustix::fs::open(proc_fd_path(fd).as_c_str(), flags | OFlags::CLOEXEC | OFlags::NOCTTY, Mode::empty())?)
 }
 
 /// chmod of the inode an `O_PATH` handle holds (`fchmod` refuses `O_PATH` handles). A symlink
 /// handle is refused by the caller: Linux cannot change a link's mode.
-pub(crate) fn chmod_entry(fd: BorrowedFd<'_>, mode: u32) -> io::Result<()> {
-    let path = proc_fd_path(fd);
-    // SAFETY: `path` is a NUL-terminated string that outlives the call.
-    check(unsafe { libc::chmod(path.as_ptr(), mode as libc::mode_t) }).map(drop)
+pub(crate) fn chmod_entry(fd: BorrowedFd<'_>, mode_bits: u32) -> io::Result<()> {
+    Ok(rustix::fs::chmod(proc_fd_path(fd).as_c_str(), mode(mode_bits))?)
+}
+
+fn owner(uid: u32, gid: u32) -> (Option<rustix::fs::Uid>, Option<rustix::fs::Gid>) {
+    (Some(rustix::fs::Uid::from_raw(uid)), Some(rustix::fs::Gid::from_raw(gid)))
 }
 
 /// chown of the inode an `O_PATH` handle holds (the entry itself, a symlink included).
 pub(crate) fn chown_entry(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
-    // SAFETY: the empty string is NUL-terminated and static; AT_EMPTY_PATH makes the call act
-    // on `fd` itself.
-    check(unsafe {
-        libc::fchownat(fd.as_raw_fd(), c"".as_ptr(), uid, gid, libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW)
-    })
-    .map(drop)
+    let (uid, gid) = owner(uid, gid);
+    // AT_EMPTY_PATH: the call acts on `fd` itself.
+    Ok(rustix::fs::chownat(fd, c"", uid, gid, AtFlags::EMPTY_PATH | AtFlags::SYMLINK_NOFOLLOW)?)
 }
 
 /// The target of a symlink held by an `O_PATH` handle.
@@ -119,14 +97,12 @@ pub(crate) fn readlink_entry(fd: BorrowedFd<'_>) -> io::Result<Vec<u8>> {
     readlinkat(fd, c"")
 }
 
-pub(crate) fn fstatat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<libc::stat> {
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    check(unsafe { libc::fstatat(dir.as_raw_fd(), name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) })?;
-    Ok(st)
+pub(crate) fn fstatat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<Stat> {
+    Ok(rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)?)
 }
 
 /// Like [`fstatat`] but a missing entry is `None` rather than an error.
-pub(crate) fn fstatat_opt(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<Option<libc::stat>> {
+pub(crate) fn fstatat_opt(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<Option<Stat>> {
     match fstatat(dir, name) {
         Ok(st) => Ok(Some(st)),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
@@ -134,156 +110,126 @@ pub(crate) fn fstatat_opt(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<Option
     }
 }
 
-pub(crate) fn fstat(fd: BorrowedFd<'_>) -> io::Result<libc::stat> {
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    check(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) })?;
-    Ok(st)
+pub(crate) fn fstat(fd: BorrowedFd<'_>) -> io::Result<Stat> {
+    Ok(rustix::fs::fstat(fd)?)
 }
 
-pub(crate) fn mkdirat(dir: BorrowedFd<'_>, name: &CStr, mode: u32) -> io::Result<()> {
-    check(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), mode as libc::mode_t) }).map(drop)
+pub(crate) fn mkdirat(dir: BorrowedFd<'_>, name: &CStr, mode_bits: u32) -> io::Result<()> {
+    Ok(rustix::fs::mkdirat(dir, name, mode(mode_bits))?)
 }
 
 pub(crate) fn unlinkat(dir: BorrowedFd<'_>, name: &CStr, is_dir: bool) -> io::Result<()> {
-    let flags = if is_dir { libc::AT_REMOVEDIR } else { 0 };
-    check(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), flags) }).map(drop)
+    let flags = if is_dir { AtFlags::REMOVEDIR } else { AtFlags::empty() };
+    Ok(rustix::fs::unlinkat(dir, name, flags)?)
 }
 
 pub(crate) fn symlinkat(target: &CStr, dir: BorrowedFd<'_>, name: &CStr) -> io::Result<()> {
-    check(unsafe { libc::symlinkat(target.as_ptr(), dir.as_raw_fd(), name.as_ptr()) }).map(drop)
+    Ok(rustix::fs::symlinkat(target, dir, name)?)
 }
 
 pub(crate) fn readlinkat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; libc::PATH_MAX as usize + 1];
-    let n =
-        check_size(unsafe { libc::readlinkat(dir.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) })?;
-    buf.truncate(n);
-    Ok(buf)
+    Ok(rustix::fs::readlinkat(dir, name, Vec::new())?.into_bytes())
 }
 
 pub(crate) fn linkat(old_dir: BorrowedFd<'_>, old: &CStr, new_dir: BorrowedFd<'_>, new: &CStr) -> io::Result<()> {
-    check(unsafe { libc::linkat(old_dir.as_raw_fd(), old.as_ptr(), new_dir.as_raw_fd(), new.as_ptr(), 0) }).map(drop)
+    Ok(rustix::fs::linkat(old_dir, old, new_dir, new, AtFlags::empty())?)
 }
 
-pub(crate) fn mknodat(dir: BorrowedFd<'_>, name: &CStr, mode: u32, rdev: u64) -> io::Result<()> {
-    check(unsafe { libc::mknodat(dir.as_raw_fd(), name.as_ptr(), mode as libc::mode_t, rdev as libc::dev_t) }).map(drop)
+/// Makes a device node, fifo or socket entry; `mode_bits` holds the type (`S_IF*`) and the
+/// permission bits, as `mknod(2)` takes them.
+pub(crate) fn mknodat(dir: BorrowedFd<'_>, name: &CStr, mode_bits: u32, rdev: u64) -> io::Result<()> {
+    let kind = FileType::from_raw_mode(mode_bits);
+    Ok(rustix::fs::mknodat(dir, name, kind, mode(mode_bits), rdev as Dev)?)
 }
 
 pub(crate) fn fchown(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
-    check(unsafe { libc::fchown(fd.as_raw_fd(), uid, gid) }).map(drop)
+    let (uid, gid) = owner(uid, gid);
+    Ok(rustix::fs::fchown(fd, uid, gid)?)
 }
 
-pub(crate) fn fchmod(fd: BorrowedFd<'_>, mode: u32) -> io::Result<()> {
-    check(unsafe { libc::fchmod(fd.as_raw_fd(), mode as libc::mode_t) }).map(drop)
+pub(crate) fn fchmod(fd: BorrowedFd<'_>, mode_bits: u32) -> io::Result<()> {
+    Ok(rustix::fs::fchmod(fd, mode(mode_bits))?)
 }
 
-fn timespecs(mtime: (i64, u32)) -> [libc::timespec; 2] {
-    let mtime = libc::timespec { tv_sec: mtime.0, tv_nsec: mtime.1 as _ };
-    // atime is not part of a checkpoint: leave it as the kernel has it.
-    let atime = libc::timespec { tv_sec: 0, tv_nsec: libc::UTIME_OMIT };
-    [atime, mtime]
+fn timestamps(mtime: (i64, u32)) -> Timestamps {
+    Timestamps {
+        // atime is not part of a checkpoint: leave it as the kernel has it.
+        last_access: Timespec { tv_sec: 0, tv_nsec: rustix::fs::UTIME_OMIT },
+        last_modification: Timespec { tv_sec: mtime.0, tv_nsec: mtime.1.into() },
+    }
 }
 
 pub(crate) fn futimens(fd: BorrowedFd<'_>, mtime: (i64, u32)) -> io::Result<()> {
-    let ts = timespecs(mtime);
-    check(unsafe { libc::futimens(fd.as_raw_fd(), ts.as_ptr()) }).map(drop)
+    Ok(rustix::fs::futimens(fd, &timestamps(mtime))?)
 }
 
 /// Sets the mtime of the inode an `O_PATH` handle holds (not a symlink: the caller uses
 /// [`lutimensat`] for those).
 pub(crate) fn utimens_entry(fd: BorrowedFd<'_>, mtime: (i64, u32)) -> io::Result<()> {
-    let ts = timespecs(mtime);
-    let path = proc_fd_path(fd);
-    // SAFETY: `path` is NUL-terminated and `ts` holds the two timespecs utimensat reads; both
-    // outlive the call.
-    check(unsafe { libc::utimensat(libc::AT_FDCWD, path.as_ptr(), ts.as_ptr(), 0) }).map(drop)
+    Ok(rustix::fs::utimensat(rustix::fs::CWD, proc_fd_path(fd).as_c_str(), &timestamps(mtime), AtFlags::empty())?)
 }
 
 pub(crate) fn lutimensat(dir: BorrowedFd<'_>, name: &CStr, mtime: (i64, u32)) -> io::Result<()> {
-    let ts = timespecs(mtime);
-    check(unsafe { libc::utimensat(dir.as_raw_fd(), name.as_ptr(), ts.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) }).map(drop)
+    Ok(rustix::fs::utimensat(dir, name, &timestamps(mtime), AtFlags::SYMLINK_NOFOLLOW)?)
 }
 
-pub(crate) fn list_xattrs(fd: BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
-    let mut buf = vec![0u8; 1024];
+/// Calls `read` with a growing buffer until the value fits (ERANGE means "larger buffer").
+fn read_growing(start: usize, mut read: impl FnMut(&mut [u8]) -> rustix::io::Result<usize>) -> io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; start];
     loop {
-        let ret = unsafe { libc::flistxattr(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-        match check_size(ret) {
-            Ok(n) => {
-                buf.truncate(n);
-                return Ok(buf.split(|b| *b == 0).filter(|s| !s.is_empty()).map(<[u8]>::to_vec).collect());
-            }
-            Err(e) if e.raw_os_error() == Some(libc::ERANGE) => buf.resize(buf.len() * 4, 0),
-            Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => return Ok(Vec::new()),
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-pub(crate) fn get_xattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; 256];
-    loop {
-        let ret = unsafe { libc::fgetxattr(fd.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-        match check_size(ret) {
+        match read(&mut buf) {
             Ok(n) => {
                 buf.truncate(n);
                 return Ok(buf);
             }
-            Err(e) if e.raw_os_error() == Some(libc::ERANGE) => buf.resize(buf.len() * 4, 0),
-            Err(e) => return Err(e),
+            Err(Errno::RANGE) => buf.resize(buf.len() * 4, 0),
+            Err(e) => return Err(e.into()),
         }
     }
 }
 
+pub(crate) fn list_xattrs(fd: BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
+    match read_growing(1024, |buf| rustix::fs::flistxattr(fd, buf)) {
+        Ok(list) => Ok(list.split(|b| *b == 0).filter(|s| !s.is_empty()).map(<[u8]>::to_vec).collect()),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => Ok(Vec::new()),
+        Err(e) => Err(e),
+    }
+}
+
+pub(crate) fn get_xattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>> {
+    read_growing(256, |buf| rustix::fs::fgetxattr(fd, name, buf))
+}
+
 pub(crate) fn set_xattr(fd: BorrowedFd<'_>, name: &CStr, value: &[u8]) -> io::Result<()> {
-    check(unsafe { libc::fsetxattr(fd.as_raw_fd(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) }).map(drop)
+    Ok(rustix::fs::fsetxattr(fd, name, value, rustix::fs::XattrFlags::empty())?)
 }
 
 pub(crate) fn remove_xattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<()> {
-    check(unsafe { libc::fremovexattr(fd.as_raw_fd(), name.as_ptr()) }).map(drop)
+    Ok(rustix::fs::fremovexattr(fd, name)?)
 }
 
 /// Names in a directory, without `.` and `..`, sorted so captures and copies are deterministic.
 pub(crate) fn read_dir_names(dir: BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
-    // fdopendir takes ownership of its fd, so hand it a duplicate opened for reading.
-    let dup = openat(dir, c".", libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
-    let raw = std::os::fd::IntoRawFd::into_raw_fd(dup);
-    let stream = unsafe { libc::fdopendir(raw) };
-    if stream.is_null() {
-        let err = io::Error::last_os_error();
-        unsafe { libc::close(raw) };
-        return Err(err);
-    }
+    // Dir reads through a descriptor of its own, opened for reading from `dir`.
+    let mut stream = rustix::fs::Dir::read_from(dir)?;
     let mut names = Vec::new();
-    let result = loop {
-        unsafe { *libc::__errno_location() = 0 };
-        let ent = unsafe { libc::readdir64(stream) };
-        if ent.is_null() {
-            let errno = unsafe { *libc::__errno_location() };
-            break if errno == 0 { Ok(()) } else { Err(io::Error::from_raw_os_error(errno)) };
-        }
-        let name = unsafe { CStr::from_ptr((*ent).d_name.as_ptr()) }.to_bytes();
+    while let Some(entry) = stream.read() {
+        let name = entry?.file_name().to_bytes().to_vec();
         if name != b"." && name != b".." {
-            names.push(name.to_vec());
+            names.push(name);
         }
-    };
-    unsafe { libc::closedir(stream) };
-    result.map(|()| {
-        names.sort_unstable();
-        names
-    })
+    }
+    names.sort_unstable();
+    Ok(names)
 }
 
 /// Copies `len` bytes from the start of `src` to the current offset of `dst` in the kernel.
 pub(crate) fn copy_file_range_all(src: &File, dst: &File, len: u64) -> io::Result<()> {
-    let mut off_in: libc::loff_t = 0;
+    let mut off_in = 0u64;
     let mut left = len;
     while left > 0 {
         let chunk = left.min(1 << 30) as usize;
-        let n = unsafe {
-            libc::copy_file_range(src.as_raw_fd(), &mut off_in, dst.as_raw_fd(), std::ptr::null_mut(), chunk, 0)
-        };
-        let n = check_size(n)?;
+        let n = rustix::fs::copy_file_range(src, Some(&mut off_in), dst, None, chunk)?;
         if n == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "source shorter than expected"));
         }
@@ -294,44 +240,44 @@ pub(crate) fn copy_file_range_all(src: &File, dst: &File, len: u64) -> io::Resul
 
 /// The offset of the first data at or after `from` (`SEEK_DATA`); `None` past the last data.
 pub(crate) fn seek_data(file: &File, from: u64) -> io::Result<Option<u64>> {
-    seek(file, from, libc::SEEK_DATA)
+    seek(file, SeekFrom::Data(from))
 }
 
 /// The offset of the first hole at or after `from` (`SEEK_HOLE`; the end of the file counts
 /// as one).
 pub(crate) fn seek_hole(file: &File, from: u64) -> io::Result<u64> {
-    Ok(seek(file, from, libc::SEEK_HOLE)?.unwrap_or(from))
+    Ok(seek(file, SeekFrom::Hole(from))?.unwrap_or(from))
 }
 
-fn seek(file: &File, from: u64, whence: libc::c_int) -> io::Result<Option<u64>> {
-    // SAFETY: lseek on a descriptor `file` keeps open; no memory is passed.
-    let ret = unsafe { libc::lseek64(file.as_raw_fd(), from as libc::off64_t, whence) };
-    if ret < 0 {
-        let e = io::Error::last_os_error();
-        return if e.raw_os_error() == Some(libc::ENXIO) { Ok(None) } else { Err(e) };
+fn seek(file: &File, to: SeekFrom) -> io::Result<Option<u64>> {
+    match rustix::fs::seek(file, to) {
+        Ok(offset) => Ok(Some(offset)),
+        Err(Errno::NXIO) => Ok(None),
+        Err(e) => Err(e.into()),
     }
-    Ok(Some(ret as u64))
 }
 
 /// Copies `len` bytes from `src` at `off_in` to `dst` at `off_out` in the kernel; neither
 /// file's offset moves.
 pub(crate) fn copy_file_range_at(src: &File, off_in: u64, dst: &File, off_out: u64, len: u64) -> io::Result<()> {
-    let mut off_in = off_in as libc::loff_t;
-    let mut off_out = off_out as libc::loff_t;
+    let (mut off_in, mut off_out) = (off_in, off_out);
     let mut left = len;
     while left > 0 {
         let chunk = left.min(1 << 30) as usize;
-        // SAFETY: both descriptors are open for the call's duration and both offsets are
-        // valid, exclusively borrowed loff_t values the kernel advances.
-        let n = check_size(unsafe {
-            libc::copy_file_range(src.as_raw_fd(), &mut off_in, dst.as_raw_fd(), &mut off_out, chunk, 0)
-        })?;
+        let n = rustix::fs::copy_file_range(src, Some(&mut off_in), dst, Some(&mut off_out), chunk)?;
         if n == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "source shorter than expected"));
         }
         left -= n as u64;
     }
     Ok(())
+}
+
+/// `sync_file_range(2)`, which rustix does not offer.
+fn sync_file_range(file: &File, offset: u64, len: u64, flags: libc::c_uint) -> io::Result<()> {
+    // SAFETY: the call takes a descriptor `file` keeps open and plain integers; no memory.
+    let ret = unsafe { libc::sync_file_range(file.as_fd().as_raw_fd(), offset as i64, len as i64, flags) };
+    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
 }
 
 /// Starts writing `len` bytes at `offset` of a file back to the disk, or (`wait`) writes them
@@ -343,16 +289,16 @@ pub(crate) fn write_back_range(file: &File, offset: u64, len: u64, wait: bool) -
     } else {
         libc::SYNC_FILE_RANGE_WRITE
     };
-    check(unsafe { libc::sync_file_range(file.as_raw_fd(), offset as i64, len as i64, flags) }).map(drop)
+    sync_file_range(file, offset, len, flags)
 }
 
 /// Starts writeback of a whole file without waiting for it.
 pub(crate) fn start_writeback(file: &File) -> io::Result<()> {
-    check(unsafe { libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) }).map(drop)
+    sync_file_range(file, 0, 0, libc::SYNC_FILE_RANGE_WRITE)
 }
 
 pub(crate) fn syncfs(fd: BorrowedFd<'_>) -> io::Result<()> {
-    check(unsafe { libc::syncfs(fd.as_raw_fd()) }).map(drop)
+    Ok(rustix::fs::syncfs(fd)?)
 }
 
 pub(crate) fn fsync_dir(path: &Path) -> io::Result<()> {
@@ -367,15 +313,16 @@ pub(crate) fn create_private_dir_all(path: &Path) -> io::Result<()> {
 }
 
 pub(crate) fn flock(file: &File, exclusive: bool) -> io::Result<()> {
-    let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
+    let op = if exclusive { FlockOperation::LockExclusive } else { FlockOperation::LockShared };
     loop {
-        match check(unsafe { libc::flock(file.as_raw_fd(), op) }) {
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            other => return other.map(drop),
+        match rustix::fs::flock(file, op) {
+            Err(Errno::INTR) => continue,
+            other => return Ok(other?),
         }
     }
 }
 
-pub(crate) fn file_type(st: &libc::stat) -> u32 {
+/// The file type bits (`S_IFMT`) of a stat, to compare with `libc::S_IF*`.
+pub(crate) fn file_type(st: &Stat) -> u32 {
     st.st_mode & libc::S_IFMT
 }
