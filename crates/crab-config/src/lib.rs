@@ -272,7 +272,7 @@ mod tests {
 
     #[test]
     fn shipped_default_file_parses_to_the_defaults() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("shim-config/crab.toml");
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shim-config/crab.toml");
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(Config::parse(&text, &path).unwrap(), Config::default());
     }

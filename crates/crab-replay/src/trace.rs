@@ -344,7 +344,7 @@ mod tests {
         assert_eq!(trace.header.image.reference(), "crab.local/code-repair-django-4.0rc1:latest");
         // The header's spelling is what build-images is given: it lowercases the same way.
         assert_eq!(trace.header.image.build_hint(), "scripts/build-images code-repair Django 4.0RC1");
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let script = std::process::Command::new("bash")
             .arg("-c")
             .arg("source \"$CRAB_ROOT/scripts/lib/images.sh\" && code_repair_image_name Django 4.0RC1")

@@ -57,7 +57,7 @@ fn options(traces: Vec<PathBuf>, runtime: &str) -> ReplayOptions {
         ref_spacing: std::time::Duration::ZERO,
         ctr: Ctr::from_env(),
         daemons: Daemons {
-            containerd_start: Some(format!("bash {}/scripts/containerd start", env!("CARGO_MANIFEST_DIR"))),
+            containerd_start: Some(format!("bash {}/../../scripts/containerd start", env!("CARGO_MANIFEST_DIR"))),
             ..Daemons::from_env()
         },
         checkpoint_dir: std::env::var_os("CRAB_REPLAY_CHECKPOINT_DIR")
