@@ -217,47 +217,72 @@ impl Pack {
     }
 }
 
-/// Reads one object out of a pack's bytes (or out of a slice holding just that object's stored
-/// bytes at `entry.offset`, see [`read_stored`]), verifying it against its digest.
-pub fn read_object(pack: &Digest, pack_bytes: &[u8], entry: &PackEntry) -> Result<Vec<u8>> {
-    let stored = pack_bytes.get(entry.range()).ok_or_else(|| PackError::CorruptObject {
-        pack: *pack,
-        digest: entry.digest,
-        reason: format!("bytes {:?} are beyond the pack's {} bytes", entry.range(), pack_bytes.len()),
-    })?;
-    read_stored(pack, stored, entry)
+/// Reads objects out of packs, verifying each; keeps one zstd decoder for all of them (a decoder
+/// per 4 KiB object would cost more than the decoding).
+pub struct ObjectReader {
+    decoder: zstd::bulk::Decompressor<'static>,
 }
 
-/// Decodes an object from its stored bytes and verifies it.
-pub fn read_stored(pack: &Digest, stored: &[u8], entry: &PackEntry) -> Result<Vec<u8>> {
-    let corrupt = |reason: String| PackError::CorruptObject { pack: *pack, digest: entry.digest, reason };
-    if stored.len() != entry.stored_len as usize {
-        return Err(corrupt(format!("{} stored bytes, the index says {}", stored.len(), entry.stored_len)));
+impl ObjectReader {
+    pub fn new() -> Result<Self> {
+        Ok(ObjectReader { decoder: zstd::bulk::Decompressor::new().map_err(PackError::Zstd)? })
     }
-    let data = match entry.codec {
-        Codec::Raw => stored.to_vec(),
-        Codec::Zstd => {
-            // Bounded by the recorded length: a frame that inflates to more is refused, not
-            // followed into memory.
-            let data = zstd::bulk::decompress(stored, entry.raw_len as usize)
-                .map_err(|e| corrupt(format!("zstd frame does not decode: {e}")))?;
-            if data.len() != entry.raw_len as usize {
-                return Err(corrupt(format!("decodes to {} bytes, the index says {}", data.len(), entry.raw_len)));
-            }
-            data
+
+    /// Reads one object out of a pack's bytes, verifying it against its digest.
+    pub fn read(&mut self, pack: &Digest, pack_bytes: &[u8], entry: &PackEntry) -> Result<Vec<u8>> {
+        let stored = pack_bytes.get(entry.range()).ok_or_else(|| PackError::CorruptObject {
+            pack: *pack,
+            digest: entry.digest,
+            reason: format!("bytes {:?} are beyond the pack's {} bytes", entry.range(), pack_bytes.len()),
+        })?;
+        self.read_stored(pack, stored, entry)
+    }
+
+    /// Decodes an object from its stored bytes alone (read from `entry.offset` of its pack)
+    /// and verifies it.
+    pub fn read_stored(&mut self, pack: &Digest, stored: &[u8], entry: &PackEntry) -> Result<Vec<u8>> {
+        let corrupt = |reason: String| PackError::CorruptObject { pack: *pack, digest: entry.digest, reason };
+        if stored.len() != entry.stored_len as usize {
+            return Err(corrupt(format!("{} stored bytes, the index says {}", stored.len(), entry.stored_len)));
         }
-    };
-    let actual = Digest::of(&data);
-    if actual != entry.digest {
-        return Err(corrupt(format!("its bytes hash to {actual}")));
+        let data = match entry.codec {
+            Codec::Raw => stored.to_vec(),
+            Codec::Zstd => {
+                // Bounded by the recorded length: a frame that inflates to more is refused, not
+                // followed into memory.
+                let data = self
+                    .decoder
+                    .decompress(stored, entry.raw_len as usize)
+                    .map_err(|e| corrupt(format!("zstd frame does not decode: {e}")))?;
+                if data.len() != entry.raw_len as usize {
+                    return Err(corrupt(format!("decodes to {} bytes, the index says {}", data.len(), entry.raw_len)));
+                }
+                data
+            }
+        };
+        let actual = Digest::of(&data);
+        if actual != entry.digest {
+            return Err(corrupt(format!("its bytes hash to {actual}")));
+        }
+        Ok(data)
     }
-    Ok(data)
+}
+
+/// Reads one object out of a pack's bytes, verifying it (a one-off [`ObjectReader`]).
+pub fn read_object(pack: &Digest, pack_bytes: &[u8], entry: &PackEntry) -> Result<Vec<u8>> {
+    ObjectReader::new()?.read(pack, pack_bytes, entry)
+}
+
+/// Decodes an object from its stored bytes and verifies it (a one-off [`ObjectReader`]).
+pub fn read_stored(pack: &Digest, stored: &[u8], entry: &PackEntry) -> Result<Vec<u8>> {
+    ObjectReader::new()?.read_stored(pack, stored, entry)
 }
 
 /// Reads every object of a checked pack, verifying each.
 pub fn read_all(pack_bytes: &[u8], index: &PackIndex) -> Result<Vec<(Digest, Vec<u8>)>> {
     index.check_pack(pack_bytes)?;
-    index.entries.iter().map(|e| Ok((e.digest, read_object(&index.pack, pack_bytes, e)?))).collect()
+    let mut reader = ObjectReader::new()?;
+    index.entries.iter().map(|e| Ok((e.digest, reader.read(&index.pack, pack_bytes, e)?))).collect()
 }
 
 /// Groups objects into packs. Objects are compressed one by one as they come; a pack is closed

@@ -829,8 +829,11 @@ impl Remote {
                     index
                         .check_pack(&pack_bytes)
                         .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
+                    let mut reader = pack::ObjectReader::new()
+                        .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
                     for entry in wanted {
-                        let data = pack::read_object(pack, &pack_bytes, &entry)
+                        let data = reader
+                            .read(pack, &pack_bytes, &entry)
                             .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
                         self.put(sink, &reference, entry.digest, data)?;
                         report.objects_received += 1;
