@@ -6,6 +6,7 @@
 //! - [`remote`]: push and pull through a registry, every digest verified, every request
 //!   bounded and retried with backoff when the failure is transient.
 //! - [`auth`]: credentials from a Docker client config.
+//! - [`queue`]: the persistent push queue (a journal of pending pushes, idempotent steps).
 //!
 //! No dependency on the rest of crab: the store hands objects in through [`ObjectSource`] and
 //! takes them back through [`ObjectSink`].
@@ -15,11 +16,13 @@ pub mod auth;
 pub mod digest;
 pub mod error;
 pub mod pack;
+pub mod queue;
 pub mod remote;
 
 pub use auth::Credentials;
 pub use digest::Digest;
 pub use error::{RemoteError, Result};
+pub use queue::{PushQueue, QueuedPush};
 pub use remote::{
     ObjectSink, ObjectSource, PullReport, PushReport, Remote, RemoteConfig, RemoteIndex, RetryPolicy, TurnPush,
 };

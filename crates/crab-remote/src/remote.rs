@@ -434,12 +434,6 @@ impl Remote {
             report.new_objects = plan.new_objects;
             report.new_object_bytes = plan.new_object_bytes;
             report.packs_created = plan.new_packs.len() as u64;
-            for (pi, bytes) in plan.new_packs {
-                index.add_pack(pi, bytes)?;
-            }
-            for (digest, size) in &plan.new_loose {
-                index.state.loose.insert(*digest, *size);
-            }
             let mut lost = Vec::new();
             for blob in &plan.blobs {
                 if index.repo_has(&blob.digest, &repo) {
@@ -498,6 +492,15 @@ impl Remote {
                     }
                 }
                 continue;
+            }
+            // New packs are recorded only now that they are in the registry: a pusher killed
+            // during the uploads packs the same objects into the same packs again next time,
+            // and HEAD finds those it had sent.
+            for (pi, bytes) in plan.new_packs {
+                index.add_pack(pi, bytes)?;
+            }
+            for (digest, size) in &plan.new_loose {
+                index.state.loose.insert(*digest, *size);
             }
             // Last: the manifest, once every blob it names is in the repository.
             let content_type = reqwest::header::HeaderValue::from_static(OCI_IMAGE_MEDIA_TYPE);

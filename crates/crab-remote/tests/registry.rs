@@ -331,3 +331,38 @@ async fn another_artifact_type_and_an_unknown_sandbox_are_named() {
     let err = remote.pull_turn("default", "box", 9, &mut Objects::default()).await.unwrap_err();
     assert!(matches!(err, RemoteError::NotFound { .. }), "{err}");
 }
+
+/// Figures, not a check: push and pull of a 64 MiB process (16,384 pages) through the loopback
+/// registry, plain and TLS + auth. `cargo test --release -p crab-remote --test registry --
+/// --ignored --nocapture throughput`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "prints figures; run by hand"]
+async fn throughput() {
+    for tls in [false, true] {
+        let registry = Registry::start(tls);
+        let mut cfg = registry.config();
+        cfg.pack_target = crab_remote::pack::DEFAULT_PACK_TARGET;
+        let remote = Remote::new(cfg).unwrap();
+        let local = Objects::default();
+        let t = turn(&local, "default", "box", 1, 0..16_384, &[]);
+        let raw: u64 = t.objects.iter().map(|d| local.get(d).unwrap().len() as u64).sum();
+        let started = Instant::now();
+        let pushed = push(&remote, &mut RemoteIndex::in_memory(), &local, &t).await;
+        let push_s = started.elapsed().as_secs_f64();
+        let started = Instant::now();
+        let pulled = remote.pull_turn("default", "box", 1, &mut Objects::default()).await.unwrap();
+        let pull_s = started.elapsed().as_secs_f64();
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        println!(
+            "{}: {:.1} MiB raw, {:.1} MiB sent ({:.3}x): push {push_s:.2} s ({:.1} MiB/s raw), pull {pull_s:.2} s ({:.1} MiB/s raw), {} packs",
+            if tls { "TLS+auth" } else { "plain" },
+            mib(raw),
+            mib(pushed.bytes_uploaded),
+            pushed.bytes_uploaded as f64 / raw as f64,
+            mib(raw) / push_s,
+            mib(raw) / pull_s,
+            pushed.packs_created,
+        );
+        assert_eq!(pulled.objects_received, pushed.new_objects);
+    }
+}
