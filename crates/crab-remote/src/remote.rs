@@ -1,0 +1,885 @@
+//! Push and pull of checkpoints through an OCI registry (the `oci-client` crate).
+//!
+//! **Push** ([`Remote::push_turn`]): the objects a turn needs (every blob and chunk its
+//! restore reads) are looked up in the [`RemoteIndex`] (what earlier pushes to this registry
+//! packed); the new ones are packed ([`crate::pack`]; objects of at least
+//! [`RemoteConfig::loose_min`] bytes become blobs of their own). The manifest lists every pack
+//! (with its index) and blob the turn needs, not only the new ones, so the registry's garbage
+//! collector keeps all of them while the tag lives. Each of these blobs the repository lacks
+//! is uploaded (HEAD first; a blob another repository of the registry holds is mounted, not
+//! sent again), and the manifest goes last: the registry refuses a manifest whose blobs it
+//! does not hold, and crab never PUTs one before its blobs, so a tag never names missing data.
+//!
+//! **Pull** ([`Remote::pull_turn`]): the manifest (its artifact type checked), the turn
+//! manifest and the pack indexes are fetched and verified; then only the packs holding an
+//! object the caller lacks. Every blob is read into memory up to its descriptor's size, hashed,
+//! and refused unless it matches; objects come out of packs verified one by one. Nothing
+//! unverified reaches the caller.
+//!
+//! Every request is bounded ([`RemoteConfig::request_timeout`] plus the time its bytes take at
+//! [`RemoteConfig::min_bytes_per_sec`]) and transient failures are retried with exponential
+//! backoff ([`RetryPolicy`]).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures_util::StreamExt as _;
+use oci_client::client::{Certificate, CertificateEncoding, ClientConfig, ClientProtocol};
+use oci_client::manifest::{OCI_IMAGE_MEDIA_TYPE, OciDescriptor};
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, Reference};
+use tracing::{debug, warn};
+
+use crate::artifact::{self, Checkpoint, Layer};
+use crate::auth::Credentials;
+use crate::digest::Digest;
+use crate::error::{Ctx, RemoteError, Result};
+use crate::pack::{self, ChunkIndex, Pack, PackIndex, Packer};
+
+/// Exponential backoff for transient failures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Tries in all (1: no retry).
+    pub attempts: u32,
+    pub first_delay: Duration,
+    pub max_delay: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy { attempts: 5, first_delay: Duration::from_millis(200), max_delay: Duration::from_secs(5) }
+    }
+}
+
+impl RetryPolicy {
+    /// The pause before try `attempt + 1` (attempt counts from 1): doubling from
+    /// `first_delay`, at most `max_delay`, the upper half jittered so that many pushers
+    /// retrying one registry spread out.
+    pub fn delay(&self, attempt: u32) -> Duration {
+        let base = self.first_delay.saturating_mul(1 << attempt.saturating_sub(1).min(20)).min(self.max_delay);
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let half = base / 2;
+        half + Duration::from_nanos(u64::from(nanos) % (half.as_nanos() as u64).max(1))
+    }
+}
+
+/// How crab reaches its registry (`[remote]` in crab.toml).
+#[derive(Debug, Clone)]
+pub struct RemoteConfig {
+    /// `host[:port][/path]`: repositories are `<prefix>/<namespace>/<sandbox>`.
+    pub prefix: String,
+    /// Plain HTTP (a registry on loopback or a trusted network); HTTPS otherwise.
+    pub plain_http: bool,
+    /// A PEM file of CA certificates trusted besides the system's.
+    pub ca_file: Option<PathBuf>,
+    pub credentials: Credentials,
+    pub connect_timeout: Duration,
+    /// Bound of one request, plus `bytes / min_bytes_per_sec` for requests carrying bytes.
+    pub request_timeout: Duration,
+    pub min_bytes_per_sec: u64,
+    pub retry: RetryPolicy,
+    pub pack_target: usize,
+    /// Objects of at least this many bytes are blobs of their own, not packed.
+    pub loose_min: usize,
+    pub zstd_level: i32,
+}
+
+impl RemoteConfig {
+    pub fn new(prefix: impl Into<String>) -> Self {
+        RemoteConfig {
+            prefix: prefix.into(),
+            plain_http: false,
+            ca_file: None,
+            credentials: Credentials::DockerConfig(None),
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(30),
+            min_bytes_per_sec: 1 << 20,
+            retry: RetryPolicy::default(),
+            pack_target: pack::DEFAULT_PACK_TARGET,
+            loose_min: 1 << 20,
+            zstd_level: pack::DEFAULT_ZSTD_LEVEL,
+        }
+    }
+}
+
+/// Reads objects out of the local store, by digest (blocking; called off the async threads).
+pub trait ObjectSource: Send + Sync {
+    fn read(&self, digest: &Digest) -> std::io::Result<Vec<u8>>;
+}
+
+/// Receives pulled objects, each verified against its digest.
+pub trait ObjectSink {
+    /// True when the local store already holds the object: a pack of such objects only is not
+    /// pulled.
+    fn has(&self, digest: &Digest) -> bool;
+    fn put(&mut self, digest: Digest, data: Vec<u8>) -> std::io::Result<()>;
+}
+
+/// What packing a push's new objects gives: the packs, the objects stored loose (too large
+/// to pack), and the bytes of both.
+type Packed = (Vec<Pack>, Vec<(Digest, Vec<u8>)>, u64);
+
+/// One checkpointed turn to push.
+#[derive(Debug, Clone)]
+pub struct TurnPush {
+    pub namespace: String,
+    pub sandbox: String,
+    pub turn: u64,
+    pub parent_turn: Option<u64>,
+    /// Crab's turn manifest, as the store wrote it: the artifact's config blob.
+    pub turn_manifest: Vec<u8>,
+    /// Every object a restore of this turn reads (the chain's blobs, chunk lists and chunks),
+    /// in a stable order: packing follows it, so the same push gives the same packs again.
+    pub objects: Vec<Digest>,
+    /// RFC 3339 time of the checkpoint, for the manifest's `org.opencontainers.image.created`.
+    pub created: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PushReport {
+    pub reference: String,
+    pub manifest_digest: String,
+    /// Objects not in any pack or blob pushed before.
+    pub new_objects: u64,
+    pub new_object_bytes: u64,
+    pub packs_created: u64,
+    pub blobs_uploaded: u64,
+    pub bytes_uploaded: u64,
+    /// Blobs another repository held, mounted without sending their bytes.
+    pub blobs_mounted: u64,
+    /// Blobs the repository already held.
+    pub blobs_present: u64,
+    pub manifest_bytes: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct PullReport {
+    pub reference: String,
+    pub manifest_digest: String,
+    pub checkpoint: Checkpoint,
+    /// Crab's turn manifest (the config blob), verified.
+    pub turn_manifest: Vec<u8>,
+    pub objects_received: u64,
+    pub blobs_pulled: u64,
+    pub bytes_pulled: u64,
+    /// Packs not pulled: the sink held every object in them.
+    pub packs_skipped: u64,
+}
+
+/// What this node knows the registry holds: the indexes of the packs it pushed (or pulled) and
+/// which repositories hold which blobs. Only an accelerator: the registry is the truth (a blob
+/// the record says is there is checked by the registry itself when the manifest is PUT, and a
+/// lost record costs HEAD requests, not data). Kept in a directory: `packs/<hex>` (pack index
+/// blobs, as pushed) and `blobs.json` (blob → repositories, loose objects).
+#[derive(Debug, Default)]
+pub struct RemoteIndex {
+    dir: Option<PathBuf>,
+    chunks: ChunkIndex,
+    /// Pack digest → its index blob's digest and bytes.
+    index_blobs: HashMap<Digest, (Digest, Vec<u8>)>,
+    state: IndexState,
+}
+
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct IndexState {
+    /// Blob → repositories known to hold it.
+    repos: BTreeMap<Digest, BTreeSet<String>>,
+    /// Objects pushed as blobs of their own (the blob digest is the object digest) → size.
+    loose: BTreeMap<Digest, u64>,
+}
+
+impl RemoteIndex {
+    /// An index kept only in memory.
+    pub fn in_memory() -> Self {
+        Self::default()
+    }
+
+    /// Loads (or starts) the index kept in `dir`. Pack indexes that fail to parse are skipped:
+    /// the registry still has the packs, and HEAD finds them again.
+    pub fn open(dir: &Path) -> Result<Self> {
+        fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> RemoteError + 'a {
+            move |source| RemoteError::Io { path: path.to_owned(), what, source }
+        }
+        let packs = dir.join("packs");
+        std::fs::create_dir_all(&packs).map_err(io("create", &packs))?;
+        let mut index = RemoteIndex { dir: Some(dir.to_owned()), ..Default::default() };
+        for entry in std::fs::read_dir(&packs).map_err(io("read dir", &packs))? {
+            let path = entry.map_err(io("read dir", &packs))?.path();
+            let Ok(bytes) = std::fs::read(&path) else { continue };
+            match PackIndex::decode(&bytes) {
+                Ok(pi) if path.file_name().is_some_and(|n| n == pi.pack.to_hex().as_str()) => {
+                    index.index_blobs.insert(pi.pack, (Digest::of(&bytes), bytes));
+                    index.chunks.insert(pi);
+                }
+                _ => warn!(path = %path.display(), "skipping an unreadable pack index"),
+            }
+        }
+        let state = dir.join("blobs.json");
+        match std::fs::read(&state) {
+            Ok(bytes) => index.state = serde_json::from_slice(&bytes).unwrap_or_default(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io("read", &state)(e)),
+        }
+        Ok(index)
+    }
+
+    fn add_pack(&mut self, index: PackIndex, index_bytes: Vec<u8>) -> Result<()> {
+        if let Some(dir) = &self.dir {
+            let path = dir.join("packs").join(index.pack.to_hex());
+            if !path.exists() {
+                write_atomic(&path, &index_bytes)?;
+            }
+        }
+        self.index_blobs.insert(index.pack, (Digest::of(&index_bytes), index_bytes));
+        self.chunks.insert(index);
+        Ok(())
+    }
+
+    fn forget_pack(&mut self, pack: &Digest) {
+        self.chunks.remove_pack(pack);
+        if let Some((index_digest, _)) = self.index_blobs.remove(pack) {
+            self.state.repos.remove(&index_digest);
+        }
+        self.state.repos.remove(pack);
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_file(dir.join("packs").join(pack.to_hex()));
+        }
+    }
+
+    fn repo_has(&self, blob: &Digest, repo: &str) -> bool {
+        self.state.repos.get(blob).is_some_and(|r| r.contains(repo))
+    }
+
+    fn record(&mut self, blob: Digest, repo: &str) {
+        self.state.repos.entry(blob).or_default().insert(repo.to_owned());
+    }
+
+    fn forget_repo(&mut self, repo: &str) {
+        for repos in self.state.repos.values_mut() {
+            repos.remove(repo);
+        }
+    }
+
+    /// A repository other than `repo` known to hold `blob`.
+    fn other_repo(&self, blob: &Digest, repo: &str) -> Option<String> {
+        self.state.repos.get(blob)?.iter().find(|r| *r != repo).cloned()
+    }
+
+    /// Writes the blob records (pack indexes are written as they come).
+    pub fn save(&self) -> Result<()> {
+        let Some(dir) = &self.dir else { return Ok(()) };
+        let bytes = serde_json::to_vec(&self.state).expect("the index state always serializes");
+        write_atomic(&dir.join("blobs.json"), &bytes)
+    }
+
+    /// Objects held in packs this index knows.
+    pub fn packed_objects(&self) -> usize {
+        self.chunks.len()
+    }
+}
+
+/// tmp file, fsync, rename, fsync of the directory: the name shows only durable content.
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write as _;
+    let io = |what| move |source| RemoteError::Io { path: path.to_owned(), what, source };
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    let mut file = std::fs::File::create(&tmp).map_err(io("create"))?;
+    file.write_all(bytes).map_err(io("write"))?;
+    file.sync_all().map_err(io("fsync"))?;
+    std::fs::rename(&tmp, path).map_err(io("rename"))?;
+    if let Some(parent) = path.parent() {
+        std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(io("fsync dir"))?;
+    }
+    Ok(())
+}
+
+/// A blob the push may have to upload, with its bytes when this push has them.
+struct PlannedBlob {
+    digest: Digest,
+    bytes: Option<bytes::Bytes>,
+    what: String,
+}
+
+/// Everything a push sends, decided before the first request.
+struct Plan {
+    blobs: Vec<PlannedBlob>,
+    manifest: Vec<u8>,
+    new_packs: Vec<(PackIndex, Vec<u8>)>,
+    new_loose: Vec<(Digest, u64)>,
+    new_objects: u64,
+    new_object_bytes: u64,
+}
+
+/// A connection to one registry under a reference prefix.
+pub struct Remote {
+    cfg: RemoteConfig,
+    client: Client,
+    auth: RegistryAuth,
+    registry: String,
+    prefix_path: String,
+}
+
+impl Remote {
+    pub fn new(cfg: RemoteConfig) -> Result<Self> {
+        let (registry, prefix_path) = match cfg.prefix.split_once('/') {
+            Some((r, p)) => (r.to_owned(), p.trim_end_matches('/').to_owned()),
+            None => (cfg.prefix.clone(), String::new()),
+        };
+        if registry.is_empty() || !registry.bytes().all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b)) {
+            return Err(RemoteError::InvalidReference {
+                reference: cfg.prefix.clone(),
+                reason: "the prefix must start with a registry host[:port]".into(),
+            });
+        }
+        let mut extra_root_certificates = Vec::new();
+        if let Some(ca) = &cfg.ca_file {
+            let data = std::fs::read(ca).map_err(|e| RemoteError::Tls { path: ca.clone(), reason: e.to_string() })?;
+            if !data.windows(27).any(|w| w == b"-----BEGIN CERTIFICATE-----") {
+                return Err(RemoteError::Tls { path: ca.clone(), reason: "holds no PEM certificate".into() });
+            }
+            extra_root_certificates.push(Certificate { encoding: CertificateEncoding::Pem, data });
+        }
+        // reqwest is built without a bundled TLS provider; ring is installed as the process's
+        // provider. A provider the process installed already (another crate's) is kept.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let client_config = ClientConfig {
+            protocol: if cfg.plain_http { ClientProtocol::Http } else { ClientProtocol::Https },
+            extra_root_certificates,
+            // One PUT per blob instead of POST, PATCHes and PUT: packs are a few MiB.
+            use_monolithic_push: true,
+            platform_resolver: None,
+            connect_timeout: Some(cfg.connect_timeout),
+            read_timeout: Some(cfg.request_timeout),
+            ..Default::default()
+        };
+        let client = Client::try_from(client_config).map_err(|e| RemoteError::Tls {
+            path: cfg.ca_file.clone().unwrap_or_default(),
+            reason: format!("cannot build the HTTP client: {e}"),
+        })?;
+        let auth = cfg.credentials.resolve(&registry)?;
+        Ok(Remote { cfg, client, auth, registry, prefix_path })
+    }
+
+    pub fn registry(&self) -> &str {
+        &self.registry
+    }
+
+    /// `<prefix>/<namespace>/<sandbox>`.
+    pub fn repository(&self, namespace: &str, sandbox: &str) -> String {
+        artifact::repository(&self.prefix_path, namespace, sandbox)
+    }
+
+    /// `<registry>/<repository>:turn-<N>`, the reference printed to users and named in errors.
+    pub fn reference(&self, namespace: &str, sandbox: &str, turn: u64) -> String {
+        format!("{}/{}:{}", self.registry, self.repository(namespace, sandbox), artifact::turn_tag(turn))
+    }
+
+    fn oci_reference(&self, repo: &str, tag: &str) -> Reference {
+        Reference::with_tag(self.registry.clone(), repo.to_owned(), tag.to_owned())
+    }
+
+    fn ctx<'a>(&'a self, reference: &'a str, what: &'a str, credentials: &'a str) -> Ctx<'a> {
+        Ctx { reference, registry: &self.registry, what, credentials }
+    }
+
+    /// Runs one request under its time bound, retrying transient failures.
+    async fn request<T, F, Fut>(&self, reference: &str, what: &str, bytes: u64, mut call: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = std::result::Result<T, oci_client::errors::OciDistributionError>>,
+    {
+        let bound =
+            self.cfg.request_timeout + Duration::from_secs_f64(bytes as f64 / self.cfg.min_bytes_per_sec.max(1) as f64);
+        let credentials = self.cfg.credentials.describe();
+        let mut attempt = 1;
+        loop {
+            let outcome = match tokio::time::timeout(bound, call()).await {
+                Ok(Ok(value)) => return Ok(value),
+                Ok(Err(e)) => self.ctx(reference, what, &credentials).oci(e),
+                Err(_) => RemoteError::Timeout { reference: reference.to_owned(), what: what.to_owned(), after: bound },
+            };
+            let outcome = match outcome {
+                RemoteError::Timeout { reference, what, after } if after.is_zero() => {
+                    RemoteError::Timeout { reference, what, after: self.cfg.request_timeout }
+                }
+                other => other,
+            };
+            if !outcome.is_transient() || attempt >= self.cfg.retry.attempts {
+                return Err(outcome);
+            }
+            let delay = self.cfg.retry.delay(attempt);
+            debug!(%reference, what, attempt, ?delay, error = %outcome, "retrying");
+            tokio::time::sleep(delay).await;
+            attempt += 1;
+        }
+    }
+
+    /// Pushes one turn; see the module's description. `index` is updated (and saved) with
+    /// what the registry now holds.
+    pub async fn push_turn(
+        &self,
+        index: &mut RemoteIndex,
+        push: &TurnPush,
+        source: Arc<dyn ObjectSource>,
+    ) -> Result<PushReport> {
+        let repo = self.repository(&push.namespace, &push.sandbox);
+        let tag = artifact::turn_tag(push.turn);
+        let reference = format!("{}/{repo}:{tag}", self.registry);
+        let oci_ref = self.oci_reference(&repo, &tag);
+        self.client.store_auth_if_needed(&self.registry, &self.auth).await;
+        let mut report = PushReport { reference: reference.clone(), ..Default::default() };
+        // Two rounds at most: a pack the record names but the registry lost is forgotten and
+        // its objects packed again in the second.
+        for round in 0..2 {
+            let plan = self.plan(index, push, &reference, source.clone()).await?;
+            report.new_objects = plan.new_objects;
+            report.new_object_bytes = plan.new_object_bytes;
+            report.packs_created = plan.new_packs.len() as u64;
+            let mut lost = Vec::new();
+            for blob in &plan.blobs {
+                if index.repo_has(&blob.digest, &repo) {
+                    continue;
+                }
+                let digest = blob.digest.to_oci();
+                let what = format!("HEAD of {}", blob.what);
+                if self.request(&reference, &what, 0, || self.client.blob_exists(&oci_ref, &digest)).await? {
+                    report.blobs_present += 1;
+                    index.record(blob.digest, &repo);
+                    continue;
+                }
+                if let Some(from) = index.other_repo(&blob.digest, &repo) {
+                    let from_ref = self.oci_reference(&from, "latest");
+                    let what = format!("mount of {} from {from}", blob.what);
+                    let mounted = self
+                        .request(&reference, &what, 0, || self.client.mount_blob(&oci_ref, &from_ref, &digest))
+                        .await;
+                    // A registry may answer a mount with an upload session instead (202): the
+                    // blob is then not there, and HEAD says so.
+                    if mounted.is_ok()
+                        && self.request(&reference, &what, 0, || self.client.blob_exists(&oci_ref, &digest)).await?
+                    {
+                        report.blobs_mounted += 1;
+                        index.record(blob.digest, &repo);
+                        continue;
+                    }
+                }
+                match &blob.bytes {
+                    Some(bytes) => {
+                        let what = format!("upload of {}", blob.what);
+                        self.request(&reference, &what, bytes.len() as u64, || {
+                            self.client.push_blob(&oci_ref, bytes.clone(), &digest)
+                        })
+                        .await?;
+                        report.blobs_uploaded += 1;
+                        report.bytes_uploaded += bytes.len() as u64;
+                        index.record(blob.digest, &repo);
+                    }
+                    None => lost.push(blob.digest),
+                }
+            }
+            if !lost.is_empty() {
+                if round == 1 {
+                    return Err(RemoteError::Protocol {
+                        reference,
+                        what: "push".into(),
+                        message: format!("{} blobs vanished from the registry during the push", lost.len()),
+                    });
+                }
+                warn!(%reference, lost = lost.len(), "packs this node pushed are gone from the registry; packing their objects again");
+                for pack in &lost {
+                    index.forget_pack(pack);
+                    if index.state.loose.remove(pack).is_some() {
+                        index.state.repos.remove(pack);
+                    }
+                }
+                continue;
+            }
+            // New packs are recorded only now that they are in the registry: a pusher killed
+            // during the uploads packs the same objects into the same packs again next time,
+            // and HEAD finds those it had sent.
+            for (pi, bytes) in plan.new_packs {
+                index.add_pack(pi, bytes)?;
+            }
+            for (digest, size) in &plan.new_loose {
+                index.state.loose.insert(*digest, *size);
+            }
+            // Last: the manifest, once every blob it names is in the repository.
+            let content_type = reqwest::header::HeaderValue::from_static(OCI_IMAGE_MEDIA_TYPE);
+            let manifest = bytes::Bytes::from(plan.manifest);
+            let put = self
+                .request(&reference, "manifest upload", manifest.len() as u64, || {
+                    self.client.push_manifest_raw(&oci_ref, manifest.clone(), content_type.clone())
+                })
+                .await;
+            match put {
+                Ok(_) => {
+                    report.manifest_bytes = manifest.len() as u64;
+                    report.manifest_digest = Digest::of(&manifest).to_oci();
+                    index.save()?;
+                    return Ok(report);
+                }
+                // The record said the repository held a blob it does not (deleted, GC'd): the
+                // registry refused the manifest; ask it blob by blob in the second round.
+                Err(RemoteError::NotFound { .. }) if round == 0 => {
+                    warn!(%reference, "the registry lacks blobs this node thought it held; checking each");
+                    index.forget_repo(&repo);
+                }
+                Err(e) => {
+                    index.save()?;
+                    return Err(e);
+                }
+            }
+        }
+        unreachable!("the second round returns")
+    }
+
+    /// Packs the new objects (off the async threads) and lays out the manifest.
+    async fn plan(
+        &self,
+        index: &RemoteIndex,
+        push: &TurnPush,
+        reference: &str,
+        source: Arc<dyn ObjectSource>,
+    ) -> Result<Plan> {
+        let mut wanted_packs = BTreeSet::new();
+        let mut wanted_loose = Vec::new();
+        let mut new = Vec::new();
+        let mut seen = HashSet::new();
+        for digest in &push.objects {
+            if !seen.insert(*digest) {
+                continue;
+            }
+            if let Some(location) = index.chunks.get(digest) {
+                wanted_packs.insert(location.pack);
+            } else if let Some(size) = index.state.loose.get(digest) {
+                wanted_loose.push((*digest, *size));
+            } else {
+                new.push(*digest);
+            }
+        }
+        let (cfg_target, level, loose_min) = (self.cfg.pack_target, self.cfg.zstd_level, self.cfg.loose_min);
+        let reference_owned = reference.to_owned();
+        let (packs, loose, new_bytes) = tokio::task::spawn_blocking(move || -> Result<Packed> {
+            let mut packer = Packer::new(cfg_target, level)
+                .map_err(|source| RemoteError::Pack { reference: reference_owned.clone(), source })?;
+            let mut loose = Vec::new();
+            let mut bytes = 0u64;
+            for digest in new {
+                let data = source.read(&digest).map_err(|e| RemoteError::Source {
+                    reference: reference_owned.clone(),
+                    digest,
+                    reason: e.to_string(),
+                })?;
+                bytes += data.len() as u64;
+                if data.len() >= loose_min {
+                    let actual = Digest::of(&data);
+                    if actual != digest {
+                        return Err(RemoteError::Source {
+                            reference: reference_owned.clone(),
+                            digest,
+                            reason: format!("its bytes hash to {actual}"),
+                        });
+                    }
+                    loose.push((digest, data));
+                } else {
+                    packer
+                        .add(digest, &data)
+                        .map_err(|source| RemoteError::Pack { reference: reference_owned.clone(), source })?;
+                }
+            }
+            Ok((packer.finish(), loose, bytes))
+        })
+        .await
+        .map_err(|e| RemoteError::Protocol {
+            reference: reference.to_owned(),
+            what: "packing".into(),
+            message: e.to_string(),
+        })??;
+
+        let new_objects = packs.iter().map(|p| p.index.entries.len() as u64).sum::<u64>() + loose.len() as u64;
+        let mut blobs = Vec::new();
+        let mut layers = Vec::new();
+        let mut new_packs = Vec::new();
+        let push_pack = |blobs: &mut Vec<PlannedBlob>,
+                         layers: &mut Vec<Layer>,
+                         pack: Digest,
+                         size: u64,
+                         bytes: Option<Vec<u8>>,
+                         idx: (Digest, Vec<u8>)| {
+            layers.push(Layer::Pack { digest: pack, size });
+            layers.push(Layer::PackIndex { digest: idx.0, size: idx.1.len() as u64, pack });
+            blobs.push(PlannedBlob {
+                digest: pack,
+                bytes: bytes.map(bytes::Bytes::from),
+                what: format!("pack {pack}"),
+            });
+            blobs.push(PlannedBlob {
+                digest: idx.0,
+                bytes: Some(bytes::Bytes::from(idx.1)),
+                what: format!("index of pack {pack}"),
+            });
+        };
+        for pack in &wanted_packs {
+            let size = index.chunks.pack(pack).map_or(0, |p| p.pack_len);
+            let idx = index.index_blobs.get(pack).cloned().expect("every indexed pack has its index blob");
+            push_pack(&mut blobs, &mut layers, *pack, size, None, idx);
+        }
+        for pack in packs {
+            let index_bytes = pack.index.encode();
+            let idx = (Digest::of(&index_bytes), index_bytes.clone());
+            push_pack(&mut blobs, &mut layers, pack.digest(), pack.bytes.len() as u64, Some(pack.bytes), idx);
+            new_packs.push((pack.index, index_bytes));
+        }
+        let mut new_loose = Vec::new();
+        for (digest, size) in wanted_loose {
+            layers.push(Layer::Blob { digest, size });
+            blobs.push(PlannedBlob { digest, bytes: None, what: format!("blob {digest}") });
+        }
+        for (digest, data) in loose {
+            layers.push(Layer::Blob { digest, size: data.len() as u64 });
+            new_loose.push((digest, data.len() as u64));
+            blobs.push(PlannedBlob { digest, bytes: Some(bytes::Bytes::from(data)), what: format!("blob {digest}") });
+        }
+        let turn_manifest = Digest::of(&push.turn_manifest);
+        blobs.push(PlannedBlob {
+            digest: turn_manifest,
+            bytes: Some(bytes::Bytes::from(push.turn_manifest.clone())),
+            what: "turn manifest".into(),
+        });
+        let checkpoint = Checkpoint {
+            namespace: push.namespace.clone(),
+            sandbox: push.sandbox.clone(),
+            turn: push.turn,
+            parent_turn: push.parent_turn,
+            created: push.created.clone(),
+            turn_manifest,
+            turn_manifest_size: push.turn_manifest.len() as u64,
+            layers,
+        };
+        Ok(Plan {
+            blobs,
+            manifest: checkpoint.encode(),
+            new_packs,
+            new_loose,
+            new_objects,
+            new_object_bytes: new_bytes,
+        })
+    }
+
+    /// Fetches one blob whole, refusing it unless it is exactly `size` bytes hashing to `digest`.
+    async fn fetch_blob(
+        &self,
+        oci_ref: &Reference,
+        reference: &str,
+        digest: Digest,
+        size: u64,
+        media_type: &str,
+        what: &str,
+    ) -> Result<Vec<u8>> {
+        let descriptor = OciDescriptor {
+            media_type: media_type.to_owned(),
+            digest: digest.to_oci(),
+            size: size as i64,
+            urls: None,
+            annotations: None,
+            artifact_type: None,
+        };
+        let credentials = self.cfg.credentials.describe();
+        let ctx = self.ctx(reference, what, &credentials);
+        let bound =
+            self.cfg.request_timeout + Duration::from_secs_f64(size as f64 / self.cfg.min_bytes_per_sec.max(1) as f64);
+        let mut attempt = 1;
+        loop {
+            let fetched = tokio::time::timeout(bound, async {
+                let mut stream = self.client.pull_blob_stream(oci_ref, &descriptor).await.map_err(|e| ctx.oci(e))?;
+                let mut data = Vec::with_capacity(size.min(pack::MAX_PACK_BYTES) as usize);
+                while let Some(piece) = stream.next().await {
+                    // The stream's own check fails only at the end, after yielding every byte;
+                    // crab checks the whole blob itself below, so a failure here is just the
+                    // transport's (a digest mismatch is reported by crab's check).
+                    let piece = match piece {
+                        Ok(p) => p,
+                        Err(e) if e.to_string().contains("digest") => break,
+                        Err(e) => {
+                            return Err(RemoteError::Unreachable {
+                                reference: reference.to_owned(),
+                                registry: self.registry.clone(),
+                                reason: format!("{what}: {e}"),
+                            });
+                        }
+                    };
+                    if data.len() as u64 + piece.len() as u64 > size {
+                        return Err(RemoteError::BlobTooLong {
+                            reference: reference.to_owned(),
+                            digest,
+                            expected: size,
+                        });
+                    }
+                    data.extend_from_slice(&piece);
+                }
+                Ok(data)
+            })
+            .await;
+            let error = match fetched {
+                Ok(Ok(data)) => {
+                    let actual = Digest::of(&data);
+                    if actual != digest || data.len() as u64 != size {
+                        return Err(RemoteError::DigestMismatch {
+                            reference: reference.to_owned(),
+                            digest,
+                            actual: format!("{actual} ({} bytes)", data.len()),
+                        });
+                    }
+                    return Ok(data);
+                }
+                Ok(Err(e)) => e,
+                Err(_) => RemoteError::Timeout { reference: reference.to_owned(), what: what.to_owned(), after: bound },
+            };
+            if !error.is_transient() || attempt >= self.cfg.retry.attempts {
+                return Err(error);
+            }
+            tokio::time::sleep(self.cfg.retry.delay(attempt)).await;
+            attempt += 1;
+        }
+    }
+
+    /// Pulls turn `turn` of a sandbox; see the module's description.
+    pub async fn pull_turn(
+        &self,
+        namespace: &str,
+        sandbox: &str,
+        turn: u64,
+        sink: &mut (dyn ObjectSink + Send),
+    ) -> Result<PullReport> {
+        let repo = self.repository(namespace, sandbox);
+        let tag = artifact::turn_tag(turn);
+        let reference = format!("{}/{repo}:{tag}", self.registry);
+        let oci_ref = self.oci_reference(&repo, &tag);
+        let (manifest_bytes, manifest_digest) = self
+            .request(&reference, "manifest", 0, || {
+                self.client.pull_manifest_raw(&oci_ref, &self.auth, &[OCI_IMAGE_MEDIA_TYPE])
+            })
+            .await?;
+        if manifest_bytes.len() > artifact::MAX_MANIFEST_BYTES {
+            return Err(RemoteError::BadManifest {
+                reference,
+                what: "manifest".into(),
+                reason: format!("{} bytes", manifest_bytes.len()),
+            });
+        }
+        let checkpoint = Checkpoint::decode(&manifest_bytes, &reference)?;
+        let mut report = PullReport {
+            reference: reference.clone(),
+            manifest_digest,
+            checkpoint: checkpoint.clone(),
+            turn_manifest: Vec::new(),
+            objects_received: 0,
+            blobs_pulled: 0,
+            bytes_pulled: manifest_bytes.len() as u64,
+            packs_skipped: 0,
+        };
+        let turn_manifest = self
+            .fetch_blob(
+                &oci_ref,
+                &reference,
+                checkpoint.turn_manifest,
+                checkpoint.turn_manifest_size,
+                artifact::TURN_MEDIA_TYPE,
+                "turn manifest",
+            )
+            .await?;
+        report.blobs_pulled += 1;
+        report.bytes_pulled += turn_manifest.len() as u64;
+        report.turn_manifest = turn_manifest;
+        let pack_sizes: HashMap<Digest, u64> = checkpoint
+            .layers
+            .iter()
+            .filter_map(|l| match l {
+                Layer::Pack { digest, size } => Some((*digest, *size)),
+                _ => None,
+            })
+            .collect();
+        for layer in &checkpoint.layers {
+            match layer {
+                Layer::PackIndex { digest, size, pack } => {
+                    let bytes = self
+                        .fetch_blob(&oci_ref, &reference, *digest, *size, artifact::PACK_INDEX_MEDIA_TYPE, "pack index")
+                        .await?;
+                    report.blobs_pulled += 1;
+                    report.bytes_pulled += bytes.len() as u64;
+                    let index = PackIndex::decode(&bytes)
+                        .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
+                    if index.pack != *pack || Some(&index.pack_len) != pack_sizes.get(pack) {
+                        return Err(RemoteError::BadManifest {
+                            reference,
+                            what: format!("pack index {digest}"),
+                            reason: format!(
+                                "it describes pack {} of {} bytes, the manifest pack {pack}",
+                                index.pack, index.pack_len
+                            ),
+                        });
+                    }
+                    let wanted: Vec<_> = index.entries.iter().filter(|e| !sink.has(&e.digest)).copied().collect();
+                    if wanted.is_empty() {
+                        report.packs_skipped += 1;
+                        continue;
+                    }
+                    let pack_bytes = self
+                        .fetch_blob(&oci_ref, &reference, *pack, index.pack_len, artifact::PACK_MEDIA_TYPE, "pack")
+                        .await?;
+                    report.blobs_pulled += 1;
+                    report.bytes_pulled += pack_bytes.len() as u64;
+                    index
+                        .check_pack(&pack_bytes)
+                        .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
+                    let mut reader = pack::ObjectReader::new()
+                        .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
+                    for entry in wanted {
+                        let data = reader
+                            .read(pack, &pack_bytes, &entry)
+                            .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
+                        self.put(sink, &reference, entry.digest, data)?;
+                        report.objects_received += 1;
+                    }
+                }
+                Layer::Blob { digest, size } => {
+                    if sink.has(digest) {
+                        continue;
+                    }
+                    let data = self
+                        .fetch_blob(&oci_ref, &reference, *digest, *size, artifact::BLOB_MEDIA_TYPE, "blob")
+                        .await?;
+                    report.blobs_pulled += 1;
+                    report.bytes_pulled += data.len() as u64;
+                    self.put(sink, &reference, *digest, data)?;
+                    report.objects_received += 1;
+                }
+                Layer::Pack { .. } => {}
+            }
+        }
+        Ok(report)
+    }
+
+    fn put(&self, sink: &mut (dyn ObjectSink + Send), reference: &str, digest: Digest, data: Vec<u8>) -> Result<()> {
+        sink.put(digest, data).map_err(|e| RemoteError::Source {
+            reference: reference.to_owned(),
+            digest,
+            reason: format!("storing it failed: {e}"),
+        })
+    }
+
+    /// The checkpointed turns of a sandbox in the registry, ascending.
+    pub async fn list_turns(&self, namespace: &str, sandbox: &str) -> Result<Vec<u64>> {
+        let repo = self.repository(namespace, sandbox);
+        let reference = format!("{}/{repo}", self.registry);
+        let oci_ref = self.oci_reference(&repo, "latest");
+        let tags =
+            self.request(&reference, "tag list", 0, || self.client.list_tags(&oci_ref, &self.auth, None, None)).await?;
+        let mut turns: Vec<u64> = tags.tags.iter().filter_map(|t| artifact::parse_turn_tag(t)).collect();
+        turns.sort_unstable();
+        Ok(turns)
+    }
+}
