@@ -29,12 +29,16 @@
 
 mod blocking;
 pub mod cpu;
+mod host;
 pub mod pipeline;
+#[cfg(test)]
+mod policy_tests;
 mod retry;
 mod sources;
 pub mod stdin;
 
 pub use blocking::on_store;
+pub use host::{ContainerHost, HostError, SandboxHost};
 pub use retry::{DUMP_RETRIES, RetryPolicy, with_retries};
 pub use sources::{CommitGate, EffectSource, EffectSourceError};
 
@@ -46,15 +50,15 @@ use std::time::{Instant, SystemTime};
 use tokio::sync::{Mutex, Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::cpu::{CpuSnapshot, DumpCharges, ProcCpuClock, ran_between};
+use crate::cpu::{CpuSnapshot, DumpCharges, ran_between};
 use crate::pipeline::{TurnPipeline, TurnSlot};
-use crate::stdin::{DetectorConfig, ForwardedBytes, IdleKind, IdleReport, ProcFs, StdinObserver, busy_threads};
+use crate::stdin::{DetectorConfig, ForwardedBytes, IdleKind, IdleReport, StdinObserver, busy_threads};
 use crab_inspector::{
     ClassifyOptions, Effect, EffectKind, ProcessRan, TurnClass, TurnEffects, classify, monotonic_now_ns,
 };
-use crab_runtime::{CheckpointOptions, OciRuntime};
+use crab_runtime::CheckpointOptions;
 use crab_store::turns::{Policy, RecordedClass, SandboxPolicy, TurnLog, TurnRecord, TurnSource, TurnsMode, unix_ms};
-use crab_store::{ChangedPath, CheckpointStore, ContainerRoot, MountKind, SandboxMounts, TurnInput};
+use crab_store::{ChangedPath, CheckpointStore, MountKind, SandboxMounts, TurnInput};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -64,6 +68,8 @@ pub enum EngineError {
     Log(#[from] crab_store::turns::TurnLogError),
     #[error(transparent)]
     Runtime(#[from] crab_runtime::RuntimeError),
+    #[error(transparent)]
+    Host(#[from] HostError),
     #[error("{0}")]
     Other(String),
 }
@@ -172,16 +178,11 @@ pub struct SandboxEngine {
     key: String,
     policy: SandboxPolicy,
     ctx: Arc<EngineContext>,
-    runtime: OciRuntime,
-    init_pid: u32,
+    /// The container's init, root, cgroup and dumps.
+    host: Arc<dyn SandboxHost>,
     /// The mounts of the sandbox's spec: which changed paths are on a tmpfs (captured
     /// through the container's mount), which are external state.
     mounts: SandboxMounts,
-    /// The container's root through its init, held by a pidfd (None: the init was gone
-    /// already; a capture of a tmpfs path then fails and the turn is carried).
-    container_root: Option<Arc<ContainerRoot>>,
-    /// The container's cgroup v2 directory (None: not found).
-    cgroup_dir: Option<PathBuf>,
     /// CPU time crab's dumps made the container's processes spend.
     dump_charges: std::sync::Mutex<DumpCharges>,
     work_dir: PathBuf,
@@ -194,14 +195,13 @@ pub struct SandboxEngine {
 }
 
 impl SandboxEngine {
-    /// Starts following the container of sandbox `key` (its init is
-    /// `init_pid`); `start` says whether its chain is new or continues.
+    /// Starts following the container of sandbox `key` (reached through
+    /// `host`); `start` says whether its chain is new or continues.
     pub async fn new(
         key: &crab_store::SandboxKey,
         policy: SandboxPolicy,
         ctx: Arc<EngineContext>,
-        runtime: OciRuntime,
-        init_pid: u32,
+        host: Arc<dyn SandboxHost>,
         work_dir: PathBuf,
         start: ChainStart,
     ) -> Result<Arc<Self>, EngineError> {
@@ -234,19 +234,12 @@ impl SandboxEngine {
         }
         ctx.store.remove_stale_dumps(&key);
         let mounts = sandbox_mounts(&ctx.state_dir, &key, &work_dir);
-        let container_root = match ContainerRoot::new(init_pid) {
-            Ok(root) => Some(Arc::new(root)),
-            Err(e) => {
-                tracing::error!(container, pid = init_pid, error = %e, "no pidfd of the init: changes on its tmpfs mounts cannot be checkpointed");
-                None
-            }
-        };
         let head = ctx.store.head(&key)?;
         let last_turn = log.read()?.last().map(|r| r.turn).max(head.map(|h| h.turn)).unwrap_or(0);
         if let (Some(inspector), Policy::Crab) = (&ctx.inspector, policy.policy) {
-            match crab_inspector::cgroup_id_of_pid(init_pid) {
+            match host.cgroup_id() {
                 Ok(cgroup) => {
-                    if let Err(e) = inspector.watch(&key, cgroup, init_pid).await {
+                    if let Err(e) = inspector.watch(&key, cgroup, host.init_pid()).await {
                         tracing::error!(container, error = %e, "inspector cannot watch: every turn will be checkpointed in full");
                     }
                 }
@@ -260,11 +253,8 @@ impl SandboxEngine {
             key,
             policy,
             ctx,
-            runtime,
-            init_pid,
+            host,
             mounts,
-            container_root,
-            cgroup_dir: container_cgroup_dir(init_pid),
             dump_charges: Default::default(),
             work_dir,
             log,
@@ -338,16 +328,18 @@ impl SandboxEngine {
     /// The CPU times of the container's processes now, crab-init's spawner
     /// left out (it runs for the runtime, not the workload).
     fn cpu_snapshot(&self) -> Option<CpuSnapshot> {
-        let dir = self.cgroup_dir.as_ref()?;
-        CpuSnapshot::take(&ProcCpuClock, dir, &self.runtime.helper_pids())
+        let dir = self.host.cgroup_dir()?;
+        CpuSnapshot::take(self.host.cpu(), &dir, &self.host.helper_pids())
             .inspect_err(|e| tracing::warn!(container = %self.container, error = %e, "no CPU times: the turn counts as a process turn"))
             .ok()
     }
 
     /// Threads of the container that are runnable or in uninterruptible sleep (none when unreadable).
     fn busy_threads(&self) -> std::collections::HashSet<u32> {
-        let Some(dir) = &self.cgroup_dir else { return Default::default() };
-        busy_threads(&ProcFs, dir).map(|busy| busy.into_iter().map(|(tid, _)| tid).collect()).unwrap_or_default()
+        let Some(dir) = self.host.cgroup_dir() else { return Default::default() };
+        busy_threads(self.host.procs(), &dir)
+            .map(|busy| busy.into_iter().map(|(tid, _)| tid).collect())
+            .unwrap_or_default()
     }
 
     /// Waits (boundedly) until no thread but those of `busy_before` is
@@ -511,7 +503,7 @@ impl SandboxEngine {
         if !matches!(self.policy.turns, TurnsMode::Auto | TurnsMode::Stdin) {
             return None;
         }
-        let cgroup_dir = match self.cgroup_dir.clone() {
+        let cgroup_dir = match self.host.cgroup_dir() {
             Some(dir) => dir,
             None => {
                 tracing::warn!(container = %self.container, exec = exec_id, "no cgroup v2 directory: stdin turns off for this exec");
@@ -583,7 +575,7 @@ impl SandboxEngine {
                 }
             }
             let idle = tokio::select! {
-                idle = crate::stdin::wait_until_idle(&ProcFs, pid, &cgroup_dir, forwarded.counter(), &config) => idle,
+                idle = crate::stdin::wait_until_idle(self.host.procs(), pid, &cgroup_dir, forwarded.counter(), &config) => idle,
                 _ = stop.cancelled() => return,
             };
             match idle {
@@ -685,7 +677,7 @@ impl SandboxEngine {
         if record.escalated && class != TurnClass::Clean {
             // The inspector could not see every change (lost events, async
             // I/O, an unresolved path): take every path the rootfs diff holds.
-            match upperdir_changes(self.init_pid).await {
+            match self.host.rootfs_diff().await.map_err(EngineError::from) {
                 Ok(all) => {
                     record
                         .reasons
@@ -745,7 +737,7 @@ impl SandboxEngine {
                         file_locks: true,
                         ..Default::default()
                     };
-                    self.runtime.checkpoint(&self.container, &options).await
+                    self.host.dump(&options).await
                 }
             })
             .await;
@@ -778,12 +770,12 @@ impl SandboxEngine {
             record.checkpoint_ms = clock.elapsed().as_secs_f64() * 1e3;
             return Ok(record);
         }
-        let rootfs = PathBuf::from(format!("/proc/{}/root", self.init_pid));
+        let rootfs = self.host.rootfs();
         let (container, turn, images_for_stage) = (self.key.clone(), open.turn, images.clone());
         slot.capturing(&changed);
         let staging = Instant::now();
         let tmpfs = self.mounts.tmpfs();
-        let container_root = self.container_root.clone();
+        let container_root = self.host.container_root();
         let staged = crate::blocking::on_store(&self.ctx.store, move |store| {
             // Only the mounts this turn changed are opened.
             let mut mounts = Vec::new();
@@ -853,7 +845,7 @@ impl SandboxEngine {
     async fn tmpfs_paths(&self) -> Result<Vec<ChangedPath>, EngineError> {
         let mounts = self.mounts.clone();
         let tmpfs = mounts.tmpfs();
-        let root = self.container_root.clone();
+        let root = self.host.container_root();
         let ignore = self.policy.ignore.clone();
         tokio::task::spawn_blocking(move || -> Result<Vec<ChangedPath>, EngineError> {
             let mut out = Vec::new();
@@ -889,10 +881,9 @@ impl SandboxEngine {
     /// The `every-turn` baseline: the dump plus the whole rootfs diff, written again without
     /// dedup while the next turn waits, as a plain containerd checkpoint would be.
     async fn write_full_checkpoint(&self, turn: u64, dump: &Path) -> Result<crab_store::FullCheckpoint, EngineError> {
-        let (state_dir, container, dump, pid) =
-            (self.ctx.store.state_dir().to_owned(), self.key.clone(), dump.to_owned(), self.init_pid);
+        let diff = self.host.rootfs_diff_dir()?;
+        let (state_dir, container, dump) = (self.ctx.store.state_dir().to_owned(), self.key.clone(), dump.to_owned());
         tokio::task::spawn_blocking(move || {
-            let diff = crab_store::overlay_upperdir(pid)?;
             crab_store::write_full_checkpoint(&state_dir, &container, turn, &dump, &diff)
         })
         .await
@@ -916,43 +907,7 @@ impl SandboxEngine {
                 return (TurnClass::Proc, Vec::new());
             }
         };
-        // The init's own execve races the end of Start (runc start returns
-        // before the init execs the entrypoint): it is the container coming
-        // up, which turn 0 (the image) stands for, not something a turn did.
-        // CRIU's parasite code runs inside the container's processes during a
-        // dump and writes its log to our work directory, a host path: the
-        // previous turn's checkpoint, not this turn.
-        let init_pid = self.init_pid;
-        let by_checkpoint = |e: &Effect| {
-            let paths = e.kind.paths();
-            !paths.is_empty() && paths.iter().all(|p| !p.resolved && p.path.starts_with(&self.work_dir))
-        };
-        let helpers = self.runtime.helper_pids();
-        // Before the init execs the entrypoint it is the runtime's (or
-        // crab-init's) start-up code: crab-init binds its control socket and
-        // forks the spawner there. That is the container coming up too, as is
-        // the fork that made the init and the spawner.
-        let init_exec_ns = effects
-            .effects
-            .iter()
-            .filter(|e| e.pid == init_pid && matches!(e.kind, EffectKind::Exec { .. }))
-            .map(|e| e.time_ns)
-            .max();
-        let start_up = |e: &Effect| {
-            (e.pid == init_pid && init_exec_ns.is_some_and(|exec| e.time_ns <= exec))
-                || matches!(e.kind, EffectKind::Fork { child } if child == init_pid || helpers.contains(&child))
-        };
-        let effects = TurnEffects {
-            effects: effects
-                .effects
-                .into_iter()
-                .filter(|e| !start_up(e))
-                .filter(|e| !by_checkpoint(e))
-                .filter(|e| !helpers.contains(&e.pid))
-                .collect(),
-            lost_events: effects.lost_events,
-            overflow: effects.overflow,
-        };
+        let effects = turn_effects(effects, self.host.init_pid(), &self.host.helper_pids(), &self.work_dir);
         let verdict = classify(
             &effects.effects,
             &ClassifyOptions {
@@ -1016,12 +971,6 @@ impl Drop for JobDone {
     fn drop(&mut self) {
         self.0.send_modify(|done| *done += 1);
     }
-}
-
-/// The cgroup v2 directory of `init_pid` (the container's), or None when it cannot be found.
-fn container_cgroup_dir(init_pid: u32) -> Option<PathBuf> {
-    let relative = crab_inspector::cgroup2_path_of_pid(init_pid).ok()?;
-    Some(crab_inspector::cgroup2_mount().ok()?.join(relative))
 }
 
 /// Adds to a turn what earlier turns changed but no durable checkpoint holds (their checkpoint
@@ -1095,36 +1044,47 @@ fn split_by_mount(
     (kept, external)
 }
 
-/// The distinct paths a turn changed, outside ignored prefixes. A path is
-/// "created" when the turn made it (so a new directory is captured whole).
-/// Every path in the container's overlay upperdir, as changed paths of the
-/// container's root (a whiteout is a path that is gone, which the fs delta
-/// records as a deletion).
-async fn upperdir_changes(init_pid: u32) -> Result<Vec<ChangedPath>, EngineError> {
-    tokio::task::spawn_blocking(move || -> Result<Vec<ChangedPath>, EngineError> {
-        use std::os::unix::ffi::OsStrExt;
-        let upper = crab_store::overlay_upperdir(init_pid)?;
-        let mut changed = Vec::new();
-        let mut dirs = vec![upper.clone()];
-        while let Some(dir) = dirs.pop() {
-            let entries = std::fs::read_dir(&dir)
-                .map_err(|e| EngineError::Other(format!("rootfs diff {}: {e}", dir.display())))?;
-            for entry in entries {
-                let entry = entry.map_err(|e| EngineError::Other(format!("rootfs diff {}: {e}", dir.display())))?;
-                let path = entry.path();
-                let rel = Path::new("/").join(path.strip_prefix(&upper).unwrap_or(&path));
-                changed.push(ChangedPath::modified(rel.as_os_str().as_bytes()));
-                if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                    dirs.push(path);
-                }
-            }
-        }
-        Ok(changed)
-    })
-    .await
-    .map_err(|e| EngineError::Other(format!("rootfs diff task: {e}")))?
+/// The effects of a turn that the turn's own work made: left out are the container coming up
+/// (the init before it execs the entrypoint, which races the end of Start, and the forks that
+/// made the init and the runtime's helpers: turn 0, the image, stands for them), what the
+/// runtime's helpers did (crab-init's spawner runs for the runtime, not the workload), and what
+/// the previous turn's dump did (CRIU's parasite runs inside the container's processes and
+/// writes its log to the engine's work directory, a host path).
+pub fn turn_effects(
+    effects: TurnEffects,
+    init_pid: u32,
+    helpers: &std::collections::HashSet<u32>,
+    work_dir: &Path,
+) -> TurnEffects {
+    let by_checkpoint = |e: &Effect| {
+        let paths = e.kind.paths();
+        !paths.is_empty() && paths.iter().all(|p| !p.resolved && p.path.starts_with(work_dir))
+    };
+    let init_exec_ns = effects
+        .effects
+        .iter()
+        .filter(|e| e.pid == init_pid && matches!(e.kind, EffectKind::Exec { .. }))
+        .map(|e| e.time_ns)
+        .max();
+    let start_up = |e: &Effect| {
+        (e.pid == init_pid && init_exec_ns.is_some_and(|exec| e.time_ns <= exec))
+            || matches!(e.kind, EffectKind::Fork { child } if child == init_pid || helpers.contains(&child))
+    };
+    TurnEffects {
+        effects: effects
+            .effects
+            .into_iter()
+            .filter(|e| !start_up(e))
+            .filter(|e| !by_checkpoint(e))
+            .filter(|e| !helpers.contains(&e.pid))
+            .collect(),
+        lost_events: effects.lost_events,
+        overflow: effects.overflow,
+    }
 }
 
+/// The distinct paths a turn changed, outside ignored prefixes. A path is
+/// "created" when the turn made it (so a new directory is captured whole).
 pub fn changed_paths(effects: &[Effect], ignore: &[PathBuf]) -> Vec<ChangedPath> {
     const O_CREAT: u64 = libc::O_CREAT as u64;
     let ignored = |p: &Path| {
@@ -1178,12 +1138,10 @@ mod tests {
             commit_gate: None,
             state_dir: dir.join("state"),
         });
-        let runtime = OciRuntime::new("runc", dir.join("runc"), false, crab_runtime::Reaper::default());
+        let host = Arc::new(crate::policy_tests::RecordingHost::new(dir.join("rootfs")));
         let policy = SandboxPolicy { turns, policy: Policy::Off, ..Default::default() };
         let key = crab_store::SandboxKey::new("ns", "c1").unwrap();
-        SandboxEngine::new(&key, policy, ctx, runtime, std::process::id(), dir.join("bundle/crab"), ChainStart::New)
-            .await
-            .unwrap()
+        SandboxEngine::new(&key, policy, ctx, host, dir.join("bundle/crab"), ChainStart::New).await.unwrap()
     }
 
     /// Settles the jobs and returns (turn, source, exec id) of every record.

@@ -102,6 +102,16 @@ struct {
 	__type(value, struct record);
 } scratch SEC(".maps");
 
+/* Never read or written: a global of each layout the Rust side decodes makes the skeleton
+ * generate their Rust types, against which crab-inspector checks its offsets at compile
+ * time (src/layout.rs). */
+struct crab_layouts {
+	struct record_header record_header;
+	struct path_ref path_ref;
+	struct write_key write_key;
+	struct write_seen write_seen;
+} crab_layouts = {};
+
 /* Records in `pending`. Almost always 0, which lets the sys_exit program,
  * run for every syscall of every task, return without a hash lookup. */
 __u64 pending_count = 0;

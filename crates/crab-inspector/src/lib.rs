@@ -35,6 +35,7 @@ mod buffer;
 mod cgroup;
 mod classify;
 mod effect;
+mod layout;
 mod mounts;
 mod record;
 mod source_digest;

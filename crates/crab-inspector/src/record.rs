@@ -47,20 +47,23 @@ const PATH_OUTSIDE_ROOT: u32 = 0x20;
 const PATH_ABSTRACT: u32 = 0x40;
 const PATH_INCOMPLETE: u32 = PATH_UNRESOLVED | PATH_TRUNCATED | PATH_FAULT | PATH_OUTSIDE_ROOT;
 
-// Offsets in `struct record_header` (checked by _Static_assert in inspector.h).
-const HEADER_LEN: usize = 152;
-const OFF_KIND: usize = 0;
-const OFF_PID: usize = 8;
-const OFF_TID: usize = 12;
-const OFF_CGROUP: usize = 16;
-const OFF_TS: usize = 24;
-const OFF_RET: usize = 32;
-const OFF_ARG: usize = 40;
-const OFF_COMM: usize = 64;
-const OFF_PATH: usize = 80;
-const PATH_REF_LEN: usize = 16;
-const OFF_EXTRA: usize = 112;
-const EXTRA_LEN: usize = 32;
+// Offsets in `struct record_header` and `struct path_ref`, checked at compile time against
+// the types the BPF skeleton generates from the object's BTF (see `layout.rs`).
+pub(crate) const HEADER_LEN: usize = 152;
+pub(crate) const OFF_KIND: usize = 0;
+pub(crate) const OFF_PID: usize = 8;
+pub(crate) const OFF_TID: usize = 12;
+pub(crate) const OFF_CGROUP: usize = 16;
+pub(crate) const OFF_TS: usize = 24;
+pub(crate) const OFF_RET: usize = 32;
+pub(crate) const OFF_ARG: usize = 40;
+pub(crate) const OFF_COMM: usize = 64;
+pub(crate) const OFF_PATH: usize = 80;
+pub(crate) const PATH_REF_LEN: usize = 16;
+/// In `struct path_ref`: base_off, base_len, user_off, user_len are consecutive u16s, then flags.
+pub(crate) const PATH_REF_FLAGS: usize = 8;
+pub(crate) const OFF_EXTRA: usize = 112;
+pub(crate) const EXTRA_LEN: usize = 32;
 
 const AF_UNIX: u16 = 1;
 const AF_INET: u16 = 2;
@@ -199,7 +202,7 @@ impl<'a> RawRecord<'a> {
         };
         let base = slice(field(0), field(1))?;
         let user = slice(field(2), field(3))?;
-        Ok(RawPath { flags: u32_at(self.bytes, at + 8), base, user: until_nul(user) })
+        Ok(RawPath { flags: u32_at(self.bytes, at + PATH_REF_FLAGS), base, user: until_nul(user) })
     }
 
     /// A path argument joined with the directory it was relative to.

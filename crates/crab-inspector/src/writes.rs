@@ -29,10 +29,18 @@ use std::path::PathBuf;
 
 use super::effect::{AsyncIoCall, Effect, EffectKind, EffectPath, WriteVia};
 
-/// Byte layout of `struct write_key`.
+/// Byte layout of `struct write_key` (checked against the skeleton's type in `layout.rs`).
 pub(crate) const WRITE_KEY_LEN: usize = 16;
-/// Byte layout of `struct write_seen`.
+pub(crate) const WK_INODE: usize = 0;
+pub(crate) const WK_PID: usize = 8;
+pub(crate) const WK_CHANNEL: usize = 12;
+/// Byte layout of `struct write_seen` (checked likewise).
 pub(crate) const WRITE_SEEN_LEN: usize = 40;
+pub(crate) const WS_RECORDED: usize = 0;
+pub(crate) const WS_LAST: usize = 8;
+pub(crate) const WS_CGROUP: usize = 16;
+pub(crate) const WS_START: usize = 24;
+pub(crate) const WS_UNTIMED: usize = 32;
 
 /// What a dedup key counts (mirrors `enum write_channel`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -85,9 +93,9 @@ impl WriteKey {
             return None;
         }
         Some(Self {
-            inode_key: u64::from_ne_bytes(bytes[0..8].try_into().ok()?),
-            pid: u32::from_ne_bytes(bytes[8..12].try_into().ok()?),
-            channel: Channel::from_raw(u32::from_ne_bytes(bytes[12..16].try_into().ok()?))?,
+            inode_key: u64::from_ne_bytes(bytes[WK_INODE..WK_INODE + 8].try_into().ok()?),
+            pid: u32::from_ne_bytes(bytes[WK_PID..WK_PID + 4].try_into().ok()?),
+            channel: Channel::from_raw(u32::from_ne_bytes(bytes[WK_CHANNEL..WK_CHANNEL + 4].try_into().ok()?))?,
         })
     }
 }
@@ -110,12 +118,12 @@ impl WriteSeen {
             return None;
         }
         let at = |i: usize| bytes[i..i + 8].try_into().ok().map(u64::from_ne_bytes);
-        let untimed = u32::from_ne_bytes(bytes[32..36].try_into().ok()?);
+        let untimed = u32::from_ne_bytes(bytes[WS_UNTIMED..WS_UNTIMED + 4].try_into().ok()?);
         Some(Self {
-            recorded_ns: at(0)?,
-            last_ns: at(8)?,
-            cgroup_id: at(16)?,
-            start_ns: at(24)?,
+            recorded_ns: at(WS_RECORDED)?,
+            last_ns: at(WS_LAST)?,
+            cgroup_id: at(WS_CGROUP)?,
+            start_ns: at(WS_START)?,
             untimed: untimed != 0,
         })
     }

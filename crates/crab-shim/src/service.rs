@@ -22,7 +22,7 @@ use super::io::StdioUris;
 use super::process::{Process, Status};
 use crab_config::Config;
 use crab_config::runtime_options::{self as options, CreateOptions};
-use crab_engine::{ChainStart, EngineContext, SandboxEngine};
+use crab_engine::{ChainStart, ContainerHost, EngineContext, SandboxEngine};
 use crab_runtime::{CheckpointOptions, Exit, OciRuntime, Reaper};
 use crab_store::SandboxKey;
 use crab_store::turns::{Policy, SandboxPolicy};
@@ -556,8 +556,7 @@ async fn attach_engine(
         &key,
         policy.clone(),
         ctx.clone(),
-        container.runtime.clone(),
-        pid,
+        Arc::new(ContainerHost::new(container.runtime.clone(), container.id(), pid)),
         container.work_dir(),
         start,
     )

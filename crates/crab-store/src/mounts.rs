@@ -253,33 +253,51 @@ impl ContainerMount {
     /// Every path on this mount (below its root), as absolute container paths: what an
     /// escalated turn captures when the inspector could not name the changes.
     pub fn all_paths(&self, limit: usize) -> Result<Vec<Vec<u8>>> {
-        let mut out = Vec::new();
         let start = sys::openat_beneath(self.root.fd(), c".", OFlags::RDONLY | OFlags::DIRECTORY)
             .io_ctx("open", self.root.path())?;
-        let mut dirs = vec![(start, self.destination.clone())];
-        while let Some((dir, rel)) = dirs.pop() {
-            for name in sys::read_dir_names(dir.as_fd()).io_ctx("readdir", self.root.path())? {
-                let child = rel.join(&name);
-                let mut abs = b"/".to_vec();
-                abs.extend_from_slice(child.as_bytes());
-                out.push(abs);
-                if out.len() > limit {
-                    return Err(CheckpointError::InvalidRequest(format!(
-                        "mount {} holds more than {limit} paths",
-                        self.destination
-                    )));
-                }
-                let name_c = sys::cstr(&name).io_ctx("readdir", self.root.path())?;
-                if let Ok(st) = sys::fstatat(dir.as_fd(), &name_c)
-                    && sys::file_type(&st) == libc::S_IFDIR
-                    && let Ok(sub) = sys::openat(dir.as_fd(), &name_c, OFlags::RDONLY | OFlags::DIRECTORY, 0)
-                {
-                    dirs.push((sub, child));
-                }
+        paths_below(start, &self.destination, self.root.path(), limit)
+    }
+}
+
+/// Every path of a container's rootfs diff (the overlay upper directory of the root of
+/// `pid`), as absolute container paths; a whiteout is listed too (it is a path that is gone).
+/// The directory is a host path, but the container writes below it: it is walked through
+/// descriptors, never following a link, as [`ContainerMount::all_paths`] walks a mount.
+pub fn rootfs_diff_paths(pid: u32, limit: usize) -> Result<Vec<Vec<u8>>> {
+    let upper = crate::baseline::overlay_upperdir(pid)?;
+    let start = sys::open_dir_path(&upper).io_ctx("open the rootfs diff", &upper)?;
+    let start = sys::openat_beneath(start.as_fd(), c".", OFlags::RDONLY | OFlags::DIRECTORY).io_ctx("open", &upper)?;
+    paths_below(start, &RelPath::root(), &upper, limit)
+}
+
+/// Walks the tree below the open directory `start` (which stands for `top`), opening every
+/// subdirectory by one name without following a link, and returns each path as an absolute
+/// container path. More than `limit` paths is an error naming `shown`.
+fn paths_below(start: OwnedFd, top: &RelPath, shown: &Path, limit: usize) -> Result<Vec<Vec<u8>>> {
+    let mut out = Vec::new();
+    let mut dirs = vec![(start, top.clone())];
+    while let Some((dir, rel)) = dirs.pop() {
+        for name in sys::read_dir_names(dir.as_fd()).io_ctx("readdir", shown)? {
+            let child = rel.join(&name);
+            let mut abs = b"/".to_vec();
+            abs.extend_from_slice(child.as_bytes());
+            out.push(abs);
+            if out.len() > limit {
+                return Err(CheckpointError::InvalidRequest(format!(
+                    "{} holds more than {limit} paths",
+                    shown.display()
+                )));
+            }
+            let name_c = sys::cstr(&name).io_ctx("readdir", shown)?;
+            if let Ok(st) = sys::fstatat(dir.as_fd(), &name_c)
+                && sys::file_type(&st) == libc::S_IFDIR
+                && let Ok(sub) = sys::openat(dir.as_fd(), &name_c, OFlags::RDONLY | OFlags::DIRECTORY, 0)
+            {
+                dirs.push((sub, child));
             }
         }
-        Ok(out)
     }
+    Ok(out)
 }
 
 #[cfg(test)]
