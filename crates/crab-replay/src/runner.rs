@@ -164,6 +164,7 @@ fn launch(options: &ReplayOptions, trace: &Trace, policy: PolicyKind, role: &str
             runtime: options.runtime.clone(),
             workdir: trace.header.workdir.clone(),
             annotations: vec![(crab_store::turns::ANNOTATION_POLICY.to_string(), policy.shim_policy().to_string())],
+            ignore: trace.header.ignore.clone(),
         },
     }
 }
