@@ -382,17 +382,17 @@ impl WalkEntry<'_> {
     }
 
     pub fn links(&self) -> u64 {
-        self.stat.st_nlink as u64
+        self.stat.st_nlink
     }
 
     /// The inode's identity (device, inode number): equal for the names of one hard-linked file.
     pub fn inode(&self) -> (u64, u64) {
-        (self.stat.st_dev as u64, self.stat.st_ino as u64)
+        (self.stat.st_dev, self.stat.st_ino)
     }
 
     /// The device number of a device node.
     pub fn rdev(&self) -> u64 {
-        self.stat.st_rdev as u64
+        self.stat.st_rdev
     }
 
     /// Last change of the inode, in nanoseconds: no system call a container makes sets it back.
