@@ -31,6 +31,11 @@ from pathlib import Path
 
 POLICY_ORDER = ["off", "chat-only", "every-turn", "crab"]
 FAULT_ORDER = ["kill-processes", "kill-shim", "restart-containerd", "kill-crabd", "node-loss"]
+# Faults that destroy the sandbox's state: the headline correctness is computed over these.
+STATE_DESTROYING = ["kill-processes", "kill-shim", "node-loss"]
+# Faults that leave the sandbox running (every policy, `off` included, keeps its state): shown
+# apart, as checks that the sandbox stays available and checkpointed through them.
+AVAILABILITY = ["restart-containerd", "kill-crabd"]
 CLASS_ORDER = ["clean", "fs", "proc"]
 
 # The paper's headline figures, shown beside ours.
@@ -246,7 +251,9 @@ def aggregate(reports, errors, classes):
         for name, run in by_policy.items():
             stats = policies.setdefault(name, {
                 "runs": 0, "faulted": 0, "correct": 0,
+                "availability_faulted": 0, "availability_correct": 0,
                 "checkpoints": 0, "checkpoint_failures": 0, "checkpoint_bytes": 0, "checkpoint_exported_bytes": 0,
+                "charged_bytes": 0, "referenced_bytes": 0, "runs_without_store_check": 0,
                 "paired_bytes": 0, "every_turn_bytes": 0, "every_turn_containerd_bytes": 0,
                 "delays": [], "first_checkpoint_error": None,
             })
@@ -255,8 +262,14 @@ def aggregate(reports, errors, classes):
             stats["checkpoint_failures"] += run["checkpoint_failures"]
             stats["checkpoint_bytes"] += run["checkpoint_bytes"]
             stats["checkpoint_exported_bytes"] += run.get("checkpoint_exported_bytes", 0)
+            charged = charged_bytes(run)
+            stats["charged_bytes"] += charged
+            store = run.get("store")
+            if store is not None:
+                stats["referenced_bytes"] += store.get("bytes") or 0
+                stats["runs_without_store_check"] += 0 if store.get("ok") else 1
             if every_turn is not None:
-                stats["paired_bytes"] += run["checkpoint_bytes"]
+                stats["paired_bytes"] += charged
                 stats["every_turn_bytes"] += every_turn["checkpoint_bytes"]
                 stats["every_turn_containerd_bytes"] += (every_turn["checkpoint_bytes"]
                                                          - every_turn.get("checkpoint_exported_bytes", 0))
@@ -266,8 +279,9 @@ def aggregate(reports, errors, classes):
                     (f"{report['trace']} turn {turn['turn']}: {turn['checkpoint_error']}"
                      for turn in run["turns"] if turn.get("checkpoint_error")), None)
             if run["recovered_correctly"] is not None:
-                stats["faulted"] += 1
-                stats["correct"] += 1 if run["recovered_correctly"] else 0
+                prefix = "availability_" if fault in AVAILABILITY else ""
+                stats[prefix + "faulted"] += 1
+                stats[prefix + "correct"] += 1 if run["recovered_correctly"] else 0
             if off is not None:
                 kind = "fault-free" if fault == "none" else "faulted"
                 group = run_time.setdefault(f"{kind} x{scale:g}", {}).setdefault(name, {"run_time_s": 0.0, "off_s": 0.0, "runs": 0})
@@ -282,6 +296,7 @@ def aggregate(reports, errors, classes):
         summary[name] = {
             **stats,
             "correct_pct": pct(stats["correct"], stats["faulted"]),
+            "availability_pct": pct(stats["availability_correct"], stats["availability_faulted"]),
             "bytes_vs_every_turn": ratio(stats["paired_bytes"], stats["every_turn_bytes"]),
             "bytes_vs_every_turn_in_containerd": ratio(stats["paired_bytes"], stats["every_turn_containerd_bytes"]),
             "delay_p50_s": percentile(delays, 0.50),
@@ -319,6 +334,19 @@ def aggregate(reports, errors, classes):
     }
 
 
+def charged_bytes(run):
+    """What a policy run is charged for its checkpoints. Crab's store deduplicates across every
+    sandbox of a batch, so what a run wrote can be far less than what its checkpoints need (a
+    turn identical to another run's costs nothing): a run with a store of its own is charged
+    everything its chain references (`crabctl verify`), or what it wrote if that is more.
+    every-turn writes each checkpoint whole, into containerd and out of it (both counted)."""
+    if "checkpoint_charged_bytes" in run:
+        return run["checkpoint_charged_bytes"]
+    # Reports of replays from before the field existed.
+    store = run.get("store") or {}
+    return max(run["checkpoint_bytes"], store.get("bytes") or 0)
+
+
 def human_bytes(count):
     value = float(count)
     for unit in ["B", "KiB", "MiB", "GiB"]:
@@ -332,12 +360,15 @@ def fmt(value, pattern, missing="-"):
     return missing if value is None else pattern.format(value)
 
 
-def correctness_table(correctness):
-    faults = sorted({fault for cells in correctness.values() for fault in cells},
+def correctness_table(correctness, kinds=None, total="all faults"):
+    """Per policy and fault kind, the faults among `kinds` (every kind when None), with their total."""
+    faults = sorted({fault for cells in correctness.values() for fault in cells if kinds is None or fault in kinds},
                     key=lambda fault: rank(FAULT_ORDER, fault))
     if not faults:
         return ["No faulted runs.", ""]
-    lines = ["| policy | " + " | ".join(faults) + " | all faults |",
+    correctness = {name: {fault: cell for fault, cell in cells.items() if fault in faults}
+                   for name, cells in correctness.items()}
+    lines = ["| policy | " + " | ".join(faults) + f" | {total} |",
              "|---|" + "---|" * (len(faults) + 1)]
     for name, cells in correctness.items():
         row = [f"{fmt(cells[f]['pct'], '{:.0f}%')} ({cells[f]['correct']}/{cells[f]['faulted']})"
@@ -371,29 +402,38 @@ def render_markdown(summary, meta):
                   f"raw/{pair[0]}/, they are not counted)" for pair in pairs]
     lines.append("")
 
-    lines += ["## Recovery correctness per policy and fault kind", ""]
-    lines += correctness_table(summary["correctness"])
+    lines += ["## Recovery correctness per policy and fault kind", "",
+              "Faults that destroy the sandbox's state (" + ", ".join(STATE_DESTROYING) + "); the headline:", ""]
+    lines += correctness_table(summary["correctness"], STATE_DESTROYING, "state-destroying faults")
+    lines += ["Availability checks (" + ", ".join(AVAILABILITY) + "): the sandbox keeps running through these, "
+              "so every policy keeps its state; what is checked is that the sandbox still answers and, for crab, "
+              "that every later turn is still checkpointed:", ""]
+    lines += correctness_table(summary["correctness"], AVAILABILITY, "availability faults")
     if summary["oracle_unstable_traces"]:
         lines += ["Without the traces the oracle cannot judge (`off` lost nothing in a fault, its sandbox kept "
                   "running, and it still differed from the reference: the trace's output changes from run to run "
                   "in a way the two reference runs did not catch): "
                   + ", ".join(f"`{trace}`" for trace in summary["oracle_unstable_traces"]), ""]
-        lines += correctness_table(summary["correctness_judgeable"])
+        lines += correctness_table(summary["correctness_judgeable"], STATE_DESTROYING, "state-destroying faults")
     lines += FAULT_MODEL
     lines += oracle_lines(summary["oracle"], meta)
 
     lines += [
         "## Per policy", "",
-        "| policy | recovered correctly | checkpoints (failed) | checkpoint bytes | of which exported "
-        "| bytes vs every-turn | vs its containerd part | delay p50 / turn | delay p99 / turn | delay max |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| policy | recovered correctly (state-destroying) | availability | checkpoints (failed) | written "
+        "| charged | of which exported | bytes vs every-turn | vs its containerd part | delay p50 / turn "
+        "| delay p99 / turn | delay max |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, stats in summary["policies"].items():
         correct = (f"{stats['correct_pct']:.0f}% ({stats['correct']}/{stats['faulted']})"
                    if stats["faulted"] else "- (no fault)")
+        available = (f"{stats['availability_pct']:.0f}% ({stats['availability_correct']}/"
+                     f"{stats['availability_faulted']})" if stats["availability_faulted"] else "-")
         lines.append(
-            f"| {name} | {correct} | {stats['checkpoints']} ({stats['checkpoint_failures']}) "
-            f"| {human_bytes(stats['checkpoint_bytes'])} | {human_bytes(stats['checkpoint_exported_bytes'])} "
+            f"| {name} | {correct} | {available} | {stats['checkpoints']} ({stats['checkpoint_failures']}) "
+            f"| {human_bytes(stats['checkpoint_bytes'])} | {human_bytes(stats['charged_bytes'])} "
+            f"| {human_bytes(stats['checkpoint_exported_bytes'])} "
             f"| {fmt(stats['bytes_vs_every_turn'], '{:.3f}x')} "
             f"| {fmt(stats['bytes_vs_every_turn_in_containerd'], '{:.3f}x')} "
             f"| {fmt(stats['delay_p50_s'], '{:.3f} s')} | {fmt(stats['delay_p99_s'], '{:.3f} s')} "
@@ -401,9 +441,13 @@ def render_markdown(summary, meta):
         )
     lines += [
         "",
-        "Bytes vs every-turn: the policy's checkpoint bytes over every-turn's in the same (trace, fault) "
-        "reports; every-turn's include the copy it exports out of containerd (\"of which exported\"); \"vs its "
-        "containerd part\" leaves that copy out (every-turn as it would be without node loss in its fault model). Delay: what the agent waited for the policy's checkpoint beyond its (scaled) think time "
+        "Written: what the policy's checkpoints wrote. Charged: what each run is charged, written or, for a "
+        "policy with a store of its own (crab), everything its checkpoint chain references (`crabctl verify`), "
+        "whichever is more: crab's store deduplicates across all runs of a batch, so a run can write almost "
+        "nothing for a turn another run already stored. Bytes vs every-turn: the policy's charged bytes over "
+        "every-turn's in the same (trace, fault) reports; every-turn's include the copy it exports out of "
+        "containerd (\"of which exported\"); \"vs its containerd part\" leaves that copy out (every-turn as it "
+        "would be without node loss in its fault model). Delay: what the agent waited for the policy's checkpoint beyond its (scaled) think time "
         "before the next turn; with think times scaled to 0 it is the whole checkpoint time.",
         "",
     ]
@@ -440,7 +484,7 @@ def render_markdown(summary, meta):
     lines += ["## Beside the paper", "", "| figure | paper | ours |", "|---|---|---|"]
     chat, crab = policies.get("chat-only"), policies.get("crab")
     ours_correct = (f"chat-only {fmt(chat and chat['correct_pct'], '{:.0f}%', 'n/a')} -> "
-                    f"crab {fmt(crab and crab['correct_pct'], '{:.0f}%', 'n/a')}")
+                    f"crab {fmt(crab and crab['correct_pct'], '{:.0f}%', 'n/a')} (state-destroying faults)")
     cut = crab and crab["bytes_vs_every_turn"]
     cut_local = crab and crab["bytes_vs_every_turn_in_containerd"]
     ours_traffic = f"{(1 - cut):.1%} less than every-turn ({cut:.3f}x)" if cut is not None else "n/a"
@@ -552,8 +596,8 @@ def write_plots(summary, plots_dir):
     correctness_bars = [(f"{name} / {fault}", cell["pct"])
                         for name, cells in summary["correctness"].items() for fault, cell in cells.items()]
     plots = {
-        "bytes.svg": svg_bars("Checkpoint bytes per policy", human_bytes,
-                              [(name, stats["checkpoint_bytes"]) for name, stats in policies.items()]),
+        "bytes.svg": svg_bars("Checkpoint bytes charged per policy", human_bytes,
+                              [(name, stats["charged_bytes"]) for name, stats in policies.items()]),
         "run_time.svg": svg_bars("Run-time overhead vs off", lambda value: f"{value:+.1f}%",
                                  run_time_bars or [("no data", None)]),
         "correctness.svg": svg_bars("Recovered correctly", lambda value: f"{value:.0f}%",

@@ -1,77 +1,103 @@
-//! A fingerprint of what an agent can observe in its sandbox: the files under
-//! the workdir, `/tmp` and `/root` (type, mode, owner, size, content hash,
-//! link target), the live processes' command lines and the listening TCP
-//! sockets. Two sandboxes with equal fingerprints look the same to the next turn.
+//! A fingerprint of the whole sandbox, what any later turn could observe of it:
+//! - every file of the container's mount tree (the rootfs and every mount on it: `/dev/shm`,
+//!   `/run` and any other tmpfs or volume) with its type, mode, owner, size, content hash,
+//!   extended attributes, symlink target, device number, which names share one inode (hard
+//!   links) and, for a file with holes, where its data is. Left out: [`VOLATILE`], the kernel's
+//!   and crab's own mounts of the spec, and the trace's declared ignores;
+//! - every process of the sandbox's pid namespace: command line, working directory, parent
+//!   (which tells an exec session, a child of the runtime, from a process its init adopted)
+//!   and open descriptors (files, deleted-but-open files with their size, pipes, sockets);
+//! - the sockets: TCP listeners, established TCP connections (ephemeral ports masked) and
+//!   listening unix sockets.
 //!
-//! It is computed by a small bash script exec'd inside the container, so it
-//! sees the container's own mount, pid and network namespaces.
+//! Computed from the host, never by a program in the container: the container's tools may be
+//! missing, broken or lying, and an exec would itself add a process and an exec id. The
+//! container is hostile, so the files are walked with crab-store's walker
+//! ([`crab_store::ContainerMount::walk`]: `openat2` beneath `/proc/<init>/root`, every entry
+//! opened once without following links, devices and fifos never opened) and `/proc` is only
+//! read (a descriptor's target is `stat`ed, never opened). Mtimes and atimes are not compared:
+//! a restore need not keep them, and no trace depends on them.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 
+use crab_store::{ContainerMount, ContainerRoot, MountKind, RelPath, SandboxMounts, WalkEntry};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-/// Prints NUL-terminated records: `P cmdline`, `L file local_address`,
-/// `F type mode uid:gid size path` (followed by `T target` for symlinks) and
-/// sha256sum's `HEX  path` for regular files. Processes are listed first,
-/// while the script has no children of its own; the script itself is skipped.
-pub const SCRIPT: &str = r#"set -u
-self=$$
-# A sandbox that was just started or recovered shows its init as `runc init`
-# until the runtime lets it exec its command (a while, under load): that is
-# not a state of the sandbox, so wait for it, for at most 5 s.
-for ((wait = 0; wait < 100; wait++)); do
-  init=()
-  mapfile -d '' -t init < /proc/1/cmdline 2>/dev/null || break
-  [ "${init[*]}" = "runc init" ] || break
-  sleep 0.05
-done
-for dir in /proc/[0-9]*; do
-  [ "${dir#/proc/}" = "$self" ] && continue
-  args=()
-  mapfile -d '' -t args < "$dir/cmdline" 2>/dev/null || continue
-  [ ${#args[@]} -gt 0 ] && printf 'P %s\0' "${args[*]}"
-done
-for table in /proc/net/tcp /proc/net/tcp6; do
-  [ -r "$table" ] || continue
-  while read -r _ local _ state _; do
-    [ "$state" = 0A ] && printf 'L %s %s\0' "${table##*/}" "$local"
-  done < "$table"
-done
-roots=()
-for root in "$@"; do [ -d "$root" ] && roots+=("$root"); done
-[ ${#roots[@]} -gt 0 ] || exit 0
-find "${roots[@]}" -xdev \( -type l -printf 'F l %#m %U:%G %s %p\0T %l\0' \) -o -printf 'F %y %#m %U:%G %s %p\0'
-find "${roots[@]}" -xdev -type f -print0 | xargs -0 -r sha256sum -z -- 2>/dev/null
-exit 0
-"#;
+/// Container paths whose content is the kernel's or the runtime's, not state a turn leaves:
+/// compared by nobody, whatever the spec says. `/dev/shm` (a tmpfs the agent writes) is kept.
+pub const VOLATILE: [&str; 3] = ["/proc", "/sys", "/dev"];
+/// Paths under [`VOLATILE`] that are state all the same.
+pub const KEPT: [&str; 1] = ["/dev/shm"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum FingerprintError {
-    #[error("fingerprint record {index}: {problem} ({record:?})")]
-    BadRecord { index: usize, problem: &'static str, record: String },
+    #[error("walking the sandbox's files: {0}")]
+    Walk(#[from] crab_store::CheckpointError),
+    #[error("reading {path}: {source}")]
+    Proc {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("sandbox init (pid {pid}): {source}")]
+    Init {
+        pid: u32,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("ignore entry {entry:?}: {problem}")]
+    BadIgnore { entry: String, problem: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct FileEntry {
-    /// find's `%y`: f, d, l, p, s, c, b.
+    /// f, d, l, p (fifo), s (socket), c, b.
     pub kind: char,
     pub mode: String,
     pub owner: String,
-    /// Regular files and symlinks only: a directory's size depends on its history on ext4, not on its entries.
+    /// Regular files and symlinks only: a directory's size depends on its history, not its entries.
     pub size: Option<u64>,
     pub link_target: Option<String>,
     pub sha256: Option<String>,
+    /// Extended attributes of files and directories, values hex-encoded.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub xattrs: BTreeMap<String, String>,
+    /// For a name of a multiply-linked file: the first name of the same inode in walk order
+    /// (itself for the first), and the inode's link count.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hard_link: Option<(String, u64)>,
+    /// A file with holes: its data ranges (offset, length).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data_ranges: Option<Vec<(u64, u64)>>,
+    /// Device nodes: the device number.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rdev: Option<u64>,
+}
+
+/// One process, without its pid (a restore need not keep pids).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct ProcessEntry {
+    pub cwd: String,
+    /// The parent's command line, or `(outside)` for a process whose parent is not in the
+    /// sandbox (its init, and exec sessions the runtime holds).
+    pub parent: String,
+    /// `fd:target` of each open descriptor; pipes, sockets and anonymous inodes by kind only.
+    pub fds: Vec<String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct Fingerprint {
     pub files: BTreeMap<String, FileEntry>,
-    /// Command line -> number of processes running it.
-    pub processes: BTreeMap<String, usize>,
-    /// `tcp 0100007F:1F90` style entries of listening sockets.
+    /// Command line -> its processes, sorted.
+    pub processes: BTreeMap<String, Vec<ProcessEntry>>,
+    /// Listening sockets: `tcp 0100007F:1F90`, `unix /run/app.sock`.
     pub listeners: BTreeSet<String>,
+    /// Established TCP connections (`tcp 0100007F:1F90 0100007F:*`, ephemeral ports as `*`) -> how many.
+    pub connections: BTreeMap<String, usize>,
 }
 
 /// One way two fingerprints differ. `key` is stable across runs, so keys that
@@ -88,64 +114,76 @@ impl fmt::Display for Difference {
     }
 }
 
-impl Fingerprint {
-    /// The file roots the script should walk: the workdir, `/tmp`, `/root`,
-    /// without duplicates or roots nested in another root.
-    pub fn roots(workdir: &str) -> Vec<String> {
-        let mut roots: Vec<String> = Vec::new();
-        for candidate in [workdir, "/tmp", "/root"] {
-            let candidate = candidate.trim_end_matches('/');
-            let candidate = if candidate.is_empty() { "/" } else { candidate };
-            let covered = roots.iter().any(|root| is_within(candidate, root));
-            if !covered {
-                roots.retain(|root| !is_within(root, candidate));
-                roots.push(candidate.to_string());
+/// What the fingerprint leaves out: [`VOLATILE`] but [`KEPT`], the kernel's and crab's own
+/// mounts of the sandbox's spec, and the trace's declared ignores.
+#[derive(Debug, Clone, Default)]
+pub struct Scope {
+    ignored: Vec<RelPath>,
+    kept: Vec<RelPath>,
+}
+
+impl Scope {
+    /// `ignore`: absolute container paths (a directory covers everything below it).
+    pub fn new(mounts: &SandboxMounts, ignore: &[String]) -> Result<Scope, FingerprintError> {
+        let parse = |entry: &str| {
+            if !entry.starts_with('/') {
+                return Err(FingerprintError::BadIgnore {
+                    entry: entry.into(),
+                    problem: "not an absolute path".into(),
+                });
+            }
+            RelPath::parse(entry.as_bytes())
+                .map_err(|error| FingerprintError::BadIgnore { entry: entry.into(), problem: error.to_string() })
+        };
+        let mut ignored = VOLATILE.iter().map(|path| parse(path)).collect::<Result<Vec<_>, _>>()?;
+        for path in ignore {
+            ignored.push(parse(path)?);
+        }
+        for mount in mounts.mounts() {
+            if matches!(mount.kind, MountKind::Kernel | MountKind::Crab) {
+                ignored.push(mount.destination.clone());
             }
         }
-        roots
+        let kept = KEPT.iter().map(|path| parse(path)).collect::<Result<Vec<_>, _>>()?;
+        Ok(Scope { ignored, kept })
     }
 
-    pub fn parse(output: &[u8]) -> Result<Fingerprint, FingerprintError> {
-        let mut fingerprint = Fingerprint::default();
-        let mut hashes: BTreeMap<String, String> = BTreeMap::new();
-        let mut last_link: Option<String> = None;
-        let records = output.split(|byte| *byte == 0).filter(|record| !record.is_empty());
-        for (index, record) in records.enumerate() {
-            let text = String::from_utf8_lossy(record).into_owned();
-            let bad = |problem| FingerprintError::BadRecord { index, problem, record: text.clone() };
-            if let Some(cmdline) = text.strip_prefix("P ") {
-                *fingerprint.processes.entry(cmdline.to_string()).or_default() += 1;
-            } else if let Some(listener) = text.strip_prefix("L ") {
-                fingerprint.listeners.insert(listener.to_string());
-            } else if let Some(target) = text.strip_prefix("T ") {
-                let path = last_link.take().ok_or_else(|| bad("link target without a symlink before it"))?;
-                if let Some(entry) = fingerprint.files.get_mut(&path) {
-                    entry.link_target = Some(target.to_string());
-                }
-            } else if let Some(rest) = text.strip_prefix("F ") {
-                let mut fields = rest.splitn(5, ' ');
-                let kind = fields.next().and_then(|k| k.chars().next()).ok_or_else(|| bad("no file type"))?;
-                let mode = fields.next().ok_or_else(|| bad("no mode"))?.to_string();
-                let owner = fields.next().ok_or_else(|| bad("no owner"))?.to_string();
-                let size: u64 = fields.next().and_then(|s| s.parse().ok()).ok_or_else(|| bad("no size"))?;
-                let path = fields.next().ok_or_else(|| bad("no path"))?.to_string();
-                let size = matches!(kind, 'f' | 'l').then_some(size);
-                if kind == 'l' {
-                    last_link = Some(path.clone());
-                }
-                fingerprint.files.insert(path, FileEntry { kind, mode, owner, size, link_target: None, sha256: None });
-            } else if is_sha256_line(&text) {
-                hashes.insert(text[66..].to_string(), text[..64].to_string());
-            } else {
-                return Err(bad("unknown record type"));
-            }
-        }
-        for (path, hash) in hashes {
-            if let Some(entry) = fingerprint.files.get_mut(&path) {
-                entry.sha256 = Some(hash);
-            }
-        }
-        Ok(fingerprint)
+    fn rel(path: &[u8]) -> Option<RelPath> {
+        RelPath::parse(path).ok()
+    }
+
+    /// Left out of the fingerprint.
+    pub fn ignores(&self, path: &[u8]) -> bool {
+        let Some(rel) = Scope::rel(path) else { return true };
+        let under = |roots: &[RelPath]| roots.iter().any(|root| *root == rel || root.is_ancestor_of(&rel));
+        under(&self.ignored) && !under(&self.kept)
+    }
+
+    /// Not even walked: ignored, and holding nothing that is kept.
+    fn prunes(&self, path: &[u8]) -> bool {
+        let Some(rel) = Scope::rel(path) else { return true };
+        self.ignores(path) && !self.kept.iter().any(|kept| rel.is_ancestor_of(kept))
+    }
+}
+
+/// Content hashes of files already hashed, by inode and change time: a file whose inode did
+/// not change since (same device, inode, size, mtime and ctime, which no system call sets
+/// back) is not read again. One per sandbox.
+#[derive(Debug, Default)]
+pub struct HashCache {
+    hashes: HashMap<(u64, u64, u64, i128, i128), String>,
+}
+
+impl Fingerprint {
+    /// The whole sandbox whose init is `init` (a host pid the caller just learned from the
+    /// runtime), as [`Scope`] bounds it.
+    pub fn capture(init: u32, scope: &Scope, cache: &mut HashCache) -> Result<Fingerprint, FingerprintError> {
+        let root = ContainerRoot::new(init).map_err(|source| FingerprintError::Init { pid: init, source })?;
+        let mount = root.open_mount(&RelPath::root())?;
+        let files = files_of(&mount, scope, cache)?;
+        let (processes, connections_of) = processes_of(init)?;
+        let (listeners, connections) = sockets_of(init, connections_of)?;
+        Ok(Fingerprint { files, processes, listeners, connections })
     }
 
     /// A short stable digest of the whole fingerprint, for reports.
@@ -154,7 +192,7 @@ impl Fingerprint {
         hex::encode(&Sha256::digest(&canonical)[..8])
     }
 
-    /// How `self` differs from `reference`, in key order.
+    /// How `self` differs from `reference`, in key order: files, processes, listeners, connections.
     pub fn diff(&self, reference: &Fingerprint) -> Vec<Difference> {
         let mut differences = Vec::new();
         for (path, expected) in &reference.files {
@@ -171,15 +209,19 @@ impl Fingerprint {
             differences.push(Difference { key: format!("file:{path}"), detail: "unexpected".to_string() });
         }
         let commands: BTreeSet<&String> = self.processes.keys().chain(reference.processes.keys()).collect();
+        let none = Vec::new();
         for command in commands {
-            let actual = self.processes.get(command).copied().unwrap_or(0);
-            let expected = reference.processes.get(command).copied().unwrap_or(0);
-            if actual != expected {
-                differences.push(Difference {
-                    key: format!("process:{command}"),
-                    detail: format!("{actual} running, expected {expected}"),
-                });
-            }
+            let actual = self.processes.get(command).unwrap_or(&none);
+            let expected = reference.processes.get(command).unwrap_or(&none);
+            let detail = if actual.len() != expected.len() {
+                format!("{} running, expected {}", actual.len(), expected.len())
+            } else if actual != expected {
+                let (got, want) = actual.iter().zip(expected).find(|(a, e)| a != e).expect("they differ");
+                describe_process(got, want)
+            } else {
+                continue;
+            };
+            differences.push(Difference { key: format!("process:{command}"), detail });
         }
         for listener in reference.listeners.difference(&self.listeners) {
             differences.push(Difference { key: format!("listen:{listener}"), detail: "not listening".to_string() });
@@ -187,21 +229,300 @@ impl Fingerprint {
         for listener in self.listeners.difference(&reference.listeners) {
             differences.push(Difference { key: format!("listen:{listener}"), detail: "unexpected".to_string() });
         }
+        let connections: BTreeSet<&String> = self.connections.keys().chain(reference.connections.keys()).collect();
+        for connection in connections {
+            let actual = self.connections.get(connection).copied().unwrap_or(0);
+            let expected = reference.connections.get(connection).copied().unwrap_or(0);
+            if actual != expected {
+                differences.push(Difference {
+                    key: format!("connection:{connection}"),
+                    detail: format!("{actual} open, expected {expected}"),
+                });
+            }
+        }
         differences
     }
 }
 
-fn is_within(path: &str, root: &str) -> bool {
-    root == "/" || path == root || path.strip_prefix(root).is_some_and(|rest| rest.starts_with('/'))
+/// Every file of `mount` that `scope` keeps.
+pub fn files_of(
+    mount: &ContainerMount,
+    scope: &Scope,
+    cache: &mut HashCache,
+) -> Result<BTreeMap<String, FileEntry>, FingerprintError> {
+    let mut files = BTreeMap::new();
+    let mut first_names: HashMap<(u64, u64), String> = HashMap::new();
+    mount.walk(&mut |path| scope.prunes(path), &mut |entry| {
+        if scope.ignores(entry.path()) {
+            return Ok(());
+        }
+        let path = String::from_utf8_lossy(entry.path()).into_owned();
+        let file = file_entry(entry, &path, &mut first_names, cache)?;
+        files.insert(path, file);
+        Ok(())
+    })?;
+    Ok(files)
 }
 
-fn is_sha256_line(text: &str) -> bool {
-    text.len() > 66 && text.as_bytes()[..64].iter().all(u8::is_ascii_hexdigit) && &text[64..66] == "  "
+fn file_entry(
+    entry: &WalkEntry<'_>,
+    path: &str,
+    first_names: &mut HashMap<(u64, u64), String>,
+    cache: &mut HashCache,
+) -> Result<FileEntry, crab_store::CheckpointError> {
+    let file_type = entry.file_type();
+    let kind = match file_type {
+        libc::S_IFREG => 'f',
+        libc::S_IFDIR => 'd',
+        libc::S_IFLNK => 'l',
+        libc::S_IFIFO => 'p',
+        libc::S_IFSOCK => 's',
+        libc::S_IFCHR => 'c',
+        libc::S_IFBLK => 'b',
+        _ => '?',
+    };
+    let (uid, gid) = entry.owner();
+    let hard_link = (kind != 'd' && entry.links() > 1).then(|| {
+        let first = first_names.entry(entry.inode()).or_insert_with(|| path.to_string());
+        (first.clone(), entry.links())
+    });
+    let sha256 = match entry.file()? {
+        Some(file) => Some(content_hash(entry, file, path, cache)?),
+        None => None,
+    };
+    Ok(FileEntry {
+        kind,
+        mode: format!("{:04o}", entry.mode()),
+        owner: format!("{uid}:{gid}"),
+        size: matches!(kind, 'f' | 'l').then(|| entry.size()),
+        link_target: entry.link_target()?.map(|target| String::from_utf8_lossy(&target).into_owned()),
+        sha256,
+        xattrs: entry.xattrs()?.into_iter().map(|(name, value)| (name, hex::encode(value.0))).collect(),
+        hard_link,
+        data_ranges: entry.data_ranges()?,
+        rdev: matches!(kind, 'c' | 'b').then(|| entry.rdev()),
+    })
+}
+
+/// The SHA-256 of a regular file's first `size` bytes (the size seen when it was opened: a
+/// file the container keeps appending to cannot keep us reading).
+fn content_hash(
+    entry: &WalkEntry<'_>,
+    file: std::fs::File,
+    path: &str,
+    cache: &mut HashCache,
+) -> Result<String, crab_store::CheckpointError> {
+    let (dev, ino) = entry.inode();
+    let key = (dev, ino, entry.size(), entry.modified_ns(), entry.changed_ns());
+    if let Some(hash) = cache.hashes.get(&key) {
+        return Ok(hash.clone());
+    }
+    let mut hasher = Sha256::new();
+    let mut reader = file.take(entry.size());
+    let mut buffer = vec![0u8; 1 << 16];
+    loop {
+        let read = reader.read(&mut buffer).map_err(|source| crab_store::CheckpointError::Io {
+            op: "read",
+            path: PathBuf::from(path),
+            source,
+        })?;
+        if read == 0 {
+            break;
+        }
+        hasher.update(&buffer[..read]);
+    }
+    let hash = hex::encode(hasher.finalize());
+    cache.hashes.insert(key, hash.clone());
+    Ok(hash)
+}
+
+fn read_proc(path: &Path) -> Result<Vec<u8>, FingerprintError> {
+    std::fs::read(path).map_err(|source| FingerprintError::Proc { path: path.to_path_buf(), source })
+}
+
+fn readlink_proc(path: &Path) -> Option<String> {
+    std::fs::read_link(path).ok().map(|target| target.to_string_lossy().into_owned())
+}
+
+/// Socket inodes the sandbox's processes hold, for telling its connections from others in
+/// the same network namespace (there are none today, but a shared one would have them).
+type SocketInodes = BTreeSet<u64>;
+
+/// The processes of `init`'s pid namespace, as the host sees them.
+fn processes_of(init: u32) -> Result<(BTreeMap<String, Vec<ProcessEntry>>, SocketInodes), FingerprintError> {
+    let namespace = |pid: u32| readlink_proc(Path::new(&format!("/proc/{pid}/ns/pid")));
+    let sandbox_ns =
+        namespace(init).ok_or_else(|| FingerprintError::Init { pid: init, source: std::io::Error::last_os_error() })?;
+    // Paths under the sandbox's root show as seen from the host's root: cut that prefix.
+    let root = readlink_proc(Path::new(&format!("/proc/{init}/root"))).unwrap_or_else(|| "/".to_string());
+    let root = root.trim_end_matches('/').to_string();
+    let container_path = |target: String| match target.strip_prefix(&root) {
+        Some(rest) if !root.is_empty() && (rest.is_empty() || rest.starts_with('/')) => {
+            if rest.is_empty() {
+                "/".to_string()
+            } else {
+                rest.to_string()
+            }
+        }
+        _ => target,
+    };
+    let entries =
+        std::fs::read_dir("/proc").map_err(|source| FingerprintError::Proc { path: PathBuf::from("/proc"), source })?;
+    let mut members: BTreeMap<u32, (String, u32)> = BTreeMap::new();
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()) else { continue };
+        if namespace(pid).as_deref() != Some(sandbox_ns.as_str()) {
+            continue;
+        }
+        // A process that exits meanwhile is simply not there.
+        let Ok(cmdline) = read_proc(&PathBuf::from(format!("/proc/{pid}/cmdline"))) else { continue };
+        let args: Vec<String> =
+            cmdline.split(|b| *b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into()).collect();
+        if args.is_empty() {
+            continue; // a zombie
+        }
+        let Ok(stat) = read_proc(&PathBuf::from(format!("/proc/{pid}/stat"))) else { continue };
+        members.insert(pid, (args.join(" "), stat_parent(&stat).unwrap_or(0)));
+    }
+    let mut processes: BTreeMap<String, Vec<ProcessEntry>> = BTreeMap::new();
+    let mut sockets = SocketInodes::new();
+    for (pid, (command, parent)) in &members {
+        let cwd = readlink_proc(Path::new(&format!("/proc/{pid}/cwd"))).map(&container_path).unwrap_or_default();
+        let parent = members.get(parent).map_or_else(|| "(outside)".to_string(), |(command, _)| command.clone());
+        let mut fds = Vec::new();
+        if let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
+            for fd in dir.flatten() {
+                let Some(target) = readlink_proc(&fd.path()) else { continue };
+                let number = fd.file_name().to_string_lossy().into_owned();
+                let shown = describe_fd(&target, &fd.path(), &mut sockets, &container_path);
+                fds.push((number.parse::<u32>().unwrap_or(u32::MAX), format!("{number}:{shown}")));
+            }
+        }
+        fds.sort();
+        let fds = fds.into_iter().map(|(_, fd)| fd).collect();
+        processes.entry(command.clone()).or_default().push(ProcessEntry { cwd, parent, fds });
+    }
+    for list in processes.values_mut() {
+        list.sort();
+    }
+    Ok((processes, sockets))
+}
+
+/// What a descriptor's target is, without its kernel-chosen numbers. A deleted file gets its
+/// size, from a `stat` of the magic link (which never opens what it points to).
+fn describe_fd(
+    target: &str,
+    link: &Path,
+    sockets: &mut SocketInodes,
+    container_path: &dyn Fn(String) -> String,
+) -> String {
+    if let Some(inode) = target.strip_prefix("socket:[").and_then(|rest| rest.strip_suffix(']')) {
+        if let Ok(inode) = inode.parse() {
+            sockets.insert(inode);
+        }
+        return "socket".to_string();
+    }
+    if target.starts_with("pipe:[") {
+        return "pipe".to_string();
+    }
+    if target.starts_with("anon_inode:") || !target.starts_with('/') {
+        return target.split('[').next().unwrap_or(target).to_string();
+    }
+    let shown = container_path(target.to_string());
+    match shown.strip_suffix(" (deleted)") {
+        Some(path) => {
+            let size = std::fs::metadata(link).map_or("?".to_string(), |meta| meta.len().to_string());
+            format!("{path} (deleted, {size} bytes)")
+        }
+        None => shown,
+    }
+}
+
+/// The parent pid in a `/proc/<pid>/stat` line (after the command, which may hold spaces).
+fn stat_parent(stat: &[u8]) -> Option<u32> {
+    let text = String::from_utf8_lossy(stat);
+    let rest = &text[text.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// The first port of the kernel's ephemeral range: ports from there up are chosen at random.
+fn ephemeral_start() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768)
+}
+
+/// Listening TCP and unix sockets of `init`'s network namespace, and the established TCP
+/// connections the sandbox's processes hold.
+fn sockets_of(init: u32, held: SocketInodes) -> Result<(BTreeSet<String>, BTreeMap<String, usize>), FingerprintError> {
+    let mut listeners = BTreeSet::new();
+    let mut connections = BTreeMap::new();
+    let ephemeral = ephemeral_start();
+    let mask = |address: &str| match address.rsplit_once(':') {
+        Some((host, port)) if u32::from_str_radix(port, 16).is_ok_and(|port| port >= ephemeral) => format!("{host}:*"),
+        _ => address.to_string(),
+    };
+    for table in ["tcp", "tcp6"] {
+        let path = PathBuf::from(format!("/proc/{init}/net/{table}"));
+        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        for line in text.lines().skip(1) {
+            let columns: Vec<&str> = line.split_whitespace().collect();
+            let (Some(local), Some(remote), Some(state), Some(inode)) =
+                (columns.get(1), columns.get(2), columns.get(3), columns.get(9))
+            else {
+                continue;
+            };
+            match *state {
+                "0A" => {
+                    listeners.insert(format!("{table} {local}"));
+                }
+                "01" if inode.parse().is_ok_and(|inode: u64| held.contains(&inode)) => {
+                    *connections.entry(format!("{table} {} {}", mask(local), mask(remote))).or_default() += 1;
+                }
+                _ => {}
+            }
+        }
+    }
+    let path = PathBuf::from(format!("/proc/{init}/net/unix"));
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        for line in text.lines().skip(1) {
+            let columns: Vec<&str> = line.split_whitespace().collect();
+            // Flags 00010000: __SO_ACCEPTCON, a listening socket; only named ones are state.
+            if columns.get(3) == Some(&"00010000")
+                && let Some(name) = columns.get(7)
+            {
+                listeners.insert(format!("unix {name}"));
+            }
+        }
+    }
+    Ok((listeners, connections))
+}
+
+fn describe_process(actual: &ProcessEntry, expected: &ProcessEntry) -> String {
+    let mut parts = Vec::new();
+    if actual.cwd != expected.cwd {
+        parts.push(format!("cwd {} (expected {})", actual.cwd, expected.cwd));
+    }
+    if actual.parent != expected.parent {
+        parts.push(format!("parent {:?} (expected {:?})", actual.parent, expected.parent));
+    }
+    if actual.fds != expected.fds {
+        let got: BTreeSet<&String> = actual.fds.iter().collect();
+        let want: BTreeSet<&String> = expected.fds.iter().collect();
+        let extra: Vec<&&String> = got.difference(&want).collect();
+        let missing: Vec<&&String> = want.difference(&got).collect();
+        parts.push(format!("descriptors: {extra:?} open, {missing:?} missing"));
+    }
+    parts.join(", ")
 }
 
 fn describe_change(actual: &FileEntry, expected: &FileEntry) -> String {
     fn field<T: fmt::Display + PartialEq>(name: &str, actual: T, expected: T) -> Option<String> {
         (actual != expected).then(|| format!("{name} {actual} (expected {expected})"))
+    }
+    fn debug<T: fmt::Debug + PartialEq>(name: &str, actual: &T, expected: &T) -> Option<String> {
+        (actual != expected).then(|| format!("{name} {actual:?} (expected {expected:?})"))
     }
     let size = |entry: &FileEntry| entry.size.map_or("-".to_string(), |size| size.to_string());
     let target = |entry: &FileEntry| format!("{:?}", entry.link_target.as_deref().unwrap_or(""));
@@ -212,6 +533,10 @@ fn describe_change(actual: &FileEntry, expected: &FileEntry) -> String {
         field("size", size(actual), size(expected)),
         field("link target", target(actual), target(expected)),
         (actual.sha256 != expected.sha256).then(|| "content differs".to_string()),
+        debug("xattrs", &actual.xattrs, &expected.xattrs),
+        debug("hard link", &actual.hard_link, &expected.hard_link),
+        debug("data ranges", &actual.data_ranges, &expected.data_ranges),
+        debug("device", &actual.rdev, &expected.rdev),
     ]
     .into_iter()
     .flatten()
@@ -224,98 +549,187 @@ mod tests {
     use super::*;
 
     const HASH_A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
-    const HASH_B: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
 
-    fn records(items: &[String]) -> Vec<u8> {
-        let mut bytes = Vec::new();
-        for item in items {
-            bytes.extend_from_slice(item.as_bytes());
-            bytes.push(0);
+    fn file(kind: char, sha256: Option<&str>) -> FileEntry {
+        FileEntry {
+            kind,
+            mode: "0644".into(),
+            owner: "0:0".into(),
+            size: (kind == 'f').then_some(3),
+            link_target: None,
+            sha256: sha256.map(Into::into),
+            xattrs: BTreeMap::new(),
+            hard_link: None,
+            data_ranges: None,
+            rdev: None,
         }
-        bytes
     }
 
-    fn sample(hash: &str) -> Vec<u8> {
-        records(&[
-            "P sleep infinity".to_string(),
-            "P nginx: worker process".to_string(),
-            "P nginx: worker process".to_string(),
-            "L tcp 00000000:1F90".to_string(),
-            "F d 0755 0:0 4096 /app".to_string(),
-            "F f 0644 0:0 3 /app/with space.txt".to_string(),
-            "F l 0777 0:0 4 /app/link".to_string(),
-            "T with space.txt".to_string(),
-            format!("{hash}  /app/with space.txt"),
-        ])
+    fn process(cwd: &str, fds: &[&str]) -> ProcessEntry {
+        ProcessEntry { cwd: cwd.into(), parent: "(outside)".into(), fds: fds.iter().map(|fd| fd.to_string()).collect() }
     }
 
-    #[test]
-    fn parses_every_record_type() {
-        let fingerprint = Fingerprint::parse(&sample(HASH_A)).unwrap();
-        assert_eq!(fingerprint.processes.get("nginx: worker process"), Some(&2));
-        assert_eq!(fingerprint.processes.get("sleep infinity"), Some(&1));
-        assert!(fingerprint.listeners.contains("tcp 00000000:1F90"));
-        let file = &fingerprint.files["/app/with space.txt"];
-        assert_eq!((file.kind, file.size, file.sha256.as_deref()), ('f', Some(3), Some(HASH_A)));
-        assert_eq!(fingerprint.files["/app/link"].link_target.as_deref(), Some("with space.txt"));
-        assert_eq!(fingerprint.files["/app"].size, None, "directory sizes are history, not state");
+    fn sample() -> Fingerprint {
+        let mut fingerprint = Fingerprint::default();
+        fingerprint.files.insert("/app".into(), file('d', None));
+        fingerprint.files.insert("/app/a".into(), file('f', Some(HASH_A)));
+        fingerprint.files.insert("/run/x".into(), file('f', Some(HASH_A)));
+        fingerprint.processes.insert("sleep 1".into(), vec![process("/app", &["0:/dev/null", "1:pipe"])]);
+        fingerprint.listeners.insert("tcp 0100007F:1F90".into());
+        fingerprint.connections.insert("tcp 0100007F:1F90 0100007F:*".into(), 1);
+        fingerprint
+    }
+
+    fn keys(differences: &[Difference]) -> Vec<&str> {
+        differences.iter().map(|d| d.key.as_str()).collect()
     }
 
     #[test]
     fn equal_states_have_no_differences_and_equal_digests() {
-        let a = Fingerprint::parse(&sample(HASH_A)).unwrap();
-        let b = Fingerprint::parse(&sample(HASH_A)).unwrap();
-        assert!(a.diff(&b).is_empty());
-        assert_eq!(a.digest(), b.digest());
+        assert!(sample().diff(&sample()).is_empty());
+        assert_eq!(sample().digest(), sample().digest());
     }
 
     #[test]
-    fn content_change_missing_file_process_and_listener_are_reported() {
-        let reference = Fingerprint::parse(&sample(HASH_A)).unwrap();
-        let changed = Fingerprint::parse(&sample(HASH_B)).unwrap();
+    fn every_kind_of_file_difference_is_named() {
+        let reference = sample();
+        let mut changed = sample();
+        let entry = changed.files.get_mut("/app/a").unwrap();
+        entry.xattrs.insert("user.k".into(), "76".into());
+        entry.hard_link = Some(("/app/a".into(), 2));
+        entry.data_ranges = Some(vec![(4096, 1)]);
+        entry.mode = "0600".into();
+        changed.files.remove("/run/x");
+        changed.files.insert("/etc/new".into(), file('f', Some(HASH_A)));
         let differences = changed.diff(&reference);
-        assert_eq!(differences.len(), 1);
-        assert_eq!(differences[0].key, "file:/app/with space.txt");
-        assert_eq!(differences[0].detail, "content differs");
-        let mut resized = changed.clone();
-        let entry = resized.files.get_mut("/app/with space.txt").unwrap();
-        (entry.size, entry.mode) = (Some(5), "0600".to_string());
+        assert_eq!(keys(&differences), ["file:/app/a", "file:/run/x", "file:/etc/new"]);
         assert_eq!(
-            resized.diff(&reference)[0].detail,
-            "mode 0600 (expected 0644), size 5 (expected 3), content differs"
+            differences[0].detail,
+            r#"mode 0600 (expected 0644), xattrs {"user.k": "76"} (expected {}), hard link Some(("/app/a", 2)) (expected None), data ranges Some([(4096, 1)]) (expected None)"#
         );
+        assert_eq!((differences[1].detail.as_str(), differences[2].detail.as_str()), ("missing", "unexpected"));
         assert_ne!(changed.digest(), reference.digest());
+    }
 
-        let fresh = Fingerprint::parse(&records(&[
-            "P sleep infinity".to_string(),
-            "F d 0755 0:0 4096 /app".to_string(),
-            "F f 0644 0:0 1 /app/new".to_string(),
-        ]))
-        .unwrap();
-        let keys: Vec<String> = fresh.diff(&reference).into_iter().map(|d| d.key).collect();
+    #[test]
+    fn processes_sockets_and_connections_are_compared() {
+        let reference = sample();
+        let mut moved = sample();
+        moved.processes.insert("sleep 1".into(), vec![process("/", &["0:/dev/null"])]);
+        let differences = moved.diff(&reference);
+        assert_eq!(keys(&differences), ["process:sleep 1"]);
+        assert_eq!(differences[0].detail, r#"cwd / (expected /app), descriptors: [] open, ["1:pipe"] missing"#);
+        let mut gone = sample();
+        gone.processes.clear();
+        gone.listeners.clear();
+        gone.listeners.insert("unix /run/s.sock".into());
+        gone.connections.clear();
+        let differences = gone.diff(&reference);
         assert_eq!(
-            keys,
+            keys(&differences),
             [
-                "file:/app/link",
-                "file:/app/with space.txt",
-                "file:/app/new",
-                "process:nginx: worker process",
-                "listen:tcp 00000000:1F90",
+                "process:sleep 1",
+                "listen:tcp 0100007F:1F90",
+                "listen:unix /run/s.sock",
+                "connection:tcp 0100007F:1F90 0100007F:*"
             ]
         );
+        assert_eq!(differences[0].detail, "0 running, expected 1");
+        assert_eq!(differences[3].detail, "0 open, expected 1");
+    }
+
+    const SPEC: &str = r#"{"mounts": [
+        {"destination": "/proc", "type": "proc"},
+        {"destination": "/dev", "type": "tmpfs"},
+        {"destination": "/dev/shm", "type": "tmpfs"},
+        {"destination": "/run", "type": "tmpfs"},
+        {"destination": "/sys/fs/cgroup", "type": "cgroup"},
+        {"destination": "/opt/kernelish", "type": "sysfs"},
+        {"destination": "/dev/.crab", "type": "bind", "source": "/x", "options": ["rbind"]}
+    ]}"#;
+
+    #[test]
+    fn the_scope_leaves_out_volatile_kernel_and_declared_paths_only() {
+        let mounts = SandboxMounts::from_spec(SPEC.as_bytes()).unwrap();
+        let scope = Scope::new(&mounts, &["/app/cache".to_string()]).unwrap();
+        for ignored in ["/proc/1/environ", "/sys", "/dev/null", "/dev/.crab/sock", "/opt/kernelish/x", "/app/cache/y"] {
+            assert!(scope.ignores(ignored.as_bytes()), "{ignored}");
+        }
+        for kept in ["/", "/etc/passwd", "/run/x", "/dev/shm", "/dev/shm/x", "/app/cachex", "/opt/y"] {
+            assert!(!scope.ignores(kept.as_bytes()), "{kept}");
+        }
+        // /dev is walked (for /dev/shm) though not recorded; /proc is not even walked.
+        assert!(!scope.prunes(b"/dev") && scope.ignores(b"/dev"));
+        assert!(scope.prunes(b"/proc") && scope.prunes(b"/dev/pts"));
+        let error = Scope::new(&mounts, &["relative".to_string()]).unwrap_err();
+        assert_eq!(error.to_string(), r#"ignore entry "relative": not an absolute path"#);
     }
 
     #[test]
-    fn unknown_records_are_errors() {
-        let error = Fingerprint::parse(&records(&["X what".to_string()])).unwrap_err();
-        assert!(error.to_string().contains("unknown record type"));
+    fn parent_pid_is_read_after_a_command_with_spaces_and_parentheses() {
+        assert_eq!(stat_parent(b"42 (a b) c) S 7 42 42 0"), Some(7));
+        assert_eq!(stat_parent(b"garbage"), None);
+    }
+
+    /// `files_of` over a directory of this machine, reached as a container's would be
+    /// (beneath this process's `/proc/<pid>/root`).
+    fn walk(dir: &Path) -> BTreeMap<String, FileEntry> {
+        let root = ContainerRoot::new(std::process::id()).unwrap();
+        let mount = root.open_mount(&RelPath::parse(dir.to_str().unwrap().as_bytes()).unwrap()).unwrap();
+        let scope = Scope::default();
+        let files = files_of(&mount, &scope, &mut HashCache::default()).unwrap();
+        let prefix = dir.to_str().unwrap();
+        files.into_iter().map(|(path, entry)| (path[prefix.len()..].to_string(), entry)).collect()
+    }
+
+    fn set_xattr(path: &Path, name: &str, value: &[u8]) {
+        let path = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        let name = std::ffi::CString::new(name).unwrap();
+        // SAFETY: both strings are NUL-terminated and outlive the call; value's pointer and length match.
+        let ret = unsafe { libc::setxattr(path.as_ptr(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+        assert_eq!(ret, 0, "setxattr: {}", std::io::Error::last_os_error());
     }
 
     #[test]
-    fn roots_are_deduplicated_and_nested_roots_dropped() {
-        assert_eq!(Fingerprint::roots("/app"), ["/app", "/tmp", "/root"]);
-        assert_eq!(Fingerprint::roots("/tmp/work"), ["/tmp", "/root"]);
-        assert_eq!(Fingerprint::roots("/root/"), ["/root", "/tmp"]);
-        assert_eq!(Fingerprint::roots("/"), ["/"]);
+    fn the_host_walk_sees_links_xattrs_holes_and_special_files_without_following_them() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let at = |name: &str| dir.path().join(name);
+        std::fs::write(at("a"), "abc").unwrap();
+        std::fs::hard_link(at("a"), at("b")).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", at("escape")).unwrap();
+        nix::unistd::mkfifo(&at("fifo"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        set_xattr(&at("a"), "user.crab", b"v");
+        let sparse = std::fs::File::create(at("sparse")).unwrap();
+        sparse.set_len(1 << 20).unwrap();
+        std::os::unix::fs::FileExt::write_at(&sparse, b"x", 1 << 19).unwrap();
+        sparse.sync_all().unwrap();
+
+        let files = walk(dir.path());
+        let names: Vec<&str> = files.keys().map(String::as_str).collect();
+        assert_eq!(names, ["", "/a", "/b", "/escape", "/fifo", "/sparse"]);
+        let (a, b) = (&files["/a"], &files["/b"]);
+        assert_eq!(a.sha256.as_deref(), Some("ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"));
+        assert_eq!(a.xattrs.get("user.crab").map(String::as_str), Some("76"));
+        let first = format!("{}/a", dir.path().display());
+        assert_eq!((a.hard_link.clone(), b.hard_link.clone()), (Some((first.clone(), 2)), Some((first, 2))));
+        let escape = &files["/escape"];
+        assert_eq!(
+            (escape.kind, escape.link_target.as_deref(), escape.sha256.as_ref()),
+            ('l', Some("/etc/passwd"), None)
+        );
+        assert_eq!((files["/fifo"].kind, files["/fifo"].sha256.as_ref()), ('p', None));
+        let ranges = files["/sparse"].data_ranges.clone().expect("a file with holes");
+        assert!(ranges.len() == 1 && ranges[0].0 <= 1 << 19 && ranges[0].0 + ranges[0].1 > 1 << 19, "{ranges:?}");
+        assert_eq!(files["/sparse"].size, Some(1 << 20));
+
+        // A second look at an unchanged tree is equal; every change shows.
+        assert!(walk(dir.path()) == files);
+        std::fs::write(at("b"), "abd").unwrap();
+        std::fs::remove_file(at("fifo")).unwrap();
+        let before = Fingerprint { files: files.clone(), ..Fingerprint::default() };
+        let after = Fingerprint { files: walk(dir.path()), ..Fingerprint::default() };
+        let differences = after.diff(&before);
+        assert_eq!(keys(&differences), ["file:/a", "file:/b", "file:/fifo"]);
+        assert_eq!(differences[0].detail, "content differs");
     }
 }

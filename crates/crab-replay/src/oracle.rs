@@ -288,13 +288,27 @@ mod tests {
         TurnResult::new(turn, Some(0), false, stdout.as_bytes(), stderr.as_bytes())
     }
 
+    /// A fingerprint of files given as `F kind mode owner size path`.
     fn state(records: &[&str]) -> Fingerprint {
-        let mut bytes = Vec::new();
+        let mut fingerprint = Fingerprint::default();
         for record in records {
-            bytes.extend_from_slice(record.as_bytes());
-            bytes.push(0);
+            let fields: Vec<&str> = record.splitn(6, ' ').collect();
+            let kind = fields[1].chars().next().unwrap();
+            let entry = crate::fingerprint::FileEntry {
+                kind,
+                mode: fields[2].into(),
+                owner: fields[3].into(),
+                size: (kind == 'f').then(|| fields[4].parse().unwrap()),
+                link_target: None,
+                sha256: None,
+                xattrs: Default::default(),
+                hard_link: None,
+                data_ranges: None,
+                rdev: None,
+            };
+            fingerprint.files.insert(fields[5].into(), entry);
         }
-        Fingerprint::parse(&bytes).unwrap()
+        fingerprint
     }
 
     fn run(outputs: [&str; 3], states: [&[&str]; 3]) -> ReferenceRun {

@@ -52,6 +52,11 @@ pub struct PolicyRun {
     pub checkpoint_bytes: u64,
     /// Of `checkpoint_bytes`, what went outside containerd (every-turn's archives).
     pub checkpoint_exported_bytes: u64,
+    /// What the run is charged for its checkpoints: `checkpoint_bytes`, or for a policy with a
+    /// store of its own (crab, whose store deduplicates across every sandbox of a batch, so a
+    /// run may write almost nothing for a turn another run stored) everything its chain
+    /// references (`store.bytes`) when that is more.
+    pub checkpoint_charged_bytes: u64,
     /// The policy's own check of its checkpoint store after the run (crab: `crabctl verify`).
     pub store: Option<StoreCheck>,
     pub run_time_s: f64,
@@ -215,13 +220,15 @@ fn render_trace(out: &mut String, report: &TraceReport) {
     let _ = writeln!(out);
     let _ = writeln!(
         out,
-        "{:<11} {:<16} {:<15} {:<20} {:>5} {:>10} {:>10} {:>10} {:>9} {:>9}",
+        "{:<11} {:<16} {:<15} {:<20} {:>5} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9}",
         "policy",
         "recovered",
         "state",
         "later turns",
         "ckpts",
-        "ckpt bytes",
+        "written",
+        "charged",
+        "exported",
         "delay mean",
         "delay max",
         "recovery",
@@ -232,13 +239,15 @@ fn render_trace(out: &mut String, report: &TraceReport) {
         let recovery = run.fault.as_ref().map_or("-".to_string(), |fault| format!("{:.2} s", fault.recovery_s));
         let _ = writeln!(
             out,
-            "{:<11} {:<16} {:<15} {:<20} {:>5} {:>10} {:>8.2} s {:>8.2} s {:>9} {:>7.1} s",
+            "{:<11} {:<16} {:<15} {:<20} {:>5} {:>10} {:>10} {:>10} {:>8.2} s {:>8.2} s {:>9} {:>7.1} s",
             run.policy.name(),
             recovered,
             state,
             later,
             run.checkpoints,
             human_bytes(run.checkpoint_bytes),
+            human_bytes(run.checkpoint_charged_bytes),
+            human_bytes(run.checkpoint_exported_bytes),
             run.agent_delay.mean_s,
             run.agent_delay.max_s,
             recovery,

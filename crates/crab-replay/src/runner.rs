@@ -164,6 +164,7 @@ fn launch(options: &ReplayOptions, trace: &Trace, policy: PolicyKind, role: &str
             runtime: options.runtime.clone(),
             workdir: trace.header.workdir.clone(),
             annotations: vec![(crab_store::turns::ANNOTATION_POLICY.to_string(), policy.shim_policy().to_string())],
+            ignore: trace.header.ignore.clone(),
         },
     }
 }
@@ -440,11 +441,22 @@ fn policy_report(
         checkpoint_failures: turns.iter().filter(|turn| turn.checkpoint_error.is_some()).count() as u32,
         checkpoint_bytes: turns.iter().map(|turn| turn.checkpoint_bytes).sum(),
         checkpoint_exported_bytes: turns.iter().map(|turn| turn.checkpoint_exported_bytes).sum(),
+        checkpoint_charged_bytes: charged_bytes(
+            turns.iter().map(|turn| turn.checkpoint_bytes).sum(),
+            outcome.store.as_ref(),
+        ),
         run_time_s: outcome.run_time.as_secs_f64(),
         agent_delay: DelaySummary::of(turns.iter().map(|turn| turn.agent_visible_delay_s)),
         fault,
         turns,
     })
+}
+
+/// What a run is charged for its checkpoints: what it wrote, or everything its chain
+/// references when its store holds more for it (written by another run of the batch and
+/// deduplicated against).
+fn charged_bytes(written: u64, store: Option<&StoreCheck>) -> u64 {
+    written.max(store.map_or(0, |store| store.bytes))
 }
 
 /// The oracle's verdict, and for a fault that strikes the checkpoint
@@ -511,6 +523,13 @@ mod tests {
         // Baselines keep no store of their own to verify.
         assert!(recovered_correctly(&fault(FaultKind::KillCrabd, true, 0), None));
         assert!(!recovered_correctly(&fault(FaultKind::KillCrabd, false, 0), Some(&store(true))));
+    }
+
+    #[test]
+    fn a_run_is_charged_what_its_chain_references_when_that_is_more() {
+        assert_eq!(charged_bytes(40, Some(&store(true))), 100, "deduplicated against another run's blobs");
+        assert_eq!(charged_bytes(400, Some(&store(true))), 400);
+        assert_eq!(charged_bytes(40, None), 40, "no store of its own");
     }
 
     #[test]

@@ -7,7 +7,8 @@ use serde::Deserialize;
 use tracing::{debug, warn};
 
 use super::archive::Descriptor;
-use super::fingerprint::{Fingerprint, FingerprintError, SCRIPT};
+use super::fingerprint::{Fingerprint, FingerprintError, HashCache, Scope};
+use super::injector::task_entry;
 use crabctl::containerd::ctr::{Ctr, CtrError, CtrOutput};
 
 #[derive(Debug, thiserror::Error)]
@@ -24,6 +25,8 @@ pub enum SandboxError {
         #[source]
         source: FingerprintError,
     },
+    #[error("sandbox {container}: {problem}")]
+    Task { container: String, problem: String },
 }
 
 /// What a sandbox is made from.
@@ -34,6 +37,9 @@ pub struct SandboxSpec {
     pub workdir: String,
     /// OCI annotations, e.g. `io.crab.policy` to choose what the crab shim itself saves.
     pub annotations: Vec<(String, String)>,
+    /// Container paths the fingerprint leaves out besides its own volatile ones (the trace's
+    /// declared ignores).
+    pub ignore: Vec<String>,
 }
 
 /// The agent-visible result of one exec'd command.
@@ -80,6 +86,8 @@ pub struct Sandbox {
     id: String,
     spec: SandboxSpec,
     next_exec: u64,
+    /// Content hashes of files the fingerprint read, reused while their inodes are unchanged.
+    hashes: HashCache,
 }
 
 impl Sandbox {
@@ -93,14 +101,26 @@ impl Sandbox {
         args.extend([spec.image.clone(), id.to_string(), "sleep".to_string(), "infinity".to_string()]);
         ctr.run(&args).await?;
         debug!(container = id, image = %spec.image, runtime = %spec.runtime, "sandbox created");
-        Ok(Sandbox { ctr: ctr.clone(), id: id.to_string(), spec: spec.clone(), next_exec: 0 })
+        Ok(Sandbox {
+            ctr: ctr.clone(),
+            id: id.to_string(),
+            spec: spec.clone(),
+            next_exec: 0,
+            hashes: HashCache::default(),
+        })
     }
 
     /// Recreates container `id` from a checkpoint image, processes and rw layer included.
     pub async fn restore(ctr: &Ctr, id: &str, spec: &SandboxSpec, reference: &str) -> Result<Sandbox, SandboxError> {
         ctr.run(&["containers", "restore", "--live", "--rw", id, reference]).await?;
         debug!(container = id, checkpoint = reference, "sandbox restored");
-        Ok(Sandbox { ctr: ctr.clone(), id: id.to_string(), spec: spec.clone(), next_exec: 0 })
+        Ok(Sandbox {
+            ctr: ctr.clone(),
+            id: id.to_string(),
+            spec: spec.clone(),
+            next_exec: 0,
+            hashes: HashCache::default(),
+        })
     }
 
     /// A handle on container `id`, already running (recreated by someone
@@ -112,6 +132,7 @@ impl Sandbox {
             id: previous.id.clone(),
             spec: previous.spec.clone(),
             next_exec: previous.next_exec,
+            hashes: HashCache::default(),
         }
     }
 
@@ -181,14 +202,33 @@ impl Sandbox {
         }
     }
 
+    /// The whole sandbox as [`Fingerprint::capture`] sees it from the host.
     pub async fn fingerprint(&mut self) -> Result<Fingerprint, SandboxError> {
-        let roots = Fingerprint::roots(&self.spec.workdir);
-        let mut argv = vec!["bash", "-c", SCRIPT, "crab-fingerprint"];
-        argv.extend(roots.iter().map(String::as_str));
-        let (_, args) = self.exec_args(&argv);
-        let output = self.ctr.run(&args).await?;
-        Fingerprint::parse(&output.stdout)
-            .map_err(|source| SandboxError::Fingerprint { container: self.id.clone(), source })
+        let task = |problem: String| SandboxError::Task { container: self.id.clone(), problem };
+        let listing = self.ctr.run(&["tasks", "ls"]).await?.stdout_text();
+        let (init, status) = task_entry(&listing, &self.id).ok_or_else(|| task("has no task".to_string()))?;
+        if status != "RUNNING" {
+            return Err(task(format!("its task is {status}, not RUNNING")));
+        }
+        let info = self.ctr.run(&["containers", "info", &self.id]).await?.stdout;
+        let spec = serde_json::from_slice::<serde_json::Value>(&info)
+            .ok()
+            .and_then(|info| info.get("Spec").map(serde_json::to_vec))
+            .and_then(Result::ok)
+            .ok_or_else(|| task("`ctr containers info` shows no spec".to_string()))?;
+        let mounts = crab_store::SandboxMounts::from_spec(&spec).map_err(task)?;
+        let scope = Scope::new(&mounts, &self.spec.ignore)
+            .map_err(|source| SandboxError::Fingerprint { container: self.id.clone(), source })?;
+        wait_for_exec(init).await;
+        let mut hashes = std::mem::take(&mut self.hashes);
+        let (captured, hashes) = tokio::task::spawn_blocking(move || {
+            let captured = Fingerprint::capture(init, &scope, &mut hashes);
+            (captured, hashes)
+        })
+        .await
+        .map_err(|error| task(format!("the fingerprint's thread failed: {error}")))?;
+        self.hashes = hashes;
+        captured.map_err(|source| SandboxError::Fingerprint { container: self.id.clone(), source })
     }
 
     /// The fault: SIGKILL every process of the container, as an OOM kill or a
@@ -245,6 +285,18 @@ impl Sandbox {
             });
         }
         Sandbox::restore(ctr, id, spec, reference).await
+    }
+}
+
+/// A sandbox that was just started or recovered shows its init as `runc init` until the
+/// runtime lets it exec its command (a while, under load): that is not a state of the
+/// sandbox, so it is waited for, for at most 5 s.
+async fn wait_for_exec(init: u32) {
+    for _ in 0..100 {
+        match std::fs::read(format!("/proc/{init}/cmdline")) {
+            Ok(cmdline) if cmdline == b"runc\0init\0" => tokio::time::sleep(Duration::from_millis(50)).await,
+            _ => return,
+        }
     }
 }
 

@@ -86,6 +86,9 @@ pub struct TraceHeader {
     pub workdir: String,
     pub image: TraceImage,
     pub turns: u32,
+    /// Absolute container paths the oracle's fingerprint leaves out (state the trace knows to
+    /// be nondeterministic or irrelevant), besides its own volatile ones.
+    pub ignore: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -184,7 +187,8 @@ impl<'a> Fields<'a> {
             }
         };
         let turns = self.unsigned("turns")?;
-        Ok(TraceHeader { trace, mode, workdir, image, turns })
+        let ignore = self.optional(|fields| fields.absolute_paths("ignore"), "ignore")?.unwrap_or_default();
+        Ok(TraceHeader { trace, mode, workdir, image, turns, ignore })
     }
 
     fn turn(&self) -> Result<Turn, TraceError> {
@@ -236,6 +240,19 @@ impl<'a> Fields<'a> {
             return Err(self.bad(field, format!("{text:?} is not a plain project/version name")));
         }
         Ok(text)
+    }
+
+    fn absolute_paths(&self, field: &'static str) -> Result<Vec<String>, TraceError> {
+        let value = self.get(field)?;
+        let Value::Array(items) = value else { return Err(self.wrong_type(field, "an array of paths", value)) };
+        items
+            .iter()
+            .map(|item| match item {
+                Value::String(path) if path.starts_with('/') => Ok(path.clone()),
+                Value::String(path) => Err(self.bad(field, format!("{path:?} is not an absolute path"))),
+                other => Err(self.wrong_type(field, "an array of paths", other)),
+            })
+            .collect()
     }
 
     fn unsigned(&self, field: &'static str) -> Result<u32, TraceError> {

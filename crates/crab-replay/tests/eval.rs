@@ -46,10 +46,10 @@ fn aggregates_the_synthetic_matrix() {
 
     let summary: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
-    // Traces a and b; a under kill-processes and fault-free at real think
-    // times (raw/realtime/), b under kill-processes and node-loss.
+    // Traces a and b; a under kill-processes, restart-containerd and fault-free
+    // at real think times (raw/realtime/), b under kill-processes and node-loss.
     assert_eq!(summary["traces"], 2);
-    assert_eq!(summary["reports"], 4);
+    assert_eq!(summary["reports"], 5);
     assert_eq!(summary["failed_traces"][0]["trace"], "c");
     let policies = &summary["policies"];
     assert_eq!(policies.as_object().unwrap().len(), 4);
@@ -62,28 +62,39 @@ fn aggregates_the_synthetic_matrix() {
     assert!(close(&correctness["every-turn"]["kill-processes"]["pct"], 100.0));
     assert!(close(&correctness["every-turn"]["node-loss"]["pct"], 0.0));
     assert!(correctness["crab"].get("none").is_none());
+    assert!(close(&correctness["off"]["restart-containerd"]["pct"], 100.0));
+    // The headline counts the state-destroying faults only; restart-containerd is an availability check.
     assert_eq!((policies["crab"]["correct"].as_u64(), policies["crab"]["faulted"].as_u64()), (Some(2), Some(3)));
+    assert_eq!(
+        (policies["off"]["availability_correct"].as_u64(), policies["off"]["availability_faulted"].as_u64()),
+        (Some(1), Some(1))
+    );
     assert!(close(&policies["off"]["correct_pct"], 0.0));
 
     // Bytes against every-turn's in the same reports: crab's fault-free run
-    // has no every-turn beside it and stays out of the ratio.
-    assert_eq!(policies["every-turn"]["checkpoint_bytes"], 7000);
-    assert_eq!(policies["crab"]["checkpoint_bytes"], 800);
-    assert!(close(&policies["crab"]["bytes_vs_every_turn"], 700.0 / 7000.0));
+    // has no every-turn beside it and stays out of the ratio. Crab's node-loss
+    // run of b wrote 300 B but its chain references 450 B: it is charged 450;
+    // its kill-processes run has no verified chain and is charged what it wrote.
+    assert_eq!(policies["every-turn"]["checkpoint_bytes"], 8000);
+    assert_eq!(policies["crab"]["checkpoint_bytes"], 900);
+    assert_eq!(policies["crab"]["charged_bytes"], 1050);
+    assert_eq!(policies["crab"]["referenced_bytes"], 450);
+    assert_eq!(policies["crab"]["runs_without_store_check"], 1);
+    assert!(close(&policies["crab"]["bytes_vs_every_turn"], 950.0 / 8000.0));
     assert!(close(&policies["every-turn"]["bytes_vs_every_turn"], 1.0));
-    assert!(close(&policies["crab"]["bytes_vs_every_turn_in_containerd"], 700.0 / 3500.0));
-    assert_eq!(policies["every-turn"]["checkpoint_exported_bytes"], 3500);
+    assert!(close(&policies["crab"]["bytes_vs_every_turn_in_containerd"], 950.0 / 4000.0));
+    assert_eq!(policies["every-turn"]["checkpoint_exported_bytes"], 4000);
 
     // Run time against off in the same report, fault-free and faulted apart.
     let run_time = &summary["run_time_vs_off"];
     assert!(close(&run_time["fault-free x1"]["crab"]["vs_off"], 100.5 / 100.0));
-    assert!(close(&run_time["faulted x0"]["every-turn"]["vs_off"], 66.0 / 50.0));
-    assert_eq!(run_time["faulted x0"]["crab"]["runs"], 3);
+    assert!(close(&run_time["faulted x0"]["every-turn"]["vs_off"], 80.0 / 60.0));
+    assert_eq!(run_time["faulted x0"]["crab"]["runs"], 4);
 
-    // Nearest-rank percentiles of crab's per-turn delays 0.1, 0.3, 0.2, 0.4, 0.2, 0.4, 0, 0.
+    // Nearest-rank percentiles of crab's per-turn delays 0.1, 0.3, 0.1, 0.3, 0.2, 0.4, 0.2, 0.4, 0, 0.
     assert!(close(&policies["crab"]["delay_p50_s"], 0.2));
     assert!(close(&policies["crab"]["delay_p99_s"], 0.4));
-    assert_eq!(policies["crab"]["turns"], 8);
+    assert_eq!(policies["crab"]["turns"], 10);
 
     let classes = &summary["classes"];
     assert_eq!(classes["turns"], 4);
@@ -99,16 +110,31 @@ fn aggregates_the_synthetic_matrix() {
         .map(|row| report.find(row).unwrap_or_else(|| panic!("no row {row} in {report}")))
         .collect();
     assert!(rows.windows(2).all(|pair| pair[0] < pair[1]), "{report}");
-    assert!(report.contains("| policy | kill-processes | node-loss | all faults |"), "{report}");
+    assert!(report.contains("| policy | kill-processes | node-loss | state-destroying faults |"), "{report}");
     assert!(report.contains("| crab | 50% (1/2) | 100% (1/1) | **67%** (2/3) |"), "{report}");
+    assert!(report.contains("| policy | restart-containerd | availability faults |"), "{report}");
+    assert!(report.contains("| off | 100% (1/1) | **100%** (1/1) |"), "{report}");
     assert!(
-        report.contains("| crab | 67% (2/3) | 8 (0) | 800 B | 0 B | 0.100x | 0.200x | 0.200 s | 0.400 s | 0.400 s |"),
+        report.contains(
+            "| crab | 67% (2/3) | 100% (1/1) | 10 (0) | 900 B | 1.0 KiB | 0 B | 0.119x | 0.237x | 0.200 s | 0.400 s | 0.400 s |"
+        ),
         "{report}"
     );
     // every-turn's bytes include its archives outside containerd (half of them in the fixture).
-    assert!(report.contains("| every-turn | 67% (2/3) | 6 (0) | 6.8 KiB | 3.4 KiB | 1.000x | 2.000x |"), "{report}");
+    assert!(
+        report.contains(
+            "| every-turn | 67% (2/3) | 100% (1/1) | 8 (0) | 7.8 KiB | 7.8 KiB | 3.9 KiB | 1.000x | 2.000x |"
+        ),
+        "{report}"
+    );
     assert!(report.contains("| fault-free x1 | crab | 100.5 s | 100.0 s | 1.005x | 1 |"), "{report}");
-    assert!(report.contains("| checkpoint traffic | up to 87% less checkpoint traffic than every-turn | 90.0% less than every-turn (0.100x); 0.200x its writes into containerd alone |"), "{report}");
+    assert!(report.contains("| checkpoint traffic | up to 87% less checkpoint traffic than every-turn | 88.1% less than every-turn (0.119x); 0.237x its writes into containerd alone |"), "{report}");
+    assert!(
+        report.contains(
+            "| recovery correctness | chat-only 8% -> crab 100% | chat-only 33% -> crab 67% (state-destroying faults) |"
+        ),
+        "{report}"
+    );
     assert!(
         report
             .contains("| run time | within 1.9% of fault-free run time | +0.5% vs off (fault-free, think times x1) |"),

@@ -177,12 +177,11 @@ async fn crab_recovers_from_every_fault_kind_and_the_later_turns_match() {
         run_of(&report_for(&reports, FaultKind::RestartContainerd).runs, PolicyKind::Crab).fault.clone().unwrap();
     assert!(restart.detail.contains("started again") && restart.detail.ends_with("task RUNNING"), "{}", restart.detail);
     // crabd is gone, yet turn 4 (it appends to a file) was checkpointed and
-    // the chain verifies up to it. The shim numbers turns by exec, and the
-    // oracle's look at the sandbox after the fault is one: replay turn 4 is
-    // the shim's turn 5.
+    // the chain verifies up to it. The shim numbers turns by exec; the oracle
+    // looks at the sandbox from the host, with no exec of its own.
     let crabd = run_of(&report_for(&reports, FaultKind::KillCrabd).runs, PolicyKind::Crab);
     assert!(crabd.fault.as_ref().unwrap().detail.starts_with("SIGKILL to crabd (pid "), "{:?}", crabd.fault);
-    assert_eq!(crabd.store.as_ref().unwrap().head_turn, Some(5), "{:?}", crabd.store);
+    assert_eq!(crabd.store.as_ref().unwrap().head_turn, Some(4), "{:?}", crabd.store);
     assert!(crabd.turns[3].checkpoint_bytes > 0, "{:?}", crabd.turns[3]);
 }
 
@@ -246,4 +245,126 @@ async fn restart_containerd_without_a_start_command_fails_before_any_sandbox() {
     let error = replay(&options).await.unwrap_err();
     assert!(matches!(error, ReplayError::Fault { fault: FaultKind::RestartContainerd, .. }), "{error:?}");
     assert!(error.to_string().contains("--containerd-start"), "{error}");
+}
+
+/// Writes outside the workdir, `/tmp` and `/root` (the old fingerprint's three directories)
+/// that no later turn reads: only an oracle that looks at the whole sandbox sees chat-only
+/// lose them.
+const OUTSIDE: &str = r#"{"trace": "outside-itest", "source": "crab tests", "mode": "exec", "workdir": "/app", "image": "terminal", "turns": 3}
+{"turn": 1, "think_s": 0.1, "cmd": "echo v > /etc/crab-probe && mkdir -p /run/crab && echo r > /run/crab/x", "timeout_s": 30}
+{"turn": 2, "think_s": 0.1, "cmd": "echo ok", "timeout_s": 30}
+{"turn": 3, "think_s": 0.1, "cmd": "echo done", "timeout_s": 30}
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_oracle_sees_state_outside_the_workdir_tmp_and_root() {
+    let _containerd = CONTAINERD.lock().await;
+    let file = trace_file(OUTSIDE);
+    let mut options = options(vec![file.path().to_path_buf()], "io.containerd.runc.v2");
+    options.policies = vec![PolicyKind::ChatOnly];
+    options.ref_runs = 1;
+    let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
+    let chat_only = run_of(&reports[0].runs, PolicyKind::ChatOnly);
+    let verdict = chat_only.fault.as_ref().unwrap().verdict.as_ref().unwrap();
+    // Every later turn matches: only the state shows what was lost.
+    assert!(verdict.rc_mismatches.is_empty() && verdict.output_mismatches.is_empty(), "{verdict:?}");
+    assert_eq!(chat_only.recovered_correctly, Some(false), "{verdict:?}");
+    let keys: Vec<&str> = verdict.state_differences.iter().map(|d| d.key.as_str()).collect();
+    for lost in ["file:/etc/crab-probe", "file:/run/crab", "file:/run/crab/x"] {
+        assert!(keys.contains(&lost), "{lost} not in {keys:?}");
+    }
+}
+
+/// The synthetic traces of `traces/adversarial`, each touching one kind of state.
+fn adversarial(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("../../traces/adversarial/{name}.jsonl"))
+}
+
+/// One trace doing what each of `names` does, turn by turn (each kind's command in a
+/// subshell of its own, its exit code printed): a sandbox per fault for all of them keeps
+/// the test to seconds. Every adversarial trace has three turns.
+fn combined(names: &[&str]) -> tempfile::NamedTempFile {
+    let traces: Vec<crab_replay::trace::Trace> = names
+        .iter()
+        .map(|name| crab_replay::trace::Trace::load(&adversarial(name)).unwrap_or_else(|e| panic!("{e}")))
+        .collect();
+    let mut text =
+        r#"{"trace": "adversarial-combined", "mode": "exec", "workdir": "/app", "image": "terminal", "turns": 3}"#
+            .to_string();
+    for turn in 0..3 {
+        let cmd: Vec<String> = names
+            .iter()
+            .zip(&traces)
+            .map(|(name, trace)| format!("( {} ); echo \"[{name}: $?]\"", trace.turns[turn].cmd))
+            .collect();
+        let line = serde_json::json!({"turn": turn + 1, "think_s": 0.1, "cmd": cmd.join("\n"), "timeout_s": 60});
+        text.push('\n');
+        text.push_str(&line.to_string());
+    }
+    trace_file(&text)
+}
+
+const EVERY_FAULT: [FaultKind; 5] = [
+    FaultKind::KillProcesses,
+    FaultKind::KillShim,
+    FaultKind::RestartContainerd,
+    FaultKind::KillCrabd,
+    FaultKind::NodeLoss,
+];
+
+/// Replays `file` under crab and every fault (after turn 2); panics naming every fault whose
+/// recovery the oracle did not judge correct, with its first differences.
+async fn crab_recovers_under_every_fault(file: &std::path::Path) {
+    let mut options = options(vec![file.to_path_buf()], "io.containerd.crab.v2");
+    options.policies = vec![PolicyKind::Crab];
+    options.faults = EVERY_FAULT.to_vec();
+    options.ref_runs = 1;
+    let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
+    let mut failures = Vec::new();
+    for kind in EVERY_FAULT {
+        let crab = run_of(&report_for(&reports, kind).runs, PolicyKind::Crab);
+        if crab.recovered_correctly == Some(true) {
+            continue;
+        }
+        let fault = crab.fault.as_ref().unwrap();
+        let first: Vec<String> = fault
+            .verdict
+            .iter()
+            .flat_map(|verdict| verdict.state_differences.iter().take(5).map(ToString::to_string))
+            .collect();
+        let outputs = fault.verdict.as_ref().map(|verdict| &verdict.output_differences);
+        failures.push(format!("{kind}: error {:?}, state {first:?}, outputs {outputs:?}", fault.error));
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Kinds of state crab restores exactly under every fault.
+const ADVERSARIAL_PASSING: [&str; 10] = [
+    "tmpfs-writes",
+    "deleted-open",
+    "sparse-file",
+    "xattrs",
+    "fifo",
+    "unix-socket",
+    "double-fork-daemon",
+    "tcp-connection",
+    "file-lock",
+    "huge-directory",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crab_recovers_the_adversarial_traces_exactly_under_every_fault() {
+    let _containerd = CONTAINERD.lock().await;
+    let file = combined(&ADVERSARIAL_PASSING);
+    crab_recovers_under_every_fault(file.path()).await;
+}
+
+/// `traces/adversarial/hard-links`: three names of one inode, then a write through one of
+/// them. After kill-processes, kill-shim and node-loss crab restores the written name as a
+/// file of its own: the link is split and the other names keep the old content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "crab defect: a hard-linked file written through one name is restored as a separate inode; the other names keep the old content (link count 3 -> 2)"]
+async fn crab_restores_a_hard_linked_file_written_through_one_name() {
+    let _containerd = CONTAINERD.lock().await;
+    crab_recovers_under_every_fault(&adversarial("hard-links")).await;
 }

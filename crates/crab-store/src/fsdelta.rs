@@ -131,7 +131,7 @@ fn meta_of(st: &sys::Stat, xattrs: BTreeMap<String, Bytes>) -> Meta {
     }
 }
 
-fn read_xattrs(fd: BorrowedFd<'_>, path: &Path) -> Result<BTreeMap<String, Bytes>> {
+pub(crate) fn read_xattrs(fd: BorrowedFd<'_>, path: &Path) -> Result<BTreeMap<String, Bytes>> {
     let mut out = BTreeMap::new();
     for name in sys::list_xattrs(fd).io_ctx("listxattr", path)? {
         let Ok(text) = String::from_utf8(name.clone()) else {
@@ -286,7 +286,7 @@ fn read_content(
 }
 
 /// The data ranges of `file` below `size`, at most [`MAX_EXTENTS`] of them.
-fn data_extents(file: &File, size: u64) -> std::io::Result<Vec<Extent>> {
+pub(crate) fn data_extents(file: &File, size: u64) -> std::io::Result<Vec<Extent>> {
     let mut extents: Vec<Extent> = Vec::new();
     let mut gap = 0u64;
     let mut at = 0u64;

@@ -37,6 +37,6 @@ pub use manifest::{
     FsEntry, FsNode, ImageContent, ImageFile, ImageSet, MANIFEST_VERSION, Manifest, Meta, ParentRef, Snapshot,
     TurnClass,
 };
-pub use mounts::{ContainerMount, ContainerRoot, MountKind, SandboxMounts, SpecMount, rootfs_diff_paths};
+pub use mounts::{ContainerMount, ContainerRoot, MountKind, SandboxMounts, SpecMount, WalkEntry, rootfs_diff_paths};
 pub use path::{Bytes, RelPath};
 pub use store::{BlobStore, Digest, Traffic, Unlimited, WriteBatch, WriteTokens};

@@ -133,6 +133,11 @@ impl SandboxMounts {
         out
     }
 
+    /// The mounts, in spec order.
+    pub fn mounts(&self) -> &[SpecMount] {
+        &self.mounts
+    }
+
     /// Every destination (what the bundle's rootfs directory does not hold at run time).
     pub fn destinations(&self) -> Vec<RelPath> {
         self.mounts.iter().map(|m| m.destination.clone()).filter(|d| !d.is_root()).collect()
@@ -253,51 +258,199 @@ impl ContainerMount {
     /// Every path on this mount (below its root), as absolute container paths: what an
     /// escalated turn captures when the inspector could not name the changes.
     pub fn all_paths(&self, limit: usize) -> Result<Vec<Vec<u8>>> {
-        let start = sys::openat_beneath(self.root.fd(), c".", OFlags::RDONLY | OFlags::DIRECTORY)
+        let mut out = Vec::new();
+        self.walk(&mut |_| false, &mut |entry| {
+            if entry.path().len() == self.destination.as_bytes().len() + 1 {
+                return Ok(()); // the mount's own root
+            }
+            out.push(entry.path().to_vec());
+            if out.len() > limit {
+                return Err(CheckpointError::InvalidRequest(format!(
+                    "mount {} holds more than {limit} paths",
+                    self.destination
+                )));
+            }
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Visits the mount's root and every entry below it, parents before children and
+    /// siblings in name order, crossing into the mounts below it (the container's own mount
+    /// tree, as its processes see it). Each entry is opened once as itself (`O_PATH`, no
+    /// symlink followed, no device, fifo or socket opened) and everything `visit` learns is
+    /// read through that handle, so a container that swaps names meanwhile cannot redirect
+    /// the walk; an entry that vanished between the listing and the open is skipped.
+    /// `prune` gets each absolute container path before it is opened: true leaves it (and
+    /// everything below it) out.
+    pub fn walk(
+        &self,
+        prune: &mut dyn FnMut(&[u8]) -> bool,
+        visit: &mut dyn FnMut(&WalkEntry<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let start = sys::openat_beneath(self.root.fd(), c".", OFlags::PATH | OFlags::DIRECTORY)
             .io_ctx("open", self.root.path())?;
-        paths_below(start, &self.destination, self.root.path(), limit)
+        let mut path = b"/".to_vec();
+        path.extend_from_slice(self.destination.as_bytes());
+        self.walk_entry(start, path, 0, prune, visit)
+    }
+
+    fn walk_entry(
+        &self,
+        entry: OwnedFd,
+        path: Vec<u8>,
+        depth: usize,
+        prune: &mut dyn FnMut(&[u8]) -> bool,
+        visit: &mut dyn FnMut(&WalkEntry<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let shown = || self.root.path().join(String::from_utf8_lossy(&path).trim_start_matches('/'));
+        let stat = sys::fstat(entry.as_fd()).io_ctx("stat", shown())?;
+        // Regular files and directories are reopened for reading (contents, xattrs, names);
+        // nothing else ever is.
+        let opened = match sys::file_type(&stat) {
+            libc::S_IFREG => Some(sys::reopen(entry.as_fd(), OFlags::RDONLY).io_ctx("open", shown())?),
+            libc::S_IFDIR => {
+                Some(sys::reopen(entry.as_fd(), OFlags::RDONLY | OFlags::DIRECTORY).io_ctx("open", shown())?)
+            }
+            _ => None,
+        };
+        let walked = WalkEntry { path: &path, shown: shown(), handle: entry.as_fd(), opened: opened.as_ref(), stat };
+        visit(&walked)?;
+        let is_dir = walked.file_type() == libc::S_IFDIR;
+        drop(walked);
+        let Some(dir) = opened.filter(|_| is_dir) else { return Ok(()) };
+        if depth >= MAX_WALK_DEPTH {
+            // Each level holds a descriptor and a stack frame: a container cannot make us run out.
+            return Err(CheckpointError::InvalidRequest(format!(
+                "{} is more than {MAX_WALK_DEPTH} directories deep",
+                String::from_utf8_lossy(&path)
+            )));
+        }
+        for name in sys::read_dir_names(dir.as_fd()).io_ctx("readdir", shown())? {
+            let mut child = path.clone();
+            if child.len() > 1 {
+                child.push(b'/');
+            }
+            child.extend_from_slice(&name);
+            if prune(&child) {
+                continue;
+            }
+            let name_c = sys::cstr(&name).io_ctx("readdir", shown())?;
+            if let Some(fd) = sys::open_entry_opt(dir.as_fd(), &name_c).io_ctx("open", shown())? {
+                self.walk_entry(fd, child, depth + 1, prune, visit)?;
+            }
+        }
+        Ok(())
     }
 }
 
 /// Every path of a container's rootfs diff (the overlay upper directory of the root of
 /// `pid`), as absolute container paths; a whiteout is listed too (it is a path that is gone).
-/// The directory is a host path, but the container writes below it: it is walked through
-/// descriptors, never following a link, as [`ContainerMount::all_paths`] walks a mount.
+/// The directory is a host path, but the container writes below it: it is walked as a mount
+/// is ([`ContainerMount::walk`]: through descriptors, never following a link).
 pub fn rootfs_diff_paths(pid: u32, limit: usize) -> Result<Vec<Vec<u8>>> {
     let upper = crate::baseline::overlay_upperdir(pid)?;
-    let start = sys::open_dir_path(&upper).io_ctx("open the rootfs diff", &upper)?;
-    let start = sys::openat_beneath(start.as_fd(), c".", OFlags::RDONLY | OFlags::DIRECTORY).io_ctx("open", &upper)?;
-    paths_below(start, &RelPath::root(), &upper, limit)
+    let fd = sys::open_dir_path(&upper).io_ctx("open the rootfs diff", &upper)?;
+    ContainerMount { destination: RelPath::root(), root: Root::from_fd(fd, upper) }.all_paths(limit)
 }
 
-/// Walks the tree below the open directory `start` (which stands for `top`), opening every
-/// subdirectory by one name without following a link, and returns each path as an absolute
-/// container path. More than `limit` paths is an error naming `shown`.
-fn paths_below(start: OwnedFd, top: &RelPath, shown: &Path, limit: usize) -> Result<Vec<Vec<u8>>> {
-    let mut out = Vec::new();
-    let mut dirs = vec![(start, top.clone())];
-    while let Some((dir, rel)) = dirs.pop() {
-        for name in sys::read_dir_names(dir.as_fd()).io_ctx("readdir", shown)? {
-            let child = rel.join(&name);
-            let mut abs = b"/".to_vec();
-            abs.extend_from_slice(child.as_bytes());
-            out.push(abs);
-            if out.len() > limit {
-                return Err(CheckpointError::InvalidRequest(format!(
-                    "{} holds more than {limit} paths",
-                    shown.display()
-                )));
-            }
-            let name_c = sys::cstr(&name).io_ctx("readdir", shown)?;
-            if let Ok(st) = sys::fstatat(dir.as_fd(), &name_c)
-                && sys::file_type(&st) == libc::S_IFDIR
-                && let Ok(sub) = sys::openat(dir.as_fd(), &name_c, OFlags::RDONLY | OFlags::DIRECTORY, 0)
-            {
-                dirs.push((sub, child));
-            }
+/// How deep [`ContainerMount::walk`] goes before it gives up with an error.
+const MAX_WALK_DEPTH: usize = 512;
+
+/// One entry met by [`ContainerMount::walk`], read only through the handle the walk opened.
+pub struct WalkEntry<'a> {
+    path: &'a [u8],
+    shown: PathBuf,
+    handle: std::os::fd::BorrowedFd<'a>,
+    /// Regular files and directories, reopened for reading.
+    opened: Option<&'a OwnedFd>,
+    stat: sys::Stat,
+}
+
+impl WalkEntry<'_> {
+    /// The absolute path in the container.
+    pub fn path(&self) -> &[u8] {
+        self.path
+    }
+
+    /// `S_IFREG`, `S_IFDIR`, `S_IFLNK`, ...
+    pub fn file_type(&self) -> u32 {
+        sys::file_type(&self.stat)
+    }
+
+    /// Permission bits with setuid, setgid and sticky.
+    pub fn mode(&self) -> u32 {
+        self.stat.st_mode & 0o7777
+    }
+
+    pub fn owner(&self) -> (u32, u32) {
+        (self.stat.st_uid, self.stat.st_gid)
+    }
+
+    pub fn size(&self) -> u64 {
+        self.stat.st_size.max(0) as u64
+    }
+
+    pub fn links(&self) -> u64 {
+        self.stat.st_nlink
+    }
+
+    /// The inode's identity (device, inode number): equal for the names of one hard-linked file.
+    pub fn inode(&self) -> (u64, u64) {
+        (self.stat.st_dev, self.stat.st_ino)
+    }
+
+    /// The device number of a device node.
+    pub fn rdev(&self) -> u64 {
+        self.stat.st_rdev
+    }
+
+    /// Last change of the inode, in nanoseconds: no system call a container makes sets it back.
+    pub fn changed_ns(&self) -> i128 {
+        self.stat.st_ctime as i128 * 1_000_000_000 + self.stat.st_ctime_nsec as i128
+    }
+
+    /// Last modification of the content, in nanoseconds.
+    pub fn modified_ns(&self) -> i128 {
+        self.stat.st_mtime as i128 * 1_000_000_000 + self.stat.st_mtime_nsec as i128
+    }
+
+    /// A symlink's target, as stored.
+    pub fn link_target(&self) -> Result<Option<Vec<u8>>> {
+        if self.file_type() != libc::S_IFLNK {
+            return Ok(None);
+        }
+        sys::readlink_entry(self.handle).io_ctx("readlink", &self.shown).map(Some)
+    }
+
+    /// Extended attributes of a regular file or directory (what a checkpoint records).
+    pub fn xattrs(&self) -> Result<std::collections::BTreeMap<String, super::path::Bytes>> {
+        match self.opened {
+            Some(fd) => super::fsdelta::read_xattrs(fd.as_fd(), &self.shown),
+            None => Ok(Default::default()),
         }
     }
-    Ok(out)
+
+    /// A regular file's content, open for reading.
+    pub fn file(&self) -> Result<Option<std::fs::File>> {
+        match self.opened.filter(|_| self.file_type() == libc::S_IFREG) {
+            Some(fd) => Ok(Some(std::fs::File::from(fd.try_clone().io_ctx("dup", &self.shown)?))),
+            None => Ok(None),
+        }
+    }
+
+    /// For a regular file with fewer blocks allocated than its size (it may have holes), its
+    /// data ranges `(offset, length)` (`SEEK_DATA`/`SEEK_HOLE`, closest ranges merged past
+    /// 4096 of them); `None` for any other entry.
+    pub fn data_ranges(&self) -> Result<Option<Vec<(u64, u64)>>> {
+        let allocated = (self.stat.st_blocks.max(0) as u64).saturating_mul(512);
+        if allocated >= self.size() {
+            return Ok(None);
+        }
+        let Some(file) = self.file()? else { return Ok(None) };
+        let extents = super::fsdelta::data_extents(&file, self.size()).io_ctx("seek", &self.shown)?;
+        Ok(Some(extents.iter().map(|e| (e.0, e.1)).collect()))
+    }
 }
 
 #[cfg(test)]
