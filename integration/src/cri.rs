@@ -151,7 +151,9 @@ impl Cri {
             .map_err(|e| HarnessError::io(format!("creating {}", log_dir.display()), e))?;
         let config = PodSandboxConfig {
             metadata: Some(PodSandboxMetadata { name: name.clone(), uid, namespace: "crab-cri".into(), attempt: 0 }),
-            hostname: name.clone(),
+            // As kubelet: a pod in the host's network namespace keeps the host's name (runc
+            // refuses to set one without a UTS namespace of the container's own).
+            hostname: if shape.host_network { String::new() } else { name.clone() },
             log_directory: log_dir.display().to_string(),
             linux: Some(LinuxPodSandboxConfig {
                 security_context: Some(LinuxSandboxSecurityContext {

@@ -78,8 +78,11 @@ async fn container_logs() {
                 let id = pod.run("main", &["sh", "-c", "echo one; echo two >&2; echo three; printf partial"]).await?;
                 let exit_code = pod.wait_exited(&id, WAIT).await?;
                 ensure_eq!(exit_code, 0, "exit code");
-                let log = pod.log("main")?;
+                let mut log = pod.log("main")?;
                 ensure!(log.len() >= 4, "log has {} lines: {log:?}", log.len());
+                // Each stream keeps its order; how the two interleave is up to the scheduler
+                // (two pipes read concurrently), so they are compared apart.
+                log.sort_by(|a, b| a.0.cmp(&b.0));
                 Ok(log)
             }
             .boxed_local()
