@@ -12,6 +12,7 @@
 
 pub mod api;
 pub mod container;
+pub mod cri;
 pub mod ctr;
 pub mod daemon;
 pub mod env;

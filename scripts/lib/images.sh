@@ -33,6 +33,17 @@ recipe_busybox() {
   printf '%s\n' 'root:x:0:' 'nogroup:x:65534:' >"$root/etc/group"
 }
 
+# The pod sandbox ("pause") image of the CRI containerd (scripts/cri-containerd):
+# one static busybox that sleeps until CRI kills it. No registry is reachable
+# to pull the usual one, and it only has to hold the pod's namespaces.
+recipe_pause() {
+  local root=$1
+  mkdir -p "$root"/{bin,proc,sys,dev,etc}
+  install -m 0755 /bin/busybox "$root/bin/busybox"
+  printf '%s\n' 'root:x:0:0:root:/:/bin/busybox' >"$root/etc/passwd"
+  printf '%s\n' 'root:x:0:' >"$root/etc/group"
+}
+
 # debootstrap minbase plus packages, then drop what only apt needs at build time.
 recipe_debian() {
   local root=$1
@@ -292,6 +303,13 @@ image_busybox() {
   key=$(recipe_key recipe_busybox "$(dpkg-query -W -f='${Version}' busybox-static)")
   tarball=$(with_image_lock busybox image_build_cached busybox recipe_busybox "$key" '["sh"]' /)
   image_import busybox "$tarball"
+}
+
+image_pause() {
+  local key tarball
+  key=$(recipe_key recipe_pause "$(dpkg-query -W -f='${Version}' busybox-static)")
+  tarball=$(with_image_lock pause image_build_cached pause recipe_pause "$key" '["/bin/busybox","sleep","infinity"]' /)
+  image_import pause "$tarball"
 }
 
 image_terminal() {

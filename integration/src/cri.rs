@@ -1,0 +1,444 @@
+//! Harness for the CRI suite (`tests/cri.rs`): pods and containers driven over the CRI gRPC API
+//! (`runtime.v1`, the `k8s-cri` bindings) of the CRI containerd of `scripts/cri-containerd`, as
+//! kubelet drives them, under the runtime handlers `runc` and `crab`.
+//!
+//! Environment: `CRAB_CRI_SOCK` (default `$CRAB_CRI_DIR/containerd.sock`, else
+//! `${CRAB_CTRD_DIR:-/run/crab-dev}-cri/containerd.sock`, where `scripts/cri-containerd` puts it),
+//! `CRAB_TEST_RUNTIMES` (handlers, default `runc,crab`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use containerd_client::tonic::transport::Channel;
+use futures::future::LocalBoxFuture;
+use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use k8s_cri::v1::{
+    ContainerConfig, ContainerMetadata, ContainerState, ContainerStatusRequest, CreateContainerRequest,
+    ExecSyncRequest, ImageSpec, LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
+    LinuxSandboxSecurityContext, NamespaceOption, PodSandboxConfig, PodSandboxMetadata, PodSandboxStatusRequest,
+    RemoveContainerRequest, RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest, StopContainerRequest,
+    StopPodSandboxRequest,
+};
+
+use crate::env::Runtime;
+use crate::host::{mounts_of, shim_daemons};
+use crate::{HarnessError, Outcome, wait_until};
+
+/// CRI keeps every pod, container and image of its own in this containerd namespace.
+pub const CRI_NAMESPACE: &str = "k8s.io";
+/// Imported by `scripts/cri-containerd start`, beside the pause image.
+pub const IMAGE: &str = "crab.local/busybox:latest";
+/// Bound of one CRI call: kubelet's default runtime request timeout is 2 minutes; ours is shorter
+/// so a hung shim fails the scenario well inside the test's own bound.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a removed pod's shim and mounts may take to go away.
+const LEFTOVER_TIMEOUT: Duration = Duration::from_secs(15);
+/// Bound of `scripts/cri-containerd start` (a first start builds and imports two small images).
+const START_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The socket of the CRI containerd, started once per test process unless it already accepts
+/// connections. Panics with the script's output when it cannot be started: a suite that cannot
+/// reach CRI must fail, not pass vacuously.
+pub fn socket() -> &'static Path {
+    static SOCKET: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    match SOCKET.get_or_init(ensure_running) {
+        Ok(path) => path,
+        Err(message) => panic!("CRI containerd not usable: {message}"),
+    }
+}
+
+fn socket_path() -> PathBuf {
+    if let Some(sock) = std::env::var_os("CRAB_CRI_SOCK") {
+        return PathBuf::from(sock);
+    }
+    let dir = std::env::var_os("CRAB_CRI_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        let plain = std::env::var("CRAB_CTRD_DIR").unwrap_or_else(|_| "/run/crab-dev".to_string());
+        PathBuf::from(format!("{plain}-cri"))
+    });
+    dir.join("containerd.sock")
+}
+
+fn ensure_running() -> Result<PathBuf, String> {
+    let socket = socket_path();
+    if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+        return Ok(socket);
+    }
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/cri-containerd");
+    let mut child = Command::new("bash")
+        .arg(&script)
+        .arg("start")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("{} start did not finish within {START_TIMEOUT:?}", script.display()));
+            }
+            Err(e) => return Err(format!("waiting for {}: {e}", script.display())),
+        }
+    }
+    let output = child.wait_with_output().map_err(|e| format!("reading {}'s output: {e}", script.display()))?;
+    if !output.status.success() {
+        return Err(format!(
+            "{} start failed ({}): {}{}",
+            script.display(),
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    Ok(socket)
+}
+
+/// The handlers to compare, from `CRAB_TEST_RUNTIMES` (default both); `crab` and `runc` are the
+/// names `scripts/cri-containerd` gives the two runtime entries.
+pub fn handlers() -> Vec<Runtime> {
+    std::env::var("CRAB_TEST_RUNTIMES")
+        .unwrap_or_else(|_| "runc,crab".to_string())
+        .split(',')
+        .filter(|part| !part.trim().is_empty())
+        .map(|part| Runtime::parse(part).unwrap_or_else(|e| panic!("{e}")))
+        .collect()
+}
+
+fn status_error(call: &str) -> impl FnOnce(containerd_client::tonic::Status) -> HarnessError {
+    move |status| HarnessError::Expectation(format!("{call}: {}: {}", status.code(), status.message()))
+}
+
+/// Awaits one CRI call within [`CALL_TIMEOUT`].
+async fn bounded<T>(call: &str, fut: impl Future<Output = Result<T, containerd_client::tonic::Status>>) -> Outcome<T> {
+    match tokio::time::timeout(CALL_TIMEOUT, fut).await {
+        Ok(result) => result.map_err(status_error(call)),
+        Err(_) => Err(HarnessError::Timeout { what: call.to_string(), after: CALL_TIMEOUT }),
+    }
+}
+
+/// A CRI client on the suite's socket.
+#[derive(Clone)]
+pub struct Cri {
+    runtime: RuntimeServiceClient<Channel>,
+}
+
+impl Cri {
+    pub async fn connect() -> Outcome<Cri> {
+        let path = socket();
+        let channel = containerd_client::connect(path)
+            .await
+            .map_err(|e| HarnessError::Expectation(format!("connecting to CRI at {}: {e:?}", path.display())))?;
+        Ok(Cri { runtime: RuntimeServiceClient::new(channel) })
+    }
+
+    /// Runs a pod of `shape` under `handler`; its logs go to a fresh directory.
+    pub async fn run_pod(&self, scenario: &str, handler: &Runtime, shape: &PodShape) -> Outcome<Pod> {
+        let handler_name = handler.short().to_string();
+        let name = format!("{scenario}-{handler_name}");
+        // A uid of its own per run, so a pod left behind by an earlier (killed) run never
+        // collides with this one's name.
+        let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let uid = format!("{name}-{}-{}", std::process::id(), stamp.as_nanos());
+        let log_dir = std::env::temp_dir().join("crab-cri").join(&uid);
+        std::fs::create_dir_all(&log_dir)
+            .map_err(|e| HarnessError::io(format!("creating {}", log_dir.display()), e))?;
+        let config = PodSandboxConfig {
+            metadata: Some(PodSandboxMetadata { name: name.clone(), uid, namespace: "crab-cri".into(), attempt: 0 }),
+            // As kubelet: a pod in the host's network namespace keeps the host's name (runc
+            // refuses to set one without a UTS namespace of the container's own).
+            hostname: if shape.host_network { String::new() } else { name.clone() },
+            log_directory: log_dir.display().to_string(),
+            linux: Some(LinuxPodSandboxConfig {
+                security_context: Some(LinuxSandboxSecurityContext {
+                    namespace_options: Some(shape.namespaces()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut runtime = self.runtime.clone();
+        let request = RunPodSandboxRequest { config: Some(config.clone()), runtime_handler: handler_name };
+        let id = bounded("RunPodSandbox", runtime.run_pod_sandbox(request)).await?.into_inner().pod_sandbox_id;
+        let netns = self.pod_netns(&id).await?;
+        Ok(Pod { cri: self.clone(), id, config, log_dir, netns, shape: shape.clone() })
+    }
+
+    /// The network namespace CRI made for the pod (none for a hostNetwork pod), from the verbose
+    /// status's runtime spec.
+    async fn pod_netns(&self, id: &str) -> Outcome<Option<PathBuf>> {
+        let mut runtime = self.runtime.clone();
+        let request = PodSandboxStatusRequest { pod_sandbox_id: id.to_string(), verbose: true };
+        let status = bounded("PodSandboxStatus", runtime.pod_sandbox_status(request)).await?.into_inner();
+        let info = status.info.get("info").cloned().unwrap_or_default();
+        let info: serde_json::Value = serde_json::from_str(&info)
+            .map_err(|e| HarnessError::Parse { what: "PodSandboxStatus info".into(), detail: e.to_string() })?;
+        let namespaces = info.pointer("/runtimeSpec/linux/namespaces").and_then(|n| n.as_array()).cloned();
+        Ok(namespaces.unwrap_or_default().iter().find_map(|ns| {
+            (ns.get("type")?.as_str()? == "network").then(|| ns.get("path")?.as_str().map(PathBuf::from)).flatten()
+        }))
+    }
+
+    pub async fn container_status(&self, id: &str) -> Outcome<k8s_cri::v1::ContainerStatus> {
+        let mut runtime = self.runtime.clone();
+        let request = ContainerStatusRequest { container_id: id.to_string(), verbose: false };
+        let response = bounded("ContainerStatus", runtime.container_status(request)).await?.into_inner();
+        response.status.ok_or_else(|| HarnessError::Expectation(format!("ContainerStatus of {id} has no status")))
+    }
+}
+
+/// Which host namespaces a pod shares, and the security context of its container.
+#[derive(Debug, Clone, Default)]
+pub struct PodShape {
+    pub host_network: bool,
+    pub host_pid: bool,
+    pub security: LinuxContainerSecurityContext,
+}
+
+impl PodShape {
+    fn namespaces(&self) -> NamespaceOption {
+        use k8s_cri::v1::NamespaceMode;
+        let mode = |host: bool| if host { NamespaceMode::Node } else { NamespaceMode::Pod } as i32;
+        NamespaceOption {
+            network: mode(self.host_network),
+            pid: if self.host_pid { NamespaceMode::Node as i32 } else { NamespaceMode::Container as i32 },
+            ipc: NamespaceMode::Pod as i32,
+            ..Default::default()
+        }
+    }
+}
+
+/// A running pod sandbox. [`Pod::remove`] stops and removes it and checks that nothing is left;
+/// a scenario that fails before calls [`Pod::discard`] so no pod outlives the test.
+pub struct Pod {
+    cri: Cri,
+    pub id: String,
+    config: PodSandboxConfig,
+    pub log_dir: PathBuf,
+    netns: Option<PathBuf>,
+    shape: PodShape,
+}
+
+/// What a removed pod left on the host: shims, mounts, its network namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Leftovers {
+    shims: usize,
+    mounts: usize,
+    netns: bool,
+}
+
+impl Pod {
+    /// Creates (not starts) container `name` running `command` with the pod's security context.
+    pub async fn create(&self, name: &str, command: &[&str]) -> Outcome<String> {
+        let mut security = self.shape.security.clone();
+        security.namespace_options = Some(self.shape.namespaces());
+        let config = ContainerConfig {
+            metadata: Some(ContainerMetadata { name: name.to_string(), attempt: 0 }),
+            image: Some(ImageSpec { image: IMAGE.to_string(), ..Default::default() }),
+            command: command.iter().map(|s| s.to_string()).collect(),
+            log_path: format!("{name}.log"),
+            linux: Some(LinuxContainerConfig { security_context: Some(security), resources: None }),
+            ..Default::default()
+        };
+        let request = CreateContainerRequest {
+            pod_sandbox_id: self.id.clone(),
+            config: Some(config),
+            sandbox_config: Some(self.config.clone()),
+        };
+        let mut runtime = self.cri.runtime.clone();
+        Ok(bounded("CreateContainer", runtime.create_container(request)).await?.into_inner().container_id)
+    }
+
+    pub async fn start(&self, id: &str) -> Outcome<()> {
+        let mut runtime = self.cri.runtime.clone();
+        let request = StartContainerRequest { container_id: id.to_string() };
+        bounded("StartContainer", runtime.start_container(request)).await.map(drop)
+    }
+
+    /// Creates and starts container `name`.
+    pub async fn run(&self, name: &str, command: &[&str]) -> Outcome<String> {
+        let id = self.create(name, command).await?;
+        self.start(&id).await?;
+        Ok(id)
+    }
+
+    pub async fn stop(&self, id: &str, timeout_s: i64) -> Outcome<()> {
+        let mut runtime = self.cri.runtime.clone();
+        let request = StopContainerRequest { container_id: id.to_string(), timeout: timeout_s };
+        bounded("StopContainer", runtime.stop_container(request)).await.map(drop)
+    }
+
+    pub async fn remove_container(&self, id: &str) -> Outcome<()> {
+        let mut runtime = self.cri.runtime.clone();
+        let request = RemoveContainerRequest { container_id: id.to_string() };
+        bounded("RemoveContainer", runtime.remove_container(request)).await.map(drop)
+    }
+
+    pub async fn state(&self, id: &str) -> Outcome<ContainerState> {
+        let status = self.cri.container_status(id).await?;
+        Ok(ContainerState::try_from(status.state).unwrap_or(ContainerState::ContainerUnknown))
+    }
+
+    /// Waits until the container has exited; returns its exit code.
+    pub async fn wait_exited(&self, id: &str, timeout: Duration) -> Outcome<i32> {
+        wait_until(&format!("container {id} to exit"), timeout, || async {
+            let status = self.cri.container_status(id).await?;
+            Ok((status.state == ContainerState::ContainerExited as i32).then_some(status.exit_code))
+        })
+        .await
+    }
+
+    /// ExecSync with a timeout of `timeout_s` seconds: (stdout, stderr, exit code).
+    pub async fn exec(&self, id: &str, cmd: &[&str], timeout_s: i64) -> Outcome<(String, String, i32)> {
+        let mut runtime = self.cri.runtime.clone();
+        let request = ExecSyncRequest {
+            container_id: id.to_string(),
+            cmd: cmd.iter().map(|s| s.to_string()).collect(),
+            timeout: timeout_s,
+        };
+        let response = bounded("ExecSync", runtime.exec_sync(request)).await?.into_inner();
+        Ok((
+            String::from_utf8_lossy(&response.stdout).into_owned(),
+            String::from_utf8_lossy(&response.stderr).into_owned(),
+            response.exit_code,
+        ))
+    }
+
+    /// The container's log as CRI wrote it: (stream, tag, content) per line, timestamps dropped.
+    pub fn log(&self, name: &str) -> Outcome<Vec<(String, String, String)>> {
+        let path = self.log_dir.join(format!("{name}.log"));
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(HarnessError::io(format!("reading {}", path.display()), e)),
+        };
+        text.lines()
+            .map(|line| {
+                let mut parts = line.splitn(4, ' ');
+                let (_time, stream, tag) = (parts.next(), parts.next(), parts.next());
+                match (stream, tag) {
+                    (Some(stream), Some(tag)) => {
+                        Ok((stream.to_string(), tag.to_string(), parts.next().unwrap_or_default().to_string()))
+                    }
+                    _ => {
+                        Err(HarnessError::Parse { what: path.display().to_string(), detail: format!("line {line:?}") })
+                    }
+                }
+            })
+            .collect()
+    }
+
+    /// The log's stdout contents once a line equal to `marker` is there (the container wrote what
+    /// came before it).
+    pub async fn stdout_until(&self, name: &str, marker: &str, timeout: Duration) -> Outcome<Vec<String>> {
+        wait_until(&format!("{marker:?} in the log of {name}"), timeout, || async {
+            let lines: Vec<String> =
+                self.log(name)?.into_iter().filter(|(s, _, _)| s == "stdout").map(|(_, _, c)| c).collect();
+            Ok(lines.iter().any(|l| l == marker).then_some(lines))
+        })
+        .await
+    }
+
+    /// Stops and removes the pod (its containers with it), then requires that no shim serves it,
+    /// none of its mounts is left and its network namespace is gone.
+    pub async fn remove(self) -> Outcome<()> {
+        let mut runtime = self.cri.runtime.clone();
+        let stop = StopPodSandboxRequest { pod_sandbox_id: self.id.clone() };
+        bounded("StopPodSandbox", runtime.stop_pod_sandbox(stop)).await?;
+        let remove = RemovePodSandboxRequest { pod_sandbox_id: self.id.clone() };
+        bounded("RemovePodSandbox", runtime.remove_pod_sandbox(remove)).await?;
+        let _ = std::fs::remove_dir_all(&self.log_dir);
+        // The shim exits after answering its last request: allow it a moment.
+        let id = self.id.clone();
+        let netns = self.netns.clone();
+        let observe = || {
+            Ok::<_, HarnessError>(Leftovers {
+                shims: shim_daemons(CRI_NAMESPACE, &id).len(),
+                mounts: mounts_of(&id)?.len(),
+                netns: netns.as_deref().is_some_and(|p| p.exists()),
+            })
+        };
+        let clean = Leftovers { shims: 0, mounts: 0, netns: false };
+        let waited = wait_until("the removed pod's shim, mounts and netns to go", LEFTOVER_TIMEOUT, || async {
+            let now = observe()?;
+            Ok((now == clean).then_some(()))
+        })
+        .await;
+        match waited {
+            Ok(()) => Ok(()),
+            // Say what was left rather than only that the wait timed out.
+            Err(HarnessError::Timeout { .. }) => {
+                Err(HarnessError::Expectation(format!("removed pod {} left {:?} behind", self.id, observe()?)))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Best-effort removal after a failed scenario.
+    pub async fn discard(self) {
+        let mut runtime = self.cri.runtime.clone();
+        let _ = bounded(
+            "StopPodSandbox",
+            runtime.stop_pod_sandbox(StopPodSandboxRequest { pod_sandbox_id: self.id.clone() }),
+        )
+        .await;
+        let _ = bounded(
+            "RemovePodSandbox",
+            runtime.remove_pod_sandbox(RemovePodSandboxRequest { pod_sandbox_id: self.id.clone() }),
+        )
+        .await;
+        let _ = std::fs::remove_dir_all(&self.log_dir);
+    }
+}
+
+/// Runs `body` on a fresh pod of `shape` under `handler`, then removes the pod and requires it
+/// to leave nothing behind ([`Pod::remove`]); on failure the pod is discarded and the error
+/// returned.
+pub async fn with_pod<T, F>(scenario: &str, handler: Runtime, shape: PodShape, body: F) -> Outcome<T>
+where
+    F: for<'a> FnOnce(&'a Pod) -> LocalBoxFuture<'a, Outcome<T>>,
+{
+    let cri = Cri::connect().await?;
+    let pod = cri.run_pod(scenario, &handler, &shape).await?;
+    match body(&pod).await {
+        Ok(observed) => {
+            pod.remove().await?;
+            Ok(observed)
+        }
+        Err(error) => {
+            pod.discard().await;
+            Err(error)
+        }
+    }
+}
+
+/// Runs `scenario` under every handler concurrently (each within
+/// [`crate::matrix::SCENARIO_TIMEOUT`]) and requires every run to succeed with the same
+/// observation, as [`crate::across_runtimes`] does for the Task API.
+pub async fn across_handlers<T, F, Fut>(name: &str, scenario: F)
+where
+    T: std::fmt::Debug + PartialEq,
+    F: Fn(Runtime) -> Fut,
+    Fut: Future<Output = Outcome<T>>,
+{
+    let handlers = handlers();
+    let runs = handlers.iter().map(|handler| {
+        let run = scenario(handler.clone());
+        async move {
+            let timeout = crate::matrix::SCENARIO_TIMEOUT;
+            let outcome = match tokio::time::timeout(timeout, run).await {
+                Ok(outcome) => outcome,
+                Err(_) => Err(HarnessError::Timeout { what: format!("scenario {name}"), after: timeout }),
+            };
+            (handler, outcome)
+        }
+    });
+    crate::require_same(name, futures::future::join_all(runs).await);
+}
