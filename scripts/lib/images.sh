@@ -11,6 +11,8 @@ CRAB_IMAGE_PREFIX="crab.local"
 CRAB_SUITE=bookworm
 IMAGE_PATH_ENV="PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 OCI_WRITER="$CRAB_ROOT/scripts/lib/oci_image.py"
+# Reads and unpacks the sdists of code-repair images; its text is in their keys.
+SDIST_TOOL="$CRAB_ROOT/scripts/lib/sdist.py"
 
 TERMINAL_PACKAGES=(python3 python3-pip python3-venv git procps curl nginx tmux vim-tiny openssl
   sqlite3 iproute2 net-tools jq file less)
@@ -118,29 +120,7 @@ code_repair_download() {
 # The extra that carries a project's test dependencies (tests, test or
 # testing), read from the sdist's metadata; empty when it declares none.
 code_repair_test_extra() {
-  python3 - "$1" <<'PY'
-import re, sys, tarfile, zipfile
-path = sys.argv[1]
-if zipfile.is_zipfile(path):
-    archive = zipfile.ZipFile(path)
-    names = archive.namelist()
-    read = lambda name: archive.read(name).decode("utf-8", "replace")
-else:
-    archive = tarfile.open(path)
-    names = archive.getnames()
-    read = lambda name: archive.extractfile(name).read().decode("utf-8", "replace")
-extras = set()
-for name in names:
-    parts = name.split("/")
-    if parts[-1] == "PKG-INFO" and len(parts) <= 3:
-        extras.update(re.findall(r"^Provides-Extra:\s*(\S+)", read(name), re.M))
-    elif parts[-1] == "requires.txt" and parts[-2].endswith(".egg-info"):
-        extras.update(m.split(":")[0] for m in re.findall(r"^\[([^\]]+)\]", read(name), re.M))
-for candidate in ("tests", "test", "testing"):
-    if candidate in extras:
-        print(candidate)
-        break
-PY
+  python3 "$SDIST_TOOL" test-extra "$1"
 }
 
 # $1 rootfs (a copy of the code-repair base), $2 project, $3 version, $4 download dir.
@@ -149,16 +129,7 @@ recipe_code_repair() {
   sdist=$(find "$dl/sdist" -maxdepth 1 -type f | head -1)
   [ -n "$sdist" ] || die "no sdist for $project==$version in $dl/sdist"
   mkdir -p "$root/testbed" "$root/tmp/wheels"
-  python3 - "$sdist" "$root/testbed" <<'PY'
-import os, shutil, sys, tempfile
-sdist, dest = sys.argv[1], sys.argv[2]
-with tempfile.TemporaryDirectory() as tmp:
-    shutil.unpack_archive(sdist, tmp)
-    entries = os.listdir(tmp)
-    top = os.path.join(tmp, entries[0]) if len(entries) == 1 and os.path.isdir(os.path.join(tmp, entries[0])) else tmp
-    for name in os.listdir(top):
-        shutil.move(os.path.join(top, name), dest)
-PY
+  python3 "$SDIST_TOOL" unpack "$sdist" "$root/testbed"
   cp "$dl"/wheels/* "$root/tmp/wheels/"
   local pip_install=(python3 -m pip install --quiet --break-system-packages --no-index --find-links /tmp/wheels)
   in_rootfs "$root" "${pip_install[@]}" pytest
@@ -352,15 +323,16 @@ image_code_repair() {
   local project=$1 version=$2
   validate_name_part project "$project"
   validate_name_part version "$version"
-  local name base key tarball dl
+  local name base key tarball dl sdist_tool
   name=$(code_repair_image_name "$project" "$version")
   base=$(with_image_lock code-repair-base code_repair_base_tar)
+  sdist_tool="sdist.py $(sha256sum <"$SDIST_TOOL" | cut -c1-16)"
   key=$(recipe_key recipe_code_repair_from_base recipe_code_repair code_repair_download \
-    code_repair_test_extra in_rootfs CODE_REPAIR_PYTHON "$(basename "$base")" "$project" "$version")
+    code_repair_test_extra in_rootfs CODE_REPAIR_PYTHON "$sdist_tool" "$(basename "$base")" "$project" "$version")
   if [ -f "$CRAB_IMAGE_CACHE/$name-$key.tar" ]; then
     tarball="$CRAB_IMAGE_CACHE/$name-$key.tar"
   else
-    dl="$CRAB_CACHE/pypi/$project-$version-$(recipe_key code_repair_download code_repair_test_extra CODE_REPAIR_PYTHON)"
+    dl="$CRAB_CACHE/pypi/$project-$version-$(recipe_key code_repair_download code_repair_test_extra CODE_REPAIR_PYTHON "$sdist_tool")"
     if [ ! -f "$dl/.complete" ]; then
       rm -rf "$dl"
       code_repair_download "$project" "$version" "$dl"

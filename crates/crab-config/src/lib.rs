@@ -11,7 +11,7 @@ pub mod runtime_options;
 
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// Where the shim looks when containerd passes no `ConfigPath`.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/crab/crab.toml";
@@ -26,9 +26,11 @@ pub enum ConfigError {
     Read { path: PathBuf, source: std::io::Error },
     #[error("crab config {path}: {message}")]
     Invalid { path: PathBuf, message: String },
+    #[error("crab config as TOML: {0}")]
+    Serialize(#[from] toml::ser::Error),
 }
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     pub runtime: RuntimeConfig,
@@ -37,7 +39,7 @@ pub struct Config {
     pub node: NodeConfig,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct RuntimeConfig {
     /// The OCI runtime binary: `runc` or `crun`, a name on PATH or a path.
@@ -53,7 +55,7 @@ pub struct RuntimeConfig {
     pub init: PathBuf,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct CheckpointConfig {
     /// Root of crab's checkpoint store.
@@ -91,7 +93,7 @@ impl CheckpointConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct LogConfig {
     /// `error`, `warn`, `info`, `debug` or `trace`.
@@ -99,7 +101,7 @@ pub struct LogConfig {
 }
 
 /// The node engine, crabd: one per host, shared by every shim.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct NodeConfig {
     /// crabd's socket; its directory is made root-only (0700).
@@ -201,6 +203,11 @@ impl Config {
         }
     }
 
+    /// The configuration as a crab.toml with every key written out.
+    pub fn to_toml(&self) -> Result<String, ConfigError> {
+        Ok(toml::to_string(self)?)
+    }
+
     fn validate(&self, path: &Path) -> Result<(), ConfigError> {
         let invalid = |message: String| ConfigError::Invalid { path: path.to_path_buf(), message };
         if self.runtime.binary.as_os_str().is_empty() {
@@ -275,6 +282,18 @@ mod tests {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shim-config/crab.toml");
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(Config::parse(&text, &path).unwrap(), Config::default());
+    }
+
+    /// What `crabctl config` prints reads back as the same configuration: the serialized
+    /// field names are the file's keys.
+    #[test]
+    fn written_out_config_parses_to_itself() {
+        let text =
+            "[node]\nrate_mib_per_s = 50\n[checkpoint]\nrestore_from_namespaces = [\"a\"]\nkept_images_dir = \"\"\n";
+        let config = Config::parse(text, Path::new("c.toml")).unwrap();
+        let written = config.to_toml().unwrap();
+        assert_eq!(Config::parse(&written, Path::new("written.toml")).unwrap(), config, "{written}");
+        assert_eq!(Config::parse(&Config::default().to_toml().unwrap(), Path::new("d")).unwrap(), Config::default());
     }
 
     #[test]

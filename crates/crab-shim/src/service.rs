@@ -178,7 +178,8 @@ impl TaskService {
             _ => None,
         };
         if let Some(source) = &restore_source {
-            tracing::debug!(container = %req.id, %source, "create of a restored container");
+            // restore_step: scripts/lib/restore_breakdown.py times a restore by these fields.
+            tracing::debug!(container = %req.id, %source, restore_step = "received", "create of a restored container");
         }
         let rootfs_mounted = mount_rootfs(&bundle, &req.rootfs).await?;
         // The engine context (crabd's connection, or this shim's own BPF programs
@@ -201,7 +202,8 @@ impl TaskService {
             Ok(prepared) => {
                 if policy.restore_from.is_some() {
                     tracing::info!(container = %req.id, prepare_ms = clock.elapsed().as_secs_f64() * 1e3,
-                        engine_ready = loading.as_ref().is_some_and(|l| l.is_finished()), "restore prepared");
+                        engine_ready = loading.as_ref().is_some_and(|l| l.is_finished()), restore_step = "prepared",
+                        "restore prepared");
                 }
                 prepared
             }
@@ -337,7 +339,7 @@ impl TaskService {
             }
             if restoring {
                 tracing::info!(container = %req.id, pid, runtime_restore_ms = clock.elapsed().as_secs_f64() * 1e3,
-                    "restored by the runtime");
+                    restore_step = "restored", "restored by the runtime");
                 self.watch_exit(&container, &container.init, pid, self.reaper.wait_for(pid));
                 let pending = container.pending_policy.lock().expect("policy lock").take();
                 if let Some((policy, Some(loading))) = pending {
@@ -592,7 +594,7 @@ fn attach_restored_engine(
                     engine.container_started().await;
                 }
                 tracing::info!(container = %container.id(), waited_ms = clock.elapsed().as_secs_f64() * 1e3,
-                    "engine attached to the restored container");
+                    restore_step = "attached", "engine attached to the restored container");
                 container.engine_settled(Ok(()));
             }
             Err(e) => {
@@ -815,7 +817,7 @@ async fn prepare_restore(
             image_bytes = images.map_or(0, |(_, r)| r.bytes),
             chunks = images.map_or(0, |(_, r)| r.chunks),
             chunks_read = images.map_or(0, |(_, r)| r.chunks_read),
-            "restoring from checkpoint");
+            restore_step = "store", "restoring from checkpoint");
         Ok::<_, crab_store::CheckpointError>(images.map(|(images_turn, _)| (dest, images_turn)))
     })
     .await

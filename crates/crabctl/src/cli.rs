@@ -36,6 +36,32 @@ impl Common {
     }
 }
 
+/// `crabctl config`: the configuration the shims of this host read, with every default filled
+/// in, so that scripts ask crab for a setting (`crabctl config --json | jq -r .node.socket`)
+/// instead of parsing crab.toml and repeating its defaults.
+#[derive(Args, Debug)]
+pub struct ConfigArgs {
+    /// The config file. Default: $CRAB_CONFIG, else /etc/crab/crab.toml (absent: the defaults),
+    /// as the shims find it when containerd passes them no `ConfigPath`.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Print JSON (the file's tables and keys) instead of TOML.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl ConfigArgs {
+    pub fn run(&self) -> Result<()> {
+        let config = crab_config::Config::load(self.config.as_deref())?;
+        if self.json {
+            print(true, &config, |_| String::new());
+        } else {
+            print!("{}", config.to_toml()?);
+        }
+        Ok(())
+    }
+}
+
 #[derive(Subcommand, Debug)]
 pub enum CheckpointCommand {
     /// The turns of a sandbox: class, reasons, checkpoint, bytes.

@@ -32,6 +32,8 @@ pub enum CtlError {
     Invalid(String),
     #[error(transparent)]
     Key(#[from] crab_store::KeyError),
+    #[error(transparent)]
+    Config(#[from] crab_config::ConfigError),
 }
 
 pub type Result<T> = std::result::Result<T, CtlError>;

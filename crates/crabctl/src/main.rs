@@ -18,6 +18,8 @@ enum Command {
     Checkpoint(crabctl::cli::CheckpointCommand),
     /// The node engine (crabd): status, eviction marks.
     Node(crab_node::cli::NodeArgs),
+    /// The effective crab configuration (the file the shims read, defaults filled in).
+    Config(crabctl::cli::ConfigArgs),
 }
 
 #[tokio::main]
@@ -27,6 +29,7 @@ async fn main() -> ExitCode {
     let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
         Command::Checkpoint(command) => command.run().await.map_err(Into::into),
         Command::Node(args) => crab_node::cli::run(args).await.map_err(Into::into),
+        Command::Config(args) => args.run().map_err(Into::into),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
