@@ -206,6 +206,53 @@ async fn exec_sessions_are_children_of_the_containers_tree() {
     result.expect("exec in the container's tree");
 }
 
+/// runc's default capabilities, as `ctr run` grants them: dropping each is dropping ALL (ctr takes
+/// no `ALL`).
+const DEFAULT_CAPS: [&str; 14] = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+];
+
+/// The parent of the exec's shell, as the container sees it: `crab-spawner` when the spawner
+/// started it inside the container's tree (what a CRIU dump takes), nothing under `runc exec`
+/// (the parent is the shim, outside the pid namespace).
+const PARENT_COMM: &str = "cat /proc/$PPID/comm 2>/dev/null || echo outside";
+
+/// Issue 15: a pod that drops ALL capabilities (the "restricted" Pod Security Standard) still
+/// lists its groups in every exec spec (containerd fills `additionalGids`). The spawner, holding
+/// no capability, must not call setgroups() for groups it already has: the exec runs, started by
+/// the spawner in the container's tree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn execs_go_through_the_spawner_with_all_capabilities_dropped() {
+    let runtime = crab();
+    let container = Container::new(&runtime, "session-cap-drop");
+    let flags: Vec<&str> = DEFAULT_CAPS.iter().flat_map(|cap| ["--cap-drop", *cap]).collect();
+    container.start_with(&flags, &["sleep", "100000"]).await.expect("start");
+    let result = async {
+        let probe = format!("grep -E '^(CapEff|Groups)' /proc/self/status; {PARENT_COMM}");
+        let out = container.exec_ok("cap-drop", &["sh", "-c", &probe]).await?;
+        ensure!(out.contains("CapEff:\t0000000000000000"), "the exec holds capabilities: {out}");
+        ensure!(out.contains("Groups:\t0"), "the exec's groups are not the spec's: {out}");
+        ensure_eq!(out.lines().last().unwrap_or_default(), "crab-spawner", "the exec's parent ({out})");
+        Ok(())
+    }
+    .await;
+    remove(&container).await.expect("remove");
+    result.expect("exec with capabilities dropped");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spawner_refuses_connections_from_inside_the_container() {
     let runtime = crab();

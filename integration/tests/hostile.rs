@@ -55,6 +55,47 @@ async fn a_symlink_at_the_spawner_socket_never_leads_the_shim_to_a_host_socket()
     result.expect("symlinked spawner socket");
 }
 
+/// Issue 14 finding 6: `/dev/.crab` was a writable bind of a host directory, so what the container
+/// wrote there landed on the host's disk outside every quota. It is a tmpfs of the container's own
+/// now, bounded in bytes: 20 MB written there fail (and are charged to the container, in
+/// memory), nothing of the host is behind it, and the spawner still answers through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_spawner_directory_is_a_small_tmpfs_of_the_containers_own() {
+    let runtime = crab();
+    let container = Container::new(&runtime, "hostile-spawner-fill");
+    container.start(&["sleep", "100000"]).await.expect("start");
+    let result: Outcome<()> = async {
+        let fill = "dd if=/dev/zero of=/dev/.crab/fill bs=1M count=20 2>/dev/null; echo status=$?; \
+                    wc -c < /dev/.crab/fill; rm -f /dev/.crab/fill";
+        let out = container.exec_ok("fill", &["sh", "-c", fill]).await?;
+        let mut lines = out.lines();
+        ensure!(lines.next() != Some("status=0"), "20 MB written into /dev/.crab: {out}");
+        let written: u64 = lines.next().and_then(|n| n.trim().parse().ok()).unwrap_or(u64::MAX);
+        ensure!(written <= 64 * 1024, "{written} bytes written into /dev/.crab: not bounded to 64 KiB");
+        // The kernel's account, from the host: /dev/.crab is a tmpfs (no host directory as its
+        // root), mounted with its bounds.
+        let pid = container.init_pid().await?;
+        let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+            .map_err(|e| crab_integration::HarnessError::io("reading the init's mountinfo", e))?;
+        let line = mountinfo
+            .lines()
+            .find(|l| l.split_whitespace().nth(4) == Some("/dev/.crab"))
+            .ok_or_else(|| crab_integration::HarnessError::Expectation(format!("no /dev/.crab mount:\n{mountinfo}")))?;
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let separator = fields.iter().position(|f| *f == "-").unwrap_or(fields.len());
+        ensure_eq!(fields.get(separator + 1).copied(), Some("tmpfs"), "file system of /dev/.crab ({line})");
+        ensure_eq!(fields[3], "/", "root of the /dev/.crab mount: a host directory? ({line})");
+        ensure!(line.contains("size=64k"), "the /dev/.crab tmpfs is not bounded: {line}");
+        // The spawner still serves the shim through its socket there.
+        let parent = container.exec_ok("after-fill", &["sh", "-c", "cat /proc/$PPID/comm"]).await?;
+        ensure_eq!(parent.trim(), "crab-spawner", "the exec's parent after the fill");
+        Ok(())
+    }
+    .await;
+    remove(&container).await;
+    result.expect("bounded /dev/.crab");
+}
+
 /// The spawner answers the shim for the container: a process of the container, root like it,
 /// must not be able to ptrace it or read or write its memory. It is not dumpable, so the
 /// kernel refuses the container (no CAP_SYS_PTRACE) what it would allow between processes of

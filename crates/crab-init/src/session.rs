@@ -178,9 +178,62 @@ struct Plan {
     stdio: [OwnedFd; 3],
     terminal: bool,
     umask: Option<u32>,
+    /// The identity changes to make, in order (see [`identity_steps`]).
+    identity: Vec<IdentityStep>,
+}
+
+/// A process's user, group and supplementary groups.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Identity {
     uid: u32,
     gid: u32,
     groups: Vec<libc::gid_t>,
+}
+
+impl Identity {
+    /// The spawner's own, which a forked child starts with.
+    fn current() -> Result<Self, String> {
+        let groups = nix::unistd::getgroups()
+            .map_err(|e| format!("{START_FAILED}: getgroups: {e}"))?
+            .into_iter()
+            .map(|g| g.as_raw())
+            .collect();
+        Ok(Self { uid: nix::unistd::getuid().as_raw(), gid: nix::unistd::getgid().as_raw(), groups })
+    }
+}
+
+/// One change of identity a session's process makes before its exec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum IdentityStep {
+    Groups(Vec<libc::gid_t>),
+    Gid(u32),
+    Uid(u32),
+}
+
+/// What turns `current` into `wanted`: supplementary groups, then the group, then the user (as
+/// runc orders them: setuid away from root drops the capabilities the other two need), each only
+/// when it changes anything. The spawner runs with the container's capabilities, which may be
+/// none at all (a pod that drops ALL): a call that changes nothing would still need
+/// CAP_SETGID or CAP_SETUID and fail, so it is not made. Groups compare as sets, as the kernel
+/// keeps them.
+fn identity_steps(current: &Identity, wanted: &Identity) -> Vec<IdentityStep> {
+    let as_set = |groups: &[libc::gid_t]| {
+        let mut set = groups.to_vec();
+        set.sort_unstable();
+        set.dedup();
+        set
+    };
+    let mut steps = Vec::new();
+    if as_set(&current.groups) != as_set(&wanted.groups) {
+        steps.push(IdentityStep::Groups(wanted.groups.clone()));
+    }
+    if current.gid != wanted.gid {
+        steps.push(IdentityStep::Gid(wanted.gid));
+    }
+    if current.uid != wanted.uid {
+        steps.push(IdentityStep::Uid(wanted.uid));
+    }
+    steps
 }
 
 pub fn spawn(req: &SpawnRequest) -> Result<Session, String> {
@@ -227,9 +280,10 @@ pub fn spawn(req: &SpawnRequest) -> Result<Session, String> {
         stdio,
         terminal: req.terminal,
         umask: req.umask,
-        uid: req.uid,
-        gid: req.gid,
-        groups: req.additional_gids.clone(),
+        identity: identity_steps(
+            &Identity::current()?,
+            &Identity { uid: req.uid, gid: req.gid, groups: req.additional_gids.clone() },
+        ),
     };
     let (report_r, report_w) = pipe()?;
     // SAFETY: the spawner is single-threaded: the child may run any code.
@@ -315,15 +369,18 @@ fn exec_child(plan: &Plan, cwd: &str, arg0: &str) -> String {
         if let Some(mask) = plan.umask {
             libc::umask(mask as libc::mode_t);
         }
-        if libc::getuid() != plan.uid || libc::getgid() != plan.gid || !plan.groups.is_empty() {
-            if libc::geteuid() == 0 && libc::setgroups(plan.groups.len(), plan.groups.as_ptr()) != 0 {
-                return fail(format!("setgroups: {}", os_error()));
-            }
-            if libc::setgid(plan.gid) != 0 {
-                return fail(format!("setgid {}: {}", plan.gid, os_error()));
-            }
-            if libc::setuid(plan.uid) != 0 {
-                return fail(format!("setuid {}: {}", plan.uid, os_error()));
+        for step in &plan.identity {
+            match step {
+                IdentityStep::Groups(groups) if libc::setgroups(groups.len(), groups.as_ptr()) != 0 => {
+                    return fail(format!("setgroups: {}", os_error()));
+                }
+                IdentityStep::Gid(gid) if libc::setgid(*gid) != 0 => {
+                    return fail(format!("setgid {gid}: {}", os_error()));
+                }
+                IdentityStep::Uid(uid) if libc::setuid(*uid) != 0 => {
+                    return fail(format!("setuid {uid}: {}", os_error()));
+                }
+                _ => {}
             }
         }
         let mut argv: Vec<*const libc::c_char> = plan.argv.iter().map(|a| a.as_ptr()).collect();
@@ -339,6 +396,25 @@ fn exec_child(plan: &Plan, cwd: &str, arg0: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn identity_changes_only_what_differs_groups_first_user_last() {
+        let root = Identity { uid: 0, gid: 0, groups: vec![0, 10, 1] };
+        // The same identity, groups in another order and repeated: nothing to do, so a spawner
+        // without CAP_SETGID (capabilities dropped ALL) still starts the exec.
+        assert_eq!(identity_steps(&root, &Identity { groups: vec![1, 0, 10, 10], ..root.clone() }), vec![]);
+        let user = Identity { uid: 1000, gid: 100, groups: vec![100, 27] };
+        assert_eq!(
+            identity_steps(&root, &user),
+            vec![IdentityStep::Groups(vec![100, 27]), IdentityStep::Gid(100), IdentityStep::Uid(1000)]
+        );
+        assert_eq!(identity_steps(&root, &Identity { gid: 5, ..root.clone() }), vec![IdentityStep::Gid(5)]);
+        assert_eq!(
+            identity_steps(&root, &Identity { groups: vec![], ..root.clone() }),
+            vec![IdentityStep::Groups(vec![])]
+        );
+        assert_eq!(identity_steps(&user, &Identity { uid: 0, ..user.clone() }), vec![IdentityStep::Uid(0)]);
+    }
 
     #[test]
     fn program_lookup_uses_the_sessions_path() {

@@ -155,9 +155,18 @@ pub fn process_identity(process: &Value) -> Value {
     })
 }
 
-/// The host directory bind-mounted at `/dev/.crab`: the spawner's socket lives there.
-pub fn spawner_dir(bundle: &Path) -> PathBuf {
-    bundle.join("crab").join("spawner")
+/// The options of the tmpfs at `/dev/.crab`, for a container whose process runs as
+/// `uid`:`gid`. It holds the spawner's socket and the mount point of crab-init's binary, so
+/// it is tiny and bounded in bytes and inodes (what a container writes there is charged to
+/// it, in memory it is limited to, never to the host's disk); owned by the process's user and
+/// closed to others, so the spawner can bind there whatever the container's user and however
+/// read-only its rootfs.
+fn spawner_tmpfs_options(uid: u64, gid: u64) -> Vec<String> {
+    ["nosuid", "nodev", "noexec", "size=64k", "nr_inodes=16", "mode=0700"]
+        .into_iter()
+        .map(String::from)
+        .chain([format!("uid={uid}"), format!("gid={gid}")])
+        .collect()
 }
 
 /// What [`install`] did.
@@ -168,8 +177,8 @@ pub struct Installed {
 
 /// Rewrites `bundle/config.json` so `init` runs first: `process.args`
 /// becomes `[/dev/.crab/init, --, <args>]` and two mounts follow all others
-/// (the spawner directory at `/dev/.crab`, the binary read-only at
-/// `/dev/.crab/init`). Returns None, leaving the bundle alone, when the spec
+/// (a small tmpfs at `/dev/.crab` for the spawner's socket, the binary read-only
+/// at `/dev/.crab/init`). Returns None, leaving the bundle alone, when the spec
 /// has no tmpfs at /dev to put them on. A spec already rewritten (a saved
 /// one recovered) is unwrapped first, so the rewrite is idempotent.
 /// `check_entrypoint` fails like runc when the entrypoint is not in the rootfs.
@@ -191,19 +200,13 @@ pub fn install(bundle: &Path, init: &Path, check_entrypoint: bool) -> Result<Opt
     if !dev_is_tmpfs {
         return Ok(None);
     }
-    let dir = spawner_dir(bundle);
-    std::fs::create_dir_all(&dir).map_err(io_error(&dir))?;
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).map_err(io_error(&dir))?;
-    }
-    let mount_point = dir.join(crab_init::INIT_NAME);
-    std::fs::write(&mount_point, b"").map_err(io_error(&mount_point))?;
+    let user = spec.get("process").and_then(|p| p.get("user"));
+    let id_of = |field: &str| user.and_then(|u| u.get(field)).and_then(Value::as_u64).unwrap_or(0);
     mounts.push(json!({
         "destination": crab_init::MOUNT_DIR,
-        "type": "bind",
-        "source": dir,
-        "options": ["rbind", "rw", "nosuid", "nodev"],
+        "type": "tmpfs",
+        "source": "tmpfs",
+        "options": spawner_tmpfs_options(id_of("uid"), id_of("gid")),
     }));
     mounts.push(json!({
         "destination": crab_init::INIT_PATH,
@@ -379,7 +382,10 @@ mod tests {
         assert_eq!(mounts[2]["destination"], "/dev/.crab");
         assert_eq!(mounts[3]["destination"], "/dev/.crab/init");
         assert_eq!(mounts[3]["source"], "/usr/local/lib/crab/crab-init");
-        assert!(spawner_dir(bundle.path()).join("init").exists());
+        // No directory of the host is writable from the container: a bounded tmpfs of its own.
+        assert_eq!(mounts[2]["type"], "tmpfs");
+        assert_eq!(mounts[2]["options"], json!(spawner_tmpfs_options(0, 0)));
+        assert!(!bundle.path().join("crab").exists());
     }
 
     #[test]

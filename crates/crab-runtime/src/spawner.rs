@@ -17,6 +17,9 @@ use tokio::sync::{mpsc, oneshot};
 pub enum SpawnerError {
     #[error("spawner socket {path}: {source}")]
     Connect { path: PathBuf, source: std::io::Error },
+    /// The socket's path in the container did not lead to a socket beneath its root.
+    #[error("spawner socket {path}: {reason}")]
+    Open { path: PathBuf, reason: String },
     /// Something else in the container listens where the spawner should: it is never talked to.
     #[error("spawner socket {path} is served by pid {peer}, not by crab-init's spawner: {reason}")]
     Impostor { path: PathBuf, peer: i32, reason: String },
@@ -83,7 +86,6 @@ struct Events {
 }
 
 pub struct SpawnerClient {
-    dir: PathBuf,
     /// Device and inode of the crab-init build bound into the container: the spawner runs it.
     binary: Option<(u64, u64)>,
     link: tokio::sync::Mutex<Option<Link>>,
@@ -96,12 +98,10 @@ pub struct SpawnerClient {
 }
 
 impl SpawnerClient {
-    /// `dir` is the host directory behind the container's `/dev/.crab`, `binary` the crab-init
-    /// file bound into the container.
-    pub fn new(dir: &Path, binary: &Path) -> Arc<Self> {
+    /// `binary` is the crab-init file bound into the container.
+    pub fn new(binary: &Path) -> Arc<Self> {
         use std::os::unix::fs::MetadataExt;
         Arc::new(Self {
-            dir: dir.to_path_buf(),
             binary: std::fs::metadata(binary).ok().map(|m| (m.dev(), m.ino())),
             link: Default::default(),
             events: Default::default(),
@@ -124,13 +124,16 @@ impl SpawnerClient {
     /// just after the container's init starts). `init_pid` is the container's init on the
     /// host: only it, or its child running crab-init, may be listening (see [`verify_peer`]).
     pub async fn connect(&self, patience: Duration, init_pid: u32) -> Result<(), SpawnerError> {
-        let socket = self.dir.join(crab_init::SOCKET_NAME);
+        let socket = PathBuf::from(format!("/proc/{init_pid}/root{}", crab_init::SOCKET_PATH));
         let deadline = tokio::time::Instant::now() + patience;
         let stream = loop {
-            match connect_socket_entry(&self.dir).await {
+            match connect_socket_entry(init_pid).await {
                 Ok(stream) => break stream,
-                Err(source) if tokio::time::Instant::now() >= deadline => {
-                    return Err(SpawnerError::Connect { path: socket, source });
+                Err(e) if tokio::time::Instant::now() >= deadline => {
+                    return Err(match e {
+                        Unreachable::Io(source) => SpawnerError::Connect { path: socket, source },
+                        Unreachable::Path(reason) => SpawnerError::Open { path: socket, reason },
+                    });
                 }
                 Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
             }
@@ -347,25 +350,34 @@ pub async fn pidfd_exited(pidfd: &OwnedFd) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Connects to the spawner's socket in `dir`, the host directory behind the container's
-/// `/dev/.crab`. Its content is the container's: the socket entry is opened as itself (a
-/// symlink there is refused, never followed to a socket of the host), checked to be a socket,
-/// and connected to through that handle's procfs name (which also keeps the path under
-/// sun_path's 108 bytes, however deep the bundle).
-async fn connect_socket_entry(dir: &Path) -> std::io::Result<UnixStream> {
-    use nix::fcntl::{OFlag, open, openat};
-    use nix::sys::stat::{Mode, SFlag, fstat};
-    let dir_fd = open(dir, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())?;
-    let entry =
-        openat(&dir_fd, crab_init::SOCKET_NAME, OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())?;
-    let kind = SFlag::from_bits_truncate(fstat(&entry)?.st_mode & SFlag::S_IFMT.bits());
+/// Why the spawner's socket could not be reached (yet).
+enum Unreachable {
+    Io(std::io::Error),
+    /// The path does not lead to a socket beneath the container's root.
+    Path(String),
+}
+
+/// Connects to the spawner's socket, [`crab_init::SOCKET_PATH`] in the container whose init is
+/// `init_pid`. Everything there is the container's: the path is resolved once beneath the
+/// container's root (through a pidfd of its init, so a recycled pid leads nowhere) without
+/// following any symlink or leaving the root, the entry is opened as itself and checked to be a
+/// socket, and connected to through that handle's procfs name (which also keeps the address
+/// under sun_path's 108 bytes).
+async fn connect_socket_entry(init_pid: u32) -> Result<UnixStream, Unreachable> {
+    use nix::sys::stat::{SFlag, fstat};
+    let root = crab_store::ContainerRoot::new(init_pid).map_err(Unreachable::Io)?;
+    let path =
+        crab_store::RelPath::parse(crab_init::SOCKET_PATH.as_bytes()).map_err(|e| Unreachable::Path(e.to_string()))?;
+    let entry = root.open_path(&path).map_err(|e| match e {
+        crab_store::CheckpointError::Io { source, .. } => Unreachable::Io(source),
+        other => Unreachable::Path(other.to_string()),
+    })?;
+    let mode = fstat(&entry).map_err(|e| Unreachable::Io(e.into()))?.st_mode;
+    let kind = SFlag::from_bits_truncate(mode & SFlag::S_IFMT.bits());
     if kind != SFlag::S_IFSOCK {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("{} is not a socket ({kind:?})", crab_init::SOCKET_NAME),
-        ));
+        return Err(Unreachable::Path(format!("{} is not a socket ({kind:?})", crab_init::SOCKET_PATH)));
     }
-    UnixStream::connect(format!("/proc/self/fd/{}", entry.as_raw_fd())).await
+    UnixStream::connect(format!("/proc/self/fd/{}", entry.as_raw_fd())).await.map_err(Unreachable::Io)
 }
 
 /// The process that listens at the other end, by the kernel's account (`SO_PEERCRED`: the

@@ -185,7 +185,7 @@ impl Container {
         let restoring = self.config.restore_from.is_some();
         match crab_runtime::init::install(&self.config.bundle, init, !restoring) {
             Ok(Some(installed)) => {
-                let client = SpawnerClient::new(&crab_runtime::init::spawner_dir(&self.config.bundle), init);
+                let client = SpawnerClient::new(init);
                 let slot = Arc::new(SpawnerSlot {
                     client: client.clone(),
                     init_identity: installed.identity,

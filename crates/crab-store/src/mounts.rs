@@ -202,10 +202,8 @@ impl ContainerRoot {
         ret == 0
     }
 
-    /// The mount at `destination` in the container, opened once beneath the container's root
-    /// without following any symlink, magic link or `..` out of it.
-    pub fn open_mount(&self, destination: &RelPath) -> Result<ContainerMount> {
-        let shown = PathBuf::from(format!("/proc/{}/root{destination}", self.pid));
+    /// The container's root directory, opened while the init lives.
+    fn open_root(&self) -> Result<OwnedFd> {
         let proc_root = PathBuf::from(format!("/proc/{}/root", self.pid));
         // The magic link itself is followed (that is how the container's root is reached);
         // nothing below it is.
@@ -222,25 +220,42 @@ impl ContainerRoot {
                 )),
             });
         }
-        let fd = if destination.is_root() {
-            root
-        } else {
-            let rel = sys::cstr(destination.as_bytes()).io_ctx("open mount", &shown)?;
-            match sys::openat_beneath(root.as_fd(), &rel, OFlags::PATH | OFlags::DIRECTORY) {
-                Ok(fd) => fd,
-                Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::EXDEV)) => {
-                    return Err(CheckpointError::OutsideRoot {
-                        path: destination.to_string(),
-                        reason: format!(
-                            "the mount point is reached through a symlink or leaves {}",
-                            proc_root.display()
-                        ),
-                    });
-                }
-                Err(e) => return Err(e).io_ctx("open mount", &shown),
+        Ok(root)
+    }
+
+    /// `path` in the container, opened once beneath the container's root without following
+    /// any symlink (the last component included), magic link or `..` out of it.
+    fn open_beneath(&self, path: &RelPath, flags: OFlags, op: &'static str) -> Result<OwnedFd> {
+        let root = self.open_root()?;
+        if path.is_root() {
+            return Ok(root);
+        }
+        let shown = PathBuf::from(format!("/proc/{}/root{path}", self.pid));
+        let rel = sys::cstr(path.as_bytes()).io_ctx(op, &shown)?;
+        match sys::openat_beneath(root.as_fd(), &rel, flags) {
+            Ok(fd) => Ok(fd),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::EXDEV)) => {
+                Err(CheckpointError::OutsideRoot {
+                    path: path.to_string(),
+                    reason: format!("it is reached through a symlink or leaves /proc/{}/root", self.pid),
+                })
             }
-        };
+            Err(e) => Err(e).io_ctx(op, &shown),
+        }
+    }
+
+    /// The mount at `destination` in the container, opened once beneath the container's root
+    /// without following any symlink, magic link or `..` out of it.
+    pub fn open_mount(&self, destination: &RelPath) -> Result<ContainerMount> {
+        let shown = PathBuf::from(format!("/proc/{}/root{destination}", self.pid));
+        let fd = self.open_beneath(destination, OFlags::PATH | OFlags::DIRECTORY, "open mount")?;
         Ok(ContainerMount { destination: destination.clone(), root: Root::from_fd(fd, shown) })
+    }
+
+    /// An `O_PATH` handle on `path` in the container (the entry itself: a symlink there is
+    /// refused, a socket or device is not opened). What it is must be checked on the handle.
+    pub fn open_path(&self, path: &RelPath) -> Result<OwnedFd> {
+        self.open_beneath(path, OFlags::PATH, "open")
     }
 }
 
@@ -467,7 +482,7 @@ mod tests {
         {"destination": "/run", "type": "tmpfs", "source": "tmpfs"},
         {"destination": "/data/shared/", "type": "bind", "source": "/srv/x", "options": ["rbind"]},
         {"destination": "/etc/hosts", "source": "/etc/hosts", "options": ["bind", "ro"]},
-        {"destination": "/dev/.crab", "type": "bind", "source": "/b/crab/spawner", "options": ["rbind"]},
+        {"destination": "/dev/.crab", "type": "tmpfs", "source": "tmpfs", "options": ["size=64k"]},
         {"destination": "/dev/.crab/init", "type": "bind", "source": "/pins/x", "options": ["bind", "ro"]}
     ]}"#;
 
