@@ -1003,7 +1003,10 @@ async fn a_hung_dump_is_abandoned_and_the_sandbox_keeps_working() {
     assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, None), "{turns:#?}");
     assert_eq!(turns[0].dump_failures.len(), 1, "a timed-out dump is not retried: {turns:#?}");
     assert!(
-        turns[0].reasons.iter().any(|r| r.starts_with("checkpoint failed") && r.contains("dump timed out after 2000 ms")),
+        turns[0]
+            .reasons
+            .iter()
+            .any(|r| r.starts_with("checkpoint failed") && r.contains("dump timed out after 2000 ms")),
         "{turns:#?}"
     );
     let key = sb.ctl().key(&sb.id).unwrap();

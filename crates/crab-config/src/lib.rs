@@ -370,10 +370,14 @@ mod tests {
         let c = Config::parse("[checkpoint]\ndump_timeout_ms = 250\n", Path::new("c.toml")).unwrap();
         assert_eq!(c.checkpoint.dump_timeout(), std::time::Duration::from_millis(250));
         for bad in ["0", "86400001"] {
-            let err = Config::parse(&format!("[checkpoint]\ndump_timeout_ms = {bad}\n"), Path::new("/etc/crab/crab.toml"))
-                .unwrap_err();
+            let err =
+                Config::parse(&format!("[checkpoint]\ndump_timeout_ms = {bad}\n"), Path::new("/etc/crab/crab.toml"))
+                    .unwrap_err();
             let msg = err.to_string();
-            assert!(msg.contains("/etc/crab/crab.toml") && msg.contains("checkpoint.dump_timeout_ms") && msg.contains(bad), "{msg}");
+            assert!(
+                msg.contains("/etc/crab/crab.toml") && msg.contains("checkpoint.dump_timeout_ms") && msg.contains(bad),
+                "{msg}"
+            );
         }
         let err = Config::parse("[checkpoint]\ndump_timeout_ms = -5\n", Path::new("c.toml")).unwrap_err();
         assert!(err.to_string().contains("dump_timeout_ms"), "{err}");

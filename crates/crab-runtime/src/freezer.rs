@@ -103,9 +103,9 @@ impl<'a> Mount<'a> {
 
     /// Where cgroup `path` (as the kernel names it) is under this mount.
     fn locate(&self, path: &str) -> Result<PathBuf, String> {
-        let inside = Path::new(path).strip_prefix(self.root).map_err(|_| {
-            format!("cgroup {path} is not under the root {} of the mount at {}", self.root, self.point)
-        })?;
+        let inside = Path::new(path)
+            .strip_prefix(self.root)
+            .map_err(|_| format!("cgroup {path} is not under the root {} of the mount at {}", self.root, self.point))?;
         if inside.components().any(|c| !matches!(c, std::path::Component::Normal(_))) {
             return Err(format!("cgroup {path} is not a plain path"));
         }

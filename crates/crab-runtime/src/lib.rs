@@ -593,8 +593,7 @@ mod tests {
         let script = dir.join(if ignore_alarm { "hangs-hard" } else { "hangs" });
         let child = dir.join(format!("{}.child", script.display()));
         let trap = if ignore_alarm { "trap '' ALRM\n" } else { "" };
-        std::fs::write(&script, format!("#!/bin/sh\n{trap}sleep 30 &\necho $! > {}\nwait\n", child.display()))
-            .unwrap();
+        std::fs::write(&script, format!("#!/bin/sh\n{trap}sleep 30 &\necho $! > {}\nwait\n", child.display())).unwrap();
         std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
         let reaper = Reaper::default();
         reaper.start().unwrap();
@@ -639,7 +638,10 @@ mod tests {
         let (err, took) = bounded_run(&runtime, Duration::from_secs(10)).await;
         assert!(err.is_timeout(), "{err}");
         let text = err.to_string();
-        assert!(text.contains("checkpoint: dump timed out after 300 ms") && text.contains("stopped on SIGALRM"), "{text}");
+        assert!(
+            text.contains("checkpoint: dump timed out after 300 ms") && text.contains("stopped on SIGALRM"),
+            "{text}"
+        );
         assert!(took < Duration::from_secs(5), "did not wait for the grace: {took:?}");
         let child: u32 = std::fs::read_to_string(&child).unwrap().trim().parse().unwrap();
         assert!(wait_gone(child).await, "the runtime's child {child} outlived the abandoned run");
