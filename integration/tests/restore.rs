@@ -211,12 +211,17 @@ impl Drop for Sandbox {
 /// loads its own inspector), and `runtime` lines put under `[runtime]`. Returns the store
 /// and the config file.
 fn own_config(dir: &std::path::Path, runtime: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    own_config_with(dir, runtime, "")
+}
+
+/// [`own_config`] with more `[checkpoint]` keys.
+fn own_config_with(dir: &std::path::Path, runtime: &str, checkpoint: &str) -> (std::path::PathBuf, std::path::PathBuf) {
     let state = dir.join("state");
     let config = dir.join("crab.toml");
     std::fs::write(
         &config,
         format!(
-            "[runtime]\n{runtime}[checkpoint]\nstate_dir = \"{}\"\n[node]\nsocket = \"{}\"\nspawn = false\n",
+            "[runtime]\n{runtime}[checkpoint]\n{checkpoint}state_dir = \"{}\"\n[node]\nsocket = \"{}\"\nspawn = false\n",
             state.display(),
             dir.join("no-crabd.sock").display()
         ),
@@ -882,6 +887,152 @@ async fn a_failed_freeze_is_retried_and_each_cause_recorded() {
     assert_eq!(report.checkpoint_turn, Some(3));
     let ps = sb.exec_in(&sb.id.clone(), "ps -o args").await;
     assert!(ps.contains("sleep 1001") && ps.contains("sleep 1002"), "{ps}");
+}
+
+/// A CRIU config (named by the sandbox's `org.criu.config` annotation, which crab leaves to the
+/// user) whose action script hangs a dump while `hang` exists: at `network-lock`, when CRIU has
+/// frozen the sandbox's cgroup and seized every process, it writes its pid to `reached` and
+/// sleeps, deaf to SIGALRM (so only CRIU's own timeout path, or the kill, ends the dump).
+fn hanging_criu(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    let (hang, reached, script, conf) =
+        (dir.join("hang"), dir.join("reached"), dir.join("criu-action.sh"), dir.join("criu-hang.conf"));
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = network-lock ] && [ -e {hang} ] || exit 0\ntrap '' ALRM\necho $$ > {reached}\nexec sleep 600\n",
+            hang = hang.display(),
+            reached = reached.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    std::fs::write(&conf, format!("action-script {}\n", script.display())).unwrap();
+    (hang, reached, conf)
+}
+
+/// A process of the sandbox, as the host sees it: whether it is frozen or traced, and whether
+/// a CRIU parasite (compel's memfd) is still mapped into it.
+fn leftovers_of_a_dump(pid: u32) -> Vec<String> {
+    let mut found = Vec::new();
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else { return found };
+    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).unwrap_or("").trim().to_string();
+    if field("TracerPid:") != "0" {
+        found.push(format!("{pid} traced by {}", field("TracerPid:")));
+    }
+    let state = field("State:");
+    if state.starts_with('t') || state.starts_with('T') || state.starts_with('D') {
+        found.push(format!("{pid} in state {state}"));
+    }
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    if maps.contains("CRIUMFD") {
+        found.push(format!("{pid} maps CRIU's parasite"));
+    }
+    found
+}
+
+fn freezer_state(pid: u32) -> String {
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let file = match crab_runtime::freezer::freezer_of(&cgroups, &mountinfo).unwrap() {
+        crab_runtime::freezer::Freezer::V1(f) | crab_runtime::freezer::Freezer::V2(f) => f,
+    };
+    std::fs::read_to_string(file).unwrap().trim().to_string()
+}
+
+/// A CRIU dump that hangs (an action script that sleeps while CRIU holds the sandbox frozen)
+/// is abandoned at `dump_timeout_ms`: the next exec returns promptly, the sandbox is thawed and
+/// left as it was (its processes run, none traced or holding a parasite), the partial images
+/// are gone, the turn is recorded as not checkpointed because the dump timed out (not retried),
+/// and its processes are carried into the next turn, whose dump restores normally.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_dump_is_abandoned_and_the_sandbox_keeps_working() {
+    let dir = tempfile::tempdir().unwrap();
+    let (hang, reached, criu_conf) = hanging_criu(dir.path());
+    let (state, config) = own_config_with(dir.path(), "", "dump_timeout_ms = 2000\n");
+    let annotation = format!("org.criu.config={}", criu_conf.display());
+    let flags = ["--runtime-config-path", config.to_str().unwrap(), "--annotation", &annotation];
+    let mut sb = Sandbox::start_in("rs-hung", &flags, state.clone()).await;
+    let init = task_pid(&sb).await;
+
+    std::fs::write(&hang, "").unwrap();
+    // A process turn: a ticker that keeps writing the time.
+    sb.turn("(while :; do date +%s%N > /tmp/tick; sleep 0.1; done) >/dev/null 2>&1 &").await;
+    let script = {
+        let mut waited = 0;
+        loop {
+            if let Ok(pid) = std::fs::read_to_string(&reached).map(|p| p.trim().parse::<u32>().unwrap()) {
+                break pid;
+            }
+            waited += 1;
+            assert!(waited < 400, "the dump never reached network-lock: {:#?}", sb.ctl().turns(&sb.id).unwrap());
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    };
+    // CRIU holds the sandbox frozen while its script sleeps.
+    assert_eq!(freezer_state(init), "FROZEN");
+    // Later dumps do not hang; the one under way stays hung.
+    std::fs::remove_file(&hang).unwrap();
+
+    let started = std::time::Instant::now();
+    let out = tokio::time::timeout(Duration::from_secs(30), sb.turn("cat /tmp/tick"))
+        .await
+        .expect("the exec after a hung dump returns (it waited for the dump without bound)");
+    let waited = started.elapsed();
+    assert!(!out.trim().is_empty(), "{out:?}");
+    assert!(waited < Duration::from_secs(10), "the exec after the hung dump took {waited:?}");
+
+    // Thawed, and as it was: the ticker runs, nothing is traced or holds a parasite.
+    assert_eq!(freezer_state(init), "THAWED");
+    let first = sb.exec_in(&sb.id.clone(), "cat /tmp/tick").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let second = sb.exec_in(&sb.id.clone(), "cat /tmp/tick").await;
+    assert_ne!(first, second, "the ticker stopped");
+    let ps = sb.ctr.run(&["tasks", "ps", &sb.id]).await.unwrap().stdout_text();
+    let pids: Vec<u32> = ps.lines().skip(1).filter_map(|l| l.split_whitespace().next()?.parse().ok()).collect();
+    assert!(pids.len() >= 3, "{ps}");
+    let leftovers: Vec<String> = pids.iter().flat_map(|p| leftovers_of_a_dump(*p)).collect();
+    assert_eq!(leftovers, Vec::<String>::new());
+    assert!(
+        !std::path::Path::new(&format!("/proc/{script}")).exists()
+            || std::fs::read_to_string(format!("/proc/{script}/stat")).unwrap_or_default().contains(") Z"),
+        "CRIU's action script {script} outlived the abandoned dump"
+    );
+
+    // Turn 1: not checkpointed, because the dump timed out, tried once; turn 2 carries it.
+    let turns = sb.turns(2).await;
+    assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, None), "{turns:#?}");
+    assert_eq!(turns[0].dump_failures.len(), 1, "a timed-out dump is not retried: {turns:#?}");
+    assert!(
+        turns[0]
+            .reasons
+            .iter()
+            .any(|r| r.starts_with("checkpoint failed") && r.contains("dump timed out after 2000 ms")),
+        "{turns:#?}"
+    );
+    let key = sb.ctl().key(&sb.id).unwrap();
+    let partial = sb.ctl().store.dump_path(&key, 1).unwrap();
+    assert!(!partial.exists(), "{} left behind", partial.display());
+    assert!(turns[1].reasons.iter().any(|r| r.contains("processes of turn 1 are not checkpointed")), "{turns:#?}");
+    sb.published(2).await;
+    let turns = sb.turns(2).await;
+    assert_eq!(turns[1].checkpoint_turn, Some(2), "{turns:#?}");
+
+    let table = std::process::Command::new(crab_integration::env::crab_binary("crabctl"))
+        .args(["turns", &sb.id])
+        .env("CRAB_STATE_DIR", &state)
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("dump timed out after 2000 ms"), "{table}");
+
+    // Turn 2's dump holds the ticker turn 1 started: it comes back and ticks.
+    sb.kill_processes().await;
+    let report = sb.ctl().recover(&sb.id, None).await.unwrap();
+    assert!(report.checkpoint_turn >= Some(2), "{report:?}");
+    let before = sb.exec_in(&sb.id.clone(), "cat /tmp/tick").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = sb.exec_in(&sb.id.clone(), "cat /tmp/tick").await;
+    assert_ne!(before, after, "the restored ticker does not run");
 }
 
 /// Content, mode and type of every file on the sandbox's tmpfs mounts (what the tests put

@@ -76,9 +76,18 @@ pub struct CheckpointConfig {
     /// container of another namespace (`"*"`: any). A container may always restore
     /// from chains of its own namespace; by default from no other.
     pub restore_from_namespaces: Vec<String>,
+    /// Bound on one CRIU dump of a turn, milliseconds: past it the dump is abandoned (CRIU
+    /// and its runtime killed, the sandbox thawed as it was), the turn is recorded as not
+    /// checkpointed and its changes are carried into the next turn's checkpoint.
+    pub dump_timeout_ms: u64,
 }
 
 impl CheckpointConfig {
+    /// [`Self::dump_timeout_ms`] as a duration.
+    pub fn dump_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.dump_timeout_ms)
+    }
+
     /// The store's settings for kept image copies.
     pub fn kept_images(&self) -> crab_store::KeptImages {
         crab_store::KeptImages {
@@ -166,6 +175,7 @@ impl Default for CheckpointConfig {
             kept_images_dir: "/run/crab/kept-images".into(),
             kept_images_max_mib: 2048,
             restore_from_namespaces: Vec::new(),
+            dump_timeout_ms: 60_000,
         }
     }
 }
@@ -175,6 +185,9 @@ impl Default for LogConfig {
         Self { level: "info".into() }
     }
 }
+
+/// Largest `checkpoint.dump_timeout_ms`: a day.
+pub const MAX_DUMP_TIMEOUT_MS: u64 = 24 * 3600 * 1000;
 
 const LOG_LEVELS: [&str; 5] = ["error", "warn", "info", "debug", "trace"];
 
@@ -242,6 +255,13 @@ impl Config {
             return Err(invalid(format!(
                 "checkpoint.policy: {:?} is not one of crab, every-turn, off",
                 self.checkpoint.policy
+            )));
+        }
+        // Zero would abandon every dump; beyond a day it is no bound the next exec could wait for.
+        if !(1..=MAX_DUMP_TIMEOUT_MS).contains(&self.checkpoint.dump_timeout_ms) {
+            return Err(invalid(format!(
+                "checkpoint.dump_timeout_ms: {} is not between 1 and {MAX_DUMP_TIMEOUT_MS} (milliseconds)",
+                self.checkpoint.dump_timeout_ms
             )));
         }
         if !self.node.socket.is_absolute() {
@@ -361,6 +381,25 @@ mod tests {
         let inside =
             Config::parse("[checkpoint]\nkept_images_dir = \"\"\nkept_images_max_mib = 3\n", Path::new("c")).unwrap();
         assert_eq!(inside.checkpoint.kept_images(), crab_store::KeptImages { dir: None, max_bytes: 3 << 20 });
+    }
+
+    #[test]
+    fn dump_timeout_is_bounded_and_named_in_errors() {
+        assert_eq!(Config::default().checkpoint.dump_timeout(), std::time::Duration::from_secs(60));
+        let c = Config::parse("[checkpoint]\ndump_timeout_ms = 250\n", Path::new("c.toml")).unwrap();
+        assert_eq!(c.checkpoint.dump_timeout(), std::time::Duration::from_millis(250));
+        for bad in ["0", "86400001"] {
+            let err =
+                Config::parse(&format!("[checkpoint]\ndump_timeout_ms = {bad}\n"), Path::new("/etc/crab/crab.toml"))
+                    .unwrap_err();
+            let msg = err.to_string();
+            assert!(
+                msg.contains("/etc/crab/crab.toml") && msg.contains("checkpoint.dump_timeout_ms") && msg.contains(bad),
+                "{msg}"
+            );
+        }
+        let err = Config::parse("[checkpoint]\ndump_timeout_ms = -5\n", Path::new("c.toml")).unwrap_err();
+        assert!(err.to_string().contains("dump_timeout_ms"), "{err}");
     }
 
     #[test]

@@ -56,7 +56,7 @@ use crate::stdin::{DetectorConfig, ForwardedBytes, IdleKind, IdleReport, StdinOb
 use crab_inspector::{
     ClassifyOptions, Effect, EffectKind, ProcessRan, TurnClass, TurnEffects, classify, monotonic_now_ns,
 };
-use crab_runtime::CheckpointOptions;
+use crab_runtime::{CheckpointOptions, DumpDeadline};
 use crab_store::turns::{Policy, RecordedClass, SandboxPolicy, TurnLog, TurnRecord, TurnSource, TurnsMode, unix_ms};
 use crab_store::{ChangedPath, CheckpointStore, MountKind, SandboxMounts, TurnInput};
 
@@ -109,6 +109,9 @@ pub struct EngineContext {
     /// None: commits do not wait for bandwidth.
     pub commit_gate: Option<Arc<dyn CommitGate>>,
     pub state_dir: PathBuf,
+    /// Bound on one CRIU dump (`[checkpoint] dump_timeout_ms`): past it the dump is abandoned
+    /// and the turn carried into the next.
+    pub dump_timeout: std::time::Duration,
 }
 
 struct OpenTurn {
@@ -719,7 +722,11 @@ impl SandboxEngine {
             let work_path = self.work_dir.join(format!("dump-{}-work", open.turn));
             // A failed freeze under load is transient: the dump is tried again (bounded) before
             // the turn's checkpoint is given up; every failed attempt's cause goes on record.
-            let dumped = with_retries(&DUMP_RETRIES, &mut record.dump_failures, |attempt| {
+            // A dump that timed out is not: it was abandoned, and another would likely hang as
+            // long while the next turn waits.
+            let retry_unless_timed_out = |e: &HostError| !matches!(e, HostError::Runtime(r) if r.is_timeout());
+            let deadline = DumpDeadline { after: self.ctx.dump_timeout, sandbox_pid: self.host.init_pid() };
+            let dumped = with_retries(&DUMP_RETRIES, &mut record.dump_failures, retry_unless_timed_out, |attempt| {
                 let (dir, work_path) = (dir.clone(), work_path.clone());
                 async move {
                     // Whatever a failed attempt left is not a dump.
@@ -735,6 +742,7 @@ impl SandboxEngine {
                         tcp_established: true,
                         ext_unix_sockets: true,
                         file_locks: true,
+                        deadline: Some(deadline),
                         ..Default::default()
                     };
                     self.host.dump(&options).await
@@ -750,7 +758,10 @@ impl SandboxEngine {
                 charges.retain_live(&after);
             }
             if let Err(e) = dumped {
+                // What a failed or abandoned dump wrote is no checkpoint (its log is kept
+                // beside the runtime's, see OciRuntime::checkpoint).
                 let _ = tokio::fs::remove_dir_all(&dir).await;
+                let _ = tokio::fs::remove_dir_all(&work_path).await;
                 return Err((record, e.into()));
             }
             Some(dir)
@@ -1137,6 +1148,7 @@ mod tests {
             inspector: None,
             commit_gate: None,
             state_dir: dir.join("state"),
+            dump_timeout: std::time::Duration::from_secs(60),
         });
         let host = Arc::new(crate::policy_tests::RecordingHost::new(dir.join("rootfs")));
         let policy = SandboxPolicy { turns, policy: Policy::Off, ..Default::default() };

@@ -212,6 +212,7 @@ impl Sandbox {
             inspector: Some(effects.clone()),
             commit_gate: None,
             state_dir,
+            dump_timeout: std::time::Duration::from_secs(60),
         });
         let host = Arc::new(RecordingHost::new(dir.path().join("rootfs")));
         let policy = SandboxPolicy { turns: TurnsMode::Exec, policy, ..Default::default() };

@@ -27,16 +27,19 @@ impl RetryPolicy {
     }
 }
 
-/// Runs `attempt(n)` for n = 1, 2, ... until it succeeds or `policy.attempts` were made,
-/// pausing between attempts. The cause of each failed attempt is pushed onto `failures`
-/// (also of the last one, which is returned as well).
-pub async fn with_retries<T, E, F, Fut>(
+/// Runs `attempt(n)` for n = 1, 2, ... until it succeeds, `policy.attempts` were made, or
+/// an attempt fails in a way `retryable` says another would not cure (a dump abandoned at its
+/// deadline), pausing between attempts. The cause of each failed attempt is pushed onto
+/// `failures` (also of the last one, which is returned as well).
+pub async fn with_retries<T, E, R, F, Fut>(
     policy: &RetryPolicy,
     failures: &mut Vec<String>,
+    retryable: R,
     mut attempt: F,
 ) -> Result<T, E>
 where
     E: std::fmt::Display,
+    R: Fn(&E) -> bool,
     F: FnMut(u32) -> Fut,
     Fut: Future<Output = Result<T, E>>,
 {
@@ -47,7 +50,7 @@ where
             Ok(value) => return Ok(value),
             Err(e) => {
                 failures.push(e.to_string());
-                if n >= attempts {
+                if n >= attempts || !retryable(&e) {
                     return Err(e);
                 }
                 tokio::time::sleep(policy.pause_after(n)).await;
@@ -94,6 +97,10 @@ mod tests {
         }
     }
 
+    fn any(_: &String) -> bool {
+        true
+    }
+
     /// DUMP_RETRIES' shape with short pauses: the tests run in real time.
     const QUICK: RetryPolicy = RetryPolicy { attempts: 3, first_pause: Duration::from_millis(20) };
 
@@ -108,7 +115,7 @@ mod tests {
     async fn a_dump_that_succeeds_at_once_is_tried_once_and_records_nothing() {
         let dump = RecordingDump::new(0);
         let mut failures = Vec::new();
-        assert_eq!(with_retries(&QUICK, &mut failures, |n| dump.attempt(n)).await, Ok("dumped"));
+        assert_eq!(with_retries(&QUICK, &mut failures, any, |n| dump.attempt(n)).await, Ok("dumped"));
         assert_eq!(dump.attempts(), vec![1]);
         assert!(failures.is_empty(), "{failures:?}");
     }
@@ -117,7 +124,7 @@ mod tests {
     async fn a_transient_freeze_failure_is_retried_after_growing_pauses_and_each_cause_kept() {
         let dump = RecordingDump::new(2);
         let mut failures = Vec::new();
-        assert_eq!(with_retries(&QUICK, &mut failures, |n| dump.attempt(n)).await, Ok("dumped"));
+        assert_eq!(with_retries(&QUICK, &mut failures, any, |n| dump.attempt(n)).await, Ok("dumped"));
         assert_eq!(dump.attempts(), vec![1, 2, 3]);
         let pauses = dump.pauses();
         assert!(pauses[0] >= QUICK.pause_after(1) && pauses[1] >= QUICK.pause_after(2), "{pauses:?}");
@@ -134,13 +141,45 @@ mod tests {
     async fn a_dump_that_keeps_failing_stops_at_the_bound_with_the_last_error() {
         let dump = RecordingDump::new(u32::MAX);
         let mut failures = Vec::new();
-        let result = with_retries(&QUICK, &mut failures, |n| dump.attempt(n)).await;
+        let result = with_retries(&QUICK, &mut failures, any, |n| dump.attempt(n)).await;
         assert_eq!(result, Err("runc checkpoint failed: unable to freeze (attempt 3)".to_string()));
         assert_eq!(dump.attempts(), vec![1, 2, 3], "bounded: three attempts, no more");
         assert_eq!(failures.len(), 3);
         let one = RetryPolicy { attempts: 0, first_pause: Duration::from_secs(1) };
         let dump = RecordingDump::new(u32::MAX);
-        assert!(with_retries(&one, &mut Vec::new(), |n| dump.attempt(n)).await.is_err());
+        assert!(with_retries(&one, &mut Vec::new(), any, |n| dump.attempt(n)).await.is_err());
         assert_eq!(dump.attempts(), vec![1], "at least one attempt, however the policy is set");
+    }
+
+    /// A dump abandoned at its deadline is not tried again in its turn: the turn is given up
+    /// at once (no pause), with that one cause on record.
+    #[tokio::test]
+    async fn a_timed_out_dump_is_not_retried() {
+        let timed_out = |e: &String| !e.contains("timed out");
+        let calls = Arc::new(Mutex::new(0));
+        let mut failures = Vec::new();
+        let started = tokio::time::Instant::now();
+        let slow = RetryPolicy { attempts: 3, first_pause: Duration::from_secs(30) };
+        let result: Result<(), String> = with_retries(&slow, &mut failures, timed_out, |n| {
+            let calls = Arc::clone(&calls);
+            async move {
+                *calls.lock().unwrap() += 1;
+                Err(format!("runc checkpoint: dump timed out after 500 ms, abandoned (attempt {n})"))
+            }
+        })
+        .await;
+        assert_eq!(result.unwrap_err(), "runc checkpoint: dump timed out after 500 ms, abandoned (attempt 1)");
+        assert_eq!(*calls.lock().unwrap(), 1);
+        assert_eq!(failures.len(), 1);
+        assert!(started.elapsed() < Duration::from_secs(5), "no pause after it: {:?}", started.elapsed());
+
+        // A freeze failure first is still retried; the timeout after it ends the turn's tries.
+        let mut failures = Vec::new();
+        let result: Result<(), String> = with_retries(&QUICK, &mut failures, timed_out, |n| async move {
+            Err(if n == 1 { "unable to freeze".to_string() } else { format!("dump timed out (attempt {n})") })
+        })
+        .await;
+        assert_eq!(result.unwrap_err(), "dump timed out (attempt 2)");
+        assert_eq!(failures, ["unable to freeze", "dump timed out (attempt 2)"]);
     }
 }

@@ -8,6 +8,7 @@
 //! and lose exit statuses.
 
 pub mod criu;
+pub mod freezer;
 pub mod init;
 mod reaper;
 pub mod spawner;
@@ -16,6 +17,7 @@ use std::ffi::OsString;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::time::Duration;
 
 use serde::Deserialize;
 use tokio::io::AsyncReadExt;
@@ -34,7 +36,32 @@ pub enum RuntimeError {
     Failed { binary: String, verb: String, status: i32, message: String },
     #[error("{binary} {verb}: unreadable output: {detail}")]
     Output { binary: String, verb: String, detail: String },
+    /// Past its deadline the invocation was abandoned; `abandoned` says how it ended.
+    #[error("{binary} {verb}: dump timed out after {after_ms} ms, abandoned: {abandoned}")]
+    TimedOut { binary: String, verb: String, after_ms: u64, abandoned: String },
 }
+
+impl RuntimeError {
+    /// An invocation abandoned at its deadline: trying it again at once would hang as long.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, RuntimeError::TimedOut { .. })
+    }
+}
+
+/// A bound on one dump: past `after` it is abandoned and the cgroup of `sandbox_pid` (a
+/// process of the sandbox, its init) thawed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DumpDeadline {
+    pub after: Duration,
+    pub sandbox_pid: u32,
+}
+
+/// How long an abandoned dump's CRIU gets to stop by itself on SIGALRM (its own timeout
+/// path: it cures its parasite from every process, releases them and thaws the cgroup)
+/// before it and the runtime are killed.
+pub const ABANDON_GRACE: Duration = Duration::from_secs(2);
+/// How long the killed runtime's exit is waited for (it comes at once).
+const KILLED_EXIT_WAIT: Duration = Duration::from_secs(5);
 
 pub type Result<T> = std::result::Result<T, RuntimeError>;
 
@@ -100,6 +127,9 @@ pub struct CheckpointOptions {
     pub file_locks: bool,
     pub empty_namespaces: Vec<String>,
     pub manage_cgroups_mode: Option<String>,
+    /// None: the dump may take as long as it takes (containerd's own Checkpoint, which
+    /// pauses and resumes the task around it).
+    pub deadline: Option<DumpDeadline>,
 }
 
 /// `runc state` output, the fields the shim uses.
@@ -257,7 +287,17 @@ impl OciRuntime {
         for hook in &hooks {
             hook.before_dump().await;
         }
-        let dumped = self.run(id, &args, ProcessStdio::default()).await.map(drop);
+        let bound = opts.deadline.map(|d| (d.after, ABANDON_GRACE));
+        let mut dumped = self.run_bounded(id, &args, ProcessStdio::default(), bound).await.map(drop);
+        if let (Err(RuntimeError::TimedOut { abandoned, .. }), Some(deadline)) = (&mut dumped, opts.deadline) {
+            // Whatever CRIU did before it stopped, the sandbox is left running as it was.
+            match tokio::task::spawn_blocking(move || freezer::thaw(deadline.sandbox_pid)).await {
+                Ok(Ok(_)) => abandoned.push_str(", sandbox thawed"),
+                Ok(Err(e)) => abandoned.push_str(&format!(", thawing the sandbox failed: {e}")),
+                Err(e) => abandoned.push_str(&format!(", thawing the sandbox failed: {e}")),
+            }
+            tracing::warn!(container = id, error = %dumped.as_ref().unwrap_err(), "dump abandoned");
+        }
         for hook in hooks.iter().rev() {
             hook.after_dump(dumped.is_ok().then_some(opts.image_path.as_path())).await;
         }
@@ -333,6 +373,21 @@ impl OciRuntime {
 
     /// Runs one runtime verb and returns its stdout.
     async fn run(&self, id: &str, args: &[OsString], stdio: ProcessStdio) -> Result<Vec<u8>> {
+        self.run_bounded(id, args, stdio, None).await
+    }
+
+    /// [`run`](Self::run), abandoned past `bound.0`: the runtime runs in a process group of its
+    /// own, which its children (CRIU, CRIU's action scripts) share; at the deadline the group
+    /// gets SIGALRM, on which CRIU takes its own timeout path and undoes what it did to the
+    /// processes, and runc does nothing; whatever is left of the group after `bound.1` is
+    /// killed. Never by name: the group is the one this call made.
+    async fn run_bounded(
+        &self,
+        id: &str,
+        args: &[OsString],
+        stdio: ProcessStdio,
+        bound: Option<(Duration, Duration)>,
+    ) -> Result<Vec<u8>> {
         let verb = args.first().map(|a| a.to_string_lossy().into_owned()).unwrap_or_default();
         let log = self.log_path(id);
         let mut cmd = std::process::Command::new(&self.binary);
@@ -347,18 +402,41 @@ impl OciRuntime {
         cmd.stdout(stdio.stdout.map(Stdio::from).unwrap_or_else(Stdio::piped));
         cmd.stderr(stdio.stderr.map(Stdio::from).unwrap_or_else(Stdio::piped));
 
+        if bound.is_some() {
+            std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        }
+
         tracing::debug!(binary = %self.binary.display(), ?args, "oci runtime");
         let spawn_error = |source| RuntimeError::Spawn { binary: self.binary_name(), verb: verb.clone(), source };
         // Keep the reaper lock-free of our pid until it is known: the reaper
         // parks unclaimed exits, so registering after spawn cannot miss one.
         let mut child = cmd.spawn().map_err(spawn_error)?;
-        let exit = self.reaper.wait_for(child.id());
-        let stdout = read_all(child.stdout.take());
-        let stderr = read_all(child.stderr.take());
-        let (exit, stdout, stderr) = tokio::join!(exit, stdout, stderr);
-        // std's Child is never waited on: the reaper reaped it. Dropping it does
+        let pid = child.id();
+        let exit = self.reaper.wait_for(pid);
+        let stdout = tokio::spawn(read_all(child.stdout.take()));
+        let stderr = tokio::spawn(read_all(child.stderr.take()));
+        // std's Child is never waited on: the reaper reaps it. Dropping it does
         // not wait or kill.
         drop(child);
+        let exit = match bound {
+            None => exit.await,
+            Some((after, grace)) => {
+                tokio::pin!(exit);
+                match tokio::time::timeout(after, &mut exit).await {
+                    Ok(exit) => exit,
+                    Err(_) => {
+                        let abandoned = abandon_group(pid, exit, grace).await;
+                        // Pipes a survivor might hold must not hold this call.
+                        stdout.abort();
+                        stderr.abort();
+                        let after_ms = u64::try_from(after.as_millis()).unwrap_or(u64::MAX);
+                        return Err(RuntimeError::TimedOut { binary: self.binary_name(), verb, after_ms, abandoned });
+                    }
+                }
+            }
+        };
+        let stdout = stdout.await.unwrap_or_default();
+        let stderr = stderr.await.unwrap_or_default();
         if exit.status != 0 {
             let message = last_error_line(&log)
                 .await
@@ -368,6 +446,30 @@ impl OciRuntime {
         }
         Ok(stdout)
     }
+}
+
+/// Ends process group `pgid` (led by the runtime process `pgid`, whose exit `exit` is): SIGALRM
+/// first, SIGKILL after `grace` if the leader has not exited, and SIGKILL again once it has,
+/// for members it left behind. Says how it ended.
+async fn abandon_group(pgid: u32, exit: impl std::future::Future<Output = Exit>, grace: Duration) -> String {
+    use nix::sys::signal::{Signal, killpg};
+    let group = nix::unistd::Pid::from_raw(pgid as i32);
+    tokio::pin!(exit);
+    let _ = killpg(group, Signal::SIGALRM);
+    let how = match tokio::time::timeout(grace, &mut exit).await {
+        Ok(exit) => format!("stopped on SIGALRM (exit status {})", exit.status),
+        Err(_) => {
+            let _ = killpg(group, Signal::SIGKILL);
+            match tokio::time::timeout(KILLED_EXIT_WAIT, &mut exit).await {
+                Ok(_) => format!("killed (no exit {} ms after SIGALRM)", grace.as_millis()),
+                Err(_) => format!("killed, and no exit {} ms later", KILLED_EXIT_WAIT.as_millis()),
+            }
+        }
+    };
+    // The group outlives its leader while a member lives (its id is not reused meanwhile):
+    // CRIU's action scripts, or CRIU itself when the runtime went first.
+    let _ = killpg(group, Signal::SIGKILL);
+    how
 }
 
 fn push_launch_args(args: &mut Vec<OsString>, opts: &LaunchOptions<'_>) {
@@ -482,6 +584,90 @@ mod tests {
         .unwrap();
         assert_eq!(last_error_line(&log).await.as_deref(), Some("container_linux.go: exec failed: no such file"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A stand-in runtime (a shell script given `--root ... checkpoint ...`) that starts a child
+    /// in its group, writes the child's pid, and hangs.
+    fn hanging_runtime(dir: &Path, ignore_alarm: bool) -> (OciRuntime, PathBuf) {
+        use std::os::unix::fs::PermissionsExt;
+        let script = dir.join(if ignore_alarm { "hangs-hard" } else { "hangs" });
+        let child = dir.join(format!("{}.child", script.display()));
+        let trap = if ignore_alarm { "trap '' ALRM\n" } else { "" };
+        std::fs::write(&script, format!("#!/bin/sh\n{trap}sleep 30 &\necho $! > {}\nwait\n", child.display())).unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let reaper = Reaper::default();
+        reaper.start().unwrap();
+        (OciRuntime::new(&script, dir.join("root"), false, reaper), child)
+    }
+
+    fn gone(pid: u32) -> bool {
+        // Absent, or a zombie its new parent has not reaped yet.
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Err(_) => true,
+            Ok(stat) => stat.rsplit(')').next().and_then(|rest| rest.split_whitespace().next()) == Some("Z"),
+        }
+    }
+
+    async fn bounded_run(runtime: &OciRuntime, grace: Duration) -> (RuntimeError, Duration) {
+        let started = std::time::Instant::now();
+        let args: Vec<OsString> = vec!["checkpoint".into(), "c1".into()];
+        let bound = Some((Duration::from_millis(300), grace));
+        let result = tokio::time::timeout(
+            Duration::from_secs(20),
+            runtime.run_bounded("c1", &args, ProcessStdio::default(), bound),
+        )
+        .await
+        .expect("a bounded run returns");
+        (result.unwrap_err(), started.elapsed())
+    }
+
+    async fn wait_gone(pid: u32) -> bool {
+        for _ in 0..100 {
+            if gone(pid) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+
+    #[tokio::test]
+    async fn a_run_past_its_deadline_stops_on_sigalrm_with_its_group() {
+        let dir = tempfile::tempdir().unwrap();
+        let (runtime, child) = hanging_runtime(dir.path(), false);
+        let (err, took) = bounded_run(&runtime, Duration::from_secs(10)).await;
+        assert!(err.is_timeout(), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("checkpoint: dump timed out after 300 ms") && text.contains("stopped on SIGALRM"),
+            "{text}"
+        );
+        assert!(took < Duration::from_secs(5), "did not wait for the grace: {took:?}");
+        let child: u32 = std::fs::read_to_string(&child).unwrap().trim().parse().unwrap();
+        assert!(wait_gone(child).await, "the runtime's child {child} outlived the abandoned run");
+    }
+
+    #[tokio::test]
+    async fn a_run_that_ignores_sigalrm_is_killed_after_the_grace() {
+        let dir = tempfile::tempdir().unwrap();
+        let (runtime, child) = hanging_runtime(dir.path(), true);
+        let grace = Duration::from_millis(400);
+        let (err, took) = bounded_run(&runtime, grace).await;
+        let text = err.to_string();
+        assert!(err.is_timeout() && text.contains("killed (no exit 400 ms after SIGALRM)"), "{text}");
+        assert!(took >= Duration::from_millis(700) && took < Duration::from_secs(5), "{took:?}");
+        let child: u32 = std::fs::read_to_string(&child).unwrap().trim().parse().unwrap();
+        assert!(wait_gone(child).await, "the runtime's child {child} outlived the abandoned run");
+    }
+
+    #[tokio::test]
+    async fn an_unbounded_run_is_not_cut() {
+        let dir = tempfile::tempdir().unwrap();
+        let reaper = Reaper::default();
+        reaper.start().unwrap();
+        let runtime = OciRuntime::new("/bin/echo", dir.path(), false, reaper);
+        let out = runtime.run("c1", &["state".into()], ProcessStdio::default()).await.unwrap();
+        assert!(String::from_utf8_lossy(&out).trim_end().ends_with("state"), "{out:?}");
     }
 
     #[test]

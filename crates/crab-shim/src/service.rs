@@ -431,6 +431,8 @@ impl TaskService {
             empty_namespaces: o.empty_namespaces.clone(),
             manage_cgroups_mode: (!o.cgroups_mode.is_empty()).then(|| o.cgroups_mode.clone()),
             parent_path: None,
+            // containerd pauses the task around its checkpoint and resumes it itself.
+            deadline: None,
         };
         container.checkpoint(&opts).await?;
         if !req.path.is_empty() && Path::new(&req.path) != image_path {
@@ -496,6 +498,7 @@ async fn engine_context(
     yielding: bool,
 ) -> Result<Arc<EngineContext>, ShimError> {
     let state_dir = config.checkpoint.state_dir.clone();
+    let dump_timeout = config.checkpoint.dump_timeout();
     let kept = config.checkpoint.kept_images();
     let node = crab_node::ClientOptions::from_config(&config.node);
     let max_effects_bytes = config.node.max_effects_bytes();
@@ -538,7 +541,7 @@ async fn engine_context(
                     }
                 }
             };
-            Ok(Arc::new(EngineContext { store: Arc::new(store), inspector, commit_gate, state_dir }))
+            Ok(Arc::new(EngineContext { store: Arc::new(store), inspector, commit_gate, state_dir, dump_timeout }))
         })
         .await
         .cloned()
