@@ -1156,3 +1156,51 @@ async fn a_write_on_a_foreign_bind_mount_is_recorded_as_external_and_recover_suc
     assert_eq!(sb.exec_in(&sb.id.clone(), "cat /data/own").await, "own\n");
     assert_eq!(std::fs::read_to_string(shared.path().join("f")).unwrap(), "host\n", "the host's file is left alone");
 }
+
+/// A sandbox whose quota (`io.crab.max-sandbox-mib`) is smaller than what it writes: the turn
+/// over it is recorded with why and the last recoverable turn (also in `crabctl turns`), its
+/// checkpoint is not written, the sandbox is checkpointed again once it deletes the data, and
+/// a restore of the turn before gives back that turn's files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_over_the_sandboxs_quota_is_recorded_and_the_earlier_turn_restores() {
+    let mut sb = Sandbox::start_with("rs-quota", &["--annotation", "io.crab.max-sandbox-mib=1"]).await;
+    sb.turn("mkdir -p /data && echo one > /data/a && head -c 300000 /dev/urandom > /data/small").await;
+    // A turn's record is written once its checkpoint is.
+    sb.settled().await;
+    let v1 = sb.exec_in(&sb.id.clone(), FINGERPRINT).await;
+    sb.turn("head -c 2000000 /dev/urandom > /data/big && echo two > /data/a").await;
+    let turns = sb.settled().await;
+    let over =
+        turns.iter().find(|t| t.over_quota.is_some()).unwrap_or_else(|| panic!("no turn over quota: {turns:#?}"));
+    assert_eq!((over.class, over.checkpoint_turn), (RecordedClass::Fs, Some(1)), "{over:#?}");
+    let q = over.over_quota.unwrap();
+    assert_eq!(q.quota_bytes, 1 << 20, "{over:#?}");
+    assert!(q.used_bytes > 2_000_000 && q.held_bytes < 1 << 20, "{over:#?}");
+    assert!(
+        over.reasons
+            .iter()
+            .any(|r| r.contains("over quota: used ") && r.contains("turn 1 is its last recoverable turn")),
+        "{over:#?}"
+    );
+    assert_eq!(sb.ctl().store.head(&sb.ctl().key(&sb.id).unwrap()).unwrap().map(|h| h.turn), Some(1));
+
+    let table = std::process::Command::new(crab_integration::env::crab_binary("crabctl"))
+        .args(["turns", &sb.id])
+        .env("CRAB_STATE_DIR", &sb.state)
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("over quota: used ") && table.contains("turn 1 is its last recoverable turn"), "{table}");
+
+    // The data is gone again: the next turn (which takes the refused turn's paths in) fits.
+    sb.turn("rm /data/big").await;
+    let turns = sb.settled().await;
+    let last = turns.last().unwrap();
+    assert_eq!((last.over_quota, last.checkpoint_turn), (None, Some(last.turn)), "{turns:#?}");
+
+    // Turn 1 restored into a new container: exactly its files.
+    let fork = format!("{}-at1", sb.id);
+    sb.extra.push(fork.clone());
+    sb.ctl().fork(&sb.id, 1, &fork).await.unwrap();
+    assert_eq!(sb.exec_in(&fork, FINGERPRINT).await, v1);
+}

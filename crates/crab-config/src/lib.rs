@@ -80,6 +80,12 @@ pub struct CheckpointConfig {
     /// and its runtime killed, the sandbox thawed as it was), the turn is recorded as not
     /// checkpointed and its changes are carried into the next turn's checkpoint.
     pub dump_timeout_ms: u64,
+    /// Bound on the bytes each sandbox's chain references in the store, MiB (0: none). A
+    /// turn whose checkpoint would go over it is recorded as over quota, not checkpointed.
+    pub max_sandbox_mib: u64,
+    /// Whether a sandbox's `io.crab.max-sandbox-mib` annotation may raise `max_sandbox_mib`
+    /// (it may always lower it). Off: a tenant sets its own annotations.
+    pub allow_sandbox_quota_raise: bool,
 }
 
 impl CheckpointConfig {
@@ -176,6 +182,8 @@ impl Default for CheckpointConfig {
             kept_images_max_mib: 2048,
             restore_from_namespaces: Vec::new(),
             dump_timeout_ms: 60_000,
+            max_sandbox_mib: crab_store::turns::DEFAULT_MAX_SANDBOX_MIB,
+            allow_sandbox_quota_raise: false,
         }
     }
 }
@@ -250,6 +258,13 @@ impl Config {
             {
                 return Err(invalid(format!("checkpoint.restore_from_namespaces: {e} (or \"*\" for any)")));
             }
+        }
+        if self.checkpoint.max_sandbox_mib > crab_store::turns::MAX_SANDBOX_MIB_LIMIT {
+            return Err(invalid(format!(
+                "checkpoint.max_sandbox_mib: {} is more than {} (0: no bound)",
+                self.checkpoint.max_sandbox_mib,
+                crab_store::turns::MAX_SANDBOX_MIB_LIMIT
+            )));
         }
         if crab_store::turns::parse_policy(&self.checkpoint.policy).is_none() {
             return Err(invalid(format!(
@@ -345,6 +360,20 @@ mod tests {
             err.to_string().contains("checkpoint.restore_from_namespaces") && err.to_string().contains("../x"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn the_sandbox_quota_is_validated_naming_its_key() {
+        let c = Config::default();
+        assert_eq!((c.checkpoint.max_sandbox_mib, c.checkpoint.allow_sandbox_quota_raise), (10240, false));
+        let c = Config::parse("[checkpoint]\nmax_sandbox_mib = 0\nallow_sandbox_quota_raise = true\n", Path::new("c"))
+            .unwrap();
+        assert_eq!((c.checkpoint.max_sandbox_mib, c.checkpoint.allow_sandbox_quota_raise), (0, true));
+        for bad in ["max_sandbox_mib = 17592186044416", "max_sandbox_mib = -1", "max_sandbox_mib = \"1G\""] {
+            let err = Config::parse(&format!("[checkpoint]\n{bad}\n"), Path::new("/etc/crab/crab.toml")).unwrap_err();
+            let msg = err.to_string();
+            assert!(msg.contains("/etc/crab/crab.toml") && msg.contains("max_sandbox_mib"), "{bad}: {msg}");
+        }
     }
 
     #[test]

@@ -487,13 +487,32 @@ impl SandboxEngine {
             // Clean (or not checkpointed by policy): the head stands for it.
             Ok(record) => TurnRecord { checkpoint_turn: head, ..record },
             Err((mut record, e)) => {
-                tracing::error!(container = %self.container, turn = open.turn, error = %e, "turn checkpoint failed");
+                // Over quota is not a fault: the sandbox holds more than its quota allows. Its
+                // changes stay unpublished: later turns try again with them as they are then.
+                let over_quota = match &e {
+                    EngineError::Store(crab_store::CheckpointError::OverQuota { over, .. }) => Some(*over),
+                    _ => None,
+                };
                 if record.class == RecordedClass::Proc {
                     slot.processes_lost();
                 }
                 // The turn still happened: keep its class and why, and say
                 // that its state is only as recent as the previous checkpoint.
-                record.reasons.push(format!("checkpoint failed: {e}"));
+                match over_quota {
+                    Some(over) => {
+                        tracing::warn!(container = %self.container, turn = open.turn, error = %e, "turn not checkpointed");
+                        let recoverable = match head {
+                            Some(turn) => format!("turn {turn} is its last recoverable turn"),
+                            None => "no turn is recoverable: a restore starts from the image".into(),
+                        };
+                        record.reasons.push(format!("checkpoint not written, {over}; {recoverable}"));
+                        record.over_quota = Some(over);
+                    }
+                    None => {
+                        tracing::error!(container = %self.container, turn = open.turn, error = %e, "turn checkpoint failed");
+                        record.reasons.push(format!("checkpoint failed: {e}"));
+                    }
+                }
                 record.checkpoint_turn = head;
                 record
             }
@@ -663,6 +682,7 @@ impl SandboxEngine {
             checkpoint_ms: 0.0,
             policy: self.policy.policy,
             dump_failures: Vec::new(),
+            over_quota: None,
         };
         let (class, changed) = match self.policy.policy {
             Policy::Off => {
@@ -787,6 +807,7 @@ impl SandboxEngine {
         let staging = Instant::now();
         let tmpfs = self.mounts.tmpfs();
         let container_root = self.host.container_root();
+        let quota = self.policy.quota_bytes();
         let staged = crate::blocking::on_store(&self.ctx.store, move |store| {
             // Only the mounts this turn changed are opened.
             let mut mounts = Vec::new();
@@ -798,7 +819,7 @@ impl SandboxEngine {
                 })?;
                 mounts.push(root.open_mount(dest)?);
             }
-            store.stage_turn_in(
+            let mut staged = store.stage_turn_in(
                 &TurnInput {
                     container: &container,
                     turn,
@@ -807,7 +828,9 @@ impl SandboxEngine {
                     criu_images: images_for_stage.as_deref(),
                 },
                 &mounts,
-            )
+            )?;
+            staged.set_quota(quota);
+            Ok(staged)
         })
         .await;
         record.capture_ms += staging.elapsed().as_secs_f64() * 1e3;

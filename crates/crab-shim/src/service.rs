@@ -682,6 +682,8 @@ fn sandbox_policy(bundle: &Path, config: &Config) -> Result<SandboxPolicy, ShimE
         serde_json::from_slice(&bytes).map_err(|e| ShimError::InvalidArgument(format!("{}: {e}", path.display())))?;
     let defaults = SandboxPolicy {
         policy: crab_store::turns::parse_policy(&config.checkpoint.policy).unwrap_or(Policy::Crab),
+        max_sandbox_mib: config.checkpoint.max_sandbox_mib,
+        allow_quota_raise: config.checkpoint.allow_sandbox_quota_raise,
         ..Default::default()
     };
     SandboxPolicy::from_annotations(&spec.annotations, &defaults).map_err(|e| ShimError::InvalidArgument(e.to_string()))

@@ -43,6 +43,7 @@ use super::manifest::{
 };
 use super::mounts::{self, ContainerMount};
 use super::path::RelPath;
+use super::quota::{ChainUsage, QuotaCheck};
 use super::store::{BlobStore, Digest, Durability, PendingBlobs, Traffic, Unlimited, WriteTokens, publish_file};
 use super::sys;
 
@@ -89,10 +90,19 @@ pub struct StagedTurn {
     fs_delta: Vec<FsEntry>,
     blobs: PendingBlobs,
     criu_images: Option<PathBuf>,
+    /// Bytes the sandbox's chain may reference with this checkpoint (None: no bound).
+    quota: Option<u64>,
     _lock: File,
 }
 
 impl StagedTurn {
+    /// Bounds the bytes the sandbox's chain may reference once this checkpoint is published
+    /// (see [`CheckpointStore::chain_bytes`]); over it, [`CheckpointStore::publish`] refuses
+    /// the checkpoint with [`CheckpointError::OverQuota`] before anything of it is written.
+    pub fn set_quota(&mut self, quota_bytes: Option<u64>) {
+        self.quota = quota_bytes;
+    }
+
     pub fn turn(&self) -> u64 {
         self.turn
     }
@@ -271,6 +281,9 @@ pub struct CheckpointStore {
     /// Most bytes all kept image copies of this store may hold together.
     kept_max_bytes: u64,
     cache: Mutex<HashMap<Digest, Arc<Manifest>>>,
+    /// Per sandbox key: the usage of its chain at the head manifest it was counted for (see
+    /// [`super::quota`]), so a checkpoint under a quota costs a walk of what it adds only.
+    usage: Mutex<HashMap<String, (Digest, ChainUsage)>>,
 }
 
 /// Where a store keeps the newest CRIU images of each container assembled, and how much of
@@ -351,6 +364,7 @@ impl CheckpointStore {
             assembled,
             kept_max_bytes: u64::MAX,
             cache: Mutex::new(HashMap::new()),
+            usage: Mutex::new(HashMap::new()),
         })
     }
 
@@ -525,6 +539,19 @@ impl CheckpointStore {
 
     fn head_path(&self, key: &SandboxKey) -> PathBuf {
         self.containers.join(key.rel_path()).join("HEAD")
+    }
+
+    /// The kept usage of `container`'s chain, taken out, if it was counted at `head`.
+    pub(crate) fn take_cached_usage(&self, container: &str, head: &Digest) -> Option<ChainUsage> {
+        let mut kept = self.usage.lock().expect("usage cache poisoned");
+        match kept.remove(container) {
+            Some((at, usage)) if at == *head => Some(usage),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn cache_usage(&self, container: &str, head: Digest, usage: ChainUsage) {
+        self.usage.lock().expect("usage cache poisoned").insert(container.to_owned(), (head, usage));
     }
 
     pub(crate) fn forget_cached(&self, id: &Digest) {
@@ -789,6 +816,7 @@ impl CheckpointStore {
             fs_delta,
             blobs: batch.set_aside(),
             criu_images: input.criu_images.map(Path::to_owned),
+            quota: None,
             _lock: lock,
         })
     }
@@ -803,7 +831,7 @@ impl CheckpointStore {
     /// [`publish`](Self::publish) with the new blob bytes and then the manifest drawn from
     /// `tokens` chunk by chunk as they go to the disk (only HEAD, under 100 bytes, is not drawn).
     pub fn publish_paced(&self, staged: StagedTurn, tokens: &mut dyn WriteTokens) -> Result<CommitReport> {
-        let StagedTurn { container, turn, class, fs_delta, blobs, criu_images, _lock } = staged;
+        let StagedTurn { container, turn, class, fs_delta, blobs, criu_images, quota, _lock } = staged;
         let parent = self.head(&container)?;
         if let Some(head) = &parent {
             if turn <= head.turn {
@@ -818,6 +846,18 @@ impl CheckpointStore {
         }
         let mut batch = self.blobs.resume(blobs);
         let images = criu_images.as_deref().map(|dir| images::store_images(dir, &mut batch)).transpose()?;
+        // Before the first flush or token draw: a refused checkpoint costs the disk nothing
+        // more, and dropping the batch removes its tmp blobs.
+        let usage = match quota {
+            None => None,
+            Some(quota) => match self.check_quota(&container, parent, &fs_delta, images.as_ref(), &batch, quota)? {
+                QuotaCheck::Fits(usage) => Some(usage),
+                QuotaCheck::Over(over) => {
+                    info!(container = %container, turn, %over, "checkpoint refused: over the sandbox's quota");
+                    return Err(CheckpointError::OverQuota { container, over });
+                }
+            },
+        };
         let traffic = batch.commit_paced(tokens)?;
 
         let manifest = Manifest {
@@ -840,6 +880,9 @@ impl CheckpointStore {
             return Err(CheckpointError::InvalidRequest("simulated crash before HEAD".into()));
         }
         self.set_head(&container, &Head { manifest: id, turn }, Durability::Flushed)?;
+        if let Some(usage) = usage {
+            self.cache_usage(&container, id, usage);
+        }
         if let (Some(set), Some(dir)) = (&manifest.images, &criu_images) {
             self.keep_assembled(&container, &id, set, dir);
         }

@@ -79,6 +79,11 @@ pub enum CheckpointError {
     #[error("blocking task of the checkpoint store failed: {0}")]
     Join(String),
 
+    /// The checkpoint would take the sandbox's chain over its quota: nothing of it was
+    /// published, the head (the sandbox's last recoverable checkpoint) stays.
+    #[error("checkpoint of {container} not written, {over}")]
+    OverQuota { container: String, over: super::quota::OverQuota },
+
     /// The write-out's token source refused further bytes (e.g. a newer checkpoint superseded
     /// it); nothing of the write-out was published.
     #[error("write-out stopped: {0}")]

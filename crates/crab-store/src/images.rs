@@ -614,6 +614,15 @@ fn hash_reader_into(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<([u8; 
 
 /// Every blob behind an image set, chunks included (for GC).
 pub(crate) fn referenced_blobs(set: &ImageSet, blobs: &BlobStore, out: &mut HashSet<Digest>) -> Result<()> {
+    referenced_blobs_read(set, &|digest| blobs.read(digest), out)
+}
+
+/// [`referenced_blobs`], the chunk lists read through `read` (a batch not yet published holds them).
+pub(crate) fn referenced_blobs_read(
+    set: &ImageSet,
+    read: &dyn Fn(&Digest) -> Result<Vec<u8>>,
+    out: &mut HashSet<Digest>,
+) -> Result<()> {
     for image in &set.files {
         match &image.content {
             ImageContent::Whole { blob } => {
@@ -621,14 +630,14 @@ pub(crate) fn referenced_blobs(set: &ImageSet, blobs: &BlobStore, out: &mut Hash
             }
             ImageContent::Chunked { chunk_list, .. } => {
                 out.insert(*chunk_list);
-                if let Ok(list) = blobs.read(chunk_list) {
+                if let Ok(list) = read(chunk_list) {
                     for digest in list.chunks_exact(32) {
                         out.insert(Digest(digest.try_into().expect("chunks_exact yields 32 bytes")));
                     }
                 } else {
                     // An unreadable chunk list already breaks this checkpoint; keeping its
                     // chunks would not repair it, and dropping them cannot hurt another one.
-                    tracing::warn!(chunk_list = %chunk_list, "chunk list unreadable during GC");
+                    tracing::warn!(chunk_list = %chunk_list, "chunk list unreadable: its chunks are not counted as referenced");
                 }
             }
         }

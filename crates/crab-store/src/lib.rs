@@ -16,6 +16,7 @@ mod key;
 mod manifest;
 mod mounts;
 mod path;
+mod quota;
 mod store;
 mod sys;
 pub mod turns;
@@ -39,4 +40,5 @@ pub use manifest::{
 };
 pub use mounts::{ContainerMount, ContainerRoot, MountKind, SandboxMounts, SpecMount, WalkEntry, rootfs_diff_paths};
 pub use path::{Bytes, RelPath};
+pub use quota::OverQuota;
 pub use store::{BlobStore, Digest, Traffic, Unlimited, WriteBatch, WriteTokens};

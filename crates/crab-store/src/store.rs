@@ -7,7 +7,7 @@
 //! instead of two per blob.
 
 use rustix::fs::OFlags;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
@@ -381,6 +381,9 @@ fn hash_reader(r: &mut impl Read) -> std::io::Result<([u8; 32], u64)> {
 pub(crate) struct PendingBlobs {
     pending: Vec<(PathBuf, PathBuf)>,
     seen: HashSet<Digest>,
+    /// The size and place in `pending` of each queued blob (the quota counts them before
+    /// they are published).
+    queued: HashMap<Digest, (usize, u64)>,
     traffic: Traffic,
 }
 
@@ -420,9 +423,27 @@ impl WriteBatch<'_> {
     fn queue(&mut self, digest: Digest, tmp: PathBuf, len: u64) {
         let blobs = &mut self.blobs;
         blobs.seen.insert(digest);
+        blobs.queued.insert(digest, (blobs.pending.len(), len));
         blobs.pending.push((tmp, self.store.path_of(&digest)));
         blobs.traffic.written_bytes += len;
         blobs.traffic.blobs_written += 1;
+    }
+
+    /// The size of a blob queued in this batch (None: not queued here).
+    pub(crate) fn queued_len(&self, digest: &Digest) -> Option<u64> {
+        self.blobs.queued.get(digest).map(|&(_, len)| len)
+    }
+
+    /// Reads a blob queued in this batch or already stored, verified against its name.
+    pub(crate) fn read(&self, digest: &Digest) -> Result<Vec<u8>> {
+        let Some(&(index, _)) = self.blobs.queued.get(digest) else { return self.store.read(digest) };
+        let tmp = &self.blobs.pending[index].0;
+        let data = fs::read(tmp).io_ctx("read", tmp)?;
+        let actual: [u8; 32] = Sha256::digest(&data).into();
+        if actual != digest.0 {
+            return Err(BlobStore::corrupt(digest, tmp.clone(), actual));
+        }
+        Ok(data)
     }
 
     /// Keeps what was written so far, unflushed, for [`BlobStore::resume`].
@@ -491,6 +512,7 @@ impl WriteBatch<'_> {
             self.flush_whole_fs()?;
         }
         self.blobs.pending.clear();
+        self.blobs.queued.clear();
         self.store.record(&self.blobs.traffic);
         Ok(self.blobs.traffic)
     }

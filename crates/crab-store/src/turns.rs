@@ -15,6 +15,14 @@ pub const ANNOTATION_IGNORE: &str = "io.crab.ignore";
 /// (fork, recover). Without a namespace: a chain of the new container's own containerd namespace;
 /// another namespace's only where crab.toml's `[checkpoint] restore_from_namespaces` allows it.
 pub const ANNOTATION_RESTORE_FROM: &str = "io.crab.restore-from";
+/// The sandbox's checkpoint quota, MiB its chain may reference in the store (0: no bound).
+/// It may lower crab.toml's `[checkpoint] max_sandbox_mib`; raise it only where the operator
+/// set `allow_sandbox_quota_raise` (a tenant sets its own annotations).
+pub const ANNOTATION_MAX_SANDBOX_MIB: &str = "io.crab.max-sandbox-mib";
+/// crab.toml's default `[checkpoint] max_sandbox_mib`: 10 GiB.
+pub const DEFAULT_MAX_SANDBOX_MIB: u64 = 10 << 10;
+/// The largest quota in MiB whose byte count fits in a u64.
+pub const MAX_SANDBOX_MIB_LIMIT: u64 = u64::MAX >> 20;
 /// On a Task Update: a request about turns (`mark`: end the current turn, begin the next).
 pub const ANNOTATION_TURN: &str = "io.crab.turn";
 
@@ -114,11 +122,23 @@ pub struct SandboxPolicy {
     pub policy: Policy,
     pub ignore: Vec<PathBuf>,
     pub restore_from: Option<RestoreFrom>,
+    /// MiB the sandbox's chain may reference in the store (0: no bound).
+    pub max_sandbox_mib: u64,
+    /// The operator's (crab.toml), never an annotation's: whether [`ANNOTATION_MAX_SANDBOX_MIB`]
+    /// may raise `max_sandbox_mib` above the default given to [`Self::from_annotations`].
+    pub allow_quota_raise: bool,
 }
 
 impl Default for SandboxPolicy {
     fn default() -> Self {
-        Self { turns: TurnsMode::Auto, policy: Policy::Crab, ignore: Vec::new(), restore_from: None }
+        Self {
+            turns: TurnsMode::Auto,
+            policy: Policy::Crab,
+            ignore: Vec::new(),
+            restore_from: None,
+            max_sandbox_mib: DEFAULT_MAX_SANDBOX_MIB,
+            allow_quota_raise: false,
+        }
     }
 }
 
@@ -163,8 +183,42 @@ impl SandboxPolicy {
         if let Some(v) = annotations.get(ANNOTATION_RESTORE_FROM) {
             p.restore_from = Some(parse_restore_from(v)?);
         }
+        if let Some(v) = annotations.get(ANNOTATION_MAX_SANDBOX_MIB) {
+            p.max_sandbox_mib = parse_max_sandbox_mib(v, defaults)?;
+        }
         Ok(p)
     }
+
+    /// The quota in bytes for the store (None: no bound).
+    pub fn quota_bytes(&self) -> Option<u64> {
+        (self.max_sandbox_mib != 0).then(|| self.max_sandbox_mib.saturating_mul(1 << 20))
+    }
+}
+
+/// `io.crab.max-sandbox-mib`: a whole number of MiB, 0 for no bound. Lower than (or equal to)
+/// the operator's default always; higher (0 is the highest) only where the operator allows it.
+fn parse_max_sandbox_mib(v: &str, defaults: &SandboxPolicy) -> Result<u64, AnnotationError> {
+    let invalid =
+        |message: String| AnnotationError::Invalid { key: ANNOTATION_MAX_SANDBOX_MIB, value: v.into(), message };
+    // Digits only: no sign, no spaces, no unit (u64's parser takes a leading '+').
+    if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(invalid("expected a whole number of MiB (0: no bound)".into()));
+    }
+    let mib: u64 = v
+        .parse()
+        .ok()
+        .filter(|mib| *mib <= MAX_SANDBOX_MIB_LIMIT)
+        .ok_or_else(|| invalid(format!("at most {MAX_SANDBOX_MIB_LIMIT} MiB")))?;
+    let unbounded = |mib: u64| if mib == 0 { u64::MAX } else { mib };
+    let default = defaults.max_sandbox_mib;
+    if unbounded(mib) > unbounded(default) && !defaults.allow_quota_raise {
+        let default = if default == 0 { "no bound".to_string() } else { format!("{default} MiB") };
+        return Err(invalid(format!(
+            "raises the operator's quota ({default}); an annotation may only lower it unless crab.toml sets \
+             [checkpoint] allow_sandbox_quota_raise = true"
+        )));
+    }
+    Ok(mib)
 }
 
 pub fn parse_policy(v: &str) -> Option<Policy> {
@@ -246,6 +300,10 @@ pub struct TurnRecord {
     /// tried a bounded number of times; all of them failed when the checkpoint did).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dump_failures: Vec<String>,
+    /// The checkpoint was refused: it would have taken the sandbox's chain over its quota
+    /// (`checkpoint_turn` is then the sandbox's last recoverable turn).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub over_quota: Option<crate::OverQuota>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -438,6 +496,7 @@ mod tests {
             checkpoint_ms: 1.0,
             policy: Policy::Crab,
             dump_failures: Vec::new(),
+            over_quota: Some(crate::OverQuota { used_bytes: 3 << 20, quota_bytes: 1 << 20, held_bytes: 1 << 19 }),
         };
         log.append(&rec).unwrap();
         log.append(&TurnRecord { turn: 2, ..rec.clone() }).unwrap();
@@ -446,6 +505,7 @@ mod tests {
         let got = log.read().unwrap();
         assert_eq!(got.len(), 2);
         assert_eq!(got[1].turn, 2);
+        assert_eq!(got[1].over_quota, rec.over_quota);
         assert_eq!(got[1].source, TurnSource::Stdin);
     }
 
@@ -455,6 +515,44 @@ mod tests {
             "escalated":false,"reasons":[],"checkpoint_turn":null,"bytes_written":0,"capture_ms":0.0,"checkpoint_ms":0.0,"policy":"crab"}"#;
         let rec: TurnRecord = serde_json::from_str(line).unwrap();
         assert_eq!(rec.source, TurnSource::Exec);
+        assert_eq!(rec.over_quota, None, "records from before quotas were within theirs");
+        assert!(
+            !serde_json::to_string(&rec).unwrap().contains("over_quota"),
+            "nothing new in a record within its quota"
+        );
+    }
+
+    #[test]
+    fn the_quota_annotation_lowers_always_and_raises_only_where_allowed() {
+        let mib = |v: &str, default: u64, allow: bool| {
+            let defaults = SandboxPolicy { max_sandbox_mib: default, allow_quota_raise: allow, ..Default::default() };
+            SandboxPolicy::from_annotations(&ann(&[(ANNOTATION_MAX_SANDBOX_MIB, v)]), &defaults)
+                .map(|p| p.max_sandbox_mib)
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(SandboxPolicy::default().max_sandbox_mib, 10240);
+        assert_eq!(SandboxPolicy::default().quota_bytes(), Some(10 << 30));
+        assert_eq!(mib("1", 10240, false), Ok(1));
+        assert_eq!(mib("10240", 10240, false), Ok(10240));
+        assert_eq!(mib("5", 0, false), Ok(5), "any bound is lower than none");
+        assert_eq!(mib("0", 0, false), Ok(0));
+        assert_eq!(mib("20000", 10240, true), Ok(20000));
+        assert_eq!(mib("0", 10240, true), Ok(0));
+        for (v, default) in [("10241", 10240), ("0", 10240), ("2", 1)] {
+            let err = mib(v, default, false).unwrap_err();
+            assert!(
+                err.contains(ANNOTATION_MAX_SANDBOX_MIB)
+                    && err.contains("allow_sandbox_quota_raise")
+                    && err.contains(v),
+                "{err}"
+            );
+        }
+        for v in ["", "-1", "+5", " 5", "5M", "1.5", "17592186044416", "99999999999999999999999"] {
+            let err = mib(v, 0, true).unwrap_err();
+            assert!(err.contains(ANNOTATION_MAX_SANDBOX_MIB), "{v:?}: {err}");
+        }
+        let p = SandboxPolicy { max_sandbox_mib: 0, ..Default::default() };
+        assert_eq!(p.quota_bytes(), None);
     }
 
     #[test]

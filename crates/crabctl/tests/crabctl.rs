@@ -25,6 +25,7 @@ fn record(turn: u64) -> TurnRecord {
         checkpoint_ms: 0.2,
         policy: Policy::Crab,
         dump_failures: Vec::new(),
+        over_quota: None,
     }
 }
 
