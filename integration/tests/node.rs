@@ -547,6 +547,7 @@ async fn colocated_run(
             runtime: "io.containerd.crab.v2".into(),
             workdir: replay.workdir.clone(),
             annotations: vec![("io.crab.policy".into(), "crab".into())],
+            ignore: Vec::new(),
         };
         let sandbox =
             Sandbox::create(ctr, id, &spec).await.map_err(|e| HarnessError::Expectation(format!("{id}: {e}")))?;
