@@ -123,7 +123,6 @@ fn security(context: LinuxContainerSecurityContext) -> PodShape {
 /// Dropping ALL capabilities (the "restricted" Pod Security Standard): none is left, in the
 /// entrypoint and in an exec.
 #[tokio::test]
-#[ignore = "spawner: setgroups after ALL capabilities are dropped breaks every exec, fixed on branch channel"]
 async fn drop_all_capabilities() {
     across_handlers("drop_all_capabilities", |handler| async move {
         let shape = security(LinuxContainerSecurityContext {
