@@ -38,17 +38,21 @@ ctrd_pid() {
   return 0
 }
 
-ctrd_write_config() {
-  local tmp="$CRAB_CTRD_CONFIG.tmp"
-  # CRI is disabled: it would start its own networking and streaming server.
-  # The v1 runtime stays (1.6's tasks service needs it) but never runs a task.
-  cat >"$tmp" <<EOF
+# The part of a private containerd's config every instance shares: its own
+# root, state, sockets and opt directory, the snapshotters it cannot use here
+# disabled. $1 = cri-off also disables the CRI plugin, which would start its
+# own networking and streaming server (the plain instance); the CRI
+# instance (cri.sh) appends its plugin's section after this.
+ctrd_config_base() {
+  local cri_line=""
+  [ "${1:-}" = cri-off ] && cri_line='  "io.containerd.grpc.v1.cri",'
+  cat <<EOF
 version = 2
 root = "$CRAB_CTRD_ROOT"
 state = "$CRAB_CTRD_STATE"
 disabled_plugins = [
-  "io.containerd.grpc.v1.cri",
-  "io.containerd.snapshotter.v1.aufs",
+${cri_line:+$cri_line
+}  "io.containerd.snapshotter.v1.aufs",
   "io.containerd.snapshotter.v1.btrfs",
   "io.containerd.snapshotter.v1.devmapper",
   "io.containerd.snapshotter.v1.zfs",
@@ -71,6 +75,12 @@ disabled_plugins = [
   [plugins."io.containerd.internal.v1.opt"]
     path = "$CRAB_CTRD_ROOT/opt"
 EOF
+}
+
+ctrd_write_config() {
+  local tmp="$CRAB_CTRD_CONFIG.tmp"
+  # The v1 runtime stays (1.6's tasks service needs it) but never runs a task.
+  ctrd_config_base cri-off >"$tmp"
   mv -f "$tmp" "$CRAB_CTRD_CONFIG"
 }
 

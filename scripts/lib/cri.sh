@@ -82,33 +82,9 @@ ctrd_write_config() {
   # pods' network namespaces in this instance's state, so a test can tell
   # that none is left. The streaming server takes any free port on loopback,
   # so instances never collide on 10010.
-  cat >"$tmp" <<EOF
-version = 2
-root = "$CRAB_CTRD_ROOT"
-state = "$CRAB_CTRD_STATE"
-disabled_plugins = [
-  "io.containerd.snapshotter.v1.aufs",
-  "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.devmapper",
-  "io.containerd.snapshotter.v1.zfs",
-]
-
-[grpc]
-  address = "$CRAB_CTRD_SOCK"
-
-[ttrpc]
-  address = "$CRAB_CTRD_SOCK.ttrpc"
-
-[debug]
-  address = "$CRAB_CTRD_DIR/debug.sock"
-  level = "${CRAB_CTRD_LOG_LEVEL:-info}"
-
-[metrics]
-  address = ""
-
-[plugins]
-  [plugins."io.containerd.internal.v1.opt"]
-    path = "$CRAB_CTRD_ROOT/opt"
+  {
+    ctrd_config_base
+    cat <<EOF
   [plugins."io.containerd.grpc.v1.cri"]
     sandbox_image = "$CRAB_CRI_PAUSE_IMAGE"
     restrict_oom_score_adj = true
@@ -130,6 +106,7 @@ disabled_plugins = [
         container_annotations = ["io.crab.*"]
       $crab_options
 EOF
+  } >"$tmp"
   mv -f "$tmp" "$CRAB_CTRD_CONFIG"
 }
 
