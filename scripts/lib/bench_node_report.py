@@ -17,6 +17,7 @@ import json
 import pathlib
 import re
 import statistics
+import sys
 
 MIB = 1 << 20
 
@@ -39,7 +40,7 @@ def peak_1s(samples, column):
     return peak
 
 
-def load(out, size, variant, scale, state_dir):
+def load(out, size, variant, scale, turns_dir):
     d = out / f"{size}-{variant}"
     traces = {}
     for f in (d / "traces").glob("*.jsonl"):
@@ -97,9 +98,10 @@ def load(out, size, variant, scale, state_dir):
     classes, superseded_turns = {}, 0
     for log in (d / "reports").glob("*.log"):
         for container in set(re.findall(r'container="([^"]+-crab)"', log.read_text())):
-            path = state_dir / "turns" / f"{container}.jsonl"
+            path = turns_dir / f"{container}.jsonl"
             if not path.exists():
-                continue
+                # A crab sandbox without a turn log means the report would count too few turns.
+                sys.exit(f"bench_node_report: {path} is missing: the turn log of {container}")
             for line in path.read_text().splitlines():
                 record = json.loads(line)
                 classes[record["class"]] = classes.get(record["class"], 0) + 1
@@ -132,6 +134,7 @@ def main():
     parser.add_argument("heavy_rate_kib", help="the heavy variant's rate (empty: not given)")
     parser.add_argument("heavy_burst_kib", help="the heavy variant's burst (empty: not given)")
     parser.add_argument("variants", help='the variants run, e.g. "unlimited bucket heavy"')
+    parser.add_argument("--namespace", default="crab", help="the containerd namespace the sandboxes ran in")
     a = parser.parse_args()
     out, sizes, scale = a.out, a.sizes.split(), a.think_scale
     rate_mib, burst_mib = a.rate_mib, a.burst_mib
@@ -140,6 +143,8 @@ def main():
     # The store the run used (the config may have moved it since).
     if (out / "state-dir").exists():
         state_dir = pathlib.Path((out / "state-dir").read_text().strip())
+    # Turn logs are kept per containerd namespace (turns/<namespace>/<id>.jsonl).
+    turns_dir = state_dir / "turns" / a.namespace
     variants = a.variants.split()
 
     cols = ["sandboxes", "variant", "turns", "fs/proc", "p50_ms", "p99_ms", "p99_infl", "paired_infl", "delay_p99_ms",
@@ -147,7 +152,7 @@ def main():
             "lag_max_ms", "lag_med_ms", "supersede", "run_s", "failed"]
     print(" ".join(f"{c:>11}" for c in cols))
     for size in sizes:
-        rows = {v: load(out, size, v, scale, state_dir) for v in variants if (out / f"{size}-{v}").is_dir()}
+        rows = {v: load(out, size, v, scale, turns_dir) for v in variants if (out / f"{size}-{v}").is_dir()}
         if "unlimited" not in rows:
             continue
         # The same turn's exec time from the unlimited run plus each run's own wait
