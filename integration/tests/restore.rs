@@ -1212,3 +1212,59 @@ async fn a_turn_over_the_sandboxs_quota_is_recorded_and_the_earlier_turn_restore
     sb.ctl().fork(&sb.id, 1, &fork).await.unwrap();
     assert_eq!(sb.exec_in(&fork, FINGERPRINT).await, v1);
 }
+
+/// `crabctl gc --json` against the store at `state` (and the test's containerd).
+fn crabctl_gc(state: &std::path::Path, args: &[&str]) -> serde_json::Value {
+    let out = std::process::Command::new(crab_integration::env::crab_binary("crabctl"))
+        .arg("gc")
+        .args(args)
+        .arg("--json")
+        .env("CRAB_STATE_DIR", state)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "crabctl gc {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Checkpoints of a container containerd removed (CRI's RemoveContainer, `ctr c rm`) do not
+/// stay forever: `crabctl gc` asks containerd which containers it has, keeps a removed one's
+/// chain for `--keep-removed` seconds from the GC that first found it gone, then drops it with
+/// its turn log and saved spec; a running sandbox's chain is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_drops_a_removed_container_s_chain_after_its_retention_and_keeps_a_running_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, config) = own_config(dir.path(), "");
+    let flags = ["--runtime-config-path", config.to_str().unwrap()];
+    let mut gone = Sandbox::start_in("rs-gc-gone", &flags, state.clone()).await;
+    gone.turn("echo gone > /g").await;
+    gone.settled().await;
+    let mut live = Sandbox::start_in("rs-gc-live", &flags, state.clone()).await;
+    live.turn("echo live > /l").await;
+    live.settled().await;
+    let ctl = live.ctl();
+    let (gone_key, live_key) = (ctl.key(&gone.id).unwrap(), ctl.key(&live.id).unwrap());
+    assert!(ctl.store.head(&gone_key).unwrap().is_some());
+
+    // Still there: nothing is judged gone.
+    let report = crabctl_gc(&state, &["--keep-removed", "0"]);
+    assert_eq!((report["removed_marked"].as_u64(), report["removed_dropped"].as_u64()), (Some(0), Some(0)), "{report}");
+
+    gone.ctr.force_remove(&gone.id).await;
+    let report = crabctl_gc(&state, &["--keep-removed", "3600"]);
+    assert_eq!((report["removed_marked"].as_u64(), report["removed_dropped"].as_u64()), (Some(1), Some(0)), "{report}");
+    assert!(ctl.store.head(&gone_key).unwrap().is_some(), "kept within the retention");
+
+    // Without containerd's word nothing is dropped.
+    let report = crabctl_gc(&state, &["--keep-removed", "0", "--no-containerd"]);
+    assert_eq!(report["removed_dropped"].as_u64(), Some(0), "{report}");
+
+    let report = crabctl_gc(&state, &["--keep-removed", "0"]);
+    assert_eq!(report["removed_dropped"].as_u64(), Some(1), "{report}");
+    assert_eq!(ctl.store.head(&gone_key).unwrap(), None, "the removed container's chain is gone");
+    let gone_key = crab_store::SandboxKey::parse(&gone_key).unwrap();
+    assert!(!crab_store::turn_log_path(&state, &gone_key).exists(), "its turn log too");
+    assert!(!crab_store::saved_spec_path(&state, &gone_key).exists(), "its saved spec too");
+    assert!(report["blobs_removed"].as_u64().unwrap() >= 1, "its blobs were swept: {report}");
+    ctl.store.verify(&live_key, 1).unwrap();
+    assert_eq!(live.exec_in(&live.id.clone(), "cat /l").await, "live\n");
+}

@@ -86,6 +86,10 @@ pub struct CheckpointConfig {
     /// Whether a sandbox's `io.crab.max-sandbox-mib` annotation may raise `max_sandbox_mib`
     /// (it may always lower it). Off: a tenant sets its own annotations.
     pub allow_sandbox_quota_raise: bool,
+    /// How long `crabctl gc` keeps the chain of a container containerd removed (CRI's
+    /// RemoveContainer, a pod's deletion, `ctr c rm`), seconds from the GC that first found it
+    /// gone; 0 drops it at that GC.
+    pub keep_removed_s: u64,
 }
 
 impl CheckpointConfig {
@@ -184,6 +188,7 @@ impl Default for CheckpointConfig {
             dump_timeout_ms: 60_000,
             max_sandbox_mib: crab_store::turns::DEFAULT_MAX_SANDBOX_MIB,
             allow_sandbox_quota_raise: false,
+            keep_removed_s: 86_400,
         }
     }
 }

@@ -707,6 +707,12 @@ impl CheckpointStore {
         if retired.generation().is_none() {
             return Err(CheckpointError::InvalidRequest(format!("{retired} is no retired chain")));
         }
+        self.remove_chain(retired)
+    }
+
+    /// Removes a chain's head, baseline copies, turn log, saved spec and removal marker (its
+    /// manifests and blobs go with GC's sweep once nothing references them).
+    pub(crate) fn remove_chain(&self, retired: &SandboxKey) -> Result<()> {
         let state_dir = &self.state_dir;
         for dir in [self.containers.join(retired.rel_path()), key::full_checkpoints_dir(state_dir, retired)] {
             match fs::remove_dir_all(&dir) {
@@ -714,7 +720,11 @@ impl CheckpointStore {
                 _ => {}
             }
         }
-        for file in [key::turn_log_path(state_dir, retired), key::saved_spec_path(state_dir, retired)] {
+        for file in [
+            key::turn_log_path(state_dir, retired),
+            key::saved_spec_path(state_dir, retired),
+            key::removed_marker_path(state_dir, retired),
+        ] {
             match fs::remove_file(&file) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e).io_ctx("remove", file),
                 _ => {}
@@ -1481,6 +1491,70 @@ mod tests {
         // A bare id is the default namespace's, never another's.
         assert_eq!(store.head("t2").unwrap(), None);
         assert!(matches!(store.head("../t2"), Err(CheckpointError::InvalidKey(_))));
+    }
+
+    /// The chains of a container containerd removed stay for the retention the census names,
+    /// counted from the GC that first found it gone; a fork of it keeps what it references;
+    /// namespaces containerd does not list, and containers it still has, are left alone.
+    #[test]
+    fn a_removed_container_s_chain_goes_after_its_retention_and_its_fork_keeps_what_it_needs() {
+        use std::collections::{BTreeMap, HashSet};
+        use std::time::{Duration, SystemTime};
+
+        let tmp = tempfile::tempdir().unwrap();
+        let state = tmp.path().join("state");
+        let rootfs = tmp.path().join("root");
+        fs::create_dir_all(&rootfs).unwrap();
+        let store = CheckpointStore::open(&state).unwrap();
+        commit_file(&store, &rootfs, "ns/gone", 1, b"gone1");
+        commit_file(&store, &rootfs, "ns/gone", 2, b"gone2");
+        store.retire("ns/gone").unwrap();
+        commit_file(&store, &rootfs, "ns/gone", 1, b"gone-again");
+        commit_file(&store, &rootfs, "ns/live", 1, b"live1");
+        commit_file(&store, &rootfs, "other/gone", 1, b"other1");
+        store.fork("ns/gone", 1, "ns/fork").unwrap();
+        for (dir, name) in [("turns/ns", "gone.jsonl"), ("sandboxes/ns", "gone.json"), ("turns/ns", "logonly.jsonl")] {
+            fs::create_dir_all(state.join(dir)).unwrap();
+            fs::write(state.join(dir).join(name), b"{}").unwrap();
+        }
+
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        // containerd lists namespace `ns` only: `live` and the fork run, `gone` and `logonly` are
+        // removed; namespace `other` is not containerd's to judge.
+        let census = |now: SystemTime| crate::ContainerCensus {
+            namespaces: BTreeMap::from([("ns".to_string(), HashSet::from(["live".to_string(), "fork".to_string()]))]),
+            keep_removed: Duration::from_secs(3600),
+            now,
+        };
+        let policy = crate::RetentionPolicy { keep_last: 16 };
+        let first = store.gc_with(&policy, Some(&census(t0))).unwrap();
+        assert_eq!((first.removed_marked, first.removed_dropped), (2, 0), "{first:?}");
+        assert!(state.join("removed/ns/gone").is_file() && state.join("removed/ns/logonly").is_file());
+        assert!(store.head("ns/gone").unwrap().is_some(), "kept within the retention");
+
+        // Seen again before the hour is up: the first sighting's time counts, not this one's.
+        let again = store.gc_with(&policy, Some(&census(t0 + Duration::from_secs(3599)))).unwrap();
+        assert_eq!((again.removed_marked, again.removed_dropped), (0, 0), "{again:?}");
+
+        let past = store.gc_with(&policy, Some(&census(t0 + Duration::from_secs(3600)))).unwrap();
+        assert_eq!(past.removed_dropped, 2, "gone (both generations) and logonly: {past:?}");
+        assert_eq!(store.head("ns/gone").unwrap(), None);
+        assert_eq!(store.head("ns/gone@1").unwrap(), None, "the retired generation goes with its id");
+        for path in ["turns/ns/gone.jsonl", "sandboxes/ns/gone.json", "turns/ns/logonly.jsonl", "removed/ns/gone"] {
+            assert!(!state.join(path).exists(), "{path} left behind");
+        }
+        let mut left = store.containers().unwrap();
+        left.sort();
+        assert_eq!(left, ["ns/fork", "ns/live", "other/gone"]);
+        store.verify("ns/fork", 1).unwrap();
+        store.verify("other/gone", 1).unwrap();
+
+        // A container that is back clears its mark.
+        fs::create_dir_all(state.join("removed/ns")).unwrap();
+        fs::write(state.join("removed/ns/live"), b"5").unwrap();
+        store.gc_with(&policy, Some(&census(t0 + Duration::from_secs(7200)))).unwrap();
+        assert!(!state.join("removed/ns/live").exists());
+        assert!(store.head("ns/live").unwrap().is_some());
     }
 
     /// A new container that reuses an id retires the old chain with its turn log and spec;

@@ -10,9 +10,10 @@
 //! finishes the job. GC holds the store lock exclusively, so no commit is between deduplicating
 //! against a blob and referencing it.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fs;
 use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tracing::info;
 
@@ -30,6 +31,23 @@ pub struct RetentionPolicy {
     pub keep_last: usize,
 }
 
+/// What containerd says exists, so that GC drops the chains of containers it removed (CRI's
+/// RemoveContainer, a pod's deletion, `ctr c rm`). A chain is dropped, with its turn log, saved
+/// spec and retired generations, once `keep_removed` has passed since a GC first found its
+/// container gone (the time is kept in the store, `removed/<namespace>/<id>`); a container
+/// that is back (an id created again) clears the mark. Manifests and blobs a fork or a
+/// restored replacement still references stay: they are live through that chain.
+#[derive(Debug, Clone)]
+pub struct ContainerCensus {
+    /// Each namespace containerd has, with the ids of its containers. Chains of a namespace it
+    /// does not list are not judged: the store may be shared with another containerd.
+    pub namespaces: BTreeMap<String, HashSet<String>>,
+    /// How long a removed container's chain is kept after a GC first found it gone.
+    pub keep_removed: Duration,
+    /// When containerd was asked.
+    pub now: SystemTime,
+}
+
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GcReport {
     pub manifests_removed: u64,
@@ -42,6 +60,11 @@ pub struct GcReport {
     pub assembled_removed: u64,
     /// Retired chains (`<id>@<n>`) past the retention window, removed with their turn logs.
     pub retired_removed: u64,
+    /// Sandboxes whose container containerd no longer has, first found gone by this GC.
+    pub removed_marked: u64,
+    /// Sandboxes whose container was removed more than `keep_removed` ago: every chain of
+    /// the id dropped, with turn logs and saved specs.
+    pub removed_dropped: u64,
 }
 
 /// Digest-named files in a directory (`<hex><suffix>`), with their paths; other names are
@@ -63,13 +86,30 @@ fn digest_files(dir: &Path, prefix: &str, suffix: &str) -> Result<Vec<(Digest, s
     Ok(out)
 }
 
+/// Seconds since the epoch of `time` (0 before it).
+fn unix_secs(time: SystemTime) -> u64 {
+    time.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs()
+}
+
 impl CheckpointStore {
+    /// Collects by the retention window only: containers containerd removed keep their chains.
     pub fn gc(&self, policy: &RetentionPolicy) -> Result<GcReport> {
+        self.gc_with(policy, None)
+    }
+
+    /// [`Self::gc`], and with a census of containerd's containers, drops the chains of those
+    /// removed longer than its `keep_removed` ago.
+    pub fn gc_with(&self, policy: &RetentionPolicy, census: Option<&ContainerCensus>) -> Result<GcReport> {
         if policy.keep_last == 0 {
             return Err(CheckpointError::InvalidRequest("retention must keep at least one checkpoint".into()));
         }
         let _lock = self.lock(true)?;
         let mut report = GcReport::default();
+        let removed = match census {
+            Some(census) => self.judge_removed(census, &mut report)?,
+            None => HashSet::new(),
+        };
+        let mut dropped = HashSet::new();
         let mut live_manifests = HashSet::new();
         let mut live_snapshots = HashSet::new();
         let mut live_blobs = HashSet::new();
@@ -80,7 +120,15 @@ impl CheckpointStore {
             by_id.entry(key.current()).or_default().push(key);
         }
         let mut windows = Vec::new();
-        for (_, mut generations) in by_id {
+        for (id, mut generations) in by_id {
+            if removed.contains(&id) {
+                for key in &generations {
+                    self.remove_chain(key)?;
+                }
+                info!(sandbox = %id, chains = generations.len(), "chains of a container removed from containerd dropped");
+                dropped.insert(id);
+                continue;
+            }
             generations.sort_by_key(|k| std::cmp::Reverse(k.generation().map_or(u64::MAX, u64::from)));
             let mut budget = policy.keep_last;
             for key in generations {
@@ -100,12 +148,17 @@ impl CheckpointStore {
         for (dir, suffix) in [(self.state_dir().join("turns"), ".jsonl"), (self.state_dir().join("sandboxes"), ".json")]
         {
             for retired in key::keys_under(&dir, suffix)? {
-                if retired.generation().is_some() && self.head(&retired.to_string())?.is_none() {
+                if removed.contains(&retired.current()) {
+                    // A removed container that never had a checkpoint: only its log and spec.
+                    self.remove_chain(&retired)?;
+                    dropped.insert(retired.current());
+                } else if retired.generation().is_some() && self.head(&retired.to_string())?.is_none() {
                     self.remove_retired(&retired)?;
                     report.retired_removed += 1;
                 }
             }
         }
+        report.removed_dropped = dropped.len() as u64;
 
         for (chain, keep) in windows {
             for (id, manifest) in &chain.links[..keep] {
@@ -216,5 +269,53 @@ impl CheckpointStore {
             images::referenced_blobs(set, self.blobs(), live)?;
         }
         Ok(())
+    }
+}
+
+impl CheckpointStore {
+    /// Marks the sandboxes whose container the census lacks (when first found gone) and clears
+    /// the mark of those it has; returns the ids (current keys) gone for `keep_removed` or more.
+    fn judge_removed(&self, census: &ContainerCensus, report: &mut GcReport) -> Result<HashSet<SandboxKey>> {
+        let state_dir = self.state_dir();
+        let mut ids: BTreeSet<SandboxKey> = self.sandbox_keys()?.iter().map(SandboxKey::current).collect();
+        for (dir, suffix) in [(state_dir.join("turns"), ".jsonl"), (state_dir.join("sandboxes"), ".json")] {
+            ids.extend(key::keys_under(&dir, suffix)?.iter().map(SandboxKey::current));
+        }
+        let now = unix_secs(census.now);
+        let mut expired = HashSet::new();
+        for id in ids {
+            let Some(live) = census.namespaces.get(id.namespace()) else { continue };
+            let marker = key::removed_marker_path(state_dir, &id);
+            if live.contains(id.id()) {
+                match fs::remove_file(&marker) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e).io_ctx("remove", &marker),
+                    _ => {}
+                }
+                continue;
+            }
+            // A mark that does not read as a time is taken as made now: that only delays a drop.
+            let since = match fs::read_to_string(&marker) {
+                Ok(text) => text.trim().parse::<u64>().ok(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => return Err(e).io_ctx("read", &marker),
+            };
+            let since = match since {
+                Some(since) => since,
+                None => {
+                    if let Some(dir) = marker.parent() {
+                        sys::create_private_dir_all(dir).io_ctx("create dir", dir)?;
+                    }
+                    let tmp = self.blobs().tmp_path("removed");
+                    publish_file(&tmp, &marker, now.to_string().as_bytes(), Durability::Flushed)?;
+                    info!(sandbox = %id, "containerd no longer has this container: its chain is dropped after the retention for removed containers");
+                    report.removed_marked += 1;
+                    now
+                }
+            };
+            if now.saturating_sub(since) >= census.keep_removed.as_secs() {
+                expired.insert(id);
+            }
+        }
+        Ok(expired)
     }
 }

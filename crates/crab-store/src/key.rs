@@ -195,6 +195,12 @@ pub fn saved_spec_path_of(state_dir: &Path, key: &str) -> Result<PathBuf> {
     Ok(saved_spec_path(state_dir, &SandboxKey::parse(key)?))
 }
 
+/// `removed/<namespace>/<name>`: when a GC first saw that containerd no longer has the
+/// container (unix seconds), see [`crate::ContainerCensus`].
+pub fn removed_marker_path(state_dir: &Path, key: &SandboxKey) -> PathBuf {
+    state_dir.join("removed").join(key.rel_path())
+}
+
 /// `full/<namespace>/<name>`.
 pub fn full_checkpoints_dir(state_dir: &Path, key: &SandboxKey) -> PathBuf {
     state_dir.join("full").join(key.rel_path())

@@ -28,11 +28,11 @@ pub use chain::{
 };
 pub use error::{CheckpointError, Result};
 pub use fsdelta::{ApplyStats, ChangedPath};
-pub use gc::{GcReport, RetentionPolicy};
+pub use gc::{ContainerCensus, GcReport, RetentionPolicy};
 pub use images::{CHUNK_SIZE, RestoredImages};
 pub use key::{
-    DEFAULT_NAMESPACE, KeyError, SandboxKey, full_checkpoints_dir, saved_spec_path, saved_spec_path_of, turn_log_path,
-    validate_id, validate_namespace,
+    DEFAULT_NAMESPACE, KeyError, SandboxKey, full_checkpoints_dir, removed_marker_path, saved_spec_path,
+    saved_spec_path_of, turn_log_path, validate_id, validate_namespace,
 };
 pub use manifest::{
     FsEntry, FsNode, ImageContent, ImageFile, ImageSet, MANIFEST_VERSION, Manifest, Meta, ParentRef, Snapshot,

@@ -85,10 +85,21 @@ pub enum CheckpointCommand {
     /// Drops old checkpoints and unreferenced blobs, of every namespace (blobs are shared);
     /// a retired chain (`<id>@<n>`, left by a new container that reused its id) goes once
     /// newer checkpoints of its id fill the window.
+    ///
+    /// It also asks containerd (CRAB_CTRD_SOCK, else CONTAINERD_ADDRESS) which containers it
+    /// has: the chains of those it removed are dropped `--keep-removed` seconds after the first
+    /// GC that found them gone. Only namespaces that containerd has are judged; when it does
+    /// not answer, those chains are left alone and the report says why.
     Gc {
         /// Checkpoints kept per sandbox.
         #[arg(long, default_value_t = 16)]
         keep: usize,
+        /// Seconds a removed container's chain is kept. Default: `[checkpoint] keep_removed_s`.
+        #[arg(long)]
+        keep_removed: Option<u64>,
+        /// Do not ask containerd: collect by `--keep` only.
+        #[arg(long)]
+        no_containerd: bool,
         #[command(flatten)]
         common: Common,
     },
@@ -225,10 +236,28 @@ impl CheckpointCommand {
                     return Err(super::CtlError::Invalid("verification failed".into()));
                 }
             }
-            Self::Gc { keep, .. } => {
+            Self::Gc { keep, keep_removed, no_containerd, .. } => {
                 let store = ctl.store.clone();
                 let keep = (*keep).max(1);
-                let report = tokio::task::block_in_place(move || store.gc(&RetentionPolicy { keep_last: keep }))?;
+                let keep_removed = match keep_removed {
+                    Some(secs) => *secs,
+                    None => crab_config::Config::load(None)?.checkpoint.keep_removed_s,
+                };
+                let (census, containerd) = if *no_containerd {
+                    (None, "not asked (--no-containerd)".to_string())
+                } else {
+                    match ctl.container_census(std::time::Duration::from_secs(keep_removed)).await {
+                        Ok(census) => (Some(census), format!("asked at {}", ctl.ctr.socket().display())),
+                        Err(e) => {
+                            let why = format!("did not answer, removed containers' chains left alone: {e}");
+                            tracing::warn!("{why}");
+                            (None, why)
+                        }
+                    }
+                };
+                let report = tokio::task::block_in_place(move || {
+                    store.gc_with(&RetentionPolicy { keep_last: keep }, census.as_ref())
+                })?;
                 #[derive(Serialize)]
                 struct Gc {
                     manifests_removed: u64,
@@ -237,6 +266,9 @@ impl CheckpointCommand {
                     snapshots_written: u64,
                     tmp_files_removed: u64,
                     retired_removed: u64,
+                    removed_marked: u64,
+                    removed_dropped: u64,
+                    containerd: String,
                 }
                 let gc = Gc {
                     manifests_removed: report.manifests_removed,
@@ -245,16 +277,23 @@ impl CheckpointCommand {
                     snapshots_written: report.snapshots_written,
                     tmp_files_removed: report.tmp_files_removed,
                     retired_removed: report.retired_removed,
+                    removed_marked: report.removed_marked,
+                    removed_dropped: report.removed_dropped,
+                    containerd,
                 };
                 print(json, &gc, |g| {
                     format!(
-                        "removed {} manifests, {} blobs ({} bytes), {} tmp files, {} retired chains; {} snapshots written\n",
+                        "removed {} manifests, {} blobs ({} bytes), {} tmp files, {} retired chains; {} snapshots written\n\
+                         containers removed from containerd: {} newly found, {} sandboxes dropped (containerd {})\n",
                         g.manifests_removed,
                         g.blobs_removed,
                         g.bytes_freed,
                         g.tmp_files_removed,
                         g.retired_removed,
-                        g.snapshots_written
+                        g.snapshots_written,
+                        g.removed_marked,
+                        g.removed_dropped,
+                        g.containerd
                     )
                 });
             }

@@ -128,6 +128,25 @@ impl Ctl {
         Ok(SandboxKey::from_name(self.ctr.namespace(), container)?.to_string())
     }
 
+    /// What the containerd of this Ctl's socket has: its namespaces with their container ids,
+    /// for GC to drop the chains of removed containers (`ctr namespaces ls`, `ctr containers ls`,
+    /// each bounded by the admin timeout).
+    pub async fn container_census(&self, keep_removed: std::time::Duration) -> Result<crab_store::ContainerCensus> {
+        let now = std::time::SystemTime::now();
+        let lines = |out: crate::containerd::ctr::CtrOutput| -> Vec<String> {
+            out.stdout_text().lines().map(str::trim).filter(|l| !l.is_empty()).map(str::to_owned).collect()
+        };
+        let socket = self.ctr.socket().to_path_buf();
+        let asked = |e: crate::containerd::ctr::CtrError| CtlError::Containerd(e.to_string());
+        let namespaces = lines(Ctr::new(&socket, "default").run(&["namespaces", "ls", "-q"]).await.map_err(asked)?);
+        let mut census = std::collections::BTreeMap::new();
+        for namespace in namespaces {
+            let ids = lines(Ctr::new(&socket, &namespace).run(&["containers", "ls", "-q"]).await.map_err(asked)?);
+            census.insert(namespace, ids.into_iter().collect());
+        }
+        Ok(crab_store::ContainerCensus { namespaces: census, keep_removed, now })
+    }
+
     pub fn turns(&self, container: &str) -> Result<Vec<TurnRecord>> {
         Ok(TurnLog::open(&self.state_dir, &self.key(container)?)?.read()?)
     }

@@ -72,9 +72,12 @@ impl Ctr {
         &self.namespace
     }
 
-    /// `CRAB_CTRD_SOCK` and `CRAB_NS`, defaulting to the private containerd of `scripts/containerd`.
+    /// `CRAB_CTRD_SOCK` (else `CONTAINERD_ADDRESS`, as `ctr` reads it) and `CRAB_NS`, defaulting
+    /// to the private containerd of `scripts/containerd`.
     pub fn from_env() -> Ctr {
-        let socket = std::env::var("CRAB_CTRD_SOCK").unwrap_or_else(|_| "/run/crab-dev/containerd.sock".to_string());
+        let socket = std::env::var("CRAB_CTRD_SOCK")
+            .or_else(|_| std::env::var("CONTAINERD_ADDRESS"))
+            .unwrap_or_else(|_| "/run/crab-dev/containerd.sock".to_string());
         let namespace = std::env::var("CRAB_NS").unwrap_or_else(|_| "crab".to_string());
         Ctr::new(socket, namespace)
     }
