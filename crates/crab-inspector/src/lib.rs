@@ -24,7 +24,7 @@
 //! use crab_inspector::*;
 //! let inspector = Inspector::start(InspectorConfig::default()).await?;
 //! let cgroup = cgroup_id_of_pid(1234)?;
-//! inspector.watch(cgroup, WatchedContainer { id: "c1".into(), root_pid: Some(1234), rootfs: None })?;
+//! inspector.watch(cgroup, WatchedContainer { id: "c1".into(), root_pid: Some(1234), rootfs: None }).await?;
 //! // ... the turn runs; then, once its processes are done:
 //! let turn = inspector.drain("c1", monotonic_now_ns()).await?;
 //! let verdict = classify(&turn.effects, &ClassifyOptions { lost_events: turn.lost_events, ..Default::default() });
@@ -359,7 +359,7 @@ impl Inspector {
     }
 
     /// Starts recording the processes in cgroup `cgroup_id` (and its descendants) as `container`.
-    pub fn watch(&self, cgroup_id: u64, container: WatchedContainer) -> Result<(), InspectorError> {
+    pub async fn watch(&self, cgroup_id: u64, container: WatchedContainer) -> Result<(), InspectorError> {
         {
             let mut logs = self.logs.lock();
             if let Some(existing) = logs.get(&cgroup_id) {
@@ -502,6 +502,14 @@ impl Inspector {
                 let field = |key| fdinfo_field(fd.as_raw_fd(), key).unwrap_or(0);
                 ProgramStats { name: name.clone(), run_count: field("run_cnt:"), run_time_ns: field("run_time_ns:") }
             })
+            .collect()
+    }
+
+    /// Kernel ids of the loaded BPF programs (to find their links, `bpftool link`).
+    pub fn program_ids(&self) -> Vec<u32> {
+        self.programs
+            .iter()
+            .filter_map(|(_, fd)| fdinfo_field(fd.as_raw_fd(), "prog_id:").and_then(|id| u32::try_from(id).ok()))
             .collect()
     }
 

@@ -3,6 +3,7 @@
 //! Each test makes its own cgroup v2 directory, runs real commands in it and
 //! checks the effects the BPF programs reported.
 
+use std::collections::HashSet;
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
@@ -120,7 +121,7 @@ async fn watching(name: &str, cgroup: &TestCgroup) -> Inspector {
 async fn watching_with(name: &str, cgroup: &TestCgroup, config: InspectorConfig) -> Inspector {
     let inspector = Inspector::start(config).await.expect("inspector loads (run the tests as root)");
     let container = WatchedContainer { id: name.into(), root_pid: None, rootfs: None };
-    inspector.watch(cgroup.id, container).unwrap();
+    inspector.watch(cgroup.id, container).await.unwrap();
     inspector
 }
 
@@ -447,7 +448,7 @@ async fn mount_table_names_the_file_system() {
     let cgroup = TestCgroup::new("fstype");
     let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
     let container = WatchedContainer { id: "fstype".into(), root_pid: Some(std::process::id()), rootfs: None };
-    inspector.watch(cgroup.id, container).unwrap();
+    inspector.watch(cgroup.id, container).await.unwrap();
     cgroup.run("/bin/sh", &["-c", "echo > /dev/shm/crab-inspector-fstype; rm /dev/shm/crab-inspector-fstype"]);
     let effects = drain_all(&inspector, "fstype").await;
     let open = effects.iter().find(|e| e.changes_under(Path::new("/dev/shm"))).expect("write to /dev/shm seen");
@@ -486,6 +487,52 @@ async fn every_record_is_delivered_or_counted_lost() {
     }
     assert!(saw_loss, "a 4 KiB ring buffer kept up with {FILES}-record bursts 10 times");
     assert_eq!(inspector.take_lost_events("lost").unwrap(), 0, "lost counts are reported once");
+}
+
+/// Links in the kernel (anyone's) that run one of `inspector`'s programs: what the node pays for, as
+/// the kernel counts it.
+fn links_of(inspector: &Inspector) -> usize {
+    let ids: HashSet<u32> = inspector.program_ids().into_iter().collect();
+    libbpf_rs::query::LinkInfoIter::default().filter(|link| ids.contains(&link.prog_id)).count()
+}
+
+/// Waits (bounded) until `inspector`'s programs have `want` links; detaching runs in the background.
+async fn wait_for_links(inspector: &Inspector, want: usize, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while links_of(inspector) != want {
+        assert!(Instant::now() < deadline, "{what}: {} links, want {want}", links_of(inspector));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn programs_are_attached_only_while_something_is_watched() {
+    let first = TestCgroup::new("attach-a");
+    let second = TestCgroup::new("attach-b");
+    let scratch = Scratch::new("attach");
+    let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
+    let programs = inspector.program_ids().len();
+    assert!(programs > 0, "the inspector has programs");
+    assert_eq!(links_of(&inspector), 0, "nothing watched: no program of the inspector is attached");
+
+    let container = |id: &str| WatchedContainer { id: id.into(), root_pid: None, rootfs: None };
+    inspector.watch(first.id, container("a")).await.unwrap();
+    assert_eq!(links_of(&inspector), programs, "one container watched: every program attached");
+    inspector.watch(second.id, container("b")).await.unwrap();
+    assert_eq!(links_of(&inspector), programs, "attached once, however many containers");
+    inspector.unwatch("a").await.unwrap();
+    assert_eq!(links_of(&inspector), programs, "still watching one: still attached");
+    inspector.unwatch("b").await.unwrap();
+    wait_for_links(&inspector, 0, "after the last unwatch").await;
+
+    // Watched again: attached again, and recording.
+    inspector.watch(first.id, container("again")).await.unwrap();
+    assert_eq!(links_of(&inspector), programs, "watched again: attached again");
+    first.run("/bin/sh", &["-c", &format!("echo x > {}/f", scratch.str())]);
+    let effects = drain_all(&inspector, "again").await;
+    assert_eq!(file_changes_under(&effects, &scratch.0), vec![("open", one(scratch.path("f")))]);
+    inspector.unwatch("again").await.unwrap();
+    wait_for_links(&inspector, 0, "after unwatching again").await;
 }
 
 #[tokio::test]
@@ -643,7 +690,7 @@ impl BenchState {
         let want_watching = matches!(variant, Variant::Watching);
         if want_watching && !self.watching {
             let container = WatchedContainer { id: BENCH_CONTAINER.into(), root_pid: None, rootfs: None };
-            inspector.watch(cgroup.id, container).unwrap();
+            inspector.watch(cgroup.id, container).await.unwrap();
         } else if !want_watching && self.watching {
             self.take_turn(inspector, samples).await;
             inspector.unwatch(BENCH_CONTAINER).await.unwrap();
@@ -760,7 +807,7 @@ async fn inspector_overhead_benchmark() {
     );
 
     // Kernel-side cost, free of the noise of wall-clock runs on a shared machine.
-    inspector.watch(cgroup.id, WatchedContainer { id: "bench".into(), root_pid: None, rootfs: None }).unwrap();
+    inspector.watch(cgroup.id, WatchedContainer { id: "bench".into(), root_pid: None, rootfs: None }).await.unwrap();
     const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
     std::fs::write(BPF_STATS, "1").unwrap();
     for (title, script) in [("read-heavy", &read_heavy), ("write-heavy", &write_heavy), ("write-loop", &write_loop)] {
@@ -1251,7 +1298,7 @@ async fn hold_inspector() {
     println!("loaded and attached in {:?}", start.elapsed());
     if let Ok(dir) = std::env::var("CRAB_HOLD_CGROUP") {
         let container = WatchedContainer { id: "held".into(), root_pid: None, rootfs: None };
-        inspector.watch(cgroup_id_of_dir(Path::new(&dir)).unwrap(), container).unwrap();
+        inspector.watch(cgroup_id_of_dir(Path::new(&dir)).unwrap(), container).await.unwrap();
     }
     tokio::time::sleep(Duration::from_secs(secs)).await;
     let start = Instant::now();
@@ -1377,7 +1424,7 @@ async fn a_rename_storm_is_cut_at_its_bound_and_holds_up_no_other_drain() {
     let config = InspectorConfig { max_effects_bytes: BOUND, ..Default::default() };
     let inspector = watching_with("storm", &storm, config).await;
     let quiet_container = WatchedContainer { id: "quiet".into(), root_pid: None, rootfs: None };
-    inspector.watch(quiet.id, quiet_container).unwrap();
+    inspector.watch(quiet.id, quiet_container).await.unwrap();
     let script = format!(
         r#"
 import ctypes, os, time
