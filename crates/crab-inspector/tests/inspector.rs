@@ -1518,7 +1518,7 @@ mod mechanism {
 #[tokio::test]
 #[ignore = "benchmark: cargo test --release -p crab-inspector --test inspector -- --ignored --nocapture tracepoint_mechanism"]
 async fn tracepoint_mechanism_benchmark() {
-    use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+    use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
     use libbpf_rs::{Link, MapCore, MapFlags};
     const ROUNDS: usize = 7;
     const WRITES: u64 = 1_000_000;
