@@ -8,8 +8,17 @@
  * its own thin program on its syscalls:sys_enter_<name> tracepoint (and
  * sys_exit_<name> when the record waits for the result), all calling the
  * same shared handlers below: syscalls nobody needs (read, stat, getdents,
- * futex, ...) run no BPF at all. The raw sys_enter/sys_exit tracepoints would
- * run a program for every syscall of every task on the node.
+ * futex, ...) run no BPF at all.
+ *
+ * What processes outside watched cgroups pay while the programs are attached
+ * is almost all the kernel's: with any syscall tracepoint enabled every task
+ * takes the slow syscall entry and exit. Measured (tests/inspector.rs,
+ * tracepoint_mechanism_benchmark: bpf/mechanism.bpf.c), an empty program on
+ * sys_enter_write costs a 512-byte write loop as much as one with the early
+ * exit below, and one raw_tp dispatcher on sys_enter/sys_exit about the same
+ * again: neither the program's body nor the hook design moves that floor,
+ * only not being attached does. So the reader attaches the programs only
+ * while something is watched (src/lib.rs).
  *
  * Syscall arguments are captured at sys_enter (paths are resolved there,
  * before e.g. an unlink removes the dentry) and kept per thread; sys_exit

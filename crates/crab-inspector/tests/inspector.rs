@@ -648,7 +648,7 @@ struct Samples {
     watching: Vec<Timing>,
     records: usize,
     lost: u64,
-    /// Inspector::start (load and attach) and drop (detach) times.
+    /// Inspector::start (load only: programs attach at the first watch) and drop times.
     starts: Vec<Duration>,
     stops: Vec<Duration>,
 }
@@ -765,7 +765,7 @@ fn report(title: &str, samples: &Samples) {
         samples.lost
     );
     println!(
-        "  inspector start (load + attach) {:.0} ms, stop (detach) {:.0} ms (medians)",
+        "  inspector start (load; attached at the first watch) {:.0} ms, stop {:.0} ms (medians)",
         median(samples.starts.clone()).as_secs_f64() * 1e3,
         median(samples.stops.clone()).as_secs_f64() * 1e3
     );
@@ -1295,7 +1295,7 @@ async fn hold_inspector() {
     let secs: u64 = std::env::var("CRAB_HOLD_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
     let start = Instant::now();
     let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
-    println!("loaded and attached in {:?}", start.elapsed());
+    println!("loaded in {:?} (attached only while something is watched)", start.elapsed());
     if let Ok(dir) = std::env::var("CRAB_HOLD_CGROUP") {
         let container = WatchedContainer { id: "held".into(), root_pid: None, rootfs: None };
         inspector.watch(cgroup_id_of_dir(Path::new(&dir)).unwrap(), container).await.unwrap();
