@@ -69,9 +69,7 @@ use libbpf_rs::{MapCore, MapFlags, MapHandle, OpenObject, RingBufferBuilder};
 use tokio::sync::oneshot;
 
 pub use buffer::Overflow;
-pub use cgroup::{
-    CgroupError, cgroup_id_of_dir, cgroup_id_of_pid, cgroup_level, cgroup2_mount, cgroup2_path_of_pid,
-};
+pub use cgroup::{CgroupError, cgroup_id_of_dir, cgroup_id_of_pid, cgroup_level, cgroup2_mount, cgroup2_path_of_pid};
 pub use classify::{
     Classification, ClassifyOptions, DEFAULT_IGNORED_PREFIXES, ProcessRan, Reason, TurnClass, classify,
 };
@@ -429,7 +427,11 @@ impl Inspector {
         self.commands.send(Command::Attach(done_tx)).map_err(|_| InspectorError::ReaderGone)?;
         signal_eventfd(&self.wake);
         let took = done_rx.await.map_err(|_| InspectorError::ReaderGone)??;
-        tracing::info!(attach_ms = took.as_secs_f64() * 1e3, programs = self.programs.len(), "inspector programs attached");
+        tracing::info!(
+            attach_ms = took.as_secs_f64() * 1e3,
+            programs = self.programs.len(),
+            "inspector programs attached"
+        );
         Ok(())
     }
 
