@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use libbpf_cargo::SkeletonBuilder;
 
 const BPF_SOURCE: &str = "bpf/inspector.bpf.c";
+const MECHANISM_SOURCE: &str = "bpf/mechanism.bpf.c";
 
 /// What defines crabd's records and the effects it sends: the BPF programs and their record
 /// layout, the Rust side that decodes the records into effects, and how effects' paths go on
@@ -44,7 +45,14 @@ fn main() {
         .clang_args(["-I", "bpf", "-I", &asm_headers, "-O2", "-g", &format!("-D__TARGET_ARCH_{arch}")])
         .build_and_generate(out_dir.join("inspector.skel.rs"))
         .expect("building bpf/inspector.bpf.c");
-    for input in [BPF_SOURCE, "bpf/inspector.h", "bpf/vmlinux.h"].iter().chain(WIRE_SOURCES) {
+    // Hook designs reduced to their cost for unwatched processes, for a benchmark only
+    // (tests/inspector.rs includes its skeleton; the crate does not).
+    SkeletonBuilder::new()
+        .source(MECHANISM_SOURCE)
+        .clang_args(["-I", "bpf", "-I", &asm_headers, "-O2", "-g", &format!("-D__TARGET_ARCH_{arch}")])
+        .build_and_generate(out_dir.join("mechanism.skel.rs"))
+        .expect("building bpf/mechanism.bpf.c");
+    for input in [BPF_SOURCE, MECHANISM_SOURCE, "bpf/inspector.h", "bpf/vmlinux.h"].iter().chain(WIRE_SOURCES) {
         println!("cargo:rerun-if-changed={input}");
     }
     println!("cargo:rustc-env=CRAB_RECORD_DIGEST={}", wire_digest());

@@ -33,7 +33,7 @@ impl EffectSource for Inspector {
             root_pid: Some(root_pid),
             rootfs: Some(format!("/proc/{root_pid}/root").into()),
         };
-        Ok(Inspector::watch(self, cgroup_id, watched)?)
+        Ok(Inspector::watch(self, cgroup_id, watched).await?)
     }
 
     async fn drain(&self, container: &str, until_ns: u64) -> Result<TurnEffects, EffectSourceError> {

@@ -8,8 +8,17 @@
  * its own thin program on its syscalls:sys_enter_<name> tracepoint (and
  * sys_exit_<name> when the record waits for the result), all calling the
  * same shared handlers below: syscalls nobody needs (read, stat, getdents,
- * futex, ...) run no BPF at all. The raw sys_enter/sys_exit tracepoints would
- * run a program for every syscall of every task on the node.
+ * futex, ...) run no BPF at all.
+ *
+ * What processes outside watched cgroups pay while the programs are attached
+ * is almost all the kernel's: with any syscall tracepoint enabled every task
+ * takes the slow syscall entry and exit. Measured (tests/inspector.rs,
+ * tracepoint_mechanism_benchmark: bpf/mechanism.bpf.c), an empty program on
+ * sys_enter_write costs a 512-byte write loop as much as one with the early
+ * exit below, and one raw_tp dispatcher on sys_enter/sys_exit about the same
+ * again: neither the program's body nor the hook design moves that floor,
+ * only not being attached does. So the reader attaches the programs only
+ * while something is watched (src/lib.rs).
  *
  * Syscall arguments are captured at sys_enter (paths are resolved there,
  * before e.g. an unlink removes the dentry) and kept per thread; sys_exit
@@ -128,20 +137,46 @@ static __always_inline void count_lost(__u64 cgroup_id)
 			__sync_fetch_and_add(n, 1);
 }
 
+/* The levels (bit n: level n below the cgroup v2 root) of the watched
+ * cgroups, and LEVELS_UNKNOWN while one is watched whose level the reader
+ * could not tell. In a section of its own, which the reader rewrites whole. */
+__u32 watched_levels SEC(".data.levels") = 0;
+
 /* The watched cgroup the current task is in or below (0 when none), and its
- * `watched` entry. */
+ * `watched` entry.
+ *
+ * This runs first in every program, for every task on the node that makes
+ * one of the recorded calls: its cost is what processes outside watched
+ * cgroups pay. A task is in or below watched cgroup C at level L exactly when
+ * its ancestor at level L is C, so only the levels that hold a watched cgroup
+ * are looked at (usually one: every sandbox at the same depth), one helper
+ * call and one lookup each, deepest first. */
 static __always_inline __u64 current_watch(struct watch **watch)
 {
-	__u64 id = bpf_get_current_cgroup_id();
-	if ((*watch = bpf_map_lookup_elem(&watched, &id)))
-		return id;
-	for (int level = 1; level < MAX_CGROUP_LEVEL; level++) {
+	__u32 levels = *(volatile __u32 *)&watched_levels;
+	if (levels & LEVELS_UNKNOWN) {
+		/* Every level from the task's own up. */
+		__u64 id = bpf_get_current_cgroup_id();
+		if ((*watch = bpf_map_lookup_elem(&watched, &id)))
+			return id;
+		for (int level = 1; level < MAX_CGROUP_LEVEL; level++) {
+			__u64 ancestor = bpf_get_current_ancestor_cgroup_id(level);
+			if (!ancestor || ancestor == id)
+				break;
+			if ((*watch = bpf_map_lookup_elem(&watched, &ancestor)))
+				return ancestor;
+		}
+		return 0;
+	}
+	for (int level = MAX_CGROUP_LEVEL - 1; level >= 0; level--) {
+		if (!(levels & (1U << level)))
+			continue;
+		/* 0: the task's own cgroup is above this level. */
 		__u64 ancestor = bpf_get_current_ancestor_cgroup_id(level);
-		if (!ancestor || ancestor == id)
-			break;
-		if ((*watch = bpf_map_lookup_elem(&watched, &ancestor)))
+		if (ancestor && (*watch = bpf_map_lookup_elem(&watched, &ancestor)))
 			return ancestor;
 	}
+	*watch = NULL;
 	return 0;
 }
 

@@ -19,6 +19,9 @@
 #define MAX_DEPTH 64
 /* cgroup levels checked for a watched ancestor. */
 #define MAX_CGROUP_LEVEL 16
+/* Bit of `watched_levels`: some watched cgroup's level is not known (or is
+ * MAX_CGROUP_LEVEL or deeper), so every level is looked at. */
+#define LEVELS_UNKNOWN (1U << 31)
 
 enum record_kind {
 	KIND_OPEN = 1, /* arg0: flags, arg1: mode, arg2: inode (as KIND_WRITE) when it is a regular file open for writing */

@@ -14,17 +14,21 @@
 //!
 //! Each syscall the inspector needs has its own program on its
 //! `syscalls:sys_enter_*` (and `sys_exit_*`) tracepoint, so other syscalls run
-//! no BPF. The price is paid at load (about a second: ~110 programs verified
-//! and attached) and at unload: the kernel waits for RCU grace periods per
-//! detached tracepoint (seconds), which only matters to a process that
-//! unloads, not to the node's long-lived one.
+//! no BPF. The programs are loaded (verified) once, at [`Inspector::start`],
+//! but attached only while at least one container is watched: every process
+//! on the node pays for an attached syscall tracepoint (the kernel's slow
+//! syscall path, and the program's test of the caller's cgroup), so a node
+//! with nothing to watch pays nothing. The first watch attaches them (its
+//! cost is logged, `attach_ms`) and returns once they are attached; the last
+//! unwatch detaches them in the background: the kernel waits for RCU grace
+//! periods per detached tracepoint, which takes a while.
 //!
 //! ```no_run
 //! # async fn turn() -> Result<(), crab_inspector::InspectorError> {
 //! use crab_inspector::*;
 //! let inspector = Inspector::start(InspectorConfig::default()).await?;
 //! let cgroup = cgroup_id_of_pid(1234)?;
-//! inspector.watch(cgroup, WatchedContainer { id: "c1".into(), root_pid: Some(1234), rootfs: None })?;
+//! inspector.watch(cgroup, WatchedContainer { id: "c1".into(), root_pid: Some(1234), rootfs: None }).await?;
 //! // ... the turn runs; then, once its processes are done:
 //! let turn = inspector.drain("c1", monotonic_now_ns()).await?;
 //! let verdict = classify(&turn.effects, &ClassifyOptions { lost_events: turn.lost_events, ..Default::default() });
@@ -65,7 +69,7 @@ use libbpf_rs::{MapCore, MapFlags, MapHandle, OpenObject, RingBufferBuilder};
 use tokio::sync::oneshot;
 
 pub use buffer::Overflow;
-pub use cgroup::{CgroupError, cgroup_id_of_dir, cgroup_id_of_pid, cgroup2_mount, cgroup2_path_of_pid};
+pub use cgroup::{CgroupError, cgroup_id_of_dir, cgroup_id_of_pid, cgroup_level, cgroup2_mount, cgroup2_path_of_pid};
 pub use classify::{
     Classification, ClassifyOptions, DEFAULT_IGNORED_PREFIXES, ProcessRan, Reason, TurnClass, classify,
 };
@@ -177,6 +181,8 @@ pub fn monotonic_now_ns() -> u64 {
 
 struct ContainerLog {
     container: WatchedContainer,
+    /// The watched cgroup's level below the cgroup v2 root, when known (see `watched_levels`).
+    level: Option<u32>,
     effects: EffectBuffer,
     /// Overflow of effects already taken (`take_effects_until`) that no
     /// drain has reported yet.
@@ -190,9 +196,10 @@ struct ContainerLog {
 }
 
 impl ContainerLog {
-    fn new(container: WatchedContainer, max_effects_bytes: usize) -> Self {
+    fn new(container: WatchedContainer, level: Option<u32>, max_effects_bytes: usize) -> Self {
         let mut log = Self {
             container,
+            level,
             effects: EffectBuffer::new(max_effects_bytes),
             overflow_taken: None,
             mounts: None,
@@ -284,12 +291,34 @@ impl Logs {
 
 enum Command {
     Flush(oneshot::Sender<()>),
+    /// Attach every program (a no-op when attached); answers with the time it took.
+    Attach(oneshot::Sender<Result<Duration, InspectorError>>),
+    /// Detach every program, in the background.
+    Detach,
+}
+
+/// Bit of the `watched_levels` global: some watched cgroup's level is unknown (inspector.h).
+const LEVELS_UNKNOWN: u32 = 1 << 31;
+/// Levels the BPF side can look at one by one (MAX_CGROUP_LEVEL in inspector.h).
+const MAX_CGROUP_LEVEL: u32 = 16;
+
+/// The `watched_levels` value for cgroups at `levels` (None: unknown).
+fn levels_mask(levels: impl IntoIterator<Item = Option<u32>>) -> u32 {
+    levels.into_iter().fold(0, |mask, level| match level {
+        Some(level) if level < MAX_CGROUP_LEVEL => mask | (1 << level),
+        _ => mask | LEVELS_UNKNOWN,
+    })
 }
 
 /// The loaded BPF programs and the per-container effect logs.
 pub struct Inspector {
     logs: Arc<Logs>,
     watched: MapHandle,
+    /// The `.data.levels` section: the `watched_levels` global.
+    levels: MapHandle,
+    /// Whether the programs are attached; held across a watch or unwatch so
+    /// that attaching and detaching follow the watches in order.
+    attached: tokio::sync::Mutex<bool>,
     lost: MapHandle,
     written: MapHandle,
     /// Every map of the BPF object, to report kernel memory use.
@@ -302,6 +331,7 @@ pub struct Inspector {
 
 struct ReaderHandles {
     watched: MapHandle,
+    levels: MapHandle,
     lost: MapHandle,
     written: MapHandle,
     all_maps: Vec<MapHandle>,
@@ -318,7 +348,8 @@ pub struct ProgramStats {
 }
 
 impl Inspector {
-    /// Loads and attaches the BPF programs and starts reading their records.
+    /// Loads the BPF programs and starts reading their records; the programs
+    /// are attached while something is watched.
     pub async fn start(config: InspectorConfig) -> Result<Self, InspectorError> {
         Self::start_at(config, 0).await
     }
@@ -344,10 +375,12 @@ impl Inspector {
                 .map_err(InspectorError::Thread)?
         };
         let handles = ready_rx.await.map_err(|_| InspectorError::ReaderGone)??;
-        tracing::info!("inspector attached");
+        tracing::info!("inspector loaded");
         Ok(Self {
             logs,
             watched: handles.watched,
+            levels: handles.levels,
+            attached: tokio::sync::Mutex::new(false),
             lost: handles.lost,
             written: handles.written,
             all_maps: handles.all_maps,
@@ -359,7 +392,10 @@ impl Inspector {
     }
 
     /// Starts recording the processes in cgroup `cgroup_id` (and its descendants) as `container`.
-    pub fn watch(&self, cgroup_id: u64, container: WatchedContainer) -> Result<(), InspectorError> {
+    /// Attaches the programs when nothing was watched; returns once they are attached.
+    pub async fn watch(&self, cgroup_id: u64, container: WatchedContainer) -> Result<(), InspectorError> {
+        let level = cgroup_level(cgroup_id, container.root_pid);
+        let mut attached = self.attached.lock().await;
         {
             let mut logs = self.logs.lock();
             if let Some(existing) = logs.get(&cgroup_id) {
@@ -368,20 +404,49 @@ impl Inspector {
             if logs.values().any(|l| l.container.id == container.id) {
                 return Err(InspectorError::DuplicateContainer(container.id));
             }
-            tracing::info!(container = %container.id, cgroup_id, "watching container");
-            logs.insert(cgroup_id, ContainerLog::new(container, self.logs.max_effects_bytes));
+            tracing::info!(container = %container.id, cgroup_id, ?level, "watching container");
+            logs.insert(cgroup_id, ContainerLog::new(container, level, self.logs.max_effects_bytes));
         }
         // The first boundary is now: processes already running (the entrypoint)
         // count as from an earlier turn, whose repeated writes are timed.
-        let result = self.set_epoch(cgroup_id, monotonic_now_ns(), MapFlags::ANY);
+        let mut result = self.set_epoch(cgroup_id, monotonic_now_ns(), MapFlags::ANY).and_then(|()| self.set_levels());
+        if result.is_ok() && !*attached {
+            result = self.attach().await;
+            *attached = result.is_ok();
+        }
         if result.is_err() {
             self.logs.lock().remove(&cgroup_id);
+            let _ = self.watched.delete(&cgroup_id.to_ne_bytes());
+            let _ = self.set_levels();
         }
         result
     }
 
+    async fn attach(&self) -> Result<(), InspectorError> {
+        let (done_tx, done_rx) = oneshot::channel();
+        self.commands.send(Command::Attach(done_tx)).map_err(|_| InspectorError::ReaderGone)?;
+        signal_eventfd(&self.wake);
+        let took = done_rx.await.map_err(|_| InspectorError::ReaderGone)??;
+        tracing::info!(
+            attach_ms = took.as_secs_f64() * 1e3,
+            programs = self.programs.len(),
+            "inspector programs attached"
+        );
+        Ok(())
+    }
+
+    /// Writes the levels of the watched cgroups into `watched_levels`.
+    fn set_levels(&self) -> Result<(), InspectorError> {
+        let mask = levels_mask(self.logs.lock().values().map(|log| log.level));
+        self.levels
+            .update(&0u32.to_ne_bytes(), &mask.to_ne_bytes(), MapFlags::ANY)
+            .map_err(|source| InspectorError::Map { map: ".data.levels", source })
+    }
+
     /// Stops recording `container`; returns the effects not yet taken.
+    /// Detaches the programs (in the background) when it was the last.
     pub async fn unwatch(&self, container: &str) -> Result<Vec<Effect>, InspectorError> {
+        let mut attached = self.attached.lock().await;
         let cgroup_id = self.cgroup_of(container)?;
         self.watched
             .delete(&cgroup_id.to_ne_bytes())
@@ -390,8 +455,22 @@ impl Inspector {
         self.flush().await?;
         // The lost counter may never have been created: nothing to delete then.
         let _ = self.lost.delete(&cgroup_id.to_ne_bytes());
-        let log = self.logs.lock().remove(&cgroup_id);
+        let (log, none_left) = {
+            let mut logs = self.logs.lock();
+            let log = logs.remove(&cgroup_id);
+            (log, logs.is_empty())
+        };
         tracing::info!(container, cgroup_id, "stopped watching container");
+        if let Err(error) = self.set_levels() {
+            tracing::warn!(%error, "watched levels not updated");
+        }
+        if none_left && *attached {
+            // Nobody listens for the answer: the reader detaches once nothing is watched.
+            if self.commands.send(Command::Detach).is_ok() {
+                signal_eventfd(&self.wake);
+            }
+            *attached = false;
+        }
         Ok(log
             .map(|mut l| {
                 let (effects, overflow) = l.effects.take_all();
@@ -502,6 +581,14 @@ impl Inspector {
                 let field = |key| fdinfo_field(fd.as_raw_fd(), key).unwrap_or(0);
                 ProgramStats { name: name.clone(), run_count: field("run_cnt:"), run_time_ns: field("run_time_ns:") }
             })
+            .collect()
+    }
+
+    /// Kernel ids of the loaded BPF programs (to find their links, `bpftool link`).
+    pub fn program_ids(&self) -> Vec<u32> {
+        self.programs
+            .iter()
+            .filter_map(|(_, fd)| fdinfo_field(fd.as_raw_fd(), "prog_id:").and_then(|id| u32::try_from(id).ok()))
             .collect()
     }
 
@@ -652,6 +739,7 @@ fn run_reader(
     let loaded = load(&mut storage, &config).and_then(|skel| {
         let handles = ReaderHandles {
             watched: map_handle(&skel.maps.watched, "watched")?,
+            levels: map_handle(&skel.maps.data_levels, ".data.levels")?,
             lost: map_handle(&skel.maps.lost, "lost")?,
             written: map_handle(&skel.maps.written, "written")?,
             all_maps: skel.object().maps().map(|m| map_handle(&m, "any")).collect::<Result<_, _>>()?,
@@ -681,7 +769,7 @@ fn run_reader(
         // Back to the priority it was spawned with: records are drained without delay.
         set_thread_nice(normal);
     }
-    let (_skel, ring) = match loaded {
+    let (mut skel, ring) = match loaded {
         Ok((skel, ring, handles)) => {
             if ready.send(Ok(handles)).is_err() {
                 return;
@@ -699,6 +787,7 @@ fn run_reader(
     ];
     // Flushes not yet answered, with the bytes consumed when each was asked.
     let mut flushes: Vec<(oneshot::Sender<()>, u64)> = Vec::new();
+    let mut attachment = Attachment::default();
     loop {
         // SAFETY: fds is a valid array of two pollfd for the duration of the call.
         let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, READ_INTERVAL.as_millis() as i32) };
@@ -717,7 +806,17 @@ fn run_reader(
         // behind). A storm that keeps the ring full never holds a flush for
         // longer than one ring's worth of records.
         loop {
-            let stop = take_commands(&commands, &mut flushes, consumed.load(Ordering::Relaxed));
+            let mut control = Vec::new();
+            let stop = take_commands(&commands, &mut flushes, &mut control, consumed.load(Ordering::Relaxed));
+            for command in control {
+                match command {
+                    Command::Attach(done) => {
+                        let _ = done.send(attachment.attach(&mut skel));
+                    }
+                    Command::Detach => attachment.detach(),
+                    Command::Flush(_) => unreachable!("take_commands keeps flushes apart"),
+                }
+            }
             let n = ring.consume_raw_n(CONSUME_BATCH);
             if n < 0 {
                 tracing::error!(error = %io::Error::from_raw_os_error(-n), "consuming the inspector ring buffer failed");
@@ -742,16 +841,71 @@ fn run_reader(
     }
 }
 
+/// The links of the attached programs, and the thread destroying the links of
+/// the previous attachment (which takes a while: see the module's doc).
+#[derive(Default)]
+struct Attachment {
+    links: Vec<libbpf_rs::Link>,
+    detaching: Option<JoinHandle<()>>,
+}
+
+impl Attachment {
+    /// Attaches every loaded program, once the previous detach is over (a
+    /// program attached twice would record each call twice).
+    fn attach(&mut self, skel: &mut InspectorSkel<'_>) -> Result<Duration, InspectorError> {
+        if let Some(detaching) = self.detaching.take()
+            && detaching.join().is_err()
+        {
+            tracing::error!("the inspector's detaching thread panicked");
+        }
+        let started = Instant::now();
+        if !self.links.is_empty() {
+            return Ok(Duration::ZERO);
+        }
+        for prog in skel.object_mut().progs_mut().filter(|p| p.autoload()) {
+            match prog.attach() {
+                Ok(link) => self.links.push(link),
+                Err(error) => {
+                    // All or nothing: a half-attached inspector would miss calls.
+                    self.links.clear();
+                    return Err(InspectorError::Load(error));
+                }
+            }
+        }
+        Ok(started.elapsed())
+    }
+
+    fn detach(&mut self) {
+        let links = std::mem::take(&mut self.links);
+        if links.is_empty() {
+            return;
+        }
+        let spawned = std::thread::Builder::new().name("crab-inspector-detach".into()).spawn(move || {
+            let (started, programs) = (Instant::now(), links.len());
+            drop(links);
+            tracing::info!(programs, detach_ms = started.elapsed().as_secs_f64() * 1e3, "inspector programs detached");
+        });
+        match spawned {
+            Ok(thread) => self.detaching = Some(thread),
+            // The links went with the closure: detached, only not in the background.
+            Err(error) => tracing::warn!(%error, "detached in the reader thread"),
+        }
+    }
+}
+
 /// Moves the waiting commands into `flushes` (asked when `consumed` bytes had
-/// been consumed); true when the inspector is gone and the reader must stop.
+/// been consumed) and `control` (attach, detach: in order); true when the
+/// inspector is gone and the reader must stop.
 fn take_commands(
     commands: &mpsc::Receiver<Command>,
     flushes: &mut Vec<(oneshot::Sender<()>, u64)>,
+    control: &mut Vec<Command>,
     consumed: u64,
 ) -> bool {
     loop {
         match commands.try_recv() {
             Ok(Command::Flush(done)) => flushes.push((done, consumed)),
+            Ok(other) => control.push(other),
             Err(mpsc::TryRecvError::Empty) => return false,
             Err(mpsc::TryRecvError::Disconnected) => return true,
         }
@@ -798,16 +952,8 @@ fn load<'obj>(
         .events
         .set_max_entries(config.ring_buffer_bytes)
         .map_err(|source| InspectorError::Map { map: "events", source })?;
-    let mut skel = open.load().map_err(InspectorError::Load)?;
-    let loaded = started.elapsed();
-    skel.attach().map_err(InspectorError::Load)?;
-    tracing::info!(
-        programs,
-        ?skipped,
-        load_ms = loaded.as_millis() as u64,
-        attach_ms = (started.elapsed() - loaded).as_millis() as u64,
-        "inspector programs loaded and attached"
-    );
+    let skel = open.load().map_err(InspectorError::Load)?;
+    tracing::info!(programs, ?skipped, load_ms = started.elapsed().as_millis() as u64, "inspector programs loaded");
     Ok(skel)
 }
 

@@ -3,6 +3,7 @@
 //! Each test makes its own cgroup v2 directory, runs real commands in it and
 //! checks the effects the BPF programs reported.
 
+use std::collections::HashSet;
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
@@ -120,7 +121,7 @@ async fn watching(name: &str, cgroup: &TestCgroup) -> Inspector {
 async fn watching_with(name: &str, cgroup: &TestCgroup, config: InspectorConfig) -> Inspector {
     let inspector = Inspector::start(config).await.expect("inspector loads (run the tests as root)");
     let container = WatchedContainer { id: name.into(), root_pid: None, rootfs: None };
-    inspector.watch(cgroup.id, container).unwrap();
+    inspector.watch(cgroup.id, container).await.unwrap();
     inspector
 }
 
@@ -447,7 +448,7 @@ async fn mount_table_names_the_file_system() {
     let cgroup = TestCgroup::new("fstype");
     let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
     let container = WatchedContainer { id: "fstype".into(), root_pid: Some(std::process::id()), rootfs: None };
-    inspector.watch(cgroup.id, container).unwrap();
+    inspector.watch(cgroup.id, container).await.unwrap();
     cgroup.run("/bin/sh", &["-c", "echo > /dev/shm/crab-inspector-fstype; rm /dev/shm/crab-inspector-fstype"]);
     let effects = drain_all(&inspector, "fstype").await;
     let open = effects.iter().find(|e| e.changes_under(Path::new("/dev/shm"))).expect("write to /dev/shm seen");
@@ -486,6 +487,52 @@ async fn every_record_is_delivered_or_counted_lost() {
     }
     assert!(saw_loss, "a 4 KiB ring buffer kept up with {FILES}-record bursts 10 times");
     assert_eq!(inspector.take_lost_events("lost").unwrap(), 0, "lost counts are reported once");
+}
+
+/// Links in the kernel (anyone's) that run one of `inspector`'s programs: what the node pays for, as
+/// the kernel counts it.
+fn links_of(inspector: &Inspector) -> usize {
+    let ids: HashSet<u32> = inspector.program_ids().into_iter().collect();
+    libbpf_rs::query::LinkInfoIter::default().filter(|link| ids.contains(&link.prog_id)).count()
+}
+
+/// Waits (bounded) until `inspector`'s programs have `want` links; detaching runs in the background.
+async fn wait_for_links(inspector: &Inspector, want: usize, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while links_of(inspector) != want {
+        assert!(Instant::now() < deadline, "{what}: {} links, want {want}", links_of(inspector));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn programs_are_attached_only_while_something_is_watched() {
+    let first = TestCgroup::new("attach-a");
+    let second = TestCgroup::new("attach-b");
+    let scratch = Scratch::new("attach");
+    let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
+    let programs = inspector.program_ids().len();
+    assert!(programs > 0, "the inspector has programs");
+    assert_eq!(links_of(&inspector), 0, "nothing watched: no program of the inspector is attached");
+
+    let container = |id: &str| WatchedContainer { id: id.into(), root_pid: None, rootfs: None };
+    inspector.watch(first.id, container("a")).await.unwrap();
+    assert_eq!(links_of(&inspector), programs, "one container watched: every program attached");
+    inspector.watch(second.id, container("b")).await.unwrap();
+    assert_eq!(links_of(&inspector), programs, "attached once, however many containers");
+    inspector.unwatch("a").await.unwrap();
+    assert_eq!(links_of(&inspector), programs, "still watching one: still attached");
+    inspector.unwatch("b").await.unwrap();
+    wait_for_links(&inspector, 0, "after the last unwatch").await;
+
+    // Watched again: attached again, and recording.
+    inspector.watch(first.id, container("again")).await.unwrap();
+    assert_eq!(links_of(&inspector), programs, "watched again: attached again");
+    first.run("/bin/sh", &["-c", &format!("echo x > {}/f", scratch.str())]);
+    let effects = drain_all(&inspector, "again").await;
+    assert_eq!(file_changes_under(&effects, &scratch.0), vec![("open", one(scratch.path("f")))]);
+    inspector.unwatch("again").await.unwrap();
+    wait_for_links(&inspector, 0, "after unwatching again").await;
 }
 
 #[tokio::test]
@@ -601,7 +648,7 @@ struct Samples {
     watching: Vec<Timing>,
     records: usize,
     lost: u64,
-    /// Inspector::start (load and attach) and drop (detach) times.
+    /// Inspector::start (load only: programs attach at the first watch) and drop times.
     starts: Vec<Duration>,
     stops: Vec<Duration>,
 }
@@ -643,7 +690,7 @@ impl BenchState {
         let want_watching = matches!(variant, Variant::Watching);
         if want_watching && !self.watching {
             let container = WatchedContainer { id: BENCH_CONTAINER.into(), root_pid: None, rootfs: None };
-            inspector.watch(cgroup.id, container).unwrap();
+            inspector.watch(cgroup.id, container).await.unwrap();
         } else if !want_watching && self.watching {
             self.take_turn(inspector, samples).await;
             inspector.unwatch(BENCH_CONTAINER).await.unwrap();
@@ -718,7 +765,7 @@ fn report(title: &str, samples: &Samples) {
         samples.lost
     );
     println!(
-        "  inspector start (load + attach) {:.0} ms, stop (detach) {:.0} ms (medians)",
+        "  inspector start (load; attached at the first watch) {:.0} ms, stop {:.0} ms (medians)",
         median(samples.starts.clone()).as_secs_f64() * 1e3,
         median(samples.stops.clone()).as_secs_f64() * 1e3
     );
@@ -760,7 +807,7 @@ async fn inspector_overhead_benchmark() {
     );
 
     // Kernel-side cost, free of the noise of wall-clock runs on a shared machine.
-    inspector.watch(cgroup.id, WatchedContainer { id: "bench".into(), root_pid: None, rootfs: None }).unwrap();
+    inspector.watch(cgroup.id, WatchedContainer { id: "bench".into(), root_pid: None, rootfs: None }).await.unwrap();
     const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
     std::fs::write(BPF_STATS, "1").unwrap();
     for (title, script) in [("read-heavy", &read_heavy), ("write-heavy", &write_heavy), ("write-loop", &write_loop)] {
@@ -1248,10 +1295,10 @@ async fn hold_inspector() {
     let secs: u64 = std::env::var("CRAB_HOLD_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
     let start = Instant::now();
     let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
-    println!("loaded and attached in {:?}", start.elapsed());
+    println!("loaded in {:?} (attached only while something is watched)", start.elapsed());
     if let Ok(dir) = std::env::var("CRAB_HOLD_CGROUP") {
         let container = WatchedContainer { id: "held".into(), root_pid: None, rootfs: None };
-        inspector.watch(cgroup_id_of_dir(Path::new(&dir)).unwrap(), container).unwrap();
+        inspector.watch(cgroup_id_of_dir(Path::new(&dir)).unwrap(), container).await.unwrap();
     }
     tokio::time::sleep(Duration::from_secs(secs)).await;
     let start = Instant::now();
@@ -1377,7 +1424,7 @@ async fn a_rename_storm_is_cut_at_its_bound_and_holds_up_no_other_drain() {
     let config = InspectorConfig { max_effects_bytes: BOUND, ..Default::default() };
     let inspector = watching_with("storm", &storm, config).await;
     let quiet_container = WatchedContainer { id: "quiet".into(), root_pid: None, rootfs: None };
-    inspector.watch(quiet.id, quiet_container).unwrap();
+    inspector.watch(quiet.id, quiet_container).await.unwrap();
     let script = format!(
         r#"
 import ctypes, os, time
@@ -1448,4 +1495,79 @@ print(i)
     let next = inspector.drain("storm", u64::MAX).await.unwrap();
     assert_eq!(next.overflow, None);
     assert!(next.effects.iter().any(|e| e.changes_under(&scratch.path("after"))));
+}
+
+mod mechanism {
+    // Generated by libbpf-cargo (build.rs): its unsafe blocks are the generator's.
+    #![allow(
+        clippy::all,
+        clippy::pedantic,
+        clippy::undocumented_unsafe_blocks,
+        missing_docs,
+        non_camel_case_types,
+        unused,
+        unsafe_op_in_unsafe_fn
+    )]
+    include!(concat!(env!("OUT_DIR"), "/mechanism.skel.rs"));
+}
+
+/// The hook designs of `bpf/mechanism.bpf.c`, as what a process outside every watched cgroup
+/// pays per syscall: a 512-byte write loop on the host runs with nothing attached and with each
+/// design attached alone (a cgroup elsewhere is watched), in a rotating order, and the extra CPU
+/// time per write is printed against nothing attached.
+#[tokio::test]
+#[ignore = "benchmark: cargo test --release -p crab-inspector --test inspector -- --ignored --nocapture tracepoint_mechanism"]
+async fn tracepoint_mechanism_benchmark() {
+    use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
+    use libbpf_rs::{Link, MapCore, MapFlags};
+    const ROUNDS: usize = 7;
+    const WRITES: u64 = 1_000_000;
+    const WRITE_NR: u32 = 1;
+    let elsewhere = TestCgroup::new("mechanism");
+    let mut storage = std::mem::MaybeUninit::uninit();
+    let open = mechanism::MechanismSkelBuilder::default().open(&mut storage).unwrap();
+    let mut skel = open.load().unwrap();
+    let level = crab_inspector::cgroup_level(elsewhere.id, None).expect("the test cgroup's level");
+    skel.maps.bss_data.as_deref_mut().unwrap().watched_levels = 1 << level;
+    skel.maps.watched.update(&elsewhere.id.to_ne_bytes(), &0u64.to_ne_bytes(), MapFlags::ANY).unwrap();
+    skel.maps.hooked.update(&WRITE_NR.to_ne_bytes(), &1u32.to_ne_bytes(), MapFlags::ANY).unwrap();
+
+    let designs: [(&str, &[&str]); 5] = [
+        ("nothing attached", &[]),
+        ("tracepoint sys_enter_write, empty", &["tp_empty"]),
+        ("tracepoint sys_enter_write, early exit", &["tp_check"]),
+        ("raw_tp sys_enter, empty", &["raw_empty"]),
+        ("raw_tp sys_enter+sys_exit dispatcher", &["raw_enter", "raw_exit"]),
+    ];
+    let script = format!("dd if=/dev/zero of=/dev/null bs=512 count={WRITES} status=none");
+    let mut samples: Vec<Vec<Timing>> = vec![Vec::new(); designs.len()];
+    for round in 0..ROUNDS {
+        for i in 0..designs.len() {
+            let index = (round + i) % designs.len();
+            let links: Vec<Link> = skel
+                .object_mut()
+                .progs_mut()
+                .filter(|p| designs[index].1.contains(&p.name().to_str().unwrap()))
+                .map(|p| p.attach().unwrap())
+                .collect();
+            let (start, cpu_start) = (Instant::now(), children_cpu());
+            let status = Command::new("/bin/sh").args(["-c", &script]).status().unwrap();
+            assert!(status.success());
+            samples[index].push(Timing { wall: start.elapsed(), cpu: children_cpu() - cpu_start });
+            drop(links);
+        }
+    }
+    let median_cpu = |s: &[Timing]| median(s.iter().map(|t| t.cpu).collect()).as_secs_f64();
+    let median_wall = |s: &[Timing]| median(s.iter().map(|t| t.wall).collect()).as_secs_f64();
+    let (base_cpu, base_wall) = (median_cpu(&samples[0]), median_wall(&samples[0]));
+    println!("{WRITES} writes of 512 B to /dev/null (dd: as many reads), medians of {ROUNDS}, unwatched process");
+    for ((name, _), s) in designs.iter().zip(&samples) {
+        let (cpu, wall) = (median_cpu(s), median_wall(s));
+        println!(
+            "  {name:<40} {wall:>6.3} s wall {cpu:>6.3} s cpu  ratio {:.3} wall {:.3} cpu  {:>+5.0} ns/write",
+            wall / base_wall,
+            cpu / base_cpu,
+            (cpu - base_cpu) * 1e9 / WRITES as f64
+        );
+    }
 }

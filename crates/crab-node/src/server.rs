@@ -346,7 +346,7 @@ impl Node {
             root_pid: Some(root_pid),
             rootfs: Some(format!("/proc/{root_pid}/root").into()),
         };
-        self.inspector.watch(cgroup_id, watched)?;
+        self.inspector.watch(cgroup_id, watched).await?;
         let watch = Watch { cgroup_id, root_pid, root_start: process_start_time(root_pid) };
         self.watches.lock().expect("watches lock").insert(container.into(), watch);
         Ok(())
