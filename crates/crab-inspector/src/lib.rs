@@ -20,7 +20,8 @@
 //! syscall path, and the program's test of the caller's cgroup), so a node
 //! with nothing to watch pays nothing. The first watch attaches them (its
 //! cost is logged, `attach_ms`) and returns once they are attached; the last
-//! unwatch detaches them in the background: the kernel waits for RCU grace
+//! unwatch detaches them, after a linger (`detach_after`: sandboxes come and go
+//! in bursts) and in the background: the kernel waits for RCU grace
 //! periods per detached tracepoint, which takes a while.
 //!
 //! ```no_run
@@ -140,11 +141,24 @@ pub struct InspectorConfig {
     /// (see the `buffer` module): beyond it details are cut and the turn is
     /// marked [`Overflow`].
     pub max_effects_bytes: usize,
+    /// How long the programs stay attached after the last unwatch. Sandboxes
+    /// come and go in bursts (a test suite, a rollout, kubelet restarting a
+    /// container): a watch within this time finds them attached instead of
+    /// waiting for a detach (the kernel's RCU grace periods, seconds) and an
+    /// attach, which would hold up the new sandbox's start.
+    pub detach_after: Duration,
 }
+
+/// [`InspectorConfig::detach_after`] unless told otherwise.
+pub const DEFAULT_DETACH_AFTER: Duration = Duration::from_secs(10);
 
 impl Default for InspectorConfig {
     fn default() -> Self {
-        Self { ring_buffer_bytes: 16 << 20, max_effects_bytes: DEFAULT_MAX_EFFECTS_BYTES }
+        Self {
+            ring_buffer_bytes: 16 << 20,
+            max_effects_bytes: DEFAULT_MAX_EFFECTS_BYTES,
+            detach_after: DEFAULT_DETACH_AFTER,
+        }
     }
 }
 
@@ -293,8 +307,9 @@ enum Command {
     Flush(oneshot::Sender<()>),
     /// Attach every program (a no-op when attached); answers with the time it took.
     Attach(oneshot::Sender<Result<Duration, InspectorError>>),
-    /// Detach every program, in the background.
-    Detach,
+    /// Detach every program (in the background) once this long has passed
+    /// without an attach.
+    Detach(Duration),
 }
 
 /// Bit of the `watched_levels` global: some watched cgroup's level is unknown (inspector.h).
@@ -319,6 +334,8 @@ pub struct Inspector {
     /// Whether the programs are attached; held across a watch or unwatch so
     /// that attaching and detaching follow the watches in order.
     attached: tokio::sync::Mutex<bool>,
+    /// [`InspectorConfig::detach_after`].
+    detach_after: Duration,
     lost: MapHandle,
     written: MapHandle,
     /// Every map of the BPF object, to report kernel memory use.
@@ -363,6 +380,7 @@ impl Inspector {
 
     async fn start_at(config: InspectorConfig, load_nice: i32) -> Result<Self, InspectorError> {
         let logs = Arc::new(Logs::new(config.max_effects_bytes));
+        let detach_after = config.detach_after;
         let wake = Arc::new(new_eventfd()?);
         let (commands, command_rx) = mpsc::channel();
         let (ready_tx, ready_rx) = oneshot::channel();
@@ -381,6 +399,7 @@ impl Inspector {
             watched: handles.watched,
             levels: handles.levels,
             attached: tokio::sync::Mutex::new(false),
+            detach_after,
             lost: handles.lost,
             written: handles.written,
             all_maps: handles.all_maps,
@@ -466,7 +485,7 @@ impl Inspector {
         }
         if none_left && *attached {
             // Nobody listens for the answer: the reader detaches once nothing is watched.
-            if self.commands.send(Command::Detach).is_ok() {
+            if self.commands.send(Command::Detach(self.detach_after)).is_ok() {
                 signal_eventfd(&self.wake);
             }
             *attached = false;
@@ -813,9 +832,12 @@ fn run_reader(
                     Command::Attach(done) => {
                         let _ = done.send(attachment.attach(&mut skel));
                     }
-                    Command::Detach => attachment.detach(),
+                    Command::Detach(after) => attachment.detach_at = Some(Instant::now() + after),
                     Command::Flush(_) => unreachable!("take_commands keeps flushes apart"),
                 }
+            }
+            if attachment.detach_at.is_some_and(|at| Instant::now() >= at) {
+                attachment.detach();
             }
             let n = ring.consume_raw_n(CONSUME_BATCH);
             if n < 0 {
@@ -847,12 +869,16 @@ fn run_reader(
 struct Attachment {
     links: Vec<libbpf_rs::Link>,
     detaching: Option<JoinHandle<()>>,
+    /// When the links go, unless an attach comes first (the last unwatch's linger).
+    detach_at: Option<Instant>,
 }
 
 impl Attachment {
     /// Attaches every loaded program, once the previous detach is over (a
     /// program attached twice would record each call twice).
     fn attach(&mut self, skel: &mut InspectorSkel<'_>) -> Result<Duration, InspectorError> {
+        // Watched again within the linger: the links are still there.
+        self.detach_at = None;
         if let Some(detaching) = self.detaching.take()
             && detaching.join().is_err()
         {
@@ -876,6 +902,7 @@ impl Attachment {
     }
 
     fn detach(&mut self) {
+        self.detach_at = None;
         let links = std::mem::take(&mut self.links);
         if links.is_empty() {
             return;

@@ -510,7 +510,8 @@ async fn programs_are_attached_only_while_something_is_watched() {
     let first = TestCgroup::new("attach-a");
     let second = TestCgroup::new("attach-b");
     let scratch = Scratch::new("attach");
-    let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
+    let linger = Duration::from_secs(3);
+    let inspector = Inspector::start(InspectorConfig { detach_after: linger, ..Default::default() }).await.unwrap();
     let programs = inspector.program_ids().len();
     assert!(programs > 0, "the inspector has programs");
     assert_eq!(links_of(&inspector), 0, "nothing watched: no program of the inspector is attached");
@@ -522,8 +523,15 @@ async fn programs_are_attached_only_while_something_is_watched() {
     assert_eq!(links_of(&inspector), programs, "attached once, however many containers");
     inspector.unwatch("a").await.unwrap();
     assert_eq!(links_of(&inspector), programs, "still watching one: still attached");
+    let unwatched = Instant::now();
     inspector.unwatch("b").await.unwrap();
+    // Sandboxes come and go in bursts: the programs stay for the linger, then go.
+    let lingering = links_of(&inspector);
+    if unwatched.elapsed() < linger {
+        assert_eq!(lingering, programs, "within the linger after the last unwatch: still attached");
+    }
     wait_for_links(&inspector, 0, "after the last unwatch").await;
+    assert!(unwatched.elapsed() >= linger, "detached before the linger was over");
 
     // Watched again: attached again, and recording.
     inspector.watch(first.id, container("again")).await.unwrap();
@@ -532,6 +540,10 @@ async fn programs_are_attached_only_while_something_is_watched() {
     let effects = drain_all(&inspector, "again").await;
     assert_eq!(file_changes_under(&effects, &scratch.0), vec![("open", one(scratch.path("f")))]);
     inspector.unwatch("again").await.unwrap();
+    // A watch within the linger keeps the links it finds: attached once, not twice.
+    inspector.watch(second.id, container("soon")).await.unwrap();
+    assert_eq!(links_of(&inspector), programs, "watched within the linger: the same links");
+    inspector.unwatch("soon").await.unwrap();
     wait_for_links(&inspector, 0, "after unwatching again").await;
 }
 

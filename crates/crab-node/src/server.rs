@@ -67,6 +67,7 @@ pub async fn run(options: ServerOptions) -> Result<(), NodeError> {
     let inspector = Inspector::start(InspectorConfig {
         ring_buffer_bytes: options.ring_buffer_bytes,
         max_effects_bytes: options.max_effects_bytes,
+        ..Default::default()
     })
     .await?;
     let node = Arc::new(Node {

@@ -526,6 +526,7 @@ async fn engine_context(
                     let config = crab_inspector::InspectorConfig {
                         ring_buffer_bytes: 4 << 20,
                         max_effects_bytes,
+                        ..Default::default()
                     };
                     let local = if yielding {
                         crab_inspector::Inspector::start_yielding(config).await
