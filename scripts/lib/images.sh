@@ -10,13 +10,16 @@ CRAB_IMAGE_CACHE="$CRAB_CACHE/images"
 CRAB_IMAGE_PREFIX="crab.local"
 CRAB_SUITE=bookworm
 IMAGE_PATH_ENV="PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# More KEY=VALUE for the image being built (the Debian images: where pip finds packages).
+IMAGE_EXTRA_ENV=()
 OCI_WRITER="$CRAB_ROOT/scripts/lib/oci_image.py"
 # Reads and unpacks the sdists of code-repair images; its text is in their keys.
 SDIST_TOOL="$CRAB_ROOT/scripts/lib/sdist.py"
 
 TERMINAL_PACKAGES=(python3 python3-pip python3-venv git procps curl nginx tmux vim-tiny openssl
   sqlite3 iproute2 net-tools jq file less)
-CODE_REPAIR_PACKAGES=(python3 python3-pip python3-venv git procps)
+# python-is-python3: `python` is python3, as in SWE-bench's images (agents run `python ...`).
+CODE_REPAIR_PACKAGES=(python3 python3-pip python3-venv git procps python-is-python3)
 # Python all code-repair wheels are resolved for: bookworm's python3.
 CODE_REPAIR_PYTHON=3.11
 
@@ -70,11 +73,13 @@ recipe_debian() {
 recipe_terminal() {
   local root=$1
   recipe_debian "$root" "${TERMINAL_PACKAGES[@]}"
+  recipe_package_sources "$root"
   mkdir -p "$root/app"
 }
 
 recipe_code_repair_base() {
   recipe_debian "$1" "${CODE_REPAIR_PACKAGES[@]}"
+  recipe_package_sources "$1"
 }
 
 # Runs a command inside the rootfs with /proc and the host's /dev mounted in
@@ -220,8 +225,10 @@ image_build_cached() {
     local layer="$CRAB_IMAGE_CACHE/.layer-$name-$key.tar" started=$SECONDS
     log "building $name (recipe key $key)"
     build_layer "$layer" "$recipe" "$@"
+    local env=(--env "$IMAGE_PATH_ENV") e
+    for e in "${IMAGE_EXTRA_ENV[@]}"; do env+=(--env "$e"); done
     python3 "$OCI_WRITER" --layer "$layer" --output "$out" \
-      --name "$(image_ref "$name")" --cmd "$cmd" --workdir "$workdir" --env "$IMAGE_PATH_ENV" \
+      --name "$(image_ref "$name")" --cmd "$cmd" --workdir "$workdir" "${env[@]}" \
       --label "dev.crab.recipe-key=$key" >/dev/null || { rm -f "$layer"; die "writing $out failed"; }
     rm -f "$layer"
     prune_superseded "$out" "$name-*.tar"
@@ -284,8 +291,10 @@ image_pause() {
 }
 
 image_terminal() {
-  local key tarball
-  key=$(recipe_key recipe_terminal recipe_debian TERMINAL_PACKAGES CRAB_SUITE)
+  local key tarball packages IMAGE_EXTRA_ENV=("${PACKAGE_ENV[@]}")
+  packages=$(with_image_lock packages packages_ensure)
+  key=$(recipe_key recipe_terminal recipe_debian recipe_package_sources TERMINAL_PACKAGES CRAB_SUITE \
+    SANDBOX_PACKAGES IMAGE_EXTRA_ENV "packages $packages")
   tarball=$(with_image_lock terminal image_build_cached terminal recipe_terminal "$key" '["sleep","infinity"]' /app)
   image_import terminal "$tarball"
 }
@@ -293,8 +302,10 @@ image_terminal() {
 # The code-repair base rootfs is cached as a layer tar so every project
 # shares one debootstrap.
 code_repair_base_tar() {
-  local key out
-  key=$(recipe_key recipe_code_repair_base recipe_debian CODE_REPAIR_PACKAGES CRAB_SUITE)
+  local key out packages
+  packages=$(with_image_lock packages packages_ensure)
+  key=$(recipe_key recipe_code_repair_base recipe_debian recipe_package_sources CODE_REPAIR_PACKAGES CRAB_SUITE \
+    SANDBOX_PACKAGES "packages $packages")
   out="$CRAB_IMAGE_CACHE/code-repair-base-$key.layer.tar"
   if [ ! -f "$out" ]; then
     local started=$SECONDS
@@ -323,12 +334,12 @@ image_code_repair() {
   local project=$1 version=$2
   validate_name_part project "$project"
   validate_name_part version "$version"
-  local name base key tarball dl sdist_tool
+  local name base key tarball dl sdist_tool IMAGE_EXTRA_ENV=("${PACKAGE_ENV[@]}")
   name=$(code_repair_image_name "$project" "$version")
   base=$(with_image_lock code-repair-base code_repair_base_tar)
   sdist_tool="sdist.py $(sha256sum <"$SDIST_TOOL" | cut -c1-16)"
   key=$(recipe_key recipe_code_repair_from_base recipe_code_repair code_repair_download \
-    code_repair_test_extra in_rootfs CODE_REPAIR_PYTHON "$sdist_tool" "$(basename "$base")" "$project" "$version")
+    code_repair_test_extra in_rootfs CODE_REPAIR_PYTHON IMAGE_EXTRA_ENV "$sdist_tool" "$(basename "$base")" "$project" "$version")
   if [ -f "$CRAB_IMAGE_CACHE/$name-$key.tar" ]; then
     tarball="$CRAB_IMAGE_CACHE/$name-$key.tar"
   else
@@ -352,3 +363,5 @@ code_repair_pairs_from_traces() {
     [ -f "$f" ] && head -n1 "$f"
   done | jq -r 'select(.image == "code-repair") | "\(.project) \(.version)"' | sort -u
 }
+
+source "$CRAB_ROOT/scripts/lib/packages.sh"

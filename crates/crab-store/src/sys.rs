@@ -135,6 +135,12 @@ pub(crate) fn linkat(old_dir: BorrowedFd<'_>, old: &CStr, new_dir: BorrowedFd<'_
     Ok(rustix::fs::linkat(old_dir, old, new_dir, new, AtFlags::empty())?)
 }
 
+/// Gives the inode an `O_PATH` handle holds the new name `new` in `new_dir` (AT_EMPTY_PATH:
+/// the handle itself is linked, whatever name it has now; needs CAP_DAC_READ_SEARCH).
+pub(crate) fn link_entry(fd: BorrowedFd<'_>, new_dir: BorrowedFd<'_>, new: &CStr) -> io::Result<()> {
+    Ok(rustix::fs::linkat(fd, c"", new_dir, new, AtFlags::EMPTY_PATH)?)
+}
+
 /// Makes a device node, fifo or socket entry; `mode_bits` holds the type (`S_IF*`) and the
 /// permission bits, as `mknod(2)` takes them.
 pub(crate) fn mknodat(dir: BorrowedFd<'_>, name: &CStr, mode_bits: u32, rdev: u64) -> io::Result<()> {
