@@ -21,6 +21,8 @@ PACKAGES_LEFT_OUT=(torch torchvision torchaudio tensorflow tensorflow-cpu tensor
   tensorflow-io-gcs-filesystem jax jaxlib triton)
 # Always in the index: what `pip install -e .` builds with, and pip itself.
 PACKAGES_PIP_ALWAYS=(setuptools wheel pip)
+# Seconds one requirement may take to resolve and download.
+PACKAGES_PIP_TIMEOUT=120
 
 # The requirements and Debian packages the traces' turns install (JSON).
 packages_scan() {
@@ -36,14 +38,20 @@ packages_scan() {
 packages_pypi() {
   local dir=$1
   shift
-  local constraints req kept=0 skipped=()
+  local constraints req kept=0 skipped=() python=python3
+  /usr/bin/python3 -m pip --version >/dev/null 2>&1 && python=/usr/bin/python3
   mkdir -p "$dir/files"
+  # Files of the previous build are taken from there rather than downloaded again.
+  local reuse=()
+  [ -d "$PACKAGES_DIR/pypi/files" ] && reuse=(--find-links "$PACKAGES_DIR/pypi/files")
   constraints=$(mktemp)
   printf '%s<0\n' "${PACKAGES_LEFT_OUT[@]}" >"$constraints"
   for req in "${PACKAGES_PIP_ALWAYS[@]}" "$@"; do
-    if host_pip download --quiet --only-binary :all: --python-version "$CODE_REPAIR_PYTHON" \
+    # Bounded: a requirement whose every version needs a framework left out makes pip
+    # backtrack through all of them.
+    if timeout "$PACKAGES_PIP_TIMEOUT" "$python" -m pip download --quiet --only-binary :all: --python-version "$CODE_REPAIR_PYTHON" \
       --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform linux_x86_64 \
-      --platform any -c "$constraints" -d "$dir/files" "$req" >/dev/null 2>&1; then
+      "${reuse[@]}" -c "$constraints" -d "$dir/files" "$req" >/dev/null 2>&1; then
       kept=$((kept + 1))
     else
       skipped+=("$req")

@@ -1308,3 +1308,50 @@ fn names_in_other_directories_are_found_and_rolled_back_together() {
     sb.rollback("c1", 2).unwrap();
     assert_one_inode(&sb.live, &["app/x/data", "etc/y/data"], 2, b"2\n");
 }
+
+/// An overlay rootfs as containers have: the other names of a file written through one are
+/// looked up in the writable layer (where they are one inode), never in the whole image, and
+/// recorded with it.
+#[test]
+fn the_names_of_a_hard_linked_file_are_found_in_the_overlay_upper_layer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let [lower, upper, work, merged] = ["lower", "upper", "work", "merged"].map(|d| tmp.path().join(d));
+    for dir in [&lower, &upper, &work, &merged] {
+        fs::create_dir_all(dir).unwrap();
+    }
+    write(&lower, "/usr/share/doc/big", b"image file\n");
+    let options = format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper.display(), work.display());
+    let status = Command::new("mount").args(["-t", "overlay", "overlay", "-o", &options]).arg(&merged).status().unwrap();
+    assert!(status.success(), "mount overlay");
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(&merged);
+
+    let store = CheckpointStore::open(tmp.path().join("state")).unwrap();
+    let commit = |turn: u64, changed: &[ChangedPath]| {
+        let input = TurnInput { container: "c1", turn, rootfs: Some(&merged), changed, criu_images: None };
+        let staged = store.stage_turn_in(&input, &[], Some(&upper)).unwrap();
+        store.publish(staged).unwrap()
+    };
+    write(&merged, "/app/one", b"a\n");
+    fs::create_dir_all(merged.join("srv")).unwrap();
+    fs::hard_link(merged.join("app/one"), merged.join("app/two")).unwrap();
+    fs::hard_link(merged.join("app/one"), merged.join("srv/three")).unwrap();
+    commit(1, &[c("/app"), c("/srv")]);
+    let mut file = fs::OpenOptions::new().append(true).open(merged.join("srv/three")).unwrap();
+    std::io::Write::write_all(&mut file, b"b\n").unwrap();
+    drop(file);
+    commit(2, &[m("/srv/three")]);
+    let manifest = store.manifest_at("c1", 2).unwrap().1;
+    let recorded: Vec<String> = manifest.fs_delta.iter().map(|e| e.path.to_string()).collect();
+    assert_eq!(recorded, ["/app/one", "/app/two", "/srv/three"]);
+
+    let target = tmp.path().join("restored");
+    fs::create_dir_all(&target).unwrap();
+    store.materialize("c1", 2, &target).unwrap();
+    assert_one_inode(&target, &["app/one", "app/two", "srv/three"], 3, b"a\nb\n");
+}
