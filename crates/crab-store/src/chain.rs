@@ -1813,7 +1813,8 @@ fn capture_split(
             None => on_root.push(change.clone()),
         }
     }
-    let mut out = if on_root.is_empty() { Vec::new() } else { fsdelta::capture(rootfs, rootfs_upper, &on_root, batch)? };
+    let mut out =
+        if on_root.is_empty() { Vec::new() } else { fsdelta::capture(rootfs, rootfs_upper, &on_root, batch)? };
     for (mount, changes) in mounts.iter().zip(on_mount) {
         if changes.is_empty() {
             continue;

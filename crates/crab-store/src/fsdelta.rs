@@ -376,8 +376,13 @@ impl Capturer<'_, '_, '_> {
                 }
                 let (blob, size, extents) = read_content(self.batch, &file, &st, &host)?;
                 if st.st_nlink > 1 {
-                    let group =
-                        LinkGroup { names: vec![rel.clone()], nlink: st.st_nlink, blob, size, extents: extents.clone() };
+                    let group = LinkGroup {
+                        names: vec![rel.clone()],
+                        nlink: st.st_nlink,
+                        blob,
+                        size,
+                        extents: extents.clone(),
+                    };
                     self.links.insert(key, group);
                 }
                 FsNode::File { meta, blob, size, extents }
@@ -872,13 +877,7 @@ impl<'a> Applier<'a> {
     /// restore; otherwise the caller writes a copy. The link is made to the inode this restore
     /// wrote, through a handle checked to hold it: whatever the container put at `link_to`
     /// meanwhile is never linked.
-    fn try_link(
-        &mut self,
-        slot: &Slot,
-        rel: &RelPath,
-        link_to: &RelPath,
-        blob: &Digest,
-    ) -> Result<bool> {
+    fn try_link(&mut self, slot: &Slot, rel: &RelPath, link_to: &RelPath, blob: &Digest) -> Result<bool> {
         let Some(&(written, inode)) = self.written.get(link_to) else {
             return Ok(false);
         };

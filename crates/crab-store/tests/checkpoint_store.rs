@@ -1321,7 +1321,8 @@ fn the_names_of_a_hard_linked_file_are_found_in_the_overlay_upper_layer() {
     }
     write(&lower, "/usr/share/doc/big", b"image file\n");
     let options = format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper.display(), work.display());
-    let status = Command::new("mount").args(["-t", "overlay", "overlay", "-o", &options]).arg(&merged).status().unwrap();
+    let status =
+        Command::new("mount").args(["-t", "overlay", "overlay", "-o", &options]).arg(&merged).status().unwrap();
     assert!(status.success(), "mount overlay");
     struct Unmount<'a>(&'a Path);
     impl Drop for Unmount<'_> {
