@@ -289,9 +289,11 @@ fn combined(names: &[&str]) -> tempfile::NamedTempFile {
         .iter()
         .map(|name| crab_replay::trace::Trace::load(&adversarial(name)).unwrap_or_else(|e| panic!("{e}")))
         .collect();
-    let mut text =
-        r#"{"trace": "adversarial-combined", "mode": "exec", "workdir": "/app", "image": "terminal", "turns": 3}"#
-            .to_string();
+    // What each trace declares nondeterministic stays out of the oracle's fingerprint here too.
+    let ignore: Vec<&String> = traces.iter().flat_map(|trace| &trace.header.ignore).collect();
+    let header = serde_json::json!({"trace": "adversarial-combined", "mode": "exec", "workdir": "/app",
+        "image": "terminal", "turns": 3, "ignore": ignore});
+    let mut text = header.to_string();
     for turn in 0..3 {
         let cmd: Vec<String> = names
             .iter()
