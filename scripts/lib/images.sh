@@ -10,13 +10,16 @@ CRAB_IMAGE_CACHE="$CRAB_CACHE/images"
 CRAB_IMAGE_PREFIX="crab.local"
 CRAB_SUITE=bookworm
 IMAGE_PATH_ENV="PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# More KEY=VALUE for the image being built (the Debian images: where pip finds packages).
+IMAGE_EXTRA_ENV=()
 OCI_WRITER="$CRAB_ROOT/scripts/lib/oci_image.py"
 # Reads and unpacks the sdists of code-repair images; its text is in their keys.
 SDIST_TOOL="$CRAB_ROOT/scripts/lib/sdist.py"
 
 TERMINAL_PACKAGES=(python3 python3-pip python3-venv git procps curl nginx tmux vim-tiny openssl
   sqlite3 iproute2 net-tools jq file less)
-CODE_REPAIR_PACKAGES=(python3 python3-pip python3-venv git procps)
+# python-is-python3: `python` is python3, as in SWE-bench's images (agents run `python ...`).
+CODE_REPAIR_PACKAGES=(python3 python3-pip python3-venv git procps python-is-python3)
 # Python all code-repair wheels are resolved for: bookworm's python3.
 CODE_REPAIR_PYTHON=3.11
 
@@ -75,6 +78,17 @@ recipe_terminal() {
 
 recipe_code_repair_base() {
   recipe_debian "$1" "${CODE_REPAIR_PACKAGES[@]}"
+}
+
+# The same with the package sources (package_sources_on).
+recipe_terminal_packages() {
+  recipe_terminal "$1"
+  recipe_package_sources "$1"
+}
+
+recipe_code_repair_base_packages() {
+  recipe_code_repair_base "$1"
+  recipe_package_sources "$1"
 }
 
 # Runs a command inside the rootfs with /proc and the host's /dev mounted in
@@ -186,6 +200,25 @@ recipe_key() {
 
 image_ref() { echo "$CRAB_IMAGE_PREFIX/$1:latest"; }
 
+# Package sources (scripts/lib/packages.sh) go into the terminal and code-repair images only
+# when asked for (CRAB_PACKAGE_SOURCES=1, or scripts/build-images --package-sources; scripts/eval
+# does): they download about 560 MB once and tie the image keys to the newest package versions
+# of the day, which CI, the demo and the tests need neither of. Without them the images are
+# built exactly as before they existed (same recipes, same keys).
+package_sources_on() {
+  case "${CRAB_PACKAGE_SOURCES:-0}" in
+    0) return 1 ;;
+    1) return 0 ;;
+    *) die "CRAB_PACKAGE_SOURCES must be 0 or 1, got '$CRAB_PACKAGE_SOURCES'" ;;
+  esac
+}
+
+# The cache file name of image $1's tarball: the variant with package sources has its own,
+# so building one variant does not prune the other's tarball.
+image_cache_name() {
+  if package_sources_on; then echo "$1+packages"; else echo "$1"; fi
+}
+
 # Runs recipe $2 (with the remaining arguments) on an empty rootfs and packs
 # it into the layer tar $1, atomically; the scratch rootfs never outlives it.
 build_layer() {
@@ -215,16 +248,20 @@ prune_superseded() {
 image_build_cached() {
   local name=$1 recipe=$2 key=$3 cmd=$4 workdir=$5
   shift 5
-  local out="$CRAB_IMAGE_CACHE/$name-$key.tar"
+  local file
+  file=$(image_cache_name "$name")
+  local out="$CRAB_IMAGE_CACHE/$file-$key.tar"
   if [ ! -f "$out" ]; then
-    local layer="$CRAB_IMAGE_CACHE/.layer-$name-$key.tar" started=$SECONDS
+    local layer="$CRAB_IMAGE_CACHE/.layer-$file-$key.tar" started=$SECONDS
     log "building $name (recipe key $key)"
     build_layer "$layer" "$recipe" "$@"
+    local env=(--env "$IMAGE_PATH_ENV") e
+    for e in "${IMAGE_EXTRA_ENV[@]}"; do env+=(--env "$e"); done
     python3 "$OCI_WRITER" --layer "$layer" --output "$out" \
-      --name "$(image_ref "$name")" --cmd "$cmd" --workdir "$workdir" --env "$IMAGE_PATH_ENV" \
+      --name "$(image_ref "$name")" --cmd "$cmd" --workdir "$workdir" "${env[@]}" \
       --label "dev.crab.recipe-key=$key" >/dev/null || { rm -f "$layer"; die "writing $out failed"; }
     rm -f "$layer"
-    prune_superseded "$out" "$name-*.tar"
+    prune_superseded "$out" "$file-*.tar"
     log "built $name in $((SECONDS - started))s: $out ($(du -h "$out" | cut -f1))"
   fi
   echo "$out"
@@ -285,22 +322,39 @@ image_pause() {
 
 image_terminal() {
   local key tarball
-  key=$(recipe_key recipe_terminal recipe_debian TERMINAL_PACKAGES CRAB_SUITE)
-  tarball=$(with_image_lock terminal image_build_cached terminal recipe_terminal "$key" '["sleep","infinity"]' /app)
+  if package_sources_on; then
+    local packages IMAGE_EXTRA_ENV=("${PACKAGE_ENV[@]}")
+    packages=$(with_image_lock packages packages_ensure)
+    key=$(recipe_key recipe_terminal_packages recipe_terminal recipe_debian recipe_package_sources TERMINAL_PACKAGES \
+      CRAB_SUITE SANDBOX_PACKAGES IMAGE_EXTRA_ENV "packages $packages")
+    tarball=$(with_image_lock terminal image_build_cached terminal recipe_terminal_packages "$key" '["sleep","infinity"]' /app)
+  else
+    key=$(recipe_key recipe_terminal recipe_debian TERMINAL_PACKAGES CRAB_SUITE)
+    tarball=$(with_image_lock terminal image_build_cached terminal recipe_terminal "$key" '["sleep","infinity"]' /app)
+  fi
   image_import terminal "$tarball"
 }
 
 # The code-repair base rootfs is cached as a layer tar so every project
 # shares one debootstrap.
 code_repair_base_tar() {
-  local key out
-  key=$(recipe_key recipe_code_repair_base recipe_debian CODE_REPAIR_PACKAGES CRAB_SUITE)
-  out="$CRAB_IMAGE_CACHE/code-repair-base-$key.layer.tar"
+  local key out recipe=recipe_code_repair_base file
+  file=$(image_cache_name code-repair-base)
+  if package_sources_on; then
+    local packages
+    packages=$(with_image_lock packages packages_ensure)
+    recipe=recipe_code_repair_base_packages
+    key=$(recipe_key recipe_code_repair_base_packages recipe_code_repair_base recipe_debian recipe_package_sources \
+      CODE_REPAIR_PACKAGES CRAB_SUITE SANDBOX_PACKAGES "packages $packages")
+  else
+    key=$(recipe_key recipe_code_repair_base recipe_debian CODE_REPAIR_PACKAGES CRAB_SUITE)
+  fi
+  out="$CRAB_IMAGE_CACHE/$file-$key.layer.tar"
   if [ ! -f "$out" ]; then
     local started=$SECONDS
     log "building the code-repair base rootfs (recipe key $key)"
-    build_layer "$out" recipe_code_repair_base
-    prune_superseded "$out" 'code-repair-base-*.layer.tar'
+    build_layer "$out" "$recipe"
+    prune_superseded "$out" "$file-*.layer.tar"
     log "built the code-repair base in $((SECONDS - started))s"
   fi
   echo "$out"
@@ -323,14 +377,15 @@ image_code_repair() {
   local project=$1 version=$2
   validate_name_part project "$project"
   validate_name_part version "$version"
-  local name base key tarball dl sdist_tool
+  local name base key tarball dl sdist_tool IMAGE_EXTRA_ENV=()
+  ! package_sources_on || IMAGE_EXTRA_ENV=("${PACKAGE_ENV[@]}")
   name=$(code_repair_image_name "$project" "$version")
   base=$(with_image_lock code-repair-base code_repair_base_tar)
   sdist_tool="sdist.py $(sha256sum <"$SDIST_TOOL" | cut -c1-16)"
   key=$(recipe_key recipe_code_repair_from_base recipe_code_repair code_repair_download \
-    code_repair_test_extra in_rootfs CODE_REPAIR_PYTHON "$sdist_tool" "$(basename "$base")" "$project" "$version")
-  if [ -f "$CRAB_IMAGE_CACHE/$name-$key.tar" ]; then
-    tarball="$CRAB_IMAGE_CACHE/$name-$key.tar"
+    code_repair_test_extra in_rootfs CODE_REPAIR_PYTHON "${IMAGE_EXTRA_ENV[@]}" "$sdist_tool" "$(basename "$base")" "$project" "$version")
+  if [ -f "$CRAB_IMAGE_CACHE/$(image_cache_name "$name")-$key.tar" ]; then
+    tarball="$CRAB_IMAGE_CACHE/$(image_cache_name "$name")-$key.tar"
   else
     dl="$CRAB_CACHE/pypi/$project-$version-$(recipe_key code_repair_download code_repair_test_extra CODE_REPAIR_PYTHON "$sdist_tool")"
     if [ ! -f "$dl/.complete" ]; then
@@ -352,3 +407,5 @@ code_repair_pairs_from_traces() {
     [ -f "$f" ] && head -n1 "$f"
   done | jq -r 'select(.image == "code-repair") | "\(.project) \(.version)"' | sort -u
 }
+
+source "$CRAB_ROOT/scripts/lib/packages.sh"

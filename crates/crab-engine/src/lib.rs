@@ -808,6 +808,9 @@ impl SandboxEngine {
         let tmpfs = self.mounts.tmpfs();
         let container_root = self.host.container_root();
         let quota = self.policy.quota_bytes();
+        // Where the other names of a hard-linked file are looked for: the rootfs's own writable
+        // layer, not the whole image (None when the rootfs is no overlay: then the rootfs).
+        let upper = if changed.is_empty() { None } else { self.host.rootfs_diff_dir().ok() };
         let staged = crate::blocking::on_store(&self.ctx.store, move |store| {
             // Only the mounts this turn changed are opened.
             let mut mounts = Vec::new();
@@ -828,6 +831,7 @@ impl SandboxEngine {
                     criu_images: images_for_stage.as_deref(),
                 },
                 &mounts,
+                upper.as_deref(),
             )?;
             staged.set_quota(quota);
             Ok(staged)

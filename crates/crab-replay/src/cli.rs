@@ -52,6 +52,11 @@ pub struct ReplayArgs {
     /// after its run.
     #[arg(long, env = "CRAB_REPLAY_CHECKPOINT_DIR", value_name = "DIR", default_value = DEFAULT_CHECKPOINT_DIR)]
     checkpoint_dir: PathBuf,
+    /// Package sources the sandboxes see read-only at /opt/crab-packages, where their images
+    /// point pip and apt (scripts/build-images downloads them to $CRAB_CACHE/packages); empty:
+    /// none, `pip install` and `apt-get install` fail as without a network.
+    #[arg(long, env = "CRAB_REPLAY_PACKAGES", value_name = "DIR")]
+    packages: Option<PathBuf>,
     /// Print the report as JSON instead of tables.
     #[arg(long)]
     json: bool,
@@ -91,6 +96,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), Box<dyn std::error::Error>> {
         ctr: Ctr::from_env(),
         daemons,
         checkpoint_dir: args.checkpoint_dir,
+        packages: args.packages.filter(|dir| !dir.as_os_str().is_empty()),
     };
     let reports = super::replay(&options).await?;
     let json = serde_json::to_string_pretty(&reports)?;

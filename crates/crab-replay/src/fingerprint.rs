@@ -140,7 +140,11 @@ impl Scope {
             ignored.push(parse(path)?);
         }
         for mount in mounts.mounts() {
-            if matches!(mount.kind, MountKind::Kernel | MountKind::Crab) {
+            // A read-only mount the sandbox does not own (package sources) is no state of the
+            // sandbox: it cannot change it, and a restore does not touch it. A writable one is
+            // fingerprinted: a change there is state crab does not restore, and must show.
+            let external_ro = mount.kind == MountKind::External && mount.read_only;
+            if matches!(mount.kind, MountKind::Kernel | MountKind::Crab) || external_ro {
                 ignored.push(mount.destination.clone());
             }
         }
@@ -645,17 +649,28 @@ mod tests {
         {"destination": "/run", "type": "tmpfs"},
         {"destination": "/sys/fs/cgroup", "type": "cgroup"},
         {"destination": "/opt/kernelish", "type": "sysfs"},
-        {"destination": "/dev/.crab", "type": "bind", "source": "/x", "options": ["rbind"]}
+        {"destination": "/dev/.crab", "type": "bind", "source": "/x", "options": ["rbind"]},
+        {"destination": "/opt/crab-packages", "type": "bind", "source": "/p", "options": ["rbind", "ro"]},
+        {"destination": "/data", "type": "bind", "source": "/d", "options": ["rbind", "rw"]}
     ]}"#;
 
     #[test]
     fn the_scope_leaves_out_volatile_kernel_and_declared_paths_only() {
         let mounts = SandboxMounts::from_spec(SPEC.as_bytes()).unwrap();
         let scope = Scope::new(&mounts, &["/app/cache".to_string()]).unwrap();
-        for ignored in ["/proc/1/environ", "/sys", "/dev/null", "/dev/.crab/sock", "/opt/kernelish/x", "/app/cache/y"] {
+        for ignored in [
+            "/proc/1/environ",
+            "/sys",
+            "/dev/null",
+            "/dev/.crab/sock",
+            "/opt/kernelish/x",
+            "/app/cache/y",
+            "/opt/crab-packages/pypi/simple/index.html",
+        ] {
             assert!(scope.ignores(ignored.as_bytes()), "{ignored}");
         }
-        for kept in ["/", "/etc/passwd", "/run/x", "/dev/shm", "/dev/shm/x", "/app/cachex", "/opt/y"] {
+        // A writable bind mount is state crab does not own: a change there must show.
+        for kept in ["/", "/etc/passwd", "/run/x", "/dev/shm", "/dev/shm/x", "/app/cachex", "/opt/y", "/data/x"] {
             assert!(!scope.ignores(kept.as_bytes()), "{kept}");
         }
         // /dev is walked (for /dev/shm) though not recorded; /proc is not even walked.

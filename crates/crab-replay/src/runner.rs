@@ -39,7 +39,13 @@ pub struct ReplayOptions {
     pub daemons: Daemons,
     /// Where policies keep checkpoints outside containerd (every-turn's archives).
     pub checkpoint_dir: PathBuf,
+    /// Package sources the sandboxes install from without a network (`scripts/lib/packages.sh`),
+    /// a host directory they see read-only at [`SANDBOX_PACKAGES`]; None: no package source.
+    pub packages: Option<PathBuf>,
 }
+
+/// Where a sandbox sees [`ReplayOptions::packages`]: the images point pip and apt there.
+pub const SANDBOX_PACKAGES: &str = "/opt/crab-packages";
 
 /// Replays every trace; all traces are parsed and checked before any runs.
 /// One report per trace and fault, in that order.
@@ -165,6 +171,7 @@ fn launch(options: &ReplayOptions, trace: &Trace, policy: PolicyKind, role: &str
             workdir: trace.header.workdir.clone(),
             annotations: vec![(crab_store::turns::ANNOTATION_POLICY.to_string(), policy.shim_policy().to_string())],
             ignore: trace.header.ignore.clone(),
+            read_only_binds: options.packages.iter().map(|dir| (dir.clone(), SANDBOX_PACKAGES.to_string())).collect(),
         },
     }
 }

@@ -1,6 +1,7 @@
 //! One agent sandbox: a containerd container running `sleep infinity`, into
 //! which each turn is exec'd, driven through `ctr` as a user of containerd would.
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
@@ -40,6 +41,9 @@ pub struct SandboxSpec {
     /// Container paths the fingerprint leaves out besides its own volatile ones (the trace's
     /// declared ignores).
     pub ignore: Vec<String>,
+    /// Host directories the sandbox sees read-only: (host path, container path). State the
+    /// sandbox does not own and cannot change (package sources), left out of its fingerprint.
+    pub read_only_binds: Vec<(PathBuf, String)>,
 }
 
 /// The agent-visible result of one exec'd command.
@@ -97,6 +101,10 @@ impl Sandbox {
         for (key, value) in &spec.annotations {
             args.push("--annotation".to_string());
             args.push(format!("{key}={value}"));
+        }
+        for (host, at) in &spec.read_only_binds {
+            args.push("--mount".to_string());
+            args.push(format!("type=bind,src={},dst={at},options=rbind:ro", host.display()));
         }
         args.extend([spec.image.clone(), id.to_string(), "sleep".to_string(), "infinity".to_string()]);
         ctr.run(&args).await?;

@@ -194,18 +194,24 @@ impl Chain {
     /// deltas from the oldest link up to `index`, later entries replacing earlier ones.
     pub(crate) fn fold(&self, index: usize) -> BTreeMap<RelPath, FsEntry> {
         let mut state = BTreeMap::new();
+        // Which delta each path's entry comes from (the snapshot is delta 0): the names of one
+        // inode are recorded together, in one delta.
+        let mut origin: HashMap<RelPath, usize> = HashMap::new();
         let mut oldest = self.links.len();
         if let Some(snapshot) = &self.snapshot {
             for entry in &snapshot.entries {
                 fold_entry(&mut state, entry);
+                origin.insert(entry.path.clone(), 0);
             }
             oldest -= 1;
         }
-        for (_, manifest) in self.links[index..oldest].iter().rev() {
+        for (delta, (_, manifest)) in self.links[index..oldest].iter().rev().enumerate() {
             for entry in &manifest.fs_delta {
                 fold_entry(&mut state, entry);
+                origin.insert(entry.path.clone(), delta + 1);
             }
         }
+        regroup_links(&mut state, &origin);
         state
     }
 
@@ -246,6 +252,62 @@ fn fold_entry(state: &mut BTreeMap<RelPath, FsEntry>, entry: &FsEntry) {
         }
     }
     state.insert(entry.path.clone(), entry);
+}
+
+/// Makes every group of hard links in a folded state whole again. A group is the names one delta
+/// recorded for one inode: its first name a file, the others links to it. A later delta may
+/// have removed or replaced some of them, the first one included; the names left are still
+/// one inode, so the first of them becomes the file and the others link to it. A link whose
+/// first name now holds another delta's entry never links to that newer file.
+fn regroup_links(state: &mut BTreeMap<RelPath, FsEntry>, origin: &HashMap<RelPath, usize>) {
+    let mut groups: BTreeMap<(usize, RelPath), Vec<RelPath>> = BTreeMap::new();
+    for (path, entry) in state.iter() {
+        if let FsNode::Hardlink { link_to, .. } = &entry.node {
+            let from = origin.get(path).copied().unwrap_or(0);
+            groups.entry((from, link_to.clone())).or_default().push(path.clone());
+        }
+    }
+    let mut regrouped: Vec<Vec<RelPath>> = Vec::new();
+    for ((from, link_to), mut names) in groups {
+        let leader_here = matches!(state.get(&link_to), Some(FsEntry { node: FsNode::File { .. }, .. }))
+            && origin.get(&link_to).copied().unwrap_or(0) == from;
+        if leader_here {
+            if names.iter().all(|n| *n > link_to) {
+                continue;
+            }
+            names.push(link_to);
+        }
+        regrouped.push(names);
+    }
+    if regrouped.is_empty() {
+        return;
+    }
+    let mut entries: Vec<FsEntry> = std::mem::take(state).into_values().collect();
+    fsdelta::relink_groups(&mut entries, regrouped.iter().map(Vec::as_slice));
+    state.extend(entries.into_iter().map(|e| (e.path.clone(), e)));
+}
+
+/// The other names, in `state`, of the hard-linked files among `paths` (a file and every link
+/// to it are one group).
+fn link_partners<'p>(state: &BTreeMap<RelPath, FsEntry>, paths: impl Iterator<Item = &'p RelPath>) -> Vec<RelPath> {
+    let mut members: HashMap<&RelPath, Vec<&RelPath>> = HashMap::new();
+    for (path, entry) in state {
+        if let FsNode::Hardlink { link_to, .. } = &entry.node {
+            members.entry(link_to).or_default().push(path);
+        }
+    }
+    let mut out = Vec::new();
+    for path in paths {
+        let leader = match state.get(path).map(|e| &e.node) {
+            Some(FsNode::Hardlink { link_to, .. }) => link_to,
+            Some(FsNode::File { .. }) => path,
+            _ => continue,
+        };
+        let Some(names) = members.get(leader) else { continue };
+        out.push(leader.clone());
+        out.extend(names.iter().map(|n| (*n).clone()));
+    }
+    out
 }
 
 /// What a path was at the rollback target.
@@ -787,14 +849,22 @@ impl CheckpointStore {
     /// stay in their dump directory, which must outlive the [`StagedTurn`]. Nothing is visible
     /// until [`publish`](Self::publish); dropping the staged turn removes what it wrote.
     pub fn stage_turn(&self, input: &TurnInput<'_>) -> Result<StagedTurn> {
-        self.stage_turn_in(input, &[])
+        self.stage_turn_in(input, &[], None)
     }
 
     /// [`stage_turn`](Self::stage_turn), with the changed paths under `mounts` (mounts of the
     /// running container, such as its tmpfs at `/dev/shm` or `/run`) read through those
     /// mounts, each path on the mount with the longest destination above it; the rest through
-    /// `input.rootfs`.
-    pub fn stage_turn_in(&self, input: &TurnInput<'_>, mounts: &[ContainerMount]) -> Result<StagedTurn> {
+    /// `input.rootfs`. `rootfs_upper` is the rootfs's writable layer (its overlay upper
+    /// directory): where the other names of a hard-linked file the turn wrote are looked for
+    /// (`None`: in `input.rootfs` itself, which for a container's merged root means its whole
+    /// image).
+    pub fn stage_turn_in(
+        &self,
+        input: &TurnInput<'_>,
+        mounts: &[ContainerMount],
+        rootfs_upper: Option<&Path>,
+    ) -> Result<StagedTurn> {
         let key = sandbox_key(input.container)?;
         let lock = self.lock(false)?;
         if let Some(head) = self.head(input.container)?
@@ -814,7 +884,7 @@ impl CheckpointStore {
         let mut batch = self.blobs.batch();
         let fs_delta = match (input.rootfs, input.changed.is_empty()) {
             (_, true) => Vec::new(),
-            (Some(rootfs), false) => capture_split(rootfs, input.changed, mounts, &mut batch)?,
+            (Some(rootfs), false) => capture_split(rootfs, rootfs_upper, input.changed, mounts, &mut batch)?,
             (None, false) => {
                 return Err(CheckpointError::InvalidRequest("changed paths given without a rootfs".into()));
             }
@@ -980,11 +1050,13 @@ impl CheckpointStore {
         let index = chain.index_of(container, turn)?;
         let state = chain.fold(index);
         let touched: Option<std::collections::BTreeSet<RelPath>> = since.map(|since| {
-            chain.links[index..]
+            let mut touched: std::collections::BTreeSet<RelPath> = chain.links[index..]
                 .iter()
                 .filter(|(_, m)| m.turn > since)
                 .flat_map(|(_, m)| m.fs_delta.iter().map(|e| e.path.clone()))
-                .collect()
+                .collect();
+            touched.extend(link_partners(&state, touched.iter()));
+            touched
         });
         let mut total = ApplyStats::default();
         for mount in mounts {
@@ -1090,6 +1162,11 @@ impl CheckpointStore {
         }
 
         let past = chain.fold(target);
+        // A name of a hard-linked file is put back with all its other names, or it would come
+        // back as a file of its own.
+        for name in link_partners(&past, changed.keys()) {
+            changed.entry(name).or_default();
+        }
         // A mount point never recorded is the runtime's: nothing to put back, and it cannot
         // be removed or replaced while mounted.
         changed.retain(|path, _| !empty_base.contains(path) || past.contains_key(path));
@@ -1649,13 +1726,13 @@ mod tests {
         // The rootfs directory has no such path: only the mount can give it.
         let changed = vec![ChangedPath::created(abs("a")), ChangedPath::created("/data")];
         let input = TurnInput { container: "c", turn: 1, rootfs: Some(&rootfs), changed: &changed, criu_images: None };
-        let staged = store.stage_turn_in(&input, &[me.open_mount(&dest).unwrap()]).unwrap();
+        let staged = store.stage_turn_in(&input, &[me.open_mount(&dest).unwrap()], None).unwrap();
         store.publish(staged).unwrap();
         write(&mount_dir, "a", b"changed later");
         write(&mount_dir, "b", b"new");
         let changed = vec![ChangedPath::modified(abs("a")), ChangedPath::created(abs("b"))];
         let input = TurnInput { container: "c", turn: 2, rootfs: Some(&rootfs), changed: &changed, criu_images: None };
-        let staged = store.stage_turn_in(&input, &[me.open_mount(&dest).unwrap()]).unwrap();
+        let staged = store.stage_turn_in(&input, &[me.open_mount(&dest).unwrap()], None).unwrap();
         store.publish(staged).unwrap();
 
         let target = tmp.path().join("target");
@@ -1713,6 +1790,7 @@ mod tests {
 /// read through that mount, the others through `rootfs`; sorted by path.
 fn capture_split(
     rootfs: &Path,
+    rootfs_upper: Option<&Path>,
     changed: &[ChangedPath],
     mounts: &[ContainerMount],
     batch: &mut super::store::WriteBatch<'_>,
@@ -1735,12 +1813,13 @@ fn capture_split(
             None => on_root.push(change.clone()),
         }
     }
-    let mut out = if on_root.is_empty() { Vec::new() } else { fsdelta::capture(rootfs, &on_root, batch)? };
+    let mut out =
+        if on_root.is_empty() { Vec::new() } else { fsdelta::capture(rootfs, rootfs_upper, &on_root, batch)? };
     for (mount, changes) in mounts.iter().zip(on_mount) {
         if changes.is_empty() {
             continue;
         }
-        for mut entry in fsdelta::capture_root(&mount.root, &changes, batch)? {
+        for mut entry in fsdelta::capture_root(&mount.root, None, &changes, batch)? {
             entry.path = mounts::above(&mount.destination, &entry.path)?;
             if let FsNode::Hardlink { link_to, .. } = &mut entry.node {
                 *link_to = mounts::above(&mount.destination, link_to)?;

@@ -145,13 +145,26 @@ pub(crate) fn read_xattrs(fd: BorrowedFd<'_>, path: &Path) -> Result<BTreeMap<St
 }
 
 /// Records the current state of `changes` under `root`, storing file contents in `batch`.
-/// Returns entries sorted by path, parents before children.
-pub(crate) fn capture(root: &Path, changes: &[ChangedPath], batch: &mut WriteBatch<'_>) -> Result<Vec<FsEntry>> {
-    capture_root(&Root::open(root)?, changes, batch)
+/// Returns entries sorted by path, parents before children. `links_in` is where the other
+/// names of a hard-linked file are looked for (the rootfs's writable layer, its overlay upper
+/// directory, which mirrors the rootfs's paths); `None`: under `root` itself.
+pub(crate) fn capture(
+    root: &Path,
+    links_in: Option<&Path>,
+    changes: &[ChangedPath],
+    batch: &mut WriteBatch<'_>,
+) -> Result<Vec<FsEntry>> {
+    let scope = links_in.map(Root::open).transpose()?;
+    capture_root(&Root::open(root)?, scope.as_ref(), changes, batch)
 }
 
 /// [`capture`] under a root the caller opened.
-pub(crate) fn capture_root(root: &Root, changes: &[ChangedPath], batch: &mut WriteBatch<'_>) -> Result<Vec<FsEntry>> {
+pub(crate) fn capture_root(
+    root: &Root,
+    links_in: Option<&Root>,
+    changes: &[ChangedPath],
+    batch: &mut WriteBatch<'_>,
+) -> Result<Vec<FsEntry>> {
     let mut wanted: BTreeMap<RelPath, bool> = BTreeMap::new();
     for change in changes {
         *wanted.entry(RelPath::parse(&change.path)?).or_default() |= change.created;
@@ -173,16 +186,159 @@ pub(crate) fn capture_root(root: &Root, changes: &[ChangedPath], batch: &mut Wri
             covering.insert(rel);
         }
     }
-    let mut out = capturer.out;
+    // A file with more names than this delta holds was written through one of them: every
+    // name must be recorded with it, or a restore gives the others the old content (or none
+    // of them the link).
+    let missing: Vec<(u64, u64)> =
+        capturer.links.iter().filter(|(_, g)| (g.names.len() as u64) < g.nlink).map(|(k, _)| *k).collect();
+    if !missing.is_empty() {
+        let captured: HashSet<RelPath> = capturer.out.iter().map(|e| e.path.clone()).collect();
+        for rel in other_names(root, links_in, &capturer.links, &missing)? {
+            if captured.contains(&rel) || rel.ancestors().any(|a| covering.contains(&a)) {
+                continue;
+            }
+            if let Some(slot) = root.slot(&rel)? {
+                capturer.capture_at(slot.parent.as_fd(), &slot.name, rel, false)?;
+            }
+        }
+    }
+    let Capturer { links, mut out, .. } = capturer;
     out.sort_by(|a, b| a.path.cmp(&b.path));
+    relink_groups(&mut out, links.values().map(|g| g.names.as_slice()));
     Ok(out)
 }
+
+/// Makes each group of names of one inode a [`FsNode::File`] at its first path (in the order
+/// entries are applied) and [`FsNode::Hardlink`]s to it at the others, so a restore writes the
+/// content once, then links. `entries` are sorted by path.
+pub(crate) fn relink_groups<'g>(entries: &mut [FsEntry], groups: impl Iterator<Item = &'g [RelPath]>) {
+    for names in groups {
+        let Some(leader) = names.iter().min() else { continue };
+        for name in names {
+            let Ok(at) = entries.binary_search_by(|e| e.path.cmp(name)) else { continue };
+            let node = std::mem::replace(&mut entries[at].node, FsNode::Whiteout);
+            entries[at].node = match node {
+                FsNode::File { meta, blob, size, extents } | FsNode::Hardlink { meta, blob, size, extents, .. } => {
+                    if name == leader {
+                        FsNode::File { meta, blob, size, extents }
+                    } else {
+                        FsNode::Hardlink { meta, link_to: leader.clone(), blob, size, extents }
+                    }
+                }
+                other => other,
+            };
+        }
+    }
+}
+
+/// Most entries looked at while searching for the other names of hard-linked files: past it the
+/// capture fails (and the turn is carried) rather than record a link group incompletely.
+const MAX_LINK_SEARCH: u64 = 1_000_000;
+
+/// The paths (relative to `root`) of the names of the `missing` inodes under `links_in` (or
+/// `root`) that the delta does not hold yet. The search stays on the inode's file system and is
+/// made through descriptors, each directory opened once without following a link; a name found
+/// is captured afterwards through `root` like any other path, as what it is then.
+fn other_names(
+    root: &Root,
+    links_in: Option<&Root>,
+    groups: &HashMap<(u64, u64), LinkGroup>,
+    missing: &[(u64, u64)],
+) -> Result<Vec<RelPath>> {
+    let scope = links_in.unwrap_or(root);
+    // The inode's identity where the search goes: the same one when that is the root itself,
+    // otherwise what the writable layer holds at a name already seen.
+    let mut wanted: HashSet<(u64, u64)> = HashSet::new();
+    for key in missing {
+        if links_in.is_none() {
+            wanted.insert(*key);
+            continue;
+        }
+        let Some(name) = groups[key].names.first() else { continue };
+        let Some(slot) = scope.slot(name)? else { continue };
+        let host = scope.host_path(name);
+        if let Some(st) = sys::fstatat_opt(slot.parent.as_fd(), &slot.name).io_ctx("stat", &host)?
+            && file_type(&st) == libc::S_IFREG
+            && st.st_nlink > 1
+        {
+            wanted.insert((st.st_dev, st.st_ino));
+        }
+    }
+    if wanted.is_empty() {
+        return Ok(Vec::new());
+    }
+    let top = sys::openat_beneath(scope.fd(), c".", OFlags::RDONLY | OFlags::DIRECTORY).io_ctx("open", scope.path())?;
+    let dev = sys::fstat(top.as_fd()).io_ctx("stat", scope.path())?.st_dev;
+    let mut search = LinkSearch { scope, wanted, dev, seen: 0, found: Vec::new() };
+    search.dir(top, RelPath::root(), 0)?;
+    Ok(search.found)
+}
+
+struct LinkSearch<'s> {
+    scope: &'s Root,
+    wanted: HashSet<(u64, u64)>,
+    /// The file system searched: links never cross one.
+    dev: u64,
+    seen: u64,
+    found: Vec<RelPath>,
+}
+
+impl LinkSearch<'_> {
+    fn dir(&mut self, dir: OwnedFd, rel: RelPath, depth: usize) -> Result<()> {
+        let host = self.scope.host_path(&rel);
+        if depth >= MAX_LINK_DEPTH {
+            return Err(CheckpointError::InvalidRequest(format!(
+                "{} is more than {MAX_LINK_DEPTH} directories deep (looking for the names of a hard-linked file)",
+                host.display()
+            )));
+        }
+        for name in sys::read_dir_names(dir.as_fd()).io_ctx("readdir", &host)? {
+            self.seen += 1;
+            if self.seen > MAX_LINK_SEARCH {
+                return Err(CheckpointError::InvalidRequest(format!(
+                    "more than {MAX_LINK_SEARCH} entries under {} while looking for the names of a hard-linked file",
+                    self.scope.path().display()
+                )));
+            }
+            let name_c = cstr(&name).io_ctx("readdir", &host)?;
+            let Some(st) = sys::fstatat_opt(dir.as_fd(), &name_c).io_ctx("stat", &host)? else { continue };
+            if st.st_dev != self.dev {
+                continue;
+            }
+            match file_type(&st) {
+                libc::S_IFREG if st.st_nlink > 1 && self.wanted.contains(&(st.st_dev, st.st_ino)) => {
+                    self.found.push(rel.join(&name));
+                }
+                libc::S_IFDIR => {
+                    // O_NOFOLLOW: a directory swapped for a link since the stat is not entered;
+                    // what was opened is checked to be a directory of this file system.
+                    let child = match sys::openat(dir.as_fd(), &name_c, OFlags::RDONLY | OFlags::DIRECTORY, 0) {
+                        Ok(fd) => fd,
+                        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ELOOP | libc::ENOTDIR)) => {
+                            continue;
+                        }
+                        Err(e) => return Err(e).io_ctx("open", host.join(String::from_utf8_lossy(&name).as_ref())),
+                    };
+                    let cst = sys::fstat(child.as_fd()).io_ctx("stat", &host)?;
+                    if file_type(&cst) == libc::S_IFDIR && cst.st_dev == self.dev {
+                        self.dir(child, rel.join(&name), depth + 1)?;
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How deep the search for a hard-linked file's names goes (each level holds a descriptor).
+const MAX_LINK_DEPTH: usize = 512;
 
 struct Capturer<'r, 'b, 'a> {
     root: &'r Root,
     batch: &'b mut WriteBatch<'a>,
-    /// First path and content of every multiply-linked inode seen in this delta.
-    links: HashMap<(u64, u64), LinkSource>,
+    /// Every multiply-linked inode seen in this delta: its first content and all its names.
+    links: HashMap<(u64, u64), LinkGroup>,
     out: Vec<FsEntry>,
 }
 
@@ -205,11 +361,12 @@ impl Capturer<'_, '_, '_> {
                 let meta = meta_of(&st, read_xattrs(file.as_fd(), &host)?);
                 let key = (st.st_dev, st.st_ino);
                 if st.st_nlink > 1
-                    && let Some(first) = self.links.get(&key)
+                    && let Some(first) = self.links.get_mut(&key)
                 {
+                    first.names.push(rel.clone());
                     let node = FsNode::Hardlink {
                         meta,
-                        link_to: first.path.clone(),
+                        link_to: first.names[0].clone(),
                         blob: first.blob,
                         size: first.size,
                         extents: first.extents.clone(),
@@ -219,8 +376,14 @@ impl Capturer<'_, '_, '_> {
                 }
                 let (blob, size, extents) = read_content(self.batch, &file, &st, &host)?;
                 if st.st_nlink > 1 {
-                    let first = LinkSource { path: rel.clone(), blob, size, extents: extents.clone() };
-                    self.links.insert(key, first);
+                    let group = LinkGroup {
+                        names: vec![rel.clone()],
+                        nlink: st.st_nlink,
+                        blob,
+                        size,
+                        extents: extents.clone(),
+                    };
+                    self.links.insert(key, group);
                 }
                 FsNode::File { meta, blob, size, extents }
             }
@@ -249,9 +412,11 @@ impl Capturer<'_, '_, '_> {
     }
 }
 
-/// The first name and stored content of a multiply-linked inode seen in this delta.
-struct LinkSource {
-    path: RelPath,
+/// A multiply-linked inode seen in this delta: its names in capture order, its link count and
+/// its content as stored with the first name.
+struct LinkGroup {
+    names: Vec<RelPath>,
+    nlink: u64,
     blob: Digest,
     size: u64,
     extents: Option<Vec<Extent>>,
@@ -381,7 +546,13 @@ pub(crate) struct Applier<'a> {
     root: &'a Root,
     blobs: &'a BlobStore,
     prefetched: HashMap<Digest, Vec<u8>>,
-    written: HashMap<RelPath, Digest>,
+    /// Files this restore wrote (or linked): their content and their inode.
+    written: HashMap<RelPath, (Digest, (u64, u64))>,
+    /// Names of a hard-linked file applied before the name they link to was written (or when
+    /// it never is, as after a removal of that name): the first one gets a copy and the others
+    /// link to it; [`finish`](Self::finish) links them all to that name once it is written.
+    stand_ins: HashMap<(RelPath, Digest), RelPath>,
+    unlinked: Vec<(RelPath, RelPath, Digest)>,
     /// Directory mtimes change as their children are written, so they are set last.
     dir_times: Vec<(RelPath, (i64, u32))>,
     pub(crate) stats: ApplyStats,
@@ -398,6 +569,8 @@ impl<'a> Applier<'a> {
             blobs,
             prefetched: HashMap::new(),
             written: HashMap::new(),
+            stand_ins: HashMap::new(),
+            unlinked: Vec::new(),
             dir_times: Vec::new(),
             stats: ApplyStats::default(),
         }
@@ -452,11 +625,20 @@ impl<'a> Applier<'a> {
                 self.write_file(&slot, rel, existing, content, meta)?
             }
             FsNode::Hardlink { meta, link_to, blob, size, extents } => {
-                if !self.try_link(&slot, rel, existing.as_ref(), link_to, blob)? {
-                    let existing = self.stat(&slot, rel)?;
-                    let content = Content::Blob { digest: blob, size: *size, extents: extents.as_deref() };
-                    self.write_file(&slot, rel, existing, content, meta)?;
+                if self.try_link(&slot, rel, link_to, blob)? {
+                    return Ok(());
                 }
+                self.unlinked.push((rel.clone(), link_to.clone(), *blob));
+                let key = (link_to.clone(), *blob);
+                if let Some(stand_in) = self.stand_ins.get(&key).cloned()
+                    && self.try_link(&slot, rel, &stand_in, blob)?
+                {
+                    return Ok(());
+                }
+                let existing = self.stat(&slot, rel)?;
+                let content = Content::Blob { digest: blob, size: *size, extents: extents.as_deref() };
+                self.write_file(&slot, rel, existing, content, meta)?;
+                self.stand_ins.insert(key, rel.clone());
             }
             FsNode::Symlink { meta, target } => self.make_symlink(&slot, rel, existing, &target.0, meta)?,
             FsNode::Special { meta, file_type, rdev } => {
@@ -518,6 +700,18 @@ impl<'a> Applier<'a> {
 
     /// Sets the deferred directory mtimes, deepest first.
     pub(crate) fn finish(mut self) -> Result<ApplyStats> {
+        // Names written before the name they link to: linked to it now that it is written.
+        for (rel, link_to, blob) in std::mem::take(&mut self.unlinked) {
+            let (Some(&(leader_blob, leader)), Some(&(_, own))) = (self.written.get(&link_to), self.written.get(&rel))
+            else {
+                continue;
+            };
+            if leader_blob != blob || own == leader {
+                continue;
+            }
+            let Some(slot) = self.root.slot(&rel)? else { continue };
+            self.try_link(&slot, &rel, &link_to, &blob)?;
+        }
         self.dir_times.sort_by(|a, b| b.0.cmp(&a.0));
         for (rel, mtime) in std::mem::take(&mut self.dir_times) {
             if let Some(slot) = self.root.slot(&rel)? {
@@ -623,7 +817,8 @@ impl<'a> Applier<'a> {
         set_meta(file.as_fd(), meta, &host, current.as_ref().filter(|_| in_place))?;
         sys::futimens(file.as_fd(), meta.mtime()).io_ctx("futimens", &host)?;
         if let Content::Blob { digest, .. } = content {
-            self.written.insert(rel.clone(), *digest);
+            let st = sys::fstat(file.as_fd()).io_ctx("stat", &host)?;
+            self.written.insert(rel.clone(), (*digest, (st.st_dev, st.st_ino)));
         }
         self.stats.files_written += 1;
         self.stats.bytes_written += bytes;
@@ -679,28 +874,46 @@ impl<'a> Applier<'a> {
     }
 
     /// Links `rel` to `link_to` when that path was written with the same content in this
-    /// restore; otherwise the caller writes a copy.
-    fn try_link(
-        &mut self,
-        slot: &Slot,
-        rel: &RelPath,
-        existing: Option<&sys::Stat>,
-        link_to: &RelPath,
-        blob: &Digest,
-    ) -> Result<bool> {
-        if self.written.get(link_to) != Some(blob) {
+    /// restore; otherwise the caller writes a copy. The link is made to the inode this restore
+    /// wrote, through a handle checked to hold it: whatever the container put at `link_to`
+    /// meanwhile is never linked.
+    fn try_link(&mut self, slot: &Slot, rel: &RelPath, link_to: &RelPath, blob: &Digest) -> Result<bool> {
+        let Some(&(written, inode)) = self.written.get(link_to) else {
+            return Ok(false);
+        };
+        if written != *blob {
             return Ok(false);
         }
         let Some(src) = self.root.slot(link_to)? else {
             return Ok(false);
         };
-        if let Some(st) = existing {
-            self.remove(slot, rel, st)?;
+        let src_host = self.root.host_path(link_to);
+        let Some(fd) = sys::open_entry_opt(src.parent.as_fd(), &src.name).io_ctx("open", &src_host)? else {
+            return Ok(false);
+        };
+        let st = sys::fstat(fd.as_fd()).io_ctx("stat", &src_host)?;
+        if file_type(&st) != libc::S_IFREG || (st.st_dev, st.st_ino) != inode {
+            return Ok(false);
         }
-        // linkat without AT_SYMLINK_FOLLOW links the entry itself: whatever the container put
-        // at `link_to` meanwhile, the new name stays inside the rootfs and reaches nothing else.
-        sys::linkat(src.parent.as_fd(), &src.name, slot.parent.as_fd(), &slot.name)
-            .io_ctx("link", self.root.host_path(rel))?;
+        let host = self.root.host_path(rel);
+        for _ in 0..RACE_ATTEMPTS {
+            match self.stat(slot, rel)? {
+                Some(now) if same_inode(&now, &st) => break,
+                Some(now) => self.remove(slot, rel, &now)?,
+                None => {}
+            }
+            match sys::link_entry(fd.as_fd(), slot.parent.as_fd(), &slot.name) {
+                Ok(()) => break,
+                // Something was put there again since the removal.
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => continue,
+                Err(e) => return Err(e).io_ctx("link", &host),
+            }
+        }
+        let now = self.stat(slot, rel)?;
+        if !now.as_ref().is_some_and(|now| same_inode(now, &st)) {
+            return Err(kept_changing(&host, "linked"));
+        }
+        self.written.insert(rel.clone(), (*blob, inode));
         self.stats.links_made += 1;
         Ok(true)
     }

@@ -87,7 +87,7 @@ impl Tree {
     fn capture(&self, paths: &[&str]) -> Result<Vec<FsEntry>> {
         let changes: Vec<_> = paths.iter().map(ChangedPath::modified).collect();
         let mut batch = self.blobs.batch();
-        let entries = capture(&self.root, &changes, &mut batch)?;
+        let entries = capture(&self.root, None, &changes, &mut batch)?;
         batch.commit()?;
         Ok(entries)
     }
@@ -220,7 +220,7 @@ fn capture_races_never_reach_the_host() {
                 let _swaps = swap_at(failpoint, &tree, &disk, "/x", intruder);
                 let changes = [ChangedPath::created("/x")];
                 let mut batch = tree.blobs.batch();
-                let result = capture(&tree.root, &changes, &mut batch);
+                let result = capture(&tree.root, None, &changes, &mut batch);
                 scenario.teardown();
                 let case = format!("{original} swapped for {intruder:?} at {failpoint}");
                 let entries = result.unwrap_or_else(|e| panic!("{case}: capture failed: {e}"));
@@ -353,7 +353,7 @@ fn a_sparse_file_costs_only_its_allocated_bytes_and_comes_back_sparse() {
     sparse_file(&tree.root.join("empty-huge"), TIB, &[]);
     let changes = [ChangedPath::modified("/huge"), ChangedPath::modified("/empty-huge")];
     let mut batch = tree.blobs.batch();
-    let entries = capture(&tree.root, &changes, &mut batch).expect("capture");
+    let entries = capture(&tree.root, None, &changes, &mut batch).expect("capture");
     let new_bytes = batch.commit().unwrap().written_bytes;
     // Three data blocks at most, whatever the file system's block size.
     assert!(new_bytes <= 3 * 64 * 1024, "a 1 TiB sparse file cost {new_bytes} bytes");

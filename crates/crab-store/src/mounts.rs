@@ -41,6 +41,8 @@ pub struct SpecMount {
     pub kind: MountKind,
     /// The spec's `type` (or `bind` for a bind mount given only by its options).
     pub fs_type: String,
+    /// Mounted read-only (`ro` in its options): nothing in the sandbox can change it.
+    pub read_only: bool,
 }
 
 /// The mounts of a sandbox's spec, in spec order.
@@ -90,7 +92,8 @@ impl SandboxMounts {
                     _ => MountKind::External,
                 }
             };
-            mounts.push(SpecMount { destination, kind, fs_type });
+            let read_only = m.options.iter().any(|o| o == "ro");
+            mounts.push(SpecMount { destination, kind, fs_type, read_only });
         }
         Ok(Self { mounts })
     }

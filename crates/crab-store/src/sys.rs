@@ -131,8 +131,10 @@ pub(crate) fn readlinkat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>
     Ok(rustix::fs::readlinkat(dir, name, Vec::new())?.into_bytes())
 }
 
-pub(crate) fn linkat(old_dir: BorrowedFd<'_>, old: &CStr, new_dir: BorrowedFd<'_>, new: &CStr) -> io::Result<()> {
-    Ok(rustix::fs::linkat(old_dir, old, new_dir, new, AtFlags::empty())?)
+/// Gives the inode an `O_PATH` handle holds the new name `new` in `new_dir` (AT_EMPTY_PATH:
+/// the handle itself is linked, whatever name it has now; needs CAP_DAC_READ_SEARCH).
+pub(crate) fn link_entry(fd: BorrowedFd<'_>, new_dir: BorrowedFd<'_>, new: &CStr) -> io::Result<()> {
+    Ok(rustix::fs::linkat(fd, c"", new_dir, new, AtFlags::EMPTY_PATH)?)
 }
 
 /// Makes a device node, fifo or socket entry; `mode_bits` holds the type (`S_IF*`) and the

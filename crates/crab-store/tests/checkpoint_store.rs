@@ -1206,3 +1206,153 @@ fn bad_requests_are_named() {
     assert!(matches!(sb.store.fork("c1", 5, "c1"), Err(CheckpointError::InvalidRequest(_))));
     assert!(matches!(sb.store.gc(&RetentionPolicy { keep_last: 0 }), Err(CheckpointError::InvalidRequest(_))));
 }
+
+// ---------- hard links ----------
+
+/// Link count, content and inode of each name (relative to `root`).
+fn names(root: &Path, rels: &[&str]) -> Vec<(u64, Vec<u8>, u64)> {
+    rels.iter()
+        .map(|rel| {
+            let path = root.join(rel);
+            let md = fs::symlink_metadata(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            (md.nlink(), fs::read(&path).unwrap(), md.ino())
+        })
+        .collect()
+}
+
+/// The names are one inode with `links` names and `content`.
+fn assert_one_inode(root: &Path, rels: &[&str], links: u64, content: &[u8]) {
+    let got = names(root, rels);
+    let first = got[0].2;
+    for (rel, (nlink, data, ino)) in rels.iter().zip(&got) {
+        assert_eq!(
+            (*nlink, String::from_utf8_lossy(data).into_owned(), *ino == first),
+            (links, String::from_utf8_lossy(content).into_owned(), true),
+            "{rel} under {}: (link count, content, same inode as {})",
+            root.display(),
+            rels[0]
+        );
+    }
+}
+
+/// Three names of one inode, then a write through the second: the turn's change list names only
+/// that one, yet every name is the written inode after a restore of that turn, and the earlier
+/// turn restores all three with the old content, linked (`traces/adversarial/hard-links`).
+#[test]
+fn a_file_written_through_one_of_its_names_restores_with_every_name_linked() {
+    let sb = Sandbox::new();
+    let all = ["app/links/one", "app/links/three", "app/links/two"];
+    write(&sb.live, "/app/links/one", b"a\n");
+    fs::hard_link(sb.live.join("app/links/one"), sb.live.join("app/links/two")).unwrap();
+    fs::hard_link(sb.live.join("app/links/one"), sb.live.join("app/links/three")).unwrap();
+    sb.commit("c1", 1, &[c("/app/links")]);
+    let mut file = fs::OpenOptions::new().append(true).open(sb.live.join("app/links/two")).unwrap();
+    std::io::Write::write_all(&mut file, b"b\n").unwrap();
+    drop(file);
+    sb.commit("c1", 2, &[m("/app/links/two")]);
+
+    let at2 = sb.fresh_target("at2");
+    sb.store.materialize("c1", 2, &at2).unwrap();
+    assert_one_inode(&at2, &all, 3, b"a\nb\n");
+    let at1 = sb.fresh_target("at1");
+    sb.store.materialize("c1", 1, &at1).unwrap();
+    assert_one_inode(&at1, &all, 3, b"a\n");
+
+    sb.rollback("c1", 1).unwrap();
+    assert_one_inode(&sb.live, &all, 3, b"a\n");
+}
+
+/// A name removed later (the file's first name included) leaves the others one inode, in a
+/// restore and in a rollback that brings the removed name back.
+#[test]
+fn removing_a_name_of_a_hard_linked_file_keeps_the_others_linked() {
+    let sb = Sandbox::new();
+    write(&sb.live, "/app/links/one", b"a\n");
+    fs::hard_link(sb.live.join("app/links/one"), sb.live.join("app/links/two")).unwrap();
+    fs::hard_link(sb.live.join("app/links/one"), sb.live.join("app/links/three")).unwrap();
+    sb.commit("c1", 1, &[c("/app/links")]);
+    fs::remove_file(sb.live.join("app/links/one")).unwrap();
+    sb.commit("c1", 2, &[m("/app/links/one")]);
+    // A new file at the removed first name, of the same content: not one of the group.
+    write(&sb.live, "/app/links/one", b"a\n");
+    sb.commit("c1", 3, &[c("/app/links/one")]);
+
+    let at3 = sb.fresh_target("at3");
+    sb.store.materialize("c1", 3, &at3).unwrap();
+    assert_one_inode(&at3, &["app/links/three", "app/links/two"], 2, b"a\n");
+    assert_one_inode(&at3, &["app/links/one"], 1, b"a\n");
+
+    sb.rollback("c1", 1).unwrap();
+    assert_one_inode(&sb.live, &["app/links/one", "app/links/three", "app/links/two"], 3, b"a\n");
+}
+
+/// A write through a name in one directory records the names in others (found by their
+/// inode), and a rollback of a turn that replaced one name puts it back into the group.
+#[test]
+fn names_in_other_directories_are_found_and_rolled_back_together() {
+    let sb = Sandbox::new();
+    write(&sb.live, "/app/x/data", b"1\n");
+    fs::create_dir_all(sb.live.join("etc/y")).unwrap();
+    fs::hard_link(sb.live.join("app/x/data"), sb.live.join("etc/y/data")).unwrap();
+    sb.commit("c1", 1, &[c("/app/x"), c("/etc/y")]);
+    write(&sb.live, "/etc/y/data", b"2\n");
+    sb.commit("c1", 2, &[m("/etc/y/data")]);
+    let manifest = sb.store.manifest_at("c1", 2).unwrap().1;
+    let recorded: Vec<String> = manifest.fs_delta.iter().map(|e| e.path.to_string()).collect();
+    assert_eq!(recorded, ["/app/x/data", "/etc/y/data"], "both names recorded");
+
+    // Turn 3 replaces one name with a file of its own.
+    fs::remove_file(sb.live.join("app/x/data")).unwrap();
+    write(&sb.live, "/app/x/data", b"3\n");
+    sb.commit("c1", 3, &[c("/app/x/data")]);
+    sb.rollback("c1", 2).unwrap();
+    assert_one_inode(&sb.live, &["app/x/data", "etc/y/data"], 2, b"2\n");
+}
+
+/// An overlay rootfs as containers have: the other names of a file written through one are
+/// looked up in the writable layer (where they are one inode), never in the whole image, and
+/// recorded with it.
+#[test]
+fn the_names_of_a_hard_linked_file_are_found_in_the_overlay_upper_layer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let [lower, upper, work, merged] = ["lower", "upper", "work", "merged"].map(|d| tmp.path().join(d));
+    for dir in [&lower, &upper, &work, &merged] {
+        fs::create_dir_all(dir).unwrap();
+    }
+    write(&lower, "/usr/share/doc/big", b"image file\n");
+    let options = format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper.display(), work.display());
+    let status =
+        Command::new("mount").args(["-t", "overlay", "overlay", "-o", &options]).arg(&merged).status().unwrap();
+    assert!(status.success(), "mount overlay");
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(&merged);
+
+    let store = CheckpointStore::open(tmp.path().join("state")).unwrap();
+    let commit = |turn: u64, changed: &[ChangedPath]| {
+        let input = TurnInput { container: "c1", turn, rootfs: Some(&merged), changed, criu_images: None };
+        let staged = store.stage_turn_in(&input, &[], Some(&upper)).unwrap();
+        store.publish(staged).unwrap()
+    };
+    write(&merged, "/app/one", b"a\n");
+    fs::create_dir_all(merged.join("srv")).unwrap();
+    fs::hard_link(merged.join("app/one"), merged.join("app/two")).unwrap();
+    fs::hard_link(merged.join("app/one"), merged.join("srv/three")).unwrap();
+    commit(1, &[c("/app"), c("/srv")]);
+    let mut file = fs::OpenOptions::new().append(true).open(merged.join("srv/three")).unwrap();
+    std::io::Write::write_all(&mut file, b"b\n").unwrap();
+    drop(file);
+    commit(2, &[m("/srv/three")]);
+    let manifest = store.manifest_at("c1", 2).unwrap().1;
+    let recorded: Vec<String> = manifest.fs_delta.iter().map(|e| e.path.to_string()).collect();
+    assert_eq!(recorded, ["/app/one", "/app/two", "/srv/three"]);
+
+    let target = tmp.path().join("restored");
+    fs::create_dir_all(&target).unwrap();
+    store.materialize("c1", 2, &target).unwrap();
+    assert_one_inode(&target, &["app/one", "app/two", "srv/three"], 3, b"a\nb\n");
+}
