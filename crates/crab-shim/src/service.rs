@@ -163,7 +163,21 @@ impl TaskService {
             return Err(ShimError::AlreadyExists(format!("container {}", req.id)));
         }
         let bundle = PathBuf::from(&req.bundle);
-        let policy = sandbox_policy(&bundle, &config)?;
+        let mut policy = sandbox_policy(&bundle, &config)?;
+        // A container of a Kubernetes pod: kubelet's replacement of a dead one starts from the
+        // dead one's latest checkpoint, unless the pod opts out (io.crab.restore=off) or asks
+        // for a checkpoint of its own (io.crab.restore-from).
+        let pod = super::cri::PodContainer::from_bundle(&bundle)?;
+        let mut origin = None;
+        if let Some(pod) = &pod
+            && policy.restore_from.is_none()
+            && policy.restores_replacement()
+        {
+            policy.restore_from = self.predecessor(pod, &req.id, &config);
+            if policy.restore_from.is_some() {
+                origin = Some((pod.sandbox_id.clone(), pod.name.clone()));
+            }
+        }
         // Checkpoints are the sandbox's by containerd namespace and id: two tenants' `t2` never share one.
         let key =
             if policy.policy != Policy::Off || policy.restore_from.is_some() {
@@ -194,7 +208,7 @@ impl TaskService {
         });
         let prepared = match (&policy.restore_from, &restore_source, &key) {
             (Some(from), Some(source), Some(key)) => {
-                prepare_restore(&config.checkpoint, source, from.turn, key, &bundle).await
+                prepare_restore(&config.checkpoint, source, from.turn, key, &bundle, origin.clone()).await
             }
             _ => Ok(None),
         };
@@ -286,6 +300,14 @@ impl TaskService {
                 *container.pending_mounts.lock().expect("pending mounts lock") = Some(pending);
             }
         }
+        if let (Some(pod), Some(key)) = (&pod, &key) {
+            // The next replacement of this container in its pod finds this one's chain.
+            let recorded = crab_store::CheckpointStore::open_with(&config.checkpoint.state_dir, &config.checkpoint.kept_images())
+                .and_then(|store| store.set_pod_member(key.namespace(), &pod.sandbox_id, &pod.name, key.id()));
+            if let Err(e) = recorded {
+                tracing::warn!(container = %req.id, error = %e, "not recorded as its pod's container: a replacement will start from its image");
+            }
+        }
         self.containers.lock().expect("containers lock").insert(req.id.clone(), container.clone());
         if pid != 0 {
             self.watch_exit(&container, &container.init, pid, self.reaper.wait_for(pid));
@@ -320,6 +342,64 @@ impl TaskService {
             })
             .await;
         Ok(CreateTaskResponse { pid, ..Default::default() })
+    }
+
+    /// The chain a kubelet replacement `id` of `pod`'s container restores from: the latest
+    /// checkpoint of the container recorded before it under the same pod sandbox and name, if
+    /// the pod sandbox is this shim's and the new container is really in it (see
+    /// [`super::cri`]) and that container is dead. None (logged) otherwise: the replacement
+    /// then starts from its image, as under runc.
+    fn predecessor(
+        &self,
+        pod: &super::cri::PodContainer,
+        id: &str,
+        config: &Config,
+    ) -> Option<crab_store::turns::RestoreFrom> {
+        let fresh = |why: String| {
+            tracing::warn!(container = id, pod_sandbox = %pod.sandbox_id, name = %pod.name, reason = %why,
+                "the replacement starts from its image, not from its predecessor's checkpoint");
+            None
+        };
+        let store =
+            match crab_store::CheckpointStore::open_with(&config.checkpoint.state_dir, &config.checkpoint.kept_images()) {
+                Ok(store) => store,
+                Err(e) => return fresh(format!("checkpoint store: {e}")),
+            };
+        let previous = match store.pod_member(&self.namespace, &pod.sandbox_id, &pod.name) {
+            Ok(Some(previous)) if previous != id => previous,
+            Ok(_) => return None,
+            Err(e) => return fresh(format!("pod record: {e}")),
+        };
+        let (sandbox, before) = {
+            let containers = self.containers.lock().expect("containers lock");
+            (containers.get(&pod.sandbox_id).cloned(), containers.get(&previous).cloned())
+        };
+        let Some(sandbox) = sandbox.filter(|s| s.init.status() == Status::Running) else {
+            return fresh(format!("pod sandbox {} is not running in this shim", pod.sandbox_id));
+        };
+        if let Err(why) = pod.check_in_sandbox(sandbox.init.pid()) {
+            return fresh(format!("not created in the pod sandbox its annotation names: {why}"));
+        }
+        if let Some(before) = before
+            && matches!(before.init.status(), Status::Running | Status::Paused)
+        {
+            return fresh(format!("container {previous} of that name still runs"));
+        }
+        let head = SandboxKey::new(&self.namespace, &previous)
+            .map_err(|e| e.to_string())
+            .and_then(|key| store.head(&key.to_string()).map_err(|e| e.to_string()));
+        match head {
+            Ok(Some(head)) => {
+                tracing::info!(container = id, predecessor = %previous, turn = head.turn, pod_sandbox = %pod.sandbox_id,
+                    name = %pod.name, "kubelet replacement: restoring its predecessor's latest checkpoint");
+                Some(crab_store::turns::RestoreFrom { namespace: None, container: previous, turn: head.turn })
+            }
+            Ok(None) => {
+                tracing::info!(container = id, predecessor = %previous, "kubelet replacement: its predecessor has no checkpoint");
+                None
+            }
+            Err(e) => fresh(format!("chain of {previous}: {e}")),
+        }
     }
 
     async fn do_start(&self, req: StartRequest) -> Result<StartResponse, ShimError> {
@@ -782,6 +862,7 @@ async fn prepare_restore(
     turn: u64,
     new_key: &SandboxKey,
     bundle: &Path,
+    pod: Option<(String, String)>,
 ) -> Result<Option<(PathBuf, u64)>, ShimError> {
     let rootfs = bundle.join("rootfs");
     let skip = spec_mounts(bundle)?.destinations();
@@ -817,6 +898,15 @@ async fn prepare_restore(
         let clock = std::time::Instant::now();
         if src != new {
             store.fork(&src, turn, &new)?;
+            // Which chain this one continues: `crabctl turns` says so, and GC keeps the
+            // source's checkpoint through the new head.
+            let (reason, (pod_sandbox, container_name)) = match pod {
+                Some((sandbox, name)) => (crab_store::OriginReason::KubeletReplacement, (Some(sandbox), Some(name))),
+                None => (crab_store::OriginReason::RestoreFrom, (None, None)),
+            };
+            let at_unix_ms = crab_store::turns::unix_ms(std::time::SystemTime::now());
+            let origin = crab_store::Origin { source: src.clone(), turn, reason, pod_sandbox, container_name, at_unix_ms };
+            store.set_origin(&new, &origin)?;
         }
         tracing::info!(container = %new, source = %src, turn, images_turn = ?images.map(|(t, _)| t),
             rootfs_ms, images_ms, fork_ms = ms(clock),
