@@ -256,8 +256,8 @@ async fn turn_record(id: &str, turn: u64) -> Outcome<crab_store::turns::TurnReco
         .map_err(|e| HarnessError::Expectation(format!("crab config: {e}")))?
         .checkpoint
         .state_dir;
-    let log = crab_store::turns::TurnLog::open(&state_dir, &key(id))
-        .map_err(|e| HarnessError::Expectation(e.to_string()))?;
+    let log =
+        crab_store::turns::TurnLog::open(&state_dir, &key(id)).map_err(|e| HarnessError::Expectation(e.to_string()))?;
     wait_until(&format!("the record of turn {turn} of {id}"), WAIT, || async {
         let records = log.read().map_err(|e| HarnessError::Expectation(e.to_string()))?;
         Ok(records.into_iter().find(|r| r.turn == turn))

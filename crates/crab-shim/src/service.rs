@@ -302,8 +302,9 @@ impl TaskService {
         }
         if let (Some(pod), Some(key)) = (&pod, &key) {
             // The next replacement of this container in its pod finds this one's chain.
-            let recorded = crab_store::CheckpointStore::open_with(&config.checkpoint.state_dir, &config.checkpoint.kept_images())
-                .and_then(|store| store.set_pod_member(key.namespace(), &pod.sandbox_id, &pod.name, key.id()));
+            let recorded =
+                crab_store::CheckpointStore::open_with(&config.checkpoint.state_dir, &config.checkpoint.kept_images())
+                    .and_then(|store| store.set_pod_member(key.namespace(), &pod.sandbox_id, &pod.name, key.id()));
             if let Err(e) = recorded {
                 tracing::warn!(container = %req.id, error = %e, "not recorded as its pod's container: a replacement will start from its image");
             }
@@ -360,11 +361,13 @@ impl TaskService {
                 "the replacement starts from its image, not from its predecessor's checkpoint");
             None
         };
-        let store =
-            match crab_store::CheckpointStore::open_with(&config.checkpoint.state_dir, &config.checkpoint.kept_images()) {
-                Ok(store) => store,
-                Err(e) => return fresh(format!("checkpoint store: {e}")),
-            };
+        let store = match crab_store::CheckpointStore::open_with(
+            &config.checkpoint.state_dir,
+            &config.checkpoint.kept_images(),
+        ) {
+            Ok(store) => store,
+            Err(e) => return fresh(format!("checkpoint store: {e}")),
+        };
         let previous = match store.pod_member(&self.namespace, &pod.sandbox_id, &pod.name) {
             Ok(Some(previous)) if previous != id => previous,
             Ok(_) => return None,
@@ -905,7 +908,8 @@ async fn prepare_restore(
                 None => (crab_store::OriginReason::RestoreFrom, (None, None)),
             };
             let at_unix_ms = crab_store::turns::unix_ms(std::time::SystemTime::now());
-            let origin = crab_store::Origin { source: src.clone(), turn, reason, pod_sandbox, container_name, at_unix_ms };
+            let origin =
+                crab_store::Origin { source: src.clone(), turn, reason, pod_sandbox, container_name, at_unix_ms };
             store.set_origin(&new, &origin)?;
         }
         tracing::info!(container = %new, source = %src, turn, images_turn = ?images.map(|(t, _)| t),

@@ -215,7 +215,9 @@ impl SandboxPolicy {
                 return Err(AnnotationError::Invalid {
                     key: ANNOTATION_RESTORE,
                     value: v.clone(),
-                    message: format!("a replacement can only be restored from checkpoints, and {ANNOTATION_POLICY} is off"),
+                    message: format!(
+                        "a replacement can only be restored from checkpoints, and {ANNOTATION_POLICY} is off"
+                    ),
                 });
             }
         }
@@ -480,9 +482,11 @@ mod tests {
         let off = SandboxPolicy::from_annotations(&ann(&[("io.crab.restore", "off")]), &defaults).unwrap();
         assert_eq!(off.restore, Some(RestoreMode::Off));
         assert!(!off.restores_replacement());
-        let asked =
-            SandboxPolicy::from_annotations(&ann(&[("io.crab.policy", "every-turn"), ("io.crab.restore", "auto")]), &defaults)
-                .unwrap();
+        let asked = SandboxPolicy::from_annotations(
+            &ann(&[("io.crab.policy", "every-turn"), ("io.crab.restore", "auto")]),
+            &defaults,
+        )
+        .unwrap();
         assert!(asked.restores_replacement());
     }
 
@@ -494,7 +498,10 @@ mod tests {
         let err =
             SandboxPolicy::from_annotations(&ann(&[("io.crab.policy", "off"), ("io.crab.restore", "auto")]), &defaults)
                 .unwrap_err();
-        assert!(err.to_string().contains("io.crab.restore") && err.to_string().contains("io.crab.policy is off"), "{err}");
+        assert!(
+            err.to_string().contains("io.crab.restore") && err.to_string().contains("io.crab.policy is off"),
+            "{err}"
+        );
     }
 
     #[test]
