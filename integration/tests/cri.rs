@@ -353,6 +353,17 @@ async fn kubelet_replacement_is_restored() {
                 restored_ms / plain_ms.max(1.0)
             );
 
+            // A container of that name created while the restored one still runs (not a
+            // replacement of a dead one) starts from its image: two live copies of one chain
+            // would diverge from the same state.
+            let twin = pod.create_attempt("main", 2, &cmd, &[]).await?;
+            pod.start(&twin).await?;
+            let file = pod.exec(&twin, &["cat", "/data.txt"], 30).await?;
+            ensure!(file.2 != 0, "a container created beside a live predecessor has its file: {file:?}");
+            let origin = store()?.origin(&key(&twin)).map_err(|e| HarnessError::Expectation(e.to_string()))?;
+            ensure_eq!(origin, None, "origin of a container created beside a live predecessor");
+            ensure_eq!(pod.state(&second).await?, ContainerState::ContainerRunning, "the restored container");
+
             // io.crab.restore=off: the replacement starts from its image.
             let off = [("io.crab.restore", "off")];
             let first = pod.create_attempt("fresh", 0, &cmd, &off).await?;

@@ -36,6 +36,11 @@ pub struct TaskService {
     /// Store and inspector, set up by the first checkpointed sandbox.
     engine_ctx: Arc<tokio::sync::OnceCell<Arc<EngineContext>>>,
     containers: Mutex<HashMap<String, Arc<Container>>>,
+    /// Pod containers whose Create is under way, by (pod sandbox, container name): the id
+    /// being created. A container is in `containers` only once its runtime created (or its
+    /// restore prepared) it, so without this two replacements created at once would both
+    /// find the dead predecessor and both restore its checkpoint, two live copies.
+    pod_creates: Mutex<HashMap<(String, String), String>>,
     events: EventSink,
     reaper: Reaper,
     shutdown: CancellationToken,
@@ -67,6 +72,7 @@ impl TaskService {
             namespace: namespace.into(),
             engine_ctx: Default::default(),
             containers: Mutex::new(HashMap::new()),
+            pod_creates: Mutex::new(HashMap::new()),
             events,
             reaper,
             shutdown,
@@ -168,12 +174,22 @@ impl TaskService {
         // dead one's latest checkpoint, unless the pod opts out (io.crab.restore=off) or asks
         // for a checkpoint of its own (io.crab.restore-from).
         let pod = super::cri::PodContainer::from_bundle(&bundle)?;
+        // Held until this Create returns (the container then is in `containers`, or failed).
+        let claim = pod.as_ref().map(|pod| PodCreate::claim(&self.pod_creates, &pod.sandbox_id, &pod.name, &req.id));
         let mut origin = None;
-        if let Some(pod) = &pod
+        if let (Some(pod), Some(claim)) = (&pod, &claim)
             && policy.restore_from.is_none()
             && policy.restores_replacement()
         {
-            policy.restore_from = self.predecessor(pod, &req.id, &config);
+            policy.restore_from = match &claim.other {
+                Some(other) => {
+                    tracing::warn!(container = %req.id, pod_sandbox = %pod.sandbox_id, name = %pod.name,
+                        reason = %format!("container {other} of that name is being created"),
+                        "the replacement starts from its image, not from its predecessor's checkpoint");
+                    None
+                }
+                None => self.predecessor(pod, &req.id, &config),
+            };
             if policy.restore_from.is_some() {
                 origin = Some((pod.sandbox_id.clone(), pod.name.clone()));
             }
@@ -370,7 +386,11 @@ impl TaskService {
         };
         let previous = match store.pod_member(&self.namespace, &pod.sandbox_id, &pod.name) {
             Ok(Some(previous)) if previous != id => previous,
-            Ok(_) => return None,
+            Ok(_) => {
+                tracing::debug!(container = id, pod_sandbox = %pod.sandbox_id, name = %pod.name,
+                    "no earlier container of that name in the pod: nothing to restore");
+                return None;
+            }
             Err(e) => return fresh(format!("pod record: {e}")),
         };
         let (sandbox, before) = {
@@ -383,10 +403,12 @@ impl TaskService {
         if let Err(why) = pod.check_in_sandbox(sandbox.init.pid()) {
             return fresh(format!("not created in the pod sandbox its annotation names: {why}"));
         }
+        // Only a dead predecessor is replaced: one that runs, is paused, or is created and
+        // not yet started (a pending restore is that too) would live on beside its copy.
         if let Some(before) = before
-            && matches!(before.init.status(), Status::Running | Status::Paused)
+            && before.init.status() != Status::Stopped
         {
-            return fresh(format!("container {previous} of that name still runs"));
+            return fresh(format!("container {previous} of that name is not dead ({:?})", before.init.status()));
         }
         let head = SandboxKey::new(&self.namespace, &previous)
             .map_err(|e| e.to_string())
@@ -859,6 +881,38 @@ fn restore_source(
 /// and returns the CRIU images to restore at Start (None when the chain has no
 /// process checkpoint up to that turn). Opens the store itself, so it does not
 /// wait for the engine (and its inspector).
+/// A pod container's Create in progress (see [`TaskService::pod_creates`]): claims its
+/// (pod sandbox, name) unless another Create holds it, and gives it up when dropped.
+struct PodCreate<'a> {
+    creates: &'a Mutex<HashMap<(String, String), String>>,
+    key: (String, String),
+    /// The container whose Create holds the claim, when not this one.
+    other: Option<String>,
+}
+
+impl<'a> PodCreate<'a> {
+    fn claim(creates: &'a Mutex<HashMap<(String, String), String>>, sandbox_id: &str, name: &str, id: &str) -> Self {
+        let key = (sandbox_id.to_string(), name.to_string());
+        let mut map = creates.lock().expect("pod creates lock");
+        let other = match map.get(&key) {
+            Some(holder) if holder != id => Some(holder.clone()),
+            _ => {
+                map.insert(key.clone(), id.to_string());
+                None
+            }
+        };
+        Self { creates, key, other }
+    }
+}
+
+impl Drop for PodCreate<'_> {
+    fn drop(&mut self) {
+        if self.other.is_none() {
+            self.creates.lock().expect("pod creates lock").remove(&self.key);
+        }
+    }
+}
+
 async fn prepare_restore(
     checkpoint: &crab_config::CheckpointConfig,
     source: &SandboxKey,
@@ -1118,5 +1172,28 @@ impl Task for TaskService {
         tracing::info!("shutdown requested");
         self.shutdown.cancel();
         empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_create_at_a_time_claims_a_pod_container_name() {
+        let creates = Mutex::new(HashMap::new());
+        let first = PodCreate::claim(&creates, "pod1", "main", "c1");
+        assert_eq!(first.other, None);
+        // A second replacement created meanwhile is told who holds the name: it starts fresh.
+        let second = PodCreate::claim(&creates, "pod1", "main", "c2");
+        assert_eq!(second.other.as_deref(), Some("c1"));
+        // Another name, or the same name in another pod, is free.
+        assert_eq!(PodCreate::claim(&creates, "pod1", "sidecar", "c3").other, None);
+        assert_eq!(PodCreate::claim(&creates, "pod2", "main", "c4").other, None);
+        // The loser's drop leaves the holder's claim; the holder's drop frees the name.
+        drop(second);
+        assert_eq!(PodCreate::claim(&creates, "pod1", "main", "c5").other.as_deref(), Some("c1"));
+        drop(first);
+        assert_eq!(PodCreate::claim(&creates, "pod1", "main", "c6").other, None);
     }
 }
