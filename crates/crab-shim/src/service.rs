@@ -173,7 +173,18 @@ impl TaskService {
         // A container of a Kubernetes pod: kubelet's replacement of a dead one starts from the
         // dead one's latest checkpoint, unless the pod opts out (io.crab.restore=off) or asks
         // for a checkpoint of its own (io.crab.restore-from).
-        let pod = super::cri::PodContainer::from_bundle(&bundle)?;
+        // Only a container the kernel places in the pod its annotations name is taken for
+        // that pod's: one that is not is neither restored from nor recorded as the pod's
+        // container (else another pod's container could become this pod's predecessor, and
+        // its state be restored into this pod's next replacement).
+        let pod = super::cri::PodContainer::from_bundle(&bundle)?.filter(|pod| match self.in_pod(pod) {
+            Ok(()) => true,
+            Err(why) => {
+                tracing::warn!(container = %req.id, pod_sandbox = %pod.sandbox_id, name = %pod.name, reason = %why,
+                    "not taken for a container of the pod its annotations name: not restored from, nor recorded as, its container");
+                false
+            }
+        });
         // Held until this Create returns (the container then is in `containers`, or failed).
         let claim = pod.as_ref().map(|pod| PodCreate::claim(&self.pod_creates, &pod.sandbox_id, &pod.name, &req.id));
         let mut origin = None;
@@ -361,10 +372,21 @@ impl TaskService {
         Ok(CreateTaskResponse { pid, ..Default::default() })
     }
 
-    /// The chain a kubelet replacement `id` of `pod`'s container restores from: the latest
-    /// checkpoint of the container recorded before it under the same pod sandbox and name, if
-    /// the pod sandbox is this shim's and the new container is really in it (see
-    /// [`super::cri`]) and that container is dead. None (logged) otherwise: the replacement
+    /// Whether `pod` (what a new container's annotations say) holds on the kernel's word: its
+    /// pod sandbox runs in this shim and the new container joins that sandbox's namespaces
+    /// (see [`super::cri`]). Err says why not.
+    fn in_pod(&self, pod: &super::cri::PodContainer) -> Result<(), String> {
+        let sandbox = self.containers.lock().expect("containers lock").get(&pod.sandbox_id).cloned();
+        let Some(sandbox) = sandbox.filter(|s| s.init.status() == Status::Running) else {
+            return Err(format!("pod sandbox {} is not running in this shim", pod.sandbox_id));
+        };
+        pod.check_in_sandbox(sandbox.init.pid())
+            .map_err(|why| format!("not created in the pod sandbox its annotation names: {why}"))
+    }
+
+    /// The chain a kubelet replacement `id` of `pod`'s container (checked by [`Self::in_pod`])
+    /// restores from: the latest checkpoint of the container recorded before it under the same
+    /// pod sandbox and name, if that container is dead. None (logged) otherwise: the replacement
     /// then starts from its image, as under runc.
     fn predecessor(
         &self,
@@ -393,16 +415,7 @@ impl TaskService {
             }
             Err(e) => return fresh(format!("pod record: {e}")),
         };
-        let (sandbox, before) = {
-            let containers = self.containers.lock().expect("containers lock");
-            (containers.get(&pod.sandbox_id).cloned(), containers.get(&previous).cloned())
-        };
-        let Some(sandbox) = sandbox.filter(|s| s.init.status() == Status::Running) else {
-            return fresh(format!("pod sandbox {} is not running in this shim", pod.sandbox_id));
-        };
-        if let Err(why) = pod.check_in_sandbox(sandbox.init.pid()) {
-            return fresh(format!("not created in the pod sandbox its annotation names: {why}"));
-        }
+        let before = self.containers.lock().expect("containers lock").get(&previous).cloned();
         // Only a dead predecessor is replaced: one that runs, is paused, or is created and
         // not yet started (a pending restore is that too) would live on beside its copy.
         if let Some(before) = before
