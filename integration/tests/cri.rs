@@ -292,11 +292,44 @@ async fn crash(pod: &Pod, id: &str) -> Outcome<i32> {
     pod.wait_exited(id, WAIT).await
 }
 
+/// Runs, through containerd's task API (`ctr run --rm`, namespace k8s.io, the crab runtime),
+/// a container whose annotations say it is container `name` of pod sandbox `sandbox_id`, in
+/// namespaces of its own; returns its stdout: `fresh` when it started from its image.
+async fn impostor(sandbox_id: &str, name: &str) -> Outcome<String> {
+    let socket = crab_integration::cri::socket();
+    let id = format!("impostor-{}", std::process::id());
+    let annotations = [
+        "io.kubernetes.cri.container-type=container".to_string(),
+        format!("io.kubernetes.cri.sandbox-id={sandbox_id}"),
+        format!("io.kubernetes.cri.container-name={name}"),
+    ];
+    let mut cmd = tokio::process::Command::new("ctr");
+    cmd.arg("-a").arg(socket).args(["-n", crab_integration::cri::CRI_NAMESPACE, "run", "--rm"]);
+    cmd.args(["--runtime", "io.containerd.crab.v2"]);
+    if let Some(config) = std::env::var_os("CRAB_CONFIG") {
+        cmd.arg("--runtime-config-path").arg(config);
+    }
+    for a in &annotations {
+        cmd.args(["--annotation", a]);
+    }
+    cmd.args([crab_integration::cri::IMAGE, &id, "sh", "-c", "test -e /data.txt || echo fresh"]);
+    cmd.kill_on_drop(true).stdin(std::process::Stdio::null());
+    let out = tokio::time::timeout(WAIT, cmd.output())
+        .await
+        .map_err(|_| HarnessError::Expectation(format!("ctr run {id}: no exit within {WAIT:?}")))?
+        .map_err(|e| HarnessError::Expectation(format!("ctr run {id}: {e}")))?;
+    let origin = store()?.origin(&key(&id)).map_err(|e| HarnessError::Expectation(e.to_string()))?;
+    ensure_eq!(origin, None, "origin of the container naming the pod from outside it");
+    ensure!(out.status.success(), "ctr run {id}: {}: {}", out.status, String::from_utf8_lossy(&out.stderr));
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 /// A crab container with a file and a background process in memory, checkpointed after an
 /// exec turn, is SIGKILLed; kubelet's replacement (attempt 1, same sandbox and config) comes
 /// back with the file, the process (same token, counting on), in the pod's namespaces, with
-/// ExecSync and logs working and the store saying which chain it came from. A container with
-/// `io.crab.restore=off` is replaced from its image. Prints how long the restored
+/// ExecSync and logs working and the store saying which chain it came from. Start from their
+/// images: a container outside the pod whose annotations name the pod and the container, one
+/// created beside the live restored container, and a replacement under `io.crab.restore=off`. Prints how long the restored
 /// replacement took from Create to running against a plain container start in the same pod.
 #[tokio::test]
 async fn kubelet_replacement_is_restored() {
@@ -322,6 +355,12 @@ async fn kubelet_replacement_is_restored() {
             let head = store()?.head(&key(&first)).map_err(|e| HarnessError::Expectation(e.to_string()))?;
             let exit = crash(pod, &first).await?;
             ensure_eq!(exit, 137, "exit code of the killed container");
+
+            // A container outside the pod that names it in its annotations (a client other
+            // than CRI, or annotations passed through) is not taken for its container: it runs
+            // its own command, and is not recorded as the predecessor of the replacement below.
+            let impostor = impostor(&pod.id, "main").await?;
+            ensure_eq!(impostor, "fresh\n", "output of a container naming the pod from outside it");
 
             let clock = std::time::Instant::now();
             let second = pod.create_attempt("main", 1, &cmd, &[]).await?;

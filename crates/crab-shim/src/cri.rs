@@ -4,10 +4,10 @@
 //!
 //! What is trusted, and why:
 //! - The CRI plugin sets `io.kubernetes.cri.container-type`, `io.kubernetes.cri.sandbox-id`
-//!   and `io.kubernetes.cri.container-name` on every container it creates, after the
-//!   annotations it passes through from the pod (`pod_annotations`), so its values win. A
-//!   runtime entry that passes `io.kubernetes.*` through, or a client other than CRI, could
-//!   still name another pod; so the sandbox id alone is not believed.
+//!   and `io.kubernetes.cri.container-name` on every container it creates. A runtime entry
+//!   that passes `io.kubernetes.*` through from the pod (`pod_annotations`), or a client
+//!   other than CRI, could name another pod; so the sandbox id alone is not believed, and a
+//!   container that fails the check below is neither restored nor recorded as the pod's.
 //! - Kernel-checked: the pod sandbox the annotation names must be a container this shim runs
 //!   (one shim serves a pod), running, and every namespace the new container's spec joins by
 //!   path (network, IPC, UTS, and PID for a pod-wide PID namespace) must be the very namespace
