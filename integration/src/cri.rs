@@ -442,3 +442,54 @@ where
     });
     crate::require_same(name, futures::future::join_all(runs).await);
 }
+
+// Kubelet's replacement of a dead container (transparent recovery under crab): containers
+// created as kubelet creates them after a crash, with an attempt number and annotations.
+
+impl Pod {
+    /// Creates container `name` as kubelet does for its `attempt` (0 first, + 1 for each
+    /// replacement after the previous one died): same config, its own log
+    /// (`<name>-<attempt>.log`, read with [`Pod::log`] of that name), and container
+    /// `annotations` (CRI passes `io.crab.*` through to the crab handler).
+    pub async fn create_attempt(
+        &self,
+        name: &str,
+        attempt: u32,
+        command: &[&str],
+        annotations: &[(&str, &str)],
+    ) -> Outcome<String> {
+        let mut security = self.shape.security.clone();
+        security.namespace_options = Some(self.shape.namespaces());
+        let config = ContainerConfig {
+            metadata: Some(ContainerMetadata { name: name.to_string(), attempt }),
+            image: Some(ImageSpec { image: IMAGE.to_string(), ..Default::default() }),
+            command: command.iter().map(|s| s.to_string()).collect(),
+            log_path: format!("{name}-{attempt}.log"),
+            linux: Some(LinuxContainerConfig { security_context: Some(security), resources: None }),
+            annotations: annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            ..Default::default()
+        };
+        let request = CreateContainerRequest {
+            pod_sandbox_id: self.id.clone(),
+            config: Some(config),
+            sandbox_config: Some(self.config.clone()),
+        };
+        let mut runtime = self.cri.runtime.clone();
+        Ok(bounded("CreateContainer", runtime.create_container(request)).await?.into_inner().container_id)
+    }
+
+    /// The host pid of the container's init, from CRI's verbose status.
+    pub async fn init_pid(&self, id: &str) -> Outcome<u32> {
+        let mut runtime = self.cri.runtime.clone();
+        let request = ContainerStatusRequest { container_id: id.to_string(), verbose: true };
+        let response = bounded("ContainerStatus", runtime.container_status(request)).await?.into_inner();
+        let info = response.info.get("info").cloned().unwrap_or_default();
+        let info: serde_json::Value = serde_json::from_str(&info)
+            .map_err(|e| HarnessError::Parse { what: "ContainerStatus info".into(), detail: e.to_string() })?;
+        info.get("pid")
+            .and_then(|p| p.as_u64())
+            .filter(|p| *p > 0)
+            .map(|p| p as u32)
+            .ok_or_else(|| HarnessError::Expectation(format!("ContainerStatus of {id} names no init pid: {info}")))
+    }
+}

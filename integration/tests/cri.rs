@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use crab_integration::cri::{PodShape, across_handlers, with_pod};
-use crab_integration::{Outcome, ensure, ensure_eq};
+use crab_integration::cri::{Pod, PodShape, across_handlers, with_pod};
+use crab_integration::{HarnessError, Outcome, ensure, ensure_eq, wait_until};
 use futures::FutureExt;
 use k8s_cri::v1::{Capability, ContainerState, Int64Value, LinuxContainerSecurityContext};
 
@@ -217,4 +217,213 @@ async fn host_network() {
         Ok(observed)
     })
     .await;
+}
+
+// Transparent recovery under kubelet: when a crab container dies, kubelet creates a
+// replacement in the same pod sandbox with the same name and config, attempt + 1, and a new
+// id; crab restores the dead one's latest checkpoint into it. Crab only: under runc the
+// replacement starts from its image by design, so there is nothing to compare.
+
+/// The entrypoint of the recovered containers: it tells execs where its stdout (the
+/// container's log) is, then sleeps.
+const ENTRYPOINT: &str = "echo $$ > /tmp/main.pid; echo started; exec sleep 3600";
+/// One exec turn: writes a file and starts a background counter that keeps a random token
+/// and its count in memory only and prints both to the container's log every second. A
+/// counter started afresh draws another token and counts from 1.
+const TURN: &str = "echo hello > /data.txt; \
+    (tok=$RANDOM$RANDOM; i=0; while :; do i=$((i+1)); echo \"count $tok $i\"; sleep 1; done) \
+    >/proc/$(cat /tmp/main.pid)/fd/1 2>&1 </dev/null & echo turn-done";
+const NAMESPACES: &str = "readlink /proc/self/ns/net /proc/self/ns/ipc /proc/self/ns/uts";
+
+fn crab_handler() -> Option<crab_integration::Runtime> {
+    crab_integration::cri::handlers().into_iter().find(|h| h.short() == "crab")
+}
+
+/// The store the crab handler's shims write: the one of the crab config they read.
+fn store() -> Outcome<crab_store::CheckpointStore> {
+    let config = crab_config::Config::load(None).map_err(|e| HarnessError::Expectation(format!("crab config: {e}")))?;
+    crab_store::CheckpointStore::open(&config.checkpoint.state_dir)
+        .map_err(|e| HarnessError::Expectation(format!("store {}: {e}", config.checkpoint.state_dir.display())))
+}
+
+fn key(id: &str) -> String {
+    format!("{}/{id}", crab_integration::cri::CRI_NAMESPACE)
+}
+
+/// Waits until turn `turn` of CRI container `id` has its record; returns it.
+async fn turn_record(id: &str, turn: u64) -> Outcome<crab_store::turns::TurnRecord> {
+    let state_dir = crab_config::Config::load(None)
+        .map_err(|e| HarnessError::Expectation(format!("crab config: {e}")))?
+        .checkpoint
+        .state_dir;
+    let log =
+        crab_store::turns::TurnLog::open(&state_dir, &key(id)).map_err(|e| HarnessError::Expectation(e.to_string()))?;
+    wait_until(&format!("the record of turn {turn} of {id}"), WAIT, || async {
+        let records = log.read().map_err(|e| HarnessError::Expectation(e.to_string()))?;
+        Ok(records.into_iter().find(|r| r.turn == turn))
+    })
+    .await
+}
+
+/// The `count <token> <n>` lines of log `name`, once one is there with n >= `at_least`.
+async fn counts(pod: &Pod, name: &str, at_least: u64) -> Outcome<Vec<(String, u64)>> {
+    wait_until(&format!("a count >= {at_least} in the log of {name}"), WAIT, || async {
+        let counts: Vec<(String, u64)> = pod
+            .log(name)?
+            .into_iter()
+            .filter_map(|(_, _, line)| {
+                let mut parts = line.strip_prefix("count ")?.split(' ');
+                Some((parts.next()?.to_string(), parts.next()?.parse().ok()?))
+            })
+            .collect();
+        Ok(counts.iter().any(|(_, n)| *n >= at_least).then_some(counts))
+    })
+    .await
+}
+
+/// SIGKILLs the container's init on the host (a crash, an OOM kill) and waits for CRI to see
+/// it exited.
+async fn crash(pod: &Pod, id: &str) -> Outcome<i32> {
+    let pid = pod.init_pid(id).await?;
+    // SAFETY: kill(2) with a pid CRI reported for this running container; no memory involved.
+    if unsafe { libc::kill(pid as i32, libc::SIGKILL) } != 0 {
+        return Err(HarnessError::Expectation(format!("kill -9 {pid}: {}", std::io::Error::last_os_error())));
+    }
+    pod.wait_exited(id, WAIT).await
+}
+
+/// Runs, through containerd's task API (`ctr run --rm`, namespace k8s.io, the crab runtime),
+/// a container whose annotations say it is container `name` of pod sandbox `sandbox_id`, in
+/// namespaces of its own; returns its stdout: `fresh` when it started from its image.
+async fn impostor(sandbox_id: &str, name: &str) -> Outcome<String> {
+    let socket = crab_integration::cri::socket();
+    let id = format!("impostor-{}", std::process::id());
+    let annotations = [
+        "io.kubernetes.cri.container-type=container".to_string(),
+        format!("io.kubernetes.cri.sandbox-id={sandbox_id}"),
+        format!("io.kubernetes.cri.container-name={name}"),
+    ];
+    let mut cmd = tokio::process::Command::new("ctr");
+    cmd.arg("-a").arg(socket).args(["-n", crab_integration::cri::CRI_NAMESPACE, "run", "--rm"]);
+    cmd.args(["--runtime", "io.containerd.crab.v2"]);
+    if let Some(config) = std::env::var_os("CRAB_CONFIG") {
+        cmd.arg("--runtime-config-path").arg(config);
+    }
+    for a in &annotations {
+        cmd.args(["--annotation", a]);
+    }
+    cmd.args([crab_integration::cri::IMAGE, &id, "sh", "-c", "test -e /data.txt || echo fresh"]);
+    cmd.kill_on_drop(true).stdin(std::process::Stdio::null());
+    let out = tokio::time::timeout(WAIT, cmd.output())
+        .await
+        .map_err(|_| HarnessError::Expectation(format!("ctr run {id}: no exit within {WAIT:?}")))?
+        .map_err(|e| HarnessError::Expectation(format!("ctr run {id}: {e}")))?;
+    let origin = store()?.origin(&key(&id)).map_err(|e| HarnessError::Expectation(e.to_string()))?;
+    ensure_eq!(origin, None, "origin of the container naming the pod from outside it");
+    ensure!(out.status.success(), "ctr run {id}: {}: {}", out.status, String::from_utf8_lossy(&out.stderr));
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// A crab container with a file and a background process in memory, checkpointed after an
+/// exec turn, is SIGKILLed; kubelet's replacement (attempt 1, same sandbox and config) comes
+/// back with the file, the process (same token, counting on), in the pod's namespaces, with
+/// ExecSync and logs working and the store saying which chain it came from. Start from their
+/// images: a container outside the pod whose annotations name the pod and the container, one
+/// created beside the live restored container, and a replacement under `io.crab.restore=off`. Prints how long the restored
+/// replacement took from Create to running against a plain container start in the same pod.
+#[tokio::test]
+async fn kubelet_replacement_is_restored() {
+    let Some(handler) = crab_handler() else {
+        eprintln!("CRAB_TEST_RUNTIMES leaves out crab: nothing to test");
+        return;
+    };
+    let run = with_pod("replace", handler, PodShape::default(), |pod| {
+        async move {
+            let cmd = ["sh", "-c", ENTRYPOINT];
+            let first = pod.create_attempt("main", 0, &cmd, &[]).await?;
+            pod.start(&first).await?;
+            pod.stdout_until("main-0", "started", WAIT).await?;
+            let namespaces = pod.exec(&first, &["sh", "-c", NAMESPACES], 30).await?;
+            let turn = pod.exec(&first, &["sh", "-c", TURN], 30).await?;
+            ensure_eq!(turn, ("turn-done\n".to_string(), String::new(), 0), "the exec turn");
+            // Turns: 1 is the namespaces probe, 2 the turn that started the counter.
+            let record = turn_record(&first, 2).await?;
+            ensure_eq!(record.class, crab_store::turns::RecordedClass::Proc, "class of the turn");
+            ensure_eq!(record.checkpoint_turn, Some(2), "checkpoint of the turn: {record:?}");
+            let before = counts(pod, "main-0", 2).await?;
+            let token = before.last().map(|(t, _)| t.clone()).unwrap_or_default();
+            let head = store()?.head(&key(&first)).map_err(|e| HarnessError::Expectation(e.to_string()))?;
+            let exit = crash(pod, &first).await?;
+            ensure_eq!(exit, 137, "exit code of the killed container");
+
+            // A container outside the pod that names it in its annotations (a client other
+            // than CRI, or annotations passed through) is not taken for its container: it runs
+            // its own command, and is not recorded as the predecessor of the replacement below.
+            let impostor = impostor(&pod.id, "main").await?;
+            ensure_eq!(impostor, "fresh\n", "output of a container naming the pod from outside it");
+
+            let clock = std::time::Instant::now();
+            let second = pod.create_attempt("main", 1, &cmd, &[]).await?;
+            pod.start(&second).await?;
+            let restored_ms = clock.elapsed().as_secs_f64() * 1e3;
+            ensure_eq!(pod.state(&second).await?, ContainerState::ContainerRunning, "replacement state");
+            let file = pod.exec(&second, &["cat", "/data.txt"], 30).await?;
+            ensure_eq!(file, ("hello\n".to_string(), String::new(), 0), "the file after the restore");
+            ensure_eq!(pod.exec(&second, &["sh", "-c", NAMESPACES], 30).await?, namespaces, "pod namespaces");
+            // The counter goes on in the replacement's log: same token, counting on from
+            // where the checkpoint left it (a fresh one would draw a new token and start at 1).
+            let after = counts(pod, "main-1", 3).await?;
+            ensure!(after.iter().all(|(t, _)| *t == token), "another counter runs: {after:?}, before {before:?}");
+            ensure!(after.first().is_some_and(|(_, n)| *n >= 2), "the counter started over: {after:?}");
+            let origin = store()?.origin(&key(&second)).map_err(|e| HarnessError::Expectation(e.to_string()))?;
+            let origin = origin.ok_or_else(|| HarnessError::Expectation("the replacement records no origin".into()))?;
+            ensure_eq!(origin.source, key(&first), "origin chain");
+            ensure_eq!(Some(origin.turn), head.map(|h| h.turn), "origin turn (the predecessor's head)");
+            ensure_eq!(origin.reason, crab_store::OriginReason::KubeletReplacement, "origin reason");
+
+            // A plain container start in the same pod, for the ratio.
+            let clock = std::time::Instant::now();
+            let plain = pod.create_attempt("plain", 0, &["sleep", "3600"], &[]).await?;
+            pod.start(&plain).await?;
+            let plain_ms = clock.elapsed().as_secs_f64() * 1e3;
+            eprintln!(
+                "replacement Create->running: restored {restored_ms:.0} ms, plain start {plain_ms:.0} ms, \
+                 ratio {:.1}",
+                restored_ms / plain_ms.max(1.0)
+            );
+
+            // A container of that name created while the restored one still runs (not a
+            // replacement of a dead one) starts from its image: two live copies of one chain
+            // would diverge from the same state.
+            let twin = pod.create_attempt("main", 2, &cmd, &[]).await?;
+            pod.start(&twin).await?;
+            let file = pod.exec(&twin, &["cat", "/data.txt"], 30).await?;
+            ensure!(file.2 != 0, "a container created beside a live predecessor has its file: {file:?}");
+            let origin = store()?.origin(&key(&twin)).map_err(|e| HarnessError::Expectation(e.to_string()))?;
+            ensure_eq!(origin, None, "origin of a container created beside a live predecessor");
+            ensure_eq!(pod.state(&second).await?, ContainerState::ContainerRunning, "the restored container");
+
+            // io.crab.restore=off: the replacement starts from its image.
+            let off = [("io.crab.restore", "off")];
+            let first = pod.create_attempt("fresh", 0, &cmd, &off).await?;
+            pod.start(&first).await?;
+            pod.stdout_until("fresh-0", "started", WAIT).await?;
+            pod.exec(&first, &["sh", "-c", "echo hello > /data.txt"], 30).await?;
+            let record = turn_record(&first, 1).await?;
+            ensure!(record.checkpoint_turn.is_some(), "turn of the opted-out container not checkpointed: {record:?}");
+            crash(pod, &first).await?;
+            let second = pod.create_attempt("fresh", 1, &cmd, &off).await?;
+            pod.start(&second).await?;
+            let file = pod.exec(&second, &["cat", "/data.txt"], 30).await?;
+            ensure!(file.2 != 0, "io.crab.restore=off: the replacement has the file: {file:?}");
+            let origin = store()?.origin(&key(&second)).map_err(|e| HarnessError::Expectation(e.to_string()))?;
+            ensure_eq!(origin, None, "origin of the opted-out replacement");
+            Ok(())
+        }
+        .boxed_local()
+    });
+    match tokio::time::timeout(crab_integration::matrix::SCENARIO_TIMEOUT, run).await {
+        Ok(outcome) => outcome.unwrap_or_else(|e| panic!("kubelet_replacement_is_restored: {e}")),
+        Err(_) => panic!("kubelet_replacement_is_restored: timed out"),
+    }
 }

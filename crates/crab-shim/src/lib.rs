@@ -13,6 +13,7 @@
 pub mod bootstrap;
 pub mod cgroup;
 pub mod container;
+pub mod cri;
 pub mod events;
 pub mod io;
 pub mod process;

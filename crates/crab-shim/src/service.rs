@@ -36,6 +36,11 @@ pub struct TaskService {
     /// Store and inspector, set up by the first checkpointed sandbox.
     engine_ctx: Arc<tokio::sync::OnceCell<Arc<EngineContext>>>,
     containers: Mutex<HashMap<String, Arc<Container>>>,
+    /// Pod containers whose Create is under way, by (pod sandbox, container name): the id
+    /// being created. A container is in `containers` only once its runtime created (or its
+    /// restore prepared) it, so without this two replacements created at once would both
+    /// find the dead predecessor and both restore its checkpoint, two live copies.
+    pod_creates: Mutex<HashMap<(String, String), String>>,
     events: EventSink,
     reaper: Reaper,
     shutdown: CancellationToken,
@@ -67,6 +72,7 @@ impl TaskService {
             namespace: namespace.into(),
             engine_ctx: Default::default(),
             containers: Mutex::new(HashMap::new()),
+            pod_creates: Mutex::new(HashMap::new()),
             events,
             reaper,
             shutdown,
@@ -163,7 +169,42 @@ impl TaskService {
             return Err(ShimError::AlreadyExists(format!("container {}", req.id)));
         }
         let bundle = PathBuf::from(&req.bundle);
-        let policy = sandbox_policy(&bundle, &config)?;
+        let mut policy = sandbox_policy(&bundle, &config)?;
+        // A container of a Kubernetes pod: kubelet's replacement of a dead one starts from the
+        // dead one's latest checkpoint, unless the pod opts out (io.crab.restore=off) or asks
+        // for a checkpoint of its own (io.crab.restore-from).
+        // Only a container the kernel places in the pod its annotations name is taken for
+        // that pod's: one that is not is neither restored from nor recorded as the pod's
+        // container (else another pod's container could become this pod's predecessor, and
+        // its state be restored into this pod's next replacement).
+        let pod = super::cri::PodContainer::from_bundle(&bundle)?.filter(|pod| match self.in_pod(pod) {
+            Ok(()) => true,
+            Err(why) => {
+                tracing::warn!(container = %req.id, pod_sandbox = %pod.sandbox_id, name = %pod.name, reason = %why,
+                    "not taken for a container of the pod its annotations name: not restored from, nor recorded as, its container");
+                false
+            }
+        });
+        // Held until this Create returns (the container then is in `containers`, or failed).
+        let claim = pod.as_ref().map(|pod| PodCreate::claim(&self.pod_creates, &pod.sandbox_id, &pod.name, &req.id));
+        let mut origin = None;
+        if let (Some(pod), Some(claim)) = (&pod, &claim)
+            && policy.restore_from.is_none()
+            && policy.restores_replacement()
+        {
+            policy.restore_from = match &claim.other {
+                Some(other) => {
+                    tracing::warn!(container = %req.id, pod_sandbox = %pod.sandbox_id, name = %pod.name,
+                        reason = %format!("container {other} of that name is being created"),
+                        "the replacement starts from its image, not from its predecessor's checkpoint");
+                    None
+                }
+                None => self.predecessor(pod, &req.id, &config),
+            };
+            if policy.restore_from.is_some() {
+                origin = Some((pod.sandbox_id.clone(), pod.name.clone()));
+            }
+        }
         // Checkpoints are the sandbox's by containerd namespace and id: two tenants' `t2` never share one.
         let key =
             if policy.policy != Policy::Off || policy.restore_from.is_some() {
@@ -194,7 +235,7 @@ impl TaskService {
         });
         let prepared = match (&policy.restore_from, &restore_source, &key) {
             (Some(from), Some(source), Some(key)) => {
-                prepare_restore(&config.checkpoint, source, from.turn, key, &bundle).await
+                prepare_restore(&config.checkpoint, source, from.turn, key, &bundle, origin.clone()).await
             }
             _ => Ok(None),
         };
@@ -286,6 +327,15 @@ impl TaskService {
                 *container.pending_mounts.lock().expect("pending mounts lock") = Some(pending);
             }
         }
+        if let (Some(pod), Some(key)) = (&pod, &key) {
+            // The next replacement of this container in its pod finds this one's chain.
+            let recorded =
+                crab_store::CheckpointStore::open_with(&config.checkpoint.state_dir, &config.checkpoint.kept_images())
+                    .and_then(|store| store.set_pod_member(key.namespace(), &pod.sandbox_id, &pod.name, key.id()));
+            if let Err(e) = recorded {
+                tracing::warn!(container = %req.id, error = %e, "not recorded as its pod's container: a replacement will start from its image");
+            }
+        }
         self.containers.lock().expect("containers lock").insert(req.id.clone(), container.clone());
         if pid != 0 {
             self.watch_exit(&container, &container.init, pid, self.reaper.wait_for(pid));
@@ -320,6 +370,74 @@ impl TaskService {
             })
             .await;
         Ok(CreateTaskResponse { pid, ..Default::default() })
+    }
+
+    /// Whether `pod` (what a new container's annotations say) holds on the kernel's word: its
+    /// pod sandbox runs in this shim and the new container joins that sandbox's namespaces
+    /// (see [`super::cri`]). Err says why not.
+    fn in_pod(&self, pod: &super::cri::PodContainer) -> Result<(), String> {
+        let sandbox = self.containers.lock().expect("containers lock").get(&pod.sandbox_id).cloned();
+        let Some(sandbox) = sandbox.filter(|s| s.init.status() == Status::Running) else {
+            return Err(format!("pod sandbox {} is not running in this shim", pod.sandbox_id));
+        };
+        pod.check_in_sandbox(sandbox.init.pid())
+            .map_err(|why| format!("not created in the pod sandbox its annotation names: {why}"))
+    }
+
+    /// The chain a kubelet replacement `id` of `pod`'s container (checked by [`Self::in_pod`])
+    /// restores from: the latest checkpoint of the container recorded before it under the same
+    /// pod sandbox and name, if that container is dead. None (logged) otherwise: the replacement
+    /// then starts from its image, as under runc.
+    fn predecessor(
+        &self,
+        pod: &super::cri::PodContainer,
+        id: &str,
+        config: &Config,
+    ) -> Option<crab_store::turns::RestoreFrom> {
+        let fresh = |why: String| {
+            tracing::warn!(container = id, pod_sandbox = %pod.sandbox_id, name = %pod.name, reason = %why,
+                "the replacement starts from its image, not from its predecessor's checkpoint");
+            None
+        };
+        let store = match crab_store::CheckpointStore::open_with(
+            &config.checkpoint.state_dir,
+            &config.checkpoint.kept_images(),
+        ) {
+            Ok(store) => store,
+            Err(e) => return fresh(format!("checkpoint store: {e}")),
+        };
+        let previous = match store.pod_member(&self.namespace, &pod.sandbox_id, &pod.name) {
+            Ok(Some(previous)) if previous != id => previous,
+            Ok(_) => {
+                tracing::debug!(container = id, pod_sandbox = %pod.sandbox_id, name = %pod.name,
+                    "no earlier container of that name in the pod: nothing to restore");
+                return None;
+            }
+            Err(e) => return fresh(format!("pod record: {e}")),
+        };
+        let before = self.containers.lock().expect("containers lock").get(&previous).cloned();
+        // Only a dead predecessor is replaced: one that runs, is paused, or is created and
+        // not yet started (a pending restore is that too) would live on beside its copy.
+        if let Some(before) = before
+            && before.init.status() != Status::Stopped
+        {
+            return fresh(format!("container {previous} of that name is not dead ({:?})", before.init.status()));
+        }
+        let head = SandboxKey::new(&self.namespace, &previous)
+            .map_err(|e| e.to_string())
+            .and_then(|key| store.head(&key.to_string()).map_err(|e| e.to_string()));
+        match head {
+            Ok(Some(head)) => {
+                tracing::info!(container = id, predecessor = %previous, turn = head.turn, pod_sandbox = %pod.sandbox_id,
+                    name = %pod.name, "kubelet replacement: restoring its predecessor's latest checkpoint");
+                Some(crab_store::turns::RestoreFrom { namespace: None, container: previous, turn: head.turn })
+            }
+            Ok(None) => {
+                tracing::info!(container = id, predecessor = %previous, "kubelet replacement: its predecessor has no checkpoint");
+                None
+            }
+            Err(e) => fresh(format!("chain of {previous}: {e}")),
+        }
     }
 
     async fn do_start(&self, req: StartRequest) -> Result<StartResponse, ShimError> {
@@ -776,12 +894,45 @@ fn restore_source(
 /// and returns the CRIU images to restore at Start (None when the chain has no
 /// process checkpoint up to that turn). Opens the store itself, so it does not
 /// wait for the engine (and its inspector).
+/// A pod container's Create in progress (see [`TaskService::pod_creates`]): claims its
+/// (pod sandbox, name) unless another Create holds it, and gives it up when dropped.
+struct PodCreate<'a> {
+    creates: &'a Mutex<HashMap<(String, String), String>>,
+    key: (String, String),
+    /// The container whose Create holds the claim, when not this one.
+    other: Option<String>,
+}
+
+impl<'a> PodCreate<'a> {
+    fn claim(creates: &'a Mutex<HashMap<(String, String), String>>, sandbox_id: &str, name: &str, id: &str) -> Self {
+        let key = (sandbox_id.to_string(), name.to_string());
+        let mut map = creates.lock().expect("pod creates lock");
+        let other = match map.get(&key) {
+            Some(holder) if holder != id => Some(holder.clone()),
+            _ => {
+                map.insert(key.clone(), id.to_string());
+                None
+            }
+        };
+        Self { creates, key, other }
+    }
+}
+
+impl Drop for PodCreate<'_> {
+    fn drop(&mut self) {
+        if self.other.is_none() {
+            self.creates.lock().expect("pod creates lock").remove(&self.key);
+        }
+    }
+}
+
 async fn prepare_restore(
     checkpoint: &crab_config::CheckpointConfig,
     source: &SandboxKey,
     turn: u64,
     new_key: &SandboxKey,
     bundle: &Path,
+    pod: Option<(String, String)>,
 ) -> Result<Option<(PathBuf, u64)>, ShimError> {
     let rootfs = bundle.join("rootfs");
     let skip = spec_mounts(bundle)?.destinations();
@@ -817,6 +968,16 @@ async fn prepare_restore(
         let clock = std::time::Instant::now();
         if src != new {
             store.fork(&src, turn, &new)?;
+            // Which chain this one continues: `crabctl turns` says so, and GC keeps the
+            // source's checkpoint through the new head.
+            let (reason, (pod_sandbox, container_name)) = match pod {
+                Some((sandbox, name)) => (crab_store::OriginReason::KubeletReplacement, (Some(sandbox), Some(name))),
+                None => (crab_store::OriginReason::RestoreFrom, (None, None)),
+            };
+            let at_unix_ms = crab_store::turns::unix_ms(std::time::SystemTime::now());
+            let origin =
+                crab_store::Origin { source: src.clone(), turn, reason, pod_sandbox, container_name, at_unix_ms };
+            store.set_origin(&new, &origin)?;
         }
         tracing::info!(container = %new, source = %src, turn, images_turn = ?images.map(|(t, _)| t),
             rootfs_ms, images_ms, fork_ms = ms(clock),
@@ -1024,5 +1185,28 @@ impl Task for TaskService {
         tracing::info!("shutdown requested");
         self.shutdown.cancel();
         empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_create_at_a_time_claims_a_pod_container_name() {
+        let creates = Mutex::new(HashMap::new());
+        let first = PodCreate::claim(&creates, "pod1", "main", "c1");
+        assert_eq!(first.other, None);
+        // A second replacement created meanwhile is told who holds the name: it starts fresh.
+        let second = PodCreate::claim(&creates, "pod1", "main", "c2");
+        assert_eq!(second.other.as_deref(), Some("c1"));
+        // Another name, or the same name in another pod, is free.
+        assert_eq!(PodCreate::claim(&creates, "pod1", "sidecar", "c3").other, None);
+        assert_eq!(PodCreate::claim(&creates, "pod2", "main", "c4").other, None);
+        // The loser's drop leaves the holder's claim; the holder's drop frees the name.
+        drop(second);
+        assert_eq!(PodCreate::claim(&creates, "pod1", "main", "c5").other.as_deref(), Some("c1"));
+        drop(first);
+        assert_eq!(PodCreate::claim(&creates, "pod1", "main", "c6").other, None);
     }
 }

@@ -13,6 +13,7 @@ mod fsdelta;
 mod gc;
 mod images;
 mod key;
+mod lineage;
 mod manifest;
 mod mounts;
 mod path;
@@ -34,6 +35,7 @@ pub use key::{
     DEFAULT_NAMESPACE, KeyError, SandboxKey, full_checkpoints_dir, removed_marker_path, saved_spec_path,
     saved_spec_path_of, turn_log_path, validate_id, validate_namespace,
 };
+pub use lineage::{Origin, OriginReason};
 pub use manifest::{
     FsEntry, FsNode, ImageContent, ImageFile, ImageSet, MANIFEST_VERSION, Manifest, Meta, ParentRef, Snapshot,
     TurnClass,

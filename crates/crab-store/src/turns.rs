@@ -23,6 +23,11 @@ pub const ANNOTATION_MAX_SANDBOX_MIB: &str = "io.crab.max-sandbox-mib";
 pub const DEFAULT_MAX_SANDBOX_MIB: u64 = 10 << 10;
 /// The largest quota in MiB whose byte count fits in a u64.
 pub const MAX_SANDBOX_MIB_LIMIT: u64 = u64::MAX >> 20;
+/// `auto` | `off`: whether a container that replaces a dead one of the same pod sandbox and
+/// container name (kubelet's restart, attempt + 1) starts from the dead one's latest checkpoint.
+/// Default: `auto` under the `crab` policy, `off` under the others (`every-turn` keeps its
+/// checkpoints for the baseline's own recovery; `off` has none).
+pub const ANNOTATION_RESTORE: &str = "io.crab.restore";
 /// On a Task Update: a request about turns (`mark`: end the current turn, begin the next).
 pub const ANNOTATION_TURN: &str = "io.crab.turn";
 
@@ -99,6 +104,16 @@ pub enum Policy {
     Off,
 }
 
+/// What `io.crab.restore` asks for a kubelet replacement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RestoreMode {
+    /// Restore the dead predecessor's latest checkpoint into the replacement.
+    Auto,
+    /// The replacement starts from its image, as under runc.
+    Off,
+}
+
 /// A checkpoint to start a container from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RestoreFrom {
@@ -122,6 +137,8 @@ pub struct SandboxPolicy {
     pub policy: Policy,
     pub ignore: Vec<PathBuf>,
     pub restore_from: Option<RestoreFrom>,
+    /// `io.crab.restore`; None: the policy's default (see [`SandboxPolicy::restores_replacement`]).
+    pub restore: Option<RestoreMode>,
     /// MiB the sandbox's chain may reference in the store (0: no bound).
     pub max_sandbox_mib: u64,
     /// The operator's (crab.toml), never an annotation's: whether [`ANNOTATION_MAX_SANDBOX_MIB`]
@@ -136,6 +153,7 @@ impl Default for SandboxPolicy {
             policy: Policy::Crab,
             ignore: Vec::new(),
             restore_from: None,
+            restore: None,
             max_sandbox_mib: DEFAULT_MAX_SANDBOX_MIB,
             allow_quota_raise: false,
         }
@@ -186,7 +204,34 @@ impl SandboxPolicy {
         if let Some(v) = annotations.get(ANNOTATION_MAX_SANDBOX_MIB) {
             p.max_sandbox_mib = parse_max_sandbox_mib(v, defaults)?;
         }
+        if let Some(v) = annotations.get(ANNOTATION_RESTORE) {
+            p.restore = Some(match v.as_str() {
+                "auto" => RestoreMode::Auto,
+                "off" => RestoreMode::Off,
+                _ => return Err(choice(ANNOTATION_RESTORE, v, "auto, off")),
+            });
+            if p.restore == Some(RestoreMode::Auto) && p.policy == Policy::Off {
+                // Nothing would ever be there to restore: say so rather than pretend.
+                return Err(AnnotationError::Invalid {
+                    key: ANNOTATION_RESTORE,
+                    value: v.clone(),
+                    message: format!(
+                        "a replacement can only be restored from checkpoints, and {ANNOTATION_POLICY} is off"
+                    ),
+                });
+            }
+        }
         Ok(p)
+    }
+
+    /// Whether a kubelet replacement of this sandbox's container starts from its predecessor's
+    /// latest checkpoint: `io.crab.restore`, else `auto` under the `crab` policy only.
+    pub fn restores_replacement(&self) -> bool {
+        match self.restore {
+            Some(RestoreMode::Auto) => self.policy != Policy::Off,
+            Some(RestoreMode::Off) => false,
+            None => self.policy == Policy::Crab,
+        }
     }
 
     /// The quota in bytes for the store (None: no bound).
@@ -426,6 +471,37 @@ mod tests {
 
     fn ann(pairs: &[(&str, &str)]) -> HashMap<String, String> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn restore_annotation_defaults_to_auto_under_crab_only() {
+        let defaults = SandboxPolicy::default();
+        assert!(SandboxPolicy::from_annotations(&ann(&[]), &defaults).unwrap().restores_replacement());
+        let every = SandboxPolicy::from_annotations(&ann(&[("io.crab.policy", "every-turn")]), &defaults).unwrap();
+        assert!(!every.restores_replacement());
+        let off = SandboxPolicy::from_annotations(&ann(&[("io.crab.restore", "off")]), &defaults).unwrap();
+        assert_eq!(off.restore, Some(RestoreMode::Off));
+        assert!(!off.restores_replacement());
+        let asked = SandboxPolicy::from_annotations(
+            &ann(&[("io.crab.policy", "every-turn"), ("io.crab.restore", "auto")]),
+            &defaults,
+        )
+        .unwrap();
+        assert!(asked.restores_replacement());
+    }
+
+    #[test]
+    fn restore_annotation_errors_name_the_annotation() {
+        let defaults = SandboxPolicy::default();
+        let err = SandboxPolicy::from_annotations(&ann(&[("io.crab.restore", "yes")]), &defaults).unwrap_err();
+        assert_eq!(err.to_string(), r#"annotation io.crab.restore="yes": expected one of auto, off"#);
+        let err =
+            SandboxPolicy::from_annotations(&ann(&[("io.crab.policy", "off"), ("io.crab.restore", "auto")]), &defaults)
+                .unwrap_err();
+        assert!(
+            err.to_string().contains("io.crab.restore") && err.to_string().contains("io.crab.policy is off"),
+            "{err}"
+        );
     }
 
     #[test]

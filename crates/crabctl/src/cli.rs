@@ -177,7 +177,13 @@ impl CheckpointCommand {
         let ctl = Ctl::open(&common.state_dir()?, ctr)?;
         match &self {
             Self::Turns { container, .. } => print(json, &ctl.turns(container)?, |turns| {
-                let mut out = format!(
+                // A chain that starts from another's checkpoint (a fork, a kubelet replacement).
+                let mut out = match ctl.origin(container) {
+                    Ok(Some(origin)) => format!("{origin}\n"),
+                    Ok(None) => String::new(),
+                    Err(e) => format!("origin unknown: {e}\n"),
+                };
+                out += &format!(
                     "{:>5} {:<6} {:<6} {:>3} {:>10} {:>9} {:>10}  {}\n",
                     "turn", "source", "class", "ext", "ckpt", "bytes", "ckpt ms", "reasons"
                 );

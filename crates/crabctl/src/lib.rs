@@ -147,6 +147,11 @@ impl Ctl {
         Ok(crab_store::ContainerCensus { namespaces: census, keep_removed, now })
     }
 
+    /// The checkpoint `container`'s chain starts from (a fork, a kubelet replacement), if any.
+    pub fn origin(&self, container: &str) -> Result<Option<crab_store::Origin>> {
+        Ok(self.store.origin(&self.key(container)?)?)
+    }
+
     pub fn turns(&self, container: &str) -> Result<Vec<TurnRecord>> {
         Ok(TurnLog::open(&self.state_dir, &self.key(container)?)?.read()?)
     }
