@@ -334,3 +334,84 @@ async fn missing_binaries_fail_exec_and_create_as_under_runc() {
     })
     .await;
 }
+
+/// The records of `container`'s turns so far (the shim appends one per turn once it is checkpointed).
+fn turn_records(container: &Container) -> Outcome<Vec<crab_store::turns::TurnRecord>> {
+    let state = std::env::var_os("CRAB_STATE_DIR").map_or_else(|| "/var/lib/crab".into(), std::path::PathBuf::from);
+    let key = format!("{}/{}", container.ctr().namespace(), container.id());
+    crab_store::turns::TurnLog::open(&state, &key)
+        .and_then(|log| log.read())
+        .map_err(|e| HarnessError::Expectation(format!("turn log of {key}: {e}")))
+}
+
+/// The record of the turn `exec_id` made, once written.
+async fn record_of(container: &Container, exec_id: &str) -> Outcome<crab_store::turns::TurnRecord> {
+    crab_integration::wait_until(&format!("the turn record of exec {exec_id}"), LONG, || async {
+        Ok(turn_records(container)?.into_iter().find(|r| r.exec_id.as_deref() == Some(exec_id)))
+    })
+    .await
+}
+
+/// Issue 15: an exec that crab-init's spawner does not start (here: another user than the init's,
+/// which the spawner never takes) is started by `runc exec`, outside the container's process tree
+/// and so outside every dump. That is never silent: the record of its turn lists it with why, and
+/// for an exec that outlives its turn (a session), that a restore does not bring it back; an exec
+/// the spawner started lists nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn execs_through_the_runtime_are_recorded_in_their_turns() {
+    let runtime = crab();
+    let container = Container::new(&runtime, "runtime-exec");
+    container.start(&["sleep", "100000"]).await.expect("start");
+    let result = async {
+        let spawned = container.exec_ok("spawned", &["sh", "-c", PARENT_COMM]).await?;
+        ensure_eq!(spawned.trim(), "crab-spawner", "the parent of an exec as the init's user");
+        let record = record_of(&container, "spawned").await?;
+        ensure!(record.runtime_execs.is_empty(), "an exec of the spawner's listed as the runtime's: {record:?}");
+
+        let exec = |id: &'static str, detach: bool, cmd: &'static [&'static str]| {
+            let mut args = vec!["task", "exec", "--exec-id", id, "--user", "1000"];
+            if detach {
+                args.push("--detach");
+            }
+            args.push(container.id());
+            args.extend_from_slice(cmd);
+            container.ctr().invoke(args).output()
+        };
+        let other_user = exec("other-user", false, &["sh", "-c", PARENT_COMM]).await?;
+        ensure_eq!(other_user.stdout.trim(), "outside", "the parent of an exec as another user ({other_user:?})");
+        let record = record_of(&container, "other-user").await?;
+        ensure_eq!(record.runtime_execs.len(), 1, "runtime execs of {record:?}");
+        let listed = &record.runtime_execs[0];
+        ensure!(
+            listed.exec_id == "other-user" && listed.reason.contains("user") && !listed.running,
+            "the runtime exec as recorded: {listed:?}"
+        );
+        ensure!(record.reasons.contains(&listed.to_string()), "the reasons do not say it: {record:?}");
+
+        // A session the runtime started and that outlives its turn (a mark ends the turn).
+        let session = exec("runtime-session", true, &["sleep", "1000"]).await?;
+        ensure_eq!(session.code(), Some(0), "detached exec ({session:?})");
+        let marked = tokio::process::Command::new(crab_integration::env::crab_binary("crabctl"))
+            .args(["turn", container.id(), "mark", "--json"])
+            .output()
+            .await
+            .map_err(|e| HarnessError::io("crabctl turn mark", e))?;
+        ensure!(marked.status.success(), "crabctl turn mark: {}", String::from_utf8_lossy(&marked.stderr));
+        let record = record_of(&container, "runtime-session").await?;
+        let listed = record.runtime_execs.iter().find(|e| e.exec_id == "runtime-session");
+        ensure!(listed.is_some_and(|e| e.running), "the session's turn: {record:?}");
+        ensure!(
+            record.reasons.iter().any(|r| r.contains("runtime-session") && r.contains("not restorable")),
+            "the record does not say the session is not restorable: {record:?}"
+        );
+        container
+            .ctr()
+            .invoke(["task", "kill", "--exec-id", "runtime-session", "--signal", "SIGKILL", container.id()])
+            .success()
+            .await?;
+        Ok(())
+    }
+    .await;
+    remove(&container).await.expect("remove");
+    result.expect("runtime execs recorded");
+}
