@@ -253,20 +253,9 @@ async fn execs_go_through_the_spawner_with_all_capabilities_dropped() {
     result.expect("exec with capabilities dropped");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn spawner_refuses_connections_from_inside_the_container() {
-    let runtime = crab();
-    let container = Container::new(&runtime, "spawner-refuses");
-    let image = "crab.local/terminal:latest";
-    container
-        .ctr()
-        .invoke(["run", "-d", "--runtime", runtime.name(), image, container.id(), "sleep", "100000"])
-        .success()
-        .await
-        .expect("start the terminal image");
-    container.wait_status("RUNNING", SHORT).await.expect("running");
-    // Root inside the container asks the spawner to list its sessions.
-    let probe = r#"
+/// Python run by root in a container: connects to the spawner's socket, asks it to list its
+/// sessions and prints the frames it got back as a JSON array.
+const SPAWNER_PROBE: &str = r#"
 import json, socket, struct
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect("/dev/.crab/sock")
@@ -292,13 +281,32 @@ while len(data) >= 4:
     data = data[4 + n:]
 print(json.dumps(frames))
 "#;
+
+/// What the spawner answered `SPAWNER_PROBE` with: exactly one frame, an error; its message.
+async fn spawner_refusal(container: &Container) -> Outcome<String> {
+    let out = container.exec_ok("probe", &["python3", "-c", SPAWNER_PROBE]).await?;
+    let frames: Vec<serde_json::Value> = serde_json::from_str(out.trim())
+        .map_err(|e| HarnessError::Parse { what: "spawner frames".into(), detail: format!("{e}: {out}") })?;
+    ensure_eq!(frames.len(), 1, "frames the spawner sent before closing: {frames:?}");
+    ensure_eq!(frames[0]["kind"], "error", "reply to a container process");
+    Ok(frames[0]["message"].as_str().unwrap_or_default().to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spawner_refuses_connections_from_inside_the_container() {
+    let runtime = crab();
+    let container = Container::new(&runtime, "spawner-refuses");
+    let image = "crab.local/terminal:latest";
+    container
+        .ctr()
+        .invoke(["run", "-d", "--runtime", runtime.name(), image, container.id(), "sleep", "100000"])
+        .success()
+        .await
+        .expect("start the terminal image");
+    container.wait_status("RUNNING", SHORT).await.expect("running");
     let result = async {
-        let out = container.exec_ok("probe", &["python3", "-c", probe]).await?;
-        let frames: Vec<serde_json::Value> = serde_json::from_str(out.trim())
-            .map_err(|e| HarnessError::Parse { what: "spawner frames".into(), detail: format!("{e}: {out}") })?;
-        ensure_eq!(frames.len(), 1, "frames the spawner sent before closing: {frames:?}");
-        ensure_eq!(frames[0]["kind"], "error", "reply to a container process");
-        let message = frames[0]["message"].as_str().unwrap_or_default();
+        // Root inside the container asks the spawner to list its sessions.
+        let message = spawner_refusal(&container).await?;
         ensure!(
             message.contains("connection refused") && message.contains("inside the container"),
             "refusal: {message}"
@@ -308,6 +316,37 @@ print(json.dumps(frames))
     .await;
     remove(&container).await.expect("remove");
     result.expect("refusal");
+}
+
+/// Issue 15: in the host's pid namespace (a hostPID pod) every process has a host pid, the shim's
+/// too, so the spawner cannot know the shim by a pid of 0. It lets in the parent of the
+/// container's init (the shim, the runtime's subreaper), which no process of the container is:
+/// execs go through the spawner, inside the container's process tree, and root in the container
+/// is still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_host_pid_namespace_execs_go_through_the_spawner_and_the_container_is_refused() {
+    let runtime = crab();
+    let container = Container::new(&runtime, "spawner-host-pid");
+    let image = "crab.local/terminal:latest";
+    let args = ["run", "-d", "--runtime", runtime.name(), "--with-ns", "pid:/proc/1/ns/pid", image, container.id()];
+    container.ctr().invoke(args.into_iter().chain(["sleep", "100000"])).success().await.expect("start");
+    container.wait_status("RUNNING", SHORT).await.expect("running");
+    let result = async {
+        let pid_ns = container.exec_ok("pid-ns", &["readlink", "/proc/self/ns/pid"]).await?;
+        let host = std::fs::read_link("/proc/self/ns/pid").map_err(|e| HarnessError::io("host pid ns", e))?;
+        ensure_eq!(pid_ns.trim(), host.display().to_string(), "the container's pid namespace");
+        let parent = container.exec_ok("parent", &["sh", "-c", PARENT_COMM]).await?;
+        ensure_eq!(parent.trim(), "crab-spawner", "the parent of an exec in the host's pid namespace");
+        let message = spawner_refusal(&container).await?;
+        ensure!(message.contains("connection refused") && message.contains("not the shim"), "refusal: {message}");
+        // The shim is still served after the refusal.
+        let again = container.exec_ok("parent-again", &["sh", "-c", PARENT_COMM]).await?;
+        ensure_eq!(again.trim(), "crab-spawner", "the parent of an exec after the refusal");
+        Ok(())
+    }
+    .await;
+    remove(&container).await.expect("remove");
+    result.expect("host pid namespace");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

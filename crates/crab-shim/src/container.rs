@@ -273,6 +273,17 @@ impl Container {
         });
     }
 
+    /// Whether the container has no pid namespace of its own (it joins one, as hostPID does):
+    /// the kernel then kills nothing of it when its init exits. Read from the bundle's spec; an
+    /// unreadable spec counts as shared (the kill-all it leads to is harmless for a container
+    /// whose namespace went with its init).
+    pub fn shares_pid_namespace(&self) -> bool {
+        let spec = std::fs::read(self.config.bundle.join("config.json"))
+            .ok()
+            .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok());
+        !spec.is_some_and(|spec| own_pid_namespace(&spec))
+    }
+
     /// The spawner's host pid: the runtime's own helper, hidden from Pids and Stats.
     pub fn spawner_pid(&self) -> Option<u32> {
         self.spawner.get().and_then(|slot| slot.client.host_pid())
@@ -696,6 +707,16 @@ impl Container {
     }
 }
 
+/// Whether an OCI spec gives the container a new pid namespace (a `pid` entry without a path).
+fn own_pid_namespace(spec: &serde_json::Value) -> bool {
+    spec.pointer("/linux/namespaces").and_then(serde_json::Value::as_array).is_some_and(|namespaces| {
+        namespaces.iter().any(|ns| {
+            ns.get("type").and_then(serde_json::Value::as_str) == Some("pid")
+                && ns.get("path").and_then(serde_json::Value::as_str).is_none_or(str::is_empty)
+        })
+    })
+}
+
 /// An exec that started.
 pub struct StartedExec {
     pub pid: u32,
@@ -959,5 +980,34 @@ fn reconnect_when_running(slot: Arc<SpawnerSlot>, init: Arc<Process>) {
             tracing::info!("spawner not back after the dump (the container stopped, or the spawner is gone)");
             slot.client.resume_without_connection();
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::{identity_mismatch, own_pid_namespace};
+
+    #[test]
+    fn a_pid_namespace_with_a_path_or_none_at_all_is_shared() {
+        assert!(own_pid_namespace(&json!({"linux": {"namespaces": [{"type": "mount"}, {"type": "pid"}]}})));
+        assert!(own_pid_namespace(&json!({"linux": {"namespaces": [{"type": "pid", "path": ""}]}})));
+        assert!(!own_pid_namespace(&json!({"linux": {"namespaces": [{"type": "pid", "path": "/proc/1/ns/pid"}]}})));
+        assert!(!own_pid_namespace(&json!({"linux": {"namespaces": [{"type": "network"}]}})), "hostPID");
+        assert!(!own_pid_namespace(&json!({})));
+    }
+
+    #[test]
+    fn an_identity_mismatch_names_what_differs() {
+        let init = crab_runtime::init::process_identity(&json!({"user": {"uid": 0, "gid": 0}}));
+        let exec = crab_runtime::init::process_identity(&json!({"user": {"uid": 1000, "gid": 0}}));
+        let reason = identity_mismatch(&exec, &init);
+        assert!(reason.contains("user") && !reason.contains("capabilities"), "{reason}");
+        let exec = crab_runtime::init::process_identity(
+            &json!({"user": {"uid": 0, "gid": 0}, "capabilities": {"bounding": []}, "noNewPrivileges": true}),
+        );
+        let reason = identity_mismatch(&exec, &init);
+        assert!(reason.contains("capabilities, noNewPrivileges") && !reason.contains("user"), "{reason}");
     }
 }

@@ -107,6 +107,14 @@ impl TaskService {
                 engine.exec_exited(&process.exec_id).await;
             }
             if process.exec_id.is_empty() {
+                if container.shares_pid_namespace() {
+                    // No pid namespace of its own (hostPID): the kernel kills nothing when the
+                    // init goes, so the rest of the container (crab-init's spawner, execs) is
+                    // killed here, as containerd's runc shim does.
+                    if let Err(e) = container.runtime.kill(container.id(), libc::SIGKILL as u32, true).await {
+                        tracing::debug!(container = %container_id, error = %e, "the rest of the container not killed");
+                    }
+                }
                 // With the init gone, the kernel killed the rest of the pid
                 // namespace; their exits come first, as containerd expects.
                 for exec in container.execs() {
