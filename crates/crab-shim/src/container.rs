@@ -732,7 +732,7 @@ fn identity_mismatch(exec: &serde_json::Value, init: &serde_json::Value) -> Stri
         .into_iter()
         .filter(|key| exec.get(key) != init.get(key))
         .collect();
-    format!("the exec's {} differ from the init's (the spawner starts execs with the init's credentials)", differ.join(", "))
+    format!("the exec differs from the init in {} (the spawner starts execs with the init's credentials)", differ.join(", "))
 }
 
 fn describe(process: &Process) -> String {
