@@ -442,7 +442,10 @@ async fn execs_through_the_runtime_are_in_the_records_of_the_turns_they_ran_in()
         log.read().unwrap().pop().unwrap()
     };
     assert_eq!(ended.turn, marked.turn + 1, "{ended:?}");
-    assert_eq!(ended.runtime_execs.iter().map(|e| (e.exec_id.as_str(), e.running)).collect::<Vec<_>>(), [("session", false)]);
+    assert_eq!(
+        ended.runtime_execs.iter().map(|e| (e.exec_id.as_str(), e.running)).collect::<Vec<_>>(),
+        [("session", false)]
+    );
     let after = sandbox.turn(|s| s.write("/work/b", "b")).await;
     assert!(after.runtime_execs.is_empty(), "the session is gone: {after:?}");
     assert!(after.reasons.iter().all(|r| !r.contains("runtime")), "{after:?}");

@@ -246,8 +246,8 @@ pub fn parent_of_init(
         return Ok(0);
     }
     let stat = read_stat(init).map_err(|e| format!("connection refused: /proc/{init}/stat of the init: {e}"))?;
-    let parent =
-        parent_in_stat(&stat).ok_or_else(|| format!("connection refused: /proc/{init}/stat of the init is unreadable"))?;
+    let parent = parent_in_stat(&stat)
+        .ok_or_else(|| format!("connection refused: /proc/{init}/stat of the init is unreadable"))?;
     if getppid() != init {
         return Err("connection refused: the container's init exited".into());
     }
@@ -387,7 +387,9 @@ mod tests {
             if calls.get() == 1 { 77 } else { 4000 }
         };
         assert!(parent_of_init(reparented, stat).unwrap_err().contains("exited"));
-        assert!(parent_of_init(|| 77, |_| Err(std::io::Error::other("no /proc"))).unwrap_err().contains("/proc/77/stat"));
+        assert!(
+            parent_of_init(|| 77, |_| Err(std::io::Error::other("no /proc"))).unwrap_err().contains("/proc/77/stat")
+        );
         assert!(parent_of_init(|| 77, |_| Ok("garbage".into())).is_err());
     }
 }

@@ -213,7 +213,8 @@ impl Container {
             }
             Ok(None) => {
                 tracing::info!(container = %self.id(), "no tmpfs at /dev in the spec: execs go through the runtime");
-                let _ = self.no_spawner.set("no crab-init spawner: the spec has no tmpfs at /dev for /dev/.crab".into());
+                let _ =
+                    self.no_spawner.set("no crab-init spawner: the spec has no tmpfs at /dev for /dev/.crab".into());
                 Ok(())
             }
             Err(crab_runtime::init::InitError::Entrypoint(message)) => Err(RuntimeError::Failed {
@@ -225,7 +226,8 @@ impl Container {
             .into()),
             Err(e) => {
                 tracing::warn!(container = %self.id(), error = %e, "crab-init not installed: execs go through the runtime");
-                let _ = self.no_spawner.set(format!("no crab-init spawner: crab-init not installed in the bundle: {e}"));
+                let _ =
+                    self.no_spawner.set(format!("no crab-init spawner: crab-init not installed in the bundle: {e}"));
                 Ok(())
             }
         }
@@ -732,7 +734,10 @@ fn identity_mismatch(exec: &serde_json::Value, init: &serde_json::Value) -> Stri
         .into_iter()
         .filter(|key| exec.get(key) != init.get(key))
         .collect();
-    format!("the exec differs from the init in {} (the spawner starts execs with the init's credentials)", differ.join(", "))
+    format!(
+        "the exec differs from the init in {} (the spawner starts execs with the init's credentials)",
+        differ.join(", ")
+    )
 }
 
 fn describe(process: &Process) -> String {
