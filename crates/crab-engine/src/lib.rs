@@ -511,6 +511,19 @@ impl SandboxEngine {
         // Records go in turn order, and the head read below includes the previous turn's checkpoint.
         slot.previous_written().await;
         let head = self.ctx.store.head(&self.key).ok().flatten().map(|h| h.turn);
+        let mut record = self.record_outcome(open, outcome, head, slot);
+        // What a restore of this turn cannot bring back, in words (`runtime_execs` has it as data).
+        record.reasons.extend(open.runtime_execs.iter().map(RuntimeExec::to_string));
+        record
+    }
+
+    fn record_outcome(
+        &self,
+        open: &OpenTurn,
+        outcome: Result<TurnRecord, (TurnRecord, EngineError)>,
+        head: Option<u64>,
+        slot: &mut TurnSlot,
+    ) -> TurnRecord {
         match outcome {
             // A superseded turn has no checkpoint of its own, and the head does not hold it either.
             Ok(record) if record.checkpoint_turn.is_some() || record.superseded_by.is_some() => record,
@@ -715,8 +728,6 @@ impl SandboxEngine {
             over_quota: None,
             runtime_execs: open.runtime_execs.clone(),
         };
-        // What a restore of this turn cannot bring back, in words (`runtime_execs` has it as data).
-        record.reasons.extend(open.runtime_execs.iter().map(RuntimeExec::to_string));
         let (class, changed) = match self.policy.policy {
             Policy::Off => {
                 record.class = RecordedClass::Clean;
