@@ -328,7 +328,10 @@ async fn with_the_host_pid_namespace_execs_go_through_the_spawner_and_the_contai
     let runtime = crab();
     let container = Container::new(&runtime, "spawner-host-pid");
     let image = "crab.local/terminal:latest";
-    let args = ["run", "-d", "--runtime", runtime.name(), "--with-ns", "pid:/proc/1/ns/pid", image, container.id()];
+    // The test's own pid namespace is the host's here; /proc/1 may be closed to us (a sandboxed
+    // machine's pid 1 is not always ours to inspect), the test process never is.
+    let host_pid_ns = format!("pid:/proc/{}/ns/pid", std::process::id());
+    let args = ["run", "-d", "--runtime", runtime.name(), "--with-ns", &host_pid_ns, image, container.id()];
     container.ctr().invoke(args.into_iter().chain(["sleep", "100000"])).success().await.expect("start");
     container.wait_status("RUNNING", SHORT).await.expect("running");
     let result = async {
