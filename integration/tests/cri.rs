@@ -92,14 +92,22 @@ async fn container_logs() {
     .await;
 }
 
+/// The parent of an exec's shell, by name: `crab-spawner` when crab-init's spawner started it in
+/// the container's process tree (what a checkpoint takes); under `runc exec` the shim, outside the
+/// container (`outside`, or its name where the host's processes are visible).
+const PARENT_COMM: &str = "cat /proc/$PPID/comm 2>/dev/null || echo outside";
+
 /// Runs `probe` (a shell snippet) as the container's entrypoint and again through ExecSync in
-/// a pod of `shape`: what each printed and the exec's exit status.
+/// a pod of `shape`: what each printed and the exec's exit status. Under crab every exec must be
+/// the spawner's, whatever the pod's shape (issue 15: a fallback to `runc exec` leaves it out of
+/// checkpoints); that is checked here and not part of the observation (runc has no spawner).
 async fn probe_in(
     scenario: &'static str,
     handler: crab_integration::Runtime,
     shape: PodShape,
     probe: &'static str,
 ) -> Outcome<(Vec<String>, (String, String, i32))> {
+    let crab = handler.name() == crab_integration::env::CRAB_RUNTIME;
     with_pod(scenario, handler, shape, move |pod| {
         async move {
             let script = format!("{probe}; echo ready; exec sleep 3600");
@@ -109,6 +117,10 @@ async fn probe_in(
             let state = pod.state(&id).await?;
             ensure_eq!(state, ContainerState::ContainerRunning, "container state after its probe");
             let exec = pod.exec(&id, &["sh", "-c", probe], 30).await?;
+            if crab {
+                let (parent, _, _) = pod.exec(&id, &["sh", "-c", PARENT_COMM], 30).await?;
+                ensure_eq!(parent.trim(), "crab-spawner", "the parent of crab's exec (else it ran through runc exec)");
+            }
             Ok((main, exec))
         }
         .boxed_local()

@@ -253,20 +253,9 @@ async fn execs_go_through_the_spawner_with_all_capabilities_dropped() {
     result.expect("exec with capabilities dropped");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn spawner_refuses_connections_from_inside_the_container() {
-    let runtime = crab();
-    let container = Container::new(&runtime, "spawner-refuses");
-    let image = "crab.local/terminal:latest";
-    container
-        .ctr()
-        .invoke(["run", "-d", "--runtime", runtime.name(), image, container.id(), "sleep", "100000"])
-        .success()
-        .await
-        .expect("start the terminal image");
-    container.wait_status("RUNNING", SHORT).await.expect("running");
-    // Root inside the container asks the spawner to list its sessions.
-    let probe = r#"
+/// Python run by root in a container: connects to the spawner's socket, asks it to list its
+/// sessions and prints the frames it got back as a JSON array.
+const SPAWNER_PROBE: &str = r#"
 import json, socket, struct
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect("/dev/.crab/sock")
@@ -292,13 +281,32 @@ while len(data) >= 4:
     data = data[4 + n:]
 print(json.dumps(frames))
 "#;
+
+/// What the spawner answered `SPAWNER_PROBE` with: exactly one frame, an error; its message.
+async fn spawner_refusal(container: &Container) -> Outcome<String> {
+    let out = container.exec_ok("probe", &["python3", "-c", SPAWNER_PROBE]).await?;
+    let frames: Vec<serde_json::Value> = serde_json::from_str(out.trim())
+        .map_err(|e| HarnessError::Parse { what: "spawner frames".into(), detail: format!("{e}: {out}") })?;
+    ensure_eq!(frames.len(), 1, "frames the spawner sent before closing: {frames:?}");
+    ensure_eq!(frames[0]["kind"], "error", "reply to a container process");
+    Ok(frames[0]["message"].as_str().unwrap_or_default().to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spawner_refuses_connections_from_inside_the_container() {
+    let runtime = crab();
+    let container = Container::new(&runtime, "spawner-refuses");
+    let image = "crab.local/terminal:latest";
+    container
+        .ctr()
+        .invoke(["run", "-d", "--runtime", runtime.name(), image, container.id(), "sleep", "100000"])
+        .success()
+        .await
+        .expect("start the terminal image");
+    container.wait_status("RUNNING", SHORT).await.expect("running");
     let result = async {
-        let out = container.exec_ok("probe", &["python3", "-c", probe]).await?;
-        let frames: Vec<serde_json::Value> = serde_json::from_str(out.trim())
-            .map_err(|e| HarnessError::Parse { what: "spawner frames".into(), detail: format!("{e}: {out}") })?;
-        ensure_eq!(frames.len(), 1, "frames the spawner sent before closing: {frames:?}");
-        ensure_eq!(frames[0]["kind"], "error", "reply to a container process");
-        let message = frames[0]["message"].as_str().unwrap_or_default();
+        // Root inside the container asks the spawner to list its sessions.
+        let message = spawner_refusal(&container).await?;
         ensure!(
             message.contains("connection refused") && message.contains("inside the container"),
             "refusal: {message}"
@@ -308,6 +316,40 @@ print(json.dumps(frames))
     .await;
     remove(&container).await.expect("remove");
     result.expect("refusal");
+}
+
+/// Issue 15: in the host's pid namespace (a hostPID pod) every process has a host pid, the shim's
+/// too, so the spawner cannot know the shim by a pid of 0. It lets in the parent of the
+/// container's init (the shim, the runtime's subreaper), which no process of the container is:
+/// execs go through the spawner, inside the container's process tree, and root in the container
+/// is still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_host_pid_namespace_execs_go_through_the_spawner_and_the_container_is_refused() {
+    let runtime = crab();
+    let container = Container::new(&runtime, "spawner-host-pid");
+    let image = "crab.local/terminal:latest";
+    // The test's own pid namespace is the host's here; /proc/1 may be closed to us (a sandboxed
+    // machine's pid 1 is not always ours to inspect), the test process never is.
+    let host_pid_ns = format!("pid:/proc/{}/ns/pid", std::process::id());
+    let args = ["run", "-d", "--runtime", runtime.name(), "--with-ns", &host_pid_ns, image, container.id()];
+    container.ctr().invoke(args.into_iter().chain(["sleep", "100000"])).success().await.expect("start");
+    container.wait_status("RUNNING", SHORT).await.expect("running");
+    let result = async {
+        let pid_ns = container.exec_ok("pid-ns", &["readlink", "/proc/self/ns/pid"]).await?;
+        let host = std::fs::read_link("/proc/self/ns/pid").map_err(|e| HarnessError::io("host pid ns", e))?;
+        ensure_eq!(pid_ns.trim(), host.display().to_string(), "the container's pid namespace");
+        let parent = container.exec_ok("parent", &["sh", "-c", PARENT_COMM]).await?;
+        ensure_eq!(parent.trim(), "crab-spawner", "the parent of an exec in the host's pid namespace");
+        let message = spawner_refusal(&container).await?;
+        ensure!(message.contains("connection refused") && message.contains("not the shim"), "refusal: {message}");
+        // The shim is still served after the refusal.
+        let again = container.exec_ok("parent-again", &["sh", "-c", PARENT_COMM]).await?;
+        ensure_eq!(again.trim(), "crab-spawner", "the parent of an exec after the refusal");
+        Ok(())
+    }
+    .await;
+    remove(&container).await.expect("remove");
+    result.expect("host pid namespace");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -333,4 +375,85 @@ async fn missing_binaries_fail_exec_and_create_as_under_runc() {
         Ok((exec_observed, create_observed))
     })
     .await;
+}
+
+/// The records of `container`'s turns so far (the shim appends one per turn once it is checkpointed).
+fn turn_records(container: &Container) -> Outcome<Vec<crab_store::turns::TurnRecord>> {
+    let state = std::env::var_os("CRAB_STATE_DIR").map_or_else(|| "/var/lib/crab".into(), std::path::PathBuf::from);
+    let key = format!("{}/{}", container.ctr().namespace(), container.id());
+    crab_store::turns::TurnLog::open(&state, &key)
+        .and_then(|log| log.read())
+        .map_err(|e| HarnessError::Expectation(format!("turn log of {key}: {e}")))
+}
+
+/// The record of the turn `exec_id` made, once written.
+async fn record_of(container: &Container, exec_id: &str) -> Outcome<crab_store::turns::TurnRecord> {
+    crab_integration::wait_until(&format!("the turn record of exec {exec_id}"), LONG, || async {
+        Ok(turn_records(container)?.into_iter().find(|r| r.exec_id.as_deref() == Some(exec_id)))
+    })
+    .await
+}
+
+/// Issue 15: an exec that crab-init's spawner does not start (here: another user than the init's,
+/// which the spawner never takes) is started by `runc exec`, outside the container's process tree
+/// and so outside every dump. That is never silent: the record of its turn lists it with why, and
+/// for an exec that outlives its turn (a session), that a restore does not bring it back; an exec
+/// the spawner started lists nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn execs_through_the_runtime_are_recorded_in_their_turns() {
+    let runtime = crab();
+    let container = Container::new(&runtime, "runtime-exec");
+    container.start(&["sleep", "100000"]).await.expect("start");
+    let result = async {
+        let spawned = container.exec_ok("spawned", &["sh", "-c", PARENT_COMM]).await?;
+        ensure_eq!(spawned.trim(), "crab-spawner", "the parent of an exec as the init's user");
+        let record = record_of(&container, "spawned").await?;
+        ensure!(record.runtime_execs.is_empty(), "an exec of the spawner's listed as the runtime's: {record:?}");
+
+        let exec = |id: &'static str, detach: bool, cmd: &'static [&'static str]| {
+            let mut args = vec!["task", "exec", "--exec-id", id, "--user", "1000"];
+            if detach {
+                args.push("--detach");
+            }
+            args.push(container.id());
+            args.extend_from_slice(cmd);
+            container.ctr().invoke(args).output()
+        };
+        let other_user = exec("other-user", false, &["sh", "-c", PARENT_COMM]).await?;
+        ensure_eq!(other_user.stdout.trim(), "outside", "the parent of an exec as another user ({other_user:?})");
+        let record = record_of(&container, "other-user").await?;
+        ensure_eq!(record.runtime_execs.len(), 1, "runtime execs of {record:?}");
+        let listed = &record.runtime_execs[0];
+        ensure!(
+            listed.exec_id == "other-user" && listed.reason.contains("user") && !listed.running,
+            "the runtime exec as recorded: {listed:?}"
+        );
+        ensure!(record.reasons.contains(&listed.to_string()), "the reasons do not say it: {record:?}");
+
+        // A session the runtime started and that outlives its turn (a mark ends the turn).
+        let session = exec("runtime-session", true, &["sleep", "1000"]).await?;
+        ensure_eq!(session.code(), Some(0), "detached exec ({session:?})");
+        let marked = tokio::process::Command::new(crab_integration::env::crab_binary("crabctl"))
+            .args(["turn", container.id(), "mark", "--json"])
+            .output()
+            .await
+            .map_err(|e| HarnessError::io("crabctl turn mark", e))?;
+        ensure!(marked.status.success(), "crabctl turn mark: {}", String::from_utf8_lossy(&marked.stderr));
+        let record = record_of(&container, "runtime-session").await?;
+        let listed = record.runtime_execs.iter().find(|e| e.exec_id == "runtime-session");
+        ensure!(listed.is_some_and(|e| e.running), "the session's turn: {record:?}");
+        ensure!(
+            record.reasons.iter().any(|r| r.contains("runtime-session") && r.contains("not restorable")),
+            "the record does not say the session is not restorable: {record:?}"
+        );
+        container
+            .ctr()
+            .invoke(["task", "kill", "--exec-id", "runtime-session", "--signal", "SIGKILL", container.id()])
+            .success()
+            .await?;
+        Ok(())
+    }
+    .await;
+    remove(&container).await.expect("remove");
+    result.expect("runtime execs recorded");
 }

@@ -57,7 +57,9 @@ use crab_inspector::{
     ClassifyOptions, Effect, EffectKind, ProcessRan, TurnClass, TurnEffects, classify, monotonic_now_ns,
 };
 use crab_runtime::{CheckpointOptions, DumpDeadline};
-use crab_store::turns::{Policy, RecordedClass, SandboxPolicy, TurnLog, TurnRecord, TurnSource, TurnsMode, unix_ms};
+use crab_store::turns::{
+    Policy, RecordedClass, RuntimeExec, SandboxPolicy, TurnLog, TurnRecord, TurnSource, TurnsMode, unix_ms,
+};
 use crab_store::{ChangedPath, CheckpointStore, MountKind, SandboxMounts, TurnInput};
 
 #[derive(Debug, thiserror::Error)]
@@ -129,6 +131,9 @@ struct OpenTurn {
     /// Set when the turn closes: those of them alive at its end that ran
     /// meanwhile (None: the CPU times could not be read).
     processes_ran: Option<Vec<ProcessRan>>,
+    /// Execs the runtime started (not the spawner) that ran in this turn; `running` is set
+    /// when the turn closes.
+    runtime_execs: Vec<RuntimeExec>,
 }
 
 /// A long-lived exec whose stdin the client feeds.
@@ -152,6 +157,8 @@ struct State {
     /// Checkpoint jobs started so far (compare with `SandboxEngine::jobs_done`).
     jobs_started: u64,
     sessions: HashMap<String, Session>,
+    /// Execs the runtime started that have not exited: every turn they run in lists them.
+    runtime_execs: Vec<RuntimeExec>,
 }
 
 impl State {
@@ -267,6 +274,7 @@ impl SandboxEngine {
                 pipeline: TurnPipeline::new(),
                 jobs_started: 0,
                 sessions: HashMap::new(),
+                runtime_execs: Vec::new(),
             }),
             jobs_done: watch::channel(0).0,
             stop: CancellationToken::new(),
@@ -325,6 +333,7 @@ impl SandboxEngine {
             processes_before: cpu_before.as_ref().map(CpuSnapshot::pids),
             cpu_before,
             processes_ran: None,
+            runtime_execs: state.runtime_execs.clone(),
         });
     }
 
@@ -397,10 +406,27 @@ impl SandboxEngine {
         delay
     }
 
+    /// An exec the OCI runtime started rather than crab-init's spawner (`reason` says why): its
+    /// processes are outside the container's process tree, which is what a dump takes. The open
+    /// turn, and every turn until it exits, lists it in its record (see [`RuntimeExec`]).
+    pub async fn exec_through_runtime(&self, exec_id: &str, reason: &str) {
+        let exec = RuntimeExec { exec_id: exec_id.into(), reason: reason.into(), running: true };
+        let mut state = self.state.lock().await;
+        if !state.runtime_execs.iter().any(|e| e.exec_id == exec_id) {
+            state.runtime_execs.push(exec.clone());
+        }
+        if let Some(open) = &mut state.open
+            && !open.runtime_execs.iter().any(|e| e.exec_id == exec_id)
+        {
+            open.runtime_execs.push(exec);
+        }
+    }
+
     /// An exec exited (or failed to start): the turn closes when nothing
     /// holds it any more, and its checkpoint starts in the background.
     pub async fn exec_exited(self: &Arc<Self>, exec_id: &str) {
         let mut state = self.state.lock().await;
+        state.runtime_execs.retain(|e| e.exec_id != exec_id);
         let session = state.sessions.remove(exec_id);
         if let Some(session) = &session {
             session.stop.cancel();
@@ -443,6 +469,10 @@ impl SandboxEngine {
         if let Some(source) = closed_by {
             open.source = source;
         }
+        // Whether each runtime exec outlived the turn: then no checkpoint of it holds its processes.
+        for exec in &mut open.runtime_execs {
+            exec.running = state.runtime_execs.iter().any(|e| e.exec_id == exec.exec_id);
+        }
         let cpu_after = self.cpu_snapshot().map(|s| s.without(&self.dump_charges.lock().expect("dump charges lock")));
         // A stdin turn's session ran its input: that is its own reason (see `inspect`).
         let session_pid = match (open.source, &open.exec_id) {
@@ -481,6 +511,19 @@ impl SandboxEngine {
         // Records go in turn order, and the head read below includes the previous turn's checkpoint.
         slot.previous_written().await;
         let head = self.ctx.store.head(&self.key).ok().flatten().map(|h| h.turn);
+        let mut record = self.record_outcome(open, outcome, head, slot);
+        // What a restore of this turn cannot bring back, in words (`runtime_execs` has it as data).
+        record.reasons.extend(open.runtime_execs.iter().map(RuntimeExec::to_string));
+        record
+    }
+
+    fn record_outcome(
+        &self,
+        open: &OpenTurn,
+        outcome: Result<TurnRecord, (TurnRecord, EngineError)>,
+        head: Option<u64>,
+        slot: &mut TurnSlot,
+    ) -> TurnRecord {
         match outcome {
             // A superseded turn has no checkpoint of its own, and the head does not hold it either.
             Ok(record) if record.checkpoint_turn.is_some() || record.superseded_by.is_some() => record,
@@ -683,6 +726,7 @@ impl SandboxEngine {
             policy: self.policy.policy,
             dump_failures: Vec::new(),
             over_quota: None,
+            runtime_execs: open.runtime_execs.clone(),
         };
         let (class, changed) = match self.policy.policy {
             Policy::Off => {

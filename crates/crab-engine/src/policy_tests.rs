@@ -396,3 +396,57 @@ fn turn_effects_leave_out_start_up_helpers_and_the_dump() {
     assert_eq!(kept_times, vec![3, 7], "{kept:#?}");
     assert_eq!(kept.lost_events, 2, "lost records are never dropped");
 }
+
+/// Issue 15: an exec the runtime started (not the spawner) is named in the record of every turn
+/// it runs in, with why, and whether it outlived the turn (then no checkpoint holds it); once it
+/// exits, later turns no longer list it.
+#[tokio::test]
+async fn execs_through_the_runtime_are_in_the_records_of_the_turns_they_ran_in() {
+    let mut sandbox = Sandbox::new(Policy::Crab).await;
+    let engine = sandbox.engine.clone();
+    // A short exec the runtime ran: it ends within its own turn.
+    let record = {
+        engine.exec_started("short").await;
+        engine.exec_through_runtime("short", "the exec's user differ").await;
+        sandbox.write("/work/a", "a");
+        engine.exec_exited("short").await;
+        engine.wait_for_checkpoints().await;
+        let log = crab_store::turns::TurnLog::open(sandbox.store.state_dir(), &sandbox.key).unwrap();
+        log.read().unwrap().pop().unwrap()
+    };
+    let short = crab_store::turns::RuntimeExec {
+        exec_id: "short".into(),
+        reason: "the exec's user differ".into(),
+        running: false,
+    };
+    assert_eq!(record.runtime_execs, vec![short.clone()], "{record:?}");
+    assert!(record.reasons.contains(&short.to_string()), "{record:?}");
+    assert!(record.reasons.iter().any(|r| r.contains("ended within the turn")), "{record:?}");
+
+    // A session the runtime started, still running when the next turns end.
+    engine.exec_started("session").await;
+    engine.exec_through_runtime("session", "spawner unavailable").await;
+    engine.mark().await;
+    let marked = {
+        let log = crab_store::turns::TurnLog::open(sandbox.store.state_dir(), &sandbox.key).unwrap();
+        log.read().unwrap().pop().unwrap()
+    };
+    assert_eq!(marked.runtime_execs.len(), 1, "{marked:?}");
+    assert!(marked.runtime_execs[0].running, "{marked:?}");
+    assert!(marked.reasons.iter().any(|r| r.contains("exec session is not restorable")), "{marked:?}");
+    // The mark opened the next turn, which the session holds: it lists the session from its start.
+    engine.exec_exited("session").await;
+    engine.wait_for_checkpoints().await;
+    let ended = {
+        let log = crab_store::turns::TurnLog::open(sandbox.store.state_dir(), &sandbox.key).unwrap();
+        log.read().unwrap().pop().unwrap()
+    };
+    assert_eq!(ended.turn, marked.turn + 1, "{ended:?}");
+    assert_eq!(
+        ended.runtime_execs.iter().map(|e| (e.exec_id.as_str(), e.running)).collect::<Vec<_>>(),
+        [("session", false)]
+    );
+    let after = sandbox.turn(|s| s.write("/work/b", "b")).await;
+    assert!(after.runtime_execs.is_empty(), "the session is gone: {after:?}");
+    assert!(after.reasons.iter().all(|r| !r.contains("runtime")), "{after:?}");
+}

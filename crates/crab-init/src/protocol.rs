@@ -201,19 +201,57 @@ pub fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, FrameError> {
     serde_json::from_value(value).map_err(|e| FrameError::Json { detail: e.to_string() })
 }
 
-/// Who may talk to the spawner: the shim, which is outside the container's
-/// pid namespace (its pid reads as 0 from inside) and root. A process of the
-/// container, even root, could otherwise start processes behind the shim's back.
-pub fn authorize_peer(pid: i32, uid: u32) -> Result<(), String> {
-    if pid != 0 {
-        return Err(format!(
-            "connection refused: peer pid {pid} is inside the container (only the shim may use the spawner)"
-        ));
+/// Who may talk to the spawner: the shim, root, which is the parent of the container's init (the
+/// runtime leaves the init to the shim, its child subreaper). `shim` is that parent's pid as the
+/// spawner's pid namespace sees it (see [`parent_of_init`]): 0 when the container has a pid
+/// namespace of its own (or shares its pod's), where every process outside it reads as 0; the
+/// shim's host pid in a hostPID container, where the container's processes have host pids too.
+/// A process of the container, even root, is never the init's parent, so it could otherwise
+/// start processes behind the shim's back.
+pub fn authorize_peer(pid: i32, uid: u32, shim: i32) -> Result<(), String> {
+    if pid != shim {
+        return Err(if shim == 0 {
+            format!("connection refused: peer pid {pid} is inside the container (only the shim may use the spawner)")
+        } else {
+            format!(
+                "connection refused: peer pid {pid} is not the shim (only pid {shim}, the parent of the container's \
+                 init, may use the spawner)"
+            )
+        });
     }
     if uid != 0 {
         return Err(format!("connection refused: peer uid {uid} is not root"));
     }
     Ok(())
+}
+
+/// The pid of the parent of the process whose `/proc/<pid>/stat` is `stat` (field 4; the command,
+/// field 2, may hold spaces and parentheses, so fields resume after the last ')').
+pub fn parent_in_stat(stat: &str) -> Option<i32> {
+    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// The parent of the container's init, which is the spawner's parent (crab-init forks the
+/// spawner and then execs the entrypoint in place), as this pid namespace sees it: the pid
+/// [`authorize_peer`] lets in. The init is pid 1 of a pid namespace of its own: its parent is
+/// outside and reads as 0. Otherwise (hostPID) it is read from `/proc/<init>/stat`, and the init
+/// must still be the spawner's parent afterwards, so the pid read was the live init's (a parent
+/// changes only when the old one exits; a dead init's pid is never trusted).
+pub fn parent_of_init(
+    getppid: impl Fn() -> i32,
+    read_stat: impl Fn(i32) -> std::io::Result<String>,
+) -> Result<i32, String> {
+    let init = getppid();
+    if init == 1 {
+        return Ok(0);
+    }
+    let stat = read_stat(init).map_err(|e| format!("connection refused: /proc/{init}/stat of the init: {e}"))?;
+    let parent = parent_in_stat(&stat)
+        .ok_or_else(|| format!("connection refused: /proc/{init}/stat of the init is unreadable"))?;
+    if getppid() != init {
+        return Err("connection refused: the container's init exited".into());
+    }
+    Ok(parent)
 }
 
 #[cfg(test)]
@@ -316,9 +354,42 @@ mod tests {
 
     #[test]
     fn only_root_outside_the_container_is_authorized() {
-        assert!(authorize_peer(0, 0).is_ok());
-        let err = authorize_peer(12, 0).unwrap_err();
-        assert!(err.contains("pid 12"), "{err}");
-        assert!(authorize_peer(0, 1000).unwrap_err().contains("uid 1000"));
+        assert!(authorize_peer(0, 0, 0).is_ok());
+        let err = authorize_peer(12, 0, 0).unwrap_err();
+        assert!(err.contains("pid 12") && err.contains("inside the container"), "{err}");
+        assert!(authorize_peer(0, 1000, 0).unwrap_err().contains("uid 1000"));
+    }
+
+    /// hostPID: the container's processes have host pids; only the init's parent (the shim) is let
+    /// in, never a process of the container or one of another container (which reads as 0 too
+    /// only where the container has a pid namespace of its own).
+    #[test]
+    fn with_the_host_pid_namespace_only_the_parent_of_the_init_is_authorized() {
+        assert!(authorize_peer(4000, 0, 4000).is_ok());
+        let err = authorize_peer(4321, 0, 4000).unwrap_err();
+        assert!(err.contains("pid 4321") && err.contains("not the shim") && err.contains("4000"), "{err}");
+        assert!(authorize_peer(0, 0, 4000).is_err(), "a peer outside the host's pid namespace");
+        assert!(authorize_peer(4000, 1000, 4000).unwrap_err().contains("uid 1000"));
+    }
+
+    #[test]
+    fn the_parent_of_the_init_is_read_while_the_init_lives() {
+        use std::cell::Cell;
+        let stat = |_: i32| Ok("77 (sh) S 4000 77 77 0 -1".to_string());
+        assert_eq!(parent_of_init(|| 1, |_| panic!("pid 1's parent is outside: nothing to read")), Ok(0));
+        assert_eq!(parent_of_init(|| 77, stat), Ok(4000));
+        let odd = |_: i32| Ok("77 (a) b (c) S 4000 77".to_string());
+        assert_eq!(parent_of_init(|| 77, odd), Ok(4000), "a command with spaces and parentheses");
+        // The init exits while its stat is read: the spawner is reparented.
+        let calls = Cell::new(0);
+        let reparented = || {
+            calls.set(calls.get() + 1);
+            if calls.get() == 1 { 77 } else { 4000 }
+        };
+        assert!(parent_of_init(reparented, stat).unwrap_err().contains("exited"));
+        assert!(
+            parent_of_init(|| 77, |_| Err(std::io::Error::other("no /proc"))).unwrap_err().contains("/proc/77/stat")
+        );
+        assert!(parent_of_init(|| 77, |_| Ok("garbage".into())).is_err());
     }
 }

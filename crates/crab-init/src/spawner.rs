@@ -163,7 +163,12 @@ impl Spawner {
         let authorized = if got != 0 {
             Err(format!("connection refused: peer credentials unreadable: {}", os_error()))
         } else {
-            protocol::authorize_peer(cred.pid, cred.uid)
+            protocol::parent_of_init(
+                // SAFETY: getppid has no preconditions.
+                || unsafe { libc::getppid() },
+                |pid| std::fs::read_to_string(format!("/proc/{pid}/stat")),
+            )
+            .and_then(|shim| protocol::authorize_peer(cred.pid, cred.uid, shim))
         };
         if let Err(message) = authorized {
             let _ = send(&socket, &Message::Error { message }, &[]);

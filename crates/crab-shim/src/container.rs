@@ -40,8 +40,8 @@ pub struct ContainerConfig {
     pub no_new_keyring: bool,
     pub io_uid: u32,
     pub io_gid: u32,
-    /// crab-init to put in front of the entrypoint, when enabled and usable.
-    pub init_binary: Option<PathBuf>,
+    /// crab-init to put in front of the entrypoint when enabled and usable; else why not.
+    pub init_binary: Result<PathBuf, String>,
 }
 
 type Execs = Arc<Mutex<HashMap<String, Arc<Process>>>>;
@@ -68,6 +68,8 @@ pub struct Container {
     pub init: Arc<Process>,
     execs: Execs,
     spawner: std::sync::OnceLock<Arc<SpawnerSlot>>,
+    /// Why the container has no spawner (set at Create when it has none).
+    no_spawner: std::sync::OnceLock<String>,
     cgroup: Mutex<Option<Cgroup>>,
     /// Policy kept from Create until a restored init's pid is known at Start,
     /// with the engine context being set up meanwhile (None: policy off).
@@ -97,6 +99,7 @@ impl Container {
             init: Process::new("", init_uris, None),
             execs: Default::default(),
             spawner: std::sync::OnceLock::new(),
+            no_spawner: std::sync::OnceLock::new(),
             cgroup: Mutex::new(None),
             engine: std::sync::OnceLock::new(),
             pending_policy: Mutex::new(None),
@@ -181,7 +184,13 @@ impl Container {
     /// Puts crab-init in front of the entrypoint (a restore needs the same
     /// mounts as the dump had, so restoring creates do it too).
     fn install_init(&self) -> Result<(), ShimError> {
-        let Some(init) = &self.config.init_binary else { return Ok(()) };
+        let init = match &self.config.init_binary {
+            Ok(init) => init,
+            Err(reason) => {
+                let _ = self.no_spawner.set(reason.clone());
+                return Ok(());
+            }
+        };
         let restoring = self.config.restore_from.is_some();
         match crab_runtime::init::install(&self.config.bundle, init, !restoring) {
             Ok(Some(installed)) => {
@@ -204,6 +213,8 @@ impl Container {
             }
             Ok(None) => {
                 tracing::info!(container = %self.id(), "no tmpfs at /dev in the spec: execs go through the runtime");
+                let _ =
+                    self.no_spawner.set("no crab-init spawner: the spec has no tmpfs at /dev for /dev/.crab".into());
                 Ok(())
             }
             Err(crab_runtime::init::InitError::Entrypoint(message)) => Err(RuntimeError::Failed {
@@ -215,25 +226,28 @@ impl Container {
             .into()),
             Err(e) => {
                 tracing::warn!(container = %self.id(), error = %e, "crab-init not installed: execs go through the runtime");
+                let _ =
+                    self.no_spawner.set(format!("no crab-init spawner: crab-init not installed in the bundle: {e}"));
                 Ok(())
             }
         }
     }
 
-    /// Connects to the spawner unless connected (once the init runs). None
-    /// when the container has no spawner or it does not answer.
-    async fn spawner(&self) -> Option<Arc<SpawnerClient>> {
-        let slot = self.spawner.get()?;
+    /// Connects to the spawner unless connected (once the init runs). Why
+    /// not when the container has no spawner or it does not answer.
+    async fn spawner(&self) -> Result<Arc<SpawnerClient>, String> {
+        let Some(slot) = self.spawner.get() else { return Err(self.no_spawner_reason()) };
         let _connecting = slot.connecting.lock().await;
         if slot.client.is_connected().await {
-            return Some(slot.client.clone());
+            return Ok(slot.client.clone());
         }
-        if !matches!(self.init.status(), Status::Running | Status::Paused) {
-            return None;
+        let status = self.init.status();
+        if !matches!(status, Status::Running | Status::Paused) {
+            return Err(format!("the container's init is {status:?}, its spawner unreachable"));
         }
         if let Err(e) = slot.client.connect(SPAWNER_CONNECT_PATIENCE, self.init.pid()).await {
             tracing::warn!(container = %self.id(), error = %e, "spawner unavailable: execs go through the runtime");
-            return None;
+            return Err(format!("spawner unavailable: {e}"));
         }
         self.runtime.set_helper_pid(slot.client.host_pid().unwrap_or(0));
         if slot.adopt.swap(false, std::sync::atomic::Ordering::SeqCst) {
@@ -242,7 +256,11 @@ impl Container {
                 Err(e) => tracing::warn!(container = %self.id(), error = %e, "restored exec sessions not listed"),
             }
         }
-        Some(slot.client.clone())
+        Ok(slot.client.clone())
+    }
+
+    fn no_spawner_reason(&self) -> String {
+        self.no_spawner.get().cloned().unwrap_or_else(|| "the container has no crab-init spawner".into())
     }
 
     /// The init runs: connect to its spawner in the background, so the first
@@ -253,8 +271,19 @@ impl Container {
         }
         let container = self.clone();
         tokio::spawn(async move {
-            container.spawner().await;
+            let _ = container.spawner().await;
         });
+    }
+
+    /// Whether the container has no pid namespace of its own (it joins one, as hostPID does):
+    /// the kernel then kills nothing of it when its init exits. Read from the bundle's spec; an
+    /// unreadable spec counts as shared (the kill-all it leads to is harmless for a container
+    /// whose namespace went with its init).
+    pub fn shares_pid_namespace(&self) -> bool {
+        let spec = std::fs::read(self.config.bundle.join("config.json"))
+            .ok()
+            .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok());
+        !spec.is_some_and(|spec| own_pid_namespace(&spec))
     }
 
     /// The spawner's host pid: the runtime's own helper, hidden from Pids and Stats.
@@ -425,24 +454,33 @@ impl Container {
     }
 
     /// Starts an exec: through the spawner when the container has one and
-    /// the exec runs as the init does, else through the runtime's `exec`.
-    pub async fn start_exec(&self, process: &Arc<Process>) -> Result<(u32, ExitFuture), ShimError> {
+    /// the exec runs as the init does, else through the runtime's `exec`
+    /// (logged, and said in [`StartedExec::through_runtime`]).
+    pub async fn start_exec(&self, process: &Arc<Process>) -> Result<StartedExec, ShimError> {
         if process.status() != Status::Created {
             return Err(ShimError::FailedPrecondition(format!("exec {} already started", process.exec_id)));
         }
         let spec: serde_json::Value = serde_json::from_slice(process.spec.as_deref().unwrap_or_default())
             .map_err(|e| ShimError::InvalidArgument(format!("exec {} process spec: {e}", process.exec_id)))?;
-        if let Some(slot) = self.spawner.get() {
-            let identity = crab_runtime::init::process_identity(&spec);
-            if identity != slot.init_identity {
-                tracing::info!(container = %self.id(), exec = %process.exec_id,
-                    "exec differs from the init in user, capabilities, LSM labels or no-new-privileges: started by the runtime");
-            } else if let Some(spawner) = self.spawner().await {
-                return self.start_exec_in_spawner(&spawner, process, &spec).await;
+        let reason = match self.spawner.get() {
+            Some(slot) => {
+                let identity = crab_runtime::init::process_identity(&spec);
+                if identity != slot.init_identity {
+                    identity_mismatch(&identity, &slot.init_identity)
+                } else {
+                    match self.spawner().await {
+                        Ok(spawner) => return self.start_exec_in_spawner(&spawner, process, &spec).await,
+                        Err(reason) => reason,
+                    }
+                }
             }
-        }
+            None => self.no_spawner_reason(),
+        };
+        // Never silent: the exec's processes are outside the container's tree, so outside every dump.
+        tracing::warn!(container = %self.id(), exec = %process.exec_id, %reason,
+            "exec started by the runtime, not crab-init's spawner: it is left out of checkpoints");
         let pid = self.start_exec_with_runtime(process).await?;
-        Ok((pid, Box::pin(self.reaper.wait_for(pid))))
+        Ok(StartedExec { pid, exit: Box::pin(self.reaper.wait_for(pid)), through_runtime: Some(reason) })
     }
 
     async fn start_exec_in_spawner(
@@ -450,7 +488,7 @@ impl Container {
         spawner: &Arc<SpawnerClient>,
         process: &Arc<Process>,
         spec: &serde_json::Value,
-    ) -> Result<(u32, ExitFuture), ShimError> {
+    ) -> Result<StartedExec, ShimError> {
         let exec_id = &process.exec_id;
         let request = spawn_request(exec_id, spec, &process.uris)?;
         let exit = spawner.exit_of(exec_id);
@@ -499,7 +537,7 @@ impl Container {
             let status = spawned_exit_status(exit, &pidfd, &spawner).await;
             Exit { pid, status, at: std::time::SystemTime::now() }
         };
-        Ok((pid, Box::pin(exit)))
+        Ok(StartedExec { pid, exit: Box::pin(exit), through_runtime: None })
     }
 
     async fn start_exec_with_runtime(&self, process: &Arc<Process>) -> Result<u32, ShimError> {
@@ -669,6 +707,37 @@ impl Container {
             .map(|pid| (pid, execs.iter().find(|e| e.pid() == pid).map(|e| e.exec_id.clone())))
             .collect())
     }
+}
+
+/// Whether an OCI spec gives the container a new pid namespace (a `pid` entry without a path).
+fn own_pid_namespace(spec: &serde_json::Value) -> bool {
+    spec.pointer("/linux/namespaces").and_then(serde_json::Value::as_array).is_some_and(|namespaces| {
+        namespaces.iter().any(|ns| {
+            ns.get("type").and_then(serde_json::Value::as_str) == Some("pid")
+                && ns.get("path").and_then(serde_json::Value::as_str).is_none_or(str::is_empty)
+        })
+    })
+}
+
+/// An exec that started.
+pub struct StartedExec {
+    pub pid: u32,
+    pub exit: ExitFuture,
+    /// Why the OCI runtime started it rather than crab-init's spawner (None: the spawner did).
+    pub through_runtime: Option<String>,
+}
+
+/// Why an exec whose [`crab_runtime::init::process_identity`] is `exec` cannot be started by the
+/// spawner of an init whose identity is `init`: the parts that differ.
+fn identity_mismatch(exec: &serde_json::Value, init: &serde_json::Value) -> String {
+    let differ: Vec<&str> = ["user", "capabilities", "apparmorProfile", "selinuxLabel", "noNewPrivileges"]
+        .into_iter()
+        .filter(|key| exec.get(key) != init.get(key))
+        .collect();
+    format!(
+        "the exec differs from the init in {} (the spawner starts execs with the init's credentials)",
+        differ.join(", ")
+    )
 }
 
 fn describe(process: &Process) -> String {
@@ -916,5 +985,34 @@ fn reconnect_when_running(slot: Arc<SpawnerSlot>, init: Arc<Process>) {
             tracing::info!("spawner not back after the dump (the container stopped, or the spawner is gone)");
             slot.client.resume_without_connection();
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::{identity_mismatch, own_pid_namespace};
+
+    #[test]
+    fn a_pid_namespace_with_a_path_or_none_at_all_is_shared() {
+        assert!(own_pid_namespace(&json!({"linux": {"namespaces": [{"type": "mount"}, {"type": "pid"}]}})));
+        assert!(own_pid_namespace(&json!({"linux": {"namespaces": [{"type": "pid", "path": ""}]}})));
+        assert!(!own_pid_namespace(&json!({"linux": {"namespaces": [{"type": "pid", "path": "/proc/1/ns/pid"}]}})));
+        assert!(!own_pid_namespace(&json!({"linux": {"namespaces": [{"type": "network"}]}})), "hostPID");
+        assert!(!own_pid_namespace(&json!({})));
+    }
+
+    #[test]
+    fn an_identity_mismatch_names_what_differs() {
+        let init = crab_runtime::init::process_identity(&json!({"user": {"uid": 0, "gid": 0}}));
+        let exec = crab_runtime::init::process_identity(&json!({"user": {"uid": 1000, "gid": 0}}));
+        let reason = identity_mismatch(&exec, &init);
+        assert!(reason.contains("user") && !reason.contains("capabilities"), "{reason}");
+        let exec = crab_runtime::init::process_identity(
+            &json!({"user": {"uid": 0, "gid": 0}, "capabilities": {"bounding": []}, "noNewPrivileges": true}),
+        );
+        let reason = identity_mismatch(&exec, &init);
+        assert!(reason.contains("capabilities, noNewPrivileges") && !reason.contains("user"), "{reason}");
     }
 }

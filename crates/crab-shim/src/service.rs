@@ -113,6 +113,14 @@ impl TaskService {
                 engine.exec_exited(&process.exec_id).await;
             }
             if process.exec_id.is_empty() {
+                if container.shares_pid_namespace() {
+                    // No pid namespace of its own (hostPID): the kernel kills nothing when the
+                    // init goes, so the rest of the container (crab-init's spawner, execs) is
+                    // killed here, as containerd's runc shim does.
+                    if let Err(e) = container.runtime.kill(container.id(), libc::SIGKILL as u32, true).await {
+                        tracing::debug!(container = %container_id, error = %e, "the rest of the container not killed");
+                    }
+                }
                 // With the init gone, the kernel killed the rest of the pid
                 // namespace; their exits come first, as containerd expects.
                 for exec in container.execs() {
@@ -482,7 +490,7 @@ impl TaskService {
                     "exec waited for the previous turn's checkpoint");
             }
         }
-        let (pid, exit) = match container.start_exec(&process).await {
+        let super::container::StartedExec { pid, exit, through_runtime } = match container.start_exec(&process).await {
             Ok(started) => started,
             Err(e) => {
                 if let Some(engine) = container.engine() {
@@ -491,6 +499,10 @@ impl TaskService {
                 return Err(e);
             }
         };
+        if let (Some(reason), Some(engine)) = (&through_runtime, container.engine()) {
+            // Before the exit can be seen: the record of its turn lists it.
+            engine.exec_through_runtime(&req.exec_id, reason).await;
+        }
         self.watch_exit(&container, &process, pid, exit);
         if let (Some(engine), Some(io), false) = (container.engine(), process.io(), process.uris.stdin.is_empty())
             && let Some(observer) = engine.stdin_session(&req.exec_id, pid).await
@@ -731,31 +743,31 @@ fn attach_restored_engine(
 /// The crab-init the container runs: for a restore, the pinned build its
 /// checkpoint was taken with (a restore with another build fails in CRIU);
 /// otherwise the configured one, pinned (`runtime::init::pin`) under the
-/// store's `init/`. None without a usable crab-init.
-fn usable_init(config: &Config, restore_from: Option<&Path>) -> Result<Option<PathBuf>, ShimError> {
+/// store's `init/`. Err (why) without a usable crab-init.
+fn usable_init(config: &Config, restore_from: Option<&Path>) -> Result<Result<PathBuf, String>, ShimError> {
     use crab_runtime::init;
     let path = &config.runtime.init;
     if path.as_os_str().is_empty() {
-        return Ok(None);
+        return Ok(Err("no crab-init spawner: crab.toml's [runtime] init is empty".into()));
     }
     let pins = config.checkpoint.state_dir.join("init");
     if let Some(images) = restore_from
         && let Some(pinned) = init::pinned_for_images(images, &pins)
             .map_err(|e| ShimError::FailedPrecondition(format!("restore from {}: {e}", images.display())))?
     {
-        return Ok(Some(pinned));
+        return Ok(Ok(pinned));
     }
     match init::pin(path, &pins) {
-        Ok(pinned) => Ok(Some(pinned)),
+        Ok(pinned) => Ok(Ok(pinned)),
         Err(e @ init::InitError::Unusable { .. }) => {
             tracing::warn!(error = %e, "exec sessions go through the runtime and are left out of checkpoints");
-            Ok(None)
+            Ok(Err(format!("no crab-init spawner: {e}")))
         }
         Err(e) => {
             // Checked and usable (pin fails as Unusable otherwise), only not pinned: an upgrade
             // of it in place breaks restores.
             tracing::warn!(error = %e, init = %path.display(), "crab-init not pinned: it is used where it is installed");
-            Ok(Some(path.clone()))
+            Ok(Ok(path.clone()))
         }
     }
 }

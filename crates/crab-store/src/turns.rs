@@ -349,6 +349,45 @@ pub struct TurnRecord {
     /// (`checkpoint_turn` is then the sandbox's last recoverable turn).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub over_quota: Option<crate::OverQuota>,
+    /// Execs of this turn that crab-init's spawner did not start: the OCI runtime's `exec` ran
+    /// them, outside the container's process tree, so no checkpoint holds their processes (an
+    /// exec still running when the turn ended, a session above all, is not restorable; a restore
+    /// of this turn brings back what they wrote, not them). Listed in every turn they ran in.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub runtime_execs: Vec<RuntimeExec>,
+}
+
+/// An exec the OCI runtime started instead of crab-init's spawner, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuntimeExec {
+    pub exec_id: String,
+    /// Why the spawner was not used (no crab-init in the container, the exec's identity differs
+    /// from the init's, the spawner did not answer or refused the shim).
+    pub reason: String,
+    /// It was still running when the turn ended: no checkpoint holds its processes. One that
+    /// ended within the turn left only its effects, which the turn's checkpoint has.
+    #[serde(default)]
+    pub running: bool,
+}
+
+impl std::fmt::Display for RuntimeExec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.running {
+            write!(
+                f,
+                "exec {} runs through the runtime ({}), outside the container's process tree: no checkpoint holds \
+                 its processes, a restore of this turn does not bring them back (an exec session is not restorable)",
+                self.exec_id, self.reason
+            )
+        } else {
+            write!(
+                f,
+                "exec {} ran through the runtime ({}) and ended within the turn: its changes are checkpointed, \
+                 its processes would not have been",
+                self.exec_id, self.reason
+            )
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -573,6 +612,7 @@ mod tests {
             policy: Policy::Crab,
             dump_failures: Vec::new(),
             over_quota: Some(crate::OverQuota { used_bytes: 3 << 20, quota_bytes: 1 << 20, held_bytes: 1 << 19 }),
+            runtime_execs: vec![RuntimeExec { exec_id: "e1".into(), reason: "no crab-init".into(), running: true }],
         };
         log.append(&rec).unwrap();
         log.append(&TurnRecord { turn: 2, ..rec.clone() }).unwrap();
@@ -583,6 +623,7 @@ mod tests {
         assert_eq!(got[1].turn, 2);
         assert_eq!(got[1].over_quota, rec.over_quota);
         assert_eq!(got[1].source, TurnSource::Stdin);
+        assert_eq!(got[1].runtime_execs, rec.runtime_execs);
     }
 
     #[test]
@@ -595,6 +636,11 @@ mod tests {
         assert!(
             !serde_json::to_string(&rec).unwrap().contains("over_quota"),
             "nothing new in a record within its quota"
+        );
+        assert!(rec.runtime_execs.is_empty(), "records from before runtime execs were recorded list none");
+        assert!(
+            !serde_json::to_string(&rec).unwrap().contains("runtime_execs"),
+            "nothing new in a record whose execs all went through the spawner"
         );
     }
 

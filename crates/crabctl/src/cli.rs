@@ -334,11 +334,14 @@ impl CheckpointCommand {
     }
 }
 
-/// A turn's reasons column: its reasons, then why each failed dump attempt failed.
+/// A turn's reasons column: its reasons (which say what a restore of it lacks when an exec went
+/// through the runtime), then why each failed dump attempt failed.
 fn turn_reasons(t: &crab_store::turns::TurnRecord) -> String {
     let attempts =
         t.dump_failures.iter().enumerate().map(|(i, cause)| format!("dump attempt {} failed: {cause}", i + 1));
-    t.reasons.iter().cloned().chain(attempts).collect::<Vec<_>>().join("; ")
+    // The engine says it in the reasons; a record that lists a runtime exec without saying so still shows it.
+    let runtime_execs = t.runtime_execs.iter().map(ToString::to_string).filter(|said| !t.reasons.contains(said));
+    t.reasons.iter().cloned().chain(runtime_execs).chain(attempts).collect::<Vec<_>>().join("; ")
 }
 
 fn restore_line(r: &super::RestoreReport) -> String {

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use crab_store::turns::{Policy, RecordedClass, TurnLog, TurnRecord, TurnSource};
+use crab_store::turns::{Policy, RecordedClass, RuntimeExec, TurnLog, TurnRecord, TurnSource};
 
 fn record(turn: u64) -> TurnRecord {
     TurnRecord {
@@ -26,6 +26,7 @@ fn record(turn: u64) -> TurnRecord {
         policy: Policy::Crab,
         dump_failures: Vec::new(),
         over_quota: None,
+        runtime_execs: Vec::new(),
     }
 }
 
@@ -93,5 +94,42 @@ fn crabctl_reads_the_turn_log_of_its_namespace() {
     assert!(
         std::fs::read_dir(state.join("turns")).unwrap().all(|e| e.unwrap().path().is_dir()),
         "namespaces are directories"
+    );
+}
+
+/// An exec the runtime ran (not crab-init's spawner) is named in `crabctl turns`, as text and as
+/// JSON, with why and what a restore of the turn lacks.
+#[test]
+fn turns_name_execs_that_went_through_the_runtime() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let log = TurnLog::open(&state, "sb").unwrap();
+    log.append(&record(1)).unwrap();
+    let session = RuntimeExec { exec_id: "shell".into(), reason: "spawner unavailable: refused".into(), running: true };
+    log.append(&TurnRecord { runtime_execs: vec![session.clone()], ..record(2) }).unwrap();
+    let run = |json: bool| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_crabctl"));
+        cmd.args(["turns", "sb"]).env("CRAB_STATE_DIR", &state).env_remove("CRAB_CONFIG").env_remove("CRAB_NS");
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().expect("running crabctl");
+        assert!(out.status.success(), "crabctl failed: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let text = run(false);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(!lines[1].contains("runtime"), "turn 1 had no runtime exec: {text}");
+    assert!(
+        lines[2].contains("exec shell runs through the runtime (spawner unavailable: refused)")
+            && lines[2].contains("not restorable"),
+        "{text}"
+    );
+    let rows: serde_json::Value = serde_json::from_str(&run(true)).unwrap();
+    assert!(rows[0].get("runtime_execs").is_none(), "{rows}");
+    assert_eq!(
+        rows[1]["runtime_execs"],
+        serde_json::json!([{"exec_id": "shell", "reason": "spawner unavailable: refused", "running": true}])
     );
 }
