@@ -548,6 +548,7 @@ async fn colocated_run(
             workdir: replay.workdir.clone(),
             annotations: vec![("io.crab.policy".into(), "crab".into())],
             ignore: Vec::new(),
+            mode: Default::default(),
         };
         let sandbox =
             Sandbox::create(ctr, id, &spec).await.map_err(|e| HarnessError::Expectation(format!("{id}: {e}")))?;
