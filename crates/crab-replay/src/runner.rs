@@ -296,10 +296,7 @@ async fn run(
             Ok(cost) => (cost, None),
             Err(error) => {
                 warn!(container = sandbox.id(), turn = turn.turn, %error, "checkpoint failed");
-                (
-                    TurnCost { blocking_s: save_time.as_secs_f64(), ..TurnCost::default() },
-                    Some(error.to_string()),
-                )
+                (TurnCost { blocking_s: save_time.as_secs_f64(), ..TurnCost::default() }, Some(error.to_string()))
             }
         };
         info!(

@@ -128,7 +128,8 @@ pub fn parse_stdout_end(buffer: &[u8], nonce: &str) -> Option<StdoutEnd> {
     while let Some(at) = find(&buffer[from..], prefix.as_bytes()) {
         let start = from + at;
         let rest = &buffer[start + prefix.len()..];
-        let digits = rest.iter().enumerate().take_while(|(i, b)| b.is_ascii_digit() || (*i == 0 && **b == b'-')).count();
+        let digits =
+            rest.iter().enumerate().take_while(|(i, b)| b.is_ascii_digit() || (*i == 0 && **b == b'-')).count();
         if digits > 0
             && rest.len() >= digits + 3
             && &rest[digits..digits + 3] == b"__\n"
