@@ -375,7 +375,7 @@ async fn strike_and_recover(
     // stdin mode: the agent's shell is re-attached where the runtime restored
     // it and holds it by exec id (crab, from a process checkpoint), else
     // restarted; the oracle then judges the shell the agent goes on with.
-    let reattach = policy.kind() == PolicyKind::Crab && matches!(recovery.method, RecoveryMethod::Checkpoint { .. })
+    let reattach = (policy.kind() == PolicyKind::Crab && matches!(recovery.method, RecoveryMethod::Checkpoint { .. }))
         || recovery.method == RecoveryMethod::NotNeeded;
     if recovery.sandbox.mode() == ReplayMode::Stdin
         && let Err(error) = recovery.sandbox.resume_shell(reattach).await

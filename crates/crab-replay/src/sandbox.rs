@@ -285,19 +285,36 @@ impl Sandbox {
         let nonce = super::shell::nonce();
         let line = super::shell::tmux_line(cmd, &nonce);
         let workdir = self.spec.workdir.clone();
-        let (exec_id, args) =
-            self.exec_args(&["bash", "-c", TMUX_TURN_SCRIPT, "crab-tmux", line.as_str(), nonce.as_str(), &workdir]);
+        let (exec_id, args) = self.exec_args(&[
+            "bash",
+            "-c",
+            TMUX_TURN_SCRIPT,
+            "crab-tmux",
+            line.as_str(),
+            nonce.as_str(),
+            workdir.as_str(),
+        ]);
         let started = Instant::now();
-        let run = self.ctr.run_raw(&args, timeout + KILL_GRACE);
-        tokio::pin!(run);
-        let (output, timed_out) = tokio::select! {
-            output = &mut run => (output?, false),
-            _ = tokio::time::sleep(timeout) => {
-                self.kill_exec(&exec_id).await;
-                let _ = run.await;
+        let finished = {
+            let run = self.ctr.run_raw(&args, timeout + KILL_GRACE);
+            tokio::pin!(run);
+            tokio::select! {
+                output = &mut run => Some(output?),
+                _ = tokio::time::sleep(timeout) => {
+                    self.kill_exec(&exec_id).await;
+                    let _ = run.await;
+                    None
+                }
+            }
+        };
+        let (output, timed_out) = match finished {
+            Some(output) => (output, false),
+            None => {
                 // Interrupt the command in the pane, as a user at the terminal would.
                 let session = super::shell::TMUX_SESSION;
-                let interrupt = format!("tmux send-keys -t {session} C-c; tmux capture-pane -p -J -S - -E - -t {session}; tmux clear-history -t {session}");
+                let interrupt = format!(
+                    "tmux send-keys -t {session} C-c; tmux capture-pane -p -J -S - -E - -t {session}; tmux clear-history -t {session}"
+                );
                 let (_, args) = self.exec_args(&["bash", "-c", interrupt.as_str()]);
                 (self.ctr.run_raw(&args, KILL_GRACE * 5).await?, true)
             }

@@ -133,7 +133,7 @@ pub fn parse_stdout_end(buffer: &[u8], nonce: &str) -> Option<StdoutEnd> {
         if digits > 0
             && rest.len() >= digits + 3
             && &rest[digits..digits + 3] == b"__\n"
-            && let Some(rc) = std::str::from_utf8(&rest[..digits]).ok().and_then(|text| text.parse().ok())
+            && let Some(rc) = std::str::from_utf8(&rest[..digits]).ok().and_then(|text| text.parse::<i32>().ok())
         {
             return Some(StdoutEnd { output: start, rc, consumed: start + prefix.len() + digits + 3 });
         }
@@ -261,8 +261,9 @@ impl StdinSession {
     /// marker, the shell exits, or `timeout` passes (then the caller kills the session).
     pub async fn run(&mut self, cmd: &str, timeout: Duration) -> Result<SessionTurn, SessionError> {
         let nonce = nonce();
+        let exec_id = self.exec_id.clone();
         let io = |what: &'static str| {
-            let exec_id = self.exec_id.clone();
+            let exec_id = exec_id.clone();
             move |source| SessionError::Io { exec_id, what, source }
         };
         let deadline = Instant::now() + timeout;
