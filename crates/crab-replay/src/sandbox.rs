@@ -188,6 +188,10 @@ impl Sandbox {
         if self.spec.mode != ReplayMode::Stdin {
             return Ok(());
         }
+        // A session whose client survived the fault (the task kept running) goes on as it is.
+        if reattach && self.session.as_mut().is_some_and(|session| !session.exited()) {
+            return Ok(());
+        }
         if let Some(session) = self.session.take() {
             session.close().await;
         }
