@@ -387,7 +387,7 @@ impl RecoveryPolicy for CrabPolicy {
             let records = log.read().map_err(|e| ReplayError::Policy(e.to_string()))?;
             let of_exec = || records.iter().filter(|r| r.exec_id.as_deref() == Some(exec_id.as_str()));
             if of_exec().count() as u64 >= turns
-                && let Some(record) = of_exec().last()
+                && let Some(record) = of_exec().next_back()
             {
                 return Ok(TurnCost {
                     blocking_s: record.checkpoint_ms / 1e3,
