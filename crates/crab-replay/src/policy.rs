@@ -280,6 +280,10 @@ impl RecoveryPolicy for EveryTurn {
     }
 
     async fn recover(&mut self, dead: Sandbox) -> Result<Recovery, ReplayError> {
+        // The restored container holds the processes of the dead one's execs
+        // (a stdin-mode shell among them) under their exec ids: the agent's
+        // next exec must not reuse one, or it would be handed that process.
+        let execs_made = dead.execs_made();
         dead.remove().await?;
         let (ctr, id, spec) = (&self.launch.ctr, &self.launch.container_id, &self.launch.spec);
         let sandbox = match (self.image.clone(), self.archive.clone()) {
@@ -297,7 +301,11 @@ impl RecoveryPolicy for EveryTurn {
             (None, None) => None,
         };
         Ok(match sandbox {
-            Some((turn, sandbox)) => Recovery { sandbox, method: RecoveryMethod::Checkpoint { turn }, possible: true },
+            Some((turn, sandbox)) => Recovery {
+                sandbox: sandbox.with_exec_ids_after(execs_made),
+                method: RecoveryMethod::Checkpoint { turn },
+                possible: true,
+            },
             // Killed before the first checkpoint: the base image is all there is.
             None => Recovery { sandbox: self.launch.fresh().await?, method: RecoveryMethod::BaseImage, possible: true },
         })

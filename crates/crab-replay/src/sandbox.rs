@@ -160,6 +160,20 @@ impl Sandbox {
         &self.id
     }
 
+    /// How many exec ids this sandbox handed out (`replay-1` to `replay-N`).
+    pub fn execs_made(&self) -> u64 {
+        self.next_exec
+    }
+
+    /// A sandbox restored from a checkpoint of one that made `made` execs:
+    /// its exec ids go on after theirs. The runtime keeps restored exec
+    /// sessions by id, so reusing one would attach to the restored process
+    /// instead of starting a new one.
+    pub fn with_exec_ids_after(mut self, made: u64) -> Sandbox {
+        self.next_exec = self.next_exec.max(made);
+        self
+    }
+
     /// The exec id of the last command run, if any.
     pub fn last_exec_id(&self) -> Option<String> {
         (self.next_exec > 0).then(|| format!("replay-{}", self.next_exec))

@@ -61,7 +61,7 @@ async fn stdin_mode_keeps_one_shell_and_crab_reattaches_it_after_a_kill() {
     let crab = run_of(&report.runs, PolicyKind::Crab);
     // The sentinel gave each command's status and both streams, whole.
     let rcs: Vec<Option<i32>> = crab.turns.iter().map(|turn| turn.rc).collect();
-    assert_eq!(rcs, [Some(0), Some(3), Some(0)]);
+    assert_eq!(rcs, [Some(0), Some(3), Some(0)], "{crab:#?}");
     assert_eq!(crab.turns[0].stdout_sha256, sha("no newline"));
     assert_eq!(crab.turns[1].stdout_sha256, sha("v=kept\n/app/sub\n"), "turn 2 ran in turn 1's shell");
     assert_eq!(crab.turns[1].stderr_sha256, sha("warn\n"));
