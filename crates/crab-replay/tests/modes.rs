@@ -74,7 +74,16 @@ async fn stdin_mode_keeps_one_shell_and_crab_reattaches_it_after_a_kill() {
     // every-turn restores the container but cannot give the agent its shell
     // back: a new one has neither the directory nor the variable, and the
     // oracle says so.
+    // Its new shell has an exec id of its own: the restored one, which the
+    // runtime holds under the old id, is not handed to it.
     let every_turn = run_of(&report.runs, PolicyKind::EveryTurn);
+    let rcs: Vec<Option<i32>> = every_turn.turns.iter().map(|turn| turn.rc).collect();
+    assert_eq!(rcs, [Some(0), Some(3), Some(1)], "{every_turn:#?}");
+    assert_eq!(
+        every_turn.turns[2].stdout_sha256,
+        sha("v=\n/app\n"),
+        "a new shell, in the workdir, without the variable"
+    );
     assert_eq!(every_turn.recovered_correctly, Some(false), "{:?}", every_turn.fault);
 }
 
