@@ -549,6 +549,7 @@ async fn colocated_run(
             annotations: vec![("io.crab.policy".into(), "crab".into())],
             ignore: Vec::new(),
             read_only_binds: Vec::new(),
+            mode: Default::default(),
         };
         let sandbox =
             Sandbox::create(ctr, id, &spec).await.map_err(|e| HarnessError::Expectation(format!("{id}: {e}")))?;

@@ -316,6 +316,7 @@ def aggregate(reports, errors, classes):
         class_bytes += row.get("bytes") or 0
     total_classified = sum(class_counts.values())
     return {
+        "modes": mode_summary(reports, classes),
         "traces": len({report["trace"] for report in reports}),
         "reports": len(reports),
         "failed_traces": errors,
@@ -388,6 +389,54 @@ def correctness_table(correctness, kinds=None, total="all faults"):
     return lines
 
 
+def mode_summary(reports, classes):
+    """Per replay mode (exec, stdin, tmux) and policy: recoveries, checkpoints, bytes; and
+    crab's turn classes per mode (reports and class rows without a mode are exec)."""
+    modes = {}
+    for report in reports:
+        mode = report.get("mode", "exec")
+        for run in report["runs"]:
+            stats = modes.setdefault(mode, {"policies": {}, "classes": {}})["policies"].setdefault(
+                run["policy"], {"runs": 0, "faulted": 0, "correct": 0, "checkpoints": 0, "checkpoint_bytes": 0,
+                                "turns": 0})
+            stats["runs"] += 1
+            stats["turns"] += len(run["turns"])
+            stats["checkpoints"] += run["checkpoints"]
+            stats["checkpoint_bytes"] += run["checkpoint_bytes"]
+            if run["recovered_correctly"] is not None:
+                stats["faulted"] += 1
+                stats["correct"] += 1 if run["recovered_correctly"] else 0
+    for row in classes:
+        counts = modes.setdefault(row.get("mode", "exec"), {"policies": {}, "classes": {}})["classes"]
+        counts[row["class"]] = counts.get(row["class"], 0) + 1
+    return dict(sorted(modes.items(), key=lambda item: rank(MODE_ORDER, item[0])))
+
+
+MODE_ORDER = ["exec", "stdin", "tmux"]
+
+
+def mode_lines(modes):
+    if not modes or set(modes) == {"exec"}:
+        return []
+    lines = ["## Per replay mode", "",
+             "exec: each command its own exec; stdin: one bash session fed every command through its stdin "
+             "(SWE-agent, OpenHands); tmux: every command typed into a tmux session (Terminus). Crab's classes "
+             "are of every turn the crab shim recorded (a stdin session makes one per command).", "",
+             "| mode | policy | runs | turns | recovered correctly | checkpoints | written | crab classes clean / fs / proc |",
+             "|---|---|---|---|---|---|---|---|"]
+    for mode, values in modes.items():
+        counts = values["classes"]
+        total = sum(counts.values())
+        classes = (" / ".join(f"{counts.get(name, 0)} ({pct(counts.get(name, 0), total):.0f}%)"
+                              for name in CLASS_ORDER) if total else "-")
+        for name in sorted(values["policies"], key=lambda n: rank(POLICY_ORDER, n)):
+            stats = values["policies"][name]
+            correct = f"{stats['correct']}/{stats['faulted']}" if stats["faulted"] else "-"
+            lines.append(f"| {mode} | {name} | {stats['runs']} | {stats['turns']} | {correct} | {stats['checkpoints']} "
+                         f"| {human_bytes(stats['checkpoint_bytes'])} | {classes if name == 'crab' else '-'} |")
+    return lines + [""]
+
+
 def render_markdown(summary, meta):
     lines = ["# Crab evaluation", ""]
     for batch, values in meta.items():
@@ -416,6 +465,7 @@ def render_markdown(summary, meta):
                   + ", ".join(f"`{trace}`" for trace in summary["oracle_unstable_traces"]), ""]
         lines += correctness_table(summary["correctness_judgeable"], STATE_DESTROYING, "state-destroying faults")
     lines += FAULT_MODEL
+    lines += mode_lines(summary.get("modes"))
     lines += oracle_lines(summary["oracle"], meta)
 
     lines += [

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::{Daemons, FaultKind, FaultTurn, PolicyKind, ReplayOptions, report};
+use super::{Daemons, FaultKind, FaultTurn, PolicyKind, ReplayMode, ReplayOptions, report};
 use crabctl::containerd::ctr::Ctr;
 
 /// every-turn's archives unless `--checkpoint-dir` says otherwise.
@@ -57,6 +57,11 @@ pub struct ReplayArgs {
     /// none, `pip install` and `apt-get install` fail as without a network.
     #[arg(long, env = "CRAB_REPLAY_PACKAGES", value_name = "DIR")]
     packages: Option<PathBuf>,
+    /// How each command reaches the sandbox: exec (each its own `bash -c` exec), stdin (one
+    /// `bash` exec session fed through its stdin), tmux (typed into a tmux session in the
+    /// sandbox, whose image must have tmux).
+    #[arg(long, value_enum, default_value_t = ReplayMode::Exec)]
+    mode: ReplayMode,
     /// Print the report as JSON instead of tables.
     #[arg(long)]
     json: bool,
@@ -97,6 +102,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), Box<dyn std::error::Error>> {
         daemons,
         checkpoint_dir: args.checkpoint_dir,
         packages: args.packages.filter(|dir| !dir.as_os_str().is_empty()),
+        mode: args.mode,
     };
     let reports = super::replay(&options).await?;
     let json = serde_json::to_string_pretty(&reports)?;

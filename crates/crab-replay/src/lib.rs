@@ -11,6 +11,8 @@
 //!   (processes, shim, containerd, crabd, node loss).
 //! - [`oracle`]: the correctness verdict against the reference; [`normalize`]:
 //!   wall-clock stamps and stderr order, which the oracle does not judge.
+//! - [`shell`]: replay modes: each command its own exec, one shell fed
+//!   through its stdin, or a tmux session typed into (sentinel protocol).
 //! - [`runner`]: one trace under each policy; [`report`]: tables and JSON.
 //! - [`cli`]: `crabctl replay`.
 
@@ -25,6 +27,7 @@ pub mod policy;
 pub mod report;
 pub mod runner;
 pub mod sandbox;
+pub mod shell;
 pub mod trace;
 
 use std::path::PathBuf;
@@ -34,6 +37,7 @@ pub use injector::Daemons;
 pub use policy::PolicyKind;
 pub use report::TraceReport;
 pub use runner::{ReplayOptions, replay};
+pub use shell::ReplayMode;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReplayError {

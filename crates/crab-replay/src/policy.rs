@@ -105,6 +105,8 @@ pub struct TurnCost {
     pub bytes: u64,
     /// Of `bytes`, what went outside containerd (every-turn's archive).
     pub exported_bytes: u64,
+    /// The runtime's class of the turn (clean, fs, proc), where it records one.
+    pub class: Option<&'static str>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -274,10 +276,14 @@ impl RecoveryPolicy for EveryTurn {
         }
         let blocking_s = started.elapsed().as_secs_f64();
         info!(container = sandbox.id(), turn, bytes = image.bytes, exported_bytes, seconds = blocking_s, "checkpoint");
-        Ok(TurnCost { blocking_s, bytes: image.bytes + exported_bytes, exported_bytes })
+        Ok(TurnCost { blocking_s, bytes: image.bytes + exported_bytes, exported_bytes, class: None })
     }
 
     async fn recover(&mut self, dead: Sandbox) -> Result<Recovery, ReplayError> {
+        // The restored container holds the processes of the dead one's execs
+        // (a stdin-mode shell among them) under their exec ids: the agent's
+        // next exec must not reuse one, or it would be handed that process.
+        let execs_made = dead.execs_made();
         dead.remove().await?;
         let (ctr, id, spec) = (&self.launch.ctr, &self.launch.container_id, &self.launch.spec);
         let sandbox = match (self.image.clone(), self.archive.clone()) {
@@ -295,7 +301,11 @@ impl RecoveryPolicy for EveryTurn {
             (None, None) => None,
         };
         Ok(match sandbox {
-            Some((turn, sandbox)) => Recovery { sandbox, method: RecoveryMethod::Checkpoint { turn }, possible: true },
+            Some((turn, sandbox)) => Recovery {
+                sandbox: sandbox.with_exec_ids_after(execs_made),
+                method: RecoveryMethod::Checkpoint { turn },
+                possible: true,
+            },
             // Killed before the first checkpoint: the base image is all there is.
             None => Recovery { sandbox: self.launch.fresh().await?, method: RecoveryMethod::BaseImage, possible: true },
         })
@@ -371,7 +381,9 @@ impl RecoveryPolicy for CrabPolicy {
     /// the cost reported is the checkpoint's whole duration, which is what an
     /// agent coming back with no think time at all would wait.
     async fn after_turn(&mut self, sandbox: &Sandbox, _turn: u32) -> Result<TurnCost, ReplayError> {
-        let Some(exec_id) = sandbox.last_exec_id() else { return Ok(TurnCost::default()) };
+        // The exec id the turn's record carries, and how many turns it made:
+        // a stdin session makes one per command written to it.
+        let Some((exec_id, turns)) = sandbox.last_turn_exec() else { return Ok(TurnCost::default()) };
         // The turn log of the sandbox in the replay's containerd namespace.
         let key = self.ctl()?.key(sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?;
         let log = crab_store::turns::TurnLog::open(&crab_state_dir(), &key)
@@ -381,11 +393,19 @@ impl RecoveryPolicy for CrabPolicy {
             // Matched by exec id, which the replay never reuses in a sandbox: a
             // sandbox recovered from the base image starts a new turn log.
             let records = log.read().map_err(|e| ReplayError::Policy(e.to_string()))?;
-            if let Some(record) = records.iter().rev().find(|r| r.exec_id.as_deref() == Some(exec_id.as_str())) {
+            let of_exec = || records.iter().filter(|r| r.exec_id.as_deref() == Some(exec_id.as_str()));
+            if of_exec().count() as u64 >= turns
+                && let Some(record) = of_exec().next_back()
+            {
                 return Ok(TurnCost {
                     blocking_s: record.checkpoint_ms / 1e3,
                     bytes: record.bytes_written,
                     exported_bytes: 0,
+                    class: Some(match record.class {
+                        crab_store::turns::RecordedClass::Clean => "clean",
+                        crab_store::turns::RecordedClass::Fs => "fs",
+                        crab_store::turns::RecordedClass::Proc => "proc",
+                    }),
                 });
             }
             if Instant::now() > deadline {

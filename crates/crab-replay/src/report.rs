@@ -15,6 +15,8 @@ pub struct TraceReport {
     pub file: PathBuf,
     pub image: String,
     pub runtime: String,
+    /// How the commands reached the sandbox: exec, stdin or tmux.
+    pub mode: crate::shell::ReplayMode,
     pub turns: u32,
     pub fault: FaultKind,
     pub fault_turn: Option<u32>,
@@ -94,6 +96,8 @@ pub struct TurnReport {
     pub checkpoint_bytes: u64,
     /// Of `checkpoint_bytes`, what went outside containerd (every-turn's archive).
     pub checkpoint_exported_bytes: u64,
+    /// How the runtime classed the turn (crab: clean, fs, proc), where it says.
+    pub checkpoint_class: Option<String>,
     /// What the agent waited for the policy before its next turn: the part
     /// of the checkpoint that outlasted the (scaled) think time before it.
     pub agent_visible_delay_s: f64,
@@ -196,8 +200,8 @@ fn render_trace(out: &mut String, report: &TraceReport) {
     };
     let _ = writeln!(
         out,
-        "trace {} ({} turns, {}, runtime {}), {fault}",
-        report.trace, report.turns, report.image, report.runtime
+        "trace {} ({} turns, {}, runtime {}, mode {}), {fault}",
+        report.trace, report.turns, report.image, report.runtime, report.mode
     );
     let nondeterministic = if report.reference.nondeterministic_turns.is_empty() {
         "none".to_string()
@@ -253,6 +257,20 @@ fn render_trace(out: &mut String, report: &TraceReport) {
             recovery,
             run.run_time_s
         );
+    }
+    for run in &report.runs {
+        let classes: Vec<&str> = run.turns.iter().filter_map(|turn| turn.checkpoint_class.as_deref()).collect();
+        if !classes.is_empty() {
+            let count = |class: &str| classes.iter().filter(|c| **c == class).count();
+            let _ = writeln!(
+                out,
+                "{}: turns classed clean {}, fs {}, proc {}",
+                run.policy.name(),
+                count("clean"),
+                count("fs"),
+                count("proc")
+            );
+        }
     }
     for run in &report.runs {
         let failed: Vec<&TurnReport> = run.turns.iter().filter(|turn| turn.checkpoint_error.is_some()).collect();

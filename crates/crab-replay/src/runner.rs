@@ -15,6 +15,7 @@ use super::oracle::{Reference, ReferenceRun, TurnResult};
 use super::policy::{Launch, PolicyKind, Recovery, RecoveryMethod, RecoveryPolicy, StoreCheck, TurnCost, discard};
 use super::report::{DelaySummary, FaultReport, PolicyRun, ReferenceSummary, TraceReport, TurnReport};
 use super::sandbox::{ExecResult, Sandbox, SandboxSpec};
+use super::shell::ReplayMode;
 use super::trace::Trace;
 use crabctl::containerd::ctr::Ctr;
 
@@ -42,6 +43,9 @@ pub struct ReplayOptions {
     /// Package sources the sandboxes install from without a network (`scripts/lib/packages.sh`),
     /// a host directory they see read-only at [`SANDBOX_PACKAGES`]; None: no package source.
     pub packages: Option<PathBuf>,
+    /// How the trace's commands reach the sandbox (each its own exec, one
+    /// shell's stdin, or a tmux session).
+    pub mode: ReplayMode,
 }
 
 /// Where a sandbox sees [`ReplayOptions::packages`]: the images point pip and apt there.
@@ -146,6 +150,7 @@ async fn replay_trace(
             file: trace.file.clone(),
             image: image.clone(),
             runtime: options.runtime.clone(),
+            mode: options.mode,
             turns: trace.header.turns,
             fault: *fault,
             fault_turn: strike.map(|(_, turn)| turn),
@@ -172,6 +177,7 @@ fn launch(options: &ReplayOptions, trace: &Trace, policy: PolicyKind, role: &str
             annotations: vec![(crab_store::turns::ANNOTATION_POLICY.to_string(), policy.shim_policy().to_string())],
             ignore: trace.header.ignore.clone(),
             read_only_binds: options.packages.iter().map(|dir| (dir.clone(), SANDBOX_PACKAGES.to_string())).collect(),
+            mode: options.mode,
         },
     }
 }
@@ -185,6 +191,7 @@ struct TurnOutcome {
     checkpoint_s: f64,
     checkpoint_bytes: u64,
     checkpoint_exported_bytes: u64,
+    checkpoint_class: Option<String>,
     checkpoint_error: Option<String>,
     /// How long the agent waited for the policy beyond its think time.
     agent_visible_delay_s: f64,
@@ -296,7 +303,7 @@ async fn run(
             Ok(cost) => (cost, None),
             Err(error) => {
                 warn!(container = sandbox.id(), turn = turn.turn, %error, "checkpoint failed");
-                (TurnCost { blocking_s: save_time.as_secs_f64(), bytes: 0, exported_bytes: 0 }, Some(error.to_string()))
+                (TurnCost { blocking_s: save_time.as_secs_f64(), ..TurnCost::default() }, Some(error.to_string()))
             }
         };
         info!(
@@ -314,6 +321,7 @@ async fn run(
             checkpoint_s: cost.blocking_s,
             checkpoint_bytes: cost.bytes,
             checkpoint_exported_bytes: cost.exported_bytes,
+            checkpoint_class: cost.class.map(str::to_string),
             checkpoint_error,
             agent_visible_delay_s,
         });
@@ -371,6 +379,17 @@ async fn strike_and_recover(
             return Ok((None, outcome));
         }
     };
+    // stdin mode: the agent's shell is re-attached where the runtime restored
+    // it and holds it by exec id (crab, from a process checkpoint), else
+    // restarted; the oracle then judges the shell the agent goes on with.
+    let reattach = (policy.kind() == PolicyKind::Crab && matches!(recovery.method, RecoveryMethod::Checkpoint { .. }))
+        || recovery.method == RecoveryMethod::NotNeeded;
+    if recovery.sandbox.mode() == ReplayMode::Stdin
+        && let Err(error) = recovery.sandbox.resume_shell(reattach).await
+    {
+        outcome.result = Err(format!("the shell session after recovery ({:?}): {error}", recovery.method));
+        return Ok((Some(recovery.sandbox), outcome));
+    }
     info!(container = recovery.sandbox.id(), turn, %kind, method = ?recovery.method, recovery_s = outcome.recovery_s, "recovered");
     outcome.result = match recovery.sandbox.fingerprint().await {
         Ok(state_after) => Ok(Recovered { method: recovery.method, possible: recovery.possible, state_after }),
@@ -428,6 +447,7 @@ fn policy_report(
             checkpoint_s: turn.checkpoint_s,
             checkpoint_bytes: turn.checkpoint_bytes,
             checkpoint_exported_bytes: turn.checkpoint_exported_bytes,
+            checkpoint_class: turn.checkpoint_class.clone(),
             agent_visible_delay_s: turn.agent_visible_delay_s,
             checkpoint_error: turn.checkpoint_error.clone(),
             stdout_sha256: turn.result.stdout_sha256.clone(),

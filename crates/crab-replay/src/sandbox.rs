@@ -10,6 +10,7 @@ use tracing::{debug, warn};
 use super::archive::Descriptor;
 use super::fingerprint::{Fingerprint, FingerprintError, HashCache, Scope};
 use super::injector::task_entry;
+use super::shell::{ReplayMode, SessionError, StdinSession, TMUX_TURN_SCRIPT, TMUX_UNAVAILABLE};
 use crabctl::containerd::ctr::{Ctr, CtrError, CtrOutput};
 
 #[derive(Debug, thiserror::Error)]
@@ -28,6 +29,12 @@ pub enum SandboxError {
     },
     #[error("sandbox {container}: {problem}")]
     Task { container: String, problem: String },
+    #[error("sandbox {container}: {source}")]
+    Session {
+        container: String,
+        #[source]
+        source: SessionError,
+    },
 }
 
 /// What a sandbox is made from.
@@ -44,6 +51,8 @@ pub struct SandboxSpec {
     /// Host directories the sandbox sees read-only: (host path, container path). State the
     /// sandbox does not own and cannot change (package sources), left out of its fingerprint.
     pub read_only_binds: Vec<(PathBuf, String)>,
+    /// How each turn's command reaches the sandbox.
+    pub mode: ReplayMode,
 }
 
 /// The agent-visible result of one exec'd command.
@@ -92,6 +101,11 @@ pub struct Sandbox {
     next_exec: u64,
     /// Content hashes of files the fingerprint read, reused while their inodes are unchanged.
     hashes: HashCache,
+    /// stdin mode: the shell session the commands are written to.
+    session: Option<StdinSession>,
+    /// stdin mode: the exec id of the last session started, and how many
+    /// commands were written to it (a crab turn record is made per command).
+    session_exec: Option<(String, u64)>,
 }
 
 impl Sandbox {
@@ -115,6 +129,8 @@ impl Sandbox {
             spec: spec.clone(),
             next_exec: 0,
             hashes: HashCache::default(),
+            session: None,
+            session_exec: None,
         })
     }
 
@@ -128,6 +144,8 @@ impl Sandbox {
             spec: spec.clone(),
             next_exec: 0,
             hashes: HashCache::default(),
+            session: None,
+            session_exec: None,
         })
     }
 
@@ -141,6 +159,8 @@ impl Sandbox {
             spec: previous.spec.clone(),
             next_exec: previous.next_exec,
             hashes: HashCache::default(),
+            session: None,
+            session_exec: previous.session_exec.clone(),
         }
     }
 
@@ -148,9 +168,72 @@ impl Sandbox {
         &self.id
     }
 
+    /// How many exec ids this sandbox handed out (`replay-1` to `replay-N`).
+    pub fn execs_made(&self) -> u64 {
+        self.next_exec
+    }
+
+    /// A sandbox restored from a checkpoint of one that made `made` execs:
+    /// its exec ids go on after theirs. The runtime keeps restored exec
+    /// sessions by id, so reusing one would attach to the restored process
+    /// instead of starting a new one.
+    pub fn with_exec_ids_after(mut self, made: u64) -> Sandbox {
+        self.next_exec = self.next_exec.max(made);
+        self
+    }
+
     /// The exec id of the last command run, if any.
     pub fn last_exec_id(&self) -> Option<String> {
         (self.next_exec > 0).then(|| format!("replay-{}", self.next_exec))
+    }
+
+    pub fn mode(&self) -> ReplayMode {
+        self.spec.mode
+    }
+
+    /// The exec id the runtime's record of the last turn carries, and how
+    /// many turns that exec made so far: the last command's exec (1) in exec
+    /// and tmux mode, the shell session and the commands written to it in stdin mode.
+    pub fn last_turn_exec(&self) -> Option<(String, u64)> {
+        match self.spec.mode {
+            ReplayMode::Stdin => self.session_exec.clone(),
+            ReplayMode::Exec | ReplayMode::Tmux => self.last_exec_id().map(|id| (id, 1)),
+        }
+    }
+
+    /// After a recovery, stdin mode needs its shell again: with `reattach`
+    /// (the runtime restored the exec sessions and holds them by id) the same
+    /// exec id is asked for, which re-attaches the restored shell; else a new
+    /// session is started. Either way before the oracle looks, so that its
+    /// fingerprint sees the shell the agent's next command goes to.
+    pub async fn resume_shell(&mut self, reattach: bool) -> Result<(), SandboxError> {
+        if self.spec.mode != ReplayMode::Stdin {
+            return Ok(());
+        }
+        // A session whose client survived the fault (the task kept running) goes on as it is.
+        if reattach && self.session.as_mut().is_some_and(|session| !session.exited()) {
+            return Ok(());
+        }
+        if let Some(session) = self.session.take() {
+            session.close().await;
+        }
+        match self.session_exec.clone() {
+            Some((exec_id, turns)) if reattach => self.start_session(exec_id, turns)?,
+            _ => {
+                self.next_exec += 1;
+                self.start_session(format!("replay-{}", self.next_exec), 0)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn start_session(&mut self, exec_id: String, turns: u64) -> Result<(), SandboxError> {
+        let session = StdinSession::start(&self.ctr, &self.id, &exec_id, &self.spec.workdir)
+            .map_err(|source| SandboxError::Session { container: self.id.clone(), source })?;
+        debug!(container = %self.id, exec = %exec_id, "shell session started");
+        self.session = Some(session);
+        self.session_exec = Some((exec_id, turns));
+        Ok(())
     }
 
     fn exec_args(&mut self, argv: &[&str]) -> (String, Vec<String>) {
@@ -169,8 +252,126 @@ impl Sandbox {
         (exec_id, args)
     }
 
-    /// Runs `bash -c CMD` in the workdir; at `timeout` the command is SIGKILLed.
+    /// Runs one turn's command the way the sandbox's mode says.
     pub async fn exec(&mut self, cmd: &str, timeout: Duration) -> Result<ExecResult, SandboxError> {
+        match self.spec.mode {
+            ReplayMode::Exec => self.exec_once(cmd, timeout).await,
+            ReplayMode::Stdin => self.exec_stdin(cmd, timeout).await,
+            ReplayMode::Tmux => self.exec_tmux(cmd, timeout).await,
+        }
+    }
+
+    /// Writes `cmd` to the shell session (started first if there is none, or
+    /// the last one ended). At `timeout` the session is killed, as an agent
+    /// framework restarts a shell that stopped answering; so is one that exited.
+    async fn exec_stdin(&mut self, cmd: &str, timeout: Duration) -> Result<ExecResult, SandboxError> {
+        if let Some(session) = self.session.as_mut()
+            && session.exited()
+        {
+            self.session.take().expect("checked").close().await;
+        }
+        if self.session.is_none() {
+            self.next_exec += 1;
+            self.start_session(format!("replay-{}", self.next_exec), 0)?;
+        }
+        if let Some((_, turns)) = self.session_exec.as_mut() {
+            *turns += 1;
+        }
+        let started = Instant::now();
+        let session = self.session.as_mut().expect("started above");
+        let turn = session
+            .run(cmd, timeout)
+            .await
+            .map_err(|source| SandboxError::Session { container: self.id.clone(), source })?;
+        let duration = started.elapsed();
+        if turn.ended {
+            let session = self.session.take().expect("ran above");
+            if turn.timed_out {
+                self.kill_exec(&session.exec_id).await;
+            }
+            session.close().await;
+            let output = CtrOutput {
+                code: turn.rc,
+                stdout: Vec::new(),
+                stderr: turn.stderr.clone(),
+                elapsed: duration,
+                timed_out: turn.timed_out,
+            };
+            if !turn.timed_out && is_ctr_failure(&output) {
+                return Err(SandboxError::ExecFailed { container: self.id.clone(), stderr: output.stderr_text() });
+            }
+        }
+        Ok(ExecResult { rc: turn.rc, timed_out: turn.timed_out, duration, stdout: turn.stdout, stderr: turn.stderr })
+    }
+
+    /// Types `cmd` into the sandbox's tmux session with one exec that waits
+    /// for the command's signal and prints the pane; the command's output is
+    /// the pane between its marks (stdout and stderr mixed, as a terminal shows them).
+    async fn exec_tmux(&mut self, cmd: &str, timeout: Duration) -> Result<ExecResult, SandboxError> {
+        let nonce = super::shell::nonce();
+        let line = super::shell::tmux_line(cmd, &nonce);
+        let workdir = self.spec.workdir.clone();
+        let (exec_id, args) = self.exec_args(&[
+            "bash",
+            "-c",
+            TMUX_TURN_SCRIPT,
+            "crab-tmux",
+            line.as_str(),
+            nonce.as_str(),
+            workdir.as_str(),
+        ]);
+        let started = Instant::now();
+        let finished = {
+            let run = self.ctr.run_raw(&args, timeout + KILL_GRACE);
+            tokio::pin!(run);
+            tokio::select! {
+                output = &mut run => Some(output?),
+                _ = tokio::time::sleep(timeout) => {
+                    self.kill_exec(&exec_id).await;
+                    let _ = run.await;
+                    None
+                }
+            }
+        };
+        let (output, timed_out) = match finished {
+            Some(output) => (output, false),
+            None => {
+                // Interrupt the command in the pane, as a user at the terminal would.
+                let session = super::shell::TMUX_SESSION;
+                let interrupt = format!(
+                    "tmux send-keys -t {session} C-c; tmux capture-pane -p -J -S - -E - -t {session}; tmux clear-history -t {session}"
+                );
+                let (_, args) = self.exec_args(&["bash", "-c", interrupt.as_str()]);
+                (self.ctr.run_raw(&args, KILL_GRACE * 5).await?, true)
+            }
+        };
+        let duration = started.elapsed();
+        if !timed_out && is_ctr_failure(&output) {
+            return Err(SandboxError::ExecFailed { container: self.id.clone(), stderr: output.stderr_text() });
+        }
+        if output.code == Some(TMUX_UNAVAILABLE) {
+            return Err(SandboxError::Task {
+                container: self.id.clone(),
+                problem: format!("tmux mode cannot run here: {}", output.stderr_text().trim()),
+            });
+        }
+        let pane = String::from_utf8_lossy(&output.stdout);
+        let parsed = super::shell::parse_pane(&pane, &nonce);
+        let (stdout, rc) = match (parsed, timed_out) {
+            (Some((text, rc)), false) => (text.into_bytes(), Some(rc)),
+            (_, true) => (output.stdout, None),
+            (None, false) => {
+                return Err(SandboxError::Task {
+                    container: self.id.clone(),
+                    problem: format!("the tmux pane does not show the command's end mark: {pane:?}"),
+                });
+            }
+        };
+        Ok(ExecResult { rc, timed_out, duration, stdout, stderr: Vec::new() })
+    }
+
+    /// Runs `bash -c CMD` in the workdir; at `timeout` the command is SIGKILLed.
+    async fn exec_once(&mut self, cmd: &str, timeout: Duration) -> Result<ExecResult, SandboxError> {
         // `ctr tasks exec` never closes the process's stdin, so a command that
         // reads it (a `tail` whose file argument slipped to the next line) would
         // hang until its timeout; agents run commands with stdin at EOF.
@@ -247,7 +448,10 @@ impl Sandbox {
     }
 
     /// Deletes the task (killing what still runs) and the container with its rw snapshot.
-    pub async fn remove(self) -> Result<(), SandboxError> {
+    pub async fn remove(mut self) -> Result<(), SandboxError> {
+        if let Some(session) = self.session.take() {
+            session.close().await;
+        }
         remove_container(&self.ctr, &self.id).await
     }
 

@@ -63,6 +63,7 @@ fn options(traces: Vec<PathBuf>, runtime: &str) -> ReplayOptions {
         checkpoint_dir: std::env::var_os("CRAB_REPLAY_CHECKPOINT_DIR")
             .map_or_else(|| crab_replay::cli::DEFAULT_CHECKPOINT_DIR.into(), PathBuf::from),
         packages: None,
+        mode: crab_replay::ReplayMode::Exec,
     }
 }
 

@@ -340,10 +340,10 @@ async fn serve(flags: &Flags) -> Result<(), BootstrapError> {
     }
     let shutdown = CancellationToken::new();
     let events = EventSink::new(events_address, &flags.namespace);
-    let service: Arc<dyn Task + Send + Sync> =
-        Arc::new(TaskService::new(&flags.namespace, events.clone(), reaper, shutdown.clone()));
-
     let path = socket_path(&flags.socket).to_string();
+    let service: Arc<dyn Task + Send + Sync> =
+        Arc::new(TaskService::new(&flags.namespace, events.clone(), reaper, shutdown.clone(), PathBuf::from(&path)));
+
     let listener = server_listener(&path)?;
     listener.set_nonblocking(true).map_err(io_err("listener"))?;
     let listener = containerd_shim_protos::ttrpc::r#async::transport::Listener::try_from(listener)
@@ -360,11 +360,16 @@ async fn serve(flags: &Flags) -> Result<(), BootstrapError> {
     let mut sigterm =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io_err("SIGTERM handler"))?;
     tokio::select! {
+        // The Shutdown request unlinked the socket before it was answered.
         _ = shutdown.cancelled() => {}
-        _ = sigterm.recv() => tracing::info!("SIGTERM"),
+        _ = sigterm.recv() => {
+            tracing::info!("SIGTERM");
+            let _ = std::fs::remove_file(&path);
+        }
     }
+    // Not unlinked again after this wait: by then a new shim of the same group may
+    // serve a socket of the same name.
     let _ = server.shutdown().await;
-    let _ = std::fs::remove_file(&path);
     events.flush(EVENTS_FLUSH_AT_EXIT).await;
     Ok(())
 }

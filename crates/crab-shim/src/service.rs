@@ -44,6 +44,8 @@ pub struct TaskService {
     events: EventSink,
     reaper: Reaper,
     shutdown: CancellationToken,
+    /// The path of the socket this shim serves, unlinked when a shutdown is granted.
+    socket: PathBuf,
 }
 
 fn timestamp(t: SystemTime) -> MessageField<Timestamp> {
@@ -67,7 +69,13 @@ fn status_of(s: Status) -> containerd_shim_protos::types::task::Status {
 type TtrpcResult<T> = ttrpc::Result<T>;
 
 impl TaskService {
-    pub fn new(namespace: &str, events: EventSink, reaper: Reaper, shutdown: CancellationToken) -> Self {
+    pub fn new(
+        namespace: &str,
+        events: EventSink,
+        reaper: Reaper,
+        shutdown: CancellationToken,
+        socket: PathBuf,
+    ) -> Self {
         Self {
             namespace: namespace.into(),
             engine_ctx: Default::default(),
@@ -76,6 +84,7 @@ impl TaskService {
             events,
             reaper,
             shutdown,
+            socket,
         }
     }
 
@@ -1195,6 +1204,17 @@ impl Task for TaskService {
             return empty();
         }
         tracing::info!("shutdown requested");
+        // The socket's name goes before the answer. containerd's task delete returns once
+        // this is answered, and a client may create a container of the same id at once
+        // (crabctl recover does): that container's `start` must not find this shim, which
+        // stops accepting but keeps listening while its connections wind down (a second
+        // or more under load), take it for live and hand containerd an address whose
+        // server is going away ("ttrpc: closed" at Create).
+        if let Err(e) = std::fs::remove_file(&self.socket)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(socket = %self.socket.display(), error = %e, "shim socket not unlinked at shutdown");
+        }
         self.shutdown.cancel();
         empty()
     }

@@ -1,0 +1,416 @@
+//! Replay modes: how a trace's commands reach the sandbox.
+//!
+//! - `exec`: every command is its own `bash -c` exec (what the traces recorded).
+//! - `stdin`: one long-lived `bash` exec session is fed every command through
+//!   its stdin, as SWE-agent and OpenHands drive their shells.
+//! - `tmux`: a tmux session in the sandbox is typed every command with
+//!   `send-keys`, and its pane is read with `capture-pane`, as Terminus does.
+//!
+//! In the two shell modes a command's end is known from a sentinel the
+//! shell prints after it: a marker with a fresh nonce and the command's `$?`.
+//! The typed or written text prints the marker through a `printf` format, so
+//! the text itself (echoed by a terminal) never contains the marker.
+
+use std::fmt;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, ChildStderr, ChildStdin, ChildStdout, Command};
+
+use crabctl::containerd::ctr::Ctr;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReplayMode {
+    /// Each command is its own `bash -c` exec.
+    #[default]
+    Exec,
+    /// One `bash` exec session, fed every command through its stdin.
+    Stdin,
+    /// A tmux session, typed every command with `send-keys`.
+    Tmux,
+}
+
+impl ReplayMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReplayMode::Exec => "exec",
+            ReplayMode::Stdin => "stdin",
+            ReplayMode::Tmux => "tmux",
+        }
+    }
+}
+
+impl fmt::Display for ReplayMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The tmux session (and wait-for channel prefix) the replay drives.
+pub const TMUX_SESSION: &str = "crab";
+
+/// A marker nonce: fresh per command, so output of an earlier command (or a
+/// command that prints marker-like text) cannot end a later one.
+pub fn nonce() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let count = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mixed = (now as u64) ^ count.rotate_left(40) ^ u64::from(std::process::id()).rotate_left(20);
+    format!("{mixed:016x}")
+}
+
+/// `cmd` as one bash ANSI-C quoted word (`$'...'`): a single line whatever the
+/// command holds (newlines, tabs, quotes), so a terminal types it without
+/// continuation prompts or completion, and `eval` runs exactly `cmd`.
+pub fn ansi_c_quote(cmd: &str) -> String {
+    let mut quoted = String::with_capacity(cmd.len() + 3);
+    quoted.push_str("$'");
+    for ch in cmd.chars() {
+        match ch {
+            '\\' => quoted.push_str("\\\\"),
+            '\'' => quoted.push_str("\\'"),
+            '\n' => quoted.push_str("\\n"),
+            '\t' => quoted.push_str("\\t"),
+            '\r' => quoted.push_str("\\r"),
+            // Always two hex digits: `\xHH` takes at most two, so a following
+            // hex letter of the command is never swallowed.
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => quoted.push_str(&format!("\\x{:02x}", c as u32)),
+            c => quoted.push(c),
+        }
+    }
+    quoted.push('\'');
+    quoted
+}
+
+/// The line written to a stdin session for `cmd`: the command (stdin at EOF,
+/// as exec mode gives it), then its status on stdout and an end mark on
+/// stderr, so both streams are known complete.
+pub fn stdin_line(cmd: &str, nonce: &str) -> String {
+    format!(
+        "eval {} </dev/null; printf '__crab_%s_%d__\\n' {nonce} \"$?\"; printf '__crab_%s__\\n' {nonce} >&2\n",
+        ansi_c_quote(cmd)
+    )
+}
+
+/// The line typed into the tmux pane for `cmd`: a begin mark (the pane also
+/// shows the prompt and the typed line), the command, its status, then the
+/// wait-for signal the turn's exec waits on.
+pub fn tmux_line(cmd: &str, nonce: &str) -> String {
+    format!(
+        "printf '__crab_%s_begin__\\n' {nonce}; eval {} </dev/null; printf '__crab_%s_%d__\\n' {nonce} \"$?\"; tmux wait-for -S {TMUX_SESSION}-{nonce}",
+        ansi_c_quote(cmd)
+    )
+}
+
+/// The end of a command on a stdin session's stdout: `output` is what the
+/// command printed, `consumed` how much of the buffer the command and its
+/// marker took (the rest belongs to the next command).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StdoutEnd {
+    pub output: usize,
+    pub rc: i32,
+    pub consumed: usize,
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|window| window == needle)
+}
+
+/// Finds `__crab_<nonce>_<rc>__\n` anywhere in `buffer` (output that does not
+/// end in a newline puts the marker mid-line). None until it is complete.
+pub fn parse_stdout_end(buffer: &[u8], nonce: &str) -> Option<StdoutEnd> {
+    let prefix = format!("__crab_{nonce}_");
+    let mut from = 0;
+    while let Some(at) = find(&buffer[from..], prefix.as_bytes()) {
+        let start = from + at;
+        let rest = &buffer[start + prefix.len()..];
+        let digits =
+            rest.iter().enumerate().take_while(|(i, b)| b.is_ascii_digit() || (*i == 0 && **b == b'-')).count();
+        if digits > 0
+            && rest.len() >= digits + 3
+            && &rest[digits..digits + 3] == b"__\n"
+            && let Some(rc) = std::str::from_utf8(&rest[..digits]).ok().and_then(|text| text.parse::<i32>().ok())
+        {
+            return Some(StdoutEnd { output: start, rc, consumed: start + prefix.len() + digits + 3 });
+        }
+        from = start + 1;
+    }
+    None
+}
+
+/// Finds `__crab_<nonce>__\n` in `buffer`: (output length, consumed length).
+pub fn parse_stderr_end(buffer: &[u8], nonce: &str) -> Option<(usize, usize)> {
+    let marker = format!("__crab_{nonce}__\n");
+    find(buffer, marker.as_bytes()).map(|at| (at, at + marker.len()))
+}
+
+/// A command's result read off a tmux pane (`capture-pane -p -J`): the lines
+/// between the begin mark and the status mark, and the status. None when the
+/// pane does not show both (the command has not finished, or scrolled out).
+pub fn parse_pane(pane: &str, nonce: &str) -> Option<(String, i32)> {
+    let begin = format!("__crab_{nonce}_begin__");
+    let lines: Vec<&str> = pane.lines().collect();
+    let first = lines.iter().rposition(|line| *line == begin)? + 1;
+    let mut output = String::new();
+    for line in &lines[first..] {
+        let mut text = line.as_bytes().to_vec();
+        text.push(b'\n');
+        if let Some(end) = parse_stdout_end(&text, nonce) {
+            output.push_str(&line[..end.output]);
+            return Some((output, end.rc));
+        }
+        output.push_str(line);
+        output.push('\n');
+    }
+    None
+}
+
+/// The script of one tmux-mode turn, run as `bash -c SCRIPT crab-tmux LINE NONCE WORKDIR`:
+/// starts the tmux server and session if there is none (first turn, or a
+/// sandbox that lost its processes), types the line, waits for its signal,
+/// prints the pane and clears its history. Exit 125 with a message when the
+/// image has no tmux.
+pub const TMUX_TURN_SCRIPT: &str = r#"command -v tmux >/dev/null || { echo "crab-replay: this image has no tmux (tmux mode needs it)" >&2; exit 125; }
+s=crab
+tmux has-session -t "$s" 2>/dev/null || tmux start-server \; set-option -g history-limit 100000 \; new-session -d -s "$s" -x 400 -y 50 -c "$3" 'exec bash --norc --noprofile -i' || exit 125
+tmux send-keys -t "$s" -l -- "$1" && tmux send-keys -t "$s" Enter && tmux wait-for "$s-$2"
+tmux capture-pane -p -J -S - -E - -t "$s"
+tmux clear-history -t "$s""#;
+
+/// The exit code of [`TMUX_TURN_SCRIPT`] when tmux is missing or cannot start.
+pub const TMUX_UNAVAILABLE: i32 = 125;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("cannot start `ctr tasks exec` for the shell session: {0}")]
+    Spawn(std::io::Error),
+    #[error("shell session {exec_id}: {what}: {source}")]
+    Io {
+        exec_id: String,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What one command on a stdin session gave.
+#[derive(Debug)]
+pub struct SessionTurn {
+    pub rc: Option<i32>,
+    pub timed_out: bool,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    /// The shell exited (the command ran `exit`, or the session was killed):
+    /// the next command needs a new session.
+    pub ended: bool,
+}
+
+/// A long-lived `bash` exec session driven through `ctr tasks exec`'s stdin.
+#[derive(Debug)]
+pub struct StdinSession {
+    pub exec_id: String,
+    child: Child,
+    stdin: ChildStdin,
+    stdout: ChildStdout,
+    stderr: ChildStderr,
+    out: Vec<u8>,
+    err: Vec<u8>,
+}
+
+/// The session's command line (a re-attach must ask for the same one).
+pub const SESSION_ARGV: [&str; 3] = ["bash", "--norc", "--noprofile"];
+
+impl StdinSession {
+    /// Starts (or, where the runtime holds a restored session of that id,
+    /// re-attaches) exec `exec_id` running [`SESSION_ARGV`] in `workdir`.
+    pub fn start(ctr: &Ctr, container: &str, exec_id: &str, workdir: &str) -> Result<StdinSession, SessionError> {
+        let mut child = Command::new("ctr")
+            .arg("--address")
+            .arg(ctr.socket())
+            .arg("--namespace")
+            .arg(ctr.namespace())
+            .args(["tasks", "exec", "--exec-id", exec_id, "--cwd", workdir, container])
+            .args(SESSION_ARGV)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(SessionError::Spawn)?;
+        Ok(StdinSession {
+            exec_id: exec_id.to_string(),
+            stdin: child.stdin.take().expect("stdin is piped"),
+            stdout: child.stdout.take().expect("stdout is piped"),
+            stderr: child.stderr.take().expect("stderr is piped"),
+            child,
+            out: Vec::new(),
+            err: Vec::new(),
+        })
+    }
+
+    /// Whether the `ctr` client (and so the session as this replay sees it) has ended.
+    pub fn exited(&mut self) -> bool {
+        !matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Writes `cmd` with its sentinel and reads until both streams carry the
+    /// marker, the shell exits, or `timeout` passes (then the caller kills the session).
+    pub async fn run(&mut self, cmd: &str, timeout: Duration) -> Result<SessionTurn, SessionError> {
+        let nonce = nonce();
+        let exec_id = self.exec_id.clone();
+        let io = |what: &'static str| {
+            let exec_id = exec_id.clone();
+            move |source| SessionError::Io { exec_id, what, source }
+        };
+        let deadline = Instant::now() + timeout;
+        let line = stdin_line(cmd, &nonce);
+        if let Err(error) = self.stdin.write_all(line.as_bytes()).await {
+            // The shell is gone (broken pipe): that is the command's result.
+            if error.kind() == std::io::ErrorKind::BrokenPipe {
+                return Ok(self.ended(deadline).await);
+            }
+            return Err(io("writing the command")(error));
+        }
+        self.stdin.flush().await.map_err(io("writing the command"))?;
+        let mut stdout_end = None;
+        let mut stderr_end = None;
+        let mut out_open = true;
+        let mut err_open = true;
+        let mut out_chunk = vec![0u8; 65536];
+        let mut err_chunk = vec![0u8; 65536];
+        loop {
+            if stdout_end.is_none() {
+                stdout_end = parse_stdout_end(&self.out, &nonce);
+            }
+            if stderr_end.is_none() {
+                stderr_end = parse_stderr_end(&self.err, &nonce);
+            }
+            if let (Some(out), Some((err_len, err_used))) = (&stdout_end, stderr_end) {
+                let stdout = self.out[..out.output].to_vec();
+                let stderr = self.err[..err_len].to_vec();
+                self.out.drain(..out.consumed);
+                self.err.drain(..err_used);
+                return Ok(SessionTurn { rc: Some(out.rc), timed_out: false, stdout, stderr, ended: false });
+            }
+            if !out_open && (stdout_end.is_none() || !err_open) {
+                return Ok(self.ended(deadline).await);
+            }
+            tokio::select! {
+                read = self.stdout.read(&mut out_chunk), if out_open && stdout_end.is_none() => {
+                    match read.map_err(io("reading stdout"))? {
+                        0 => out_open = false,
+                        n => self.out.extend_from_slice(&out_chunk[..n]),
+                    }
+                }
+                read = self.stderr.read(&mut err_chunk), if err_open && stderr_end.is_none() => {
+                    match read.map_err(io("reading stderr"))? {
+                        0 => err_open = false,
+                        n => self.err.extend_from_slice(&err_chunk[..n]),
+                    }
+                }
+                _ = tokio::time::sleep_until(deadline.into()) => {
+                    let stdout = std::mem::take(&mut self.out);
+                    let stderr = std::mem::take(&mut self.err);
+                    return Ok(SessionTurn { rc: None, timed_out: true, stdout, stderr, ended: true });
+                }
+            }
+        }
+    }
+
+    /// The shell ended before printing its marker: its exit status is the
+    /// command's (`exit 3`), and what it printed is the output.
+    async fn ended(&mut self, deadline: Instant) -> SessionTurn {
+        let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(2));
+        let status = tokio::time::timeout(wait, self.child.wait()).await.ok().and_then(Result::ok);
+        let mut rest = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_millis(200), self.stderr.read_to_end(&mut rest)).await;
+        self.err.extend_from_slice(&rest);
+        SessionTurn {
+            rc: status.and_then(|status| status.code()),
+            timed_out: false,
+            stdout: std::mem::take(&mut self.out),
+            stderr: std::mem::take(&mut self.err),
+            ended: true,
+        }
+    }
+
+    /// Stops the `ctr` client (the caller kills the exec in the container).
+    pub async fn close(mut self) {
+        let _ = self.child.start_kill();
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.child.wait()).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn the_stdout_marker_ends_output_mid_line_and_leaves_what_follows() {
+        let buffer = b"abc__crab_n1_7__\nnext";
+        assert_eq!(parse_stdout_end(buffer, "n1"), Some(StdoutEnd { output: 3, rc: 7, consumed: 17 }));
+        assert_eq!(&buffer[17..], b"next");
+    }
+
+    #[test]
+    fn an_incomplete_or_foreign_marker_is_not_an_end() {
+        assert_eq!(parse_stdout_end(b"__crab_n1_0__", "n1"), None, "no newline yet");
+        assert_eq!(parse_stdout_end(b"__crab_n1_", "n1"), None);
+        assert_eq!(parse_stdout_end(b"__crab_n2_0__\n", "n1"), None, "another command's nonce");
+        assert_eq!(parse_stdout_end(b"__crab_n1_%d__\n", "n1"), None, "the format, as a terminal echoes it");
+        assert_eq!(parse_stdout_end(b"__crab_n1_x__\n__crab_n1_2__\n", "n1").map(|end| end.rc), Some(2));
+    }
+
+    #[test]
+    fn the_stderr_marker_ends_stderr() {
+        assert_eq!(parse_stderr_end(b"oops\n__crab_n1__\n", "n1"), Some((5, 17)));
+        assert_eq!(parse_stderr_end(b"oops\n__crab_n1__", "n1"), None);
+    }
+
+    #[test]
+    fn the_pane_gives_the_lines_between_the_marks() {
+        let pane = "bash-5.2# printf '__crab_%s_begin__\\n' n1; eval $'ls' ...\n__crab_n1_begin__\na\nb\n__crab_n1_0__\nbash-5.2# \n";
+        assert_eq!(parse_pane(pane, "n1"), Some(("a\nb\n".to_string(), 0)));
+        let unfinished = "__crab_n1_begin__\na\n";
+        assert_eq!(parse_pane(unfinished, "n1"), None);
+        let no_newline = "__crab_n1_begin__\nabc__crab_n1_3__\n";
+        assert_eq!(parse_pane(no_newline, "n1"), Some(("abc".to_string(), 3)));
+    }
+
+    #[test]
+    fn a_quoted_command_is_one_line() {
+        assert_eq!(ansi_c_quote("echo 'a'\n\tb\\c"), "$'echo \\'a\\'\\n\\tb\\\\c'");
+        assert_eq!(ansi_c_quote("\x01f"), "$'\\x01f'");
+        assert!(!stdin_line("a\nb", "n").trim_end_matches('\n').contains('\n'));
+        assert!(!tmux_line("a\nb", "n").contains('\n'));
+    }
+
+    proptest! {
+        #[test]
+        fn output_before_the_marker_is_returned_whole(output in proptest::collection::vec(any::<u8>(), 0..200), rc in -300i32..300, tail in proptest::collection::vec(any::<u8>(), 0..20)) {
+            let nonce = "0123456789abcdef";
+            let mut buffer = output.clone();
+            buffer.extend_from_slice(format!("__crab_{nonce}_{rc}__\n").as_bytes());
+            let consumed = buffer.len();
+            buffer.extend_from_slice(&tail);
+            // Random bytes cannot hold a 16-hex-digit nonce by chance here.
+            prop_assume!(find(&output, nonce.as_bytes()).is_none());
+            let end = parse_stdout_end(&buffer, nonce).unwrap();
+            prop_assert_eq!(end, StdoutEnd { output: output.len(), rc, consumed });
+        }
+
+        #[test]
+        fn any_prefix_of_the_marker_is_not_an_end(output in "[a-z\n]{0,50}", cut in 0usize..24) {
+            let nonce = "0123456789abcdef";
+            let marker = format!("__crab_{nonce}_0__\n");
+            let mut buffer = output.into_bytes();
+            buffer.extend_from_slice(&marker.as_bytes()[..cut.min(marker.len() - 1)]);
+            prop_assert_eq!(parse_stdout_end(&buffer, nonce), None);
+        }
+    }
+}
