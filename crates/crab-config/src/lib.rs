@@ -37,6 +37,32 @@ pub struct Config {
     pub checkpoint: CheckpointConfig,
     pub log: LogConfig,
     pub node: NodeConfig,
+    pub remote: RemoteConfig,
+}
+
+/// The remote tier: checkpoints pushed to an OCI registry (crab-remote's ARTIFACT.md), so a
+/// sandbox can be recovered or forked on another node. Off by default.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct RemoteConfig {
+    /// `host[:port][/path]`: each sandbox's turns go to `<prefix>/<namespace>/<sandbox>`,
+    /// tagged `turn-<N>`. Empty: no remote tier (`crabctl push` and `--from` say so).
+    pub prefix: String,
+    /// Plain HTTP instead of HTTPS (a registry on loopback or a trusted network only).
+    pub plain_http: bool,
+    /// A Docker client config (`config.json`) holding the registry's credentials. Empty:
+    /// `$DOCKER_CONFIG/config.json`, else `~/.docker/config.json`, else anonymous.
+    pub credentials_file: PathBuf,
+    /// A PEM file of CA certificates trusted for the registry besides the system's. Empty:
+    /// the system's only.
+    pub ca_file: PathBuf,
+}
+
+impl RemoteConfig {
+    /// Whether a registry is configured.
+    pub fn enabled(&self) -> bool {
+        !self.prefix.is_empty()
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
@@ -301,6 +327,25 @@ impl Config {
         if self.node.rate_mib_per_s > 1 << 30 || self.node.burst_mib > 1 << 30 {
             return Err(invalid("node.rate_mib_per_s and node.burst_mib: at most 2^30".into()));
         }
+        for (key, file) in [("remote.credentials_file", &self.remote.credentials_file), ("remote.ca_file", &self.remote.ca_file)] {
+            if !file.as_os_str().is_empty() && !file.is_absolute() {
+                return Err(invalid(format!("{key}: {} is not an absolute path (\"\": the default)", file.display())));
+            }
+        }
+        let prefix = &self.remote.prefix;
+        if !prefix.is_empty() {
+            let host = prefix.split('/').next().unwrap_or_default();
+            if host.is_empty()
+                || prefix.contains("://")
+                || prefix.ends_with('/')
+                || prefix.contains("//")
+                || !host.bytes().all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b))
+            {
+                return Err(invalid(format!(
+                    "remote.prefix: {prefix:?} is not host[:port][/path] (e.g. \"registry.example:5000/crab\", no scheme)"
+                )));
+            }
+        }
         if !LOG_LEVELS.contains(&self.log.level.as_str()) {
             return Err(invalid(format!("log.level: {:?} is not one of {}", self.log.level, LOG_LEVELS.join(", "))));
         }
@@ -434,6 +479,30 @@ mod tests {
         }
         let err = Config::parse("[checkpoint]\ndump_timeout_ms = -5\n", Path::new("c.toml")).unwrap_err();
         assert!(err.to_string().contains("dump_timeout_ms"), "{err}");
+    }
+
+    #[test]
+    fn the_remote_tier_is_off_by_default_and_validated() {
+        assert!(!Config::default().remote.enabled());
+        let c = Config::parse(
+            "[remote]\nprefix = \"127.0.0.1:5000/crab\"\nplain_http = true\nca_file = \"/etc/crab/ca.pem\"\n",
+            Path::new("c.toml"),
+        )
+        .unwrap();
+        assert!(c.remote.enabled() && c.remote.plain_http);
+        assert_eq!(c.remote.ca_file, PathBuf::from("/etc/crab/ca.pem"));
+        for bad in [
+            "prefix = \"https://reg/crab\"",
+            "prefix = \"reg/crab/\"",
+            "prefix = \"/crab\"",
+            "credentials_file = \"config.json\"",
+            "ca_file = \"ca.pem\"",
+            "registry = \"x\"",
+        ] {
+            let err = Config::parse(&format!("[remote]\n{bad}\n"), Path::new("/etc/crab/crab.toml")).unwrap_err();
+            let msg = err.to_string();
+            assert!(msg.contains("/etc/crab/crab.toml") && (msg.contains("remote.") || msg.contains("registry")), "{bad}: {msg}");
+        }
     }
 
     #[test]

@@ -27,6 +27,17 @@ pub const ANNOTATION_SANDBOX: &str = "io.crab.sandbox";
 pub const ANNOTATION_TURN: &str = "io.crab.turn";
 pub const ANNOTATION_PARENT_TURN: &str = "io.crab.parent-turn";
 pub const ANNOTATION_CREATED: &str = "org.opencontainers.image.created";
+/// The image the sandbox runs (as containerd names it), for a restore on a node where
+/// containerd never knew the sandbox.
+pub const ANNOTATION_IMAGE: &str = "io.crab.image";
+/// The digest of the sandbox's saved OCI runtime spec, one of the turn's objects.
+pub const ANNOTATION_SPEC: &str = "io.crab.spec";
+
+/// Annotations the artifact itself sets; every other one is carried in [`Checkpoint::extra`].
+const OWN_ANNOTATIONS: [&str; 5] =
+    [ANNOTATION_NAMESPACE, ANNOTATION_SANDBOX, ANNOTATION_TURN, ANNOTATION_PARENT_TURN, ANNOTATION_CREATED];
+/// Bound on the bytes of the extra annotations of one manifest.
+pub const MAX_EXTRA_ANNOTATION_BYTES: usize = 16 << 10;
 
 /// The largest manifest accepted from a registry (distribution's own limit is 4 MiB).
 pub const MAX_MANIFEST_BYTES: usize = 4 << 20;
@@ -53,6 +64,14 @@ pub fn parse_turn_tag(tag: &str) -> Option<u64> {
 /// names never hold `--` (their separators are single), so the two forms cannot meet.
 pub fn path_component(name: &str) -> String {
     if valid_component(name) { name.to_owned() } else { format!("x--{}", hex::encode(name.as_bytes())) }
+}
+
+/// The name a repository path component stands for (the inverse of [`path_component`]).
+pub fn name_of_component(component: &str) -> Option<String> {
+    match component.strip_prefix("x--") {
+        Some(hex) => String::from_utf8(hex::decode(hex).ok()?).ok().filter(|n| !valid_component(n)),
+        None => valid_component(component).then(|| component.to_owned()),
+    }
 }
 
 fn valid_component(s: &str) -> bool {
@@ -150,12 +169,15 @@ pub struct Checkpoint {
     pub turn_manifest: Digest,
     pub turn_manifest_size: u64,
     pub layers: Vec<Layer>,
+    /// Further annotations of the manifest ([`ANNOTATION_IMAGE`], [`ANNOTATION_SPEC`], ...).
+    pub extra: BTreeMap<String, String>,
 }
 
 impl Checkpoint {
     /// The manifest's bytes, as pushed (serde_json of the OCI struct: one encoding, one digest).
     pub fn encode(&self) -> Vec<u8> {
-        let mut annotations = BTreeMap::from([
+        let mut annotations = self.extra.clone();
+        annotations.extend([
             (ANNOTATION_NAMESPACE.to_owned(), self.namespace.clone()),
             (ANNOTATION_SANDBOX.to_owned(), self.sandbox.clone()),
             (ANNOTATION_TURN.to_owned(), self.turn.to_string()),
@@ -268,7 +290,13 @@ impl Checkpoint {
                 return Err(bad(format!("pack {digest} has no index layer")));
             }
         }
+        let extra: BTreeMap<String, String> =
+            annotations.iter().filter(|(k, _)| !OWN_ANNOTATIONS.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect();
+        if extra.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>() > MAX_EXTRA_ANNOTATION_BYTES {
+            return Err(bad(format!("annotations of more than {MAX_EXTRA_ANNOTATION_BYTES} bytes")));
+        }
         Ok(Checkpoint {
+            extra,
             namespace: annotation(ANNOTATION_NAMESPACE)?,
             sandbox: annotation(ANNOTATION_SANDBOX)?,
             turn,
@@ -300,6 +328,7 @@ mod tests {
                 Layer::PackIndex { digest: Digest::of(b"idx"), size: 5, pack },
                 Layer::Blob { digest: Digest::of(b"big"), size: 3 },
             ],
+            extra: BTreeMap::from([(ANNOTATION_IMAGE.to_owned(), "docker.io/library/busybox:latest".to_owned())]),
         }
     }
 
@@ -342,6 +371,11 @@ mod tests {
         assert!(valid_component("a__b") && valid_component("a---b"));
         assert_eq!(repository("crab", "default", "box"), "crab/default/box");
         assert_eq!(repository("", "default", "box"), "default/box");
+        for name in ["sandbox-1", "Sandbox_1", "a..b", "k8s.io"] {
+            assert_eq!(name_of_component(&path_component(name)).as_deref(), Some(name));
+        }
+        assert_eq!(name_of_component("x--626f78"), None, "box has one form only");
+        assert_eq!(name_of_component("-a"), None);
     }
 
     #[test]

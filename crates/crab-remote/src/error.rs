@@ -39,6 +39,8 @@ pub enum RemoteError {
     },
     #[error("{reference}: object {digest} cannot be read from the local store: {reason}")]
     Source { reference: String, digest: Digest, reason: String },
+    #[error("{reference}: the local checkpoint store: {reason}")]
+    Store { reference: String, reason: String },
     #[error("{reference}: {reason}")]
     InvalidReference { reference: String, reason: String },
     #[error("credentials file {path}: {reason}")]
@@ -87,6 +89,7 @@ impl RemoteError {
             | RemoteError::Pack { reference, .. }
             | RemoteError::Source { reference, .. }
             | RemoteError::InvalidReference { reference, .. }
+            | RemoteError::Store { reference, .. }
             | RemoteError::Protocol { reference, .. } => Some(reference),
             RemoteError::Credentials { .. } | RemoteError::Tls { .. } | RemoteError::Io { .. } => None,
         }

@@ -8,10 +8,13 @@
 //! - [`auth`]: credentials from a Docker client config.
 //! - [`queue`]: the persistent push queue (a journal of pending pushes, idempotent steps).
 //!
-//! No dependency on the rest of crab: the store hands objects in through [`ObjectSource`] and
-//! takes them back through [`ObjectSink`].
+//! - [`chain`]: a sandbox's chain of crab's store pushed and pulled turn by turn.
+//!
+//! The registry side knows nothing of crab's store: objects go in through [`ObjectSource`] and
+//! come back through [`ObjectSink`]; [`chain`] implements both over `crab-store`.
 
 pub mod artifact;
+pub mod chain;
 pub mod auth;
 pub mod digest;
 pub mod error;

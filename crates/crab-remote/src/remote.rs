@@ -136,6 +136,8 @@ pub struct TurnPush {
     pub objects: Vec<Digest>,
     /// RFC 3339 time of the checkpoint, for the manifest's `org.opencontainers.image.created`.
     pub created: String,
+    /// Further annotations of the manifest (the sandbox's image, its spec's digest).
+    pub annotations: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -658,6 +660,7 @@ impl Remote {
             turn_manifest,
             turn_manifest_size: push.turn_manifest.len() as u64,
             layers,
+            extra: push.annotations.clone(),
         };
         Ok(Plan {
             blobs,

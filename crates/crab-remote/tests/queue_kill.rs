@@ -47,6 +47,7 @@ fn resolve(
             turn_manifest: std::fs::read(store.join("turn-manifest")).unwrap(),
             objects: objects.lines().map(|l| l.parse().unwrap()).collect(),
             created: "2025-01-01T00:00:00Z".into(),
+            annotations: Default::default(),
         };
         Ok((push, Arc::new(FileStore(store.to_owned())) as Arc<dyn ObjectSource>))
     }

@@ -637,6 +637,11 @@ impl CheckpointStore {
         Ok(Some(manifest))
     }
 
+    /// A stored manifest by id, verified; `None` when it is not stored.
+    pub fn manifest(&self, id: &Digest) -> Result<Option<Arc<Manifest>>> {
+        self.load_manifest(id)
+    }
+
     pub(crate) fn load_snapshot(&self, id: &Digest) -> Result<Option<Snapshot>> {
         let path = self.snapshot_path(id);
         let bytes = match fs::read(&path) {
@@ -665,7 +670,7 @@ impl CheckpointStore {
         }
     }
 
-    fn set_head(&self, container: &str, head: &Head, durability: Durability) -> Result<()> {
+    pub(crate) fn set_head(&self, container: &str, head: &Head, durability: Durability) -> Result<()> {
         let key = sandbox_key(container)?;
         let dir = self.containers.join(key.rel_path());
         if !dir.is_dir() {

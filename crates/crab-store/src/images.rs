@@ -617,6 +617,20 @@ pub(crate) fn referenced_blobs(set: &ImageSet, blobs: &BlobStore, out: &mut Hash
     referenced_blobs_read(set, &|digest| blobs.read(digest), out)
 }
 
+/// The chunks the chunk lists of `set` name, in the lists' order (repeats kept: the caller
+/// dedups). A chunk list that cannot be read is an error: exporting a broken checkpoint
+/// would only move the break elsewhere.
+pub(crate) fn chunks_in_order(set: &ImageSet, blobs: &BlobStore) -> Result<Vec<Digest>> {
+    let mut out = Vec::new();
+    for image in &set.files {
+        if let ImageContent::Chunked { chunk_list, .. } = &image.content {
+            let list = blobs.read(chunk_list)?;
+            out.extend(list.chunks_exact(32).map(|d| Digest(d.try_into().expect("chunks_exact yields 32 bytes"))));
+        }
+    }
+    Ok(out)
+}
+
 /// [`referenced_blobs`], the chunk lists read through `read` (a batch not yet published holds them).
 pub(crate) fn referenced_blobs_read(
     set: &ImageSet,

@@ -20,6 +20,7 @@ mod path;
 mod quota;
 mod store;
 mod sys;
+mod transfer;
 pub mod turns;
 
 pub use baseline::{FullCheckpoint, overlay_upperdir, remove_full_checkpoints, write_full_checkpoint};
@@ -43,4 +44,5 @@ pub use manifest::{
 pub use mounts::{ContainerMount, ContainerRoot, MountKind, SandboxMounts, SpecMount, WalkEntry, rootfs_diff_paths};
 pub use path::{Bytes, RelPath};
 pub use quota::OverQuota;
+pub use transfer::ExportedTurn;
 pub use store::{BlobStore, Digest, Traffic, Unlimited, WriteBatch, WriteTokens};

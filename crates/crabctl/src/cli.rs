@@ -109,6 +109,18 @@ pub enum CheckpointCommand {
         /// The sandbox's image, when containerd no longer knows the sandbox (node loss).
         #[arg(long)]
         image: Option<String>,
+        /// Recover on this node from a registry: `<registry>/<prefix>/<namespace>/<sandbox>[:turn-N]`
+        /// (default: the newest turn there), as `crabctl push` printed it. Pulls only what the
+        /// local store lacks; the sandbox must have no chain here yet.
+        #[arg(long)]
+        from: Option<String>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Pushes every checkpointed turn of a sandbox the registry of `[remote]` lacks, as
+    /// `turn-N` tags of `<prefix>/<namespace>/<sandbox>`.
+    Push {
+        container: String,
         #[command(flatten)]
         common: Common,
     },
@@ -136,6 +148,14 @@ pub enum CheckpointCommand {
         /// Id of the new sandbox.
         #[arg(long = "as")]
         new_id: String,
+        /// Fork on this node from a registry: the source's repository
+        /// `<registry>/<prefix>/<namespace>/<sandbox>` (`:turn-N` optional, it must be `--turn`).
+        /// Its chain is pulled under the source's name unless the local store has that turn.
+        #[arg(long)]
+        from: Option<String>,
+        /// The source's image, when the registry's artifact names none.
+        #[arg(long)]
+        image: Option<String>,
         #[command(flatten)]
         common: Common,
     },
@@ -163,6 +183,7 @@ impl CheckpointCommand {
             | Self::Verify { common, .. }
             | Self::Gc { common, .. }
             | Self::Recover { common, .. }
+            | Self::Push { common, .. }
             | Self::Rollback { common, .. }
             | Self::Turn { common, .. }
             | Self::Fork { common, .. } => common,
@@ -176,7 +197,7 @@ impl CheckpointCommand {
         let ctr = Ctr::new(Ctr::from_env().socket(), common.namespace.clone());
         let ctl = Ctl::open(&common.state_dir()?, ctr)?;
         match &self {
-            Self::Turns { container, .. } => print(json, &ctl.turns(container)?, |turns| {
+            Self::Turns { container, .. } => print(json, &turn_rows(&ctl, container)?, |turns| {
                 // A chain that starts from another's checkpoint (a fork, a kubelet replacement).
                 let mut out = match ctl.origin(container) {
                     Ok(Some(origin)) => format!("{origin}\n"),
@@ -184,12 +205,14 @@ impl CheckpointCommand {
                     Err(e) => format!("origin unknown: {e}\n"),
                 };
                 out += &format!(
-                    "{:>5} {:<6} {:<6} {:>3} {:>10} {:>9} {:>10}  {}\n",
-                    "turn", "source", "class", "ext", "ckpt", "bytes", "ckpt ms", "reasons"
+                    "{:>5} {:<6} {:<6} {:>3} {:>10} {:>9} {:>10} {:>8}  {}\n",
+                    "turn", "source", "class", "ext", "ckpt", "bytes", "ckpt ms", "off-node", "reasons"
                 );
-                for t in turns {
+                let lag = turns.iter().filter(|t| t.off_node == Some(false)).count();
+                for row in turns {
+                    let t = &row.record;
                     out += &format!(
-                        "{:>5} {:<6} {:<6} {:>3} {:>10} {:>9} {:>10.1}  {}\n",
+                        "{:>5} {:<6} {:<6} {:>3} {:>10} {:>9} {:>10.1} {:>8}  {}\n",
                         t.turn,
                         t.source,
                         format!("{:?}", t.class).to_lowercase(),
@@ -197,8 +220,16 @@ impl CheckpointCommand {
                         t.checkpoint_turn.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
                         t.bytes_written,
                         t.checkpoint_ms,
+                        match row.off_node {
+                            Some(true) => "yes",
+                            Some(false) => "no",
+                            None => "",
+                        },
                         turn_reasons(t)
                     );
+                }
+                if turns.iter().any(|t| t.off_node.is_some()) {
+                    out += &format!("replication lag: {lag} checkpointed turns not yet in the registry\n");
                 }
                 out
             }),
@@ -303,9 +334,38 @@ impl CheckpointCommand {
                     )
                 });
             }
-            Self::Recover { container, image, .. } => {
+            Self::Recover { container, image, from: None, .. } => {
                 let r = ctl.recover(container, image.as_deref()).await?;
                 print(json, &r, restore_line);
+            }
+            Self::Recover { container, image, from: Some(from), .. } => {
+                let r = ctl.recover_from(container, from, image.as_deref()).await?;
+                print(json, &r, remote_restore_line);
+            }
+            Self::Push { container, .. } => {
+                let r = ctl.push(container).await?;
+                print(json, &r, |r| {
+                    let mut out = String::new();
+                    for p in &r.pushed {
+                        out += &format!(
+                            "{}: {} new objects, {} bytes sent, {} blobs mounted, {} present\n",
+                            p.reference, p.new_objects, p.bytes_uploaded, p.blobs_mounted, p.blobs_present
+                        );
+                    }
+                    out += &format!(
+                        "{}: {} turns pushed, {} there already, head turn {} in {}:turn-{} ({} bytes sent; the turns wrote {} locally) in {:.1} ms\n",
+                        r.container,
+                        r.pushed.len(),
+                        r.already.len(),
+                        r.head_turn,
+                        r.repository,
+                        r.head_turn,
+                        r.bytes_uploaded,
+                        r.local_bytes_written,
+                        r.elapsed_ms
+                    );
+                    out
+                });
             }
             Self::Rollback { container, turn, .. } => {
                 let r = ctl.rollback(container, *turn).await?;
@@ -325,9 +385,13 @@ impl CheckpointCommand {
                     None => format!("{}: no turn was open\n", r.container),
                 });
             }
-            Self::Fork { container, turn, new_id, .. } => {
+            Self::Fork { container, turn, new_id, from: None, .. } => {
                 let r = ctl.fork(container, *turn, new_id).await?;
                 print(json, &r, restore_line);
+            }
+            Self::Fork { container, turn, new_id, from: Some(from), image, .. } => {
+                let r = ctl.fork_from(container, *turn, new_id, from, image.as_deref()).await?;
+                print(json, &r, remote_restore_line);
             }
         }
         Ok(())
@@ -342,6 +406,40 @@ fn turn_reasons(t: &crab_store::turns::TurnRecord) -> String {
     // The engine says it in the reasons; a record that lists a runtime exec without saying so still shows it.
     let runtime_execs = t.runtime_execs.iter().map(ToString::to_string).filter(|said| !t.reasons.contains(said));
     t.reasons.iter().cloned().chain(runtime_execs).chain(attempts).collect::<Vec<_>>().join("; ")
+}
+
+/// A turn with whether its checkpoint is in the registry (`None`: the turn has no checkpoint
+/// of its own, or the sandbox was never pushed).
+#[derive(Serialize)]
+struct TurnRow {
+    #[serde(flatten)]
+    record: crab_store::turns::TurnRecord,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    off_node: Option<bool>,
+}
+
+fn turn_rows(ctl: &Ctl, container: &str) -> Result<Vec<TurnRow>> {
+    let pushed = ctl.pushed_turns(container)?;
+    Ok(ctl
+        .turns(container)?
+        .into_iter()
+        .map(|record| {
+            let own = record.checkpoint_turn == Some(record.turn);
+            let off_node = pushed.as_ref().filter(|_| own).map(|p| p.contains(&record.turn));
+            TurnRow { record, off_node }
+        })
+        .collect())
+}
+
+fn remote_restore_line(r: &crate::remote::RemoteRestoreReport) -> String {
+    let pull = match &r.pull {
+        Some(p) => format!(
+            "pulled {} ({} manifests, {} blobs, {} bytes, {} objects, {} packs held already) in {:.1} ms; ",
+            p.reference, p.manifests_pulled, p.blobs_pulled, p.bytes_pulled, p.objects_received, p.packs_skipped, p.elapsed_ms
+        ),
+        None => "the local store held the chain; ".into(),
+    };
+    format!("{pull}{}", restore_line(&r.restore))
 }
 
 fn restore_line(r: &super::RestoreReport) -> String {

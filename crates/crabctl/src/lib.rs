@@ -9,6 +9,7 @@
 
 pub mod cli;
 pub mod containerd;
+pub mod remote;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -34,6 +35,8 @@ pub enum CtlError {
     Key(#[from] crab_store::KeyError),
     #[error(transparent)]
     Config(#[from] crab_config::ConfigError),
+    #[error(transparent)]
+    Remote(#[from] crab_remote::RemoteError),
 }
 
 pub type Result<T> = std::result::Result<T, CtlError>;
@@ -411,10 +414,22 @@ impl Ctl {
 
     /// Starts `new` from `source` as it was at `turn`; `source` keeps running.
     pub async fn fork(&self, source: &str, turn: u64, new: &str) -> Result<RestoreReport> {
+        self.fork_with_image(source, turn, new, None).await
+    }
+
+    /// [`fork`](Self::fork), from `image` when containerd does not know `source` (its chain
+    /// came from another node).
+    pub async fn fork_with_image(
+        &self,
+        source: &str,
+        turn: u64,
+        new: &str,
+        image: Option<&str>,
+    ) -> Result<RestoreReport> {
         let clock = Instant::now();
         self.settle(source).await?;
         let checkpoint = self.checkpoint_at_or_before(source, turn)?;
-        let info = self.sandbox_info(source, None).await?;
+        let info = self.sandbox_info(source, image).await?;
         self.run_restored(&info, source, checkpoint.unwrap_or(0), new).await?;
         Ok(RestoreReport {
             container: new.into(),

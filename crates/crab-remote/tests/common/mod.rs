@@ -172,6 +172,7 @@ pub fn turn(
         turn_manifest: format!("{{\"turn\":{turn},\"sandbox\":\"{sandbox}\"}}").into_bytes(),
         objects: digests,
         created: "2025-01-01T00:00:00Z".into(),
+        annotations: Default::default(),
     }
 }
 

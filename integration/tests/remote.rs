@@ -1,0 +1,330 @@
+//! Checkpoints leave the node: a sandbox on node A is pushed to a real registry (Debian's
+//! docker-registry, `scripts/registry`), node A's store and kept images are deleted, and node
+//! B, a second containerd with its own crab configuration, store, runc root and kept images,
+//! recovers it from the registry: its files and a process's memory come back. Also what must
+//! fail clearly at this layer (a sandbox the registry does not hold, the registry down) and
+//! what must then still be there.
+//!
+//! Node A is the private containerd of the environment (`scripts/containerd`, CRAB_CTRD_*),
+//! its sandbox with a store of its own (a config given by `--runtime-config-path`) so deleting
+//! it touches nothing else. Node B is started here (`scripts/containerd start` with
+//! CRAB_CTRD_DIR=`$CRAB_CTRD_DIR-b`), with `crab.local/busybox:latest` imported from the image
+//! cache, and stopped at the end when this test started it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use crab_integration::env::crab_binary;
+
+const IMAGE: &str = "crab.local/busybox:latest";
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).ok().filter(|v| !v.is_empty()).unwrap_or_else(|| default.to_owned())
+}
+
+fn text(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+/// One node: a containerd socket and the crab config its crabctl reads.
+struct Node {
+    name: &'static str,
+    socket: String,
+    namespace: String,
+    config: PathBuf,
+    state: PathBuf,
+}
+
+impl Node {
+    fn ctr(&self, args: &[&str]) -> Output {
+        Command::new("ctr")
+            .args(["-a", &self.socket, "-n", &self.namespace])
+            .args(args)
+            .output()
+            .expect("run ctr")
+    }
+
+    fn ctr_ok(&self, args: &[&str]) -> String {
+        let out = self.ctr(args);
+        assert!(out.status.success(), "node {}: ctr {args:?}: {}", self.name, text(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn exec(&self, id: &str, script: &str) -> String {
+        let exec_id = format!("x{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
+        self.ctr_ok(&["tasks", "exec", "--exec-id", &exec_id, id, "sh", "-c", script])
+    }
+
+    fn crabctl(&self, args: &[&str]) -> Output {
+        Command::new(crab_binary("crabctl"))
+            .args(args)
+            .env("CRAB_CONFIG", &self.config)
+            .env("CRAB_STATE_DIR", &self.state)
+            .env("CRAB_CTRD_SOCK", &self.socket)
+            .env("CRAB_NS", &self.namespace)
+            .output()
+            .expect("run crabctl")
+    }
+
+    fn crabctl_json(&self, args: &[&str]) -> serde_json::Value {
+        let mut all = args.to_vec();
+        all.push("--json");
+        let out = self.crabctl(&all);
+        assert!(out.status.success(), "node {}: crabctl {args:?}: {}", self.name, text(&out));
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("crabctl {args:?} printed no JSON ({e}): {}", text(&out)))
+    }
+
+    fn remove(&self, id: &str) {
+        let _ = self.ctr(&["tasks", "kill", "--signal", "SIGKILL", id]);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.ctr(&["tasks", "delete", "--force", id]).status.success() && Instant::now() < deadline {
+            if !String::from_utf8_lossy(&self.ctr(&["tasks", "ls", "-q"]).stdout).lines().any(|l| l.trim() == id) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.ctr(&["containers", "delete", id]);
+    }
+}
+
+/// A docker-registry on a free port with its storage in a temporary directory, stopped on drop.
+struct Registry {
+    dir: tempfile::TempDir,
+    port: u16,
+}
+
+impl Registry {
+    fn start() -> Registry {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let registry = Registry { dir: tempfile::Builder::new().prefix("crab-registry-").tempdir().unwrap(), port };
+        registry.run("start");
+        registry
+    }
+
+    fn run(&self, cmd: &str) {
+        let out = Command::new(repo_root().join("scripts/registry"))
+            .arg(cmd)
+            .arg("--dir")
+            .arg(self.dir.path())
+            .arg("--port")
+            .arg(self.port.to_string())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "scripts/registry {cmd}: {}", text(&out));
+    }
+
+    fn prefix(&self) -> String {
+        format!("127.0.0.1:{}/crab", self.port)
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = Command::new(repo_root().join("scripts/registry")).arg("stop").arg("--dir").arg(self.dir.path()).output();
+    }
+}
+
+/// Node B's containerd, stopped (with its shims) on drop when this test started it.
+struct NodeB {
+    env: Vec<(String, String)>,
+    started: bool,
+}
+
+impl NodeB {
+    fn script(env: &[(String, String)], args: &[&str]) -> Output {
+        Command::new("bash").args(args).current_dir(repo_root()).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap()
+    }
+
+    fn start(env: Vec<(String, String)>) -> NodeB {
+        let running = Self::script(&env, &["scripts/containerd", "status"]).status.success();
+        if !running {
+            let out = Self::script(&env, &["scripts/containerd", "start"]);
+            assert!(out.status.success(), "starting node B's containerd: {}", text(&out));
+        }
+        let out = Self::script(&env, &["scripts/build-images", "busybox"]);
+        assert!(out.status.success(), "importing busybox into node B: {}", text(&out));
+        NodeB { env, started: !running }
+    }
+}
+
+impl Drop for NodeB {
+    fn drop(&mut self) {
+        if self.started {
+            let _ = Self::script(&self.env, &["scripts/containerd", "stop", "--all"]);
+        }
+    }
+}
+
+fn write_config(path: &Path, config: &crab_config::Config) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, config.to_toml().unwrap()).unwrap();
+}
+
+fn wait_for(what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !ready() {
+        assert!(Instant::now() < deadline, "{what}: not after {timeout:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The counter's secret (only in the shell's memory) and its count, from `/data/counter`.
+fn counter(out: &str) -> (String, u64) {
+    let (secret, count) = out.trim().split_once(' ').unwrap_or_else(|| panic!("no counter in {out:?}"));
+    (secret.to_owned(), count.parse().unwrap())
+}
+
+#[test]
+fn a_sandbox_pushed_from_node_a_recovers_on_node_b_after_node_a_is_gone() {
+    let registry = Registry::start();
+    let base = crab_config::Config::load(None).expect("the environment's crab config ($CRAB_CONFIG)");
+    let ctrd_dir = env_or("CRAB_CTRD_DIR", "/run/crab-dev");
+    let namespace = env_or("CRAB_NS", "crab");
+    let scratch = PathBuf::from(format!("{}-remote-test", base.checkpoint.state_dir.display()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let remote = crab_config::RemoteConfig { prefix: registry.prefix(), plain_http: true, ..Default::default() };
+
+    // Node A: the environment's containerd, this sandbox's store and kept images its own.
+    let mut a_config = base.clone();
+    a_config.checkpoint.state_dir = scratch.join("a-store");
+    a_config.checkpoint.kept_images_dir = PathBuf::from(format!("{ctrd_dir}/remote-test-a-kept"));
+    a_config.remote = remote.clone();
+    let a = Node {
+        name: "A",
+        socket: env_or("CRAB_CTRD_SOCK", "/run/crab-dev/containerd.sock"),
+        namespace: namespace.clone(),
+        config: scratch.join("a.toml"),
+        state: a_config.checkpoint.state_dir.clone(),
+    };
+    write_config(&a.config, &a_config);
+
+    // Node B: a second containerd, runc root, store, kept images and crabd socket.
+    let b_dir = format!("{ctrd_dir}-b");
+    let mut b_config = base.clone();
+    b_config.runtime.root = PathBuf::from(format!("{b_dir}/runc"));
+    b_config.checkpoint.state_dir = scratch.join("b-store");
+    b_config.checkpoint.kept_images_dir = PathBuf::from(format!("{b_dir}/kept-images"));
+    b_config.node.socket = PathBuf::from(format!("{b_dir}/crabd/crabd.sock"));
+    b_config.remote = remote;
+    let b = Node {
+        name: "B",
+        socket: format!("{b_dir}/containerd.sock"),
+        namespace: namespace.clone(),
+        config: scratch.join("b.toml"),
+        state: b_config.checkpoint.state_dir.clone(),
+    };
+    write_config(&b.config, &b_config);
+    let _node_b = NodeB::start(vec![
+        ("CRAB_CTRD_DIR".into(), b_dir.clone()),
+        ("CRAB_CTRD_ROOT".into(), format!("{}-b", env_or("CRAB_CTRD_ROOT", "/var/lib/crab-dev/containerd"))),
+        ("CRAB_CTRD_SOCK".into(), b.socket.clone()),
+        ("CRAB_CONFIG".into(), b.config.display().to_string()),
+        ("CRAB_NS".into(), namespace.clone()),
+        ("CONTAINERD_ADDRESS".into(), b.socket.clone()),
+        ("CONTAINERD_NAMESPACE".into(), namespace.clone()),
+    ]);
+
+    // A sandbox on A: an fs turn, then a proc turn whose process keeps a secret in memory.
+    let id = format!("remote-{}", std::process::id());
+    a.remove(&id);
+    b.remove(&id);
+    let a_cfg = a.config.display().to_string();
+    a.ctr_ok(&["run", "-d", "--runtime", "io.containerd.crab.v2", "--runtime-config-path", &a_cfg, IMAGE, &id, "sleep", "3600"]);
+    a.exec(&id, "mkdir -p /data && echo one > /data/a");
+    a.exec(&id, "(s=secret-$$; i=0; while :; do i=$((i+1)); echo \"$s $i\" > /data/c.tmp && mv /data/c.tmp /data/counter; sleep 0.1; done) >/dev/null 2>&1 &");
+    wait_for("turn 2's checkpoint on A", Duration::from_secs(60), || {
+        a.crabctl_json(&["checkpoints", &id]).as_array().unwrap().iter().any(|c| c["turn"] == 2)
+    });
+    let turns = a.crabctl_json(&["turns", &id]);
+    let classes: Vec<_> = turns.as_array().unwrap().iter().map(|t| t["class"].as_str().unwrap().to_owned()).collect();
+    assert_eq!(classes, ["fs", "proc"], "{turns:#}");
+    assert!(turns.as_array().unwrap().iter().all(|t| t.get("off_node").is_none()), "never pushed: no lag column");
+
+    // The registry is down: the push fails naming the reference, nothing is recorded as off
+    // the node, and it goes through once the registry is back.
+    registry.run("stop");
+    let down = a.crabctl(&["push", &id]);
+    let reference = format!("{}/{namespace}/{id}", registry.prefix());
+    assert!(!down.status.success() && text(&down).contains(&reference) && text(&down).contains("cannot be reached"), "{}", text(&down));
+    let turns = a.crabctl_json(&["turns", &id]);
+    assert!(turns.as_array().unwrap().iter().all(|t| t.get("off_node").is_none()), "{turns:#}");
+    registry.run("start");
+    let pushed = a.crabctl_json(&["push", &id]);
+    assert_eq!(pushed["pushed"].as_array().unwrap().len(), 2, "{pushed:#}");
+    assert_eq!(pushed["head_turn"], 2);
+    let turns = a.crabctl_json(&["turns", &id]);
+    assert!(turns.as_array().unwrap().iter().all(|t| t["off_node"] == true), "every checkpointed turn is off the node: {turns:#}");
+    let again = a.crabctl_json(&["push", &id]);
+    assert_eq!((again["pushed"].as_array().unwrap().len(), again["bytes_uploaded"].as_u64()), (0, Some(0)), "{again:#}");
+    println!(
+        "push: {} bytes sent for {} bytes the turns wrote to the local store (ratio {:.3})",
+        pushed["bytes_uploaded"],
+        pushed["local_bytes_written"],
+        pushed["bytes_uploaded"].as_f64().unwrap() / pushed["local_bytes_written"].as_f64().unwrap().max(1.0)
+    );
+
+    // Recover on A from its own store, as the baseline of recover on B.
+    let before_a = counter(&a.exec(&id, "cat /data/counter")).0;
+    a.ctr_ok(&["tasks", "kill", "--all", "--signal", "SIGKILL", &id]);
+    let clock = Instant::now();
+    let local = a.crabctl(&["recover", &id]);
+    let on_a = clock.elapsed();
+    assert!(local.status.success(), "{}", text(&local));
+    let (secret_a, _) = counter(&a.exec(&id, "sleep 0.3; cat /data/counter"));
+    assert_eq!(secret_a, before_a, "recover on A brings the shell's memory back");
+
+    // Node A is gone: its sandbox, store and kept images.
+    a.remove(&id);
+    std::fs::remove_dir_all(&a.state).unwrap();
+    let _ = std::fs::remove_dir_all(&a_config.checkpoint.kept_images_dir);
+
+    // A sandbox the registry does not hold: a clear error naming the reference, nothing made.
+    let missing = format!("{}/{namespace}/no-such-{id}:turn-1", registry.prefix());
+    let out = b.crabctl(&["recover", &format!("no-such-{id}"), "--from", &missing]);
+    assert!(!out.status.success() && text(&out).contains(&missing) && text(&out).contains("not in the registry"), "{}", text(&out));
+    // The registry down on B: the error names the reference; B's store holds no chain for it.
+    registry.run("stop");
+    let out = b.crabctl(&["recover", &id, "--from", &reference]);
+    assert!(!out.status.success() && text(&out).contains(&reference) && text(&out).contains("cannot be reached"), "{}", text(&out));
+    let heads = scratch.join("b-store/containers").join(&namespace).join(&id).join("HEAD");
+    assert!(!heads.exists(), "a failed pull leaves no head");
+    registry.run("start");
+
+    // Recover on B from the registry: the files and the process's memory come back.
+    let clock = Instant::now();
+    let recovered = b.crabctl_json(&["recover", &id, "--from", &reference]);
+    let on_b = clock.elapsed();
+    assert_eq!(recovered["checkpoint_turn"], 2, "{recovered:#}");
+    assert!(recovered["pull"]["bytes_pulled"].as_u64().unwrap() > 0, "{recovered:#}");
+    assert_eq!(b.exec(&id, "cat /data/a").trim(), "one");
+    let (secret_b, count_b) = counter(&b.exec(&id, "sleep 0.5; cat /data/counter"));
+    assert_eq!(secret_b, before_a, "the shell's memory came back on B");
+    assert!(count_b > 1, "the counter runs on B");
+    println!(
+        "recover on B from the registry {:.0} ms ({} bytes pulled), on A from its store {:.0} ms: ratio {:.2}",
+        on_b.as_secs_f64() * 1e3,
+        recovered["pull"]["bytes_pulled"],
+        on_a.as_secs_f64() * 1e3,
+        on_b.as_secs_f64() / on_a.as_secs_f64()
+    );
+
+    // A second recover --from refuses to pull over the chain B now holds; the sandbox runs on.
+    let out = b.crabctl(&["recover", &id, "--from", &reference]);
+    assert!(!out.status.success() && text(&out).contains("already has a chain"), "{}", text(&out));
+    // A fork of turn 1 on B: the store holds that turn, nothing is pulled.
+    let fork = format!("{id}-fork");
+    b.remove(&fork);
+    let forked = b.crabctl_json(&["fork", &id, "--turn", "1", "--as", &fork, "--from", &reference]);
+    assert!(forked["pull"].is_null(), "{forked:#}");
+    assert_eq!(b.exec(&fork, "cat /data/a; ls /data").trim(), "one\na");
+    assert_eq!(counter(&b.exec(&id, "cat /data/counter")).0, before_a, "the recovered sandbox runs on");
+
+    b.remove(&fork);
+    b.remove(&id);
+    let _ = std::fs::remove_dir_all(&scratch);
+}
