@@ -40,7 +40,7 @@ pub mod stdin;
 pub use blocking::on_store;
 pub use host::{ContainerHost, HostError, SandboxHost};
 pub use retry::{DUMP_RETRIES, RetryPolicy, with_retries};
-pub use sources::{CommitGate, EffectSource, EffectSourceError};
+pub use sources::{CommitGate, EffectSource, EffectSourceError, Replicator};
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -114,6 +114,8 @@ pub struct EngineContext {
     /// Bound on one CRIU dump (`[checkpoint] dump_timeout_ms`): past it the dump is abandoned
     /// and the turn carried into the next.
     pub dump_timeout: std::time::Duration,
+    /// None: checkpoints stay on this node (no `[remote]` registry).
+    pub replicator: Option<Arc<dyn Replicator>>,
 }
 
 struct OpenTurn {
@@ -243,6 +245,9 @@ impl SandboxEngine {
             }
         }
         ctx.store.remove_stale_dumps(&key);
+        if let Some(replicator) = &ctx.replicator {
+            replicator.started(&key);
+        }
         let mounts = sandbox_mounts(&ctx.state_dir, &key, &work_dir);
         let head = ctx.store.head(&key)?;
         let last_turn = log.read()?.last().map(|r| r.turn).max(head.map(|h| h.turn)).unwrap_or(0);
@@ -918,6 +923,9 @@ impl SandboxEngine {
         record.checkpoint_turn = Some(turn);
         record.bytes_written = report.traffic.written_bytes + report.manifest_bytes;
         record.checkpoint_ms = clock.elapsed().as_secs_f64() * 1e3;
+        if let Some(replicator) = &self.ctx.replicator {
+            replicator.checkpointed(&self.key, turn);
+        }
         tracing::info!(container = %self.container, turn, class = ?record.class, bytes = record.bytes_written,
             ms = record.checkpoint_ms, "turn checkpointed");
         Ok(record)
@@ -1220,6 +1228,7 @@ mod tests {
             commit_gate: None,
             state_dir: dir.join("state"),
             dump_timeout: std::time::Duration::from_secs(60),
+            replicator: None,
         });
         let host = Arc::new(crate::policy_tests::RecordingHost::new(dir.join("rootfs")));
         let policy = SandboxPolicy { turns, policy: Policy::Off, ..Default::default() };

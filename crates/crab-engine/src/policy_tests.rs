@@ -213,6 +213,7 @@ impl Sandbox {
             commit_gate: None,
             state_dir,
             dump_timeout: std::time::Duration::from_secs(60),
+            replicator: None,
         });
         let host = Arc::new(RecordingHost::new(dir.path().join("rootfs")));
         let policy = SandboxPolicy { turns: TurnsMode::Exec, policy, ..Default::default() };

@@ -89,3 +89,13 @@ impl CommitGate for NodeClient {
         NodeClient::process_captured(self, sandbox, turn).await
     }
 }
+
+/// Where checkpointed turns go once they are durable here: the remote tier (the shim's push
+/// queue to a registry). Both calls return at once: the push itself runs in the background,
+/// in think time, and never holds a turn.
+pub trait Replicator: Send + Sync {
+    /// The sandbox's engine started: pushes it left queued (a shim or crabd restarted) resume.
+    fn started(&self, key: &str);
+    /// Turn `turn` of the sandbox has a durable checkpoint of its own.
+    fn checkpointed(&self, key: &str, turn: u64);
+}

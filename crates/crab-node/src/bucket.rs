@@ -16,7 +16,10 @@
 //! 2. commits of sandboxes marked for eviction, oldest first;
 //! 3. file-system deltas, fewest bytes still to pay first (a small delta
 //!    should not sit behind a memory image);
-//! 4. process checkpoints (CRIU images), oldest first.
+//! 4. process checkpoints (CRIU images), oldest first;
+//! 5. pushes to the registry (the remote tier), oldest first, whatever their age and even for
+//!    a sandbox marked for eviction: they read what a checkpoint wrote, so a checkpoint waiting
+//!    behind one would only delay the push that follows it.
 //!
 //! Superseding: a waiting process checkpoint of a sandbox (marked
 //! `supersedable` by its shim) is dropped, its waiter hearing `Superseded`,
@@ -156,6 +159,7 @@ enum Rank {
     Evicting { enqueued: Instant, ticket: Ticket },
     Fs { bytes: u64, ticket: Ticket },
     Proc { enqueued: Instant, ticket: Ticket },
+    Push { enqueued: Instant, ticket: Ticket },
 }
 
 impl Scheduler {
@@ -292,7 +296,9 @@ impl Scheduler {
 
     fn rank(&self, ticket: Ticket, w: &Waiting, now: Instant) -> Rank {
         let enqueued = w.enqueued;
-        if now.saturating_duration_since(enqueued) >= self.config.aging {
+        if w.request.kind == CommitKind::Push {
+            Rank::Push { enqueued, ticket }
+        } else if now.saturating_duration_since(enqueued) >= self.config.aging {
             Rank::Aged { enqueued, ticket }
         } else if self.evicting.contains(&w.request.sandbox) {
             Rank::Evicting { enqueued, ticket }
@@ -300,6 +306,7 @@ impl Scheduler {
             match w.request.kind {
                 CommitKind::Fs => Rank::Fs { bytes: w.remaining, ticket },
                 CommitKind::Proc => Rank::Proc { enqueued, ticket },
+                CommitKind::Push => unreachable!("pushes are ranked above"),
             }
         }
     }
@@ -524,6 +531,32 @@ mod tests {
         assert!(run.draws.len() >= 9, "the dump is paid over time: {:?}", run.draws);
         assert_eq!(run.draws.iter().map(|d| d.1).sum::<u64>(), 41 * MIB);
         assert!(worst_excess(config.rate_bytes_per_s, &run.draws) <= (10 * MIB) as f64 + 1.0);
+    }
+
+    /// Pushes to the registry go after every checkpoint, even once they are past the aging
+    /// bound and for a sandbox being evicted; among themselves oldest first.
+    #[test]
+    fn pushes_go_after_every_checkpoint_however_long_they_waited() {
+        let config = config(1, 1, 1_000);
+        let start = Instant::now();
+        let mut s = Scheduler::new(config, start);
+        let drain = s.enqueue(request("x", MIB, CommitKind::Fs), start);
+        assert_eq!(s.poll(start).0.len(), 1, "{drain:?} empties the bucket");
+        let push_old = s.enqueue(request("d", 500_000, CommitKind::Push), start);
+        let push_new = s.enqueue(request("a", 500_000, CommitKind::Push), start + Duration::from_millis(1));
+        s.set_evicting("d", true);
+        // Arriving after the pushes passed the aging bound, the checkpoints still go first.
+        let later = start + Duration::from_millis(1_500);
+        let dump = s.enqueue(request("a", 200_000, CommitKind::Proc), later);
+        let fs = s.enqueue(request("b", 100_000, CommitKind::Fs), later);
+        let mut order = Vec::new();
+        let mut now = later;
+        while order.len() < 4 {
+            let (grants, next) = s.poll(now);
+            order.extend(grants.into_iter().map(|g| g.ticket));
+            now = next.unwrap_or(now);
+        }
+        assert_eq!(order, vec![fs, dump, push_old, push_new]);
     }
 
     #[test]

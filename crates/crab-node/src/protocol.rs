@@ -55,6 +55,10 @@ pub enum CommitKind {
     Fs,
     /// A process checkpoint (CRIU images, plus the file-system delta).
     Proc,
+    /// A push of checkpointed turns to the registry (the remote tier): the objects it reads
+    /// out of the store. Goes after every checkpoint, however long it waited: a checkpoint
+    /// is what a later push sends.
+    Push,
 }
 
 /// Largest request crabd reads: requests are small; anything bigger is a

@@ -26,11 +26,18 @@ use crate::digest::Digest;
 use crate::error::{RemoteError, Result};
 use crate::remote::{ObjectSink, ObjectSource, PushReport, Remote, RemoteIndex, TurnPush, write_atomic};
 
+/// Paces a push: called (on a blocking thread) with the bytes of each object read out of the
+/// store for packing, before they go on; may block until they may.
+pub trait Pacer: Send + Sync {
+    fn draw(&self, bytes: u64);
+}
+
 /// Objects out of the local store (verified as they are read), plus a few held in memory
 /// (the sandbox's spec).
 pub struct StoreSource {
     store: Arc<CheckpointStore>,
     extra: HashMap<Digest, Vec<u8>>,
+    pacer: Option<Arc<dyn Pacer>>,
 }
 
 impl ObjectSource for StoreSource {
@@ -38,7 +45,11 @@ impl ObjectSource for StoreSource {
         if let Some(data) = self.extra.get(digest) {
             return Ok(data.clone());
         }
-        self.store.blobs().read(&crab_store::Digest(digest.0)).map_err(std::io::Error::other)
+        let data = self.store.blobs().read(&crab_store::Digest(digest.0)).map_err(std::io::Error::other)?;
+        if let Some(pacer) = &self.pacer {
+            pacer.draw(data.len() as u64);
+        }
+        Ok(data)
     }
 }
 
@@ -213,6 +224,7 @@ pub async fn push_chain(
     store: Arc<CheckpointStore>,
     sandbox: &ChainSandbox,
     log: &mut PushLog,
+    pacer: Option<Arc<dyn Pacer>>,
 ) -> Result<ChainPushReport> {
     let repository = format!("{}/{}", remote.registry(), remote.repository(&sandbox.namespace, &sandbox.sandbox));
     let exported = {
@@ -234,7 +246,7 @@ pub async fn push_chain(
         extra.insert(digest, spec.clone());
         leading.push(digest);
     }
-    let source: Arc<dyn ObjectSource> = Arc::new(StoreSource { store, extra });
+    let source: Arc<dyn ObjectSource> = Arc::new(StoreSource { store, extra, pacer });
     let mut report = ChainPushReport { head_turn: exported.last().map_or(0, |t| t.turn), ..Default::default() };
     let mut objects = leading;
     if log.repository != repository {
@@ -271,6 +283,44 @@ pub async fn push_chain(
         report.pushed.push((turn.turn, pushed));
     }
     Ok(report)
+}
+
+/// Runs the push queue's entries of one sandbox: its chain is pushed up to its head (every
+/// turn the log lacks; entries of one sandbox coalesce into one push), then each entry of a
+/// turn at or below the head is completed. A failure defers every due entry of the sandbox
+/// (backoff) and is returned. `Ok(None)`: nothing of the sandbox was due.
+pub async fn run_queue_for(
+    remote: &Remote,
+    index: &mut RemoteIndex,
+    store: Arc<CheckpointStore>,
+    queue: &crate::queue::PushQueue,
+    sandbox: &ChainSandbox,
+    log: &mut PushLog,
+    pacer: Option<Arc<dyn Pacer>>,
+) -> Result<Option<ChainPushReport>> {
+    let now = now_ms();
+    let mine: Vec<_> = queue
+        .pending()?
+        .into_iter()
+        .filter(|e| e.namespace == sandbox.namespace && e.sandbox == sandbox.sandbox)
+        .collect();
+    if !mine.iter().any(|e| e.not_before_unix_ms <= now) {
+        return Ok(None);
+    }
+    match push_chain(remote, index, store, sandbox, log, pacer).await {
+        Ok(report) => {
+            for entry in mine.iter().filter(|e| e.turn <= report.head_turn) {
+                queue.complete(entry)?;
+            }
+            Ok(Some(report))
+        }
+        Err(e) => {
+            for entry in mine.iter().filter(|e| e.not_before_unix_ms <= now) {
+                queue.defer(entry, &e)?;
+            }
+            Err(e)
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default)]

@@ -17,6 +17,7 @@ pub mod cri;
 pub mod events;
 pub mod io;
 pub mod process;
+pub mod remote;
 pub mod service;
 
 use containerd_shim_protos::ttrpc;

@@ -641,6 +641,7 @@ async fn engine_context(
     let kept = config.checkpoint.kept_images();
     let node = crab_node::ClientOptions::from_config(&config.node);
     let max_effects_bytes = config.node.max_effects_bytes();
+    let remote_config = config.clone();
     cell
         .get_or_try_init(|| async move {
             let store = crab_store::CheckpointStore::open_with(&state_dir, &kept).map_err(|e| {
@@ -681,7 +682,10 @@ async fn engine_context(
                     }
                 }
             };
-            Ok(Arc::new(EngineContext { store: Arc::new(store), inspector, commit_gate, state_dir, dump_timeout }))
+            let store = Arc::new(store);
+            let replicator = crate::remote::RemotePusher::start(&remote_config, store.clone(), commit_gate.clone())
+                .map(|p| p as Arc<dyn crab_engine::Replicator>);
+            Ok(Arc::new(EngineContext { store, inspector, commit_gate, state_dir, dump_timeout, replicator }))
         })
         .await
         .cloned()

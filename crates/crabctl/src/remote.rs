@@ -121,7 +121,7 @@ impl Ctl {
         };
         let mut index = RemoteIndex::open(&remote_dir(&self.state_dir).join("index"))?;
         let mut log = self.push_log(container)?;
-        let report = chain::push_chain(&remote, &mut index, self.store.clone(), &sandbox, &mut log).await?;
+        let report = chain::push_chain(&remote, &mut index, self.store.clone(), &sandbox, &mut log, None).await?;
         let local_bytes_written = self.turns(container).map(|t| t.iter().map(|r| r.bytes_written).sum()).unwrap_or(0);
         Ok(PushSummary {
             container: container.to_owned(),
