@@ -42,11 +42,7 @@ struct Node {
 
 impl Node {
     fn ctr(&self, args: &[&str]) -> Output {
-        Command::new("ctr")
-            .args(["-a", &self.socket, "-n", &self.namespace])
-            .args(args)
-            .output()
-            .expect("run ctr")
+        Command::new("ctr").args(["-a", &self.socket, "-n", &self.namespace]).args(args).output().expect("run ctr")
     }
 
     fn ctr_ok(&self, args: &[&str]) -> String {
@@ -56,7 +52,8 @@ impl Node {
     }
 
     fn exec(&self, id: &str, script: &str) -> String {
-        let exec_id = format!("x{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
+        let exec_id =
+            format!("x{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
         self.ctr_ok(&["tasks", "exec", "--exec-id", &exec_id, id, "sh", "-c", script])
     }
 
@@ -76,7 +73,8 @@ impl Node {
         all.push("--json");
         let out = self.crabctl(&all);
         assert!(out.status.success(), "node {}: crabctl {args:?}: {}", self.name, text(&out));
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("crabctl {args:?} printed no JSON ({e}): {}", text(&out)))
+        serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("crabctl {args:?} printed no JSON ({e}): {}", text(&out)))
     }
 
     fn remove(&self, id: &str) {
@@ -125,7 +123,8 @@ impl Registry {
 
 impl Drop for Registry {
     fn drop(&mut self) {
-        let _ = Command::new(repo_root().join("scripts/registry")).arg("stop").arg("--dir").arg(self.dir.path()).output();
+        let _ =
+            Command::new(repo_root().join("scripts/registry")).arg("stop").arg("--dir").arg(self.dir.path()).output();
     }
 }
 
@@ -189,11 +188,15 @@ fn a_sandbox_pushed_from_node_a_recovers_on_node_b_after_node_a_is_gone() {
     let _ = std::fs::remove_dir_all(&scratch);
     let remote = crab_config::RemoteConfig { prefix: registry.prefix(), plain_http: true, ..Default::default() };
 
-    // Node A: the environment's containerd, this sandbox's store and kept images its own.
+    // Node A: the environment's containerd, this sandbox's store and kept images its own. Its
+    // shim pushes nothing by itself (no [remote] in the config it reads): `crabctl push`,
+    // with the registry in its own config, does.
     let mut a_config = base.clone();
     a_config.checkpoint.state_dir = scratch.join("a-store");
     a_config.checkpoint.kept_images_dir = PathBuf::from(format!("{ctrd_dir}/remote-test-a-kept"));
-    a_config.remote = remote.clone();
+    let a_shim_config = scratch.join("a-shim.toml");
+    write_config(&a_shim_config, &a_config);
+    a_config.remote = remote;
     let a = Node {
         name: "A",
         socket: env_or("CRAB_CTRD_SOCK", "/run/crab-dev/containerd.sock"),
@@ -210,7 +213,8 @@ fn a_sandbox_pushed_from_node_a_recovers_on_node_b_after_node_a_is_gone() {
     b_config.checkpoint.state_dir = scratch.join("b-store");
     b_config.checkpoint.kept_images_dir = PathBuf::from(format!("{b_dir}/kept-images"));
     b_config.node.socket = PathBuf::from(format!("{b_dir}/crabd/crabd.sock"));
-    b_config.remote = remote;
+    // The registry is named by the reference B recovers from; B's shims push nothing.
+    b_config.remote = crab_config::RemoteConfig { plain_http: true, ..Default::default() };
     let b = Node {
         name: "B",
         socket: format!("{b_dir}/containerd.sock"),
@@ -233,8 +237,19 @@ fn a_sandbox_pushed_from_node_a_recovers_on_node_b_after_node_a_is_gone() {
     let id = format!("remote-{}", std::process::id());
     a.remove(&id);
     b.remove(&id);
-    let a_cfg = a.config.display().to_string();
-    a.ctr_ok(&["run", "-d", "--runtime", "io.containerd.crab.v2", "--runtime-config-path", &a_cfg, IMAGE, &id, "sleep", "3600"]);
+    let a_cfg = a_shim_config.display().to_string();
+    a.ctr_ok(&[
+        "run",
+        "-d",
+        "--runtime",
+        "io.containerd.crab.v2",
+        "--runtime-config-path",
+        &a_cfg,
+        IMAGE,
+        &id,
+        "sleep",
+        "3600",
+    ]);
     a.exec(&id, "mkdir -p /data && echo one > /data/a");
     a.exec(&id, "(s=secret-$$; i=0; while :; do i=$((i+1)); echo \"$s $i\" > /data/c.tmp && mv /data/c.tmp /data/counter; sleep 0.1; done) >/dev/null 2>&1 &");
     wait_for("turn 2's checkpoint on A", Duration::from_secs(60), || {
@@ -250,7 +265,11 @@ fn a_sandbox_pushed_from_node_a_recovers_on_node_b_after_node_a_is_gone() {
     registry.run("stop");
     let down = a.crabctl(&["push", &id]);
     let reference = format!("{}/{namespace}/{id}", registry.prefix());
-    assert!(!down.status.success() && text(&down).contains(&reference) && text(&down).contains("cannot be reached"), "{}", text(&down));
+    assert!(
+        !down.status.success() && text(&down).contains(&reference) && text(&down).contains("cannot be reached"),
+        "{}",
+        text(&down)
+    );
     let turns = a.crabctl_json(&["turns", &id]);
     assert!(turns.as_array().unwrap().iter().all(|t| t.get("off_node").is_none()), "{turns:#}");
     registry.run("start");
@@ -258,9 +277,16 @@ fn a_sandbox_pushed_from_node_a_recovers_on_node_b_after_node_a_is_gone() {
     assert_eq!(pushed["pushed"].as_array().unwrap().len(), 2, "{pushed:#}");
     assert_eq!(pushed["head_turn"], 2);
     let turns = a.crabctl_json(&["turns", &id]);
-    assert!(turns.as_array().unwrap().iter().all(|t| t["off_node"] == true), "every checkpointed turn is off the node: {turns:#}");
+    assert!(
+        turns.as_array().unwrap().iter().all(|t| t["off_node"] == true),
+        "every checkpointed turn is off the node: {turns:#}"
+    );
     let again = a.crabctl_json(&["push", &id]);
-    assert_eq!((again["pushed"].as_array().unwrap().len(), again["bytes_uploaded"].as_u64()), (0, Some(0)), "{again:#}");
+    assert_eq!(
+        (again["pushed"].as_array().unwrap().len(), again["bytes_uploaded"].as_u64()),
+        (0, Some(0)),
+        "{again:#}"
+    );
     println!(
         "push: {} bytes sent for {} bytes the turns wrote to the local store (ratio {:.3})",
         pushed["bytes_uploaded"],
@@ -286,11 +312,19 @@ fn a_sandbox_pushed_from_node_a_recovers_on_node_b_after_node_a_is_gone() {
     // A sandbox the registry does not hold: a clear error naming the reference, nothing made.
     let missing = format!("{}/{namespace}/no-such-{id}:turn-1", registry.prefix());
     let out = b.crabctl(&["recover", &format!("no-such-{id}"), "--from", &missing]);
-    assert!(!out.status.success() && text(&out).contains(&missing) && text(&out).contains("not in the registry"), "{}", text(&out));
+    assert!(
+        !out.status.success() && text(&out).contains(&missing) && text(&out).contains("not in the registry"),
+        "{}",
+        text(&out)
+    );
     // The registry down on B: the error names the reference; B's store holds no chain for it.
     registry.run("stop");
     let out = b.crabctl(&["recover", &id, "--from", &reference]);
-    assert!(!out.status.success() && text(&out).contains(&reference) && text(&out).contains("cannot be reached"), "{}", text(&out));
+    assert!(
+        !out.status.success() && text(&out).contains(&reference) && text(&out).contains("cannot be reached"),
+        "{}",
+        text(&out)
+    );
     let heads = scratch.join("b-store/containers").join(&namespace).join(&id).join("HEAD");
     assert!(!heads.exists(), "a failed pull leaves no head");
     registry.run("start");
@@ -327,4 +361,138 @@ fn a_sandbox_pushed_from_node_a_recovers_on_node_b_after_node_a_is_gone() {
     b.remove(&fork);
     b.remove(&id);
     let _ = std::fs::remove_dir_all(&scratch);
+}
+
+/// The push log's record of a sandbox: the turns the registry holds and the bytes each sent.
+fn pushed_turns(state: &Path, namespace: &str, id: &str) -> Vec<(u64, u64)> {
+    let path = state.join("remote/pushed").join(namespace).join(format!("{id}.json"));
+    let Ok(bytes) = std::fs::read(&path) else { return Vec::new() };
+    let log: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    log["turns"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(turn, t)| (turn.parse().unwrap(), t["bytes_uploaded"].as_u64().unwrap()))
+        .collect()
+}
+
+/// With `[remote]` in the shim's config, each checkpointed turn leaves the node by itself,
+/// through the persistent queue, with no `crabctl push`: `crabctl turns` shows the lag going
+/// to zero. With the registry down the turns stay queued (and the sandbox's turns go on); once
+/// it is back they are pushed. A second sandbox doing the same work sends a fraction of the
+/// first's bytes (the packs its files share are mounted from the first's repository).
+#[test]
+fn checkpointed_turns_leave_the_node_by_themselves_and_resume_when_the_registry_returns() {
+    let registry = Registry::start();
+    let base = crab_config::Config::load(None).expect("the environment's crab config ($CRAB_CONFIG)");
+    let ctrd_dir = env_or("CRAB_CTRD_DIR", "/run/crab-dev");
+    let namespace = env_or("CRAB_NS", "crab");
+    let scratch = PathBuf::from(format!("{}-remote-auto-test", base.checkpoint.state_dir.display()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let mut config = base.clone();
+    config.checkpoint.state_dir = scratch.join("store");
+    config.checkpoint.kept_images_dir = PathBuf::from(format!("{ctrd_dir}/remote-auto-test-kept"));
+    config.remote = crab_config::RemoteConfig { prefix: registry.prefix(), plain_http: true, ..Default::default() };
+    let a = Node {
+        name: "A",
+        socket: env_or("CRAB_CTRD_SOCK", "/run/crab-dev/containerd.sock"),
+        namespace: namespace.clone(),
+        config: scratch.join("a.toml"),
+        state: config.checkpoint.state_dir.clone(),
+    };
+    write_config(&a.config, &config);
+    let cfg = a.config.display().to_string();
+    let off_node = |id: &str| -> Vec<Option<bool>> {
+        a.crabctl_json(&["turns", id])
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.get("off_node").and_then(|v| v.as_bool()))
+            .collect()
+    };
+
+    // The same work in two sandboxes: a 2 MB file (the same bytes) and a process.
+    const WORK: [&str; 2] = [
+        "mkdir -p /data && yes crab-remote-tier | head -c 2000000 > /data/big",
+        "(i=0; while :; do i=$((i+1)); sleep 0.2; done) >/dev/null 2>&1 &",
+    ];
+    let first = format!("remote-auto-{}", std::process::id());
+    let second = format!("{first}-2");
+    for id in [&first, &second] {
+        a.remove(id);
+    }
+    a.ctr_ok(&[
+        "run",
+        "-d",
+        "--runtime",
+        "io.containerd.crab.v2",
+        "--runtime-config-path",
+        &cfg,
+        IMAGE,
+        &first,
+        "sleep",
+        "3600",
+    ]);
+    for script in WORK {
+        a.exec(&first, script);
+    }
+    wait_for("both turns of the first sandbox in the registry", Duration::from_secs(60), || {
+        off_node(&first) == [Some(true), Some(true)]
+    });
+    let queue = scratch.join("store/remote/queue");
+    wait_for("the queue emptied", Duration::from_secs(10), || {
+        std::fs::read_dir(&queue)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .all(|e| !e.path().extension().is_some_and(|x| x == "json"))
+    });
+
+    // The registry goes down: the next turn is checkpointed as ever, and waits in the queue.
+    registry.run("stop");
+    a.exec(&first, "echo three > /data/three");
+    wait_for("turn 3 checkpointed", Duration::from_secs(60), || {
+        off_node(&first).len() == 3 && off_node(&first)[2].is_some()
+    });
+    assert_eq!(off_node(&first), [Some(true), Some(true), Some(false)], "turn 3 is on this node only");
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(off_node(&first)[2], Some(false), "not pushed while the registry is down");
+    let queued: Vec<_> = std::fs::read_dir(&queue).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
+    assert!(queued.iter().any(|n| n.to_string_lossy().ends_with(&format!("{:020}.json", 3))), "{queued:?}");
+    registry.run("start");
+    wait_for("turn 3 pushed once the registry is back", Duration::from_secs(60), || off_node(&first)[2] == Some(true));
+
+    // A second sandbox doing the same work.
+    a.ctr_ok(&[
+        "run",
+        "-d",
+        "--runtime",
+        "io.containerd.crab.v2",
+        "--runtime-config-path",
+        &cfg,
+        IMAGE,
+        &second,
+        "sleep",
+        "3600",
+    ]);
+    for script in WORK {
+        a.exec(&second, script);
+    }
+    wait_for("both turns of the second sandbox in the registry", Duration::from_secs(60), || {
+        off_node(&second) == [Some(true), Some(true)]
+    });
+    let bytes = |id: &str| -> u64 {
+        pushed_turns(&a.state, &namespace, id).iter().filter(|(t, _)| *t <= 2).map(|(_, b)| b).sum()
+    };
+    let (one, two) = (bytes(&first), bytes(&second));
+    println!(
+        "push: the second identical sandbox sent {two} bytes for turns 1-2, the first {one}: ratio {:.3}",
+        two as f64 / one as f64
+    );
+    assert!(two * 4 < one, "the second sandbox's shared file is not sent again: {two} vs {one}");
+
+    for id in [&first, &second] {
+        a.remove(id);
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    let _ = std::fs::remove_dir_all(&config.checkpoint.kept_images_dir);
 }

@@ -327,7 +327,9 @@ impl Config {
         if self.node.rate_mib_per_s > 1 << 30 || self.node.burst_mib > 1 << 30 {
             return Err(invalid("node.rate_mib_per_s and node.burst_mib: at most 2^30".into()));
         }
-        for (key, file) in [("remote.credentials_file", &self.remote.credentials_file), ("remote.ca_file", &self.remote.ca_file)] {
+        for (key, file) in
+            [("remote.credentials_file", &self.remote.credentials_file), ("remote.ca_file", &self.remote.ca_file)]
+        {
             if !file.as_os_str().is_empty() && !file.is_absolute() {
                 return Err(invalid(format!("{key}: {} is not an absolute path (\"\": the default)", file.display())));
             }
@@ -501,7 +503,10 @@ mod tests {
         ] {
             let err = Config::parse(&format!("[remote]\n{bad}\n"), Path::new("/etc/crab/crab.toml")).unwrap_err();
             let msg = err.to_string();
-            assert!(msg.contains("/etc/crab/crab.toml") && (msg.contains("remote.") || msg.contains("registry")), "{bad}: {msg}");
+            assert!(
+                msg.contains("/etc/crab/crab.toml") && (msg.contains("remote.") || msg.contains("registry")),
+                "{bad}: {msg}"
+            );
         }
     }
 

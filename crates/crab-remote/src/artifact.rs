@@ -290,8 +290,11 @@ impl Checkpoint {
                 return Err(bad(format!("pack {digest} has no index layer")));
             }
         }
-        let extra: BTreeMap<String, String> =
-            annotations.iter().filter(|(k, _)| !OWN_ANNOTATIONS.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect();
+        let extra: BTreeMap<String, String> = annotations
+            .iter()
+            .filter(|(k, _)| !OWN_ANNOTATIONS.contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         if extra.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>() > MAX_EXTRA_ANNOTATION_BYTES {
             return Err(bad(format!("annotations of more than {MAX_EXTRA_ANNOTATION_BYTES} bytes")));
         }

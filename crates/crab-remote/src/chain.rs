@@ -231,7 +231,11 @@ pub async fn push_chain(
         let (store, key) = (store.clone(), sandbox.key.clone());
         tokio::task::spawn_blocking(move || store.export_chain(&key))
             .await
-            .map_err(|e| RemoteError::Protocol { reference: repository.clone(), what: "export".into(), message: e.to_string() })?
+            .map_err(|e| RemoteError::Protocol {
+                reference: repository.clone(),
+                what: "export".into(),
+                message: e.to_string(),
+            })?
             .map_err(|e| store_error(&repository, e))?
     };
     let mut extra = HashMap::new();
@@ -358,7 +362,7 @@ pub async fn pull_chain(
     let written = sink.bytes_written;
     sink.commit().map_err(|e| store_error(&reference, e))?;
     report.object_bytes_written = written;
-    let mut add = |report: &mut ChainPullReport, p: &crate::remote::PullReport| {
+    let add = |report: &mut ChainPullReport, p: &crate::remote::PullReport| {
         report.manifests_pulled += 1;
         report.blobs_pulled += p.blobs_pulled;
         report.bytes_pulled += p.bytes_pulled;
@@ -433,7 +437,9 @@ pub fn parse_reference(reference: &str) -> Result<(String, String, String, Optio
     }
     let sandbox = parts.pop().expect("three parts");
     let namespace = parts.pop().expect("two parts");
-    let name = |c: &str| artifact::name_of_component(c).ok_or_else(|| bad(&format!("{c:?} is not a repository path component")));
+    let name = |c: &str| {
+        artifact::name_of_component(c).ok_or_else(|| bad(&format!("{c:?} is not a repository path component")))
+    };
     Ok((parts.join("/"), name(namespace)?, name(sandbox)?, turn))
 }
 
@@ -451,7 +457,10 @@ mod tests {
     #[test]
     fn references_parse_into_their_parts() {
         let (prefix, ns, sb, turn) = parse_reference("127.0.0.1:5000/crab/default/box:turn-3").unwrap();
-        assert_eq!((prefix.as_str(), ns.as_str(), sb.as_str(), turn), ("127.0.0.1:5000/crab", "default", "box", Some(3)));
+        assert_eq!(
+            (prefix.as_str(), ns.as_str(), sb.as_str(), turn),
+            ("127.0.0.1:5000/crab", "default", "box", Some(3))
+        );
         let (prefix, ns, sb, turn) = parse_reference("reg:5000/ns/x--426f78").unwrap();
         assert_eq!((prefix.as_str(), ns.as_str(), sb.as_str(), turn), ("reg:5000", "ns", "Box", None));
         for bad in ["box", "reg/box", "reg/ns/box:latest", "reg//ns/box", "reg/ns/x--zz"] {
@@ -464,7 +473,8 @@ mod tests {
     fn a_push_log_forgets_turns_of_another_repository() {
         let dir = tempfile::tempdir().unwrap();
         let mut log = PushLog::load(dir.path(), "default", "Box").unwrap();
-        let t = PushedTurn { manifest_id: "a".into(), manifest_digest: "d".into(), bytes_uploaded: 1, pushed_unix_ms: 2 };
+        let t =
+            PushedTurn { manifest_id: "a".into(), manifest_digest: "d".into(), bytes_uploaded: 1, pushed_unix_ms: 2 };
         log.record("reg/crab/default/x--426f78", 1, t.clone()).unwrap();
         let mut log = PushLog::load(dir.path(), "default", "Box").unwrap();
         assert!(log.has(1, "a") && !log.has(1, "b") && !log.has(2, "a"));

@@ -14,8 +14,8 @@
 //! come back through [`ObjectSink`]; [`chain`] implements both over `crab-store`.
 
 pub mod artifact;
-pub mod chain;
 pub mod auth;
+pub mod chain;
 pub mod digest;
 pub mod error;
 pub mod pack;

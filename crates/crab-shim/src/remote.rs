@@ -62,7 +62,8 @@ impl RemotePusher {
             (!settings.credentials_file.as_os_str().is_empty()).then(|| settings.credentials_file.clone()),
         );
         let state_dir = config.checkpoint.state_dir.clone();
-        let built = Remote::new(cfg).and_then(|remote| Ok((remote, PushQueue::open(&remote_dir(&state_dir).join("queue"))?)));
+        let built =
+            Remote::new(cfg).and_then(|remote| Ok((remote, PushQueue::open(&remote_dir(&state_dir).join("queue"))?)));
         let (remote, queue) = match built {
             Ok(parts) => parts,
             Err(e) => {
@@ -126,8 +127,16 @@ impl RemotePusher {
                 let mut index = RemoteIndex::open(&remote_dir(&self.state_dir).join("index"))?;
                 let mut log =
                     PushLog::load(&remote_dir(&self.state_dir).join("pushed"), &sandbox.namespace, &sandbox.sandbox)?;
-                chain::run_queue_for(&self.remote, &mut index, self.store.clone(), &self.queue, &sandbox, &mut log, Some(pacer))
-                    .await
+                chain::run_queue_for(
+                    &self.remote,
+                    &mut index,
+                    self.store.clone(),
+                    &self.queue,
+                    &sandbox,
+                    &mut log,
+                    Some(pacer),
+                )
+                .await
             }
             .await;
             match outcome {
@@ -211,7 +220,13 @@ impl Pacer for BucketPacer {
             match &self.gate {
                 Some(gate) => {
                     // Called on a blocking thread of the push (never on the runtime's workers).
-                    let _ = self.runtime.block_on(gate.acquire(&self.sandbox, chunk, crab_node::CommitKind::Push, 0, false));
+                    let _ = self.runtime.block_on(gate.acquire(
+                        &self.sandbox,
+                        chunk,
+                        crab_node::CommitKind::Push,
+                        0,
+                        false,
+                    ));
                 }
                 None => {
                     let now = Instant::now();

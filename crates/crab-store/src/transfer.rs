@@ -16,7 +16,7 @@ use std::collections::HashSet;
 use std::fs;
 use std::path::Path;
 
-use super::chain::{CheckpointStore, Head, sandbox_key};
+use super::chain::{CheckpointStore, Head};
 use super::error::{CheckpointError, IoContext, Result};
 use super::images;
 use super::manifest::{Manifest, direct_blobs, unseal};
@@ -128,6 +128,6 @@ impl CheckpointStore {
         for blob in &blobs {
             self.blobs().verify(blob)?;
         }
-        self.set_head(&sandbox_key(container)?.to_string(), &head, Durability::Flushed)
+        self.set_head(container, &head, Durability::Flushed)
     }
 }

@@ -435,7 +435,13 @@ fn remote_restore_line(r: &crate::remote::RemoteRestoreReport) -> String {
     let pull = match &r.pull {
         Some(p) => format!(
             "pulled {} ({} manifests, {} blobs, {} bytes, {} objects, {} packs held already) in {:.1} ms; ",
-            p.reference, p.manifests_pulled, p.blobs_pulled, p.bytes_pulled, p.objects_received, p.packs_skipped, p.elapsed_ms
+            p.reference,
+            p.manifests_pulled,
+            p.blobs_pulled,
+            p.bytes_pulled,
+            p.objects_received,
+            p.packs_skipped,
+            p.elapsed_ms
         ),
         None => "the local store held the chain; ".into(),
     };

@@ -122,6 +122,14 @@ impl Ctl {
         let mut index = RemoteIndex::open(&remote_dir(&self.state_dir).join("index"))?;
         let mut log = self.push_log(container)?;
         let report = chain::push_chain(&remote, &mut index, self.store.clone(), &sandbox, &mut log, None).await?;
+        // The shim's queued pushes of these turns are done now (a sandbox gone from this node
+        // leaves its entries behind; a push from here clears them).
+        let queue = crab_remote::PushQueue::open(&remote_dir(&self.state_dir).join("queue"))?;
+        for entry in queue.pending()? {
+            if entry.namespace == sandbox.namespace && entry.sandbox == container && entry.turn <= report.head_turn {
+                queue.complete(&entry)?;
+            }
+        }
         let local_bytes_written = self.turns(container).map(|t| t.iter().map(|r| r.bytes_written).sum()).unwrap_or(0);
         Ok(PushSummary {
             container: container.to_owned(),
@@ -176,12 +184,13 @@ impl Ctl {
             )));
         }
         let remote = connect(Some(&prefix))?;
-        let turn = match turn {
-            Some(t) => t,
-            None => *remote.list_turns(&namespace, &sandbox).await?.last().ok_or_else(|| {
-                CtlError::Invalid(format!("{reference}: the repository holds no checkpointed turn"))
-            })?,
-        };
+        let turn =
+            match turn {
+                Some(t) => t,
+                None => *remote.list_turns(&namespace, &sandbox).await?.last().ok_or_else(|| {
+                    CtlError::Invalid(format!("{reference}: the repository holds no checkpointed turn"))
+                })?,
+            };
         let store = self.store.clone();
         let report = chain::pull_chain(&remote, &namespace, &sandbox, turn, &store, &key).await?;
         if let Some(spec) = &report.spec {
@@ -253,7 +262,8 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().ok_or_else(|| CtlError::Invalid(format!("{}: no directory", path.display())))?;
     std::fs::create_dir_all(dir).map_err(io)?;
     let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-    let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp).map_err(io)?;
+    let mut file =
+        std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp).map_err(io)?;
     file.write_all(bytes).and_then(|()| file.sync_all()).map_err(io)?;
     std::fs::rename(&tmp, path).map_err(io)?;
     std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io)
