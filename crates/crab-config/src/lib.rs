@@ -56,6 +56,10 @@ pub struct RemoteConfig {
     /// A PEM file of CA certificates trusted for the registry besides the system's. Empty:
     /// the system's only.
     pub ca_file: PathBuf,
+    /// The shim pushes each checkpointed turn by itself (crab-remote's persistent queue, paced
+    /// by crabd's bucket). NOT YET TESTED end to end: off by default; `crabctl push` is the
+    /// tested way off the node.
+    pub auto_push: bool,
 }
 
 impl RemoteConfig {

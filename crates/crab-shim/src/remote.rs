@@ -52,7 +52,7 @@ impl RemotePusher {
         gate: Option<Arc<dyn CommitGate>>,
     ) -> Option<Arc<Self>> {
         let settings = &config.remote;
-        if !settings.enabled() {
+        if !settings.enabled() || !settings.auto_push {
             return None;
         }
         let mut cfg = crab_remote::RemoteConfig::new(settings.prefix.clone());

@@ -450,13 +450,23 @@ impl CheckpointStore {
             if fs::read_link(&store.assembled).ok().as_deref() != Some(target.as_path()) {
                 // Replaced by a rename, so that a concurrent open sees the old entry or the new
                 // link, never neither.
-                let link = store.state_dir.join(format!(".assembled-{}", std::process::id()));
+                // Named per call, not per process: a shim opens its store from several tasks at
+                // once, and a shared name let one open remove or move another's link.
+                static OPENS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                let n = OPENS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let link = store.state_dir.join(format!(".assembled-{}-{n}", std::process::id()));
                 let _ = fs::remove_file(&link);
                 std::os::unix::fs::symlink(&target, &link).io_ctx("symlink", &link)?;
                 if fs::symlink_metadata(&store.assembled).is_ok_and(|m| m.is_dir()) {
                     fs::remove_dir_all(&store.assembled).io_ctx("remove", &store.assembled)?;
                 }
-                fs::rename(&link, &store.assembled).io_ctx("rename", &store.assembled)?;
+                if let Err(e) = fs::rename(&link, &store.assembled) {
+                    let _ = fs::remove_file(&link);
+                    // A concurrent open that put the same link in place first is as good.
+                    if fs::read_link(&store.assembled).ok().as_deref() != Some(target.as_path()) {
+                        return Err(e).io_ctx("rename", &store.assembled);
+                    }
+                }
                 sys::fsync_dir(&store.state_dir).io_ctx("fsync", &store.state_dir)?;
             }
         }
