@@ -393,8 +393,12 @@ fn checkpointed_turns_leave_the_node_by_themselves_and_resume_when_the_registry_
     let mut config = base.clone();
     config.checkpoint.state_dir = scratch.join("store");
     config.checkpoint.kept_images_dir = PathBuf::from(format!("{ctrd_dir}/remote-auto-test-kept"));
-    config.remote =
-        crab_config::RemoteConfig { prefix: registry.prefix(), plain_http: true, auto_push: true, ..Default::default() };
+    config.remote = crab_config::RemoteConfig {
+        prefix: registry.prefix(),
+        plain_http: true,
+        auto_push: true,
+        ..Default::default()
+    };
     let a = Node {
         name: "A",
         socket: env_or("CRAB_CTRD_SOCK", "/run/crab-dev/containerd.sock"),
