@@ -458,7 +458,13 @@ impl CheckpointStore {
                 let _ = fs::remove_file(&link);
                 std::os::unix::fs::symlink(&target, &link).io_ctx("symlink", &link)?;
                 if fs::symlink_metadata(&store.assembled).is_ok_and(|m| m.is_dir()) {
-                    fs::remove_dir_all(&store.assembled).io_ctx("remove", &store.assembled)?;
+                    // A concurrent open may have removed it first: gone is what is wanted.
+                    match fs::remove_dir_all(&store.assembled) {
+                        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                            return Err(e).io_ctx("remove", &store.assembled);
+                        }
+                        _ => {}
+                    }
                 }
                 if let Err(e) = fs::rename(&link, &store.assembled) {
                     let _ = fs::remove_file(&link);
