@@ -450,7 +450,7 @@ fn checkpointed_turns_leave_the_node_by_themselves_and_resume_when_the_registry_
         std::fs::read_dir(&queue)
             .unwrap()
             .filter_map(|e| e.ok())
-            .all(|e| !e.path().extension().is_some_and(|x| x == "json"))
+            .all(|e| e.path().extension().is_none_or(|x| x != "json"))
     });
 
     // The registry goes down: the next turn is checkpointed as ever, and waits in the queue.
