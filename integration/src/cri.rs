@@ -30,6 +30,8 @@ use crate::{HarnessError, Outcome, wait_until};
 pub const CRI_NAMESPACE: &str = "k8s.io";
 /// Imported by `scripts/cri-containerd start`, beside the pause image.
 pub const IMAGE: &str = "crab.local/busybox:latest";
+/// The Kubernetes namespace of the suite's pods unless a test names another.
+pub const KUBE_NAMESPACE: &str = "crab-cri";
 /// Bound of one CRI call: kubelet's default runtime request timeout is 2 minutes; ours is shorter
 /// so a hung shim fails the scenario well inside the test's own bound.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -138,8 +140,20 @@ impl Cri {
         Ok(Cri { runtime: RuntimeServiceClient::new(channel) })
     }
 
-    /// Runs a pod of `shape` under `handler`; its logs go to a fresh directory.
+    /// Runs a pod of `shape` under `handler` in Kubernetes namespace [`KUBE_NAMESPACE`]; its
+    /// logs go to a fresh directory.
     pub async fn run_pod(&self, scenario: &str, handler: &Runtime, shape: &PodShape) -> Outcome<Pod> {
+        self.run_pod_in(KUBE_NAMESPACE, scenario, handler, shape).await
+    }
+
+    /// [`Self::run_pod`] in Kubernetes namespace `kube_namespace`.
+    pub async fn run_pod_in(
+        &self,
+        kube_namespace: &str,
+        scenario: &str,
+        handler: &Runtime,
+        shape: &PodShape,
+    ) -> Outcome<Pod> {
         let handler_name = handler.short().to_string();
         let name = format!("{scenario}-{handler_name}");
         // A uid of its own per run, so a pod left behind by an earlier (killed) run never
@@ -150,7 +164,12 @@ impl Cri {
         std::fs::create_dir_all(&log_dir)
             .map_err(|e| HarnessError::io(format!("creating {}", log_dir.display()), e))?;
         let config = PodSandboxConfig {
-            metadata: Some(PodSandboxMetadata { name: name.clone(), uid, namespace: "crab-cri".into(), attempt: 0 }),
+            metadata: Some(PodSandboxMetadata {
+                name: name.clone(),
+                uid,
+                namespace: kube_namespace.into(),
+                attempt: 0,
+            }),
             // As kubelet: a pod in the host's network namespace keeps the host's name (runc
             // refuses to set one without a UTS namespace of the container's own).
             hostname: if shape.host_network { String::new() } else { name.clone() },
@@ -235,16 +254,31 @@ struct Leftovers {
 }
 
 impl Pod {
-    /// Creates (not starts) container `name` running `command` with the pod's security context.
+    /// Creates (not starts) container `name` running `command` with the pod's security context
+    /// (attempt 0, log `<name>.log`).
     pub async fn create(&self, name: &str, command: &[&str]) -> Outcome<String> {
+        self.create_container(name, 0, format!("{name}.log"), command, &[]).await
+    }
+
+    /// CreateContainer as kubelet sends it: the pod's security context and namespaces, the
+    /// test image, and the given attempt, log path and container annotations.
+    async fn create_container(
+        &self,
+        name: &str,
+        attempt: u32,
+        log_path: String,
+        command: &[&str],
+        annotations: &[(&str, &str)],
+    ) -> Outcome<String> {
         let mut security = self.shape.security.clone();
         security.namespace_options = Some(self.shape.namespaces());
         let config = ContainerConfig {
-            metadata: Some(ContainerMetadata { name: name.to_string(), attempt: 0 }),
+            metadata: Some(ContainerMetadata { name: name.to_string(), attempt }),
             image: Some(ImageSpec { image: IMAGE.to_string(), ..Default::default() }),
             command: command.iter().map(|s| s.to_string()).collect(),
-            log_path: format!("{name}.log"),
+            log_path,
             linux: Some(LinuxContainerConfig { security_context: Some(security), resources: None }),
+            annotations: annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
             ..Default::default()
         };
         let request = CreateContainerRequest {
@@ -405,8 +439,22 @@ pub async fn with_pod<T, F>(scenario: &str, handler: Runtime, shape: PodShape, b
 where
     F: for<'a> FnOnce(&'a Pod) -> LocalBoxFuture<'a, Outcome<T>>,
 {
+    with_pod_in(KUBE_NAMESPACE, scenario, handler, shape, body).await
+}
+
+/// [`with_pod`] in Kubernetes namespace `kube_namespace`.
+pub async fn with_pod_in<T, F>(
+    kube_namespace: &str,
+    scenario: &str,
+    handler: Runtime,
+    shape: PodShape,
+    body: F,
+) -> Outcome<T>
+where
+    F: for<'a> FnOnce(&'a Pod) -> LocalBoxFuture<'a, Outcome<T>>,
+{
     let cri = Cri::connect().await?;
-    let pod = cri.run_pod(scenario, &handler, &shape).await?;
+    let pod = cri.run_pod_in(kube_namespace, scenario, &handler, &shape).await?;
     match body(&pod).await {
         Ok(observed) => {
             pod.remove().await?;
@@ -458,24 +506,7 @@ impl Pod {
         command: &[&str],
         annotations: &[(&str, &str)],
     ) -> Outcome<String> {
-        let mut security = self.shape.security.clone();
-        security.namespace_options = Some(self.shape.namespaces());
-        let config = ContainerConfig {
-            metadata: Some(ContainerMetadata { name: name.to_string(), attempt }),
-            image: Some(ImageSpec { image: IMAGE.to_string(), ..Default::default() }),
-            command: command.iter().map(|s| s.to_string()).collect(),
-            log_path: format!("{name}-{attempt}.log"),
-            linux: Some(LinuxContainerConfig { security_context: Some(security), resources: None }),
-            annotations: annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-            ..Default::default()
-        };
-        let request = CreateContainerRequest {
-            pod_sandbox_id: self.id.clone(),
-            config: Some(config),
-            sandbox_config: Some(self.config.clone()),
-        };
-        let mut runtime = self.cri.runtime.clone();
-        Ok(bounded("CreateContainer", runtime.create_container(request)).await?.into_inner().container_id)
+        self.create_container(name, attempt, format!("{name}-{attempt}.log"), command, annotations).await
     }
 
     /// The host pid of the container's init, from CRI's verbose status.

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crab_integration::cri::{Pod, PodShape, across_handlers, with_pod};
+use crab_integration::cri::{Pod, PodShape, across_handlers, with_pod, with_pod_in};
 use crab_integration::{HarnessError, Outcome, ensure, ensure_eq, wait_until};
 use futures::FutureExt;
 use k8s_cri::v1::{Capability, ContainerState, Int64Value, LinuxContainerSecurityContext};
@@ -437,5 +437,83 @@ async fn kubelet_replacement_is_restored() {
     match tokio::time::timeout(crab_integration::matrix::SCENARIO_TIMEOUT, run).await {
         Ok(outcome) => outcome.unwrap_or_else(|e| panic!("kubelet_replacement_is_restored: {e}")),
         Err(_) => panic!("kubelet_replacement_is_restored: timed out"),
+    }
+}
+
+/// `io.crab.restore-from` under CRI: every pod of the node is in containerd namespace k8s.io,
+/// so a pod may restore only from chains of pods in its own Kubernetes namespace. A pod in
+/// team-b naming a team-a container's checkpoint is refused when its task is created (CRI's
+/// StartContainer; the error names both namespaces), so nothing is restored into it; a second
+/// team-a pod naming it is restored from it (the file is there, the store records where it
+/// came from).
+#[tokio::test]
+async fn restore_from_stays_in_the_pods_kubernetes_namespace() {
+    let Some(handler) = crab_handler() else {
+        eprintln!("CRAB_TEST_RUNTIMES leaves out crab: nothing to test");
+        return;
+    };
+    let cmd = ["sh", "-c", ENTRYPOINT];
+    let source_handler = handler.clone();
+    let run = with_pod_in("team-a", "rf-source", source_handler, PodShape::default(), move |source| {
+        async move {
+            let id = source.create_attempt("main", 0, &cmd, &[]).await?;
+            source.start(&id).await?;
+            source.stdout_until("main-0", "started", WAIT).await?;
+            source.exec(&id, &["sh", "-c", "echo hello > /data.txt"], 30).await?;
+            let record = turn_record(&id, 1).await?;
+            ensure_eq!(record.checkpoint_turn, Some(1), "checkpoint of the source's turn: {record:?}");
+            let restore_from = format!("{id}:1");
+
+            let value = restore_from.clone();
+            let other = with_pod_in("team-b", "rf-other", handler.clone(), PodShape::default(), |other| {
+                async move {
+                    let annotations = [("io.crab.restore-from", value.as_str())];
+                    // CRI creates the task (the shim's Create) at StartContainer.
+                    let created = other.create_attempt("main", 0, &cmd, &annotations).await?;
+                    match other.start(&created).await {
+                        // What it would have of team-a's: the file the checkpoint holds.
+                        Ok(()) => Ok(Ok(other.exec(&created, &["cat", "/data.txt"], 30).await?)),
+                        Err(refused) => Ok(Err(refused)),
+                    }
+                }
+                .boxed_local()
+            })
+            .await?;
+            match other {
+                Ok(file) => {
+                    return Err(HarnessError::Expectation(format!(
+                        "a team-b pod naming a team-a checkpoint started (its /data.txt: {file:?})"
+                    )));
+                }
+                Err(e) => {
+                    let e = e.to_string();
+                    ensure!(e.contains("\"team-a\"") && e.contains("\"team-b\""), "refusal names no namespaces: {e}");
+                }
+            }
+
+            with_pod_in("team-a", "rf-fork", handler, PodShape::default(), |fork| {
+                async move {
+                    let annotations = [("io.crab.restore-from", restore_from.as_str())];
+                    let created = fork.create_attempt("main", 0, &cmd, &annotations).await?;
+                    fork.start(&created).await?;
+                    let file = fork.exec(&created, &["cat", "/data.txt"], 30).await?;
+                    ensure_eq!(file, ("hello\n".to_string(), String::new(), 0), "the file in the team-a fork");
+                    let origin =
+                        store()?.origin(&key(&created)).map_err(|e| HarnessError::Expectation(e.to_string()))?;
+                    let origin =
+                        origin.ok_or_else(|| HarnessError::Expectation("the fork records no origin".into()))?;
+                    ensure_eq!((origin.source, origin.turn), (key(&id), 1), "origin of the fork");
+                    ensure_eq!(origin.reason, crab_store::OriginReason::RestoreFrom, "origin reason");
+                    Ok(())
+                }
+                .boxed_local()
+            })
+            .await
+        }
+        .boxed_local()
+    });
+    match tokio::time::timeout(crab_integration::matrix::SCENARIO_TIMEOUT, run).await {
+        Ok(outcome) => outcome.unwrap_or_else(|e| panic!("restore_from_stays_in_the_pods_kubernetes_namespace: {e}")),
+        Err(_) => panic!("restore_from_stays_in_the_pods_kubernetes_namespace: timed out"),
     }
 }

@@ -194,7 +194,8 @@ impl TaskService {
         // that pod's: one that is not is neither restored from nor recorded as the pod's
         // container (else another pod's container could become this pod's predecessor, and
         // its state be restored into this pod's next replacement).
-        let pod = super::cri::PodContainer::from_bundle(&bundle)?.filter(|pod| match self.in_pod(pod) {
+        let claimed = super::cri::PodContainer::from_bundle(&bundle)?;
+        let pod = claimed.clone().filter(|pod| match self.in_pod(pod) {
             Ok(()) => true,
             Err(why) => {
                 tracing::warn!(container = %req.id, pod_sandbox = %pod.sandbox_id, name = %pod.name, reason = %why,
@@ -235,6 +236,12 @@ impl TaskService {
             (Some(source), Some(_)) => Some(restore_source(&config.checkpoint, source, &self.namespace)?),
             _ => None,
         };
+        if let Some(source) = &restore_source
+            && origin.is_none()
+        {
+            // io.crab.restore-from (a kubelet replacement restores its own pod's container).
+            check_pod_restore(&config.checkpoint, claimed.as_ref(), pod.as_ref(), source, &req.id)?;
+        }
         if let Some(source) = &restore_source {
             // restore_step: scripts/lib/restore_breakdown.py times a restore by these fields.
             tracing::debug!(container = %req.id, %source, restore_step = "received", "create of a restored container");
@@ -348,7 +355,21 @@ impl TaskService {
             // The next replacement of this container in its pod finds this one's chain.
             let recorded =
                 crab_store::CheckpointStore::open_with(&config.checkpoint.state_dir, &config.checkpoint.kept_images())
-                    .and_then(|store| store.set_pod_member(key.namespace(), &pod.sandbox_id, &pod.name, key.id()));
+                    .and_then(|store| {
+                        store.set_pod_member(key.namespace(), &pod.sandbox_id, &pod.name, key.id())?;
+                        match &pod.kube_namespace {
+                            // A pod of the same Kubernetes namespace may restore from this chain.
+                            Some(kube_namespace) => store.set_owner(
+                                &key.to_string(),
+                                &crab_store::PodOwner {
+                                    kube_namespace: kube_namespace.clone(),
+                                    pod_sandbox: pod.sandbox_id.clone(),
+                                    container_name: pod.name.clone(),
+                                },
+                            ),
+                            None => Ok(()),
+                        }
+                    });
             if let Err(e) = recorded {
                 tracing::warn!(container = %req.id, error = %e, "not recorded as its pod's container: a replacement will start from its image");
             }
@@ -918,6 +939,31 @@ fn restore_source(
         )));
     }
     Ok(key)
+}
+
+/// A pod's container naming `io.crab.restore-from`: the chain must be one the shim recorded
+/// for a pod of the same Kubernetes namespace (see [`super::cri::restore_allowed`]); refused
+/// with an error naming the annotation, the chain and why.
+fn check_pod_restore(
+    checkpoint: &crab_config::CheckpointConfig,
+    claimed: Option<&super::cri::PodContainer>,
+    verified: Option<&super::cri::PodContainer>,
+    source: &SandboxKey,
+    id: &str,
+) -> Result<(), ShimError> {
+    if claimed.is_none() {
+        return Ok(());
+    }
+    let annotation = crab_store::turns::ANNOTATION_RESTORE_FROM;
+    let owner = crab_store::CheckpointStore::open_with(&checkpoint.state_dir, &checkpoint.kept_images())
+        .and_then(|store| store.owner(&source.to_string()))
+        .map_err(|e| {
+            ShimError::FailedPrecondition(format!("annotation {annotation}={source}: owner of the chain: {e}"))
+        })?;
+    super::cri::restore_allowed(claimed, verified, &source.to_string(), owner.as_ref()).map_err(|why| {
+        tracing::warn!(container = id, %source, reason = %why, "io.crab.restore-from refused");
+        ShimError::InvalidArgument(format!("annotation {annotation} of container {id} refused: {why}"))
+    })
 }
 
 /// Prepares a container created from a checkpoint: writes the source's rootfs as

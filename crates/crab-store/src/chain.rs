@@ -1335,6 +1335,9 @@ impl CheckpointStore {
     pub fn remove_container(&self, container: &str) -> Result<()> {
         let key = sandbox_key(container)?;
         let _ = fs::remove_dir_all(self.assembled.join(key.rel_path()));
+        if key.generation().is_none() {
+            self.remove_owner(&key)?;
+        }
         let dir = self.containers.join(key.rel_path());
         match fs::remove_dir_all(&dir) {
             Ok(()) => {

@@ -36,7 +36,7 @@ pub use key::{
     DEFAULT_NAMESPACE, KeyError, SandboxKey, full_checkpoints_dir, removed_marker_path, saved_spec_path,
     saved_spec_path_of, turn_log_path, validate_id, validate_namespace,
 };
-pub use lineage::{Origin, OriginReason};
+pub use lineage::{Origin, OriginReason, PodOwner};
 pub use manifest::{
     FsEntry, FsNode, ImageContent, ImageFile, ImageSet, MANIFEST_VERSION, Manifest, Meta, ParentRef, Snapshot,
     TurnClass,

@@ -10,6 +10,11 @@
 //!   container (same pod sandbox and name, attempt + 1, a new id), the shim finds the
 //!   predecessor's chain here. Both parts come from CRI's own annotations, checked by the shim
 //!   (see crab-shim's `cri` module) before they are used.
+//! - `owners/<namespace>/<id>`: the Kubernetes pod a container of a pod belongs to (its
+//!   Kubernetes namespace, pod sandbox and name), recorded when the shim created it. A pod may
+//!   restore (`io.crab.restore-from`) only from chains of pods in its own Kubernetes namespace:
+//!   under CRI every pod of the node is in one containerd namespace (`k8s.io`), so the
+//!   containerd namespace alone does not keep one Kubernetes tenant from another's state.
 
 use std::fs;
 use std::path::PathBuf;
@@ -66,6 +71,16 @@ impl std::fmt::Display for Origin {
     }
 }
 
+/// The Kubernetes pod a container belongs to, as CRI's annotations said when the shim, having
+/// checked them against the kernel (see crab-shim's `cri` module), created it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodOwner {
+    /// The pod's Kubernetes namespace (`io.kubernetes.cri.sandbox-namespace`).
+    pub kube_namespace: String,
+    pub pod_sandbox: String,
+    pub container_name: String,
+}
+
 /// A pod sandbox id or container name as one path component of the index (CRI's sandbox ids
 /// are 64 hex digits, Kubernetes container names DNS labels; anything else is refused).
 fn component<'a>(what: &str, value: &'a str) -> Result<&'a str> {
@@ -100,6 +115,44 @@ impl CheckpointStore {
                 .map_err(|e| CheckpointError::CorruptManifest { path, reason: format!("bad ORIGIN: {e}") }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e).io_ctx("read", path),
+        }
+    }
+
+    fn owner_path(&self, key: &SandboxKey) -> PathBuf {
+        self.state_dir().join("owners").join(key.namespace()).join(key.id())
+    }
+
+    /// Records which Kubernetes pod `container` (a key; a retired generation is its id's) is
+    /// a container of.
+    pub fn set_owner(&self, container: &str, owner: &PodOwner) -> Result<()> {
+        let path = self.owner_path(&sandbox_key(container)?);
+        if let Some(dir) = path.parent() {
+            sys::create_private_dir_all(dir).io_ctx("create", dir)?;
+        }
+        let bytes = serde_json::to_vec(owner).map_err(|source| CheckpointError::Json { what: "owner", source })?;
+        publish_file(&self.blobs().tmp_path("owner"), &path, &bytes, Durability::Flushed)
+    }
+
+    /// The Kubernetes pod `container` was recorded in; None for a container no shim created
+    /// as a pod's (one of `ctr`, crabctl, or from before owners were recorded).
+    pub fn owner(&self, container: &str) -> Result<Option<PodOwner>> {
+        let path = self.owner_path(&sandbox_key(container)?);
+        match fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| CheckpointError::CorruptManifest { path, reason: format!("bad owner record: {e}") }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e).io_ctx("read", path),
+        }
+    }
+
+    /// Drops `container`'s owner record (with its chain: [`Self::remove_container`]).
+    pub(crate) fn remove_owner(&self, key: &SandboxKey) -> Result<()> {
+        let path = self.owner_path(key);
+        match fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e).io_ctx("remove", path),
         }
     }
 
@@ -159,6 +212,23 @@ mod tests {
             let err = store.set_pod_member("k8s.io", pod, name, "c4").unwrap_err();
             assert!(err.to_string().contains("not a safe path component"), "{pod:?} {name:?}: {err}");
         }
+    }
+
+    #[test]
+    fn owners_are_per_namespace_and_id_and_go_with_the_chain() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::open(dir.path()).unwrap();
+        let owner =
+            PodOwner { kube_namespace: "team-a".into(), pod_sandbox: "abc123".into(), container_name: "main".into() };
+        assert_eq!(store.owner("k8s.io/c1").unwrap(), None);
+        store.set_owner("k8s.io/c1", &owner).unwrap();
+        assert_eq!(store.owner("k8s.io/c1").unwrap().as_ref(), Some(&owner));
+        // A retired generation of the id is the same container's.
+        assert_eq!(store.owner("k8s.io/c1@2").unwrap().as_ref(), Some(&owner));
+        assert_eq!(store.owner("other/c1").unwrap(), None);
+        assert!(store.owner("k8s.io/../c1").is_err());
+        store.remove_container("k8s.io/c1").unwrap();
+        assert_eq!(store.owner("k8s.io/c1").unwrap(), None);
     }
 
     #[test]
