@@ -12,10 +12,10 @@ use crate::record::{
     OFF_TS, PATH_REF_FLAGS, PATH_REF_LEN,
 };
 use crate::skel::types::{path_ref, record_header, watch_filter, write_key, write_seen};
-use crate::{WATCH_FILTER_LEN, WATCHED_IDS, WF_IDS, WF_LEVELS, WF_NR_IDS};
 use crate::writes::{
     WK_CHANNEL, WK_INODE, WK_PID, WRITE_KEY_LEN, WRITE_SEEN_LEN, WS_CGROUP, WS_LAST, WS_RECORDED, WS_START, WS_UNTIMED,
 };
+use crate::{WATCH_FILTER_LEN, WATCHED_IDS, WF_IDS, WF_LEVELS, WF_NR_IDS};
 
 const _: () = {
     assert!(size_of::<record_header>() == HEADER_LEN);
