@@ -305,6 +305,35 @@ async fn processes_outside_the_cgroup_are_not_recorded() {
     assert_eq!(file_changes_under(&effects, &scratch.0), vec![("open", one(scratch.path("inside")))], "{effects:#?}");
 }
 
+/// The early exit compares a task's ancestors with a short list of watched ids (8) before any
+/// lookup: with more sandboxes watched than the list holds, the last one watched and one watched
+/// first are still recorded, and so is a sandbox when others leave and the list shrinks again.
+#[tokio::test]
+async fn every_watched_cgroup_is_recorded_past_the_id_list() {
+    const WATCHED: usize = 10;
+    let cgroups: Vec<TestCgroup> = (0..WATCHED).map(|i| TestCgroup::new(&format!("many-{i}"))).collect();
+    let scratch = Scratch::new("many");
+    let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
+    for (i, cgroup) in cgroups.iter().enumerate() {
+        let container = WatchedContainer { id: format!("many-{i}"), root_pid: None, rootfs: None };
+        inspector.watch(cgroup.id, container).await.unwrap();
+    }
+    for i in [0, WATCHED - 1] {
+        cgroups[i].run("/bin/sh", &["-c", &format!("echo {i} > {}/from-{i}", scratch.str())]);
+        let effects = drain_all(&inspector, &format!("many-{i}")).await;
+        let expected = vec![("open", one(scratch.path(&format!("from-{i}"))))];
+        assert_eq!(file_changes_under(&effects, &scratch.0), expected, "{effects:#?}");
+    }
+    // Down to 2 watched (in the list again): the one left last is still recorded.
+    for i in 1..WATCHED - 1 {
+        inspector.unwatch(&format!("many-{i}")).await.unwrap();
+    }
+    let last = WATCHED - 1;
+    cgroups[last].run("/bin/sh", &["-c", &format!("echo again > {}/again", scratch.str())]);
+    let effects = drain_all(&inspector, &format!("many-{last}")).await;
+    assert_eq!(file_changes_under(&effects, &scratch.0), vec![("open", one(scratch.path("again")))], "{effects:#?}");
+}
+
 #[tokio::test]
 async fn nested_cgroups_count_for_the_watched_ancestor() {
     let cgroup = TestCgroup::new("nested");
