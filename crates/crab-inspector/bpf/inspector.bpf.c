@@ -137,10 +137,21 @@ static __always_inline void count_lost(__u64 cgroup_id)
 			__sync_fetch_and_add(n, 1);
 }
 
-/* The levels (bit n: level n below the cgroup v2 root) of the watched
- * cgroups, and LEVELS_UNKNOWN while one is watched whose level the reader
- * could not tell. In a section of its own, which the reader rewrites whole. */
-__u32 watched_levels SEC(".data.levels") = 0;
+/* Which cgroups are watched, for the early exit (see struct watch_filter).
+ * In a section of its own, which the reader rewrites whole. */
+struct watch_filter watch_filter SEC(".data.levels") = {};
+
+/* Whether `id` is one of the first `nr` watched ids of the filter. */
+static __always_inline bool listed(__u64 id, __u32 nr)
+{
+	for (int i = 0; i < WATCHED_IDS; i++) {
+		if (i >= nr)
+			return false;
+		if (*(volatile __u64 *)&watch_filter.ids[i] == id)
+			return true;
+	}
+	return false;
+}
 
 /* The watched cgroup the current task is in or below (0 when none), and its
  * `watched` entry.
@@ -150,10 +161,14 @@ __u32 watched_levels SEC(".data.levels") = 0;
  * cgroups pay. A task is in or below watched cgroup C at level L exactly when
  * its ancestor at level L is C, so only the levels that hold a watched cgroup
  * are looked at (usually one: every sandbox at the same depth), one helper
- * call and one lookup each, deepest first. */
+ * call each, deepest first; the ancestor is compared with the few watched ids
+ * before the hash lookup, which only a watched task (or one among more than
+ * WATCHED_IDS watched cgroups) then pays. A stale list only costs a lookup
+ * that fails: `watched` decides. */
 static __always_inline __u64 current_watch(struct watch **watch)
 {
-	__u32 levels = *(volatile __u32 *)&watched_levels;
+	__u32 levels = *(volatile __u32 *)&watch_filter.levels;
+	__u32 nr = *(volatile __u32 *)&watch_filter.nr_ids;
 	if (levels & LEVELS_UNKNOWN) {
 		/* Every level from the task's own up. */
 		__u64 id = bpf_get_current_cgroup_id();
@@ -173,7 +188,9 @@ static __always_inline __u64 current_watch(struct watch **watch)
 			continue;
 		/* 0: the task's own cgroup is above this level. */
 		__u64 ancestor = bpf_get_current_ancestor_cgroup_id(level);
-		if (ancestor && (*watch = bpf_map_lookup_elem(&watched, &ancestor)))
+		if (!ancestor || (nr <= WATCHED_IDS && !listed(ancestor, nr)))
+			continue;
+		if ((*watch = bpf_map_lookup_elem(&watched, &ancestor)))
 			return ancestor;
 	}
 	*watch = NULL;

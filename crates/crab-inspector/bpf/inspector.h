@@ -22,6 +22,9 @@
 /* Bit of `watched_levels`: some watched cgroup's level is not known (or is
  * MAX_CGROUP_LEVEL or deeper), so every level is looked at. */
 #define LEVELS_UNKNOWN (1U << 31)
+/* Watched cgroup ids the early exit compares with directly, before any hash
+ * lookup (see struct watch_filter). */
+#define WATCHED_IDS 8
 
 enum record_kind {
 	KIND_OPEN = 1, /* arg0: flags, arg1: mode, arg2: inode (as KIND_WRITE) when it is a regular file open for writing */
@@ -85,6 +88,19 @@ struct watch {
 	/* Turn boundary (CLOCK_MONOTONIC ns): the first write of a process to a
 	 * file after it is recorded again. Set by the reader at each drain. */
 	__u64 epoch_ns;
+};
+
+/* What the early exit of every program reads first (the `.data.levels`
+ * section, which the reader rewrites whole at each watch and unwatch). */
+struct watch_filter {
+	/* Bit n: a watched cgroup is at level n below the cgroup v2 root;
+	 * LEVELS_UNKNOWN: one is watched whose level the reader could not tell. */
+	__u32 levels;
+	/* Watched cgroups, all in `ids` while there are at most WATCHED_IDS.
+	 * With more, `ids` is not used: every ancestor at a watched level is
+	 * looked up in `watched`. */
+	__u32 nr_ids;
+	__u64 ids[WATCHED_IDS];
 };
 
 /* What a `written` key counts: writes to one file, or calls of one kind. */
@@ -171,6 +187,7 @@ struct record {
 /* The Rust decoder hard-codes these offsets. */
 _Static_assert(sizeof(struct path_ref) == 16, "path_ref layout");
 _Static_assert(sizeof(struct watch) == 8, "watch layout");
+_Static_assert(sizeof(struct watch_filter) == 8 + 8 * WATCHED_IDS, "watch_filter layout");
 _Static_assert(sizeof(struct write_key) == 16, "write_key layout");
 _Static_assert(sizeof(struct write_seen) == 40, "write_seen layout");
 _Static_assert(sizeof(struct record_header) == 152, "record_header layout");

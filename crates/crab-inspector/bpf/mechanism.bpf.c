@@ -4,12 +4,24 @@
  * process outside every watched cgroup pays, for the benchmark that chooses
  * between them (tests/inspector.rs, tracepoint_mechanism_benchmark). Each
  * program is attached alone:
+ *   tp_other      syscalls:sys_enter_getppid, a call the write loop never
+ *                 makes: what every syscall pays once any syscall
+ *                 tracepoint is on (the slow syscall entry and exit, and the
+ *                 perf probe that finds no program for its call)
  *   tp_empty      syscalls:sys_enter_write, returns at once: the least a
  *                 per-syscall tracepoint costs
+ *   tp_exit_empty syscalls:sys_exit_write, returns at once (with tp_empty:
+ *                 a call hooked at entry and exit)
  *   tp_check      the same, with the inspector's early exit (watched levels,
  *                 one ancestor id, one lookup)
+ *   tp_check_ids  the same, with the ancestor id compared with a short list
+ *                 of watched ids in global data instead of a hash lookup
  *   raw_empty     raw_syscalls:sys_enter as a raw tracepoint, returns at
  *                 once: the least a dispatcher costs, paid by every syscall
+ *   raw_exit_empty raw_syscalls:sys_exit, returns at once
+ *   raw_cgroup    raw_syscalls:sys_enter, the cheapest cgroup early exit
+ *                 (the task's own cgroup id, one hash lookup) for every call
+ *   raw_cgroup_exit the same on raw_syscalls:sys_exit
  *   raw_enter +   one program for every syscall's entry, dispatching on the
  *   raw_exit      syscall id (here: write only) before the early exit, and
  *                 one for every exit that returns unless a record waits
@@ -39,6 +51,8 @@ struct {
 } hooked SEC(".maps");
 
 __u32 watched_levels = 0;
+#define WATCHED_IDS 8
+__u64 watched_ids[WATCHED_IDS] = {};
 __u64 pending_count = 0;
 __u64 hits = 0;
 
@@ -55,8 +69,20 @@ static __always_inline __u64 current_watch(void)
 	return 0;
 }
 
+SEC("tp/syscalls/sys_enter_getppid")
+int tp_other(void *ctx)
+{
+	return 0;
+}
+
 SEC("tp/syscalls/sys_enter_write")
 int tp_empty(void *ctx)
+{
+	return 0;
+}
+
+SEC("tp/syscalls/sys_exit_write")
+int tp_exit_empty(void *ctx)
 {
 	return 0;
 }
@@ -69,10 +95,51 @@ int tp_check(void *ctx)
 	return 0;
 }
 
+SEC("tp/syscalls/sys_enter_write")
+int tp_check_ids(void *ctx)
+{
+	__u32 levels = *(volatile __u32 *)&watched_levels;
+	for (int level = MAX_CGROUP_LEVEL - 1; level >= 0; level--) {
+		if (!(levels & (1U << level)))
+			continue;
+		__u64 ancestor = bpf_get_current_ancestor_cgroup_id(level);
+		for (int i = 0; i < WATCHED_IDS; i++)
+			if (ancestor && watched_ids[i] == ancestor)
+				__sync_fetch_and_add(&hits, 1);
+	}
+	return 0;
+}
+
 SEC("raw_tp/sys_enter")
 int raw_empty(void *ctx)
 {
 	return 0;
+}
+
+SEC("raw_tp/sys_exit")
+int raw_exit_empty(void *ctx)
+{
+	return 0;
+}
+
+static __always_inline int own_cgroup_watched(void)
+{
+	__u64 id = bpf_get_current_cgroup_id();
+	if (bpf_map_lookup_elem(&watched, &id))
+		__sync_fetch_and_add(&hits, 1);
+	return 0;
+}
+
+SEC("raw_tp/sys_enter")
+int raw_cgroup(void *ctx)
+{
+	return own_cgroup_watched();
+}
+
+SEC("raw_tp/sys_exit")
+int raw_cgroup_exit(void *ctx)
+{
+	return own_cgroup_watched();
 }
 
 SEC("raw_tp/sys_enter")

@@ -11,10 +11,11 @@ use crate::record::{
     EXTRA_LEN, HEADER_LEN, OFF_ARG, OFF_CGROUP, OFF_COMM, OFF_EXTRA, OFF_KIND, OFF_PATH, OFF_PID, OFF_RET, OFF_TID,
     OFF_TS, PATH_REF_FLAGS, PATH_REF_LEN,
 };
-use crate::skel::types::{path_ref, record_header, write_key, write_seen};
+use crate::skel::types::{path_ref, record_header, watch_filter, write_key, write_seen};
 use crate::writes::{
     WK_CHANNEL, WK_INODE, WK_PID, WRITE_KEY_LEN, WRITE_SEEN_LEN, WS_CGROUP, WS_LAST, WS_RECORDED, WS_START, WS_UNTIMED,
 };
+use crate::{WATCH_FILTER_LEN, WATCHED_IDS, WF_IDS, WF_LEVELS, WF_NR_IDS};
 
 const _: () = {
     assert!(size_of::<record_header>() == HEADER_LEN);
@@ -41,6 +42,12 @@ const _: () = {
     assert!(offset_of!(write_key, inode) == WK_INODE);
     assert!(offset_of!(write_key, pid) == WK_PID);
     assert!(offset_of!(write_key, channel) == WK_CHANNEL);
+
+    assert!(size_of::<watch_filter>() == WATCH_FILTER_LEN);
+    assert!(offset_of!(watch_filter, levels) == WF_LEVELS);
+    assert!(offset_of!(watch_filter, nr_ids) == WF_NR_IDS);
+    assert!(offset_of!(watch_filter, ids) == WF_IDS);
+    assert!(size_of::<[u64; WATCHED_IDS]>() == size_of::<watch_filter>() - WF_IDS);
 
     assert!(size_of::<write_seen>() == WRITE_SEEN_LEN);
     assert!(offset_of!(write_seen, recorded_ns) == WS_RECORDED);

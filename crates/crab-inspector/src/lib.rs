@@ -195,7 +195,7 @@ pub fn monotonic_now_ns() -> u64 {
 
 struct ContainerLog {
     container: WatchedContainer,
-    /// The watched cgroup's level below the cgroup v2 root, when known (see `watched_levels`).
+    /// The watched cgroup's level below the cgroup v2 root, when known (see `watch_filter`).
     level: Option<u32>,
     effects: EffectBuffer,
     /// Overflow of effects already taken (`take_effects_until`) that no
@@ -312,12 +312,36 @@ enum Command {
     Detach(Duration),
 }
 
-/// Bit of the `watched_levels` global: some watched cgroup's level is unknown (inspector.h).
+/// Bit of `watch_filter.levels`: some watched cgroup's level is unknown (inspector.h).
 const LEVELS_UNKNOWN: u32 = 1 << 31;
 /// Levels the BPF side can look at one by one (MAX_CGROUP_LEVEL in inspector.h).
 const MAX_CGROUP_LEVEL: u32 = 16;
+/// Watched ids the early exit compares with before a hash lookup (WATCHED_IDS in inspector.h).
+pub(crate) const WATCHED_IDS: usize = 8;
+/// Byte offsets in `struct watch_filter` (checked against the skeleton's type in layout.rs).
+pub(crate) const WF_LEVELS: usize = 0;
+pub(crate) const WF_NR_IDS: usize = 4;
+pub(crate) const WF_IDS: usize = 8;
+pub(crate) const WATCH_FILTER_LEN: usize = WF_IDS + 8 * WATCHED_IDS;
 
-/// The `watched_levels` value for cgroups at `levels` (None: unknown).
+/// The `struct watch_filter` (the whole `.data.levels` section) for the watched cgroups
+/// `watched`, each with its level when known.
+fn watch_filter(watched: &[(u64, Option<u32>)]) -> [u8; WATCH_FILTER_LEN] {
+    let mut filter = [0u8; WATCH_FILTER_LEN];
+    let levels = levels_mask(watched.iter().map(|(_, level)| *level));
+    filter[WF_LEVELS..WF_LEVELS + 4].copy_from_slice(&levels.to_ne_bytes());
+    // More than fit: the count alone says so, and the BPF side looks every ancestor up.
+    let nr = u32::try_from(watched.len()).unwrap_or(u32::MAX);
+    filter[WF_NR_IDS..WF_NR_IDS + 4].copy_from_slice(&nr.to_ne_bytes());
+    if watched.len() <= WATCHED_IDS {
+        for (i, (id, _)) in watched.iter().enumerate() {
+            filter[WF_IDS + 8 * i..WF_IDS + 8 * (i + 1)].copy_from_slice(&id.to_ne_bytes());
+        }
+    }
+    filter
+}
+
+/// The `watch_filter.levels` value for cgroups at `levels` (None: unknown).
 fn levels_mask(levels: impl IntoIterator<Item = Option<u32>>) -> u32 {
     levels.into_iter().fold(0, |mask, level| match level {
         Some(level) if level < MAX_CGROUP_LEVEL => mask | (1 << level),
@@ -329,7 +353,7 @@ fn levels_mask(levels: impl IntoIterator<Item = Option<u32>>) -> u32 {
 pub struct Inspector {
     logs: Arc<Logs>,
     watched: MapHandle,
-    /// The `.data.levels` section: the `watched_levels` global.
+    /// The `.data.levels` section: the `watch_filter` global.
     levels: MapHandle,
     /// Whether the programs are attached; held across a watch or unwatch so
     /// that attaching and detaching follow the watches in order.
@@ -454,11 +478,11 @@ impl Inspector {
         Ok(())
     }
 
-    /// Writes the levels of the watched cgroups into `watched_levels`.
+    /// Writes the watched cgroups and their levels into `watch_filter`.
     fn set_levels(&self) -> Result<(), InspectorError> {
-        let mask = levels_mask(self.logs.lock().values().map(|log| log.level));
+        let watched: Vec<(u64, Option<u32>)> = self.logs.lock().iter().map(|(id, log)| (*id, log.level)).collect();
         self.levels
-            .update(&0u32.to_ne_bytes(), &mask.to_ne_bytes(), MapFlags::ANY)
+            .update(&0u32.to_ne_bytes(), &watch_filter(&watched), MapFlags::ANY)
             .map_err(|source| InspectorError::Map { map: ".data.levels", source })
     }
 
@@ -1020,4 +1044,33 @@ fn drain_eventfd(fd: &OwnedFd) {
     let mut buf = [0u8; 8];
     // SAFETY: reads at most 8 bytes into a live buffer; EAGAIN is fine.
     unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field(filter: &[u8], at: usize, len: usize) -> u64 {
+        let mut bytes = [0u8; 8];
+        bytes[..len].copy_from_slice(&filter[at..at + len]);
+        u64::from_ne_bytes(bytes)
+    }
+
+    #[test]
+    fn watch_filter_lists_the_watched_ids_while_they_fit() {
+        let filter = watch_filter(&[(7, Some(2)), (9, Some(3))]);
+        assert_eq!(field(&filter, WF_LEVELS, 4), (1 << 2) | (1 << 3));
+        assert_eq!(field(&filter, WF_NR_IDS, 4), 2);
+        assert_eq!((field(&filter, WF_IDS, 8), field(&filter, WF_IDS + 8, 8)), (7, 9));
+        assert_eq!(field(&filter, WF_IDS + 16, 8), 0);
+    }
+
+    #[test]
+    fn watch_filter_with_more_ids_than_fit_says_so_by_its_count() {
+        let many: Vec<(u64, Option<u32>)> = (1..=WATCHED_IDS as u64 + 1).map(|id| (id, None)).collect();
+        let filter = watch_filter(&many);
+        assert_eq!(field(&filter, WF_LEVELS, 4), u64::from(LEVELS_UNKNOWN));
+        assert_eq!(field(&filter, WF_NR_IDS, 4), WATCHED_IDS as u64 + 1);
+        assert!(filter[WF_IDS..].iter().all(|b| *b == 0));
+    }
 }

@@ -305,6 +305,35 @@ async fn processes_outside_the_cgroup_are_not_recorded() {
     assert_eq!(file_changes_under(&effects, &scratch.0), vec![("open", one(scratch.path("inside")))], "{effects:#?}");
 }
 
+/// The early exit compares a task's ancestors with a short list of watched ids (8) before any
+/// lookup: with more sandboxes watched than the list holds, the last one watched and one watched
+/// first are still recorded, and so is a sandbox when others leave and the list shrinks again.
+#[tokio::test]
+async fn every_watched_cgroup_is_recorded_past_the_id_list() {
+    const WATCHED: usize = 10;
+    let cgroups: Vec<TestCgroup> = (0..WATCHED).map(|i| TestCgroup::new(&format!("many-{i}"))).collect();
+    let scratch = Scratch::new("many");
+    let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
+    for (i, cgroup) in cgroups.iter().enumerate() {
+        let container = WatchedContainer { id: format!("many-{i}"), root_pid: None, rootfs: None };
+        inspector.watch(cgroup.id, container).await.unwrap();
+    }
+    for i in [0, WATCHED - 1] {
+        cgroups[i].run("/bin/sh", &["-c", &format!("echo {i} > {}/from-{i}", scratch.str())]);
+        let effects = drain_all(&inspector, &format!("many-{i}")).await;
+        let expected = vec![("open", one(scratch.path(&format!("from-{i}"))))];
+        assert_eq!(file_changes_under(&effects, &scratch.0), expected, "{effects:#?}");
+    }
+    // Down to 2 watched (in the list again): the one left last is still recorded.
+    for i in 1..WATCHED - 1 {
+        inspector.unwatch(&format!("many-{i}")).await.unwrap();
+    }
+    let last = WATCHED - 1;
+    cgroups[last].run("/bin/sh", &["-c", &format!("echo again > {}/again", scratch.str())]);
+    let effects = drain_all(&inspector, &format!("many-{last}")).await;
+    assert_eq!(file_changes_under(&effects, &scratch.0), vec![("open", one(scratch.path("again")))], "{effects:#?}");
+}
+
 #[tokio::test]
 async fn nested_cgroups_count_for_the_watched_ancestor() {
     let cgroup = TestCgroup::new("nested");
@@ -1532,7 +1561,7 @@ mod mechanism {
 async fn tracepoint_mechanism_benchmark() {
     use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
     use libbpf_rs::{Link, MapCore, MapFlags};
-    const ROUNDS: usize = 7;
+    const ROUNDS: usize = 9;
     const WRITES: u64 = 1_000_000;
     const WRITE_NR: u32 = 1;
     let elsewhere = TestCgroup::new("mechanism");
@@ -1541,39 +1570,59 @@ async fn tracepoint_mechanism_benchmark() {
     let mut skel = open.load().unwrap();
     let level = crab_inspector::cgroup_level(elsewhere.id, None).expect("the test cgroup's level");
     skel.maps.bss_data.as_deref_mut().unwrap().watched_levels = 1 << level;
+    skel.maps.bss_data.as_deref_mut().unwrap().watched_ids[0] = elsewhere.id;
     skel.maps.watched.update(&elsewhere.id.to_ne_bytes(), &0u64.to_ne_bytes(), MapFlags::ANY).unwrap();
     skel.maps.hooked.update(&WRITE_NR.to_ne_bytes(), &1u32.to_ne_bytes(), MapFlags::ANY).unwrap();
 
-    let designs: [(&str, &[&str]); 5] = [
+    let designs: [(&str, &[&str]); 10] = [
         ("nothing attached", &[]),
+        ("tracepoint sys_enter_getppid (not called)", &["tp_other"]),
         ("tracepoint sys_enter_write, empty", &["tp_empty"]),
+        ("tracepoint sys_enter+exit_write, empty", &["tp_empty", "tp_exit_empty"]),
         ("tracepoint sys_enter_write, early exit", &["tp_check"]),
+        ("tracepoint sys_enter_write, exit by id list", &["tp_check_ids"]),
         ("raw_tp sys_enter, empty", &["raw_empty"]),
+        ("raw_tp sys_enter+sys_exit, empty", &["raw_empty", "raw_exit_empty"]),
+        ("raw_tp sys_enter+sys_exit, cgroup lookup", &["raw_cgroup", "raw_cgroup_exit"]),
         ("raw_tp sys_enter+sys_exit dispatcher", &["raw_enter", "raw_exit"]),
     ];
+    // The last design is the inspector itself, loaded and watching `elsewhere` (its
+    // programs attach on the watch and go when it is dropped).
+    const INSPECTOR: usize = 10;
+    let names = designs.iter().map(|(name, _)| *name).chain(["the inspector (all its programs)"]);
+    let names: Vec<&str> = names.collect();
     let script = format!("dd if=/dev/zero of=/dev/null bs=512 count={WRITES} status=none");
-    let mut samples: Vec<Vec<Timing>> = vec![Vec::new(); designs.len()];
+    let mut samples: Vec<Vec<Timing>> = vec![Vec::new(); names.len()];
     for round in 0..ROUNDS {
-        for i in 0..designs.len() {
-            let index = (round + i) % designs.len();
-            let links: Vec<Link> = skel
-                .object_mut()
-                .progs_mut()
-                .filter(|p| designs[index].1.contains(&p.name().to_str().unwrap()))
-                .map(|p| p.attach().unwrap())
-                .collect();
+        for i in 0..names.len() {
+            let index = (round + i) % names.len();
+            let mut inspector = None;
+            let links: Vec<Link> = if index == INSPECTOR {
+                let started = Inspector::start(InspectorConfig::default()).await.unwrap();
+                let container = WatchedContainer { id: "elsewhere".into(), root_pid: None, rootfs: None };
+                started.watch(elsewhere.id, container).await.unwrap();
+                inspector = Some(started);
+                Vec::new()
+            } else {
+                skel.object_mut()
+                    .progs_mut()
+                    .filter(|p| designs[index].1.contains(&p.name().to_str().unwrap()))
+                    .map(|p| p.attach().unwrap())
+                    .collect()
+            };
             let (start, cpu_start) = (Instant::now(), children_cpu());
             let status = Command::new("/bin/sh").args(["-c", &script]).status().unwrap();
             assert!(status.success());
             samples[index].push(Timing { wall: start.elapsed(), cpu: children_cpu() - cpu_start });
             drop(links);
+            drop(inspector);
         }
     }
     let median_cpu = |s: &[Timing]| median(s.iter().map(|t| t.cpu).collect()).as_secs_f64();
     let median_wall = |s: &[Timing]| median(s.iter().map(|t| t.wall).collect()).as_secs_f64();
     let (base_cpu, base_wall) = (median_cpu(&samples[0]), median_wall(&samples[0]));
     println!("{WRITES} writes of 512 B to /dev/null (dd: as many reads), medians of {ROUNDS}, unwatched process");
-    for ((name, _), s) in designs.iter().zip(&samples) {
+    for (name, s) in names.iter().zip(&samples) {
         let (cpu, wall) = (median_cpu(s), median_wall(s));
         println!(
             "  {name:<40} {wall:>6.3} s wall {cpu:>6.3} s cpu  ratio {:.3} wall {:.3} cpu  {:>+5.0} ns/write",
