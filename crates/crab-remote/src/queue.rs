@@ -88,9 +88,12 @@ impl PushQueue {
     /// two from packing and uploading the same turns at once; the lock goes with the handle.
     pub fn try_lock(&self, namespace: &str, sandbox: &str) -> Result<Option<std::fs::File>> {
         let path = self.dir.join(format!(".{}@{}.lock", path_component(namespace), path_component(sandbox)));
-        let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(
-            |source| RemoteError::Io { path: path.clone(), what: "open", source },
-        )?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|source| RemoteError::Io { path: path.clone(), what: "open", source })?;
         match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
             Ok(()) => Ok(Some(file)),
             Err(rustix::io::Errno::WOULDBLOCK) => Ok(None),
