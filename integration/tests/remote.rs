@@ -382,7 +382,6 @@ fn pushed_turns(state: &Path, namespace: &str, id: &str) -> Vec<(u64, u64)> {
 /// it is back they are pushed. A second sandbox doing the same work sends a fraction of the
 /// first's bytes (the packs its files share are mounted from the first's repository).
 #[test]
-#[ignore = "auto-push ([remote] auto_push) is not yet tested end to end"]
 fn checkpointed_turns_leave_the_node_by_themselves_and_resume_when_the_registry_returns() {
     let registry = Registry::start();
     let base = crab_config::Config::load(None).expect("the environment's crab config ($CRAB_CONFIG)");
@@ -501,4 +500,163 @@ fn checkpointed_turns_leave_the_node_by_themselves_and_resume_when_the_registry_
     }
     let _ = std::fs::remove_dir_all(&scratch);
     let _ = std::fs::remove_dir_all(&config.checkpoint.kept_images_dir);
+}
+
+/// Node B as in the first test: a second containerd, runc root, store, kept images and crabd
+/// socket, its config under `scratch`.
+fn node_b(base: &crab_config::Config, ctrd_dir: &str, namespace: &str, scratch: &Path) -> (Node, NodeB) {
+    let b_dir = format!("{ctrd_dir}-b");
+    let mut b_config = base.clone();
+    b_config.runtime.root = PathBuf::from(format!("{b_dir}/runc"));
+    b_config.checkpoint.state_dir = scratch.join("b-store");
+    b_config.checkpoint.kept_images_dir = PathBuf::from(format!("{b_dir}/kept-images"));
+    b_config.node.socket = PathBuf::from(format!("{b_dir}/crabd/crabd.sock"));
+    b_config.remote = crab_config::RemoteConfig { plain_http: true, ..Default::default() };
+    let b = Node {
+        name: "B",
+        socket: format!("{b_dir}/containerd.sock"),
+        namespace: namespace.to_owned(),
+        config: scratch.join("b.toml"),
+        state: b_config.checkpoint.state_dir.clone(),
+    };
+    write_config(&b.config, &b_config);
+    let started = NodeB::start(vec![
+        ("CRAB_CTRD_DIR".into(), b_dir.clone()),
+        ("CRAB_CTRD_ROOT".into(), format!("{}-b", env_or("CRAB_CTRD_ROOT", "/var/lib/crab-dev/containerd"))),
+        ("CRAB_CTRD_SOCK".into(), b.socket.clone()),
+        ("CRAB_CONFIG".into(), b.config.display().to_string()),
+        ("CRAB_NS".into(), namespace.to_owned()),
+        ("CONTAINERD_ADDRESS".into(), b.socket.clone()),
+        ("CONTAINERD_NAMESPACE".into(), namespace.to_owned()),
+    ]);
+    (b, started)
+}
+
+/// Spot drain: three sandboxes on node A (in a namespace of their own, so the drain sees only
+/// them), `crabctl drain` pushes each one's turns, most outstanding first, and prints per
+/// sandbox the turn off the node and the command that restores it; node A is then gone and
+/// node B restores one of them with that command: its files and a process's memory. Before
+/// that, what must fail clearly: an unknown sandbox, the registry down, a deadline that
+/// leaves no time; each leaves the local chains as they were.
+#[test]
+fn a_drained_node_s_sandboxes_recover_on_node_b_with_the_printed_command() {
+    let registry = Registry::start();
+    let base = crab_config::Config::load(None).expect("the environment's crab config ($CRAB_CONFIG)");
+    let ctrd_dir = env_or("CRAB_CTRD_DIR", "/run/crab-dev");
+    let namespace = format!("{}-drain", env_or("CRAB_NS", "crab"));
+    let scratch = PathBuf::from(format!("{}-remote-drain-test", base.checkpoint.state_dir.display()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let mut a_config = base.clone();
+    a_config.checkpoint.state_dir = scratch.join("a-store");
+    a_config.checkpoint.kept_images_dir = PathBuf::from(format!("{ctrd_dir}/remote-drain-test-a-kept"));
+    a_config.remote = crab_config::RemoteConfig { prefix: registry.prefix(), plain_http: true, ..Default::default() };
+    let a = Node {
+        name: "A",
+        socket: env_or("CRAB_CTRD_SOCK", "/run/crab-dev/containerd.sock"),
+        namespace: namespace.clone(),
+        config: scratch.join("a.toml"),
+        state: a_config.checkpoint.state_dir.clone(),
+    };
+    write_config(&a.config, &a_config);
+    let (b, _node_b) = node_b(&base, &ctrd_dir, &namespace, &scratch);
+    // The namespace's image on A (node B imported it when it started).
+    let out = NodeB::script(&[("CRAB_NS".into(), namespace.clone())], &["scripts/build-images", "busybox"]);
+    assert!(out.status.success(), "importing busybox into node A's namespace {namespace}: {}", text(&out));
+
+    // The namespace is this test's: what an earlier run left there goes.
+    for node in [&a, &b] {
+        for id in node.ctr_ok(&["containers", "ls", "-q"]).lines().filter(|l| !l.trim().is_empty()) {
+            node.remove(id.trim());
+        }
+    }
+    let pid = std::process::id();
+    let (two, one, proc_) = (format!("drain-two-{pid}"), format!("drain-one-{pid}"), format!("drain-proc-{pid}"));
+    let cfg = a.config.display().to_string();
+    for id in [&two, &one, &proc_] {
+        a.remove(id);
+        b.remove(id);
+        a.ctr_ok(&[
+            "run",
+            "-d",
+            "--runtime",
+            "io.containerd.crab.v2",
+            "--runtime-config-path",
+            &cfg,
+            IMAGE,
+            id,
+            "sleep",
+            "3600",
+        ]);
+    }
+    a.exec(&two, "mkdir -p /data && echo one > /data/a");
+    a.exec(&two, "echo two > /data/b");
+    a.exec(&one, "mkdir -p /data && echo only > /data/a");
+    a.exec(&proc_, "mkdir -p /data && (s=secret-$$; i=0; while :; do i=$((i+1)); echo \"$s $i\" > /data/c.tmp && mv /data/c.tmp /data/counter; sleep 0.1; done) >/dev/null 2>&1 &");
+    for (id, turns) in [(&two, 2), (&one, 1), (&proc_, 1)] {
+        wait_for("the sandboxes' checkpoints on A", Duration::from_secs(60), || {
+            let out = a.crabctl(&["checkpoints", id, "--json"]);
+            out.status.success()
+                && serde_json::from_slice::<serde_json::Value>(&out.stdout)
+                    .is_ok_and(|v| v.as_array().unwrap().iter().any(|c| c["turn"] == turns))
+        });
+    }
+    let chains_before: Vec<_> = [&two, &one, &proc_].iter().map(|id| a.crabctl_json(&["checkpoints", id])).collect();
+
+    // An unknown sandbox: named in the error.
+    let out = a.crabctl(&["migrate", &format!("no-such-{pid}")]);
+    assert!(!out.status.success() && text(&out).contains(&format!("no sandbox \"no-such-{pid}\"")), "{}", text(&out));
+    // The registry down: every sandbox's row says why, naming its reference; nothing is off
+    // the node, nothing local is lost.
+    registry.run("stop");
+    let out = a.crabctl(&["drain", "--deadline", "60s"]);
+    assert!(!out.status.success(), "{}", text(&out));
+    for id in [&two, &one, &proc_] {
+        let reference = format!("{}/{namespace}/{id}", registry.prefix());
+        assert!(text(&out).contains(&format!("{id}: NOT off the node")), "{}", text(&out));
+        assert!(text(&out).contains(&reference) && text(&out).contains("cannot be reached"), "{}", text(&out));
+    }
+    // A deadline that leaves no time: said per sandbox.
+    registry.run("start");
+    let out = a.crabctl(&["drain", "--deadline", "1ms"]);
+    assert!(!out.status.success() && text(&out).contains("the deadline passed"), "{}", text(&out));
+    let chains_after: Vec<_> = [&two, &one, &proc_].iter().map(|id| a.crabctl_json(&["checkpoints", id])).collect();
+    assert_eq!(chains_before, chains_after, "the failed drains changed no local chain");
+
+    // The drain: most outstanding turns first, each sandbox's newest turn off the node.
+    let clock = Instant::now();
+    let drained = a.crabctl_json(&["drain", "--deadline", "90s"]);
+    let took = clock.elapsed();
+    let rows = drained["sandboxes"].as_array().unwrap();
+    let order: Vec<&str> = rows.iter().map(|r| r["container"].as_str().unwrap()).collect();
+    assert_eq!(order.len(), 3, "{drained:#}");
+    assert_eq!(order[0], two, "the sandbox with two turns outstanding goes first: {drained:#}");
+    for row in rows {
+        assert!(row["error"].is_null(), "{drained:#}");
+        assert_eq!(row["safe_turn"], row["newest_turn"], "{drained:#}");
+    }
+    println!("drain: 3 sandboxes in {:.0} ms, {} bytes pushed", took.as_secs_f64() * 1e3, drained["bytes_uploaded"]);
+    // Migrating one again pushes nothing new and prints the same restore line.
+    let again = a.crabctl_json(&["migrate", &proc_]);
+    assert_eq!((again["turns_pushed"].as_array().unwrap().len(), again["bytes_uploaded"].as_u64()), (0, Some(0)));
+    let row = rows.iter().find(|r| r["container"] == proc_.as_str()).unwrap();
+    assert_eq!(again["restore_command"], row["restore_command"]);
+
+    // Node A is gone; B restores the process sandbox with the printed command.
+    let before = counter(&a.exec(&proc_, "cat /data/counter")).0;
+    for id in [&two, &one, &proc_] {
+        a.remove(id);
+    }
+    std::fs::remove_dir_all(&a.state).unwrap();
+    let _ = std::fs::remove_dir_all(&a_config.checkpoint.kept_images_dir);
+    let command: Vec<String> = row["restore_command"].as_str().unwrap().split_whitespace().map(str::to_owned).collect();
+    assert_eq!(command[..2], ["crabctl".to_owned(), "recover".to_owned()], "{command:?}");
+    let args: Vec<&str> = command[1..].iter().map(String::as_str).collect();
+    let out = b.crabctl(&args);
+    assert!(out.status.success(), "{}", text(&out));
+    let (secret, count) = counter(&b.exec(&proc_, "sleep 0.5; cat /data/counter"));
+    assert_eq!(secret, before, "the shell's memory came back on B");
+    assert!(count > 1, "the counter runs on B");
+
+    b.remove(&proc_);
+    let _ = std::fs::remove_dir_all(&scratch);
 }

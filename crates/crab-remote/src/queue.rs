@@ -83,6 +83,24 @@ impl PushQueue {
         Ok(PushQueue { dir: dir.to_owned() })
     }
 
+    /// Takes the per-sandbox push lock without waiting (None: another process, a shim's
+    /// pusher or a `crabctl push`/`migrate`, holds it). One pusher per sandbox at a time keeps
+    /// two from packing and uploading the same turns at once; the lock goes with the handle.
+    pub fn try_lock(&self, namespace: &str, sandbox: &str) -> Result<Option<std::fs::File>> {
+        let path = self.dir.join(format!(".{}@{}.lock", path_component(namespace), path_component(sandbox)));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|source| RemoteError::Io { path: path.clone(), what: "open", source })?;
+        match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => Ok(Some(file)),
+            Err(rustix::io::Errno::WOULDBLOCK) => Ok(None),
+            Err(e) => Err(RemoteError::Io { path, what: "lock", source: e.into() }),
+        }
+    }
+
     /// Queues a turn's push (again: a turn already queued keeps its entry and history).
     pub fn enqueue(&self, namespace: &str, sandbox: &str, turn: u64) -> Result<QueuedPush> {
         let item = QueuedPush {

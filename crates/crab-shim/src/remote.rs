@@ -13,7 +13,6 @@
 //! - Failures: the entry stays with a backoff (crab-remote's queue); the next pass retries.
 
 use std::collections::HashMap;
-use std::os::fd::AsRawFd as _;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -96,18 +95,15 @@ impl RemotePusher {
     async fn pass(&self) {
         let sandboxes: Vec<SandboxKey> = self.sandboxes.lock().expect("pusher poisoned").values().cloned().collect();
         for key in sandboxes {
-            let lock_path = remote_dir(&self.state_dir).join("queue").join(format!(
-                ".{}@{}.lock",
-                crab_remote::artifact::path_component(key.namespace()),
-                crab_remote::artifact::path_component(&key.name())
-            ));
-            let Ok(lock) = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&lock_path) else {
-                continue;
+            let _lock = match self.queue.try_lock(key.namespace(), &key.name()) {
+                Ok(Some(lock)) => lock,
+                // Another pusher of this sandbox (a shim on its way out, a crabctl push).
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::warn!(sandbox = %key, error = %e, "push lock not taken; trying later");
+                    continue;
+                }
             };
-            // SAFETY: flock on a descriptor this function owns for the whole call.
-            if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-                continue;
-            }
             let sandbox = ChainSandbox {
                 namespace: key.namespace().to_owned(),
                 sandbox: key.name(),
@@ -149,7 +145,6 @@ impl RemotePusher {
                 Ok(_) => {}
                 Err(e) => tracing::warn!(sandbox = %key, error = %e, "push to the registry failed; it stays queued"),
             }
-            drop(lock);
         }
     }
 }

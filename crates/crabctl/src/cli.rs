@@ -124,6 +124,33 @@ pub enum CheckpointCommand {
         #[command(flatten)]
         common: Common,
     },
+    /// Moves a sandbox off this node: ends its open turn (the final checkpoint), pushes every
+    /// turn the registry lacks, and prints the `crabctl recover --from` line that restores it on
+    /// another node. The sandbox keeps running here; nothing local is removed.
+    Migrate {
+        container: String,
+        /// Registry prefix (`<registry>/<path>`); default: `[remote] prefix` of crab.toml.
+        #[arg(long)]
+        to: Option<String>,
+        /// Give up (saying what is not off the node) after this long: 90s, 2m, 1500ms.
+        #[arg(long, default_value = "90s")]
+        deadline: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Spot drain: `migrate` for every crab sandbox containerd has in the namespace, most
+    /// turns not yet off the node first, all within the deadline; prints per sandbox the turn
+    /// safely off the node or why not. Exits non-zero unless every sandbox's newest turn is.
+    Drain {
+        /// The whole drain's bound: 90s, 2m, 1500ms.
+        #[arg(long, default_value = "90s")]
+        deadline: String,
+        /// Registry prefix; default: `[remote] prefix` of crab.toml.
+        #[arg(long)]
+        to: Option<String>,
+        #[command(flatten)]
+        common: Common,
+    },
     /// Puts a sandbox back to turn N, in place.
     Rollback {
         container: String,
@@ -184,6 +211,8 @@ impl CheckpointCommand {
             | Self::Gc { common, .. }
             | Self::Recover { common, .. }
             | Self::Push { common, .. }
+            | Self::Migrate { common, .. }
+            | Self::Drain { common, .. }
             | Self::Rollback { common, .. }
             | Self::Turn { common, .. }
             | Self::Fork { common, .. } => common,
@@ -366,6 +395,31 @@ impl CheckpointCommand {
                     );
                     out
                 });
+            }
+            Self::Migrate { container, to, deadline, .. } => {
+                let end = std::time::Instant::now() + crate::remote::parse_deadline(deadline)?;
+                let r = ctl.migrate(container, to.as_deref(), end).await?;
+                print(json, &r, crate::remote::migrate_line);
+            }
+            Self::Drain { deadline, to, .. } => {
+                let r = ctl.drain(to.as_deref(), crate::remote::parse_deadline(deadline)?).await?;
+                print(json, &r, |r| {
+                    let mut out: String = r.sandboxes.iter().map(crate::remote::migrate_line).collect();
+                    out += &format!(
+                        "drained {} sandboxes of namespace {} in {:.0} ms (deadline {:.0} ms), {} bytes sent\n",
+                        r.sandboxes.len(),
+                        r.namespace,
+                        r.elapsed_ms,
+                        r.deadline_ms,
+                        r.bytes_uploaded
+                    );
+                    out
+                });
+                if !r.complete() {
+                    return Err(super::CtlError::Invalid(
+                        "not every sandbox's newest turn is off the node (see above)".into(),
+                    ));
+                }
             }
             Self::Rollback { container, turn, .. } => {
                 let r = ctl.rollback(container, *turn).await?;

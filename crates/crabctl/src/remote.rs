@@ -10,6 +10,8 @@ use crab_remote::chain::{self, ChainSandbox, PushLog};
 use crab_remote::{Credentials, Remote, RemoteIndex};
 use serde::Serialize;
 
+use crab_store::turns::TurnLog;
+
 use crate::{Ctl, CtlError, RestoreReport, Result};
 
 /// `<state_dir>/remote`: what this node knows of the registry (pack indexes, blob records)
@@ -106,8 +108,13 @@ impl Ctl {
 
     /// Pushes every checkpointed turn of `container` the registry lacks.
     pub async fn push(&self, container: &str) -> Result<PushSummary> {
+        self.push_to(container, None).await
+    }
+
+    /// [`Ctl::push`] to the registry prefix `to` (default: the configured one).
+    pub async fn push_to(&self, container: &str, to: Option<&str>) -> Result<PushSummary> {
         let clock = Instant::now();
-        let remote = connect(None)?;
+        let remote = connect(to)?;
         let key = self.key(container)?;
         let image = self.sandbox_info(container, None).await.ok().map(|info| info.image);
         let spec_path = crab_store::saved_spec_path_of(&self.state_dir, &key)?;
@@ -267,4 +274,296 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     file.write_all(bytes).and_then(|()| file.sync_all()).map_err(io)?;
     std::fs::rename(&tmp, path).map_err(io)?;
     std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io)
+}
+
+/// What `crabctl migrate` did for one sandbox (and `crabctl drain` for each).
+#[derive(Debug, Serialize)]
+pub struct MigrateReport {
+    pub container: String,
+    /// The sandbox's newest turn on this node (0: none yet).
+    pub newest_turn: u64,
+    /// The turn the final mark ended (None: no turn was open, or the mark failed: see `notes`).
+    pub final_mark: Option<u64>,
+    /// The newest turn whose state is in the registry: its checkpoint, or a clean turn after
+    /// it (nothing changed since). None: nothing of the sandbox is off the node.
+    pub safe_turn: Option<u64>,
+    /// `<registry>/<repository>:turn-N` of the newest checkpoint in the registry.
+    pub reference: Option<String>,
+    /// The command that restores the sandbox on another node.
+    pub restore_command: Option<String>,
+    pub turns_pushed: Vec<u64>,
+    pub bytes_uploaded: u64,
+    /// Why the newest turn is not the safe one, what was skipped.
+    pub notes: Vec<String>,
+    /// Set when the sandbox is not (entirely) off the node: why.
+    pub error: Option<String>,
+    pub elapsed_ms: f64,
+}
+
+/// What `crabctl drain` did: every crab sandbox of the namespace, highest value first.
+#[derive(Debug, Serialize)]
+pub struct DrainReport {
+    pub namespace: String,
+    pub deadline_ms: f64,
+    pub sandboxes: Vec<MigrateReport>,
+    pub bytes_uploaded: u64,
+    pub elapsed_ms: f64,
+}
+
+impl DrainReport {
+    /// True when every sandbox's newest turn is off the node.
+    pub fn complete(&self) -> bool {
+        self.sandboxes.iter().all(|s| s.error.is_none() && s.safe_turn == Some(s.newest_turn))
+    }
+}
+
+/// How often a wait for a turn to settle or a push lock looks again.
+const POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// `90s`, `2m`, `1500ms`, or plain seconds.
+pub fn parse_deadline(text: &str) -> Result<std::time::Duration> {
+    let text = text.trim();
+    let bad = || CtlError::Invalid(format!("deadline {text:?}: give it as 90s, 2m, 1500ms or seconds"));
+    let (number, scale) = if let Some(n) = text.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = text.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = text.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        (text, 1.0)
+    };
+    let value: f64 = number.trim().parse().map_err(|_| bad())?;
+    if !(value.is_finite() && value > 0.0) {
+        return Err(bad());
+    }
+    Ok(std::time::Duration::from_secs_f64(value * scale))
+}
+
+impl Ctl {
+    /// The crab sandboxes containerd has in this namespace (`ctr containers ls`), with whether
+    /// their task runs (`ctr tasks ls`).
+    async fn crab_sandboxes(&self) -> Result<Vec<(String, bool)>> {
+        let asked = |e: crate::containerd::ctr::CtrError| CtlError::Containerd(e.to_string());
+        let containers = self.ctr.run(&["containers", "ls"]).await.map_err(asked)?.stdout_text();
+        let tasks = self.ctr.run(&["tasks", "ls"]).await.map_err(asked)?.stdout_text();
+        let running: std::collections::HashSet<&str> = tasks
+            .lines()
+            .skip(1)
+            .filter_map(|l| {
+                let cols: Vec<&str> = l.split_whitespace().collect();
+                (cols.len() >= 3 && cols[2] == "RUNNING").then_some(cols[0])
+            })
+            .collect();
+        Ok(containers
+            .lines()
+            .skip(1)
+            .filter_map(|l| {
+                let cols: Vec<&str> = l.split_whitespace().collect();
+                (cols.len() >= 3 && cols[cols.len() - 1] == crate::CRAB_RUNTIME)
+                    .then(|| (cols[0].to_owned(), running.contains(cols[0])))
+            })
+            .collect())
+    }
+
+    /// Turns of `container` not yet off the node: checkpointed turns the push log lacks, plus
+    /// one when its newest turn changed something no checkpoint holds (drain's order).
+    fn outstanding(&self, container: &str) -> u64 {
+        let key = match self.key(container) {
+            Ok(key) => key,
+            Err(_) => return 0,
+        };
+        let pushed = self.pushed_turns(container).ok().flatten().unwrap_or_default();
+        let history = self.store.history(&key).unwrap_or_default();
+        let unpushed = history.iter().filter(|c| !pushed.contains(&c.turn)).count() as u64;
+        let head = history.iter().map(|c| c.turn).max().unwrap_or(0);
+        let uncaptured = self
+            .turns(container)
+            .unwrap_or_default()
+            .iter()
+            .any(|t| t.turn > head && t.class != crab_store::turns::RecordedClass::Clean);
+        unpushed + u64::from(uncaptured)
+    }
+
+    /// `crabctl migrate`: ends the sandbox's open turn (its final checkpoint, through the
+    /// shim's mark), waits for its checkpoint, pushes every turn the registry lacks, and says
+    /// which turn is safely off the node and how to restore it elsewhere. Bounded by
+    /// `deadline`. Nothing local is removed: the sandbox runs on and its store keeps the chain.
+    pub async fn migrate(&self, container: &str, to: Option<&str>, deadline: Instant) -> Result<MigrateReport> {
+        let clock = Instant::now();
+        let key = self.key(container)?;
+        let namespace = self.ctr.namespace().to_owned();
+        let known = self.ctr.run(&["containers", "info", container]).await.is_ok();
+        let log = TurnLog::open(&self.state_dir, &key)?;
+        if !known && self.store.head(&key)?.is_none() {
+            return Err(CtlError::Invalid(format!(
+                "no sandbox {container:?} in namespace {namespace}: containerd ({}) does not know it and {} holds no \
+                 checkpoint of it",
+                self.ctr.socket().display(),
+                self.state_dir.display()
+            )));
+        }
+        // The registry first: a wrong or missing prefix fails before the sandbox is touched.
+        let remote = connect(to)?;
+        let repository = format!("{}/{}", remote.registry(), remote.repository(&namespace, container));
+        let past = |what: &str| {
+            CtlError::Invalid(format!("{container}: the deadline passed {what}; nothing local was removed"))
+        };
+        let mut notes = Vec::new();
+        let mut final_mark = None;
+        if known {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.mark_turn(container)).await {
+                Ok(Ok(mark)) => final_mark = mark.ended.map(|t| t.turn),
+                Ok(Err(e)) => notes.push(format!("no final checkpoint: {e}")),
+                Err(_) => return Err(past("while its final checkpoint was taken")),
+            }
+        }
+        while log.is_busy() {
+            if Instant::now() >= deadline {
+                return Err(past("while a turn in flight was checkpointed"));
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        if self.store.head(&key)?.is_none() {
+            return Err(CtlError::Invalid(format!(
+                "{container}: {} holds no checkpoint of it (its shim writes another store, or its policy is off): \
+                 nothing to push",
+                self.state_dir.display()
+            )));
+        }
+        // One pusher per sandbox: the shim's own (auto_push) finishes its pass first.
+        let queue = crab_remote::PushQueue::open(&remote_dir(&self.state_dir).join("queue"))?;
+        let _lock = loop {
+            if let Some(lock) = queue.try_lock(&namespace, container)? {
+                break lock;
+            }
+            if Instant::now() >= deadline {
+                return Err(past("waiting for the shim's push of it to finish"));
+            }
+            tokio::time::sleep(POLL).await;
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        let pushed = match tokio::time::timeout(left, self.push_to(container, to)).await {
+            Ok(pushed) => pushed?,
+            Err(_) => return Err(past(&format!("while pushing to {repository}"))),
+        };
+        let turns = self.turns(container)?;
+        let newest_turn = turns.last().map_or(0, |t| t.turn);
+        let head = pushed.head_turn;
+        // The clean turns after the head changed nothing: its checkpoint is their state.
+        let mut safe = (head > 0).then_some(head);
+        for t in turns.iter().filter(|t| t.turn > head) {
+            if t.class != crab_store::turns::RecordedClass::Clean {
+                notes.push(format!(
+                    "turn {} ({}) is not in a checkpoint{}",
+                    t.turn,
+                    format!("{:?}", t.class).to_lowercase(),
+                    if t.dump_failures.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {}", t.dump_failures.join("; "))
+                    }
+                ));
+                break;
+            }
+            safe = Some(t.turn);
+        }
+        let reference = (head > 0).then(|| format!("{repository}:turn-{head}"));
+        let restore_command =
+            reference.as_ref().map(|r| format!("crabctl recover {container} --namespace {namespace} --from {r}"));
+        Ok(MigrateReport {
+            container: container.to_owned(),
+            newest_turn,
+            final_mark,
+            safe_turn: safe,
+            reference,
+            restore_command,
+            turns_pushed: pushed.pushed.iter().map(|p| p.turn).collect(),
+            bytes_uploaded: pushed.bytes_uploaded,
+            notes,
+            error: None,
+            elapsed_ms: clock.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    /// `crabctl drain`: [`Ctl::migrate`] for every crab sandbox containerd has in this
+    /// namespace, most outstanding turns first, all within `deadline`. A sandbox that fails
+    /// (or whose turn never came) gets a row saying why and which turn the registry holds.
+    pub async fn drain(&self, to: Option<&str>, deadline: std::time::Duration) -> Result<DrainReport> {
+        let clock = Instant::now();
+        let end = clock + deadline;
+        connect(to)?;
+        let mut order: Vec<(u64, String, bool)> = self
+            .crab_sandboxes()
+            .await?
+            .into_iter()
+            .map(|(id, running)| (self.outstanding(&id), id, running))
+            .collect();
+        // Highest value first: most turns not yet off the node, a running one before a stopped
+        // one (it may hold an uncaptured turn).
+        order.sort_by(|a, b| (b.0, b.2).cmp(&(a.0, a.2)).then_with(|| a.1.cmp(&b.1)));
+        let mut rows = Vec::new();
+        for (_, id, _) in order {
+            let started = Instant::now();
+            let row = if started >= end {
+                Err(CtlError::Invalid(format!("{id}: the deadline passed before its turn came; nothing was pushed")))
+            } else {
+                self.migrate(&id, to, end).await
+            };
+            rows.push(row.unwrap_or_else(|e| {
+                // What the registry holds of it all the same (an earlier push, or part of this one).
+                let pushed = self.pushed_turns(&id).ok().flatten().unwrap_or_default();
+                MigrateReport {
+                    container: id.clone(),
+                    newest_turn: self.turns(&id).ok().and_then(|t| t.last().map(|t| t.turn)).unwrap_or(0),
+                    final_mark: None,
+                    safe_turn: pushed.last().copied(),
+                    reference: None,
+                    restore_command: None,
+                    turns_pushed: Vec::new(),
+                    bytes_uploaded: 0,
+                    notes: Vec::new(),
+                    error: Some(e.to_string()),
+                    elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
+                }
+            }));
+        }
+        Ok(DrainReport {
+            namespace: self.ctr.namespace().to_owned(),
+            deadline_ms: deadline.as_secs_f64() * 1e3,
+            bytes_uploaded: rows.iter().map(|r| r.bytes_uploaded).sum(),
+            sandboxes: rows,
+            elapsed_ms: clock.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+}
+
+/// One line per sandbox: the turn safely off the node and how to restore it, or why not.
+pub fn migrate_line(r: &MigrateReport) -> String {
+    let mut out = match (&r.error, r.safe_turn) {
+        (Some(e), Some(safe)) => {
+            format!(
+                "{}: NOT off the node: {e} (the registry holds up to turn {safe} of {})\n",
+                r.container, r.newest_turn
+            )
+        }
+        (Some(e), None) => format!("{}: NOT off the node: {e} (the registry holds none of it)\n", r.container),
+        (None, Some(safe)) => format!(
+            "{}: turn {safe} of {} is off the node ({} turns pushed, {} bytes) in {:.0} ms\n",
+            r.container,
+            r.newest_turn,
+            r.turns_pushed.len(),
+            r.bytes_uploaded,
+            r.elapsed_ms
+        ),
+        (None, None) => format!("{}: no checkpointed turn to push (newest turn {})\n", r.container, r.newest_turn),
+    };
+    for note in &r.notes {
+        out += &format!("  note: {note}\n");
+    }
+    if let Some(command) = &r.restore_command {
+        out += &format!("  restore elsewhere: {command}\n");
+    }
+    out
 }
