@@ -258,7 +258,10 @@ mod tests {
             with_runtime_binary(base, "crun"),
             "[runtime]\nbinary = \"crun\"\nroot = \"/r\"\n[node]\nbinary = \"x\"\n"
         );
-        assert_eq!(with_runtime_binary("[node]\nspawn = false", "crun"), "[runtime]\nbinary = \"crun\"\n[node]\nspawn = false\n");
+        assert_eq!(
+            with_runtime_binary("[node]\nspawn = false", "crun"),
+            "[runtime]\nbinary = \"crun\"\n[node]\nspawn = false\n"
+        );
         assert_eq!(with_runtime_binary("", "crun"), "[runtime]\nbinary = \"crun\"\n");
     }
 

@@ -250,15 +250,25 @@ mod tests {
         assert!(runc.windows(2).any(|w| w == ["--empty-ns", "network"]), "{runc:?}");
         let err = Dialect::Crun.checkpoint_args("c1", &o).unwrap_err();
         assert_eq!(err.to_string(), "crun checkpoint has no --empty-ns (asked for \"network\")");
-        let launch =
-            LaunchOptions { pid_file: Path::new("/p"), console_socket: None, no_pivot: false, no_new_keyring: false, stdio: ProcessStdio::default() };
+        let launch = LaunchOptions {
+            pid_file: Path::new("/p"),
+            console_socket: None,
+            no_pivot: false,
+            no_new_keyring: false,
+            stdio: ProcessStdio::default(),
+        };
         assert!(Dialect::Crun.restore_args("c1", Path::new("/b"), &o, &launch).is_err());
     }
 
     #[test]
     fn crun_restores_without_no_pivot() {
-        let launch =
-            LaunchOptions { pid_file: Path::new("/p"), console_socket: None, no_pivot: true, no_new_keyring: false, stdio: ProcessStdio::default() };
+        let launch = LaunchOptions {
+            pid_file: Path::new("/p"),
+            console_socket: None,
+            no_pivot: true,
+            no_new_keyring: false,
+            stdio: ProcessStdio::default(),
+        };
         let runc = strings(&Dialect::Runc.restore_args("c1", Path::new("/b"), &opts(), &launch).unwrap());
         let crun = strings(&Dialect::Crun.restore_args("c1", Path::new("/b"), &opts(), &launch).unwrap());
         assert!(runc.contains(&"--no-pivot".to_string()), "{runc:?}");

@@ -68,9 +68,7 @@ impl ShimError {
             ShimError::InvalidArgument(_)
             | ShimError::Config(_)
             | ShimError::Options(_)
-            | ShimError::Runtime(RuntimeError::Unsupported(_)) => {
-                ttrpc::Code::INVALID_ARGUMENT
-            }
+            | ShimError::Runtime(RuntimeError::Unsupported(_)) => ttrpc::Code::INVALID_ARGUMENT,
             ShimError::Runtime(_) | ShimError::Io(_) | ShimError::Os { .. } | ShimError::Other(_) => {
                 ttrpc::Code::UNKNOWN
             }
