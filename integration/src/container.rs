@@ -95,7 +95,8 @@ impl Container {
 
     /// `run --runtime R <flags> IMAGE ID <cmd>`.
     pub fn run_args(&self, flags: &[&str], cmd: &[&str]) -> Vec<String> {
-        let mut args = vec!["run".to_string(), "--runtime".to_string(), self.runtime.name().to_string()];
+        let mut args = vec!["run".to_string()];
+        args.extend(self.runtime.run_flags());
         args.extend(flags.iter().map(|f| f.to_string()));
         args.push(self.image.clone());
         args.push(self.id.clone());

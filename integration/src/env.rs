@@ -14,36 +14,67 @@ pub const DEFAULT_IMAGE: &str = "crab.local/busybox:latest";
 pub const RUNC_RUNTIME: &str = "io.containerd.runc.v2";
 pub const CRAB_RUNTIME: &str = "io.containerd.crab.v2";
 
-/// A containerd runtime name such as `io.containerd.runc.v2`.
+/// Selects the OCI runtime crab's shim drives in every crab run that does not name one
+/// (`crab-crun` does): `crun` runs the crab leg of every test over crun.
+pub const CRAB_BINARY_ENV: &str = "CRAB_TEST_CRAB_BINARY";
+
+/// A containerd runtime name such as `io.containerd.runc.v2`, and for crab the OCI runtime its
+/// shim drives when that is not the configured one (runc).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Runtime {
     name: String,
+    /// `crun`: crab over crun, through a crab config of its own (`--runtime-config-path`).
+    oci_binary: Option<String>,
 }
 
 impl Runtime {
-    /// Accepts the aliases `runc` and `crab` or any full `io.containerd.<name>.<version>` name.
+    /// Accepts the aliases `runc`, `crab` and `crab-crun` (crab over crun) or any full
+    /// `io.containerd.<name>.<version>` name. Crab runs use `$CRAB_TEST_CRAB_BINARY` when set.
     pub fn parse(text: &str) -> Result<Runtime, String> {
+        let crab_binary = std::env::var(CRAB_BINARY_ENV).ok().filter(|b| !b.trim().is_empty());
         let name = match text.trim() {
             "runc" => RUNC_RUNTIME.to_string(),
             "crab" => CRAB_RUNTIME.to_string(),
+            "crab-crun" => return Ok(Runtime { name: CRAB_RUNTIME.to_string(), oci_binary: Some("crun".into()) }),
             full if full.split('.').count() >= 3 && full.chars().all(|c| c.is_ascii_alphanumeric() || c == '.') => {
                 full.to_string()
             }
             other => {
                 return Err(format!(
-                    "unknown runtime {other:?} in CRAB_TEST_RUNTIMES: use runc, crab or a full name such as {RUNC_RUNTIME}"
+                    "unknown runtime {other:?} in CRAB_TEST_RUNTIMES: use runc, crab, crab-crun or a full name such as {RUNC_RUNTIME}"
                 ));
             }
         };
-        Ok(Runtime { name })
+        let oci_binary = if name == CRAB_RUNTIME { crab_binary } else { None };
+        Ok(Runtime { name, oci_binary })
+    }
+
+    /// The OCI runtime binary crab's shim is told to use, when not the configured one.
+    pub fn oci_binary(&self) -> Option<&str> {
+        self.oci_binary.as_deref()
+    }
+
+    /// The `ctr run` flags that select this runtime: `--runtime NAME`, and for crab over another
+    /// OCI runtime `--runtime-config-path` of a crab config that names it.
+    pub fn run_flags(&self) -> Vec<String> {
+        let mut flags = vec!["--runtime".to_string(), self.name.clone()];
+        if let Some(binary) = &self.oci_binary {
+            flags.push("--runtime-config-path".into());
+            flags.push(crab_config_for(binary).display().to_string());
+        }
+        flags
     }
 
     pub fn name(&self) -> &str {
         &self.name
     }
 
-    /// `runc` for `io.containerd.runc.v2`: short enough to go into container ids.
+    /// `runc` for `io.containerd.runc.v2`, the OCI binary's name for crab over another
+    /// (`crun`): short enough to go into container ids.
     pub fn short(&self) -> &str {
+        if let Some(binary) = &self.oci_binary {
+            return binary.rsplit('/').next().unwrap_or(binary);
+        }
         let parts: Vec<&str> = self.name.split('.').collect();
         parts[parts.len() - 2]
     }
@@ -51,8 +82,60 @@ impl Runtime {
 
 impl fmt::Display for Runtime {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.name)
+        match &self.oci_binary {
+            Some(binary) => write!(f, "{} over {binary}", self.name),
+            None => f.write_str(&self.name),
+        }
     }
+}
+
+/// The crab config the shims read (`$CRAB_CONFIG`, else `/etc/crab/crab.toml`, else none)
+/// with `[runtime] binary` set to `binary`, written once per test process under the temp dir.
+pub fn crab_config_for(binary: &str) -> PathBuf {
+    static WRITTEN: OnceLock<std::sync::Mutex<std::collections::HashMap<String, PathBuf>>> = OnceLock::new();
+    let mut written = WRITTEN.get_or_init(Default::default).lock().expect("crab configs lock");
+    if let Some(path) = written.get(binary) {
+        return path.clone();
+    }
+    let base_path = std::env::var_os("CRAB_CONFIG").map(PathBuf::from).unwrap_or_else(|| "/etc/crab/crab.toml".into());
+    let base = std::fs::read_to_string(&base_path).unwrap_or_default();
+    let dir = std::env::temp_dir().join("crab-integration");
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
+    let safe: String = binary.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+    let path = dir.join(format!("crab-over-{safe}-{}.toml", std::process::id()));
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, with_runtime_binary(&base, binary))
+        .and_then(|()| std::fs::rename(&tmp, &path))
+        .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+    written.insert(binary.to_string(), path.clone());
+    path
+}
+
+/// `config` (crab.toml text) with `[runtime] binary = "binary"`, replacing a binary it names.
+fn with_runtime_binary(config: &str, binary: &str) -> String {
+    let line = format!("binary = {binary:?}");
+    let mut out = Vec::new();
+    let mut section = String::new();
+    let mut placed = false;
+    for l in config.lines() {
+        let t = l.trim();
+        if t.starts_with('[') {
+            section = t.to_string();
+        }
+        if section == "[runtime]" && t.split('=').next().map(str::trim) == Some("binary") {
+            continue;
+        }
+        out.push(l.to_string());
+        if t == "[runtime]" && !placed {
+            out.push(line.clone());
+            placed = true;
+        }
+    }
+    if !placed {
+        // Before any other table, so the key cannot land in one.
+        out.insert(0, format!("[runtime]\n{line}"));
+    }
+    out.join("\n") + "\n"
 }
 
 #[derive(Debug)]
@@ -163,6 +246,23 @@ mod tests {
         assert_eq!(Runtime::parse(" crab ").unwrap().name(), CRAB_RUNTIME);
         assert_eq!(Runtime::parse("io.containerd.runsc.v1").unwrap().short(), "runsc");
         assert_eq!(Runtime::parse("crab").unwrap().short(), "crab");
+    }
+
+    #[test]
+    fn crab_over_crun_names_crun_in_its_config() {
+        let crun = Runtime::parse("crab-crun").unwrap();
+        assert_eq!((crun.name(), crun.short(), crun.oci_binary()), (CRAB_RUNTIME, "crun", Some("crun")));
+        assert_eq!(crun.to_string(), "io.containerd.crab.v2 over crun");
+        let base = "[runtime]\nroot = \"/r\"\nbinary = \"runc\"\n[node]\nbinary = \"x\"\n";
+        assert_eq!(
+            with_runtime_binary(base, "crun"),
+            "[runtime]\nbinary = \"crun\"\nroot = \"/r\"\n[node]\nbinary = \"x\"\n"
+        );
+        assert_eq!(
+            with_runtime_binary("[node]\nspawn = false", "crun"),
+            "[runtime]\nbinary = \"crun\"\n[node]\nspawn = false\n"
+        );
+        assert_eq!(with_runtime_binary("", "crun"), "[runtime]\nbinary = \"crun\"\n");
     }
 
     #[test]

@@ -106,8 +106,14 @@ impl Sandbox {
             .join("containerd.log");
         let shim_log_start = std::fs::metadata(&shim_log).map(|m| m.len()).unwrap_or(0);
         let log_uri = format!("file://{}", container.log_path().display());
-        let mut args: Vec<String> =
-            ["run", "-d", "--runtime", CRAB_RUNTIME, "--log-uri", &log_uri].iter().map(|s| s.to_string()).collect();
+        let mut args: Vec<String> = vec!["run".into(), "-d".into()];
+        // A test's own crab config (`--runtime-config-path` in its flags) wins over the leg's.
+        if run_flags.contains(&"--runtime-config-path") {
+            args.extend(["--runtime".to_string(), CRAB_RUNTIME.to_string()]);
+        } else {
+            args.extend(runtime.run_flags());
+        }
+        args.extend(["--log-uri".to_string(), log_uri.clone()]);
         for (key, value) in annotations {
             args.push("--annotation".into());
             args.push(format!("{key}={value}"));

@@ -299,7 +299,12 @@ async fn spawner_refuses_connections_from_inside_the_container() {
     let image = "crab.local/terminal:latest";
     container
         .ctr()
-        .invoke(["run", "-d", "--runtime", runtime.name(), image, container.id(), "sleep", "100000"])
+        .invoke(
+            ["run".to_string(), "-d".to_string()]
+                .into_iter()
+                .chain(runtime.run_flags())
+                .chain([image, container.id(), "sleep", "100000"].map(str::to_string)),
+        )
         .success()
         .await
         .expect("start the terminal image");
@@ -331,8 +336,11 @@ async fn with_the_host_pid_namespace_execs_go_through_the_spawner_and_the_contai
     // The test's own pid namespace is the host's here; /proc/1 may be closed to us (a sandboxed
     // machine's pid 1 is not always ours to inspect), the test process never is.
     let host_pid_ns = format!("pid:/proc/{}/ns/pid", std::process::id());
-    let args = ["run", "-d", "--runtime", runtime.name(), "--with-ns", &host_pid_ns, image, container.id()];
-    container.ctr().invoke(args.into_iter().chain(["sleep", "100000"])).success().await.expect("start");
+    let args = ["run".to_string(), "-d".to_string()]
+        .into_iter()
+        .chain(runtime.run_flags())
+        .chain(["--with-ns", &host_pid_ns, image, container.id(), "sleep", "100000"].map(str::to_string));
+    container.ctr().invoke(args).success().await.expect("start");
     container.wait_status("RUNNING", SHORT).await.expect("running");
     let result = async {
         let pid_ns = container.exec_ok("pid-ns", &["readlink", "/proc/self/ns/pid"]).await?;

@@ -46,7 +46,15 @@ impl Sandbox {
     async fn start_image(name: &str, image: &str, flags: &[&str], state: std::path::PathBuf) -> Sandbox {
         let id = format!("{name}-{}", std::process::id());
         let ctr = Ctr::from_env();
-        let mut args = vec!["run", "-d", "--runtime", "io.containerd.crab.v2"];
+        // crab's runtime, over `$CRAB_TEST_CRAB_BINARY` when set, unless the test brings a
+        // crab config of its own.
+        let leg = crab_integration::env::Runtime::parse("crab").expect("crab runtime").run_flags();
+        let mut args = vec!["run", "-d"];
+        if flags.contains(&"--runtime-config-path") {
+            args.extend_from_slice(&["--runtime", "io.containerd.crab.v2"]);
+        } else {
+            args.extend(leg.iter().map(String::as_str));
+        }
         args.extend_from_slice(flags);
         args.extend_from_slice(&[image, &id, "sleep", "3600"]);
         ctr.run(&args)

@@ -1,5 +1,6 @@
-//! Client for an OCI runtime's command line (runc, or crun which speaks the same
-//! dialect), including the checkpoint and restore verbs.
+//! Client for an OCI runtime's command line (runc, or crun which speaks nearly the
+//! same dialect: [`dialect`] holds every difference), including the checkpoint and
+//! restore verbs.
 //!
 //! Every invocation goes through [`OciRuntime::run`], which spawns the binary
 //! with a plain `std::process::Command` and waits for it through the shim's
@@ -8,6 +9,7 @@
 //! and lose exit statuses.
 
 pub mod criu;
+pub mod dialect;
 pub mod freezer;
 pub mod init;
 mod reaper;
@@ -22,6 +24,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use tokio::io::AsyncReadExt;
 
+pub use dialect::Dialect;
 pub use reaper::{Exit, Reaper};
 
 /// Errors of one runtime invocation.
@@ -34,6 +37,12 @@ pub enum RuntimeError {
     /// The runtime ran and failed; `message` is the last error line of its log.
     #[error("{binary} {verb} failed ({status}): {message}")]
     Failed { binary: String, verb: String, status: i32, message: String },
+    /// The runtime knows no container of this id (runc and crun word it differently).
+    #[error("{binary} {verb}: container {id} does not exist ({message})")]
+    NoContainer { binary: String, verb: String, id: String, message: String },
+    /// A flag this runtime does not have was asked for.
+    #[error(transparent)]
+    Unsupported(#[from] dialect::Unsupported),
     #[error("{binary} {verb}: unreadable output: {detail}")]
     Output { binary: String, verb: String, detail: String },
     /// Past its deadline the invocation was abandoned; `abandoned` says how it ended.
@@ -45,6 +54,11 @@ impl RuntimeError {
     /// An invocation abandoned at its deadline: trying it again at once would hang as long.
     pub fn is_timeout(&self) -> bool {
         matches!(self, RuntimeError::TimedOut { .. })
+    }
+
+    /// The runtime said the container does not exist.
+    pub fn is_no_container(&self) -> bool {
+        matches!(self, RuntimeError::NoContainer { .. })
     }
 }
 
@@ -76,6 +90,7 @@ pub type Result<T> = std::result::Result<T, RuntimeError>;
 #[derive(Debug, Clone)]
 pub struct OciRuntime {
     binary: PathBuf,
+    dialect: Dialect,
     root: PathBuf,
     systemd_cgroup: bool,
     reaper: Reaper,
@@ -144,8 +159,10 @@ pub struct ContainerState {
 
 impl OciRuntime {
     pub fn new(binary: impl Into<PathBuf>, root: impl Into<PathBuf>, systemd_cgroup: bool, reaper: Reaper) -> Self {
+        let binary = binary.into();
         Self {
-            binary: binary.into(),
+            dialect: Dialect::of(&binary),
+            binary,
             root: root.into(),
             systemd_cgroup,
             reaper,
@@ -175,6 +192,10 @@ impl OciRuntime {
 
     pub fn binary(&self) -> &Path {
         &self.binary
+    }
+
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
     }
 
     pub fn root(&self) -> &Path {
@@ -268,27 +289,15 @@ impl OciRuntime {
     }
 
     pub async fn checkpoint(&self, id: &str, opts: &CheckpointOptions) -> Result<()> {
-        let mut args: Vec<OsString> = vec!["checkpoint".into(), "--image-path".into(), opts.image_path.clone().into()];
-        if let Some(work) = &opts.work_path {
-            args.push("--work-path".into());
-            args.push(work.into());
-        }
-        if let Some(parent) = &opts.parent_path {
-            args.push("--parent-path".into());
-            args.push(parent.into());
-        }
-        push_criu_flags(&mut args, opts);
-        if opts.leave_running {
-            args.push("--leave-running".into());
-        }
-        args.push(id.into());
+        let args = self.dialect.checkpoint_args(id, opts)?;
+        let env = self.dialect.state_spec(&self.root, id).and_then(|spec| self.dialect.criu_env(&spec));
         let _exclusive = self.exclusive.lock().await;
         let hooks = self.dump_hooks.lock().expect("dump hooks lock").clone();
         for hook in &hooks {
             hook.before_dump().await;
         }
         let bound = opts.deadline.map(|d| (d.after, ABANDON_GRACE));
-        let mut dumped = self.run_bounded(id, &args, ProcessStdio::default(), bound).await.map(drop);
+        let mut dumped = self.run_bounded(id, &args, ProcessStdio::default(), bound, env).await.map(drop);
         if let (Err(RuntimeError::TimedOut { abandoned, .. }), Some(deadline)) = (&mut dumped, opts.deadline) {
             // Whatever CRIU did before it stopped, the sandbox is left running as it was.
             match tokio::task::spawn_blocking(move || freezer::thaw(deadline.sandbox_pid)).await {
@@ -314,31 +323,10 @@ impl OciRuntime {
         opts: &CheckpointOptions,
         launch: LaunchOptions<'_>,
     ) -> Result<()> {
-        let mut args: Vec<OsString> = vec![
-            "restore".into(),
-            "--detach".into(),
-            "--bundle".into(),
-            bundle.into(),
-            "--image-path".into(),
-            opts.image_path.clone().into(),
-        ];
-        if let Some(work) = &opts.work_path {
-            args.push("--work-path".into());
-            args.push(work.into());
-        }
-        push_criu_flags(&mut args, opts);
-        args.push("--pid-file".into());
-        args.push(launch.pid_file.into());
-        if let Some(socket) = launch.console_socket {
-            args.push("--console-socket".into());
-            args.push(socket.into());
-        }
-        if launch.no_pivot {
-            args.push("--no-pivot".into());
-        }
-        args.push(id.into());
+        let args = self.dialect.restore_args(id, bundle, opts, &launch)?;
+        let env = self.dialect.criu_env(&bundle.join("config.json"));
         let _exclusive = self.exclusive.lock().await;
-        let restored = self.run(id, &args, launch.stdio).await.map(drop);
+        let restored = self.run_bounded(id, &args, launch.stdio, None, env).await.map(drop);
         restored.map_err(|e| {
             self.with_criu_error(id, e, opts.work_path.as_deref().unwrap_or(&opts.image_path).join("restore.log"))
         })
@@ -373,7 +361,7 @@ impl OciRuntime {
 
     /// Runs one runtime verb and returns its stdout.
     async fn run(&self, id: &str, args: &[OsString], stdio: ProcessStdio) -> Result<Vec<u8>> {
-        self.run_bounded(id, args, stdio, None).await
+        self.run_bounded(id, args, stdio, None, None).await
     }
 
     /// [`run`](Self::run), abandoned past `bound.0`: the runtime runs in a process group of its
@@ -387,6 +375,7 @@ impl OciRuntime {
         args: &[OsString],
         stdio: ProcessStdio,
         bound: Option<(Duration, Duration)>,
+        env: Option<(&str, PathBuf)>,
     ) -> Result<Vec<u8>> {
         let verb = args.first().map(|a| a.to_string_lossy().into_owned()).unwrap_or_default();
         let log = self.log_path(id);
@@ -396,6 +385,9 @@ impl OciRuntime {
             cmd.arg("--systemd-cgroup");
         }
         cmd.args(args);
+        if let Some((name, value)) = env {
+            cmd.env(name, value);
+        }
         cmd.stdin(stdio.stdin.map(Stdio::from).unwrap_or_else(Stdio::null));
         // Detached create/exec/restore hand these to the container process;
         // otherwise the runtime's own stdout is read back.
@@ -442,6 +434,9 @@ impl OciRuntime {
                 .await
                 .or_else(|| last_line(&stderr))
                 .unwrap_or_else(|| format!("exit status {}", exit.status));
+            if self.dialect.says_no_container(&self.root, id, &message) {
+                return Err(RuntimeError::NoContainer { binary: self.binary_name(), verb, id: id.into(), message });
+            }
             return Err(RuntimeError::Failed { binary: self.binary_name(), verb, status: exit.status, message });
         }
         Ok(stdout)
@@ -484,29 +479,6 @@ fn push_launch_args(args: &mut Vec<OsString>, opts: &LaunchOptions<'_>) {
     }
     if opts.no_new_keyring {
         args.push("--no-new-keyring".into());
-    }
-}
-
-fn push_criu_flags(args: &mut Vec<OsString>, opts: &CheckpointOptions) {
-    if opts.tcp_established {
-        args.push("--tcp-established".into());
-    }
-    if opts.ext_unix_sockets {
-        args.push("--ext-unix-sk".into());
-    }
-    if opts.shell_job {
-        args.push("--shell-job".into());
-    }
-    if opts.file_locks {
-        args.push("--file-locks".into());
-    }
-    for ns in &opts.empty_namespaces {
-        args.push("--empty-ns".into());
-        args.push(ns.into());
-    }
-    if let Some(mode) = &opts.manage_cgroups_mode {
-        args.push("--manage-cgroups-mode".into());
-        args.push(mode.into());
     }
 }
 
@@ -614,7 +586,7 @@ mod tests {
         let bound = Some((Duration::from_millis(300), grace));
         let result = tokio::time::timeout(
             Duration::from_secs(20),
-            runtime.run_bounded("c1", &args, ProcessStdio::default(), bound),
+            runtime.run_bounded("c1", &args, ProcessStdio::default(), bound, None),
         )
         .await
         .expect("a bounded run returns");

@@ -394,9 +394,8 @@ async fn delete(flags: &Flags) -> Result<(), BootstrapError> {
     // Kill whatever is left, then delete; both may fail if the container is gone.
     let _ = runtime.kill(&flags.id, libc::SIGKILL as u32, true).await;
     if let Err(e) = runtime.delete(&flags.id, true).await {
-        let msg = e.to_string();
-        if !msg.contains("does not exist") && !msg.contains("not found") {
-            eprintln!("{}: runtime delete {}: {msg}", binary_name(), flags.id);
+        if !e.is_no_container() {
+            eprintln!("{}: runtime delete {}: {e}", binary_name(), flags.id);
         }
     }
     super::container::unmount_rootfs(&bundle);

@@ -630,7 +630,7 @@ impl Container {
         match self.runtime.delete(&self.config.id, true).await {
             Ok(()) => {}
             // Never created (restore pending) or already gone: nothing to delete.
-            Err(e) if e.to_string().contains("does not exist") || e.to_string().contains("not found") => {}
+            Err(e) if e.is_no_container() => {}
             Err(e) => return Err(e.into()),
         }
         if let Some(io) = self.init.io() {

@@ -65,9 +65,10 @@ impl ShimError {
             ShimError::FailedPrecondition(_) | ShimError::Runtime(RuntimeError::Missing { .. }) => {
                 ttrpc::Code::FAILED_PRECONDITION
             }
-            ShimError::InvalidArgument(_) | ShimError::Config(_) | ShimError::Options(_) => {
-                ttrpc::Code::INVALID_ARGUMENT
-            }
+            ShimError::InvalidArgument(_)
+            | ShimError::Config(_)
+            | ShimError::Options(_)
+            | ShimError::Runtime(RuntimeError::Unsupported(_)) => ttrpc::Code::INVALID_ARGUMENT,
             ShimError::Runtime(_) | ShimError::Io(_) | ShimError::Os { .. } | ShimError::Other(_) => {
                 ttrpc::Code::UNKNOWN
             }
