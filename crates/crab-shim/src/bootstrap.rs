@@ -393,10 +393,10 @@ async fn delete(flags: &Flags) -> Result<(), BootstrapError> {
     let runtime = OciRuntime::new(binary, root, config.runtime.systemd_cgroup, reaper);
     // Kill whatever is left, then delete; both may fail if the container is gone.
     let _ = runtime.kill(&flags.id, libc::SIGKILL as u32, true).await;
-    if let Err(e) = runtime.delete(&flags.id, true).await {
-        if !e.is_no_container() {
-            eprintln!("{}: runtime delete {}: {e}", binary_name(), flags.id);
-        }
+    if let Err(e) = runtime.delete(&flags.id, true).await
+        && !e.is_no_container()
+    {
+        eprintln!("{}: runtime delete {}: {e}", binary_name(), flags.id);
     }
     super::container::unmount_rootfs(&bundle);
     let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
