@@ -785,18 +785,24 @@ fn usable_init(config: &Config, restore_from: Option<&Path>) -> Result<Result<Pa
         return Ok(Err("no crab-init spawner: crab.toml's [runtime] init is empty".into()));
     }
     let pins = config.checkpoint.state_dir.join("init");
-    if restore_from.is_some() {
-        // A checkpoint pulled from another node (`crabctl recover --from`) names the build its
-        // processes ran, which this node's store has not pinned yet: when the configured
-        // crab-init is that build, pinning it now is what lets the restore find it. Any other
-        // build stays unpinned for this restore and the error below names the one it needs.
-        let _ = init::pin(path, &pins);
-    }
-    if let Some(images) = restore_from
-        && let Some(pinned) = init::pinned_for_images(images, &pins)
-            .map_err(|e| ShimError::FailedPrecondition(format!("restore from {}: {e}", images.display())))?
-    {
-        return Ok(Ok(pinned));
+    if let Some(images) = restore_from {
+        let pinned = match init::pinned_for_images(images, &pins) {
+            // A checkpoint pulled from another node (`crabctl recover --from`) names the build
+            // its processes ran, which this node's store has not pinned yet: when the configured
+            // crab-init is that build, pinning it now is what lets the restore find it. Any
+            // other build stays unpinned and the error names the one the restore needs. Only
+            // then: a build pinned here already must not pin the configured one beside it.
+            Err(init::InitError::Unusable { .. }) => {
+                let _ = init::pin(path, &pins);
+                init::pinned_for_images(images, &pins)
+            }
+            found => found,
+        };
+        if let Some(pinned) =
+            pinned.map_err(|e| ShimError::FailedPrecondition(format!("restore from {}: {e}", images.display())))?
+        {
+            return Ok(Ok(pinned));
+        }
     }
     match init::pin(path, &pins) {
         Ok(pinned) => Ok(Ok(pinned)),
