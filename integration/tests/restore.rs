@@ -226,6 +226,12 @@ fn own_config(dir: &std::path::Path, runtime: &str) -> (std::path::PathBuf, std:
 fn own_config_with(dir: &std::path::Path, runtime: &str, checkpoint: &str) -> (std::path::PathBuf, std::path::PathBuf) {
     let state = dir.join("state");
     let config = dir.join("crab.toml");
+    // The crun leg (`$CRAB_TEST_CRAB_BINARY`) covers these sandboxes too.
+    let binary = match std::env::var(crab_integration::env::CRAB_BINARY_ENV) {
+        Ok(binary) if !binary.trim().is_empty() && !runtime.contains("binary =") => format!("binary = {binary:?}\n"),
+        _ => String::new(),
+    };
+    let runtime = format!("{binary}{runtime}");
     std::fs::write(
         &config,
         format!(
@@ -1005,8 +1011,17 @@ async fn a_hung_dump_is_abandoned_and_the_sandbox_keeps_working() {
     let ps = sb.ctr.run(&["tasks", "ps", &sb.id]).await.unwrap().stdout_text();
     let pids: Vec<u32> = ps.lines().skip(1).filter_map(|l| l.split_whitespace().next()?.parse().ok()).collect();
     assert!(pids.len() >= 3, "{ps}");
-    let leftovers: Vec<String> = pids.iter().flat_map(|p| leftovers_of_a_dump(*p)).collect();
-    assert_eq!(leftovers, Vec::<String>::new());
+    // A leftover of CRIU stays (a tracer, a stop, the parasite); a process of the ticker may
+    // pass through D for a moment under load (its writes), so only what lasts 2 s counts.
+    let mut leftovers: Vec<String> = pids.iter().flat_map(|p| leftovers_of_a_dump(*p)).collect();
+    for _ in 0..20 {
+        if leftovers.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        leftovers = pids.iter().flat_map(|p| leftovers_of_a_dump(*p)).collect();
+    }
+    assert_eq!(leftovers, Vec::<String>::new(), "still there after 2 s");
     assert!(
         !std::path::Path::new(&format!("/proc/{script}")).exists()
             || std::fs::read_to_string(format!("/proc/{script}/stat")).unwrap_or_default().contains(") Z"),

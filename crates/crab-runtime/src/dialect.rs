@@ -21,7 +21,8 @@
 //!   so the shim treats them, and answers containerd, the same way.
 //! - Work and image paths: both write CRIU's `dump.log`/`restore.log` into the
 //!   work path, else the image path, and both keep crun's and runc's own state
-//!   under `--root`: no difference for crab.
+//!   under `--root`. runc creates a missing work path; crun fails ("error
+//!   opening CRIU work directory"), so crab creates it first for crun.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -146,6 +147,15 @@ impl Dialect {
             args.push(mode.into());
         }
         Ok(())
+    }
+
+    /// Directories that must exist before `checkpoint` or `restore` runs: the work path for
+    /// crun, which opens it without creating it (runc makes it itself).
+    pub fn dirs_to_create(self, opts: &CheckpointOptions) -> Vec<&Path> {
+        match self {
+            Dialect::Runc => Vec::new(),
+            Dialect::Crun => opts.work_path.as_deref().into_iter().collect(),
+        }
     }
 
     /// The environment a checkpoint or restore runs with: for crun, the CRIU config file the
@@ -277,6 +287,14 @@ mod tests {
         assert_eq!(without, crun, "nothing else differs");
         assert_eq!(&crun[..6], ["restore", "--detach", "--bundle", "/b", "--image-path", "/img"]);
         assert_eq!(crun.last().map(String::as_str), Some("c1"));
+    }
+
+    #[test]
+    fn crun_gets_its_work_path_created_first() {
+        assert_eq!(Dialect::Crun.dirs_to_create(&opts()), [Path::new("/work")]);
+        assert!(Dialect::Runc.dirs_to_create(&opts()).is_empty(), "runc creates it itself");
+        let without = CheckpointOptions { work_path: None, ..opts() };
+        assert!(Dialect::Crun.dirs_to_create(&without).is_empty(), "the image path is the caller's");
     }
 
     #[test]

@@ -40,6 +40,9 @@ pub enum RuntimeError {
     /// The runtime knows no container of this id (runc and crun word it differently).
     #[error("{binary} {verb}: container {id} does not exist ({message})")]
     NoContainer { binary: String, verb: String, id: String, message: String },
+    /// A directory the runtime needs before it runs could not be made.
+    #[error("preparing {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
     /// A flag this runtime does not have was asked for.
     #[error(transparent)]
     Unsupported(#[from] dialect::Unsupported),
@@ -290,6 +293,7 @@ impl OciRuntime {
 
     pub async fn checkpoint(&self, id: &str, opts: &CheckpointOptions) -> Result<()> {
         let args = self.dialect.checkpoint_args(id, opts)?;
+        self.create_dirs(opts)?;
         let env = self.dialect.state_spec(&self.root, id).and_then(|spec| self.dialect.criu_env(&spec));
         let _exclusive = self.exclusive.lock().await;
         let hooks = self.dump_hooks.lock().expect("dump hooks lock").clone();
@@ -324,12 +328,22 @@ impl OciRuntime {
         launch: LaunchOptions<'_>,
     ) -> Result<()> {
         let args = self.dialect.restore_args(id, bundle, opts, &launch)?;
+        self.create_dirs(opts)?;
         let env = self.dialect.criu_env(&bundle.join("config.json"));
         let _exclusive = self.exclusive.lock().await;
         let restored = self.run_bounded(id, &args, launch.stdio, None, env).await.map(drop);
         restored.map_err(|e| {
             self.with_criu_error(id, e, opts.work_path.as_deref().unwrap_or(&opts.image_path).join("restore.log"))
         })
+    }
+
+    /// What this runtime needs in place before a checkpoint or restore (host paths the
+    /// shim and engine chose, none inside the container).
+    fn create_dirs(&self, opts: &CheckpointOptions) -> Result<()> {
+        for dir in self.dialect.dirs_to_create(opts) {
+            std::fs::create_dir_all(dir).map_err(|source| RuntimeError::Io { path: dir.to_path_buf(), source })?;
+        }
+        Ok(())
     }
 
     /// runc reports only "criu failed" and the log's name, and the caller may
