@@ -953,6 +953,58 @@ fn freezer_state(pid: u32) -> String {
     std::fs::read_to_string(file).unwrap().trim().to_string()
 }
 
+/// containerd's own checkpoint (`ctr container checkpoint --task`, which pauses the task around
+/// it) is bounded as a turn's dump is: a CRIU that hangs is abandoned at `dump_timeout_ms`, the
+/// call fails naming the timeout, containerd resumes the task, and the sandbox keeps working.
+/// Without the bound the call waited as long as CRIU did, holding the container's lifecycle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_containerd_checkpoint_fails_at_the_dump_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let (hang, reached, criu_conf) = hanging_criu(dir.path());
+    let (state, config) = own_config_with(dir.path(), "", "dump_timeout_ms = 2000\n");
+    let annotation = format!("org.criu.config={}", criu_conf.display());
+    let flags = [
+        "--runtime-config-path",
+        config.to_str().unwrap(),
+        "--annotation",
+        &annotation,
+        "--annotation",
+        "io.crab.policy=off",
+    ];
+    let mut sb = Sandbox::start_in("rs-hung-api", &flags, state).await;
+    sb.turn("echo before > /tmp/before").await;
+
+    std::fs::write(&hang, "").unwrap();
+    let id = sb.id.clone();
+    let reference = format!("crab.local/checkpoint/{id}:hung");
+    let args: Vec<String> =
+        ["container", "checkpoint", "--task", id.as_str(), reference.as_str()].iter().map(|a| a.to_string()).collect();
+    let started = std::time::Instant::now();
+    let out = sb.ctr.run_raw(&args, Duration::from_secs(40)).await;
+    let waited = started.elapsed();
+    std::fs::remove_file(&hang).unwrap();
+    // The abandoned dump's action script is gone with CRIU; when a build without the bound
+    // still hangs, ending the script lets CRIU finish, so the failure below is reported
+    // instead of the clean-up waiting out its sleep.
+    let script = std::fs::read_to_string(&reached).expect("CRIU never reached its network lock: the dump did not hang");
+    let _ = std::process::Command::new("kill").args(["-9", script.trim()]).status();
+    let out = out.expect("ctr ran");
+    assert!(
+        !out.timed_out && waited < Duration::from_secs(30),
+        "the checkpoint returned after {waited:?}, not at its 2 s bound"
+    );
+    assert_ne!(out.code, Some(0), "a checkpoint whose CRIU hangs cannot succeed: {out:?}");
+    let stderr = out.stderr_text();
+    assert!(stderr.contains("timed out after 2000 ms"), "the error names the timeout: {stderr}");
+
+    // Resumed by containerd, not traced, and working.
+    let after = sb.exec_in(&id, "cat /tmp/before; echo after").await;
+    assert_eq!(after, "before\nafter\n");
+    let init = task_pid(&sb).await;
+    assert_eq!(freezer_state(init), "THAWED");
+    assert_eq!(leftovers_of_a_dump(init), Vec::<String>::new());
+}
+
 /// A CRIU dump that hangs (an action script that sleeps while CRIU holds the sandbox frozen)
 /// is abandoned at `dump_timeout_ms`: the next exec returns promptly, the sandbox is thawed and
 /// left as it was (its processes run, none traced or holding a parasite), the partial images

@@ -794,7 +794,7 @@ impl SandboxEngine {
             // A dump that timed out is not: it was abandoned, and another would likely hang as
             // long while the next turn waits.
             let retry_unless_timed_out = |e: &HostError| !matches!(e, HostError::Runtime(r) if r.is_timeout());
-            let deadline = DumpDeadline { after: self.ctx.dump_timeout, sandbox_pid: self.host.init_pid() };
+            let deadline = DumpDeadline { after: self.ctx.dump_timeout, thaw_pid: Some(self.host.init_pid()) };
             let dumped = with_retries(&DUMP_RETRIES, &mut record.dump_failures, retry_unless_timed_out, |attempt| {
                 let (dir, work_path) = (dir.clone(), work_path.clone());
                 async move {

@@ -65,12 +65,14 @@ impl RuntimeError {
     }
 }
 
-/// A bound on one dump: past `after` it is abandoned and the cgroup of `sandbox_pid` (a
+/// A bound on one dump: past `after` it is abandoned and the cgroup of `thaw_pid` (a
 /// process of the sandbox, its init) thawed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DumpDeadline {
     pub after: Duration,
-    pub sandbox_pid: u32,
+    /// None: the sandbox was frozen before the dump (containerd pauses a task around its own
+    /// checkpoint) and is left to whoever froze it.
+    pub thaw_pid: Option<u32>,
 }
 
 /// How long an abandoned dump's CRIU gets to stop by itself on SIGALRM (its own timeout
@@ -145,8 +147,7 @@ pub struct CheckpointOptions {
     pub file_locks: bool,
     pub empty_namespaces: Vec<String>,
     pub manage_cgroups_mode: Option<String>,
-    /// None: the dump may take as long as it takes (containerd's own Checkpoint, which
-    /// pauses and resumes the task around it).
+    /// None: the dump may take as long as it takes (containerd's own restore path and tests).
     pub deadline: Option<DumpDeadline>,
 }
 
@@ -304,10 +305,13 @@ impl OciRuntime {
         let mut dumped = self.run_bounded(id, &args, ProcessStdio::default(), bound, env).await.map(drop);
         if let (Err(RuntimeError::TimedOut { abandoned, .. }), Some(deadline)) = (&mut dumped, opts.deadline) {
             // Whatever CRIU did before it stopped, the sandbox is left running as it was.
-            match tokio::task::spawn_blocking(move || freezer::thaw(deadline.sandbox_pid)).await {
-                Ok(Ok(_)) => abandoned.push_str(", sandbox thawed"),
-                Ok(Err(e)) => abandoned.push_str(&format!(", thawing the sandbox failed: {e}")),
-                Err(e) => abandoned.push_str(&format!(", thawing the sandbox failed: {e}")),
+            match deadline.thaw_pid {
+                Some(pid) => match tokio::task::spawn_blocking(move || freezer::thaw(pid)).await {
+                    Ok(Ok(_)) => abandoned.push_str(", sandbox thawed"),
+                    Ok(Err(e)) => abandoned.push_str(&format!(", thawing the sandbox failed: {e}")),
+                    Err(e) => abandoned.push_str(&format!(", thawing the sandbox failed: {e}")),
+                },
+                None => abandoned.push_str(", sandbox left paused as it was"),
             }
             tracing::warn!(container = id, error = %dumped.as_ref().unwrap_err(), "dump abandoned");
         }

@@ -11,7 +11,7 @@ use super::cgroup::Cgroup;
 use super::io::{IoOwner, ParentEnds, ProcessIo, StdioUris};
 use super::process::{Process, Status};
 use crab_runtime::spawner::{SpawnerClient, SpawnerError};
-use crab_runtime::{CheckpointOptions, Exit, LaunchOptions, OciRuntime, Reaper, RuntimeError};
+use crab_runtime::{CheckpointOptions, DumpDeadline, Exit, LaunchOptions, OciRuntime, Reaper, RuntimeError};
 
 /// The engine context of a sandbox being set up in the background (crabd's
 /// connection, or the inspector's BPF programs when there is no crabd).
@@ -42,6 +42,8 @@ pub struct ContainerConfig {
     pub io_gid: u32,
     /// crab-init to put in front of the entrypoint when enabled and usable; else why not.
     pub init_binary: Result<PathBuf, String>,
+    /// The bound on any dump of this container (`[checkpoint] dump_timeout_ms`).
+    pub dump_timeout: std::time::Duration,
 }
 
 type Execs = Arc<Mutex<HashMap<String, Arc<Process>>>>;
@@ -677,13 +679,20 @@ impl Container {
         Ok(())
     }
 
+    /// containerd's own Checkpoint: bounded as a turn's dump is (`dump_timeout_ms`), so a CRIU
+    /// that hangs fails the call instead of holding containerd and the task's lifecycle lock.
     pub async fn checkpoint(&self, opts: &CheckpointOptions) -> Result<(), ShimError> {
         let _guard = self.lifecycle.lock().await;
-        // containerd pauses the task around `ctr c checkpoint --task`.
-        if !matches!(self.init.status(), Status::Running | Status::Paused) {
-            return Err(ShimError::FailedPrecondition(format!("container {} is not running", self.id())));
-        }
-        Ok(self.runtime.checkpoint(&self.config.id, opts).await?)
+        // containerd pauses the task around `ctr c checkpoint --task`: an abandoned dump
+        // leaves it paused, for containerd to resume.
+        let thaw_pid = match self.init.status() {
+            Status::Running => Some(self.init.pid()),
+            Status::Paused => None,
+            _ => return Err(ShimError::FailedPrecondition(format!("container {} is not running", self.id()))),
+        };
+        let deadline = DumpDeadline { after: self.config.dump_timeout, thaw_pid };
+        let opts = CheckpointOptions { deadline: Some(deadline), ..opts.clone() };
+        Ok(self.runtime.checkpoint(&self.config.id, &opts).await?)
     }
 
     pub async fn update(&self, resources_json: &[u8]) -> Result<(), ShimError> {

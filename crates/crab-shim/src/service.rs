@@ -319,6 +319,7 @@ impl TaskService {
                 io_uid: opts.io_uid,
                 io_gid: opts.io_gid,
                 init_binary,
+                dump_timeout: config.checkpoint.dump_timeout(),
             },
             runtime,
             self.reaper.clone(),
@@ -591,7 +592,7 @@ impl TaskService {
             empty_namespaces: o.empty_namespaces.clone(),
             manage_cgroups_mode: (!o.cgroups_mode.is_empty()).then(|| o.cgroups_mode.clone()),
             parent_path: None,
-            // containerd pauses the task around its checkpoint and resumes it itself.
+            // Set by the container: its dump timeout.
             deadline: None,
         };
         container.checkpoint(&opts).await?;
