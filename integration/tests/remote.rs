@@ -206,32 +206,9 @@ fn a_sandbox_pushed_from_node_a_recovers_on_node_b_after_node_a_is_gone() {
     };
     write_config(&a.config, &a_config);
 
-    // Node B: a second containerd, runc root, store, kept images and crabd socket.
-    let b_dir = format!("{ctrd_dir}-b");
-    let mut b_config = base.clone();
-    b_config.runtime.root = PathBuf::from(format!("{b_dir}/runc"));
-    b_config.checkpoint.state_dir = scratch.join("b-store");
-    b_config.checkpoint.kept_images_dir = PathBuf::from(format!("{b_dir}/kept-images"));
-    b_config.node.socket = PathBuf::from(format!("{b_dir}/crabd/crabd.sock"));
-    // The registry is named by the reference B recovers from; B's shims push nothing.
-    b_config.remote = crab_config::RemoteConfig { plain_http: true, ..Default::default() };
-    let b = Node {
-        name: "B",
-        socket: format!("{b_dir}/containerd.sock"),
-        namespace: namespace.clone(),
-        config: scratch.join("b.toml"),
-        state: b_config.checkpoint.state_dir.clone(),
-    };
-    write_config(&b.config, &b_config);
-    let _node_b = NodeB::start(vec![
-        ("CRAB_CTRD_DIR".into(), b_dir.clone()),
-        ("CRAB_CTRD_ROOT".into(), format!("{}-b", env_or("CRAB_CTRD_ROOT", "/var/lib/crab-dev/containerd"))),
-        ("CRAB_CTRD_SOCK".into(), b.socket.clone()),
-        ("CRAB_CONFIG".into(), b.config.display().to_string()),
-        ("CRAB_NS".into(), namespace.clone()),
-        ("CONTAINERD_ADDRESS".into(), b.socket.clone()),
-        ("CONTAINERD_NAMESPACE".into(), namespace.clone()),
-    ]);
+    // Node B: a second containerd, runc root, store, kept images and crabd socket. The
+    // registry is named by the reference B recovers from; B's shims push nothing.
+    let (b, _node_b) = node_b(&base, &ctrd_dir, &namespace, &scratch);
 
     // A sandbox on A: an fs turn, then a proc turn whose process keeps a secret in memory.
     let id = format!("remote-{}", std::process::id());
@@ -502,8 +479,8 @@ fn checkpointed_turns_leave_the_node_by_themselves_and_resume_when_the_registry_
     let _ = std::fs::remove_dir_all(&config.checkpoint.kept_images_dir);
 }
 
-/// Node B as in the first test: a second containerd, runc root, store, kept images and crabd
-/// socket, its config under `scratch`.
+/// Node B: a second containerd, runc root, store, kept images and crabd socket on this
+/// machine, its config under `scratch`; its containerd is stopped on drop when this started it.
 fn node_b(base: &crab_config::Config, ctrd_dir: &str, namespace: &str, scratch: &Path) -> (Node, NodeB) {
     let b_dir = format!("{ctrd_dir}-b");
     let mut b_config = base.clone();
