@@ -208,7 +208,7 @@ fn a_sandbox_pushed_from_node_a_recovers_on_node_b_after_node_a_is_gone() {
 
     // Node B: a second containerd, runc root, store, kept images and crabd socket. The
     // registry is named by the reference B recovers from; B's shims push nothing.
-    let (b, _node_b) = node_b(&base, &ctrd_dir, &namespace, &scratch);
+    let (b, _node_b) = node_b(&base, &ctrd_dir, "recover", &namespace, &scratch);
 
     // A sandbox on A: an fs turn, then a proc turn whose process keeps a secret in memory.
     let id = format!("remote-{}", std::process::id());
@@ -481,8 +481,10 @@ fn checkpointed_turns_leave_the_node_by_themselves_and_resume_when_the_registry_
 
 /// Node B: a second containerd, runc root, store, kept images and crabd socket on this
 /// machine, its config under `scratch`; its containerd is stopped on drop when this started it.
-fn node_b(base: &crab_config::Config, ctrd_dir: &str, namespace: &str, scratch: &Path) -> (Node, NodeB) {
-    let b_dir = format!("{ctrd_dir}-b");
+/// Each test has a node B of its own (`tag`): tests run in parallel, and one that stopped a
+/// shared node B would kill the other's shims (two that started it at once collided).
+fn node_b(base: &crab_config::Config, ctrd_dir: &str, tag: &str, namespace: &str, scratch: &Path) -> (Node, NodeB) {
+    let b_dir = format!("{ctrd_dir}-b-{tag}");
     let mut b_config = base.clone();
     b_config.runtime.root = PathBuf::from(format!("{b_dir}/runc"));
     b_config.checkpoint.state_dir = scratch.join("b-store");
@@ -499,7 +501,7 @@ fn node_b(base: &crab_config::Config, ctrd_dir: &str, namespace: &str, scratch: 
     write_config(&b.config, &b_config);
     let started = NodeB::start(vec![
         ("CRAB_CTRD_DIR".into(), b_dir.clone()),
-        ("CRAB_CTRD_ROOT".into(), format!("{}-b", env_or("CRAB_CTRD_ROOT", "/var/lib/crab-dev/containerd"))),
+        ("CRAB_CTRD_ROOT".into(), format!("{}-b-{tag}", env_or("CRAB_CTRD_ROOT", "/var/lib/crab-dev/containerd"))),
         ("CRAB_CTRD_SOCK".into(), b.socket.clone()),
         ("CRAB_CONFIG".into(), b.config.display().to_string()),
         ("CRAB_NS".into(), namespace.to_owned()),
@@ -535,7 +537,7 @@ fn a_drained_node_s_sandboxes_recover_on_node_b_with_the_printed_command() {
         state: a_config.checkpoint.state_dir.clone(),
     };
     write_config(&a.config, &a_config);
-    let (b, _node_b) = node_b(&base, &ctrd_dir, &namespace, &scratch);
+    let (b, _node_b) = node_b(&base, &ctrd_dir, "drain", &namespace, &scratch);
     // The namespace's image on A (node B imported it when it started).
     let out = NodeB::script(&[("CRAB_NS".into(), namespace.clone())], &["scripts/build-images", "busybox"]);
     assert!(out.status.success(), "importing busybox into node A's namespace {namespace}: {}", text(&out));

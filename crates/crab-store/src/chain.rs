@@ -458,12 +458,22 @@ impl CheckpointStore {
                 let _ = fs::remove_file(&link);
                 std::os::unix::fs::symlink(&target, &link).io_ctx("symlink", &link)?;
                 if fs::symlink_metadata(&store.assembled).is_ok_and(|m| m.is_dir()) {
-                    // A concurrent open may have removed it first: gone is what is wanted.
-                    match fs::remove_dir_all(&store.assembled) {
-                        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                            return Err(e).io_ctx("remove", &store.assembled);
+                    // Moved aside by a rename before it is removed: a concurrent open may put
+                    // its link there meanwhile, and removing the path in place then failed
+                    // ("Not a directory") halfway. What is moved aside (the directory, or that
+                    // link) is removed; gone already (another open moved it) is as good.
+                    let aside = store.state_dir.join(format!(".assembled-old-{}-{n}", std::process::id()));
+                    match fs::rename(&store.assembled, &aside) {
+                        Ok(()) => {
+                            let removed = if fs::symlink_metadata(&aside).is_ok_and(|m| m.is_dir()) {
+                                fs::remove_dir_all(&aside)
+                            } else {
+                                fs::remove_file(&aside)
+                            };
+                            removed.io_ctx("remove", &aside)?;
                         }
-                        _ => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => return Err(e).io_ctx("move aside", &store.assembled),
                     }
                 }
                 if let Err(e) = fs::rename(&link, &store.assembled) {
