@@ -128,9 +128,11 @@ impl Drop for Registry {
     }
 }
 
-/// Node B's containerd, stopped (with its shims) on drop when this test started it.
+/// Node B's containerd, stopped (with its shims, and the crabd a shim of B started) on drop
+/// when this test started it.
 struct NodeB {
     env: Vec<(String, String)>,
+    crabd_socket: PathBuf,
     started: bool,
 }
 
@@ -139,7 +141,7 @@ impl NodeB {
         Command::new("bash").args(args).current_dir(repo_root()).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap()
     }
 
-    fn start(env: Vec<(String, String)>) -> NodeB {
+    fn start(env: Vec<(String, String)>, crabd_socket: PathBuf) -> NodeB {
         let running = Self::script(&env, &["scripts/containerd", "status"]).status.success();
         if !running {
             let out = Self::script(&env, &["scripts/containerd", "start"]);
@@ -147,7 +149,7 @@ impl NodeB {
         }
         let out = Self::script(&env, &["scripts/build-images", "busybox"]);
         assert!(out.status.success(), "importing busybox into node B: {}", text(&out));
-        NodeB { env, started: !running }
+        NodeB { env, crabd_socket, started: !running }
     }
 }
 
@@ -155,6 +157,16 @@ impl Drop for NodeB {
     fn drop(&mut self) {
         if self.started {
             let _ = Self::script(&self.env, &["scripts/containerd", "stop", "--all"]);
+            // A shim starts the node's crabd when none answers; `stop --all` leaves it.
+            let socket = self.crabd_socket.display().to_string();
+            for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+                let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+                let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+                let is_crabd = args.first().is_some_and(|a| a.ends_with(b"/crabd"));
+                if is_crabd && args.windows(2).any(|w| w[0] == b"--socket" && w[1] == socket.as_bytes()) {
+                    let _ = Command::new("kill").arg(entry.file_name()).status();
+                }
+            }
         }
     }
 }
@@ -398,26 +410,29 @@ fn checkpointed_turns_leave_the_node_by_themselves_and_resume_when_the_registry_
         "mkdir -p /data && yes crab-remote-tier | head -c 2000000 > /data/big",
         "(i=0; while :; do i=$((i+1)); sleep 0.2; done) >/dev/null 2>&1 &",
     ];
+    let start_with_work = |id: &str| {
+        a.ctr_ok(&[
+            "run",
+            "-d",
+            "--runtime",
+            "io.containerd.crab.v2",
+            "--runtime-config-path",
+            &cfg,
+            IMAGE,
+            id,
+            "sleep",
+            "3600",
+        ]);
+        for script in WORK {
+            a.exec(id, script);
+        }
+    };
     let first = format!("remote-auto-{}", std::process::id());
     let second = format!("{first}-2");
     for id in [&first, &second] {
         a.remove(id);
     }
-    a.ctr_ok(&[
-        "run",
-        "-d",
-        "--runtime",
-        "io.containerd.crab.v2",
-        "--runtime-config-path",
-        &cfg,
-        IMAGE,
-        &first,
-        "sleep",
-        "3600",
-    ]);
-    for script in WORK {
-        a.exec(&first, script);
-    }
+    start_with_work(&first);
     wait_for("both turns of the first sandbox in the registry", Duration::from_secs(60), || {
         off_node(&first) == [Some(true), Some(true)]
     });
@@ -444,21 +459,7 @@ fn checkpointed_turns_leave_the_node_by_themselves_and_resume_when_the_registry_
     wait_for("turn 3 pushed once the registry is back", Duration::from_secs(60), || off_node(&first)[2] == Some(true));
 
     // A second sandbox doing the same work.
-    a.ctr_ok(&[
-        "run",
-        "-d",
-        "--runtime",
-        "io.containerd.crab.v2",
-        "--runtime-config-path",
-        &cfg,
-        IMAGE,
-        &second,
-        "sleep",
-        "3600",
-    ]);
-    for script in WORK {
-        a.exec(&second, script);
-    }
+    start_with_work(&second);
     wait_for("both turns of the second sandbox in the registry", Duration::from_secs(60), || {
         off_node(&second) == [Some(true), Some(true)]
     });
@@ -499,15 +500,18 @@ fn node_b(base: &crab_config::Config, ctrd_dir: &str, tag: &str, namespace: &str
         state: b_config.checkpoint.state_dir.clone(),
     };
     write_config(&b.config, &b_config);
-    let started = NodeB::start(vec![
-        ("CRAB_CTRD_DIR".into(), b_dir.clone()),
-        ("CRAB_CTRD_ROOT".into(), format!("{}-b-{tag}", env_or("CRAB_CTRD_ROOT", "/var/lib/crab-dev/containerd"))),
-        ("CRAB_CTRD_SOCK".into(), b.socket.clone()),
-        ("CRAB_CONFIG".into(), b.config.display().to_string()),
-        ("CRAB_NS".into(), namespace.to_owned()),
-        ("CONTAINERD_ADDRESS".into(), b.socket.clone()),
-        ("CONTAINERD_NAMESPACE".into(), namespace.to_owned()),
-    ]);
+    let started = NodeB::start(
+        vec![
+            ("CRAB_CTRD_DIR".into(), b_dir.clone()),
+            ("CRAB_CTRD_ROOT".into(), format!("{}-b-{tag}", env_or("CRAB_CTRD_ROOT", "/var/lib/crab-dev/containerd"))),
+            ("CRAB_CTRD_SOCK".into(), b.socket.clone()),
+            ("CRAB_CONFIG".into(), b.config.display().to_string()),
+            ("CRAB_NS".into(), namespace.to_owned()),
+            ("CONTAINERD_ADDRESS".into(), b.socket.clone()),
+            ("CONTAINERD_NAMESPACE".into(), namespace.to_owned()),
+        ],
+        b_config.node.socket.clone(),
+    );
     (b, started)
 }
 
