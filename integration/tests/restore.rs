@@ -1023,7 +1023,10 @@ async fn a_hung_dump_is_abandoned_and_the_sandbox_keeps_working() {
     std::fs::write(&hang, "").unwrap();
     // A process turn: a ticker that keeps counting (busybox's date has no sub-second format,
     // so a count, not the time, shows it runs within half a second).
-    sb.turn("(n=0; while :; do n=$((n+1)); echo $n > /tmp/tick; sleep 0.1; done) >/dev/null 2>&1 &").await;
+    // Written aside and renamed: a reader never sees the file truncated and not yet written
+    // (the dump may seize the ticker between the two and hold it there for seconds).
+    sb.turn("(n=0; while :; do n=$((n+1)); echo $n > /tmp/tick.new; mv /tmp/tick.new /tmp/tick; sleep 0.1; done) >/dev/null 2>&1 &")
+        .await;
     let script = {
         let mut waited = 0;
         loop {
