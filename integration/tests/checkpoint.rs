@@ -85,6 +85,7 @@ async fn remove_task_and_container(container: &Container) -> Outcome<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checkpoint_with_pipes_leaves_running_then_restores_with_memory_and_rw_layer() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("checkpoint --task --rw, restore --live --rw", |runtime| async move {
         let original = Container::new(&runtime, "ckpt");
         let token = format!("token-{}", original.id());
@@ -170,6 +171,7 @@ fn has_criu_images(dir: &Path) -> Outcome<Vec<String>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn task_checkpoint_to_image_path_then_with_exit() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("task checkpoint --image-path [--exit]", |runtime| async move {
         let container = Container::new(&runtime, "ckpt-path");
         let events = EventStream::start(container.ctr()).await?;
@@ -195,6 +197,7 @@ async fn task_checkpoint_to_image_path_then_with_exit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checkpoint_of_a_tty_container() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("checkpoint with a TTY", |runtime| async move {
         let container = Container::new(&runtime, "ckpt-tty");
         // `ctr run -t` insists on a console even when detaching.

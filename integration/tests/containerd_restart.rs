@@ -31,6 +31,7 @@ struct Subject {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tasks_survive_a_containerd_crash_and_restart() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let _serial = SERIAL.lock().await;
     let env = TestEnv::get();
     let containerd = Containerd::new(env).unwrap_or_else(|e| panic!("{e}"));

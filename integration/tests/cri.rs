@@ -16,6 +16,7 @@ const WAIT: Duration = Duration::from_secs(60);
 /// mount or network namespace behind.
 #[tokio::test]
 async fn pod_and_container_lifecycle() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
     across_handlers("pod_and_container_lifecycle", |handler| async move {
         with_pod("lifecycle", handler, PodShape::default(), |pod| {
             async move {
@@ -43,6 +44,7 @@ async fn pod_and_container_lifecycle() {
 /// ExecSync: output, exit status, a command that does not exist, and ExecSync's own timeout.
 #[tokio::test]
 async fn exec_sync() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
     across_handlers("exec_sync", |handler| async move {
         with_pod("exec", handler, PodShape::default(), |pod| {
             async move {
@@ -72,6 +74,7 @@ async fn exec_sync() {
 /// Container logs in CRI's format: both streams, full and partial lines.
 #[tokio::test]
 async fn container_logs() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
     across_handlers("container_logs", |handler| async move {
         with_pod("logs", handler, PodShape::default(), |pod| {
             async move {
@@ -136,6 +139,7 @@ fn security(context: LinuxContainerSecurityContext) -> PodShape {
 /// entrypoint and in an exec.
 #[tokio::test]
 async fn drop_all_capabilities() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
     across_handlers("drop_all_capabilities", |handler| async move {
         let shape = security(LinuxContainerSecurityContext {
             capabilities: Some(Capability { drop_capabilities: vec!["ALL".into()], ..Default::default() }),
@@ -155,6 +159,7 @@ async fn drop_all_capabilities() {
 /// runAsUser, runAsGroup and supplemental groups.
 #[tokio::test]
 async fn run_as_user_and_group() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
     across_handlers("run_as_user_and_group", |handler| async move {
         let shape = security(LinuxContainerSecurityContext {
             run_as_user: Some(Int64Value { value: 1000 }),
@@ -176,6 +181,7 @@ async fn run_as_user_and_group() {
 /// readOnlyRootFilesystem: nothing on the root filesystem can be written.
 #[tokio::test]
 async fn read_only_rootfs() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
     across_handlers("read_only_rootfs", |handler| async move {
         let shape = security(LinuxContainerSecurityContext { readonly_rootfs: true, ..Default::default() });
         let observed = probe_in("rofs", handler, shape, "touch /probe 2>&1; echo touch=$?").await?;
@@ -190,6 +196,7 @@ async fn read_only_rootfs() {
 /// NoNewPrivs (allowPrivilegeEscalation: false).
 #[tokio::test]
 async fn no_new_privs() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
     across_handlers("no_new_privs", |handler| async move {
         let shape = security(LinuxContainerSecurityContext { no_new_privs: true, ..Default::default() });
         let observed = probe_in("nnp", handler, shape, "grep NoNewPrivs /proc/self/status").await?;
@@ -204,6 +211,7 @@ async fn no_new_privs() {
 /// hostPID: the host's processes are visible (its pid 1 is the container's pid 1).
 #[tokio::test]
 async fn host_pid() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
     across_handlers("host_pid", |handler| async move {
         let shape = PodShape { host_pid: true, ..Default::default() };
         let observed = probe_in("hostpid", handler, shape, "cat /proc/1/comm").await?;
@@ -219,6 +227,7 @@ async fn host_pid() {
 /// hostNetwork: the container is in the host's network namespace and CRI made none.
 #[tokio::test]
 async fn host_network() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
     across_handlers("host_network", |handler| async move {
         let shape = PodShape { host_network: true, ..Default::default() };
         let observed = probe_in("hostnet", handler, shape, "readlink /proc/self/ns/net").await?;
@@ -345,6 +354,7 @@ async fn impostor(sandbox_id: &str, name: &str) -> Outcome<String> {
 /// replacement took from Create to running against a plain container start in the same pod.
 #[tokio::test]
 async fn kubelet_replacement_is_restored() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
     let Some(handler) = crab_handler() else {
         eprintln!("CRAB_TEST_RUNTIMES leaves out crab: nothing to test");
         return;
@@ -448,6 +458,7 @@ async fn kubelet_replacement_is_restored() {
 /// came from).
 #[tokio::test]
 async fn restore_from_stays_in_the_pods_kubernetes_namespace() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
     let Some(handler) = crab_handler() else {
         eprintln!("CRAB_TEST_RUNTIMES leaves out crab: nothing to test");
         return;

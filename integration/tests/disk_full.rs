@@ -214,6 +214,7 @@ const BIG: &str = "dd if=/dev/urandom of=/data/big bs=1M count=6 2>/dev/null";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_that_does_not_fit_leaves_the_previous_one_whole() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let disk = SmallDisk::new("df-prev");
     let mut sb = Sandbox::start("df-prev", &disk).await;
     sb.turn("mkdir -p /data && echo one > /data/a").await;
@@ -249,6 +250,7 @@ async fn a_checkpoint_that_does_not_fit_leaves_the_previous_one_whole() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_a_failed_checkpoint_missed_goes_into_the_next_one() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let disk = SmallDisk::new("df-carry");
     let mut sb = Sandbox::start("df-carry", &disk).await;
     sb.turn("mkdir -p /data && echo one > /data/a").await;

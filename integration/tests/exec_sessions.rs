@@ -107,6 +107,7 @@ async fn remove(container: &Container) -> Outcome<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_session_is_in_the_checkpoint_and_reattaches_after_restore() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let runtime = crab();
     let original = Container::new(&runtime, "session");
     original.start(&["sleep", "100000"]).await.expect("start");
@@ -188,6 +189,7 @@ async fn exec_session_is_in_the_checkpoint_and_reattaches_after_restore() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_sessions_are_children_of_the_containers_tree() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let runtime = crab();
     let container = Container::new(&runtime, "session-tree");
     container.start(&["sleep", "100000"]).await.expect("start");
@@ -236,6 +238,7 @@ const PARENT_COMM: &str = "cat /proc/$PPID/comm 2>/dev/null || echo outside";
 /// the spawner in the container's tree.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn execs_go_through_the_spawner_with_all_capabilities_dropped() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let runtime = crab();
     let container = Container::new(&runtime, "session-cap-drop");
     let flags: Vec<&str> = DEFAULT_CAPS.iter().flat_map(|cap| ["--cap-drop", *cap]).collect();
@@ -294,6 +297,7 @@ async fn spawner_refusal(container: &Container) -> Outcome<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spawner_refuses_connections_from_inside_the_container() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let runtime = crab();
     let container = Container::new(&runtime, "spawner-refuses");
     let image = "crab.local/terminal:latest";
@@ -330,6 +334,7 @@ async fn spawner_refuses_connections_from_inside_the_container() {
 /// is still refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_host_pid_namespace_execs_go_through_the_spawner_and_the_container_is_refused() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let runtime = crab();
     let container = Container::new(&runtime, "spawner-host-pid");
     let image = "crab.local/terminal:latest";
@@ -362,6 +367,7 @@ async fn with_the_host_pid_namespace_execs_go_through_the_spawner_and_the_contai
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_binaries_fail_exec_and_create_as_under_runc() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("missing binary in exec and as entrypoint", |runtime| async move {
         let container = Container::new(&runtime, "missing-bin");
         container.start(&["sleep", "100000"]).await?;
@@ -409,6 +415,7 @@ async fn record_of(container: &Container, exec_id: &str) -> Outcome<crab_store::
 /// the spawner started lists nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn execs_through_the_runtime_are_recorded_in_their_turns() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let runtime = crab();
     let container = Container::new(&runtime, "runtime-exec");
     container.start(&["sleep", "100000"]).await.expect("start");

@@ -27,6 +27,7 @@ async fn remove(container: &Container) {
 /// go on working through the runtime.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_symlink_at_the_spawner_socket_never_leads_the_shim_to_a_host_socket() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let runtime = crab();
     let container = Container::new(&runtime, "hostile-spawner-link");
     container.start(&["sleep", "100000"]).await.expect("start");
@@ -61,6 +62,7 @@ async fn a_symlink_at_the_spawner_socket_never_leads_the_shim_to_a_host_socket()
 /// memory), nothing of the host is behind it, and the spawner still answers through it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_spawner_directory_is_a_small_tmpfs_of_the_containers_own() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let runtime = crab();
     let container = Container::new(&runtime, "hostile-spawner-fill");
     container.start(&["sleep", "100000"]).await.expect("start");
@@ -102,6 +104,7 @@ async fn the_spawner_directory_is_a_small_tmpfs_of_the_containers_own() {
 /// the same user; /proc/<pid>/environ takes the same check as ptrace's read access.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_container_cannot_trace_the_spawner() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let runtime = crab();
     let container = Container::new(&runtime, "hostile-spawner-ptrace");
     container.start(&["sleep", "100000"]).await.expect("start");

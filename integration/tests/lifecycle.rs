@@ -15,6 +15,7 @@ const IDLE: &[&str] = &["sh", "-c", "while :; do sleep 1; done"];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exit_codes_are_the_task_exit_status() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("exit codes", |runtime| async move {
         let mut codes = Vec::new();
         for (script, expected) in [("exit 0", 0), ("exit 3", 3)] {
@@ -39,6 +40,7 @@ async fn exit_codes_are_the_task_exit_status() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stdout_and_stderr_stay_separate() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("stdout/stderr separation", |runtime| async move {
         let container = Container::new(&runtime, "stdio");
         let output =
@@ -56,6 +58,7 @@ async fn stdout_and_stderr_stay_separate() {
 /// container's passwd file (ctr's exec spec has none), under both runtimes alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_environment_has_home_as_under_runc() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("exec environment", |runtime| async move {
         let container = Container::new(&runtime, "exec-env");
         container.start(&["sleep", "100000"]).await?;
@@ -73,6 +76,7 @@ async fn exec_environment_has_home_as_under_runc() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stdin_is_forwarded_and_closed() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("stdin", |runtime| async move {
         let input = b"first line\nsecond line\n";
         let cat = Container::new(&runtime, "stdin-cat");
@@ -91,6 +95,7 @@ async fn stdin_is_forwarded_and_closed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tty_gets_a_terminal_and_follows_resizes() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("tty", |runtime| async move {
         let container = Container::new(&runtime, "tty");
         let mut terminal = PtySession::spawn(container.ctr(), container.run_args(&["--rm", "-t"], &["sh"]), 24, 80)?;
@@ -131,6 +136,7 @@ async fn tty_gets_a_terminal_and_follows_resizes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_execs_keep_their_own_io_and_exit_codes() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("concurrent execs", |runtime| async move {
         let container = Container::new(&runtime, "execs");
         container.start(IDLE).await?;
@@ -160,6 +166,7 @@ async fn concurrent_execs_keep_their_own_io_and_exit_codes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_reaches_the_init_trap() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("SIGTERM trap", |runtime| async move {
         let container = Container::new(&runtime, "sigterm");
         let events = EventStream::start(container.ctr()).await?;
@@ -183,6 +190,7 @@ async fn sigterm_reaches_the_init_trap() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_all_reaches_every_process() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("kill --all", |runtime| async move {
         let container = Container::new(&runtime, "killall");
         let events = EventStream::start(container.ctr()).await?;
@@ -207,6 +215,7 @@ async fn kill_all_reaches_every_process() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_freezes_and_resume_thaws() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("pause/resume", |runtime| async move {
         let container = Container::new(&runtime, "pause");
         let events = EventStream::start(container.ctr()).await?;
@@ -239,6 +248,7 @@ async fn pause_freezes_and_resume_thaws() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ps_lists_the_container_processes() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("task ps", |runtime| async move {
         let container = Container::new(&runtime, "ps");
         let init = container.start(&["sh", "-c", "sleep 1000 & sleep 1001 & wait"]).await?;
@@ -262,6 +272,7 @@ async fn ps_lists_the_container_processes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_report_memory_cpu_and_pids() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("task metrics", |runtime| async move {
         let container = Container::new(&runtime, "metrics");
         container.start(&["sh", "-c", "sleep 1000 & i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done; wait"]).await?;
@@ -294,6 +305,7 @@ fn memory_usage(metrics: &serde_json::Value) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delete_leaves_no_mounts_cgroups_or_processes() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("delete cleanup", |runtime| async move {
         let container = Container::new(&runtime, "cleanup");
         let init = container.start(&["sh", "-c", "sleep 1000 & wait"]).await?;
@@ -353,6 +365,7 @@ fn lifecycle_trace(events: &EventStream, id: &str) -> Vec<(String, String, Optio
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_follow_containerds_order() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("event sequence", |runtime| async move {
         let container = Container::new(&runtime, "events");
         let events = EventStream::start(container.ctr()).await?;
@@ -390,6 +403,7 @@ async fn events_follow_containerds_order() {
 /// with 137, and the container goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oom_kill_is_reported_once() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("OOM kill", |runtime| async move {
         let container = Container::new(&runtime, "oom");
         let events = EventStream::start(container.ctr()).await?;
@@ -426,6 +440,7 @@ async fn oom_kill_is_reported_once() {
 /// and a pipe on fd 5 that it closes when ready, passing the URI's query as arguments.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binary_log_uri_gets_stdout_and_stderr() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("binary:// logger", |runtime| async move {
         let container = Container::new(&runtime, "binlog");
         let dir = std::env::temp_dir().join(format!("crab-binlog-{}", container.id()));
@@ -465,6 +480,7 @@ async fn binary_log_uri_gets_stdout_and_stderr() {
 /// exits with the last container of its pod.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn containers_of_one_pod_share_a_shim() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("pod grouping", |runtime| async move {
         let first = Container::new(&runtime, "pod-first");
         let second = Container::new(&runtime, "pod-second");
@@ -496,6 +512,7 @@ async fn containers_of_one_pod_share_a_shim() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_shim_is_cleaned_up_and_reported() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("shim SIGKILL", |runtime| async move {
         let container = Container::new(&runtime, "shimkill");
         let events = EventStream::start(container.ctr()).await?;
@@ -536,6 +553,7 @@ async fn sigkilled_shim_is_cleaned_up_and_reported() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn update_changes_the_memory_limit_in_the_cgroup() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     across_runtimes("update memory limit", |runtime| async move {
         const LIMIT: u64 = 64 * 1024 * 1024;
         let container = Container::new(&runtime, "update");

@@ -102,6 +102,7 @@ async fn remove(container: &Container) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_sandboxes_share_one_crabd_and_one_set_of_bpf_programs() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let _alone = ONE_AT_A_TIME.lock().await;
     let runtime = Runtime::parse("crab").unwrap();
     let first = Container::new(&runtime, "node-a");
@@ -504,6 +505,7 @@ fn lag_bound_ms(bucket: &serde_json::Value, sandboxes: usize) -> f64 {
 /// give this containerd a config of its own on a shared host.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_sandboxes_replaying_dev_traces_stay_in_the_bucket_and_lose_no_turn_when_crabd_is_killed() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let _alone = ONE_AT_A_TIME.lock().await;
     let replays = dev_trace_replays().unwrap();
     let tiny = TinyCrabd::replace_running(TIGHT_RATE_KIB, TIGHT_BURST_KIB).await.unwrap();
@@ -797,6 +799,7 @@ const SUPERSEDE_TURNS: u64 = 5;
 /// included, and every turn's process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_process_checkpoints_are_superseded_and_recover_restores_the_newest_state() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let _alone = ONE_AT_A_TIME.lock().await;
     use crab_integration::sandbox::{Sandbox, TERMINAL_IMAGE};
     let outcome = async {
@@ -912,6 +915,7 @@ const DUMP_AND_WRITE_SLACK: Duration = Duration::from_secs(30);
 /// it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_crabd_costs_a_turn_its_bounds_and_the_record_says_why() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let _alone = ONE_AT_A_TIME.lock().await;
     use crab_integration::sandbox::{Sandbox, TERMINAL_IMAGE, TurnClass};
     let node = crab_config::Config::load(None).expect("the crab config of CRAB_CONFIG").node;
@@ -1184,6 +1188,7 @@ const STORM_RSS_BOUND: u64 = 256 << 20;
 /// in full, and a quiet sandbox's turns meanwhile are ordinary fs turns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rename_storm_keeps_crabd_small_and_costs_only_its_own_turn_a_full_checkpoint() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let _alone = ONE_AT_A_TIME.lock().await;
     let outcome = async {
         let figures = storm_run(1, 10).await?;
@@ -1223,6 +1228,7 @@ fn percentile(delays: &[(Duration, f64)], p: f64) -> (f64, f64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement of minutes: cargo test --release -p crab-integration --test node -- --ignored storm_figures --nocapture"]
 async fn storm_figures() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let _alone = ONE_AT_A_TIME.lock().await;
     let env = |key: &str, default: u64| std::env::var(key).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
     let (storms, secs) = (env("CRAB_STORMS", 4) as usize, env("CRAB_STORM_SECS", 60));

@@ -192,6 +192,7 @@ fn counter(out: &str) -> (String, u64) {
 
 #[test]
 fn a_sandbox_pushed_from_node_a_recovers_on_node_b_after_node_a_is_gone() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let registry = Registry::start();
     let base = crab_config::Config::load(None).expect("the environment's crab config ($CRAB_CONFIG)");
     let ctrd_dir = env_or("CRAB_CTRD_DIR", "/run/crab-dev");
@@ -372,6 +373,7 @@ fn pushed_turns(state: &Path, namespace: &str, id: &str) -> Vec<(u64, u64)> {
 /// first's bytes (the packs its files share are mounted from the first's repository).
 #[test]
 fn checkpointed_turns_leave_the_node_by_themselves_and_resume_when_the_registry_returns() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let registry = Registry::start();
     let base = crab_config::Config::load(None).expect("the environment's crab config ($CRAB_CONFIG)");
     let ctrd_dir = env_or("CRAB_CTRD_DIR", "/run/crab-dev");
@@ -523,6 +525,7 @@ fn node_b(base: &crab_config::Config, ctrd_dir: &str, tag: &str, namespace: &str
 /// leaves no time; each leaves the local chains as they were.
 #[test]
 fn a_drained_node_s_sandboxes_recover_on_node_b_with_the_printed_command() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let registry = Registry::start();
     let base = crab_config::Config::load(None).expect("the environment's crab config ($CRAB_CONFIG)");
     let ctrd_dir = env_or("CRAB_CTRD_DIR", "/run/crab-dev");

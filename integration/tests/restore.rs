@@ -249,6 +249,7 @@ const FINGERPRINT: &str = "cd /data && find . | sort | while read f; do stat -c 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fs_turns_come_back_exactly_after_the_processes_die() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut sb = Sandbox::start("rs-fs").await;
     sb.turn("mkdir -p /data/sub && echo one > /data/a && echo two > /data/sub/b && chmod 640 /data/a").await;
     sb.turn("ln -s sub/b /data/link && rm /data/sub/b && echo three > /data/sub/c && mv /data/a /data/a2").await;
@@ -269,6 +270,7 @@ async fn fs_turns_come_back_exactly_after_the_processes_die() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_counter_process_continues_from_its_value_after_recover() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut sb = Sandbox::start("rs-proc").await;
     // The secret lives only in the shell's memory; the file shows it is still there. It is
     // replaced by a rename, so a read never sees it half written.
@@ -302,6 +304,7 @@ async fn a_counter_process_continues_from_its_value_after_recover() {
 /// withholds from root: the dump reads them from /proc instead (scripts/patches).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_of_another_user_is_checkpointed_and_comes_back() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut sb = Sandbox::start("rs-user").await;
     sb.turn("mkdir -p /data && chmod 777 /data; su -s /bin/sh -c 'i=0; while :; do i=$((i+1)); echo \"$(id -u) $i\" > /data/u.tmp && mv /data/u.tmp /data/u; sleep 0.1; done' nobody >/dev/null 2>&1 &").await;
     tokio::time::sleep(Duration::from_millis(600)).await;
@@ -363,6 +366,7 @@ const TRY_LOCK: &str = "python3 -c 'import fcntl; f = open(\"/data/lock\", \"w\"
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_tcp_connection_and_a_file_lock_come_back() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut sb = Sandbox::start_image("rs-tcp", TERMINAL_IMAGE, &[], state_dir()).await;
     sb.turn(&format!("mkdir -p /data && cat > /data/peer.py <<'EOF'\n{PEER}\nEOF\npython3 /data/peer.py >/data/peer.log 2>&1 &\nfor i in $(seq 100); do [ -f /data/ready ] && break; sleep 0.05; done")).await;
     sb.turn(&("echo before > /data/ping; ".to_string() + AWAIT_PONG)).await;
@@ -395,6 +399,7 @@ async fn an_open_tcp_connection_and_a_file_lock_come_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rollback_puts_back_files_in_place_and_processes_by_restore() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut sb = Sandbox::start("rs-rb").await;
     sb.turn("mkdir -p /data && for i in 1 2 3 4 5 6 7 8 9 10; do echo v1-$i > /data/f$i; done").await;
     let v1 = sb.exec_in(&sb.id.clone(), FINGERPRINT).await;
@@ -419,6 +424,7 @@ async fn rollback_puts_back_files_in_place_and_processes_by_restore() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_forks_of_one_turn_diverge() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut sb = Sandbox::start("rs-fork").await;
     sb.turn("mkdir -p /data && echo base > /data/shared").await;
     sb.turn("echo later > /data/later").await;
@@ -441,6 +447,7 @@ async fn four_forks_of_one_turn_diverge() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recover_after_the_shim_is_killed() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut sb = Sandbox::start("rs-shim").await;
     sb.turn("mkdir -p /data && echo precious > /data/p && chmod 600 /data/p").await;
     sb.settled().await;
@@ -460,6 +467,7 @@ async fn recover_after_the_shim_is_killed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupted_blob_is_refused_with_its_name() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut sb = Sandbox::start("rs-bad").await;
     let token = format!("unique-{}-{:?}", std::process::id(), std::time::SystemTime::now());
     sb.turn(&format!("mkdir -p /data && echo '{token}' > /data/only-here")).await;
@@ -482,6 +490,7 @@ async fn a_corrupted_blob_is_refused_with_its_name() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_turn_writes_the_whole_checkpoint_again_without_dedup() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut sb = Sandbox::start_with("rs-every", &["--annotation", "io.crab.policy=every-turn"]).await;
     sb.turn("mkdir -p /data && head -c 300000 /dev/urandom > /data/blob").await;
     sb.turn("true").await;
@@ -510,6 +519,7 @@ async fn every_turn_writes_the_whole_checkpoint_again_without_dedup() {
 /// recreates it: the restored shim must read the same store, not the default one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recover_keeps_the_sandboxs_own_config_path() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let dir = tempfile::tempdir().unwrap();
     let (state, config) = own_config(dir.path(), "");
     let mut sb = Sandbox::start_in("rs-cfg", &["--runtime-config-path", config.to_str().unwrap()], state.clone()).await;
@@ -538,6 +548,7 @@ async fn recover_keeps_the_sandboxs_own_config_path() {
 /// bytes through its descriptor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_file_held_open_is_checkpointed_and_comes_back() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut sb = Sandbox::start("rs-ghost").await;
     sb.turn("mkdir -p /data && head -c 4000000 /dev/urandom > /data/big && md5sum < /data/big > /data/sum && (exec 3</data/big; rm /data/big; exec sleep 100000) >/dev/null 2>&1 &").await;
     let turns = sb.settled().await;
@@ -559,6 +570,7 @@ async fn a_deleted_file_held_open_is_checkpointed_and_comes_back() {
 /// instead, so its turn is recorded, classified from what the inspector saw, and checkpointed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_first_turn_after_a_restore_without_crabd_is_recorded() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let dir = tempfile::tempdir().unwrap();
     let (state, config) = own_config(dir.path(), "");
     let mut sb =
@@ -591,6 +603,7 @@ async fn the_first_turn_after_a_restore_without_crabd_is_recorded() {
 /// and the restore failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checkpoints_survive_an_upgrade_of_crab_init() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
     let init = dir.path().join("crab-init");
@@ -751,6 +764,7 @@ impl Drop for WithCrabd {
 /// open itself, and recover finishes within its bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recover_does_not_hang_when_the_killed_shim_had_started_crabd() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let dir = tempfile::tempdir().unwrap();
     let (state, config, crabd_socket) =
         (dir.path().join("state"), dir.path().join("crab.toml"), dir.path().join("node/crabd.sock"));
@@ -858,6 +872,7 @@ exec {runc} "$@"
 /// `crabctl turns`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_freeze_is_retried_and_each_cause_recorded() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let dir = tempfile::tempdir().unwrap();
     let (wrapper, fails) = freeze_failing_runc(dir.path());
     let (state, config) = own_config(dir.path(), &format!("binary = \"{}\"\n", wrapper.display()));
@@ -959,6 +974,7 @@ fn freezer_state(pid: u32) -> String {
 /// Without the bound the call waited as long as CRIU did, holding the container's lifecycle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_containerd_checkpoint_fails_at_the_dump_timeout() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let dir = tempfile::tempdir().unwrap();
     let (hang, reached, criu_conf) = hanging_criu(dir.path());
     let (state, config) = own_config_with(dir.path(), "", "dump_timeout_ms = 2000\n");
@@ -1012,6 +1028,7 @@ async fn a_hung_containerd_checkpoint_fails_at_the_dump_timeout() {
 /// and its processes are carried into the next turn, whose dump restores normally.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_dump_is_abandoned_and_the_sandbox_keeps_working() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let dir = tempfile::tempdir().unwrap();
     let (hang, reached, criu_conf) = hanging_criu(dir.path());
     let (state, config) = own_config_with(dir.path(), "", "dump_timeout_ms = 2000\n");
@@ -1146,6 +1163,7 @@ async fn assert_spec_mounts_tmpfs(sb: &Sandbox) {
 /// them removes them again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tmpfs_writes_of_fs_turns_come_back_and_roll_back() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut sb = Sandbox::start("rs-tmpfs-fs").await;
     assert_spec_mounts_tmpfs(&sb).await;
     sb.turn("mkdir -p /data && echo base > /data/base").await;
@@ -1185,6 +1203,7 @@ async fn tmpfs_writes_of_fs_turns_come_back_and_roll_back() {
 /// undoes that fs turn on the tmpfs mounts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tmpfs_writes_of_a_proc_turn_and_a_later_fs_turn_come_back() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut sb = Sandbox::start("rs-tmpfs-proc").await;
     sb.turn("mkdir -p /data /run/crab && echo p > /dev/shm/p && chmod 604 /dev/shm/p && echo r > /run/crab/r && (sleep 600 >/dev/null 2>&1 &)").await;
     let turns = sb.turns(1).await;
@@ -1219,6 +1238,7 @@ async fn tmpfs_writes_of_a_proc_turn_and_a_later_fs_turn_come_back() {
 /// host directory as it is; `crabctl recover` does not mount it again, see the README).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_on_a_foreign_bind_mount_is_recorded_as_external_and_recover_succeeds() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let shared = tempfile::tempdir().unwrap();
     let mount = format!("type=bind,src={},dst=/shared,options=rbind:rw", shared.path().display());
     let mut sb = Sandbox::start_with("rs-bind", &["--mount", &mount]).await;
@@ -1249,6 +1269,7 @@ async fn a_write_on_a_foreign_bind_mount_is_recorded_as_external_and_recover_suc
 /// a restore of the turn before gives back that turn's files.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_over_the_sandboxs_quota_is_recorded_and_the_earlier_turn_restores() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut sb = Sandbox::start_with("rs-quota", &["--annotation", "io.crab.max-sandbox-mib=1"]).await;
     sb.turn("mkdir -p /data && echo one > /data/a && head -c 300000 /dev/urandom > /data/small").await;
     // A turn's record is written once its checkpoint is.
@@ -1310,6 +1331,7 @@ fn crabctl_gc(state: &std::path::Path, args: &[&str]) -> serde_json::Value {
 /// its turn log and saved spec; a running sandbox's chain is left alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gc_drops_a_removed_container_s_chain_after_its_retention_and_keeps_a_running_one() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let dir = tempfile::tempdir().unwrap();
     let (state, config) = own_config(dir.path(), "");
     let flags = ["--runtime-config-path", config.to_str().unwrap()];

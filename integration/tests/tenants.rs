@@ -112,6 +112,7 @@ impl Drop for Tenants {
 /// next file-writing turn is still seen (fs) and checkpointed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_namespaces_running_one_id_keep_their_own_chains_logs_and_watches() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut t = Tenants::new().await;
     let (ns_a, ns_b) = (t.a.namespace().to_string(), t.b.namespace().to_string());
     let id = format!("tn-same-{}", std::process::id());
@@ -151,6 +152,7 @@ async fn two_namespaces_running_one_id_keep_their_own_chains_logs_and_watches() 
 /// within one namespace it works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restore_from_reaches_only_chains_of_the_own_namespace() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut t = Tenants::new().await;
     let ns_a = t.a.namespace().to_string();
     let pid = std::process::id();

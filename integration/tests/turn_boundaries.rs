@@ -308,12 +308,14 @@ async fn stdin_mode_turns(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shell_fed_through_stdin_makes_one_turn_per_command() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let latencies = stdin_mode_turns(&["sh"], SHELL_STAMP, shell_commands(), None).await.unwrap();
     summary("sh, stdin mode", &latencies);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_fed_through_stdin_makes_one_turn_per_statement() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let latencies =
         stdin_mode_turns(&["python3", "-u", "-i", "-q"], PYTHON_STAMP, python_commands(), Some("import os, time"))
             .await
@@ -326,6 +328,7 @@ async fn python_fed_through_stdin_makes_one_turn_per_statement() {
 /// session's exit ends nothing more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_mode_turns_a_session_into_stdin_turns() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let run = async {
         let mut sandbox = Sandbox::start("auto-session", TERMINAL_IMAGE, &[("io.crab.turns", "auto")], &[]).await?;
         let mut session = Session::start(&sandbox, "session", &["bash"]).await?;
@@ -383,6 +386,7 @@ async fn send_turn_annotation(container: &str, value: &str) -> Result<(), contai
 /// returns) and begins the next; a bad mark value is refused naming the annotation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explicit_marks_bound_turns() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let run = async {
         let mut sandbox =
             Sandbox::start("explicit-marks", TERMINAL_IMAGE, &[("io.crab.turns", "explicit")], &[]).await?;
@@ -438,6 +442,7 @@ async fn explicit_marks_bound_turns() {
 /// holds until it exits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mark_splits_a_running_exec_turn() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let run = async {
         let mut sandbox = Sandbox::start("exec-mark", TERMINAL_IMAGE, &[("io.crab.turns", "exec")], &[]).await?;
         let id = sandbox.id().to_string();
@@ -493,6 +498,7 @@ fn cpu_ms(pid: u32) -> Outcome<f64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn stdin_detection_cost() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let run = async {
         let sandbox = Sandbox::start("stdin-cost", TERMINAL_IMAGE, &[("io.crab.turns", "stdin")], &[]).await?;
         let mut session = Session::start(&sandbox, "session", &["sh"]).await?;

@@ -616,6 +616,7 @@ fn print_table(rows: &[Row]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corpus_classes_match_the_truth() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let started = Instant::now();
     let mut rows = Vec::new();
     let mut failures = Vec::new();
@@ -798,6 +799,7 @@ async fn sample_rounds(sandboxes: &mut [(&mut Sandbox, bool)], samples: &mut Sam
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement (about two minutes), not a check"]
 async fn inspector_overhead() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let mut off = Sandbox::start("overhead-off", TERMINAL_IMAGE, &[("io.crab.policy", "off")], &[]).await.unwrap();
     let mut crab = Sandbox::start("overhead-crab", TERMINAL_IMAGE, &[("io.crab.policy", "crab")], &[]).await.unwrap();
     let (setup, _) = off.exec(OVERHEAD_SETUP).await.unwrap();

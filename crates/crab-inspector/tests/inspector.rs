@@ -144,6 +144,7 @@ fn one(path: PathBuf) -> Vec<PathBuf> {
 
 #[tokio::test]
 async fn shell_file_operations_resolve_to_absolute_paths() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("shell");
     let scratch = Scratch::new("shell");
     std::fs::create_dir(scratch.path("x")).unwrap();
@@ -213,6 +214,7 @@ fn time_is_monotonic_now_ish(time_ns: u64) -> bool {
 
 #[tokio::test]
 async fn python_dirfd_relative_calls_resolve_against_the_descriptor() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("dirfd");
     let scratch = Scratch::new("dirfd");
     std::fs::create_dir_all(scratch.path("base/sub")).unwrap();
@@ -272,6 +274,7 @@ os.open("{base}/readonly-is-no-effect", os.O_RDONLY | os.O_CREAT, 0o644)
 
 #[tokio::test]
 async fn failed_and_read_only_calls_are_not_effects() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("failed");
     let scratch = Scratch::new("failed");
     std::fs::write(scratch.path("exists"), "x").unwrap();
@@ -291,6 +294,7 @@ async fn failed_and_read_only_calls_are_not_effects() {
 
 #[tokio::test]
 async fn processes_outside_the_cgroup_are_not_recorded() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let watched = TestCgroup::new("inside");
     let other = TestCgroup::new("outside");
     let scratch = Scratch::new("outside");
@@ -310,6 +314,7 @@ async fn processes_outside_the_cgroup_are_not_recorded() {
 /// first are still recorded, and so is a sandbox when others leave and the list shrinks again.
 #[tokio::test]
 async fn every_watched_cgroup_is_recorded_past_the_id_list() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     const WATCHED: usize = 10;
     let cgroups: Vec<TestCgroup> = (0..WATCHED).map(|i| TestCgroup::new(&format!("many-{i}"))).collect();
     let scratch = Scratch::new("many");
@@ -336,6 +341,7 @@ async fn every_watched_cgroup_is_recorded_past_the_id_list() {
 
 #[tokio::test]
 async fn nested_cgroups_count_for_the_watched_ancestor() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("nested");
     let child = TestCgroup::under(&cgroup.dir, "child");
     let scratch = Scratch::new("nested");
@@ -348,6 +354,7 @@ async fn nested_cgroups_count_for_the_watched_ancestor() {
 
 #[tokio::test]
 async fn background_process_survives_the_turn() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("background");
     let inspector = watching("background", &cgroup).await;
     let output = cgroup.run("/bin/sh", &["-c", "sleep 30 > /dev/null 2>&1 & echo $!"]);
@@ -389,6 +396,7 @@ impl Drop for KillOnDrop {
 
 #[tokio::test]
 async fn listening_server_and_connects() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("listen");
     let inspector = watching("listen", &cgroup).await;
     let server = cgroup
@@ -441,6 +449,7 @@ async fn listening_server_and_connects() {
 
 #[tokio::test]
 async fn mounts_are_recorded_with_their_target() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("mount");
     let scratch = Scratch::new("mount");
     std::fs::create_dir(scratch.path("m")).unwrap();
@@ -474,6 +483,7 @@ async fn mounts_are_recorded_with_their_target() {
 
 #[tokio::test]
 async fn mount_table_names_the_file_system() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("fstype");
     let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
     let container = WatchedContainer { id: "fstype".into(), root_pid: Some(std::process::id()), rootfs: None };
@@ -487,6 +497,7 @@ async fn mount_table_names_the_file_system() {
 
 #[tokio::test]
 async fn every_record_is_delivered_or_counted_lost() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     const FILES: usize = 3000;
     let cgroup = TestCgroup::new("lost");
     let scratch = Scratch::new("lost");
@@ -536,6 +547,7 @@ async fn wait_for_links(inspector: &Inspector, want: usize, what: &str) {
 
 #[tokio::test]
 async fn programs_are_attached_only_while_something_is_watched() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let first = TestCgroup::new("attach-a");
     let second = TestCgroup::new("attach-b");
     let scratch = Scratch::new("attach");
@@ -578,6 +590,7 @@ async fn programs_are_attached_only_while_something_is_watched() {
 
 #[tokio::test]
 async fn turn_boundaries_cut_by_time_and_unwatch_stops_recording() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("turns");
     let scratch = Scratch::new("turns");
     let inspector = watching("turns", &cgroup).await;
@@ -597,6 +610,7 @@ async fn turn_boundaries_cut_by_time_and_unwatch_stops_recording() {
 
 #[tokio::test]
 async fn paths_are_relative_to_the_process_root() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("chroot");
     let rootfs = Scratch::new("chroot");
     std::fs::create_dir_all(rootfs.path("bin")).unwrap();
@@ -815,6 +829,7 @@ fn report(title: &str, samples: &Samples) {
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "benchmark: cargo test --release --test inspector -- --ignored --nocapture"]
 async fn inspector_overhead_benchmark() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     // A multiple of 3: each variant runs in each position of the rotation alike.
     const ROUNDS: usize = 6;
     const FILES: usize = 20_000;
@@ -876,6 +891,7 @@ async fn inspector_overhead_benchmark() {
 
 #[tokio::test]
 async fn descriptor_outside_the_process_root_is_unresolved() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("escape");
     let scratch = Scratch::new("escape");
     std::fs::create_dir_all(scratch.path("outside")).unwrap();
@@ -913,6 +929,7 @@ async fn descriptor_outside_the_process_root_is_unresolved() {
 /// "/dev/null" from its read-only data.
 #[tokio::test]
 async fn path_strings_in_pages_not_yet_paged_in_are_resolved() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("unpaged");
     let scratch = Scratch::new("unpaged");
     let base = scratch.path("base");
@@ -1052,6 +1069,7 @@ async fn turn(inspector: &Inspector, container: &str) -> Vec<Effect> {
 
 #[tokio::test]
 async fn a_daemon_writing_through_a_descriptor_of_an_earlier_turn_is_seen() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("olddesc");
     let scratch = Scratch::new("olddesc");
     let log = scratch.path("access.log");
@@ -1103,6 +1121,7 @@ async fn a_daemon_writing_through_a_descriptor_of_an_earlier_turn_is_seen() {
 /// the turn's own record. The drain carries it into the next turn.
 #[tokio::test]
 async fn a_write_between_the_cut_and_the_drain_lands_in_the_next_turn() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("cut");
     let scratch = Scratch::new("cut");
     let file = scratch.path("f");
@@ -1129,6 +1148,7 @@ async fn a_write_between_the_cut_and_the_drain_lands_in_the_next_turn() {
 /// the cut is in the next turn; one that exited before it is not.
 #[tokio::test]
 async fn repeats_of_a_process_from_this_turn_after_the_cut_land_in_the_next_turn() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("untimed");
     let scratch = Scratch::new("untimed");
     let file = scratch.path("f");
@@ -1175,6 +1195,7 @@ async fn repeats_of_a_process_from_this_turn_after_the_cut_land_in_the_next_turn
 /// turns after.
 #[tokio::test]
 async fn a_file_renamed_truncated_or_rewritten_after_a_repeat_is_still_reported() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     for started_in_turn in [false, true] {
         let name = if started_in_turn { "hitnew" } else { "hitold" };
         let cgroup = TestCgroup::new(name);
@@ -1236,6 +1257,7 @@ async fn a_file_renamed_truncated_or_rewritten_after_a_repeat_is_still_reported(
 
 #[tokio::test]
 async fn writes_to_pipes_sockets_memfd_and_devices_are_not_file_effects() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("notfiles");
     let inspector = watching("notfiles", &cgroup).await;
     let mut daemon = Interpreter::start(&cgroup);
@@ -1256,6 +1278,7 @@ async fn writes_to_pipes_sockets_memfd_and_devices_are_not_file_effects() {
 
 #[tokio::test]
 async fn shared_mappings_count_in_the_turns_their_process_runs() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("mmap");
     let scratch = Scratch::new("mmap");
     let data = scratch.path("data.bin");
@@ -1300,6 +1323,7 @@ async fn shared_mappings_count_in_the_turns_their_process_runs() {
 
 #[tokio::test]
 async fn metadata_calls_on_descriptors_name_the_file() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("fdmeta");
     let scratch = Scratch::new("fdmeta");
     let file = scratch.path("f");
@@ -1333,6 +1357,7 @@ async fn metadata_calls_on_descriptors_name_the_file() {
 #[tokio::test]
 #[ignore = "manual: CRAB_HOLD_SECS=30 cargo test --release --test inspector -- --ignored hold_inspector"]
 async fn hold_inspector() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let secs: u64 = std::env::var("CRAB_HOLD_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
     let start = Instant::now();
     let inspector = Inspector::start(InspectorConfig::default()).await.unwrap();
@@ -1381,6 +1406,7 @@ fn assert_escalated_naming(effects: &[Effect], call: &str) {
 
 #[tokio::test]
 async fn io_uring_and_aio_escalate_the_turns_they_write_in() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("async-io");
     let scratch = Scratch::new("async-io");
     let inspector = watching("async-io", &cgroup).await;
@@ -1421,6 +1447,7 @@ async fn io_uring_and_aio_escalate_the_turns_they_write_in() {
 
 #[tokio::test]
 async fn a_polling_ring_escalates_every_turn_its_process_runs_in() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     let cgroup = TestCgroup::new("sqpoll");
     let scratch = Scratch::new("sqpoll");
     let inspector = watching("sqpoll", &cgroup).await;
@@ -1458,6 +1485,7 @@ async fn a_polling_ring_escalates_every_turn_its_process_runs_in() {
 /// not once the storm leaves the ring buffer empty.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rename_storm_is_cut_at_its_bound_and_holds_up_no_other_drain() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     const BOUND: usize = 1 << 20;
     let storm = TestCgroup::new("storm");
     let quiet = TestCgroup::new("storm-quiet");
@@ -1559,6 +1587,7 @@ mod mechanism {
 #[tokio::test]
 #[ignore = "benchmark: cargo test --release -p crab-inspector --test inspector -- --ignored --nocapture tracepoint_mechanism"]
 async fn tracepoint_mechanism_benchmark() {
+    crab_sys::skip_unless_root!("BPF programs and cgroups");
     use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
     use libbpf_rs::{Link, MapCore, MapFlags};
     const ROUNDS: usize = 9;

@@ -136,6 +136,7 @@ fn error_message(replies: &[Reply]) -> &str {
 
 #[test]
 fn bad_frames_get_an_error_and_a_closed_connection_and_crabd_stays_up() {
+    crab_sys::skip_unless_root!("crabd's root-only socket and directory");
     let mut crabd = Crabd::start("frames", &[]);
     let socket = crabd.socket.clone();
 
@@ -201,6 +202,7 @@ fn bad_frames_get_an_error_and_a_closed_connection_and_crabd_stays_up() {
 
 #[test]
 fn socket_and_directory_are_root_only() {
+    crab_sys::skip_unless_root!("crabd's root-only socket and directory");
     let crabd = Crabd::start("modes", &[]);
     let socket_mode = std::fs::metadata(&crabd.socket).unwrap().permissions().mode() & 0o777;
     let dir_mode = std::fs::metadata(crabd.socket.parent().unwrap()).unwrap().permissions().mode() & 0o777;
@@ -293,6 +295,7 @@ fn connect_as_nobody(socket: &Path, how: Nobody) -> (i32, Vec<u8>) {
 
 #[test]
 fn non_root_peers_are_refused_and_crabd_stays_up() {
+    crab_sys::skip_unless_root!("crabd's root-only socket and directory");
     let mut crabd = Crabd::start("peers", &[]);
     // Fully nobody: the 0700 directory already stops it.
     let (errno, _) = connect_as_nobody(&crabd.socket, Nobody::Fully);
@@ -370,6 +373,7 @@ fn opened(effects: &[crab_inspector::Effect], path: &Path) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_reconnects_across_a_crabd_restart_and_reports_the_gap() {
+    crab_sys::skip_unless_root!("crabd's root-only socket and directory");
     let mut crabd = Crabd::start("restart", &[]);
     let scratch = tempfile::tempdir().unwrap();
     let cgroup = TestCgroup::new("restart");
@@ -420,6 +424,7 @@ fn status_watched(socket: &Path) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn first_client_starts_crabd_and_concurrent_starts_leave_one() {
+    crab_sys::skip_unless_root!("crabd's root-only socket and directory");
     let dir = tempfile::Builder::new().prefix("crabd-test-spawn-").tempdir().unwrap();
     let socket = dir.path().join("run/crabd.sock");
     let mut options = client_options(&socket);
@@ -458,6 +463,7 @@ async fn first_client_starts_crabd_and_concurrent_starts_leave_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquire_draws_chunks_supersedes_cancels_and_a_missing_crabd_does_not_block() {
+    crab_sys::skip_unless_root!("crabd's root-only socket and directory");
     let crabd = Crabd::start("bucket", &["--rate-mib-per-s", "4", "--burst-mib", "1"]);
     let client = NodeClient::connect(client_options(&crabd.socket)).await.unwrap();
     const MIB: u64 = 1 << 20;
@@ -586,6 +592,7 @@ async fn acquire_draws_chunks_supersedes_cancels_and_a_missing_crabd_does_not_bl
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acquire_waiting_when_crabd_is_killed_is_granted_by_the_crabd_started_again() {
+    crab_sys::skip_unless_root!("crabd's root-only socket and directory");
     const MIB: u64 = 1 << 20;
     let mut crabd = Crabd::start("acquire-restart", &["--rate-mib-per-s", "1", "--burst-mib", "1"]);
     let socket = crabd.socket.clone();
@@ -631,6 +638,7 @@ fn scopeguard(pid: u32) -> impl Drop {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "benchmark: takes about a minute and prints figures"]
 async fn bench_sixteen_sandboxes_with_and_without_the_bucket() {
+    crab_sys::skip_unless_root!("crabd's root-only socket and directory");
     const MIB: u64 = 1 << 20;
     let setting = |name: &str, default: u64| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
     let (rate_mib, burst_mib) = (setting("CRAB_BENCH_RATE_MIB", 160), setting("CRAB_BENCH_BURST_MIB", 32));
@@ -800,6 +808,7 @@ async fn a_crabd_of_another_identity_is_refused_with_both_identities_named() {
 /// client uses it again and watches what it could not watch meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_crabd_costs_each_request_its_bound_and_nothing_hangs() {
+    crab_sys::skip_unless_root!("crabd's root-only socket and directory");
     const MIB: u64 = 1 << 20;
     let crabd = Crabd::start("stopped", &["--rate-mib-per-s", "64", "--burst-mib", "8"]);
     let cgroup = TestCgroup::new("stopped");

@@ -77,6 +77,7 @@ async fn pusher_child() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pusher_killed_mid_push_resumes() {
+    crab_sys::skip_unless_root!("a registry from scripts/registry");
     let registry = Registry::start(false);
     let proxy = FaultProxy::start(registry.port).await;
     // Every blob upload takes half a second: a push of ~20 blobs takes ~10 s.

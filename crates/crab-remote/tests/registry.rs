@@ -29,6 +29,7 @@ fn assert_all_pulled(local: &Objects, pulled: &Objects, t: &crab_remote::TurnPus
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_and_pull_round_trip_with_dedup_across_turns() {
+    crab_sys::skip_unless_root!("a registry from scripts/registry");
     let registry = Registry::start(false);
     let remote = Remote::new(registry.config()).unwrap();
     let local = Objects::default();
@@ -79,6 +80,7 @@ async fn push_and_pull_round_trip_with_dedup_across_turns() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_sandbox_mounts_what_the_first_pushed() {
+    crab_sys::skip_unless_root!("a registry from scripts/registry");
     let registry = Registry::start(false);
     let remote = Remote::new(registry.config()).unwrap();
     let local = Objects::default();
@@ -108,6 +110,7 @@ async fn a_second_sandbox_mounts_what_the_first_pushed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_and_basic_auth_and_a_wrong_password() {
+    crab_sys::skip_unless_root!("a registry from scripts/registry");
     let registry = Registry::start(true);
     let remote = Remote::new(registry.config()).unwrap();
     let local = Objects::default();
@@ -151,6 +154,7 @@ fn base64_of(s: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registry_down_then_back() {
+    crab_sys::skip_unless_root!("a registry from scripts/registry");
     let port = free_port();
     let registry = Registry::start_on(false, port);
     registry.stop();
@@ -174,6 +178,7 @@ async fn registry_down_then_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_registry_is_bounded_by_the_timeout() {
+    crab_sys::skip_unless_root!("a registry from scripts/registry");
     let registry = Registry::start(false);
     let proxy = FaultProxy::start(registry.port).await;
     proxy.set(vec![Fault {
@@ -199,6 +204,7 @@ async fn a_slow_registry_is_bounded_by_the_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_errors_are_retried_and_a_full_registry_is_not() {
+    crab_sys::skip_unless_root!("a registry from scripts/registry");
     let registry = Registry::start(false);
     let proxy = FaultProxy::start(registry.port).await;
     let remote = Remote::new(registry.config_for(&proxy.host())).unwrap();
@@ -252,6 +258,7 @@ async fn server_errors_are_retried_and_a_full_registry_is_not() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_blob_in_the_registry_is_refused() {
+    crab_sys::skip_unless_root!("a registry from scripts/registry");
     let registry = Registry::start(true);
     let remote = Remote::new(registry.config()).unwrap();
     let local = Objects::default();
@@ -296,6 +303,7 @@ async fn a_corrupt_blob_in_the_registry_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_artifact_type_and_an_unknown_sandbox_are_named() {
+    crab_sys::skip_unless_root!("a registry from scripts/registry");
     let registry = Registry::start(true);
     let cfg = registry.config();
     let remote = Remote::new(cfg.clone()).unwrap();
@@ -338,6 +346,7 @@ async fn another_artifact_type_and_an_unknown_sandbox_are_named() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "prints figures; run by hand"]
 async fn throughput() {
+    crab_sys::skip_unless_root!("a registry from scripts/registry");
     for tls in [false, true] {
         let registry = Registry::start(tls);
         let mut cfg = registry.config();

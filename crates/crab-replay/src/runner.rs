@@ -80,14 +80,19 @@ pub async fn replay(options: &ReplayOptions) -> Result<Vec<TraceReport>, ReplayE
         {
             return Err(ReplayError::FaultTurnOutOfRange { file: file.clone(), turn, turns: trace.header.turns });
         }
+        planned.push((file, trace, fault_turn));
+    }
+    // containerd is asked only once every trace is known good: a bad trace is named as such
+    // even where containerd is down.
+    for (file, trace, _) in &planned {
         let image = trace.header.image.reference();
         if options.ctr.image_digest(&image).await?.is_none() {
-            return Err(ReplayError::ImageMissing { file: file.clone(), image, hint: trace.header.image.build_hint() });
+            let file = file.to_path_buf();
+            return Err(ReplayError::ImageMissing { file, image, hint: trace.header.image.build_hint() });
         }
-        planned.push((trace, fault_turn));
     }
     let mut reports = Vec::new();
-    for (index, (trace, fault_turn)) in planned.iter().enumerate() {
+    for (index, (_, trace, fault_turn)) in planned.iter().enumerate() {
         info!(trace = %trace.header.trace, number = index + 1, of = planned.len(), "progress: trace");
         reports.extend(replay_trace(options, &injector, trace, *fault_turn).await?);
     }

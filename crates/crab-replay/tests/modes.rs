@@ -55,6 +55,7 @@ fn sha(text: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stdin_mode_keeps_one_shell_and_crab_reattaches_it_after_a_kill() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let file = trace_file();
     let reports = replay(&options(file.path().to_path_buf(), ReplayMode::Stdin)).await.unwrap();
     let report = &reports[0];
@@ -90,6 +91,7 @@ async fn stdin_mode_keeps_one_shell_and_crab_reattaches_it_after_a_kill() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tmux_mode_types_into_one_session_and_reads_its_pane() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let file = trace_file();
     let reports = replay(&options(file.path().to_path_buf(), ReplayMode::Tmux)).await.unwrap();
     let report = &reports[0];

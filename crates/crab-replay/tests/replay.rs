@@ -73,6 +73,7 @@ fn run_of(runs: &[PolicyRun], policy: PolicyKind) -> &PolicyRun {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_turn_restores_exactly_and_chat_only_loses_files_and_processes() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let _containerd = CONTAINERD.lock().await;
     let file = trace_file(TRACE);
     for runtime in runtimes() {
@@ -115,10 +116,11 @@ async fn a_bad_trace_fails_before_any_sandbox_with_file_line_and_field() {
     let good = trace_file(TRACE);
     let bad =
         trace_file(&TRACE.replace(r#""turn": 3, "think_s": 0.5, "cmd""#, r#""turn": 3, "think_s": 0.5, "command""#));
-    // The good trace comes first: nothing may run before every trace is checked.
-    let error = replay(&options(vec![good.path().to_path_buf(), bad.path().to_path_buf()], "io.containerd.runc.v2"))
-        .await
-        .unwrap_err();
+    // The good trace comes first: nothing may run before every trace is checked, not even a
+    // question to containerd (here one that is not there, so any call would fail first).
+    let mut options = options(vec![good.path().to_path_buf(), bad.path().to_path_buf()], "io.containerd.runc.v2");
+    options.ctr = Ctr::new("/nonexistent/containerd.sock", "crab");
+    let error = replay(&options).await.unwrap_err();
     assert!(matches!(error, ReplayError::Trace(_)), "{error:?}");
     assert_eq!(error.to_string(), format!("{}:4: missing field `cmd`", bad.path().display()));
 }
@@ -138,6 +140,7 @@ fn report_for(reports: &[TraceReport], fault: FaultKind) -> &TraceReport {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crab_recovers_from_every_fault_kind_and_the_later_turns_match() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let _containerd = CONTAINERD.lock().await;
     let file = trace_file(TRACE);
     let mut options = options(vec![file.path().to_path_buf()], "io.containerd.crab.v2");
@@ -189,6 +192,7 @@ async fn crab_recovers_from_every_fault_kind_and_the_later_turns_match() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_node_loss_every_turn_restores_its_archive_and_chat_only_lost_its_state() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let _containerd = CONTAINERD.lock().await;
     let file = trace_file(TRACE);
     let checkpoints = tempfile::tempdir().unwrap();
@@ -260,6 +264,7 @@ const OUTSIDE: &str = r#"{"trace": "outside-itest", "source": "crab tests", "mod
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_oracle_sees_state_outside_the_workdir_tmp_and_root() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let _containerd = CONTAINERD.lock().await;
     let file = trace_file(OUTSIDE);
     let mut options = options(vec![file.path().to_path_buf()], "io.containerd.runc.v2");
@@ -359,6 +364,7 @@ const ADVERSARIAL_PASSING: [&str; 11] = [
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crab_recovers_the_adversarial_traces_exactly_under_every_fault() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let _containerd = CONTAINERD.lock().await;
     let file = combined(&ADVERSARIAL_PASSING);
     crab_recovers_under_every_fault(file.path()).await;
@@ -370,6 +376,7 @@ async fn crab_recovers_the_adversarial_traces_exactly_under_every_fault() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "covered by crab_recovers_the_adversarial_traces_exactly_under_every_fault; run alone to see hard links by themselves"]
 async fn crab_restores_a_hard_linked_file_written_through_one_name() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let _containerd = CONTAINERD.lock().await;
     crab_recovers_under_every_fault(&adversarial("hard-links")).await;
 }

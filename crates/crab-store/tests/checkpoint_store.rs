@@ -214,6 +214,7 @@ fn rich_turn(live: &Path) -> Vec<ChangedPath> {
 
 #[test]
 fn materialize_reproduces_modes_owners_xattrs_links_and_deletions() {
+    crab_sys::skip_unless_root!("mounts, ownership and CRIU");
     let sb = Sandbox::new();
     sb.commit("c1", 0, &[]);
     let report = sb.commit("c1", 1, &rich_turn(&sb.live));
@@ -235,6 +236,7 @@ fn materialize_reproduces_modes_owners_xattrs_links_and_deletions() {
 
 #[test]
 fn manifest_records_entry_kinds() {
+    crab_sys::skip_unless_root!("mounts, ownership and CRIU");
     let sb = Sandbox::new();
     let report = sb.commit("c1", 1, &rich_turn(&sb.live));
     let (id, manifest) = sb.store.manifest_at("c1", 1).unwrap();
@@ -260,6 +262,7 @@ fn manifest_records_entry_kinds() {
 
 #[test]
 fn in_place_rollback_restores_every_turn_exactly() {
+    crab_sys::skip_unless_root!("mounts, ownership and CRIU");
     let sb = Sandbox::new();
     sb.commit("c1", 0, &[]);
     let mut trees = vec![tree(&sb.live)];
@@ -1054,6 +1057,7 @@ fn criu_dump(pid: u32, dir: &Path) {
 
 #[test]
 fn real_criu_dump_twice_writes_little_and_restores_byte_identical() {
+    crab_sys::skip_unless_root!("mounts, ownership and CRIU");
     let sb = Sandbox::new();
     let script = "import time\nx = bytearray(16 << 20)\nfor i in range(0, len(x), 4096): x[i] = i % 251\nprint('ready', flush=True)\ntime.sleep(600)\n";
     let mut child = Command::new("setsid")
@@ -1314,6 +1318,7 @@ fn names_in_other_directories_are_found_and_rolled_back_together() {
 /// recorded with it.
 #[test]
 fn the_names_of_a_hard_linked_file_are_found_in_the_overlay_upper_layer() {
+    crab_sys::skip_unless_root!("mounts, ownership and CRIU");
     let tmp = tempfile::tempdir().unwrap();
     let [lower, upper, work, merged] = ["lower", "upper", "work", "merged"].map(|d| tmp.path().join(d));
     for dir in [&lower, &upper, &work, &merged] {

@@ -23,3 +23,35 @@ pub fn close_on_exec_from(first: u32) {
         }
     }
 }
+
+/// Whether this process runs as root, as the tests of containerd, CRIU, BPF, cgroups and
+/// mounts need. When it does not, prints that the running test is skipped and why, and
+/// returns false, so that `cargo test` works for a developer without root. Under CI (`CI`
+/// set) it panics instead: CI runs every test as root, and a skip there would hide one.
+pub fn root_or_skip(needs: &str) -> bool {
+    // SAFETY: geteuid(2) has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if euid == 0 {
+        return true;
+    }
+    let thread = std::thread::current();
+    // libtest names each test's thread after the test.
+    let test = thread.name().unwrap_or("this test");
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "{test} needs root ({needs}) and runs as uid {euid}: CI must run every test as root"
+    );
+    eprintln!("skipped: {test} needs root ({needs}); running as uid {euid}");
+    false
+}
+
+/// Returns from the calling test, after saying so, unless it runs as root
+/// ([`root_or_skip`]): `crab_sys::skip_unless_root!("containerd and CRIU");`.
+#[macro_export]
+macro_rules! skip_unless_root {
+    ($needs:expr) => {
+        if !$crate::root_or_skip($needs) {
+            return;
+        }
+    };
+}
