@@ -16,6 +16,7 @@ Usage: bench_checkpoint_report.py --state DIR --work DIR --namespace NS --contai
 import argparse
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -54,6 +55,7 @@ def main():
     parser.add_argument("--no-crabd", action="store_true", help="part 3 ran without a crabd")
     parser.add_argument("--crab-samples", default="", help="part 3's crab samples, ns, space-separated")
     parser.add_argument("--runc-samples", default="", help="part 3's runc samples, ns, space-separated")
+    parser.add_argument("--crun-samples", help="part 5's file: lines of runtime, capture ms, restore ns")
     parser.add_argument("ids", nargs="*", help="part 1's sandboxes: bench-delay-<policy>-<pid>")
     a = parser.parse_args()
     store_bench = ""
@@ -124,6 +126,28 @@ def main():
         if line.startswith("CRIU dump turn"):
             goal = "   goal ratio <= 0.05" if "turn 2" in line else ""
             print("  " + line + goal)
+
+    crun_report(a.crun_samples)
+
+
+def crun_report(path):
+    """Part 5: medians per runtime of a process turn's capture and of its restore, and crun/runc."""
+    try:
+        rows = [line.split() for line in open(path) if line.strip()]
+    except (FileNotFoundError, TypeError):
+        return
+    by = {"runc": ([], []), "crun": ([], [])}
+    for runtime, capture_ms, restore_ns in rows:
+        by[runtime][0].append(float(capture_ms))
+        by[runtime][1].append(int(restore_ns) / 1e6)
+    n = min(len(by["runc"][0]), len(by["crun"][0]))
+    if n == 0:
+        return
+    print(f"== 5. crab over crun beside crab over runc (a shell holding 32 MiB; median of {n} alternating sandboxes each)")
+    print(f"  {'':<52}{'runc':>9}{'crun':>9}{'crun/runc':>11}")
+    for i, name in ((0, "process turn's capture (CRIU dump and staging), ms"), (1, "restore of that turn (ctr run, restore-from), ms")):
+        r, c = statistics.median(by["runc"][i]), statistics.median(by["crun"][i])
+        print(f"  {name:<52}{r:>9.1f}{c:>9.1f}{c / r:>11.3f}")
 
 
 if __name__ == "__main__":
