@@ -21,8 +21,8 @@ use containerd_client::tonic::Request;
 use containerd_client::tonic::transport::Channel;
 use containerd_client::with_namespace;
 
-use crate::ctr::Ctr;
 use crate::{HarnessError, Outcome};
+use crab_containerd::Ctr;
 
 /// containerd registers the OCI runtime-spec types under this URL prefix and encodes them as JSON.
 const LINUX_RESOURCES_TYPE_URL: &str = "types.containerd.io/opencontainers/runtime-spec/1/LinuxResources";

@@ -9,10 +9,10 @@ use std::time::Duration;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-use crate::ctr::{Ctr, CtrOutput};
 use crate::env::{Runtime, TestEnv};
 use crate::host::{self, ProcessCgroups};
 use crate::{HarnessError, Outcome, wait_until};
+use crab_containerd::{Ctr, CtrOutput};
 
 /// Timeout of every cleanup command run from `Drop`.
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(15);

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use crate::ctr::Ctr;
+use crab_containerd::Ctr;
 
 pub const DEFAULT_SOCKET: &str = "/run/crab-dev/containerd.sock";
 pub const DEFAULT_NAMESPACE: &str = "crab";

@@ -7,8 +7,8 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use crate::ctr::Ctr;
 use crate::{HarnessError, Outcome, wait_until};
+use crab_containerd::Ctr;
 
 /// One line of `ctr events`: `<date> <time> <zone> UTC <namespace> <topic> <json payload>`.
 #[derive(Debug, Clone, PartialEq)]

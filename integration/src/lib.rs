@@ -13,7 +13,6 @@
 pub mod api;
 pub mod container;
 pub mod cri;
-pub mod ctr;
 pub mod daemon;
 pub mod env;
 pub mod events;
@@ -25,7 +24,7 @@ pub mod sandbox;
 use std::time::Duration;
 
 pub use container::{Container, TaskInfo};
-pub use ctr::{Ctr, CtrError, CtrOutput};
+pub use crab_containerd::{Ctr, CtrError, CtrOutput};
 pub use env::{Runtime, TestEnv};
 pub use events::{Event, EventStream};
 pub use matrix::{across_runtimes, require_same};

@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use nix::pty::{Winsize, openpty};
 
-use crate::ctr::{Ctr, describe};
 use crate::{HarnessError, Outcome, wait_until};
+use crab_containerd::Ctr;
+use crab_containerd::ctr::describe;
 
 nix::ioctl_write_ptr_bad!(set_window_size, libc::TIOCSWINSZ, Winsize);
 

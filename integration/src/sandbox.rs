@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::container::Container;
-use crate::ctr::CtrOutput;
 use crate::env::{CRAB_RUNTIME, Runtime, TestEnv};
 use crate::host::{self, ProcessCgroups};
 use crate::{HarnessError, Outcome, wait_until};
+use crab_containerd::CtrOutput;
 
 /// The agent image: python3, git, pip, tmux, nginx, curl (`scripts/build-images terminal`).
 pub const TERMINAL_IMAGE: &str = "crab.local/terminal:latest";

@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use crab_containerd::Ctr;
 use crab_store::turns::{RecordedClass, TurnLog, TurnRecord};
 use crab_store::{CheckpointStore, Head};
-use crabctl::containerd::ctr::Ctr;
 
 const IMAGE: &str = "crab.local/busybox:latest";
 const RUNTIME: &str = "io.containerd.crab.v2";

@@ -509,7 +509,7 @@ async fn sixteen_sandboxes_replaying_dev_traces_stay_in_the_bucket_and_lose_no_t
     let _alone = ONE_AT_A_TIME.lock().await;
     let replays = dev_trace_replays().unwrap();
     let tiny = TinyCrabd::replace_running(TIGHT_RATE_KIB, TIGHT_BURST_KIB).await.unwrap();
-    let ctr = crabctl::containerd::ctr::Ctr::from_env();
+    let ctr = crab_containerd::Ctr::from_env();
     let ids: Vec<String> = (0..COLOCATED).map(|i| format!("node-colo-{i}")).collect();
     for id in &ids {
         let _ = crab_replay::sandbox::remove_container(&ctr, id).await;
@@ -524,7 +524,7 @@ async fn sixteen_sandboxes_replaying_dev_traces_stay_in_the_bucket_and_lose_no_t
 }
 
 async fn colocated_run(
-    ctr: &crabctl::containerd::ctr::Ctr,
+    ctr: &crab_containerd::Ctr,
     ids: &[String],
     replays: Vec<Replay>,
     mut tiny: TinyCrabd,

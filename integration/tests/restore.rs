@@ -6,9 +6,9 @@
 
 use std::time::Duration;
 
+use crab_containerd::Ctr;
 use crab_store::turns::{RecordedClass, TurnRecord};
 use crabctl::Ctl;
-use crabctl::containerd::ctr::Ctr;
 
 const IMAGE: &str = "crab.local/busybox:latest";
 /// Has python3, for processes that hold sockets and locks.

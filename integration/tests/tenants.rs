@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use crabctl::containerd::ctr::Ctr;
+use crab_containerd::Ctr;
 
 const IMAGE: &str = "crab.local/busybox:latest";
 

@@ -368,18 +368,9 @@ async fn mark(container: &str) -> Outcome<serde_json::Value> {
 }
 
 /// A raw Task Update with `io.crab.turn=<value>`, as any containerd client can send it.
-async fn send_turn_annotation(container: &str, value: &str) -> Result<(), containerd_client::tonic::Status> {
-    use containerd_client::services::v1::UpdateTaskRequest;
-    use containerd_client::services::v1::tasks_client::TasksClient;
+async fn send_turn_annotation(container: &str, value: &str) -> Result<(), crab_containerd::grpc::GrpcError> {
     let env = TestEnv::get();
-    let channel = containerd_client::connect(&env.socket).await.expect("containerd answers");
-    let mut request = containerd_client::tonic::Request::new(UpdateTaskRequest {
-        container_id: container.into(),
-        resources: None,
-        annotations: [("io.crab.turn".to_string(), value.to_string())].into(),
-    });
-    request.metadata_mut().insert("containerd-namespace", env.namespace.parse().expect("ascii namespace"));
-    TasksClient::new(channel).update(request).await.map(drop)
+    crab_containerd::grpc::Containerd::new(&env.socket, &env.namespace).send_turn_annotation(container, value).await
 }
 
 /// `explicit`: execs make no turns; each mark ends the open turn (checkpointed before the call
@@ -420,19 +411,11 @@ async fn explicit_marks_bound_turns() {
             );
         }
         let refused = send_turn_annotation(sandbox.id(), "rollback").await;
-        let status =
-            refused.err().ok_or_else(|| HarnessError::Expectation("io.crab.turn=rollback was accepted".into()))?;
-        ensure_eq!(
-            status.code(),
-            containerd_client::tonic::Code::InvalidArgument,
-            "code for a bad mark ({})",
-            status.message()
-        );
-        ensure!(
-            status.message().contains("io.crab.turn") && status.message().contains("rollback"),
-            "message: {}",
-            status.message()
-        );
+        let Err(crab_containerd::grpc::GrpcError::Call { code, message, .. }) = refused else {
+            return Err(HarnessError::Expectation(format!("io.crab.turn=rollback: {refused:?}")));
+        };
+        ensure_eq!(code, containerd_client::tonic::Code::InvalidArgument, "code for a bad mark ({message})");
+        ensure!(message.contains("io.crab.turn") && message.contains("rollback"), "message: {message}");
         Ok::<_, HarnessError>(())
     };
     run.await.unwrap();

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use super::{Daemons, FaultKind, FaultTurn, PolicyKind, ReplayMode, ReplayOptions, report};
-use crabctl::containerd::ctr::Ctr;
+use crab_containerd::Ctr;
 
 /// every-turn's archives unless `--checkpoint-dir` says otherwise.
 pub const DEFAULT_CHECKPOINT_DIR: &str = "/var/lib/crab-replay/checkpoints";

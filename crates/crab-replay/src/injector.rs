@@ -15,7 +15,7 @@ use tracing::{info, warn};
 
 use super::fault::FaultKind;
 use super::sandbox::{Sandbox, SandboxError, remove_container};
-use crabctl::containerd::ctr::{Ctr, CtrError};
+use crab_containerd::{Ctr, CtrError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InjectError {

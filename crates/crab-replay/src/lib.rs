@@ -46,7 +46,7 @@ pub enum ReplayError {
     #[error(transparent)]
     Sandbox(#[from] sandbox::SandboxError),
     #[error(transparent)]
-    Ctr(#[from] crabctl::containerd::ctr::CtrError),
+    Ctr(#[from] crab_containerd::CtrError),
     #[error("{file}: oracle: {source}")]
     Oracle {
         file: PathBuf,

@@ -14,7 +14,7 @@ use tracing::info;
 use super::ReplayError;
 use super::archive::ArchiveWriter;
 use super::sandbox::{CheckpointImage, Sandbox, SandboxSpec, remove_container, remove_image};
-use crabctl::containerd::ctr::Ctr;
+use crab_containerd::Ctr;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "kebab-case")]

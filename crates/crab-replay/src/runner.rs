@@ -17,7 +17,7 @@ use super::report::{DelaySummary, FaultReport, PolicyRun, ReferenceSummary, Trac
 use super::sandbox::{ExecResult, Sandbox, SandboxSpec};
 use super::shell::ReplayMode;
 use super::trace::Trace;
-use crabctl::containerd::ctr::Ctr;
+use crab_containerd::Ctr;
 
 #[derive(Debug, Clone)]
 pub struct ReplayOptions {

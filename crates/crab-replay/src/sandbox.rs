@@ -11,7 +11,7 @@ use super::archive::Descriptor;
 use super::fingerprint::{Fingerprint, FingerprintError, HashCache, Scope};
 use super::injector::task_entry;
 use super::shell::{ReplayMode, SessionError, StdinSession, TMUX_TURN_SCRIPT, TMUX_UNAVAILABLE};
-use crabctl::containerd::ctr::{Ctr, CtrError, CtrOutput};
+use crab_containerd::{Ctr, CtrError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
@@ -290,15 +290,9 @@ impl Sandbox {
                 self.kill_exec(&session.exec_id).await;
             }
             session.close().await;
-            let output = CtrOutput {
-                code: turn.rc,
-                stdout: Vec::new(),
-                stderr: turn.stderr.clone(),
-                elapsed: duration,
-                timed_out: turn.timed_out,
-            };
-            if !turn.timed_out && is_ctr_failure(&output) {
-                return Err(SandboxError::ExecFailed { container: self.id.clone(), stderr: output.stderr_text() });
+            if !turn.timed_out && is_ctr_failure(turn.rc, &turn.stderr) {
+                let stderr = String::from_utf8_lossy(&turn.stderr).trim().to_string();
+                return Err(SandboxError::ExecFailed { container: self.id.clone(), stderr });
             }
         }
         Ok(ExecResult { rc: turn.rc, timed_out: turn.timed_out, duration, stdout: turn.stdout, stderr: turn.stderr })
@@ -346,7 +340,7 @@ impl Sandbox {
             }
         };
         let duration = started.elapsed();
-        if !timed_out && is_ctr_failure(&output) {
+        if !timed_out && is_ctr_failure(output.code, &output.stderr) {
             return Err(SandboxError::ExecFailed { container: self.id.clone(), stderr: output.stderr_text() });
         }
         if output.code == Some(TMUX_UNAVAILABLE) {
@@ -387,7 +381,7 @@ impl Sandbox {
             }
         };
         let duration = started.elapsed();
-        if !timed_out && is_ctr_failure(&output) {
+        if !timed_out && is_ctr_failure(output.code, &output.stderr) {
             return Err(SandboxError::ExecFailed { container: self.id.clone(), stderr: output.stderr_text() });
         }
         Ok(ExecResult {
@@ -529,7 +523,7 @@ pub async fn remove_image(ctr: &Ctr, reference: &str) -> Result<(), SandboxError
     ignore_not_found(ctr.run(&["images", "rm", "--sync", reference]).await)
 }
 
-fn ignore_not_found(result: Result<CtrOutput, CtrError>) -> Result<(), SandboxError> {
+fn ignore_not_found(result: Result<crab_containerd::RawOutput, CtrError>) -> Result<(), SandboxError> {
     match result {
         Ok(_) => Ok(()),
         Err(CtrError::Failed { stderr, .. }) if stderr.contains("not found") => Ok(()),
@@ -539,6 +533,7 @@ fn ignore_not_found(result: Result<CtrOutput, CtrError>) -> Result<(), SandboxEr
 
 /// `ctr` reports its own failures (no such container, exec id in use) as exit 1
 /// with a last stderr line `ctr: ...`; the command's own exit codes pass through.
-fn is_ctr_failure(output: &CtrOutput) -> bool {
-    output.code == Some(1) && output.stderr_text().lines().last().is_some_and(|line| line.starts_with("ctr: "))
+fn is_ctr_failure(code: Option<i32>, stderr: &[u8]) -> bool {
+    code == Some(1)
+        && String::from_utf8_lossy(stderr).trim().lines().last().is_some_and(|line| line.starts_with("ctr: "))
 }

@@ -19,7 +19,7 @@ use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, ChildStderr, ChildStdin, ChildStdout, Command};
 
-use crabctl::containerd::ctr::Ctr;
+use crab_containerd::Ctr;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]

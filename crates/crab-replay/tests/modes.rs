@@ -9,9 +9,9 @@
 use std::io::Write;
 use std::path::PathBuf;
 
+use crab_containerd::Ctr;
 use crab_replay::report::PolicyRun;
 use crab_replay::{Daemons, FaultKind, FaultTurn, PolicyKind, ReplayMode, ReplayOptions, replay};
-use crabctl::containerd::ctr::Ctr;
 
 const TRACE: &str = r#"{"trace": "modes-itest", "source": "crab tests", "mode": "exec", "workdir": "/app", "image": "terminal", "turns": 3}
 {"turn": 1, "think_s": 0.1, "cmd": "mkdir -p /app/sub && cd /app/sub && export CRAB_V=kept && echo one > f1 && printf 'no newline'", "timeout_s": 30}

@@ -10,10 +10,10 @@
 use std::io::Write;
 use std::path::PathBuf;
 
+use crab_containerd::Ctr;
 use crab_replay::policy::RecoveryMethod;
 use crab_replay::report::{PolicyRun, TraceReport};
 use crab_replay::{Daemons, FaultKind, FaultTurn, PolicyKind, ReplayError, ReplayOptions, replay};
-use crabctl::containerd::ctr::Ctr;
 
 /// restart-containerd takes containerd away from everything else running on it.
 static CONTAINERD: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());

@@ -7,7 +7,7 @@ use clap::{Args, Subcommand};
 use serde::Serialize;
 
 use super::{Ctl, Result};
-use crate::containerd::ctr::Ctr;
+use crab_containerd::Ctr;
 use crab_store::RetentionPolicy;
 
 #[derive(Args, Debug)]

@@ -8,7 +8,6 @@
 //! processes from the newest process checkpoint at or before it.
 
 pub mod cli;
-pub mod containerd;
 pub mod remote;
 
 use std::path::{Path, PathBuf};
@@ -17,7 +16,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::containerd::ctr::Ctr;
+use crab_containerd::Ctr;
 use crab_store::turns::{ANNOTATION_RESTORE_FROM, RecordedClass, TurnLog, TurnRecord};
 use crab_store::{CheckpointStore, RollbackRequest, SandboxKey};
 
@@ -136,11 +135,11 @@ impl Ctl {
     /// each bounded by the admin timeout).
     pub async fn container_census(&self, keep_removed: std::time::Duration) -> Result<crab_store::ContainerCensus> {
         let now = std::time::SystemTime::now();
-        let lines = |out: crate::containerd::ctr::CtrOutput| -> Vec<String> {
+        let lines = |out: crab_containerd::RawOutput| -> Vec<String> {
             out.stdout_text().lines().map(str::trim).filter(|l| !l.is_empty()).map(str::to_owned).collect()
         };
         let socket = self.ctr.socket().to_path_buf();
-        let asked = |e: crate::containerd::ctr::CtrError| CtlError::Containerd(e.to_string());
+        let asked = |e: crab_containerd::CtrError| CtlError::Containerd(e.to_string());
         let namespaces = lines(Ctr::new(&socket, "default").run(&["namespaces", "ls", "-q"]).await.map_err(asked)?);
         let mut census = std::collections::BTreeMap::new();
         for namespace in namespaces {
@@ -166,7 +165,7 @@ impl Ctl {
         let log = TurnLog::open(&self.state_dir, &self.key(container)?)?;
         let last_before = log.read()?.last().map(|r| r.turn).unwrap_or(0);
         let started = Instant::now();
-        crate::containerd::grpc::Containerd::new(self.ctr.socket(), self.ctr.namespace())
+        crab_containerd::grpc::Containerd::new(self.ctr.socket(), self.ctr.namespace())
             .turn_request(container, crab_store::turns::TurnRequest::Mark)
             .await
             .map_err(|e| CtlError::Containerd(e.to_string()))?;

@@ -344,7 +344,7 @@ impl Ctl {
     /// The crab sandboxes containerd has in this namespace (`ctr containers ls`), with whether
     /// their task runs (`ctr tasks ls`).
     async fn crab_sandboxes(&self) -> Result<Vec<(String, bool)>> {
-        let asked = |e: crate::containerd::ctr::CtrError| CtlError::Containerd(e.to_string());
+        let asked = |e: crab_containerd::CtrError| CtlError::Containerd(e.to_string());
         let containers = self.ctr.run(&["containers", "ls"]).await.map_err(asked)?.stdout_text();
         let tasks = self.ctr.run(&["tasks", "ls"]).await.map_err(asked)?.stdout_text();
         let running: std::collections::HashSet<&str> = tasks
