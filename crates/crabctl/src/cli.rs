@@ -16,15 +16,46 @@ pub struct Common {
     /// crab config the shims read ($CRAB_CONFIG, else /etc/crab/crab.toml, else /var/lib/crab).
     #[arg(long, env = "CRAB_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
+    /// containerd's socket. Default: $CRAB_CTRD_SOCK, else $CONTAINERD_ADDRESS (as ctr and
+    /// nerdctl read it), else /run/containerd/containerd.sock.
+    #[arg(long, short = 'a')]
+    pub address: Option<PathBuf>,
     /// The containerd namespace of the sandbox (its chain and turn log are that namespace's).
-    #[arg(long, short = 'n', env = "CRAB_NS", default_value = crab_store::DEFAULT_NAMESPACE)]
-    pub namespace: String,
+    /// Default: $CRAB_NS, else $CONTAINERD_NAMESPACE (as ctr and nerdctl read it), else `default`.
+    #[arg(long, short = 'n')]
+    pub namespace: Option<String>,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
 }
 
+/// containerd's own default socket, where crabctl looks when nothing names another.
+pub const CONTAINERD_SOCKET: &str = "/run/containerd/containerd.sock";
+/// The namespace `ctr` and nerdctl use when none is named.
+pub const CONTAINERD_NAMESPACE: &str = "default";
+
+/// The first of: the flag's value, then each variable of `vars` that is set and not empty
+/// (crab's own first: a test or script that points crab at one containerd may inherit
+/// `CONTAINERD_*` naming another), then `default`.
+fn flag_env_or(flag: Option<String>, vars: &[&str], env: impl Fn(&str) -> Option<String>, default: &str) -> String {
+    flag.or_else(|| vars.iter().find_map(|var| env(var).filter(|value| !value.is_empty())))
+        .unwrap_or_else(|| default.to_string())
+}
+
 impl Common {
+    /// The containerd socket crabctl asks (see `--address`).
+    pub fn address(&self) -> PathBuf {
+        let flag = self.address.as_ref().map(|p| p.display().to_string());
+        let env = |var: &str| std::env::var(var).ok();
+        flag_env_or(flag, &["CRAB_CTRD_SOCK", "CONTAINERD_ADDRESS"], env, CONTAINERD_SOCKET).into()
+    }
+
+    /// The containerd namespace crabctl acts in (see `--namespace`).
+    pub fn namespace(&self) -> String {
+        let env = |var: &str| std::env::var(var).ok();
+        flag_env_or(self.namespace.clone(), &["CRAB_NS", "CONTAINERD_NAMESPACE"], env, CONTAINERD_NAMESPACE)
+    }
+
     /// The store the shims of this host write to, unless told otherwise.
     pub fn state_dir(&self) -> Result<PathBuf> {
         match &self.state_dir {
@@ -222,8 +253,9 @@ impl CheckpointCommand {
     pub async fn run(self) -> Result<()> {
         let common = self.common();
         let json = common.json;
-        crab_store::validate_namespace(&common.namespace)?;
-        let ctr = Ctr::new(Ctr::from_env().socket(), common.namespace.clone());
+        let namespace = common.namespace();
+        crab_store::validate_namespace(&namespace)?;
+        let ctr = Ctr::new(common.address(), namespace);
         let ctl = Ctl::open(&common.state_dir()?, ctr)?;
         match &self {
             Self::Turns { container, .. } => print(json, &turn_rows(&ctl, container)?, |turns| {
@@ -513,4 +545,25 @@ fn restore_line(r: &super::RestoreReport) -> String {
         r.changed_paths.map(|n| format!(", {n} paths")).unwrap_or_default(),
         r.elapsed_ms
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_flag_then_crabs_variable_then_containerds_then_the_default() {
+        let env = |set: &'static [(&'static str, &'static str)]| {
+            move |var: &str| set.iter().find(|(k, _)| *k == var).map(|(_, v)| v.to_string())
+        };
+        let vars = ["CRAB_NS", "CONTAINERD_NAMESPACE"];
+        let both = env(&[("CRAB_NS", "crab"), ("CONTAINERD_NAMESPACE", "k8s.io")]);
+        assert_eq!(flag_env_or(Some("a".into()), &vars, both, "default"), "a");
+        assert_eq!(flag_env_or(None, &vars, both, "default"), "crab");
+        let containerds = env(&[("CONTAINERD_NAMESPACE", "k8s.io")]);
+        assert_eq!(flag_env_or(None, &vars, containerds, "default"), "k8s.io");
+        let empty = env(&[("CRAB_NS", ""), ("CONTAINERD_NAMESPACE", "k8s.io")]);
+        assert_eq!(flag_env_or(None, &vars, empty, "default"), "k8s.io", "an empty variable is unset");
+        assert_eq!(flag_env_or(None, &vars, env(&[]), "default"), "default");
+    }
 }

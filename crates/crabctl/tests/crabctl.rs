@@ -32,7 +32,11 @@ fn record(turn: u64) -> TurnRecord {
 
 fn turns(config: Option<&Path>, state_env: Option<&Path>) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_crabctl"));
-    cmd.args(["turns", "sb", "--json"]).env_remove("CRAB_STATE_DIR").env_remove("CRAB_CONFIG").env_remove("CRAB_NS");
+    cmd.args(["turns", "sb", "--json"])
+        .env_remove("CRAB_STATE_DIR")
+        .env_remove("CRAB_CONFIG")
+        .env_remove("CRAB_NS")
+        .env_remove("CONTAINERD_NAMESPACE");
     if let Some(config) = config {
         cmd.env("CRAB_CONFIG", config);
     }
@@ -52,8 +56,8 @@ fn turn_numbers(output: &Output) -> Vec<u64> {
 fn crabctl_reads_the_store_named_by_the_shims_config() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
-    TurnLog::open(&state, "sb").unwrap().append(&record(1)).unwrap();
-    TurnLog::open(&state, "sb").unwrap().append(&record(2)).unwrap();
+    TurnLog::open(&state, "default/sb").unwrap().append(&record(1)).unwrap();
+    TurnLog::open(&state, "default/sb").unwrap().append(&record(2)).unwrap();
     let config = dir.path().join("crab.toml");
     std::fs::write(&config, format!("[checkpoint]\nstate_dir = \"{}\"\n", state.display())).unwrap();
 
@@ -69,24 +73,28 @@ fn crabctl_reads_the_store_named_by_the_shims_config() {
 }
 
 /// Turn logs are kept per containerd namespace: crabctl reads the one of `--namespace`, else
-/// `CRAB_NS`, else the default namespace, and never another namespace's log of the same id.
+/// `CRAB_NS`, else `CONTAINERD_NAMESPACE`, else containerd's `default`, and never another
+/// namespace's log of the same id.
 #[test]
 fn crabctl_reads_the_turn_log_of_its_namespace() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
-    TurnLog::open(&state, "sb").unwrap().append(&record(1)).unwrap();
+    TurnLog::open(&state, "default/sb").unwrap().append(&record(1)).unwrap();
     TurnLog::open(&state, "tenant-b/sb").unwrap().append(&record(7)).unwrap();
-    let run = |args: &[&str], ns_env: Option<&str>| {
+    let run_with = |args: &[&str], env: &[(&str, &str)]| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_crabctl"));
-        cmd.args(["turns", "sb", "--json"]).args(args).env("CRAB_STATE_DIR", &state).env_remove("CRAB_NS");
-        if let Some(ns) = ns_env {
-            cmd.env("CRAB_NS", ns);
-        }
+        cmd.args(["turns", "sb", "--json"]).args(args).env("CRAB_STATE_DIR", &state);
+        cmd.env_remove("CRAB_NS").env_remove("CONTAINERD_NAMESPACE").envs(env.iter().copied());
         cmd.output().expect("running crabctl")
     };
+    let run = |args: &[&str], ns_env: Option<&str>| run_with(args, ns_env.map(|ns| ("CRAB_NS", ns)).as_slice());
     assert_eq!(turn_numbers(&run(&[], None)), vec![1], "the default namespace's log");
     assert_eq!(turn_numbers(&run(&["--namespace", "tenant-b"], None)), vec![7]);
     assert_eq!(turn_numbers(&run(&[], Some("tenant-b"))), vec![7], "CRAB_NS");
+    // What ctr and nerdctl read, so crabctl finds a sandbox of a real containerd (CRI's k8s.io).
+    assert_eq!(turn_numbers(&run_with(&[], &[("CONTAINERD_NAMESPACE", "tenant-b")])), vec![7], "CONTAINERD_NAMESPACE");
+    let both = [("CRAB_NS", "default"), ("CONTAINERD_NAMESPACE", "tenant-b")];
+    assert_eq!(turn_numbers(&run_with(&[], &both)), vec![1], "CRAB_NS before CONTAINERD_NAMESPACE");
     assert_eq!(turn_numbers(&run(&["-n", "tenant-c"], None)), Vec::<u64>::new(), "no log in tenant-c");
     let bad = run(&["--namespace", "../tenant-b"], None);
     let stderr = String::from_utf8_lossy(&bad.stderr);
@@ -103,13 +111,17 @@ fn crabctl_reads_the_turn_log_of_its_namespace() {
 fn turns_name_execs_that_went_through_the_runtime() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
-    let log = TurnLog::open(&state, "sb").unwrap();
+    let log = TurnLog::open(&state, "default/sb").unwrap();
     log.append(&record(1)).unwrap();
     let session = RuntimeExec { exec_id: "shell".into(), reason: "spawner unavailable: refused".into(), running: true };
     log.append(&TurnRecord { runtime_execs: vec![session.clone()], ..record(2) }).unwrap();
     let run = |json: bool| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_crabctl"));
-        cmd.args(["turns", "sb"]).env("CRAB_STATE_DIR", &state).env_remove("CRAB_CONFIG").env_remove("CRAB_NS");
+        cmd.args(["turns", "sb"])
+            .env("CRAB_STATE_DIR", &state)
+            .env_remove("CRAB_CONFIG")
+            .env_remove("CRAB_NS")
+            .env_remove("CONTAINERD_NAMESPACE");
         if json {
             cmd.arg("--json");
         }
