@@ -91,7 +91,9 @@ pub type Result<T> = std::result::Result<T, RuntimeError>;
 /// runs the verbs changing the container's frozen/dumped state one at a time:
 /// runc does not lock between its own invocations, and a `pause`, `resume`
 /// or `kill --all` (which freezes and thaws the cgroup) landing in the middle
-/// of a CRIU dump fails it or the dump ("container not running").
+/// of a CRIU dump fails it or the dump ("container not running"). Locks of the
+/// caller's are taken after that one, never before: a dump's hooks take them
+/// under it (see [`OciRuntime::pause_after`]).
 #[derive(Debug, Clone)]
 pub struct OciRuntime {
     binary: PathBuf,
@@ -276,8 +278,20 @@ impl OciRuntime {
     }
 
     pub async fn pause(&self, id: &str) -> Result<()> {
+        self.pause_after(id, async {}).await.1
+    }
+
+    /// Pauses the container once `prepare` has run, both under the lock of the verbs that freeze
+    /// or dump it; `prepare`'s output (a guard it took) is handed back with the pause's result.
+    ///
+    /// What `prepare` locks is thereby always taken after that lock, as a dump's
+    /// [`DumpHooks::before_dump`] takes it: a caller that took its own lock first and then paused
+    /// would wait for a dump that waits for its lock in a hook, for ever.
+    pub async fn pause_after<T>(&self, id: &str, prepare: impl std::future::Future<Output = T>) -> (T, Result<()>) {
         let _exclusive = self.exclusive.lock().await;
-        self.run(id, &["pause".into(), id.into()], ProcessStdio::default()).await.map(drop)
+        let prepared = prepare.await;
+        let paused = self.run(id, &["pause".into(), id.into()], ProcessStdio::default()).await.map(drop);
+        (prepared, paused)
     }
 
     pub async fn resume(&self, id: &str) -> Result<()> {
@@ -658,6 +672,77 @@ mod tests {
         let runtime = OciRuntime::new("/bin/echo", dir.path(), false, reaper);
         let out = runtime.run("c1", &["state".into()], ProcessStdio::default()).await.unwrap();
         assert!(String::from_utf8_lossy(&out).trim_end().ends_with("state"), "{out:?}");
+    }
+
+    /// A dump hook that holds `lock` from before the dump to after it, as the shim's holds the
+    /// spawner slot's `connecting`.
+    #[derive(Debug)]
+    struct HoldsLock {
+        lock: std::sync::Arc<tokio::sync::Mutex<()>>,
+        held: std::sync::Mutex<Option<tokio::sync::OwnedMutexGuard<()>>>,
+    }
+
+    #[async_trait::async_trait]
+    impl DumpHooks for HoldsLock {
+        async fn before_dump(&self) {
+            let guard = self.lock.clone().lock_owned().await;
+            *self.held.lock().unwrap() = Some(guard);
+        }
+
+        async fn after_dump(&self, _dumped_to: Option<&Path>) {
+            self.held.lock().unwrap().take();
+        }
+    }
+
+    /// A Pause that takes the lock a dump's hook takes (the shim's Pause detaching the spawner)
+    /// and a dump starting while it holds it both finish: the lock is taken under the runtime's,
+    /// as the hook takes it. Taken before it (lock, then `pause`), the dump held the runtime's
+    /// lock and waited in its hook while the Pause waited for the runtime's lock, for ever
+    /// (containerd's checkpoint of a session, issue 19).
+    #[tokio::test]
+    async fn a_pause_and_a_dump_that_take_the_same_lock_both_finish() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("runtime-ok");
+        std::fs::write(&script, "#!/bin/sh\nexit 0\n").unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let reaper = Reaper::default();
+        reaper.start().unwrap();
+        let runtime = OciRuntime::new(&script, dir.path().join("root"), false, reaper);
+        let connecting = std::sync::Arc::new(tokio::sync::Mutex::new(()));
+        runtime.add_dump_hooks(std::sync::Arc::new(HoldsLock { lock: connecting.clone(), held: Default::default() }));
+
+        let (locked_tx, locked_rx) = tokio::sync::oneshot::channel();
+        let pausing = {
+            let (runtime, connecting) = (runtime.clone(), connecting.clone());
+            tokio::spawn(async move {
+                let prepare = async move {
+                    let guard = connecting.lock_owned().await;
+                    let _ = locked_tx.send(());
+                    // The dump starts while the lock is held, before the pause runs.
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    guard
+                };
+                let (guard, paused) = runtime.pause_after("c1", prepare).await;
+                drop(guard);
+                paused
+            })
+        };
+        locked_rx.await.unwrap();
+        let dumping = {
+            let runtime = runtime.clone();
+            let image_path = dir.path().join("images");
+            tokio::spawn(async move {
+                runtime
+                    .checkpoint("c1", &CheckpointOptions { image_path, leave_running: true, ..Default::default() })
+                    .await
+            })
+        };
+        let both = async { (pausing.await.unwrap(), dumping.await.unwrap()) };
+        let (paused, dumped) =
+            tokio::time::timeout(Duration::from_secs(10), both).await.expect("the pause and the dump both finish");
+        paused.expect("pause");
+        dumped.expect("dump");
     }
 
     #[test]

@@ -649,15 +649,21 @@ impl Container {
         // A frozen spawner cannot let go of the shim's connection, and a
         // dump of the paused container (containerd's checkpoint) would find
         // it: let go before the freeze. Exits are queued meanwhile.
-        let no_connect = match self.spawner.get() {
-            Some(slot) => {
-                let guard = slot.connecting.clone().lock_owned().await;
-                detach_spawner(slot).await;
-                Some(guard)
+        // The slot's `connecting` is taken under the runtime's lock, as a dump's
+        // hooks take it (QuiesceForDump): taken before it, a turn's dump starting
+        // meanwhile held the runtime's lock and waited for `connecting` while this
+        // waited for the runtime's lock, and Pause (containerd's checkpoint) hung.
+        let detach = async {
+            match self.spawner.get() {
+                Some(slot) => {
+                    let guard = slot.connecting.clone().lock_owned().await;
+                    detach_spawner(slot).await;
+                    Some(guard)
+                }
+                None => None,
             }
-            None => None,
         };
-        let paused = self.runtime.pause(&self.config.id).await;
+        let (no_connect, paused) = self.runtime.pause_after(&self.config.id, detach).await;
         if paused.is_ok() {
             // Before the lock goes: a reconnect that sees Running would
             // connect to a frozen spawner and leave its attempt in the backlog.
