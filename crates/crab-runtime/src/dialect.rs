@@ -57,6 +57,14 @@ impl Dialect {
         if name.starts_with("crun") { Dialect::Crun } else { Dialect::Runc }
     }
 
+    /// Whether `pause` returns only once the freezer reads frozen. runc's does (it writes
+    /// FROZEN again until `freezer.state` reads it); crun 1.21's writes FROZEN once and
+    /// returns, and a v1 freezer under load may still read FREEZING then, so the caller
+    /// waits ([`crate::freezer::wait_frozen`]): containerd's Pause promises a frozen task.
+    pub fn pause_returns_frozen(self) -> bool {
+        matches!(self, Dialect::Runc)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Dialect::Runc => "runc",
@@ -227,6 +235,12 @@ mod tests {
         assert_eq!(Dialect::of(Path::new("/usr/local/bin/crun")), Dialect::Crun);
         assert_eq!(Dialect::of(Path::new("/opt/crun-1.21")), Dialect::Crun);
         assert_eq!(Dialect::of(Path::new("/tmp/fake-runtime.sh")), Dialect::Runc);
+    }
+
+    #[test]
+    fn only_cruns_pause_is_waited_on_to_freeze() {
+        assert!(Dialect::Runc.pause_returns_frozen());
+        assert!(!Dialect::Crun.pause_returns_frozen());
     }
 
     #[test]

@@ -14,6 +14,8 @@ pub enum FreezerError {
     NotFound { pid: u32, detail: String },
     #[error("{path} still reads {state:?} after thawing")]
     StillFrozen { path: PathBuf, state: String },
+    #[error("{path} reads {state:?}, not frozen, {after:?} after the pause")]
+    NotFrozen { path: PathBuf, state: String, after: std::time::Duration },
 }
 
 /// Which freezer a cgroup has, and the file that thaws it.
@@ -53,6 +55,38 @@ pub fn thaw(pid: u32) -> Result<Freezer, FreezerError> {
         return Err(FreezerError::StillFrozen { path: file, state: state.trim().to_string() });
     }
     Ok(freezer)
+}
+
+/// Waits until the cgroup holding `pid` reads frozen, for at most `within`. A v1 freezer
+/// reads FREEZING until every task has stopped, and may stay there when a task was busy at the
+/// write: FROZEN is written again each round, as runc's pause does. On cgroup v2 the state is
+/// `frozen 1` in `cgroup.events` (`cgroup.freeze` reads back what was asked at once).
+pub fn wait_frozen(pid: u32, within: std::time::Duration) -> Result<Freezer, FreezerError> {
+    let read = |path: PathBuf| std::fs::read_to_string(&path).map_err(|source| FreezerError::Io { path, source });
+    let cgroups = read(PathBuf::from(format!("/proc/{pid}/cgroup")))?;
+    let mountinfo = read(PathBuf::from("/proc/self/mountinfo"))?;
+    let freezer = freezer_of(&cgroups, &mountinfo).map_err(|detail| FreezerError::NotFound { pid, detail })?;
+    let started = std::time::Instant::now();
+    loop {
+        let (path, state) = match &freezer {
+            Freezer::V1(file) => (file.clone(), read(file.clone())?.trim().to_string()),
+            Freezer::V2(file) => {
+                let events = file.with_file_name("cgroup.events");
+                let text = read(events.clone())?;
+                (events, text.lines().find(|l| l.starts_with("frozen ")).unwrap_or("").to_string())
+            }
+        };
+        if state == "FROZEN" || state == "frozen 1" {
+            return Ok(freezer);
+        }
+        if started.elapsed() >= within {
+            return Err(FreezerError::NotFrozen { path, state, after: within });
+        }
+        if let Freezer::V1(file) = &freezer {
+            std::fs::write(file, "FROZEN").map_err(|source| FreezerError::Io { path: file.clone(), source })?;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }
 
 /// The freezer file of the cgroup described by `cgroups` (a `/proc/<pid>/cgroup`), with the

@@ -51,6 +51,9 @@ pub enum RuntimeError {
     /// Past its deadline the invocation was abandoned; `abandoned` says how it ended.
     #[error("{binary} {verb}: dump timed out after {after_ms} ms, abandoned: {abandoned}")]
     TimedOut { binary: String, verb: String, after_ms: u64, abandoned: String },
+    /// The runtime's pause returned, but the container's freezer never read frozen.
+    #[error("pause of {id}: {detail}")]
+    Freeze { id: String, detail: String },
 }
 
 impl RuntimeError {
@@ -80,6 +83,9 @@ pub struct DumpDeadline {
 /// before it and the runtime are killed.
 pub const ABANDON_GRACE: Duration = Duration::from_secs(2);
 /// How long the killed runtime's exit is waited for (it comes at once).
+/// How long a pause that returns early (crun's) may take to freeze the container: runc's own
+/// pause retries for about as long before it gives up.
+const PAUSE_FREEZE_BOUND: Duration = Duration::from_secs(2);
 const KILLED_EXIT_WAIT: Duration = Duration::from_secs(5);
 
 pub type Result<T> = std::result::Result<T, RuntimeError>;
@@ -290,8 +296,21 @@ impl OciRuntime {
     pub async fn pause_after<T>(&self, id: &str, prepare: impl std::future::Future<Output = T>) -> (T, Result<()>) {
         let _exclusive = self.exclusive.lock().await;
         let prepared = prepare.await;
-        let paused = self.run(id, &["pause".into(), id.into()], ProcessStdio::default()).await.map(drop);
+        let mut paused = self.run(id, &["pause".into(), id.into()], ProcessStdio::default()).await.map(drop);
+        if paused.is_ok() && !self.dialect.pause_returns_frozen() {
+            paused = self.wait_frozen(id).await;
+        }
         (prepared, paused)
+    }
+
+    /// After a pause that returns before the freezer reads frozen (crun's): waits for it.
+    async fn wait_frozen(&self, id: &str) -> Result<()> {
+        let pid = self.state(id).await?.pid;
+        match tokio::task::spawn_blocking(move || freezer::wait_frozen(pid, PAUSE_FREEZE_BOUND)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(RuntimeError::Freeze { id: id.to_string(), detail: e.to_string() }),
+            Err(e) => Err(RuntimeError::Freeze { id: id.to_string(), detail: e.to_string() }),
+        }
     }
 
     pub async fn resume(&self, id: &str) -> Result<()> {
