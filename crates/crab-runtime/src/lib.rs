@@ -82,10 +82,10 @@ pub struct DumpDeadline {
 /// path: it cures its parasite from every process, releases them and thaws the cgroup)
 /// before it and the runtime are killed.
 pub const ABANDON_GRACE: Duration = Duration::from_secs(2);
-/// How long the killed runtime's exit is waited for (it comes at once).
 /// How long a pause that returns early (crun's) may take to freeze the container: runc's own
 /// pause retries for about as long before it gives up.
 const PAUSE_FREEZE_BOUND: Duration = Duration::from_secs(2);
+/// How long the killed runtime's exit is waited for (it comes at once).
 const KILLED_EXIT_WAIT: Duration = Duration::from_secs(5);
 
 pub type Result<T> = std::result::Result<T, RuntimeError>;
