@@ -386,20 +386,35 @@ impl OciRuntime {
     /// runc reports only "criu failed" and the log's name, and the caller may
     /// remove the directory holding it: the message gets CRIU's own last
     /// error line, and the whole log is kept beside the runtime's own log.
+    /// Adds CRIU's own words to a failed or abandoned run: for a failure the error line of its
+    /// log, for a run abandoned at its deadline the log's last line (where CRIU was when it
+    /// stopped); the log is kept beside the runtime's state either way, as the work directory
+    /// goes with the next checkpoint.
     fn with_criu_error(&self, id: &str, error: RuntimeError, log: PathBuf) -> RuntimeError {
-        let RuntimeError::Failed { binary, verb, status, message } = error else { return error };
-        let Ok(text) = std::fs::read_to_string(&log) else {
-            return RuntimeError::Failed { binary, verb, status, message };
+        let verb = match &error {
+            RuntimeError::Failed { verb, .. } | RuntimeError::TimedOut { verb, .. } => verb.clone(),
+            _ => return error,
         };
-        // The last line only says "Dumping FAILED."; the cause is the error before it.
-        let is_cause = |l: &&str| l.contains("Error (") && !l.contains("FAILED.");
-        let cause = text.lines().rev().find(is_cause).map(str::trim).unwrap_or("no error line");
+        let Ok(text) = std::fs::read_to_string(&log) else { return error };
         let kept = self.root.join(format!("{id}.criu-{verb}.log"));
-        let message = match std::fs::write(&kept, &text) {
-            Ok(()) => format!("{message}; criu: {cause} (log kept at {})", kept.display()),
-            Err(_) => format!("{message}; criu: {cause}"),
+        let kept = match std::fs::write(&kept, &text) {
+            Ok(()) => format!(" (log kept at {})", kept.display()),
+            Err(_) => String::new(),
         };
-        RuntimeError::Failed { binary, verb, status, message }
+        match error {
+            RuntimeError::Failed { binary, verb, status, message } => {
+                // The last line only says "Dumping FAILED."; the cause is the error before it.
+                let is_cause = |l: &&str| l.contains("Error (") && !l.contains("FAILED.");
+                let cause = text.lines().rev().find(is_cause).map(str::trim).unwrap_or("no error line");
+                RuntimeError::Failed { binary, verb, status, message: format!("{message}; criu: {cause}{kept}") }
+            }
+            RuntimeError::TimedOut { binary, verb, after_ms, abandoned } => {
+                let last = text.lines().rev().map(str::trim).find(|l| !l.is_empty()).unwrap_or("(empty)");
+                let abandoned = format!("{abandoned}; criu's last line: {last}{kept}");
+                RuntimeError::TimedOut { binary, verb, after_ms, abandoned }
+            }
+            other => other,
+        }
     }
 
     fn output_error(&self, verb: &str, e: impl std::fmt::Display) -> RuntimeError {
@@ -762,6 +777,36 @@ mod tests {
             tokio::time::timeout(Duration::from_secs(10), both).await.expect("the pause and the dump both finish");
         paused.expect("pause");
         dumped.expect("dump");
+    }
+
+    /// A dump abandoned at its deadline names CRIU's last log line (where it hung) and keeps
+    /// the log, which the next checkpoint's work directory would replace.
+    #[tokio::test]
+    async fn an_abandoned_dump_names_criu_s_last_line_and_keeps_its_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let (runtime, _child) = hanging_runtime(dir.path(), false);
+        let work = dir.path().join("work");
+        std::fs::create_dir_all(&work).unwrap();
+        // The runtime's state directory, where a shim's runtime keeps its containers.
+        std::fs::create_dir_all(dir.path().join("root")).unwrap();
+        let log = "(00.001) Dumping processes\n(00.002) Running network-lock-scripts\n\n";
+        std::fs::write(work.join("dump.log"), log).unwrap();
+        let opts = CheckpointOptions {
+            image_path: dir.path().join("images"),
+            work_path: Some(work),
+            deadline: Some(DumpDeadline { after: Duration::from_millis(300), thaw_pid: None }),
+            ..Default::default()
+        };
+        let err = tokio::time::timeout(Duration::from_secs(20), runtime.checkpoint("c1", &opts))
+            .await
+            .expect("an abandoned dump returns")
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(err.is_timeout(), "{text}");
+        assert!(text.contains("criu's last line: (00.002) Running network-lock-scripts"), "{text}");
+        let kept = dir.path().join("root/c1.criu-checkpoint.log");
+        assert!(text.contains(&kept.display().to_string()), "{text}");
+        assert_eq!(std::fs::read_to_string(kept).unwrap(), log);
     }
 
     #[test]
