@@ -120,3 +120,75 @@ async fn the_container_cannot_trace_the_spawner() {
     remove(&container).await;
     result.expect("spawner not traceable");
 }
+
+/// What a process outside the container gets from the spawner when it reaches its socket through
+/// `/proc/<init>/root` and sends `first` as its first frame: every frame it is sent before the
+/// spawner closes (or 15 s pass).
+fn outsider_exchange(init_pid: u32, first: &[u8]) -> Outcome<Vec<serde_json::Value>> {
+    use std::io::{Read, Write};
+    let io = |what: &str| {
+        let what = what.to_string();
+        move |e| crab_integration::HarnessError::io(&what, e)
+    };
+    let path = format!("/proc/{init_pid}/root{}", crab_init::SOCKET_PATH);
+    let mut stream = std::os::unix::net::UnixStream::connect(&path).map_err(io("connect to the spawner"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(15))).map_err(io("read timeout"))?;
+    stream.write_all(first).map_err(io("first frame"))?;
+    let mut data = Vec::new();
+    // Until the spawner hangs up; a spawner that let us in would keep the connection open.
+    let _ = stream.read_to_end(&mut data);
+    let mut frames = Vec::new();
+    let mut rest = data.as_slice();
+    while let Ok(Some((payload, used))) = crab_init::protocol::split_frame(rest) {
+        frames.push(serde_json::from_slice(payload).map_err(|e| crab_integration::HarnessError::Parse {
+            what: "spawner frame".into(),
+            detail: e.to_string(),
+        })?);
+        rest = &rest[used..];
+    }
+    Ok(frames)
+}
+
+/// Issue 14: seen from the container's pid namespace, every process outside it is pid 0, the shim
+/// and any other root process that can reach `/proc/<init>/root` (one of a hostPID pod, say)
+/// alike, so the kernel's credentials cannot tell them apart. The spawner lets a connection in
+/// only when its first frame proves the key the shim gave crab-init at Create. This test is such
+/// a process: root on the host, it asks the spawner for its sessions, first plainly, then with a
+/// key of its own making. It gets a refusal each time, and the shim keeps its spawner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_process_outside_the_container_that_reaches_the_spawner_is_refused() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let runtime = crab();
+    let container = Container::new(&runtime, "hostile-spawner-outsider");
+    container.start(&["sleep", "100000"]).await.expect("start");
+    let result: Outcome<()> = async {
+        let parent = container.exec_ok("before", &["sh", "-c", "cat /proc/$PPID/comm"]).await?;
+        ensure_eq!(parent.trim(), "crab-spawner", "the exec's parent before the outsider");
+        let pid = container.init_pid().await?;
+        let guessed = crab_init::protocol::SpawnerKey::from_bytes([0x5a; crab_init::protocol::KEY_BYTES]);
+        let attempts = [
+            ("no key", crab_init::protocol::encode(&crab_init::protocol::Request::List)),
+            (
+                "a guessed key",
+                crab_init::protocol::encode(&crab_init::protocol::Request::Auth { key: guessed.to_hex() }),
+            ),
+        ];
+        for (how, first) in attempts {
+            let frames = tokio::task::spawn_blocking(move || outsider_exchange(pid, &first))
+                .await
+                .map_err(|e| crab_integration::HarnessError::Expectation(e.to_string()))??;
+            ensure!(
+                frames.len() == 1 && frames[0]["kind"] == "error",
+                "the spawner answered an outsider with {how} with {frames:?}, not one refusal"
+            );
+            let message = frames[0]["message"].as_str().unwrap_or_default();
+            ensure!(message.contains("connection refused") && message.contains("key"), "refusal ({how}): {message}");
+        }
+        let parent = container.exec_ok("after", &["sh", "-c", "cat /proc/$PPID/comm"]).await?;
+        ensure_eq!(parent.trim(), "crab-spawner", "the exec's parent after the outsider");
+        Ok(())
+    }
+    .await;
+    remove(&container).await;
+    result.expect("outsider refused");
+}

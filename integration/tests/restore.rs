@@ -294,6 +294,9 @@ async fn a_counter_process_continues_from_its_value_after_recover() {
     // It continues from the checkpointed value instead of starting over (a
     // restart would be near 1..5 after 0.5 s).
     assert!(count_after + 10 >= count, "counter went from {count} back to {count_after}");
+    // Execs go through the restored spawner: the shim knows its key, kept beside the images.
+    let parent = sb.exec_in(&sb.id.clone(), "cat /proc/$PPID/comm").await;
+    assert_eq!(parent.trim(), "crab-spawner", "the parent of an exec after recover");
     // No TCP connection was dumped: neither the dump nor the restore locked the network
     // (iptables-restore at lock and unlock, about 90 ms of each dump here).
     assert_eq!(sb.dump_network_lock(turns[0].turn), NetworkLockRecorded::Skip);

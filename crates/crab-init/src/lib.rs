@@ -1,6 +1,6 @@
 //! crab-init: the container's PID 1 wrapper and its spawner of exec sessions.
 //!
-//! The shim rewrites a container's entrypoint to `/dev/.crab/init -- <args>`.
+//! The shim rewrites a container's entrypoint to `/dev/.crab/init --key-fd 3 -- <args>`.
 //! crab-init forks the *spawner* and then becomes the entrypoint (execve), so
 //! PID 1 is exactly what it would be under runc. The spawner stays: the shim
 //! asks it over a unix socket to start exec sessions, which are then children
@@ -20,6 +20,10 @@ pub const INIT_NAME: &str = "init";
 pub const SOCKET_NAME: &str = "sock";
 /// The spawner's listening socket, as the container sees it.
 pub const SOCKET_PATH: &str = "/dev/.crab/sock";
+/// `crab-init --key-fd 3 -- PROGRAM...`: the descriptor on which the shim's
+/// [`protocol::SpawnerKey`] arrives (the runtime's `--preserve-fds 1` hands it to the init).
+pub const KEY_FD_FLAG: &str = "--key-fd";
+pub const KEY_FD: i32 = 3;
 
 /// The exit status containerd reports for a raw wait status: the exit code,
 /// or 128 + the signal number for a killed process (as runc's shim does).

@@ -20,6 +20,8 @@ pub const MAX_FDS: usize = 4;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "kebab-case")]
 pub enum Request {
+    /// The first frame of a connection to a spawner that holds a key: the key, in hex.
+    Auth { key: String },
     /// Start a process in the container.
     Spawn(SpawnRequest),
     /// Drop the spawner's copy of the session's stdin writer (CloseIO).
@@ -35,6 +37,67 @@ pub enum Request {
     List,
     /// The spawner replies, then closes this connection (before a dump).
     Detach,
+}
+
+/// How many bytes a [`SpawnerKey`] has.
+pub const KEY_BYTES: usize = 32;
+
+/// The secret by which the spawner knows the shim. The kernel's account of a peer
+/// (`SO_PEERCRED`) only says that a connection comes from outside the container's pid
+/// namespace, where every process reads as pid 0: any root process there that can reach
+/// `/proc/<init>/root` (a process of a hostPID pod, say) would pass for the shim. The key is
+/// what only the shim has: it makes one for each container it creates and hands it to
+/// crab-init on a pipe the runtime passes the init as descriptor [`crate::KEY_FD`]; crab-init
+/// reads it before the entrypoint exists, and the spawner keeps it in memory only (it is not
+/// dumpable). Every connection proves it in its first frame ([`Request::Auth`]). It never
+/// enters the container's files or environment; with a checkpoint it is kept beside the
+/// images, root's alone, so the shim that restores the spawner knows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SpawnerKey([u8; KEY_BYTES]);
+
+impl SpawnerKey {
+    pub fn from_bytes(bytes: [u8; KEY_BYTES]) -> Self {
+        Self(bytes)
+    }
+
+    pub fn as_bytes(&self) -> &[u8; KEY_BYTES] {
+        &self.0
+    }
+
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// A key from its lower-case hex form; None for anything else.
+    pub fn parse_hex(text: &str) -> Option<Self> {
+        let text = text.as_bytes();
+        if text.len() != 2 * KEY_BYTES {
+            return None;
+        }
+        let nibble = |c: u8| match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            _ => None,
+        };
+        let mut bytes = [0u8; KEY_BYTES];
+        for (byte, pair) in bytes.iter_mut().zip(text.chunks_exact(2)) {
+            *byte = (nibble(pair[0])? << 4) | nibble(pair[1])?;
+        }
+        Some(Self(bytes))
+    }
+
+    /// Whether `claimed` (hex, from a peer) is this key, in time that does not depend on where
+    /// they first differ.
+    pub fn matches(&self, claimed: &str) -> bool {
+        let Some(other) = Self::parse_hex(claimed) else { return false };
+        self.0.iter().zip(other.0.iter()).fold(0u8, |diff, (a, b)| diff | (a ^ b)) == 0
+    }
+}
+
+impl std::fmt::Debug for SpawnerKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SpawnerKey(..)")
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -266,6 +329,23 @@ mod tests {
     }
 
     #[test]
+    fn a_key_matches_only_its_own_hex() {
+        let mut bytes = [0u8; KEY_BYTES];
+        bytes.iter_mut().enumerate().for_each(|(i, b)| *b = (i * 37) as u8);
+        let key = SpawnerKey::from_bytes(bytes);
+        let hex = key.to_hex();
+        assert_eq!(SpawnerKey::parse_hex(&hex), Some(key.clone()));
+        assert!(key.matches(&hex));
+        let mut other = bytes;
+        other[KEY_BYTES - 1] ^= 1;
+        assert!(!key.matches(&SpawnerKey::from_bytes(other).to_hex()), "last bit differs");
+        for wrong in ["", &hex[2..], &format!("{hex}00"), &hex.to_uppercase(), &hex.replace(&hex[..1], "g")] {
+            assert!(!key.matches(wrong), "{wrong:?}");
+        }
+        assert_eq!(format!("{key:?}"), "SpawnerKey(..)", "a key never reaches a log");
+    }
+
+    #[test]
     fn requests_and_messages_round_trip() {
         let spawn = Request::Spawn(SpawnRequest {
             exec_id: "e1".into(),
@@ -284,6 +364,7 @@ mod tests {
         });
         assert_eq!(roundtrip(&spawn), spawn);
         for request in [
+            Request::Auth { key: "ab".repeat(KEY_BYTES) },
             Request::List,
             Request::Detach,
             Request::Attach { exec_id: "x".into() },

@@ -11,7 +11,7 @@ use std::io::IoSlice;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::time::Duration;
 
-use crab_init::protocol::{self, FdRole, Message, Request};
+use crab_init::protocol::{self, FdRole, Message, Request, SpawnerKey};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
@@ -20,6 +20,11 @@ use crate::session::{self, Session};
 
 /// A shim that stops reading for this long is dropped rather than wedging the spawner.
 const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a new connection has to send its key. The shim sends it right after connecting;
+/// a peer that sends nothing holds the spawner no longer than this.
+const AUTH_TIMEOUT: Duration = Duration::from_secs(5);
+/// The key's frame is small; a longer one is not a key.
+const AUTH_FRAME_MAX: usize = 256;
 const READ_CHUNK: usize = 64 * 1024;
 
 fn os_error() -> std::io::Error {
@@ -66,6 +71,9 @@ struct Client {
 
 struct Spawner {
     listener: OwnedFd,
+    /// What every connection must prove first; None for a crab-init given no key (started by
+    /// a shim from before keys), which knows the shim by its credentials alone.
+    key: Option<SpawnerKey>,
     signals: SignalFd,
     client: Option<Client>,
     sessions: Vec<Session>,
@@ -74,7 +82,7 @@ struct Spawner {
 }
 
 /// The spawner's life; it ends only when the container's pid namespace does.
-pub fn run(listener: OwnedFd) -> ! {
+pub fn run(listener: OwnedFd, key: Option<SpawnerKey>) -> ! {
     // SAFETY: detaching from the init's session and stdio before anything else.
     unsafe {
         libc::setsid();
@@ -103,7 +111,7 @@ pub fn run(listener: OwnedFd) -> ! {
     let Ok(signals) = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC) else {
         std::process::exit(1);
     };
-    let mut spawner = Spawner { listener, signals, client: None, sessions: Vec::new(), exited: VecDeque::new() };
+    let mut spawner = Spawner { listener, key, signals, client: None, sessions: Vec::new(), exited: VecDeque::new() };
     loop {
         spawner.poll_once();
     }
@@ -146,7 +154,7 @@ impl Spawner {
         }
         // SAFETY: `fd` was just returned by accept4 and is owned by nobody else.
         let socket = unsafe { OwnedFd::from_raw_fd(fd) };
-        set_send_timeout(&socket);
+        set_timeout(&socket, libc::SO_SNDTIMEO, SEND_TIMEOUT);
         // SAFETY: all-zero bytes are a valid `ucred` (plain integers).
         let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
         let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -169,6 +177,10 @@ impl Spawner {
                 |pid| std::fs::read_to_string(format!("/proc/{pid}/stat")),
             )
             .and_then(|shim| protocol::authorize_peer(cred.pid, cred.uid, shim))
+            .and_then(|()| match &self.key {
+                Some(key) => authenticate(&socket, key),
+                None => Ok(()),
+            })
         };
         if let Err(message) = authorized {
             let _ = send(&socket, &Message::Error { message }, &[]);
@@ -267,6 +279,9 @@ impl Spawner {
                 let sessions = self.sessions.iter().map(|s| s.info.clone()).collect();
                 self.reply(&Message::Sessions { sessions }, &[]);
             }
+            Request::Auth { .. } => {
+                self.reply(&Message::Error { message: "this connection has proven its key already".into() }, &[])
+            }
             Request::Detach => {
                 self.reply(&Message::Done, &[]);
                 self.drop_client();
@@ -362,18 +377,58 @@ fn pidfd_open(pid: libc::pid_t) -> Option<OwnedFd> {
     (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
-fn set_send_timeout(socket: &OwnedFd) {
-    let tv = libc::timeval { tv_sec: SEND_TIMEOUT.as_secs() as libc::time_t, tv_usec: 0 };
-    // SAFETY: SO_SNDTIMEO takes a timeval.
+fn set_timeout(socket: &OwnedFd, option: libc::c_int, timeout: Duration) {
+    let tv = libc::timeval { tv_sec: timeout.as_secs() as libc::time_t, tv_usec: 0 };
+    // SAFETY: SO_SNDTIMEO and SO_RCVTIMEO take a timeval.
     unsafe {
         libc::setsockopt(
             socket.as_raw_fd(),
             libc::SOL_SOCKET,
-            libc::SO_SNDTIMEO,
+            option,
             (&tv as *const libc::timeval).cast(),
             std::mem::size_of::<libc::timeval>() as libc::socklen_t,
         );
     }
+}
+
+/// Reads a new connection's first frame, which must be [`Request::Auth`] with `key`. Waits
+/// [`AUTH_TIMEOUT`] at most (the socket blocks: poll said nothing about it yet).
+fn authenticate(socket: &OwnedFd, key: &SpawnerKey) -> Result<(), String> {
+    set_timeout(socket, libc::SO_RCVTIMEO, AUTH_TIMEOUT);
+    let refused = |why: String| format!("connection refused: {why}");
+    let mut prefix = [0u8; protocol::LENGTH_BYTES];
+    read_exact(socket, &mut prefix).map_err(|e| refused(format!("no spawner key within {AUTH_TIMEOUT:?}: {e}")))?;
+    let len = u32::from_be_bytes(prefix) as usize;
+    if len > AUTH_FRAME_MAX {
+        return Err(refused(format!("a first frame of {len} bytes is no spawner key")));
+    }
+    let mut payload = vec![0u8; len];
+    read_exact(socket, &mut payload).map_err(|e| refused(format!("no spawner key within {AUTH_TIMEOUT:?}: {e}")))?;
+    set_timeout(socket, libc::SO_RCVTIMEO, Duration::ZERO);
+    match protocol::decode::<Request>(&payload) {
+        Ok(Request::Auth { key: claimed }) if key.matches(&claimed) => Ok(()),
+        Ok(Request::Auth { .. }) => Err(refused("wrong spawner key".into())),
+        Ok(_) => Err(refused("the first frame must prove the spawner key (auth); only the shim has it".into())),
+        Err(e) => Err(refused(e.to_string())),
+    }
+}
+
+fn read_exact(socket: &OwnedFd, mut buf: &mut [u8]) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        // SAFETY: reading into the rest of our buffer.
+        let n = unsafe { libc::read(socket.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        match n {
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            n if n < 0 => {
+                let e = os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+            n => buf = &mut buf[n as usize..],
+        }
+    }
+    Ok(())
 }
 
 /// Sends one frame; the descriptors ride on its first bytes.

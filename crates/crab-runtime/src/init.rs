@@ -118,6 +118,40 @@ pub fn record_in_images(images: &Path, digest: &str) -> Result<(), InitError> {
     std::fs::write(&record, format!("{digest}\n")).map_err(io_error(&record))
 }
 
+/// The file each CRIU dump of a container with a keyed spawner gets beside its images: the
+/// spawner's key in hex (root's alone), so the shim that restores the spawner can talk to it.
+pub const KEY_FILE: &str = "crab-spawner.key";
+
+/// Records the spawner's key beside a dump's images.
+pub fn record_key_in_images(images: &Path, key: &crab_init::protocol::SpawnerKey) -> Result<(), InitError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let record = images.join(KEY_FILE);
+    let _ = std::fs::remove_file(&record);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&record)
+        .and_then(|mut file| file.write_all(format!("{}\n", key.to_hex()).as_bytes()))
+        .map_err(io_error(&record))
+}
+
+/// The key of the spawner a checkpoint holds ([`KEY_FILE`]); None for images without one
+/// (taken without crab-init, or before spawners had keys).
+pub fn key_for_images(images: &Path) -> Result<Option<crab_init::protocol::SpawnerKey>, InitError> {
+    let record = images.join(KEY_FILE);
+    let text = match std::fs::read_to_string(&record) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(InitError::Io { path: record, source: e }),
+    };
+    crab_init::protocol::SpawnerKey::parse_hex(text.trim()).map(Some).ok_or_else(|| InitError::Spec {
+        path: record,
+        detail: format!("not a spawner key: {} lower-case hex digits expected", 2 * crab_init::protocol::KEY_BYTES),
+    })
+}
+
 /// Whether a 64-bit little-endian ELF image declares a program interpreter.
 fn elf_has_interpreter(elf: &[u8]) -> Result<bool, &'static str> {
     const PT_INTERP: u32 = 3;
@@ -220,9 +254,7 @@ pub fn install(bundle: &Path, init: &Path, check_entrypoint: bool) -> Result<Opt
         .and_then(Value::as_array)
         .map(|a| a.iter().filter_map(Value::as_str).map(String::from).collect())
         .unwrap_or_default();
-    if args.first().map(String::as_str) == Some(crab_init::INIT_PATH) && args.get(1).map(String::as_str) == Some("--") {
-        args.drain(..2);
-    }
+    args.drain(..wrapper_len(&args));
     if args.is_empty() {
         return Err(spec_error("process.args is empty"));
     }
@@ -241,13 +273,28 @@ pub fn install(bundle: &Path, init: &Path, check_entrypoint: bool) -> Result<Opt
         check_entrypoint_exists(&rootfs, &args[0], &env, &cwd, &mount_points)?;
     }
     spec["mounts"] = Value::Array(mounts);
-    let wrapped: Vec<String> = [crab_init::INIT_PATH.to_string(), "--".to_string()].into_iter().chain(args).collect();
+    let wrapper = [crab_init::INIT_PATH, crab_init::KEY_FD_FLAG, &crab_init::KEY_FD.to_string(), "--"];
+    let wrapped: Vec<String> = wrapper.into_iter().map(String::from).chain(args).collect();
     spec["process"]["args"] = json!(wrapped);
     let text = serde_json::to_vec_pretty(&spec).map_err(|e| spec_error(&e.to_string()))?;
     let tmp = bundle.join("config.json.crab-tmp");
     std::fs::write(&tmp, text).map_err(io_error(&tmp))?;
     std::fs::rename(&tmp, &path).map_err(io_error(&path))?;
     Ok(Some(Installed { identity }))
+}
+
+/// How many leading arguments are crab-init's own (`INIT_PATH [--key-fd N] --`), for a spec
+/// rewritten before (with or without a key).
+fn wrapper_len(args: &[String]) -> usize {
+    match args {
+        [init, flag, _, dashes, ..]
+            if init == crab_init::INIT_PATH && flag == crab_init::KEY_FD_FLAG && dashes == "--" =>
+        {
+            4
+        }
+        [init, dashes, ..] if init == crab_init::INIT_PATH && dashes == "--" => 2,
+        _ => 0,
+    }
 }
 
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -375,9 +422,10 @@ mod tests {
         let init = Path::new("/usr/local/lib/crab/crab-init");
         assert!(install(bundle.path(), init, true).unwrap().is_some());
         assert!(install(bundle.path(), init, true).unwrap().is_some());
-        let spec = read(bundle.path());
-        assert_eq!(spec["process"]["args"], json!(["/dev/.crab/init", "--", "sh", "-c", "sleep 1"]));
-        let mounts = spec["mounts"].as_array().unwrap();
+        let written = read(bundle.path());
+        let wrapped = json!(["/dev/.crab/init", "--key-fd", "3", "--", "sh", "-c", "sleep 1"]);
+        assert_eq!(written["process"]["args"], wrapped);
+        let mounts = written["mounts"].as_array().unwrap();
         assert_eq!(mounts.len(), 4);
         assert_eq!(mounts[2]["destination"], "/dev/.crab");
         assert_eq!(mounts[3]["destination"], "/dev/.crab/init");
@@ -386,6 +434,26 @@ mod tests {
         assert_eq!(mounts[2]["type"], "tmpfs");
         assert_eq!(mounts[2]["options"], json!(spawner_tmpfs_options(0, 0)));
         assert!(!bundle.path().join("crab").exists());
+        // A spec a shim from before keys wrapped (a saved one, recovered) is wrapped once.
+        let old = bundle_with(spec(&["/dev/.crab/init", "--", "sh", "-c", "sleep 1"]));
+        assert!(install(old.path(), init, true).unwrap().is_some());
+        assert_eq!(read(old.path())["process"]["args"], wrapped);
+    }
+
+    #[test]
+    fn a_spawner_key_is_kept_beside_the_images_for_root_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        let images = tempfile::tempdir().unwrap();
+        assert!(key_for_images(images.path()).unwrap().is_none(), "images from before keys");
+        let key = crab_init::protocol::SpawnerKey::from_bytes([7; crab_init::protocol::KEY_BYTES]);
+        record_key_in_images(images.path(), &key).unwrap();
+        record_key_in_images(images.path(), &key).unwrap();
+        assert_eq!(key_for_images(images.path()).unwrap(), Some(key));
+        let mode = std::fs::metadata(images.path().join(KEY_FILE)).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        std::fs::write(images.path().join(KEY_FILE), "../../etc/shadow\n").unwrap();
+        let err = key_for_images(images.path()).unwrap_err().to_string();
+        assert!(err.contains(KEY_FILE) && err.contains("not a spawner key"), "{err}");
     }
 
     #[test]

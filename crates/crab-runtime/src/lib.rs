@@ -16,7 +16,7 @@ mod reaper;
 pub mod spawner;
 
 use std::ffi::OsString;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -124,13 +124,21 @@ pub trait DumpHooks: Send + Sync + std::fmt::Debug {
     async fn after_dump(&self, dumped_to: Option<&Path>);
 }
 
-/// The container process's standard streams, as the runtime sees them.
+/// The container process's standard streams, as the runtime sees them, and a descriptor it
+/// inherits besides.
 #[derive(Debug, Default)]
 pub struct ProcessStdio {
     pub stdin: Option<OwnedFd>,
     pub stdout: Option<OwnedFd>,
     pub stderr: Option<OwnedFd>,
+    /// Handed to the container's init as descriptor [`PRESERVED_FD`] (`--preserve-fds 1`):
+    /// the pipe that brings crab-init its spawner's key. `create` only.
+    pub preserved: Option<OwnedFd>,
 }
+
+/// Where the runtime puts the first descriptor it preserves for the init: right after stdio.
+pub const PRESERVED_FD: RawFd = 3;
+const _: () = assert!(PRESERVED_FD == crab_init::KEY_FD, "crab-init reads its key where the runtime puts it");
 
 /// Options shared by `create`, `exec` and `restore`.
 #[derive(Debug)]
@@ -463,6 +471,19 @@ impl OciRuntime {
         if bound.is_some() {
             std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         }
+        // Kept open here until the child has spawned (it is dropped at the end of this call).
+        let preserved = stdio.preserved;
+        if let Some(fd) = &preserved {
+            let raw = fd.as_raw_fd();
+            // SAFETY: the closure runs in the child between fork and exec and calls only
+            // dup2 and fcntl, which are async-signal-safe, on `raw`, which is open in the
+            // parent until `spawn` has returned. std closes its own exec-error pipe's read end
+            // in the child before this runs, and its write end is never the lowest free
+            // descriptor, so PRESERVED_FD overwrites nothing std still uses.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || inherit_as(raw, PRESERVED_FD));
+            }
+        }
 
         tracing::debug!(binary = %self.binary.display(), ?args, "oci runtime");
         let spawn_error = |source| RuntimeError::Spawn { binary: self.binary_name(), verb: verb.clone(), source };
@@ -509,6 +530,14 @@ impl OciRuntime {
     }
 }
 
+/// Makes `fd` descriptor `target` of this process, inherited across exec.
+fn inherit_as(fd: RawFd, target: RawFd) -> std::io::Result<()> {
+    // SAFETY: plain descriptor calls; dup2 gives `target` without close-on-exec, and when `fd`
+    // already is `target` the flag is cleared in place (dup2 would leave it).
+    let done = unsafe { if fd == target { libc::fcntl(target, libc::F_SETFD, 0) } else { libc::dup2(fd, target) } };
+    if done < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) }
+}
+
 /// Ends process group `pgid` (led by the runtime process `pgid`, whose exit `exit` is): SIGALRM
 /// first, SIGKILL after `grace` if the leader has not exited, and SIGKILL again once it has,
 /// for members it left behind. Says how it ended.
@@ -534,6 +563,10 @@ async fn abandon_group(pgid: u32, exit: impl std::future::Future<Output = Exit>,
 }
 
 fn push_launch_args(args: &mut Vec<OsString>, opts: &LaunchOptions<'_>) {
+    if opts.stdio.preserved.is_some() {
+        args.push("--preserve-fds".into());
+        args.push("1".into());
+    }
     args.push("--pid-file".into());
     args.push(opts.pid_file.into());
     if let Some(socket) = opts.console_socket {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crab_init::protocol::{self, FdRole, FrameError, Message, Request, SessionInfo, SpawnRequest};
+use crab_init::protocol::{self, FdRole, FrameError, Message, Request, SessionInfo, SpawnRequest, SpawnerKey};
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, oneshot};
@@ -88,6 +88,9 @@ struct Events {
 pub struct SpawnerClient {
     /// Device and inode of the crab-init build bound into the container: the spawner runs it.
     binary: Option<(u64, u64)>,
+    /// The key the spawner was given (see [`SpawnerKey`]); None for a spawner restored from a
+    /// checkpoint taken before keys, which asks for none.
+    key: Mutex<Option<SpawnerKey>>,
     link: tokio::sync::Mutex<Option<Link>>,
     events: Arc<Mutex<Events>>,
     host_pid: Mutex<Option<u32>>,
@@ -103,12 +106,23 @@ impl SpawnerClient {
         use std::os::unix::fs::MetadataExt;
         Arc::new(Self {
             binary: std::fs::metadata(binary).ok().map(|m| (m.dev(), m.ino())),
+            key: Mutex::new(None),
             link: Default::default(),
             events: Default::default(),
             host_pid: Mutex::new(None),
             restored: Default::default(),
             suspended: Default::default(),
         })
+    }
+
+    /// The key this container's spawner holds: made for it at Create, or the one its checkpoint
+    /// recorded when it is restored.
+    pub fn set_key(&self, key: Option<SpawnerKey>) {
+        *self.key.lock().expect("spawner lock") = key;
+    }
+
+    pub fn key(&self) -> Option<SpawnerKey> {
+        self.key.lock().expect("spawner lock").clone()
     }
 
     /// The spawner's pid on the host, once connected.
@@ -141,6 +155,13 @@ impl SpawnerClient {
         let peer = peer_pid(&stream).map_err(|source| SpawnerError::Connect { path: socket.clone(), source })?;
         if let Err(reason) = verify_peer(peer, init_pid, self.binary) {
             return Err(SpawnerError::Impostor { path: socket, peer, reason });
+        }
+        // Only now, with the listener known to be crab-init's: the key proves this is the shim.
+        if let Some(key) = self.key() {
+            let auth = protocol::encode(&Request::Auth { key: key.to_hex() });
+            tokio::time::timeout(REQUEST_TIMEOUT, write_all(&stream, &auth))
+                .await
+                .map_err(|_| SpawnerError::Timeout(REQUEST_TIMEOUT))??;
         }
         let stream = Arc::new(stream);
         let (tx, mut replies) = mpsc::unbounded_channel();
@@ -332,6 +353,26 @@ pub fn pidfd_pid(pidfd: &OwnedFd) -> Option<u32> {
         .find_map(|l| l.strip_prefix("Pid:"))
         .and_then(|v| v.trim().parse::<i64>().ok())
         .and_then(|p| u32::try_from(p).ok())
+}
+
+/// A new spawner key, from the kernel's random source.
+pub fn new_key() -> std::io::Result<SpawnerKey> {
+    let mut bytes = [0u8; protocol::KEY_BYTES];
+    let mut filled = 0;
+    while filled < bytes.len() {
+        // SAFETY: getrandom writes at most the given length into our buffer.
+        let n = unsafe { libc::getrandom(bytes[filled..].as_mut_ptr().cast(), bytes.len() - filled, 0) };
+        match n {
+            n if n < 0 => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+            n => filled += n as usize,
+        }
+    }
+    Ok(SpawnerKey::from_bytes(bytes))
 }
 
 /// Sends `signal` through a pidfd: it cannot hit a recycled pid.

@@ -194,9 +194,17 @@ impl Container {
             }
         };
         let restoring = self.config.restore_from.is_some();
+        // A restored spawner holds the key its checkpoint recorded; a new one gets a new key.
+        let key = match &self.config.restore_from {
+            Some(images) => crab_runtime::init::key_for_images(images).map_err(|e| {
+                ShimError::InvalidArgument(format!("container {}: the checkpoint's spawner key: {e}", self.id()))
+            })?,
+            None => Some(crab_runtime::spawner::new_key().map_err(|e| ShimError::io(Path::new("getrandom"), e))?),
+        };
         match crab_runtime::init::install(&self.config.bundle, init, !restoring) {
             Ok(Some(installed)) => {
                 let client = SpawnerClient::new(init);
+                client.set_key(key);
                 let slot = Arc::new(SpawnerSlot {
                     client: client.clone(),
                     init_identity: installed.identity,
@@ -307,12 +315,17 @@ impl Container {
         let pid_file = self.work_dir().join("init.pid");
         let console_path = launch.console.as_ref().map(|c| c.path().to_path_buf());
         let master = launch.console.map(|c| tokio::spawn(c.receive_master()));
+        let mut stdio = launch.stdio;
+        stdio.preserved = match self.spawner.get().and_then(|slot| slot.client.key()) {
+            Some(key) => Some(key_pipe(&key).map_err(|e| ShimError::io(Path::new("spawner key pipe"), e))?),
+            None => None,
+        };
         let opts = LaunchOptions {
             pid_file: &pid_file,
             console_socket: console_path.as_deref(),
             no_pivot: self.config.no_pivot,
             no_new_keyring: self.config.no_new_keyring,
-            stdio: launch.stdio,
+            stdio,
         };
         let created = self.runtime.create(&self.config.id, &self.config.bundle, opts).await;
         finish_console(&io, master, created.is_ok()).await?;
@@ -874,6 +887,16 @@ async fn spawned_exit_status(
     }
 }
 
+/// The read end of a pipe that holds `key` and nothing more (its write end closed), for
+/// crab-init to read as its first act.
+fn key_pipe(key: &crab_init::protocol::SpawnerKey) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::io::Write;
+    let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    // 32 bytes fit a pipe's buffer: the write never waits for a reader.
+    std::fs::File::from(write).write_all(key.as_bytes())?;
+    Ok(read)
+}
+
 /// Around a CRIU dump: the spawner closes its connection to the shim (an
 /// external socket CRIU refuses), and output copies hold still so what the
 /// dump takes from a pipe is not also delivered; afterwards both resume.
@@ -918,6 +941,11 @@ impl crab_runtime::DumpHooks for QuiesceForDump {
             && let Err(e) = crab_runtime::init::record_in_images(images, digest)
         {
             tracing::warn!(error = %e, "the dump does not say which crab-init it holds: a restore after an upgrade of crab-init fails");
+        }
+        if let (Some(images), Some(key)) = (dumped_to, self.slot.client.key())
+            && let Err(e) = crab_runtime::init::record_key_in_images(images, &key)
+        {
+            tracing::warn!(error = %e, "the dump keeps no spawner key: a restore of it runs execs through the runtime");
         }
         self.no_connect.lock().expect("dump guard lock").take();
         self.hold_output(false);

@@ -515,6 +515,7 @@ impl ProcessIo {
                     stdin: Some(dev_null(false).map_err(os("/dev/null"))?),
                     stdout: Some(dev_null(true).map_err(os("/dev/null"))?),
                     stderr: Some(dev_null(true).map_err(os("/dev/null"))?),
+                    preserved: None,
                 },
                 console: Some(console),
             };
