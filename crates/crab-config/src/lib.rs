@@ -108,7 +108,8 @@ pub struct CheckpointConfig {
     pub restore_from_namespaces: Vec<String>,
     /// Bound on one CRIU dump of a turn, milliseconds: past it the dump is abandoned (CRIU
     /// and its runtime killed, the sandbox thawed as it was), the turn is recorded as not
-    /// checkpointed and its changes are carried into the next turn's checkpoint.
+    /// checkpointed and its changes are carried into the next turn's checkpoint. Restores
+    /// (`io.crab.restore-from`, recover, fork) have the same bound.
     pub dump_timeout_ms: u64,
     /// Bound on the bytes each sandbox's chain references in the store, MiB (0: none). A
     /// turn whose checkpoint would go over it is recorded as over quota, not checkpointed.

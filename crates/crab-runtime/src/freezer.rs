@@ -42,12 +42,20 @@ impl Freezer {
     }
 }
 
-/// Thaws the cgroup holding `pid` (whether or not it is frozen) and checks that it reads thawed.
-pub fn thaw(pid: u32) -> Result<Freezer, FreezerError> {
-    let read = |path: PathBuf| std::fs::read_to_string(&path).map_err(|source| FreezerError::Io { path, source });
+fn read(path: PathBuf) -> Result<String, FreezerError> {
+    std::fs::read_to_string(&path).map_err(|source| FreezerError::Io { path, source })
+}
+
+/// The freezer of the cgroup holding `pid`.
+fn freezer_of_pid(pid: u32) -> Result<Freezer, FreezerError> {
     let cgroups = read(PathBuf::from(format!("/proc/{pid}/cgroup")))?;
     let mountinfo = read(PathBuf::from("/proc/self/mountinfo"))?;
-    let freezer = freezer_of(&cgroups, &mountinfo).map_err(|detail| FreezerError::NotFound { pid, detail })?;
+    freezer_of(&cgroups, &mountinfo).map_err(|detail| FreezerError::NotFound { pid, detail })
+}
+
+/// Thaws the cgroup holding `pid` (whether or not it is frozen) and checks that it reads thawed.
+pub fn thaw(pid: u32) -> Result<Freezer, FreezerError> {
+    let freezer = freezer_of_pid(pid)?;
     let file = freezer.file().to_path_buf();
     std::fs::write(&file, freezer.thawed_value()).map_err(|source| FreezerError::Io { path: file.clone(), source })?;
     let state = read(file.clone())?;
@@ -57,15 +65,19 @@ pub fn thaw(pid: u32) -> Result<Freezer, FreezerError> {
     Ok(freezer)
 }
 
+/// Whether the cgroup holding `pid` was asked to freeze (by a pause): FREEZING or FROZEN on a v1
+/// freezer, `cgroup.freeze` 1 on cgroup v2.
+pub fn is_frozen(pid: u32) -> Result<bool, FreezerError> {
+    let freezer = freezer_of_pid(pid)?;
+    Ok(read(freezer.file().to_path_buf())?.trim() != freezer.thawed_value())
+}
+
 /// Waits until the cgroup holding `pid` reads frozen, for at most `within`. A v1 freezer
 /// reads FREEZING until every task has stopped, and may stay there when a task was busy at the
 /// write: FROZEN is written again each round, as runc's pause does. On cgroup v2 the state is
 /// `frozen 1` in `cgroup.events` (`cgroup.freeze` reads back what was asked at once).
 pub fn wait_frozen(pid: u32, within: std::time::Duration) -> Result<Freezer, FreezerError> {
-    let read = |path: PathBuf| std::fs::read_to_string(&path).map_err(|source| FreezerError::Io { path, source });
-    let cgroups = read(PathBuf::from(format!("/proc/{pid}/cgroup")))?;
-    let mountinfo = read(PathBuf::from("/proc/self/mountinfo"))?;
-    let freezer = freezer_of(&cgroups, &mountinfo).map_err(|detail| FreezerError::NotFound { pid, detail })?;
+    let freezer = freezer_of_pid(pid)?;
     let started = std::time::Instant::now();
     loop {
         let (path, state) = match &freezer {

@@ -49,7 +49,7 @@ pub enum RuntimeError {
     #[error("{binary} {verb}: unreadable output: {detail}")]
     Output { binary: String, verb: String, detail: String },
     /// Past its deadline the invocation was abandoned; `abandoned` says how it ended.
-    #[error("{binary} {verb}: dump timed out after {after_ms} ms, abandoned: {abandoned}")]
+    #[error("{binary} {verb}: {} timed out after {after_ms} ms, abandoned: {abandoned}", what_timed_out(.verb))]
     TimedOut { binary: String, verb: String, after_ms: u64, abandoned: String },
     /// The runtime's pause returned, but the container's freezer never read frozen.
     #[error("pause of {id}: {detail}")]
@@ -68,8 +68,9 @@ impl RuntimeError {
     }
 }
 
-/// A bound on one dump: past `after` it is abandoned and the cgroup of `thaw_pid` (a
-/// process of the sandbox, its init) thawed.
+/// A bound on one CRIU run, a dump or a restore: past `after` it is abandoned, and after a dump
+/// the cgroup of `thaw_pid` (a process of the sandbox, its init) is thawed unless it was frozen
+/// before the dump began.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DumpDeadline {
     pub after: Duration,
@@ -85,10 +86,27 @@ pub const ABANDON_GRACE: Duration = Duration::from_secs(2);
 /// How long a pause that returns early (crun's) may take to freeze the container: runc's own
 /// pause retries for about as long before it gives up.
 const PAUSE_FREEZE_BOUND: Duration = Duration::from_secs(2);
+/// The bound on a runtime verb that starts no process in the container (state, start, pause,
+/// resume, kill, delete, update, ps): each takes milliseconds, and runc's own retries of a
+/// freeze give up within seconds; one that has not ended by then is stuck (on a cgroup file, a
+/// kernel wait) and is abandoned as a hung dump is, so the shim's verbs never wait for ever.
+/// create and exec are not bounded here: the OCI hooks they run bound themselves (their
+/// `timeout`), and the processes they start must not share a process group with the runtime.
+const VERB_BOUND: Duration = Duration::from_secs(60);
 /// How long the killed runtime's exit is waited for (it comes at once).
 const KILLED_EXIT_WAIT: Duration = Duration::from_secs(5);
 
 pub type Result<T> = std::result::Result<T, RuntimeError>;
+
+/// What a verb that timed out was doing, as its error names it ("dump timed out" is what turn
+/// records and their readers know).
+fn what_timed_out(verb: &str) -> &str {
+    match verb {
+        "checkpoint" => "dump",
+        "restore" => "restore",
+        _ => "the runtime",
+    }
+}
 
 /// How the runtime is invoked: binary, state root and global flags.
 ///
@@ -112,6 +130,8 @@ pub struct OciRuntime {
     /// Host pid of the runtime's own process inside the container (crab-init's
     /// spawner): it is not the workload's, whatever it does.
     helper_pid: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    /// The bound on a verb that starts no process in the container ([`VERB_BOUND`]).
+    verb_bound: Duration,
 }
 
 /// What must happen around every CRIU dump of the container, whoever asks
@@ -189,7 +209,14 @@ impl OciRuntime {
             exclusive: Default::default(),
             dump_hooks: Default::default(),
             helper_pid: Default::default(),
+            verb_bound: VERB_BOUND,
         }
+    }
+
+    /// Another bound on the verbs that start no process in the container than [`VERB_BOUND`].
+    pub fn with_verb_bound(mut self, bound: Duration) -> Self {
+        self.verb_bound = bound;
+        self
     }
 
     /// Shared by every clone: the container sets them once its spawner is up.
@@ -240,7 +267,7 @@ impl OciRuntime {
     }
 
     pub async fn start(&self, id: &str) -> Result<()> {
-        self.run(id, &["start".into(), id.into()], ProcessStdio::default()).await.map(drop)
+        self.run_verb(id, &["start".into(), id.into()]).await.map(drop)
     }
 
     /// Starts an extra process described by `process_json` (an OCI `Process`).
@@ -264,7 +291,7 @@ impl OciRuntime {
         args.push(id.into());
         args.push(signal.to_string().into());
         let _exclusive = self.exclusive.lock().await;
-        self.run(id, &args, ProcessStdio::default()).await.map(drop)
+        self.run_verb(id, &args).await.map(drop)
     }
 
     pub async fn delete(&self, id: &str, force: bool) -> Result<()> {
@@ -274,18 +301,17 @@ impl OciRuntime {
         }
         args.push(id.into());
         let _exclusive = self.exclusive.lock().await;
-        self.run(id, &args, ProcessStdio::default()).await.map(drop)
+        self.run_verb(id, &args).await.map(drop)
     }
 
     pub async fn state(&self, id: &str) -> Result<ContainerState> {
-        let out = self.run(id, &["state".into(), id.into()], ProcessStdio::default()).await?;
+        let out = self.run_verb(id, &["state".into(), id.into()]).await?;
         serde_json::from_slice(&out).map_err(|e| self.output_error("state", e))
     }
 
     /// Host pids of every process in the container.
     pub async fn ps(&self, id: &str) -> Result<Vec<u32>> {
-        let out =
-            self.run(id, &["ps".into(), "--format".into(), "json".into(), id.into()], ProcessStdio::default()).await?;
+        let out = self.run_verb(id, &["ps".into(), "--format".into(), "json".into(), id.into()]).await?;
         // runc prints `null` for an empty list.
         let pids: Option<Vec<u32>> = serde_json::from_slice(&out).map_err(|e| self.output_error("ps", e))?;
         Ok(pids.unwrap_or_default())
@@ -304,7 +330,19 @@ impl OciRuntime {
     pub async fn pause_after<T>(&self, id: &str, prepare: impl std::future::Future<Output = T>) -> (T, Result<()>) {
         let _exclusive = self.exclusive.lock().await;
         let prepared = prepare.await;
-        let mut paused = self.run(id, &["pause".into(), id.into()], ProcessStdio::default()).await.map(drop);
+        let mut paused = self.run_verb(id, &["pause".into(), id.into()]).await.map(drop);
+        if let Err(RuntimeError::TimedOut { abandoned, .. }) = &mut paused {
+            // Whatever the abandoned pause froze is thawed: the container runs on as it was.
+            let thawed = match self.state(id).await {
+                Ok(state) => match tokio::task::spawn_blocking(move || freezer::thaw(state.pid)).await {
+                    Ok(Ok(_)) => "container thawed".to_string(),
+                    Ok(Err(e)) => format!("thawing the container failed: {e}"),
+                    Err(e) => format!("thawing the container failed: {e}"),
+                },
+                Err(e) => format!("the container was not thawed, its state is unknown: {e}"),
+            };
+            abandoned.push_str(&format!(", {thawed}"));
+        }
         if paused.is_ok() && !self.dialect.pause_returns_frozen() {
             paused = self.wait_frozen(id).await;
         }
@@ -314,23 +352,21 @@ impl OciRuntime {
     /// After a pause that returns before the freezer reads frozen (crun's): waits for it.
     async fn wait_frozen(&self, id: &str) -> Result<()> {
         let pid = self.state(id).await?.pid;
-        match tokio::task::spawn_blocking(move || freezer::wait_frozen(pid, PAUSE_FREEZE_BOUND)).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(RuntimeError::Freeze { id: id.to_string(), detail: e.to_string() }),
-            Err(e) => Err(RuntimeError::Freeze { id: id.to_string(), detail: e.to_string() }),
-        }
+        let waited = tokio::task::spawn_blocking(move || freezer::wait_frozen(pid, PAUSE_FREEZE_BOUND)).await;
+        let waited = waited.map_err(|e| e.to_string()).and_then(|frozen| frozen.map_err(|e| e.to_string()));
+        waited.map(drop).map_err(|detail| RuntimeError::Freeze { id: id.to_string(), detail })
     }
 
     pub async fn resume(&self, id: &str) -> Result<()> {
         let _exclusive = self.exclusive.lock().await;
-        self.run(id, &["resume".into(), id.into()], ProcessStdio::default()).await.map(drop)
+        self.run_verb(id, &["resume".into(), id.into()]).await.map(drop)
     }
 
     /// Applies `resources_json` (an OCI `LinuxResources`) to the running container.
     pub async fn update(&self, id: &str, resources_json: &Path) -> Result<()> {
         let args: Vec<OsString> = vec!["update".into(), "--resources".into(), resources_json.into(), id.into()];
         let _exclusive = self.exclusive.lock().await;
-        self.run(id, &args, ProcessStdio::default()).await.map(drop)
+        self.run_verb(id, &args).await.map(drop)
     }
 
     pub async fn checkpoint(&self, id: &str, opts: &CheckpointOptions) -> Result<()> {
@@ -338,13 +374,20 @@ impl OciRuntime {
         self.create_dirs(opts)?;
         let env = self.dialect.state_spec(&self.root, id).and_then(|spec| self.dialect.criu_env(&spec));
         let _exclusive = self.exclusive.lock().await;
+        // A sandbox frozen before the dump (paused, by containerd or its user) was frozen by
+        // someone else, who will thaw it: an abandoned dump leaves it so. Read under the lock
+        // that pausing takes, so no pause slips in between.
+        let deadline = opts.deadline.map(|d| match d.thaw_pid {
+            Some(pid) if freezer::is_frozen(pid).unwrap_or(false) => DumpDeadline { thaw_pid: None, ..d },
+            _ => d,
+        });
         let hooks = self.dump_hooks.lock().expect("dump hooks lock").clone();
         for hook in &hooks {
             hook.before_dump().await;
         }
-        let bound = opts.deadline.map(|d| (d.after, ABANDON_GRACE));
+        let bound = deadline.map(|d| (d.after, ABANDON_GRACE));
         let mut dumped = self.run_bounded(id, &args, ProcessStdio::default(), bound, env).await.map(drop);
-        if let (Err(RuntimeError::TimedOut { abandoned, .. }), Some(deadline)) = (&mut dumped, opts.deadline) {
+        if let (Err(RuntimeError::TimedOut { abandoned, .. }), Some(deadline)) = (&mut dumped, deadline) {
             // Whatever CRIU did before it stopped, the sandbox is left running as it was.
             match deadline.thaw_pid {
                 Some(pid) => match tokio::task::spawn_blocking(move || freezer::thaw(pid)).await {
@@ -376,7 +419,10 @@ impl OciRuntime {
         self.create_dirs(opts)?;
         let env = self.dialect.criu_env(&bundle.join("config.json"));
         let _exclusive = self.exclusive.lock().await;
-        let restored = self.run_bounded(id, &args, launch.stdio, None, env).await.map(drop);
+        // Bounded like a dump: a CRIU that hangs must not hold the container's verbs (a kill
+        // waits for this lock) for ever.
+        let bound = opts.deadline.map(|d| (d.after, ABANDON_GRACE));
+        let restored = self.run_bounded(id, &args, launch.stdio, bound, env).await.map(drop);
         restored.map_err(|e| {
             self.with_criu_error(id, e, opts.work_path.as_deref().unwrap_or(&opts.image_path).join("restore.log"))
         })
@@ -431,6 +477,12 @@ impl OciRuntime {
 
     pub fn binary_name(&self) -> String {
         self.binary.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+    }
+
+    /// Runs a verb that starts no process in the container (state, start, pause, kill...),
+    /// abandoned past [`Self::with_verb_bound`]'s bound.
+    async fn run_verb(&self, id: &str, args: &[OsString]) -> Result<Vec<u8>> {
+        self.run_bounded(id, args, ProcessStdio::default(), Some((self.verb_bound, ABANDON_GRACE)), None).await
     }
 
     /// Runs one runtime verb and returns its stdout.
@@ -840,6 +892,31 @@ mod tests {
         let kept = dir.path().join("root/c1.criu-checkpoint.log");
         assert!(text.contains(&kept.display().to_string()), "{text}");
         assert_eq!(std::fs::read_to_string(kept).unwrap(), log);
+    }
+
+    /// A pause whose runtime hangs (stuck on a cgroup file) is abandoned at the verb bound, so
+    /// the shim's Pause, and every verb waiting for the lock it holds, returns.
+    #[tokio::test]
+    async fn a_hung_pause_is_abandoned_at_the_verb_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let (runtime, _child) = hanging_runtime(dir.path(), false);
+        let runtime = std::sync::Arc::new(runtime.with_verb_bound(Duration::from_millis(300)));
+        let pausing = {
+            let runtime = runtime.clone();
+            tokio::spawn(async move { runtime.pause("c1").await })
+        };
+        // Waits for the lock the pause holds, then hangs as well: bounded too.
+        let resuming = {
+            let runtime = runtime.clone();
+            tokio::spawn(async move { runtime.resume("c1").await })
+        };
+        let both = async { (pausing.await.unwrap(), resuming.await.unwrap()) };
+        let (paused, resumed) = tokio::time::timeout(Duration::from_secs(20), both).await.expect("both return");
+        let text = paused.unwrap_err().to_string();
+        assert!(text.contains("pause: the runtime timed out after 300 ms"), "{text}");
+        // The fake runtime's `state` hangs too: nothing says which cgroup to thaw.
+        assert!(text.contains("the container was not thawed, its state is unknown"), "{text}");
+        assert!(resumed.unwrap_err().is_timeout());
     }
 
     #[test]

@@ -86,3 +86,41 @@ fn a_process_that_is_gone_is_named() {
     let err = freezer::wait_frozen(u32::MAX, Duration::from_millis(10)).unwrap_err();
     assert!(err.to_string().contains(&format!("/proc/{}/cgroup", u32::MAX)), "{err}");
 }
+
+/// A sandbox paused before a turn's dump began (by containerd or its user) was frozen by someone
+/// else: when the dump hangs and is abandoned, the sandbox is left frozen for them, not thawed
+/// behind their back.
+#[tokio::test]
+async fn an_abandoned_dump_leaves_a_sandbox_that_was_paused_before_it_frozen() {
+    use std::os::unix::fs::PermissionsExt;
+    crab_sys::skip_unless_root!("a cgroup of its own");
+    let cgroup = Frozen::new("paused-before");
+    let (request, value) = if cgroup.v1 { ("freezer.state", "FROZEN") } else { ("cgroup.freeze", "1") };
+    std::fs::write(cgroup.dir.join(request), value).unwrap();
+    freezer::wait_frozen(cgroup.child.id(), Duration::from_secs(2)).unwrap();
+    // A runtime whose checkpoint hangs, as one with a hung CRIU does.
+    let dir = tempfile::tempdir().unwrap();
+    let runtime_binary = dir.path().join("hangs");
+    std::fs::write(&runtime_binary, "#!/bin/sh\nsleep 30 &\nwait\n").unwrap();
+    std::fs::set_permissions(&runtime_binary, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::create_dir_all(dir.path().join("root")).unwrap();
+    let reaper = crab_runtime::Reaper::default();
+    reaper.start().unwrap();
+    let runtime = crab_runtime::OciRuntime::new(&runtime_binary, dir.path().join("root"), false, reaper);
+    let opts = crab_runtime::CheckpointOptions {
+        image_path: dir.path().join("images"),
+        deadline: Some(crab_runtime::DumpDeadline {
+            after: Duration::from_millis(300),
+            thaw_pid: Some(cgroup.child.id()),
+        }),
+        ..Default::default()
+    };
+    let err = tokio::time::timeout(Duration::from_secs(20), runtime.checkpoint("c1", &opts))
+        .await
+        .expect("an abandoned dump returns")
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(err.is_timeout(), "{text}");
+    assert!(text.contains("sandbox left paused as it was"), "{text}");
+    assert!(freezer::is_frozen(cgroup.child.id()).unwrap(), "the abandoned dump thawed a paused sandbox");
+}

@@ -369,6 +369,8 @@ impl Container {
             tcp_established: true,
             ext_unix_sockets: true,
             file_locks: true,
+            // A restore that hangs fails Start at the bound a dump has (nothing to thaw).
+            deadline: Some(DumpDeadline { after: self.config.dump_timeout, thaw_pid: None }),
             ..Default::default()
         };
         let launch_opts = LaunchOptions {
