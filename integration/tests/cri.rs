@@ -7,7 +7,8 @@ use std::time::Duration;
 use crab_integration::cri::{Pod, PodShape, across_handlers, with_pod, with_pod_in};
 use crab_integration::{HarnessError, Outcome, ensure, ensure_eq, wait_until};
 use futures::FutureExt;
-use k8s_cri::v1::{Capability, ContainerState, Int64Value, LinuxContainerSecurityContext};
+use k8s_cri::v1::security_profile::ProfileType;
+use k8s_cri::v1::{Capability, ContainerState, Int64Value, LinuxContainerSecurityContext, SecurityProfile};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -203,6 +204,26 @@ async fn no_new_privs() {
         let (main, (out, _, _)) = &observed;
         ensure_eq!(main, &vec!["NoNewPrivs:\t1".to_string()], "entrypoint");
         ensure_eq!(out, "NoNewPrivs:\t1\n", "exec");
+        Ok(observed)
+    })
+    .await;
+}
+
+/// seccomp RuntimeDefault (the "baseline" and "restricted" Pod Security Standards ask for it):
+/// the entrypoint and every exec run under containerd's default filter. crab's execs inherit
+/// it from the spawner, which the runtime started under it.
+#[tokio::test]
+async fn seccomp_runtime_default() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
+    across_handlers("seccomp_runtime_default", |handler| async move {
+        let runtime_default = SecurityProfile { profile_type: ProfileType::RuntimeDefault as i32, ..Default::default() };
+        let shape = security(LinuxContainerSecurityContext { seccomp: Some(runtime_default), ..Default::default() });
+        let observed = probe_in("seccomp", handler, shape, "grep -E '^Seccomp(_filters)?:' /proc/self/status").await?;
+        let (main, (out, _, code)) = &observed;
+        ensure_eq!(code, &0, "exec exit status");
+        // 2: filter mode. Seccomp_filters (kernels from 5.9) counts the filters in force.
+        ensure_eq!(main.first().map(String::as_str), Some("Seccomp:\t2"), "entrypoint: {main:?}");
+        ensure!(out.starts_with("Seccomp:\t2\n"), "exec: {out:?}");
         Ok(observed)
     })
     .await;
