@@ -15,7 +15,7 @@ use containerd_client::tonic::transport::Channel;
 use futures::future::LocalBoxFuture;
 use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
 use k8s_cri::v1::{
-    ContainerConfig, ContainerMetadata, ContainerState, ContainerStatusRequest, CreateContainerRequest,
+    ContainerConfig, ContainerMetadata, ContainerState, ContainerStatusRequest, CreateContainerRequest, ExecRequest,
     ExecSyncRequest, ImageSpec, LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
     LinuxSandboxSecurityContext, NamespaceOption, PodSandboxConfig, PodSandboxMetadata, PodSandboxStatusRequest,
     RemoveContainerRequest, RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest, StopContainerRequest,
@@ -345,6 +345,66 @@ impl Pod {
         ))
     }
 
+    /// Runs `cmd` through CRI's streaming Exec, as `kubectl exec` does: Exec answers with a URL of
+    /// containerd's streaming server, spoken to over WebSocket in the `v4.channel.k8s.io`
+    /// protocol, where each message's first byte is its channel (0 stdin, 1 stdout, 2 stderr,
+    /// 3 the final status). `stdin`, when given, is sent as one message; with `tty` the
+    /// process has a terminal and stderr goes to it.
+    pub async fn exec_stream(&self, id: &str, cmd: &[&str], tty: bool, stdin: Option<&[u8]>) -> Outcome<Streamed> {
+        use futures::{SinkExt, StreamExt};
+        use tokio_tungstenite::tungstenite::Message;
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+        let stream_error = |what: &str| {
+            let what = what.to_string();
+            move |e: tokio_tungstenite::tungstenite::Error| {
+                HarnessError::Expectation(format!("streaming exec, {what}: {e}"))
+            }
+        };
+        let mut runtime = self.cri.runtime.clone();
+        let request = ExecRequest {
+            container_id: id.to_string(),
+            cmd: cmd.iter().map(|s| s.to_string()).collect(),
+            tty,
+            stdin: stdin.is_some(),
+            stdout: true,
+            stderr: !tty,
+        };
+        let url = bounded("Exec", runtime.exec(request)).await?.into_inner().url;
+        let mut request = url.replacen("http://", "ws://", 1).into_client_request().map_err(stream_error(&url))?;
+        request.headers_mut().insert("Sec-WebSocket-Protocol", "v4.channel.k8s.io".parse().expect("a header value"));
+        let (mut socket, _) = tokio::time::timeout(CALL_TIMEOUT, tokio_tungstenite::connect_async(request))
+            .await
+            .map_err(|_| HarnessError::Timeout { what: format!("connecting to {url}"), after: CALL_TIMEOUT })?
+            .map_err(stream_error("connect"))?;
+        if let Some(data) = stdin {
+            let message: Vec<u8> = std::iter::once(0).chain(data.iter().copied()).collect();
+            socket.send(Message::Binary(message.into())).await.map_err(stream_error("stdin"))?;
+        }
+        let (mut stdout, mut stderr, mut status) = (Vec::new(), Vec::new(), Vec::new());
+        loop {
+            let next = tokio::time::timeout(CALL_TIMEOUT, socket.next()).await.map_err(|_| HarnessError::Timeout {
+                what: format!("the end of streaming exec {cmd:?}"),
+                after: CALL_TIMEOUT,
+            })?;
+            match next {
+                None | Some(Ok(Message::Close(_))) => break,
+                Some(Ok(Message::Binary(bytes))) => match bytes.split_first() {
+                    Some((1, data)) => stdout.extend_from_slice(data),
+                    Some((2, data)) => stderr.extend_from_slice(data),
+                    Some((3, data)) => status.extend_from_slice(data),
+                    _ => {}
+                },
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(stream_error("read")(e)),
+            }
+        }
+        Ok(Streamed {
+            stdout: String::from_utf8_lossy(&stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&stderr).into_owned(),
+            exit_code: exit_code_of_status(&status)?,
+        })
+    }
+
     /// The container's log as CRI wrote it: (stream, tag, content) per line, timestamps dropped.
     pub fn log(&self, name: &str) -> Outcome<Vec<(String, String, String)>> {
         let path = self.log_dir.join(format!("{name}.log"));
@@ -489,6 +549,31 @@ where
         }
     });
     crate::require_same(name, futures::future::join_all(runs).await);
+}
+
+/// What a streaming Exec gave back.
+#[derive(Debug, PartialEq)]
+pub struct Streamed {
+    pub stdout: String,
+    pub stderr: String,
+    pub exit_code: i32,
+}
+
+/// The exit code in a streaming exec's final status (a Kubernetes `Status`): 0 for `Success`,
+/// else the `ExitCode` cause of a `NonZeroExitCode` failure.
+fn exit_code_of_status(status: &[u8]) -> Outcome<i32> {
+    let parse_error = |detail: String| HarnessError::Parse { what: "streaming exec status".into(), detail };
+    let value: serde_json::Value =
+        serde_json::from_slice(status).map_err(|e| parse_error(format!("{e}: {}", String::from_utf8_lossy(status))))?;
+    if value["status"] == "Success" {
+        return Ok(0);
+    }
+    value["details"]["causes"]
+        .as_array()
+        .and_then(|causes| causes.iter().find(|c| c["reason"] == "ExitCode"))
+        .and_then(|cause| cause["message"].as_str())
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(|| parse_error(format!("no exit code in {value}")))
 }
 
 // Kubelet's replacement of a dead container (transparent recovery under crab): containers

@@ -72,6 +72,47 @@ async fn exec_sync() {
     .await;
 }
 
+/// Streaming Exec (`kubectl exec`, with or without `-it`): output on both streams and the exit
+/// code, input through stdin, and a terminal. Under crab each runs through the spawner.
+#[tokio::test]
+async fn streaming_exec() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
+    across_handlers("streaming_exec", |handler| async move {
+        let crab = handler.name() == crab_integration::env::CRAB_RUNTIME;
+        with_pod("stream", handler, PodShape::default(), move |pod| {
+            async move {
+                let id = pod.run("main", &["sleep", "3600"]).await?;
+                let both = pod.exec_stream(&id, &["sh", "-c", "echo out; echo err >&2; exit 3"], false, None).await?;
+                let input = pod.exec_stream(&id, &["head", "-c", "6"], false, Some(b"hello\nmore")).await?;
+                // kubectl exec -it: a terminal, and input typed into it (the terminal echoes it).
+                let terminal = pod
+                    .exec_stream(
+                        &id,
+                        &["sh", "-c", "read line; test -t 0 && test -t 1 && echo \"tty $line\""],
+                        true,
+                        Some(b"typed\n"),
+                    )
+                    .await?;
+                ensure_eq!(
+                    (both.stdout.as_str(), both.stderr.as_str(), both.exit_code),
+                    ("out\n", "err\n", 3),
+                    "streams"
+                );
+                ensure_eq!((input.stdout.as_str(), input.exit_code), ("hello\n", 0), "stdin");
+                ensure_eq!((terminal.stdout.as_str(), terminal.exit_code), ("typed\r\ntty typed\r\n", 0), "terminal");
+                if crab {
+                    let parent = pod.exec_stream(&id, &["sh", "-c", PARENT_COMM], false, None).await?;
+                    ensure_eq!(parent.stdout.trim(), "crab-spawner", "the parent of a streaming exec");
+                }
+                Ok((both, input, terminal))
+            }
+            .boxed_local()
+        })
+        .await
+    })
+    .await;
+}
+
 /// Container logs in CRI's format: both streams, full and partial lines.
 #[tokio::test]
 async fn container_logs() {
@@ -216,7 +257,8 @@ async fn no_new_privs() {
 async fn seccomp_runtime_default() {
     crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
     across_handlers("seccomp_runtime_default", |handler| async move {
-        let runtime_default = SecurityProfile { profile_type: ProfileType::RuntimeDefault as i32, ..Default::default() };
+        let runtime_default =
+            SecurityProfile { profile_type: ProfileType::RuntimeDefault as i32, ..Default::default() };
         let shape = security(LinuxContainerSecurityContext { seccomp: Some(runtime_default), ..Default::default() });
         let observed = probe_in("seccomp", handler, shape, "grep -E '^Seccomp(_filters)?:' /proc/self/status").await?;
         let (main, (out, _, code)) = &observed;
