@@ -8,8 +8,7 @@ use std::time::Duration;
 
 use crab_containerd::Ctr;
 
-pub const DEFAULT_SOCKET: &str = "/run/crab-dev/containerd.sock";
-pub const DEFAULT_NAMESPACE: &str = "crab";
+pub use crab_containerd::ctr::{DEFAULT_NAMESPACE, DEFAULT_SOCKET};
 pub const DEFAULT_IMAGE: &str = "crab.local/busybox:latest";
 pub const RUNC_RUNTIME: &str = "io.containerd.runc.v2";
 pub const CRAB_RUNTIME: &str = "io.containerd.crab.v2";

@@ -51,6 +51,14 @@ impl Node {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// Starts sandbox `id` (busybox sleeping) under crab with the shim config `shim_config`.
+    fn run_sandbox(&self, id: &str, shim_config: &Path) {
+        let config = shim_config.display().to_string();
+        let run = ["run", "-d", "--runtime", "io.containerd.crab.v2", "--runtime-config-path", &config, IMAGE, id];
+        let args: Vec<&str> = run.into_iter().chain(["sleep", "3600"]).collect();
+        self.ctr_ok(&args);
+    }
+
     fn exec(&self, id: &str, script: &str) -> String {
         let exec_id =
             format!("x{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
@@ -210,14 +218,7 @@ fn a_sandbox_pushed_from_node_a_recovers_on_node_b_after_node_a_is_gone() {
     let a_shim_config = scratch.join("a-shim.toml");
     write_config(&a_shim_config, &a_config);
     a_config.remote = remote;
-    let a = Node {
-        name: "A",
-        socket: env_or("CRAB_CTRD_SOCK", "/run/crab-dev/containerd.sock"),
-        namespace: namespace.clone(),
-        config: scratch.join("a.toml"),
-        state: a_config.checkpoint.state_dir.clone(),
-    };
-    write_config(&a.config, &a_config);
+    let a = node_a(&a_config, &namespace, &scratch);
 
     // Node B: a second containerd, runc root, store, kept images and crabd socket. The
     // registry is named by the reference B recovers from; B's shims push nothing.
@@ -227,19 +228,7 @@ fn a_sandbox_pushed_from_node_a_recovers_on_node_b_after_node_a_is_gone() {
     let id = format!("remote-{}", std::process::id());
     a.remove(&id);
     b.remove(&id);
-    let a_cfg = a_shim_config.display().to_string();
-    a.ctr_ok(&[
-        "run",
-        "-d",
-        "--runtime",
-        "io.containerd.crab.v2",
-        "--runtime-config-path",
-        &a_cfg,
-        IMAGE,
-        &id,
-        "sleep",
-        "3600",
-    ]);
+    a.run_sandbox(&id, &a_shim_config);
     a.exec(&id, "mkdir -p /data && echo one > /data/a");
     a.exec(&id, "(s=secret-$$; i=0; while :; do i=$((i+1)); echo \"$s $i\" > /data/c.tmp && mv /data/c.tmp /data/counter; sleep 0.1; done) >/dev/null 2>&1 &");
     wait_for("turn 2's checkpoint on A", Duration::from_secs(60), || {
@@ -389,15 +378,7 @@ fn checkpointed_turns_leave_the_node_by_themselves_and_resume_when_the_registry_
         auto_push: true,
         ..Default::default()
     };
-    let a = Node {
-        name: "A",
-        socket: env_or("CRAB_CTRD_SOCK", "/run/crab-dev/containerd.sock"),
-        namespace: namespace.clone(),
-        config: scratch.join("a.toml"),
-        state: config.checkpoint.state_dir.clone(),
-    };
-    write_config(&a.config, &config);
-    let cfg = a.config.display().to_string();
+    let a = node_a(&config, &namespace, &scratch);
     let off_node = |id: &str| -> Vec<Option<bool>> {
         a.crabctl_json(&["turns", id])
             .as_array()
@@ -413,18 +394,7 @@ fn checkpointed_turns_leave_the_node_by_themselves_and_resume_when_the_registry_
         "(i=0; while :; do i=$((i+1)); sleep 0.2; done) >/dev/null 2>&1 &",
     ];
     let start_with_work = |id: &str| {
-        a.ctr_ok(&[
-            "run",
-            "-d",
-            "--runtime",
-            "io.containerd.crab.v2",
-            "--runtime-config-path",
-            &cfg,
-            IMAGE,
-            id,
-            "sleep",
-            "3600",
-        ]);
+        a.run_sandbox(id, &a.config);
         for script in WORK {
             a.exec(id, script);
         }
@@ -486,6 +456,19 @@ fn checkpointed_turns_leave_the_node_by_themselves_and_resume_when_the_registry_
 /// machine, its config under `scratch`; its containerd is stopped on drop when this started it.
 /// Each test has a node B of its own (`tag`): tests run in parallel, and one that stopped a
 /// shared node B would kill the other's shims (two that started it at once collided).
+/// Node A: the environment's containerd, with `config` (its own store) as `<scratch>/a.toml`.
+fn node_a(config: &crab_config::Config, namespace: &str, scratch: &Path) -> Node {
+    let a = Node {
+        name: "A",
+        socket: env_or("CRAB_CTRD_SOCK", crab_containerd::ctr::DEFAULT_SOCKET),
+        namespace: namespace.to_owned(),
+        config: scratch.join("a.toml"),
+        state: config.checkpoint.state_dir.clone(),
+    };
+    write_config(&a.config, config);
+    a
+}
+
 fn node_b(base: &crab_config::Config, ctrd_dir: &str, tag: &str, namespace: &str, scratch: &Path) -> (Node, NodeB) {
     let b_dir = format!("{ctrd_dir}-b-{tag}");
     let mut b_config = base.clone();
@@ -536,14 +519,7 @@ fn a_drained_node_s_sandboxes_recover_on_node_b_with_the_printed_command() {
     a_config.checkpoint.state_dir = scratch.join("a-store");
     a_config.checkpoint.kept_images_dir = PathBuf::from(format!("{ctrd_dir}/remote-drain-test-a-kept"));
     a_config.remote = crab_config::RemoteConfig { prefix: registry.prefix(), plain_http: true, ..Default::default() };
-    let a = Node {
-        name: "A",
-        socket: env_or("CRAB_CTRD_SOCK", "/run/crab-dev/containerd.sock"),
-        namespace: namespace.clone(),
-        config: scratch.join("a.toml"),
-        state: a_config.checkpoint.state_dir.clone(),
-    };
-    write_config(&a.config, &a_config);
+    let a = node_a(&a_config, &namespace, &scratch);
     let (b, _node_b) = node_b(&base, &ctrd_dir, "drain", &namespace, &scratch);
     // The namespace's image on A (node B imported it when it started).
     let out = NodeB::script(&[("CRAB_NS".into(), namespace.clone())], &["scripts/build-images", "busybox"]);
@@ -557,22 +533,10 @@ fn a_drained_node_s_sandboxes_recover_on_node_b_with_the_printed_command() {
     }
     let pid = std::process::id();
     let (two, one, proc_) = (format!("drain-two-{pid}"), format!("drain-one-{pid}"), format!("drain-proc-{pid}"));
-    let cfg = a.config.display().to_string();
     for id in [&two, &one, &proc_] {
         a.remove(id);
         b.remove(id);
-        a.ctr_ok(&[
-            "run",
-            "-d",
-            "--runtime",
-            "io.containerd.crab.v2",
-            "--runtime-config-path",
-            &cfg,
-            IMAGE,
-            id,
-            "sleep",
-            "3600",
-        ]);
+        a.run_sandbox(id, &a.config);
     }
     a.exec(&two, "mkdir -p /data && echo one > /data/a");
     a.exec(&two, "echo two > /data/b");

@@ -44,5 +44,5 @@ pub use manifest::{
 pub use mounts::{ContainerMount, ContainerRoot, MountKind, SandboxMounts, SpecMount, WalkEntry, rootfs_diff_paths};
 pub use path::{Bytes, RelPath};
 pub use quota::OverQuota;
-pub use store::{BlobStore, Digest, Traffic, Unlimited, WriteBatch, WriteTokens};
+pub use store::{BlobStore, Digest, Traffic, Unlimited, WriteBatch, WriteTokens, write_file_durably};
 pub use transfer::ExportedTurn;

@@ -606,6 +606,19 @@ pub(crate) enum Durability {
     AtomicOnly,
 }
 
+/// Replaces `path` with `bytes` atomically and durably (written aside, fsynced, renamed, its
+/// directory fsynced), root's alone (0600); the directory is made when missing. For a small
+/// file of crab's own outside the store (a saved spec that `crabctl` brings from a registry).
+pub fn write_file_durably(path: &Path, bytes: &[u8]) -> Result<()> {
+    static UNIQUE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    sys::create_private_dir_all(dir).io_ctx("create", dir)?;
+    let n = UNIQUE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp-{}-{n}", std::process::id()));
+    let _ = fs::remove_file(&tmp);
+    publish_file(&tmp, path, bytes, Durability::Flushed)
+}
+
 /// Replaces `dst` with `data` atomically. Used for manifests, snapshots and heads.
 pub(crate) fn publish_file(tmp: &Path, dst: &Path, data: &[u8], durability: Durability) -> Result<()> {
     let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(tmp).io_ctx("create", tmp)?;
@@ -629,6 +642,20 @@ pub(crate) fn publish_file(tmp: &Path, dst: &Path, data: &[u8], durability: Dura
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_durable_write_replaces_the_file_whole_and_for_root_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("specs/ns/sb.json");
+        write_file_durably(&path, b"first").unwrap();
+        write_file_durably(&path, b"second").unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"second");
+        assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(fs::metadata(path.parent().unwrap()).unwrap().permissions().mode() & 0o777, 0o700);
+        let left: Vec<_> = fs::read_dir(path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("sb.json")], "nothing written aside is left");
+    }
 
     #[test]
     fn identical_content_is_written_once_and_verified_on_read() {

@@ -203,7 +203,7 @@ impl Ctl {
         if let Some(spec) = &report.spec {
             let path = crab_store::saved_spec_path_of(&self.state_dir, &key)?;
             if !path.exists() {
-                write_file(&path, spec)?;
+                crab_store::write_file_durably(&path, spec)?;
             }
         }
         Ok((
@@ -259,21 +259,6 @@ impl Ctl {
         let restore = self.fork_with_image(source, turn, new, image.as_deref()).await?;
         Ok(RemoteRestoreReport { restore, pull, total_ms: clock.elapsed().as_secs_f64() * 1e3 })
     }
-}
-
-/// Writes a small file durably (tmp, fsync, rename, fsync of the directory), 0600.
-fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let io = |e: std::io::Error| CtlError::Invalid(format!("{}: {e}", path.display()));
-    let dir = path.parent().ok_or_else(|| CtlError::Invalid(format!("{}: no directory", path.display())))?;
-    std::fs::create_dir_all(dir).map_err(io)?;
-    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-    let mut file =
-        std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp).map_err(io)?;
-    file.write_all(bytes).and_then(|()| file.sync_all()).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)?;
-    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io)
 }
 
 /// What `crabctl migrate` did for one sandbox (and `crabctl drain` for each).
