@@ -591,3 +591,65 @@ async fn restore_from_stays_in_the_pods_kubernetes_namespace() {
         Err(_) => panic!("restore_from_stays_in_the_pods_kubernetes_namespace: timed out"),
     }
 }
+
+/// crabctl on a pod's container, against the CRI containerd (namespace k8s.io): turns and an
+/// in-place rollback of file turns act on the pod's own container; recover, fork, and a
+/// rollback that would restore processes refuse, naming the pod and what to do instead, since
+/// they would recreate the container outside its pod. The container keeps running and the pod
+/// stays removable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crabctl_acts_on_a_pods_container_or_refuses_clearly() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
+    let Some(handler) = crab_handler() else {
+        eprintln!("CRAB_TEST_RUNTIMES leaves out crab: nothing to test");
+        return;
+    };
+    let run = with_pod("crabctl", handler, PodShape::default(), |pod| {
+        async move {
+            let id = pod.run("main", &["sleep", "3600"]).await?;
+            for (turn, script) in [(1, "mkdir -p /data && echo one > /data/f"), (2, "echo two > /data/f")] {
+                ensure_eq!(pod.exec(&id, &["sh", "-c", script], 30).await?.2, 0, "turn {turn}");
+                let record = turn_record(&id, turn).await?;
+                ensure_eq!(record.checkpoint_turn, Some(turn), "checkpoint of turn {turn}: {record:?}");
+            }
+            let state_dir = crab_config::Config::load(None)
+                .map_err(|e| HarnessError::Expectation(format!("crab config: {e}")))?
+                .checkpoint
+                .state_dir;
+            let ctr = crab_containerd::Ctr::new(crab_integration::cri::socket(), crab_integration::cri::CRI_NAMESPACE);
+            let ctl = crabctl::Ctl::open(&state_dir, ctr).map_err(|e| HarnessError::Expectation(e.to_string()))?;
+            ensure_eq!(ctl.turns(&id).map_err(|e| HarnessError::Expectation(e.to_string()))?.len(), 2, "turns");
+
+            let rolled = ctl.rollback(&id, 1).await.map_err(|e| HarnessError::Expectation(e.to_string()))?;
+            ensure_eq!(rolled.mode, "in-place", "rollback of file turns: {rolled:?}");
+            ensure_eq!(pod.exec(&id, &["cat", "/data/f"], 30).await?.0, "one\n", "the file after the rollback");
+
+            let refused = |what: &str, result: crabctl::Result<crabctl::RestoreReport>, advice: &str| {
+                let message = match result {
+                    Ok(report) => {
+                        return Err(HarnessError::Expectation(format!("{what} of a pod's container ran: {report:?}")));
+                    }
+                    Err(e) => e.to_string(),
+                };
+                ensure!(
+                    message.contains("refused") && message.contains("\"main\"") && message.contains(&pod.id),
+                    "{what}: {message}"
+                );
+                ensure!(message.contains(advice), "{what} says what to do instead: {message}");
+                Ok(())
+            };
+            refused("recover", ctl.recover(&id, None).await, "Let kubelet restart it")?;
+            refused("fork", ctl.fork(&id, 1, &format!("{id}-fork")).await, "io.crab.restore-from")?;
+            // A process turn: rolling back past it means a restore.
+            ensure_eq!(pod.exec(&id, &["sh", "-c", "sleep 1000 >/dev/null 2>&1 &"], 30).await?.2, 0, "turn 4");
+            turn_record(&id, 4).await?;
+            refused("rollback past a process turn", ctl.rollback(&id, 1).await, "Let kubelet restart it")?;
+
+            ensure_eq!(pod.state(&id).await?, ContainerState::ContainerRunning, "the container after the refusals");
+            ensure_eq!(pod.exec(&id, &["cat", "/data/f"], 30).await?.0, "one\n", "the file after the refusals");
+            Ok(())
+        }
+        .boxed_local()
+    });
+    run.await.expect("crabctl on a pod's container");
+}

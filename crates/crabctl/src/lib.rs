@@ -36,7 +36,20 @@ pub enum CtlError {
     Config(#[from] crab_config::ConfigError),
     #[error(transparent)]
     Remote(#[from] crab_remote::RemoteError),
+    /// A command that would recreate a pod's container outside its pod.
+    #[error(
+        "{what} of {container:?} refused: it is container {:?} of pod sandbox {} in Kubernetes namespace {:?} (CRI), \
+         and crabctl would recreate it outside its pod, without the pod's namespaces, mounts and cgroup. {advice}",
+        .pod.container_name, .pod.pod_sandbox, .pod.kube_namespace
+    )]
+    OutsidePod { what: &'static str, container: String, pod: crab_store::PodOwner, advice: &'static str },
 }
+
+/// What to do instead of a restore of a pod's container by crabctl.
+const RESTART_IN_POD: &str = "Let kubelet restart it (kill its task, or let it crash): crab restores its latest \
+     checkpoint into the replacement, in the pod (io.crab.restore=auto, the default).";
+const FORK_IN_POD: &str = "Fork it in a pod: a container of a new pod (same Kubernetes namespace) with the \
+     annotation io.crab.restore-from=k8s.io/<id>:<turn>, which the CRI runtime entry must let through.";
 
 pub type Result<T> = std::result::Result<T, CtlError>;
 
@@ -113,6 +126,8 @@ struct SandboxInfo {
     /// The crab config the sandbox's shim was given (`ConfigPath` of its runtime options),
     /// so the restored one reads the same store.
     config_path: Option<String>,
+    /// The pod it is a container of, by the annotations CRI sets on every pod container.
+    pod: Option<crab_store::PodOwner>,
 }
 
 impl Ctl {
@@ -339,8 +354,10 @@ impl Ctl {
                 a
             })
             .unwrap_or_default();
+        let pod = spec.as_ref().and_then(|s| pod_of_annotations(&s.annotations));
         let process = spec.and_then(|s| s.process);
         Ok(SandboxInfo {
+            pod,
             annotations,
             image,
             args: process.as_ref().map(|p| p.args.clone()).unwrap_or_default(),
@@ -348,6 +365,26 @@ impl Ctl {
             env: process.map(|p| p.env).unwrap_or_default(),
             config_path,
         })
+    }
+
+    /// Refuses `what` (a command that recreates `container` through containerd) for a container
+    /// of a Kubernetes pod: the shim's record of its pod (made for a container the kernel placed
+    /// in it), else CRI's annotations in its spec.
+    fn refuse_pod_container(
+        &self,
+        what: &'static str,
+        container: &str,
+        info: &SandboxInfo,
+        advice: &'static str,
+    ) -> Result<()> {
+        let pod = match self.store.owner(&self.key(container)?)? {
+            Some(owner) => Some(owner),
+            None => info.pod.clone(),
+        };
+        match pod {
+            Some(pod) => Err(CtlError::OutsidePod { what, container: container.into(), pod, advice }),
+            None => Ok(()),
+        }
     }
 
     /// Removes the container from containerd, whatever state it is in.
@@ -429,6 +466,7 @@ impl Ctl {
         self.settle(source).await?;
         let checkpoint = self.checkpoint_at_or_before(source, turn)?;
         let info = self.sandbox_info(source, image).await?;
+        self.refuse_pod_container("fork", source, &info, FORK_IN_POD)?;
         self.run_restored(&info, source, checkpoint.unwrap_or(0), new).await?;
         Ok(RestoreReport {
             container: new.into(),
@@ -448,6 +486,7 @@ impl Ctl {
         let head = self.store.head(&self.key(container)?)?;
         let last_turn = self.turns(container)?.last().map(|r| r.turn).max(head.map(|h| h.turn)).unwrap_or(0);
         let info = self.sandbox_info(container, image).await?;
+        self.refuse_pod_container("recover", container, &info, RESTART_IN_POD)?;
         self.remove_from_containerd(container).await;
         self.run_restored(&info, container, head.map(|h| h.turn).unwrap_or(0), container).await?;
         Ok(RestoreReport {
@@ -503,6 +542,8 @@ impl Ctl {
             });
         }
         let info = self.sandbox_info(container, None).await?;
+        // In place (files only, the task running) acts on the pod's own container; this does not.
+        self.refuse_pod_container("rollback by restore", container, &info, RESTART_IN_POD)?;
         if let Some(t) = checkpoint {
             self.store.rewind(&self.key(container)?, t)?;
         }
@@ -526,6 +567,18 @@ impl Ctl {
             (cols.next()? == container).then(|| cols.next()?.parse().ok()).flatten()
         }))
     }
+}
+
+/// The pod a container's spec says it belongs to: CRI sets these annotations on every container
+/// of a pod (a pod's sandbox container included).
+fn pod_of_annotations(annotations: &std::collections::HashMap<String, String>) -> Option<crab_store::PodOwner> {
+    let get = |key: &str| annotations.get(key).filter(|v| !v.is_empty()).cloned();
+    let pod_sandbox = get("io.kubernetes.cri.sandbox-id")?;
+    Some(crab_store::PodOwner {
+        kube_namespace: get("io.kubernetes.cri.sandbox-namespace").unwrap_or_default(),
+        container_name: get("io.kubernetes.cri.container-name").unwrap_or_else(|| "(the pod sandbox)".into()),
+        pod_sandbox,
+    })
 }
 
 /// A container's runtime options as `ctr containers info` prints them: a protobuf `Any`
