@@ -218,6 +218,7 @@ impl Cri {
 pub struct PodShape {
     pub host_network: bool,
     pub host_pid: bool,
+    pub host_ipc: bool,
     pub security: LinuxContainerSecurityContext,
 }
 
@@ -228,7 +229,7 @@ impl PodShape {
         NamespaceOption {
             network: mode(self.host_network),
             pid: if self.host_pid { NamespaceMode::Node as i32 } else { NamespaceMode::Container as i32 },
-            ipc: NamespaceMode::Pod as i32,
+            ipc: mode(self.host_ipc),
             ..Default::default()
         }
     }

@@ -287,6 +287,22 @@ async fn host_pid() {
     .await;
 }
 
+/// hostIPC: the container is in the host's IPC namespace.
+#[tokio::test]
+async fn host_ipc() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
+    across_handlers("host_ipc", |handler| async move {
+        let shape = PodShape { host_ipc: true, ..Default::default() };
+        let observed = probe_in("hostipc", handler, shape, "readlink /proc/self/ns/ipc").await?;
+        let host = std::fs::read_link("/proc/self/ns/ipc").map(|p| p.display().to_string()).unwrap_or_default();
+        let (main, (out, _, _)) = &observed;
+        ensure_eq!(main, &vec![host.clone()], "entrypoint's IPC namespace");
+        ensure_eq!(out.trim(), host, "exec's IPC namespace");
+        Ok(observed)
+    })
+    .await;
+}
+
 /// hostNetwork: the container is in the host's network namespace and CRI made none.
 #[tokio::test]
 async fn host_network() {
