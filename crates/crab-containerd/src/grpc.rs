@@ -1,10 +1,19 @@
-//! containerd's gRPC API, for what the `ctr` command line cannot ask: a Task
-//! Update that carries annotations and no resources (crab's turn marks).
+//! containerd's gRPC API: what crabctl asks containerd (namespaces, containers and their
+//! specs, tasks), and what the `ctr` command line cannot ask at all: a Task Update that carries
+//! annotations and no resources (crab's turn marks). Every call is bounded ([`CALL_TIMEOUT`]).
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
-use containerd_client::services::v1::UpdateTaskRequest;
+use containerd_client::services::v1::containers_client::ContainersClient;
+use containerd_client::services::v1::namespaces_client::NamespacesClient;
+use containerd_client::services::v1::snapshots::RemoveSnapshotRequest;
+use containerd_client::services::v1::snapshots::snapshots_client::SnapshotsClient;
 use containerd_client::services::v1::tasks_client::TasksClient;
+use containerd_client::services::v1::{
+    DeleteContainerRequest, DeleteTaskRequest, GetContainerRequest, GetRequest, KillRequest, ListContainersRequest,
+    ListNamespacesRequest, ListTasksRequest, UpdateTaskRequest,
+};
 use containerd_client::tonic;
 
 use crab_store::turns::{ANNOTATION_TURN, TurnRequest};
@@ -17,6 +26,44 @@ pub enum GrpcError {
     Namespace(String),
     #[error("{call} of {container}: {code:?}: {message}")]
     Call { call: &'static str, container: String, code: tonic::Code, message: String },
+    #[error("{call} of {container}: no answer from containerd within {after:?}")]
+    Timeout { call: &'static str, container: String, after: Duration },
+}
+
+/// The bound on one call: containerd answers these in milliseconds, a Kill or a Delete included
+/// (the shim's own verbs are bounded below it).
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What containerd keeps of a container, as crabctl needs it.
+#[derive(Debug, Clone)]
+pub struct ContainerRecord {
+    pub image: String,
+    /// The runtime's name (`io.containerd.crab.v2`).
+    pub runtime: String,
+    /// The runtime's options (crab's `ConfigPath`), as containerd holds them.
+    pub runtime_options: Option<(String, Vec<u8>)>,
+    /// The OCI spec, JSON.
+    pub spec: Option<Vec<u8>>,
+}
+
+/// A container's task: its init's pid and its status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskState {
+    pub container: String,
+    pub pid: u32,
+    pub status: containerd_client::types::v1::Status,
+}
+
+impl TaskState {
+    pub fn is_running(&self) -> bool {
+        self.status == containerd_client::types::v1::Status::Running
+    }
+
+    /// Its processes exist (running, or paused with their memory).
+    pub fn is_alive(&self) -> bool {
+        use containerd_client::types::v1::Status;
+        self.pid > 0 && matches!(self.status, Status::Running | Status::Paused | Status::Pausing)
+    }
 }
 
 /// One containerd socket and namespace.
@@ -42,11 +89,146 @@ impl Containerd {
         Ok(request)
     }
 
+    async fn channel(&self) -> Result<tonic::transport::Channel, GrpcError> {
+        let connect = containerd_client::connect(&self.socket);
+        match tokio::time::timeout(CALL_TIMEOUT, connect).await {
+            Ok(connected) => connected.map_err(|source| GrpcError::Connect { socket: self.socket.clone(), source }),
+            Err(_) => Err(GrpcError::Timeout { call: "connect", container: String::new(), after: CALL_TIMEOUT }),
+        }
+    }
+
     async fn tasks(&self) -> Result<TasksClient<tonic::transport::Channel>, GrpcError> {
-        let channel = containerd_client::connect(&self.socket)
-            .await
-            .map_err(|source| GrpcError::Connect { socket: self.socket.clone(), source })?;
-        Ok(TasksClient::new(channel))
+        Ok(TasksClient::new(self.channel().await?))
+    }
+
+    async fn containers_client(&self) -> Result<ContainersClient<tonic::transport::Channel>, GrpcError> {
+        Ok(ContainersClient::new(self.channel().await?))
+    }
+
+    /// Runs one call within [`CALL_TIMEOUT`]; Err(Ok(status)) is containerd's answer of failure.
+    async fn bounded<T>(
+        call: &'static str,
+        container: &str,
+        fut: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<Result<T, tonic::Status>, GrpcError> {
+        match tokio::time::timeout(CALL_TIMEOUT, fut).await {
+            Ok(answer) => Ok(answer.map(tonic::Response::into_inner)),
+            Err(_) => Err(GrpcError::Timeout { call, container: container.into(), after: CALL_TIMEOUT }),
+        }
+    }
+
+    fn failed(call: &'static str, container: &str, status: tonic::Status) -> GrpcError {
+        GrpcError::Call { call, container: container.into(), code: status.code(), message: status.message().into() }
+    }
+
+    /// Every namespace of this containerd (whatever this client's own is).
+    pub async fn namespaces(&self) -> Result<Vec<String>, GrpcError> {
+        let mut client = NamespacesClient::new(self.channel().await?);
+        let request = tonic::Request::new(ListNamespacesRequest { filter: String::new() });
+        let listed = Self::bounded("Namespaces.List", "", client.list(request)).await?;
+        let listed = listed.map_err(|status| Self::failed("Namespaces.List", "", status))?;
+        Ok(listed.namespaces.into_iter().map(|n| n.name).collect())
+    }
+
+    /// The containers of this namespace, with their runtime's name.
+    pub async fn containers(&self) -> Result<Vec<(String, String)>, GrpcError> {
+        let request = self.request(ListContainersRequest { filters: Vec::new() })?;
+        let mut client = self.containers_client().await?;
+        let listed = Self::bounded("Containers.List", "", client.list(request)).await?;
+        let listed = listed.map_err(|status| Self::failed("Containers.List", "", status))?;
+        Ok(listed.containers.into_iter().map(|c| (c.id, c.runtime.map(|r| r.name).unwrap_or_default())).collect())
+    }
+
+    /// What containerd keeps of `container`; None when it does not know it.
+    pub async fn container(&self, container: &str) -> Result<Option<ContainerRecord>, GrpcError> {
+        let request = self.request(GetContainerRequest { id: container.into() })?;
+        let mut client = self.containers_client().await?;
+        let got = match Self::bounded("Containers.Get", container, client.get(request)).await? {
+            Ok(got) => got,
+            Err(status) if status.code() == tonic::Code::NotFound => return Ok(None),
+            Err(status) => return Err(Self::failed("Containers.Get", container, status)),
+        };
+        let Some(found) = got.container else { return Ok(None) };
+        let (runtime, runtime_options) = match found.runtime {
+            Some(r) => (r.name, r.options.map(|o| (o.type_url, o.value))),
+            None => (String::new(), None),
+        };
+        Ok(Some(ContainerRecord { image: found.image, runtime, runtime_options, spec: found.spec.map(|s| s.value) }))
+    }
+
+    /// The tasks of this namespace.
+    pub async fn task_states(&self) -> Result<Vec<TaskState>, GrpcError> {
+        let request = self.request(ListTasksRequest { filter: String::new() })?;
+        let listed = Self::bounded("Tasks.List", "", self.tasks().await?.list(request)).await?;
+        let listed = listed.map_err(|status| Self::failed("Tasks.List", "", status))?;
+        Ok(listed.tasks.into_iter().map(task_state).collect())
+    }
+
+    /// The task of `container`; None when it has none.
+    pub async fn task(&self, container: &str) -> Result<Option<TaskState>, GrpcError> {
+        let request = self.request(GetRequest { container_id: container.into(), exec_id: String::new() })?;
+        match Self::bounded("Tasks.Get", container, self.tasks().await?.get(request)).await? {
+            Ok(got) => Ok(got.process.map(task_state)),
+            Err(status) if status.code() == tonic::Code::NotFound => Ok(None),
+            Err(status) => Err(Self::failed("Tasks.Get", container, status)),
+        }
+    }
+
+    /// SIGKILLs every process of `container`'s task.
+    pub async fn kill_all(&self, container: &str) -> Result<(), GrpcError> {
+        const SIGKILL: u32 = 9;
+        let request = self.request(KillRequest {
+            container_id: container.into(),
+            exec_id: String::new(),
+            signal: SIGKILL,
+            all: true,
+        })?;
+        let killed = Self::bounded("Tasks.Kill", container, self.tasks().await?.kill(request)).await?;
+        killed.map(drop).map_err(|status| Self::failed("Tasks.Kill", container, status))
+    }
+
+    /// Deletes `container`'s (stopped) task; a container without one is fine.
+    pub async fn delete_task(&self, container: &str) -> Result<(), GrpcError> {
+        let request = self.request(DeleteTaskRequest { container_id: container.into() })?;
+        match Self::bounded("Tasks.Delete", container, self.tasks().await?.delete(request)).await? {
+            Ok(_) => Ok(()),
+            Err(status) if status.code() == tonic::Code::NotFound => Ok(()),
+            Err(status) => Err(Self::failed("Tasks.Delete", container, status)),
+        }
+    }
+
+    /// Deletes `container` (its task gone first) and its root file system's snapshot, as
+    /// `ctr containers delete` does (containerd keeps the snapshot otherwise, and a container
+    /// created again with the id fails on it); one containerd does not know is fine.
+    pub async fn delete_container(&self, container: &str) -> Result<(), GrpcError> {
+        let snapshot = self.snapshot_of(container).await?;
+        let request = self.request(DeleteContainerRequest { id: container.into() })?;
+        let mut client = self.containers_client().await?;
+        match Self::bounded("Containers.Delete", container, client.delete(request)).await? {
+            Ok(_) => {}
+            Err(status) if status.code() == tonic::Code::NotFound => {}
+            Err(status) => return Err(Self::failed("Containers.Delete", container, status)),
+        }
+        let Some((snapshotter, key)) = snapshot else { return Ok(()) };
+        let request = self.request(RemoveSnapshotRequest { snapshotter, key })?;
+        let mut client = SnapshotsClient::new(self.channel().await?);
+        match Self::bounded("Snapshots.Remove", container, client.remove(request)).await? {
+            Ok(_) => Ok(()),
+            Err(status) if status.code() == tonic::Code::NotFound => Ok(()),
+            Err(status) => Err(Self::failed("Snapshots.Remove", container, status)),
+        }
+    }
+
+    /// The snapshotter and key of `container`'s root file system, when it has one.
+    async fn snapshot_of(&self, container: &str) -> Result<Option<(String, String)>, GrpcError> {
+        let request = self.request(GetContainerRequest { id: container.into() })?;
+        let mut client = self.containers_client().await?;
+        let found = match Self::bounded("Containers.Get", container, client.get(request)).await? {
+            Ok(got) => got.container,
+            Err(status) if status.code() == tonic::Code::NotFound => None,
+            Err(status) => return Err(Self::failed("Containers.Get", container, status)),
+        };
+        Ok(found.filter(|c| !c.snapshot_key.is_empty()).map(|c| (c.snapshotter, c.snapshot_key)))
     }
 
     /// Sends the task of `container` a turn request (`io.crab.turn`). The
@@ -67,12 +249,14 @@ impl Containerd {
             annotations: [(ANNOTATION_TURN.to_string(), value.to_string())].into(),
         };
         let request = self.request(update)?;
-        self.tasks().await?.update(request).await.map_err(|status| GrpcError::Call {
-            call: "Tasks.Update",
-            container: container.into(),
-            code: status.code(),
-            message: status.message().into(),
-        })?;
+        // Bounded by the shim, which answers once the ended turn is checkpointed (its dump has
+        // a bound of its own): no timeout of ours here.
+        self.tasks().await?.update(request).await.map_err(|status| Self::failed("Tasks.Update", container, status))?;
         Ok(())
     }
+}
+
+fn task_state(process: containerd_client::types::v1::Process) -> TaskState {
+    let status = containerd_client::types::v1::Status::try_from(process.status).unwrap_or_default();
+    TaskState { container: process.container_id, pid: process.pid, status }
 }

@@ -42,7 +42,7 @@ pub enum CtlError {
          and crabctl would recreate it outside its pod, without the pod's namespaces, mounts and cgroup. {advice}",
         .pod.container_name, .pod.pod_sandbox, .pod.kube_namespace
     )]
-    OutsidePod { what: &'static str, container: String, pod: crab_store::PodOwner, advice: &'static str },
+    OutsidePod { what: &'static str, container: String, pod: Box<crab_store::PodOwner>, advice: &'static str },
 }
 
 /// What to do instead of a restore of a pod's container by crabctl.
@@ -150,16 +150,14 @@ impl Ctl {
     /// each bounded by the admin timeout).
     pub async fn container_census(&self, keep_removed: std::time::Duration) -> Result<crab_store::ContainerCensus> {
         let now = std::time::SystemTime::now();
-        let lines = |out: crab_containerd::RawOutput| -> Vec<String> {
-            out.stdout_text().lines().map(str::trim).filter(|l| !l.is_empty()).map(str::to_owned).collect()
-        };
-        let socket = self.ctr.socket().to_path_buf();
-        let asked = |e: crab_containerd::CtrError| CtlError::Containerd(e.to_string());
-        let namespaces = lines(Ctr::new(&socket, "default").run(&["namespaces", "ls", "-q"]).await.map_err(asked)?);
+        let socket = self.ctr.socket();
+        let asked = |e: crab_containerd::grpc::GrpcError| CtlError::Containerd(e.to_string());
+        let namespaces = crab_containerd::grpc::Containerd::new(socket, "default").namespaces().await.map_err(asked)?;
         let mut census = std::collections::BTreeMap::new();
         for namespace in namespaces {
-            let ids = lines(Ctr::new(&socket, &namespace).run(&["containers", "ls", "-q"]).await.map_err(asked)?);
-            census.insert(namespace, ids.into_iter().collect());
+            let containers =
+                crab_containerd::grpc::Containerd::new(socket, namespace.as_str()).containers().await.map_err(asked)?;
+            census.insert(namespace, containers.into_iter().map(|(id, _runtime)| id).collect());
         }
         Ok(crab_store::ContainerCensus { namespaces: census, keep_removed, now })
     }
@@ -302,29 +300,25 @@ impl Ctl {
             #[serde(default)]
             annotations: std::collections::HashMap<String, String>,
         }
-        #[derive(serde::Deserialize)]
-        struct Info {
-            #[serde(rename = "Image")]
-            image: String,
-            #[serde(rename = "Spec")]
-            spec: Option<Spec>,
-            #[serde(rename = "Runtime")]
-            runtime: Option<RuntimeInfo>,
-        }
-        let from_containerd = self.ctr.run(&["containers", "info", container]).await;
+        let from_containerd =
+            self.containerd().container(container).await.map_err(|e| CtlError::Containerd(e.to_string()))?;
         let (image, spec, config_path) = match from_containerd {
-            Ok(out) => {
-                let info: Info = serde_json::from_str(&out.stdout_text())
-                    .map_err(|e| CtlError::Containerd(format!("container info of {container}: {e}")))?;
-                let config_path = match info.runtime.and_then(|r| r.options) {
-                    Some(options) => options
-                        .config_path()
+            Some(record) => {
+                let spec = match &record.spec {
+                    Some(bytes) => Some(
+                        serde_json::from_slice::<Spec>(bytes)
+                            .map_err(|e| CtlError::Containerd(format!("the spec of {container}: {e}")))?,
+                    ),
+                    None => None,
+                };
+                let config_path = match &record.runtime_options {
+                    Some((type_url, value)) => config_path_of_options(type_url, value)
                         .map_err(|e| CtlError::Containerd(format!("runtime options of {container}: {e}")))?,
                     None => None,
                 };
-                (image_override.map(str::to_string).unwrap_or(info.image), info.spec, config_path)
+                (image_override.map(str::to_string).unwrap_or(record.image), spec, config_path)
             }
-            Err(_) => {
+            None => {
                 // Node loss: containerd forgot the sandbox. The shim kept its spec.
                 let image = image_override.ok_or_else(|| {
                     CtlError::Invalid(format!("containerd does not know {container:?}: name its image with --image"))
@@ -382,24 +376,31 @@ impl Ctl {
             None => info.pod.clone(),
         };
         match pod {
-            Some(pod) => Err(CtlError::OutsidePod { what, container: container.into(), pod, advice }),
+            Some(pod) => Err(CtlError::OutsidePod { what, container: container.into(), pod: Box::new(pod), advice }),
             None => Ok(()),
         }
     }
 
-    /// Removes the container from containerd, whatever state it is in.
+    /// containerd's API, in this command's socket and namespace.
+    fn containerd(&self) -> crab_containerd::grpc::Containerd {
+        crab_containerd::grpc::Containerd::new(self.ctr.socket(), self.ctr.namespace())
+    }
+
+    /// Removes the container from containerd, whatever state it is in. Each call is bounded,
+    /// and so is the wait for the killed task to stop.
     async fn remove_from_containerd(&self, container: &str) {
-        let _ = self.ctr.run(&["tasks", "kill", "--signal", "SIGKILL", container]).await;
+        let containerd = self.containerd();
+        let _ = containerd.kill_all(container).await;
         for _ in 0..50 {
-            if self.ctr.run(&["tasks", "delete", "--force", container]).await.is_ok() {
+            if containerd.delete_task(container).await.is_ok() {
                 break;
             }
-            match self.ctr.run(&["tasks", "ls", "-q"]).await {
-                Ok(out) if !out.stdout_text().lines().any(|l| l.trim() == container) => break,
+            match containerd.task(container).await {
+                Ok(None) => break,
                 _ => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
             }
         }
-        let _ = self.ctr.run(&["containers", "delete", container]).await;
+        let _ = containerd.delete_container(container).await;
     }
 
     /// Creates `new` on the crab runtime from `source`'s state at `turn`.
@@ -560,12 +561,10 @@ impl Ctl {
         })
     }
 
+    /// The host pid of `container`'s init while its processes exist (running or paused).
     async fn task_pid(&self, container: &str) -> Result<Option<u32>> {
-        let out = self.ctr.run(&["tasks", "ls"]).await.map_err(|e| CtlError::Containerd(e.to_string()))?;
-        Ok(out.stdout_text().lines().skip(1).find_map(|l| {
-            let mut cols = l.split_whitespace();
-            (cols.next()? == container).then(|| cols.next()?.parse().ok()).flatten()
-        }))
+        let task = self.containerd().task(container).await.map_err(|e| CtlError::Containerd(e.to_string()))?;
+        Ok(task.filter(|t| t.is_alive()).map(|t| t.pid))
     }
 }
 
@@ -581,58 +580,15 @@ fn pod_of_annotations(annotations: &std::collections::HashMap<String, String>) -
     })
 }
 
-/// A container's runtime options as `ctr containers info` prints them: a protobuf `Any`
-/// with its bytes in base64.
-#[derive(serde::Deserialize)]
-struct RuntimeInfo {
-    #[serde(rename = "Options")]
-    options: Option<RuntimeOptionsJson>,
-}
-
-#[derive(serde::Deserialize)]
-struct RuntimeOptionsJson {
-    type_url: String,
-    #[serde(default)]
-    value: String,
-}
-
-impl RuntimeOptionsJson {
-    /// The `ConfigPath` in these options, decoded as the shim decodes them.
-    fn config_path(&self) -> std::result::Result<Option<String>, String> {
-        use containerd_shim_protos::protobuf::well_known_types::any::Any;
-        let mut any = Any::new();
-        any.type_url = self.type_url.clone();
-        any.value = decode_base64(&self.value)?;
-        let options = crab_config::runtime_options::CreateOptions::decode(Some(&any)).map_err(|e| e.to_string())?;
-        Ok(options.config_path.map(|p| p.to_string_lossy().into_owned()))
-    }
-}
-
-/// Standard base64 with optional padding (how Go's JSON encodes `[]byte`).
-fn decode_base64(text: &str) -> std::result::Result<Vec<u8>, String> {
-    let value = |c: u8| -> std::result::Result<u32, String> {
-        Ok(match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => return Err(format!("{:?} is not a base64 character", c as char)),
-        } as u32)
-    };
-    let digits = text.trim_end_matches('=').as_bytes();
-    if digits.len() % 4 == 1 {
-        return Err(format!("base64 of {} characters is truncated", text.len()));
-    }
-    let mut out = Vec::with_capacity(digits.len() * 3 / 4);
-    for group in digits.chunks(4) {
-        let mut bits = 0u32;
-        for (i, &c) in group.iter().enumerate() {
-            bits |= value(c)? << (18 - 6 * i);
-        }
-        out.extend_from_slice(&bits.to_be_bytes()[1..group.len()]);
-    }
-    Ok(out)
+/// The `ConfigPath` in a container's runtime options (a protobuf `Any`: its type and bytes), decoded
+/// as the shim decodes them.
+fn config_path_of_options(type_url: &str, value: &[u8]) -> std::result::Result<Option<String>, String> {
+    use containerd_shim_protos::protobuf::well_known_types::any::Any;
+    let mut any = Any::new();
+    any.type_url = type_url.to_string();
+    any.value = value.to_vec();
+    let options = crab_config::runtime_options::CreateOptions::decode(Some(&any)).map_err(|e| e.to_string())?;
+    Ok(options.config_path.map(|p| p.to_string_lossy().into_owned()))
 }
 
 /// The image layer a container's overlay root starts from: the base of an
@@ -651,27 +607,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn base64_decodes_what_go_encodes() {
-        assert_eq!(decode_base64("").unwrap(), b"");
-        assert_eq!(decode_base64("Zg==").unwrap(), b"f");
-        assert_eq!(decode_base64("Zm8=").unwrap(), b"fo");
-        assert_eq!(decode_base64("Zm9v").unwrap(), b"foo");
-        assert_eq!(decode_base64("Zm9vYmFy").unwrap(), b"foobar");
-        assert!(decode_base64("Zm9v!A").unwrap_err().contains("'!'"));
-        assert!(decode_base64("Z").is_err());
-    }
-
-    #[test]
-    fn config_path_comes_from_runtimeoptions_as_ctr_prints_them() {
-        // What `ctr containers info` printed for `--runtime-config-path /tmp/store/cfgtest.toml`.
-        let options = RuntimeOptionsJson {
-            type_url: "runtimeoptions.v1.Options".into(),
-            value: "EhcvdG1wL3N0b3JlL2NmZ3Rlc3QudG9tbA==".into(),
-        };
-        assert_eq!(options.config_path().unwrap().as_deref(), Some("/tmp/store/cfgtest.toml"));
-        let none = RuntimeOptionsJson { type_url: "runtimeoptions.v1.Options".into(), value: String::new() };
-        assert_eq!(none.config_path().unwrap(), None);
-        let bad = RuntimeOptionsJson { type_url: "example.Unknown".into(), value: String::new() };
-        assert!(bad.config_path().unwrap_err().contains("example.Unknown"));
+    fn config_path_comes_from_the_runtime_options_containerd_keeps() {
+        // The bytes containerd kept for `ctr run --runtime-config-path /tmp/store/cfgtest.toml`.
+        let kept = b"\x12\x17/tmp/store/cfgtest.toml";
+        let found = config_path_of_options("runtimeoptions.v1.Options", kept).unwrap();
+        assert_eq!(found.as_deref(), Some("/tmp/store/cfgtest.toml"));
+        assert_eq!(config_path_of_options("runtimeoptions.v1.Options", b"").unwrap(), None);
+        assert!(config_path_of_options("example.Unknown", b"").unwrap_err().contains("example.Unknown"));
     }
 }

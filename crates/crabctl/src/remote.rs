@@ -326,27 +326,27 @@ pub fn parse_deadline(text: &str) -> Result<std::time::Duration> {
 }
 
 impl Ctl {
-    /// The crab sandboxes containerd has in this namespace (`ctr containers ls`), with whether
-    /// their task runs (`ctr tasks ls`).
+    /// The crab sandboxes containerd has in this namespace, with whether their task runs.
     async fn crab_sandboxes(&self) -> Result<Vec<(String, bool)>> {
-        let asked = |e: crab_containerd::CtrError| CtlError::Containerd(e.to_string());
-        let containers = self.ctr.run(&["containers", "ls"]).await.map_err(asked)?.stdout_text();
-        let tasks = self.ctr.run(&["tasks", "ls"]).await.map_err(asked)?.stdout_text();
-        let running: std::collections::HashSet<&str> = tasks
-            .lines()
-            .skip(1)
-            .filter_map(|l| {
-                let cols: Vec<&str> = l.split_whitespace().collect();
-                (cols.len() >= 3 && cols[2] == "RUNNING").then_some(cols[0])
-            })
+        let containerd = self.containerd();
+        let asked = |e: crab_containerd::grpc::GrpcError| CtlError::Containerd(e.to_string());
+        let running: std::collections::HashSet<String> = containerd
+            .task_states()
+            .await
+            .map_err(asked)?
+            .into_iter()
+            .filter(|t| t.is_running())
+            .map(|t| t.container)
             .collect();
-        Ok(containers
-            .lines()
-            .skip(1)
-            .filter_map(|l| {
-                let cols: Vec<&str> = l.split_whitespace().collect();
-                (cols.len() >= 3 && cols[cols.len() - 1] == crate::CRAB_RUNTIME)
-                    .then(|| (cols[0].to_owned(), running.contains(cols[0])))
+        Ok(containerd
+            .containers()
+            .await
+            .map_err(asked)?
+            .into_iter()
+            .filter(|(_, runtime)| runtime == crate::CRAB_RUNTIME)
+            .map(|(id, _)| {
+                let runs = running.contains(&id);
+                (id, runs)
             })
             .collect())
     }
@@ -378,7 +378,8 @@ impl Ctl {
         let clock = Instant::now();
         let key = self.key(container)?;
         let namespace = self.ctr.namespace().to_owned();
-        let known = self.ctr.run(&["containers", "info", container]).await.is_ok();
+        let known =
+            self.containerd().container(container).await.map_err(|e| CtlError::Containerd(e.to_string()))?.is_some();
         let log = TurnLog::open(&self.state_dir, &key)?;
         if !known && self.store.head(&key)?.is_none() {
             return Err(CtlError::Invalid(format!(
