@@ -287,36 +287,37 @@ async fn host_pid() {
     .await;
 }
 
+/// A pod of `shape`, which shares the host's namespace `ns` (its name under /proc/<pid>/ns):
+/// the entrypoint and an exec are both in it.
+async fn in_host_namespace(scenario: &'static str, shape: PodShape, ns: &'static str) {
+    across_handlers(scenario, |handler| {
+        let shape = shape.clone();
+        async move {
+            let probe = if ns == "ipc" { "readlink /proc/self/ns/ipc" } else { "readlink /proc/self/ns/net" };
+            let observed = probe_in(scenario, handler, shape, probe).await?;
+            let host = std::fs::read_link(format!("/proc/self/ns/{ns}")).map(|p| p.display().to_string());
+            let host = host.unwrap_or_default();
+            let (main, (out, _, _)) = &observed;
+            ensure_eq!(main, &vec![host.clone()], "entrypoint's {ns} namespace");
+            ensure_eq!(out.trim(), host, "exec's {ns} namespace");
+            Ok(observed)
+        }
+    })
+    .await;
+}
+
 /// hostIPC: the container is in the host's IPC namespace.
 #[tokio::test]
 async fn host_ipc() {
     crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
-    across_handlers("host_ipc", |handler| async move {
-        let shape = PodShape { host_ipc: true, ..Default::default() };
-        let observed = probe_in("hostipc", handler, shape, "readlink /proc/self/ns/ipc").await?;
-        let host = std::fs::read_link("/proc/self/ns/ipc").map(|p| p.display().to_string()).unwrap_or_default();
-        let (main, (out, _, _)) = &observed;
-        ensure_eq!(main, &vec![host.clone()], "entrypoint's IPC namespace");
-        ensure_eq!(out.trim(), host, "exec's IPC namespace");
-        Ok(observed)
-    })
-    .await;
+    in_host_namespace("hostipc", PodShape { host_ipc: true, ..Default::default() }, "ipc").await;
 }
 
 /// hostNetwork: the container is in the host's network namespace and CRI made none.
 #[tokio::test]
 async fn host_network() {
     crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
-    across_handlers("host_network", |handler| async move {
-        let shape = PodShape { host_network: true, ..Default::default() };
-        let observed = probe_in("hostnet", handler, shape, "readlink /proc/self/ns/net").await?;
-        let host = std::fs::read_link("/proc/self/ns/net").map(|p| p.display().to_string()).unwrap_or_default();
-        let (main, (out, _, _)) = &observed;
-        ensure_eq!(main, &vec![host.clone()], "entrypoint's network namespace");
-        ensure_eq!(out.trim(), host, "exec's network namespace");
-        Ok(observed)
-    })
-    .await;
+    in_host_namespace("hostnet", PodShape { host_network: true, ..Default::default() }, "net").await;
 }
 
 // Transparent recovery under kubelet: when a crab container dies, kubelet creates a
