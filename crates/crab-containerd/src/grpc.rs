@@ -66,15 +66,16 @@ impl TaskState {
     }
 }
 
-/// One containerd socket and namespace.
+/// One containerd socket and namespace, over one connection (made at the first call).
 pub struct Containerd {
     socket: PathBuf,
     namespace: String,
+    channel: tokio::sync::OnceCell<tonic::transport::Channel>,
 }
 
 impl Containerd {
     pub fn new(socket: impl Into<PathBuf>, namespace: impl Into<String>) -> Self {
-        Self { socket: socket.into(), namespace: namespace.into() }
+        Self { socket: socket.into(), namespace: namespace.into(), channel: Default::default() }
     }
 
     pub fn socket(&self) -> &Path {
@@ -90,11 +91,13 @@ impl Containerd {
     }
 
     async fn channel(&self) -> Result<tonic::transport::Channel, GrpcError> {
-        let connect = containerd_client::connect(&self.socket);
-        match tokio::time::timeout(CALL_TIMEOUT, connect).await {
-            Ok(connected) => connected.map_err(|source| GrpcError::Connect { socket: self.socket.clone(), source }),
-            Err(_) => Err(GrpcError::Timeout { call: "connect", container: String::new(), after: CALL_TIMEOUT }),
-        }
+        let channel = self.channel.get_or_try_init(|| async {
+            match tokio::time::timeout(CALL_TIMEOUT, containerd_client::connect(&self.socket)).await {
+                Ok(connected) => connected.map_err(|source| GrpcError::Connect { socket: self.socket.clone(), source }),
+                Err(_) => Err(GrpcError::Timeout { call: "connect", container: String::new(), after: CALL_TIMEOUT }),
+            }
+        });
+        Ok(channel.await?.clone())
     }
 
     async fn tasks(&self) -> Result<TasksClient<tonic::transport::Channel>, GrpcError> {
@@ -141,19 +144,25 @@ impl Containerd {
 
     /// What containerd keeps of `container`; None when it does not know it.
     pub async fn container(&self, container: &str) -> Result<Option<ContainerRecord>, GrpcError> {
-        let request = self.request(GetContainerRequest { id: container.into() })?;
-        let mut client = self.containers_client().await?;
-        let got = match Self::bounded("Containers.Get", container, client.get(request)).await? {
-            Ok(got) => got,
-            Err(status) if status.code() == tonic::Code::NotFound => return Ok(None),
-            Err(status) => return Err(Self::failed("Containers.Get", container, status)),
-        };
-        let Some(found) = got.container else { return Ok(None) };
+        let Some(found) = self.get_container(container).await? else { return Ok(None) };
         let (runtime, runtime_options) = match found.runtime {
             Some(r) => (r.name, r.options.map(|o| (o.type_url, o.value))),
             None => (String::new(), None),
         };
         Ok(Some(ContainerRecord { image: found.image, runtime, runtime_options, spec: found.spec.map(|s| s.value) }))
+    }
+
+    async fn get_container(
+        &self,
+        container: &str,
+    ) -> Result<Option<containerd_client::services::v1::Container>, GrpcError> {
+        let request = self.request(GetContainerRequest { id: container.into() })?;
+        let mut client = self.containers_client().await?;
+        match Self::bounded("Containers.Get", container, client.get(request)).await? {
+            Ok(got) => Ok(got.container),
+            Err(status) if status.code() == tonic::Code::NotFound => Ok(None),
+            Err(status) => Err(Self::failed("Containers.Get", container, status)),
+        }
     }
 
     /// The tasks of this namespace.
@@ -221,13 +230,7 @@ impl Containerd {
 
     /// The snapshotter and key of `container`'s root file system, when it has one.
     async fn snapshot_of(&self, container: &str) -> Result<Option<(String, String)>, GrpcError> {
-        let request = self.request(GetContainerRequest { id: container.into() })?;
-        let mut client = self.containers_client().await?;
-        let found = match Self::bounded("Containers.Get", container, client.get(request)).await? {
-            Ok(got) => got.container,
-            Err(status) if status.code() == tonic::Code::NotFound => None,
-            Err(status) => return Err(Self::failed("Containers.Get", container, status)),
-        };
+        let found = self.get_container(container).await?;
         Ok(found.filter(|c| !c.snapshot_key.is_empty()).map(|c| (c.snapshotter, c.snapshot_key)))
     }
 

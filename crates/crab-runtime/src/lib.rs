@@ -334,11 +334,7 @@ impl OciRuntime {
         if let Err(RuntimeError::TimedOut { abandoned, .. }) = &mut paused {
             // Whatever the abandoned pause froze is thawed: the container runs on as it was.
             let thawed = match self.state(id).await {
-                Ok(state) => match tokio::task::spawn_blocking(move || freezer::thaw(state.pid)).await {
-                    Ok(Ok(_)) => "container thawed".to_string(),
-                    Ok(Err(e)) => format!("thawing the container failed: {e}"),
-                    Err(e) => format!("thawing the container failed: {e}"),
-                },
+                Ok(state) => thaw_abandoned(state.pid, "container").await,
                 Err(e) => format!("the container was not thawed, its state is unknown: {e}"),
             };
             abandoned.push_str(&format!(", {thawed}"));
@@ -389,14 +385,11 @@ impl OciRuntime {
         let mut dumped = self.run_bounded(id, &args, ProcessStdio::default(), bound, env).await.map(drop);
         if let (Err(RuntimeError::TimedOut { abandoned, .. }), Some(deadline)) = (&mut dumped, deadline) {
             // Whatever CRIU did before it stopped, the sandbox is left running as it was.
-            match deadline.thaw_pid {
-                Some(pid) => match tokio::task::spawn_blocking(move || freezer::thaw(pid)).await {
-                    Ok(Ok(_)) => abandoned.push_str(", sandbox thawed"),
-                    Ok(Err(e)) => abandoned.push_str(&format!(", thawing the sandbox failed: {e}")),
-                    Err(e) => abandoned.push_str(&format!(", thawing the sandbox failed: {e}")),
-                },
-                None => abandoned.push_str(", sandbox left paused as it was"),
-            }
+            let thawed = match deadline.thaw_pid {
+                Some(pid) => thaw_abandoned(pid, "sandbox").await,
+                None => "sandbox left paused as it was".to_string(),
+            };
+            abandoned.push_str(&format!(", {thawed}"));
             tracing::warn!(container = id, error = %dumped.as_ref().unwrap_err(), "dump abandoned");
         }
         for hook in hooks.iter().rev() {
@@ -579,6 +572,16 @@ impl OciRuntime {
             return Err(RuntimeError::Failed { binary: self.binary_name(), verb, status: exit.status, message });
         }
         Ok(stdout)
+    }
+}
+
+/// Thaws the cgroup of `pid` after an abandoned verb left it frozen; says how it went, naming
+/// the frozen thing `what`.
+async fn thaw_abandoned(pid: u32, what: &str) -> String {
+    let thawed = tokio::task::spawn_blocking(move || freezer::thaw(pid)).await;
+    match thawed.map_err(|e| e.to_string()).and_then(|t| t.map_err(|e| e.to_string())) {
+        Ok(_) => format!("{what} thawed"),
+        Err(e) => format!("thawing the {what} failed: {e}"),
     }
 }
 

@@ -194,17 +194,10 @@ impl Container {
             }
         };
         let restoring = self.config.restore_from.is_some();
-        // A restored spawner holds the key its checkpoint recorded; a new one gets a new key.
-        let key = match &self.config.restore_from {
-            Some(images) => crab_runtime::init::key_for_images(images).map_err(|e| {
-                ShimError::InvalidArgument(format!("container {}: the checkpoint's spawner key: {e}", self.id()))
-            })?,
-            None => Some(crab_runtime::spawner::new_key().map_err(|e| ShimError::io(Path::new("getrandom"), e))?),
-        };
         match crab_runtime::init::install(&self.config.bundle, init, !restoring) {
             Ok(Some(installed)) => {
                 let client = SpawnerClient::new(init);
-                client.set_key(key);
+                client.set_key(self.spawner_key()?);
                 let slot = Arc::new(SpawnerSlot {
                     client: client.clone(),
                     init_identity: installed.identity,
@@ -240,6 +233,17 @@ impl Container {
                     self.no_spawner.set(format!("no crab-init spawner: crab-init not installed in the bundle: {e}"));
                 Ok(())
             }
+        }
+    }
+
+    /// The key of the container's spawner: the one its checkpoint recorded when it is restored
+    /// (None for images from before keys), else a new one.
+    fn spawner_key(&self) -> Result<Option<crab_init::protocol::SpawnerKey>, ShimError> {
+        match &self.config.restore_from {
+            Some(images) => crab_runtime::init::key_for_images(images).map_err(|e| {
+                ShimError::InvalidArgument(format!("container {}: the checkpoint's spawner key: {e}", self.id()))
+            }),
+            None => crab_runtime::spawner::new_key().map(Some).map_err(|e| ShimError::io(Path::new("getrandom"), e)),
         }
     }
 

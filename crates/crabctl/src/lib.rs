@@ -65,6 +65,8 @@ pub struct Ctl {
     pub state_dir: PathBuf,
     pub store: Arc<CheckpointStore>,
     pub ctr: Ctr,
+    /// containerd's API on `ctr`'s socket and namespace, one connection for the command.
+    containerd: crab_containerd::grpc::Containerd,
 }
 
 #[derive(Debug, Serialize)]
@@ -132,7 +134,8 @@ struct SandboxInfo {
 
 impl Ctl {
     pub fn open(state_dir: &Path, ctr: Ctr) -> Result<Self> {
-        Ok(Self { state_dir: state_dir.into(), store: Arc::new(CheckpointStore::open(state_dir)?), ctr })
+        let containerd = crab_containerd::grpc::Containerd::new(ctr.socket(), ctr.namespace());
+        Ok(Self { state_dir: state_dir.into(), store: Arc::new(CheckpointStore::open(state_dir)?), ctr, containerd })
     }
 
     /// The store key of `container` (an id, or `<id>@<n>`) in this Ctl's namespace.
@@ -178,7 +181,7 @@ impl Ctl {
         let log = TurnLog::open(&self.state_dir, &self.key(container)?)?;
         let last_before = log.read()?.last().map(|r| r.turn).unwrap_or(0);
         let started = Instant::now();
-        crab_containerd::grpc::Containerd::new(self.ctr.socket(), self.ctr.namespace())
+        self.containerd
             .turn_request(container, crab_store::turns::TurnRequest::Mark)
             .await
             .map_err(|e| CtlError::Containerd(e.to_string()))?;
@@ -301,7 +304,7 @@ impl Ctl {
             annotations: std::collections::HashMap<String, String>,
         }
         let from_containerd =
-            self.containerd().container(container).await.map_err(|e| CtlError::Containerd(e.to_string()))?;
+            self.containerd.container(container).await.map_err(|e| CtlError::Containerd(e.to_string()))?;
         let (image, spec, config_path) = match from_containerd {
             Some(record) => {
                 let spec = match &record.spec {
@@ -381,15 +384,10 @@ impl Ctl {
         }
     }
 
-    /// containerd's API, in this command's socket and namespace.
-    fn containerd(&self) -> crab_containerd::grpc::Containerd {
-        crab_containerd::grpc::Containerd::new(self.ctr.socket(), self.ctr.namespace())
-    }
-
     /// Removes the container from containerd, whatever state it is in. Each call is bounded,
     /// and so is the wait for the killed task to stop.
     async fn remove_from_containerd(&self, container: &str) {
-        let containerd = self.containerd();
+        let containerd = &self.containerd;
         let _ = containerd.kill_all(container).await;
         for _ in 0..50 {
             if containerd.delete_task(container).await.is_ok() {
@@ -563,7 +561,7 @@ impl Ctl {
 
     /// The host pid of `container`'s init while its processes exist (running or paused).
     async fn task_pid(&self, container: &str) -> Result<Option<u32>> {
-        let task = self.containerd().task(container).await.map_err(|e| CtlError::Containerd(e.to_string()))?;
+        let task = self.containerd.task(container).await.map_err(|e| CtlError::Containerd(e.to_string()))?;
         Ok(task.filter(|t| t.is_alive()).map(|t| t.pid))
     }
 }

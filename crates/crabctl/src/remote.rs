@@ -328,7 +328,7 @@ pub fn parse_deadline(text: &str) -> Result<std::time::Duration> {
 impl Ctl {
     /// The crab sandboxes containerd has in this namespace, with whether their task runs.
     async fn crab_sandboxes(&self) -> Result<Vec<(String, bool)>> {
-        let containerd = self.containerd();
+        let containerd = &self.containerd;
         let asked = |e: crab_containerd::grpc::GrpcError| CtlError::Containerd(e.to_string());
         let running: std::collections::HashSet<String> = containerd
             .task_states()
@@ -379,7 +379,7 @@ impl Ctl {
         let key = self.key(container)?;
         let namespace = self.ctr.namespace().to_owned();
         let known =
-            self.containerd().container(container).await.map_err(|e| CtlError::Containerd(e.to_string()))?.is_some();
+            self.containerd.container(container).await.map_err(|e| CtlError::Containerd(e.to_string()))?.is_some();
         let log = TurnLog::open(&self.state_dir, &key)?;
         if !known && self.store.head(&key)?.is_none() {
             return Err(CtlError::Invalid(format!(
