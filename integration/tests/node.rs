@@ -192,24 +192,6 @@ fn turn_records(id: &str) -> Vec<(u64, String, Option<u64>, Vec<String>)> {
 
 /// `cachestat(2)` (Linux 6.5; one number on every architecture, as for all
 /// system calls added since 5.1).
-const SYS_CACHESTAT: libc::c_long = 451;
-
-#[repr(C)]
-struct CachestatRange {
-    off: u64,
-    len: u64,
-}
-
-#[repr(C)]
-#[derive(Default)]
-struct Cachestat {
-    nr_cache: u64,
-    nr_dirty: u64,
-    nr_writeback: u64,
-    nr_evicted: u64,
-    nr_recently_evicted: u64,
-}
-
 /// The checkpoint store's bytes that have reached the disk, measured from
 /// outside the shims: for each of its files (counted once, by inode), its size
 /// less its pages still dirty or under writeback (`cachestat`). File sizes
@@ -223,7 +205,6 @@ struct DiskBytes {
     /// Files seen written back in full, by inode, with their size and mtime then (a store file
     /// does not change once written; a new file may reuse a deleted one's inode, not its mtime).
     clean: std::collections::HashMap<u64, (u64, i64, i64)>,
-    page: u64,
 }
 
 impl DiskBytes {
@@ -237,9 +218,7 @@ impl DiskBytes {
         // SAFETY: syncfs takes a descriptor this function owns for the whole call.
         let rc = unsafe { libc::syncfs(dir.as_raw_fd()) };
         assert_eq!(rc, 0, "syncfs {}: {}", root.display(), std::io::Error::last_os_error());
-        // SAFETY: sysconf has no preconditions.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
-        DiskBytes { root, clean: Default::default(), page }
+        DiskBytes { root, clean: Default::default() }
     }
 
     fn sample(&mut self) -> u64 {
@@ -283,14 +262,8 @@ impl DiskBytes {
 
     /// Bytes of `path` in pages still dirty or under writeback; None when it is gone.
     fn unwritten(&self, path: &Path) -> Option<u64> {
-        use std::os::fd::AsRawFd;
         let file = std::fs::File::open(path).ok()?;
-        let range = CachestatRange { off: 0, len: 0 };
-        let mut stat = Cachestat::default();
-        // SAFETY: cachestat reads the range and writes the stat, both live for the call.
-        let rc = unsafe { libc::syscall(SYS_CACHESTAT, file.as_raw_fd(), &range as *const _, &mut stat as *mut _, 0) };
-        assert_eq!(rc, 0, "cachestat {}: {}", path.display(), std::io::Error::last_os_error());
-        Some((stat.nr_dirty + stat.nr_writeback) * self.page)
+        Some(crab_sys::unwritten_bytes(&file).unwrap_or_else(|e| panic!("cachestat {}: {e}", path.display())))
     }
 }
 
@@ -337,21 +310,34 @@ const TIGHT_RATE_KIB: u64 = 128;
 const TIGHT_BURST_KIB: u64 = 32;
 /// crabd is killed once this share of all turns is recorded and the bucket has bound ...
 const KILL_AT_SHARE: f64 = 0.75;
-/// ... or once this share is.
+/// ... or once this share is ...
 const KILL_AT_LATEST: f64 = 0.9;
-/// The bucket binds when a second's growth comes to this share of its rate.
-const BOUND_SHARE: f64 = 0.5;
+/// ... or this many seconds before the kernel's flusher writes back pages that have been dirty
+/// for `vm.dirty_expire_centisecs` (30 s by default) on its own, granted or not: a write-out
+/// queued for the bucket longer than that reaches the disk anyway (seen: 1.3–1.5 MiB over the
+/// bound when the kill came late), which is the kernel's pacing, not the bucket's.
+const KILL_BEFORE_EXPIRY_S: f64 = 5.0;
 
-/// The largest growth of the store's disk bytes over about a second (from each walk to the first that ends a second after it began).
-fn peak_second(samples: &[DiskSample]) -> u64 {
+/// The fastest growth of the store's disk bytes, in bytes per second, over a window of about
+/// a second or more: from each walk's start to the end of the first later walk that ends a
+/// second after it. (On a large store a walk itself can take over a second.)
+fn peak_rate(samples: &[DiskSample]) -> f64 {
     samples
         .iter()
         .enumerate()
         .filter_map(|(i, a)| {
-            samples[i..].iter().find(|b| b.ended - a.began >= 1.0).map(|b| b.bytes.saturating_sub(a.bytes))
+            let b = samples[i + 1..].iter().find(|b| b.ended - a.began >= 1.0)?;
+            Some(b.bytes.saturating_sub(a.bytes) as f64 / (b.ended - a.began))
         })
-        .max()
-        .unwrap_or(0)
+        .fold(0.0, f64::max)
+}
+
+/// When the kernel writes back a dirty page on its own, in seconds after it was dirtied.
+fn dirty_expiry_s() -> f64 {
+    std::fs::read_to_string("/proc/sys/vm/dirty_expire_centisecs")
+        .ok()
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .map_or(30.0, |centis| centis / 100.0)
 }
 
 /// A command the sandbox (no network) can run as the agent did: package
@@ -549,6 +535,9 @@ async fn colocated_run(
         "the tight crabd serves: {before}"
     );
     let lag_bound = lag_bound_ms(&before["bucket"], ids.len());
+    // The bucket binds when a draw has to wait for it to refill: an empty bucket pays a chunk
+    // in this long.
+    let refill_ms = before["bucket"]["chunk_bytes"].as_f64().unwrap_or(f64::MAX) / rate * 1e3;
     let total_turns = ids.len() * TURNS_EACH;
 
     let mut sandboxes = Vec::new();
@@ -569,6 +558,7 @@ async fn colocated_run(
     eprintln!("replaying: {}", replays.iter().map(|r| r.trace.as_str()).collect::<Vec<_>>().join(", "));
 
     let started = std::time::Instant::now();
+    let kill_by = dirty_expiry_s() - KILL_BEFORE_EXPIRY_S;
     let mut disk = DiskBytes::new(state_dir());
     let walk = |disk: &mut DiskBytes| {
         let began = started.elapsed().as_secs_f64();
@@ -601,17 +591,19 @@ async fn colocated_run(
         .collect();
 
     // The store's disk bytes every 250 ms and crabd's lags every second, until the kill: once
-    // the bucket has bound (a second of writes near its rate) and enough turns are recorded,
-    // or at the latest when nearly all are.
+    // the bucket has bound (a draw waited for it to refill) and enough turns are recorded,
+    // or at the latest when nearly all are or the kernel's own writeback of old dirty pages
+    // is near.
     let mut last_status = f64::MIN;
     loop {
         let recorded = ids.iter().map(|id| turn_records(id).len()).sum::<usize>() as f64 / total_turns as f64;
-        if (recorded >= KILL_AT_SHARE && peak_second(&observed.disk) as f64 >= BOUND_SHARE * rate)
+        let now = started.elapsed().as_secs_f64();
+        if (recorded >= KILL_AT_SHARE && observed.max_lag_ms >= refill_ms)
             || recorded >= KILL_AT_LATEST
+            || now >= kill_by
         {
             break;
         }
-        let now = started.elapsed().as_secs_f64();
         ensure!(now < 200.0, "only {:.0} % of the turns recorded after {now:.0} s", recorded * 100.0);
         observed.disk.push(walk(&mut disk));
         if now - last_status >= 1.0 {
@@ -653,12 +645,12 @@ async fn colocated_run(
     // Measured on disk: never faster than the bucket before the kill.
     let worst = worst_excess(&observed.disk, rate, burst);
     let written = observed.disk.last().map_or(0, |s| s.bytes).saturating_sub(observed.disk[0].bytes);
-    let peak_1s = peak_second(&observed.disk);
+    let peak = peak_rate(&observed.disk);
     eprintln!(
-        "before the kill ({killed_at:.1} s, {} samples): {:.1} MiB reached the disk, peak {:.2} MiB in 1 s, against {:.2} MiB/s + {:.2} MiB burst; worst excess {:.3} MiB",
+        "before the kill ({killed_at:.1} s, {} samples): {:.1} MiB reached the disk, at most {:.2} MiB/s, against {:.2} MiB/s + {:.2} MiB burst; worst excess {:.3} MiB",
         observed.disk.len(),
         written as f64 / MIB,
-        peak_1s as f64 / MIB,
+        peak / MIB,
         rate / MIB,
         burst / MIB,
         worst / MIB,
@@ -669,8 +661,9 @@ async fn colocated_run(
     );
     ensure!(worst <= 0.0, "the store's disk bytes grew {:.3} MiB faster than the bucket allows", worst / MIB);
     ensure!(
-        peak_1s as f64 >= BOUND_SHARE * rate,
-        "the peak second ({peak_1s} bytes) never came near the rate: the bucket never bound"
+        lag_before_kill.0 >= refill_ms && written > 0,
+        "the bucket never bound before the kill: the longest wait for it was {:.0} ms (a chunk takes {refill_ms:.0} ms to refill), {written} bytes reached the disk",
+        lag_before_kill.0
     );
     ensure!(
         observed.max_lag_ms <= lag_bound,

@@ -1,10 +1,10 @@
 //! Content-addressed blob store: `blobs/<2 hex>/<62 hex>` under the state directory.
 //!
 //! A blob name is visible only once its content is durable: tmp file → fsync → rename → fsync
-//! dir. A [`WriteBatch`] holds one turn's blobs as tmp files and publishes them together: a few
-//! blobs are flushed file by file, a large batch (thousands of 4 KiB page chunks) with one
-//! `syncfs` before the renames and one after, the same guarantee at two flushes per turn
-//! instead of two per blob.
+//! dir. A [`WriteBatch`] holds one turn's blobs as tmp files and publishes them together, file by
+//! file: writeback of all started, then an fsync each (one journal commit, the rest find it
+//! done), the renames, an fsync of each fan-out directory touched. Never a flush of the whole
+//! file system, which would write other sandboxes' data too (see [`WriteBatch::commit_paced`]).
 
 use rustix::fs::OFlags;
 use std::collections::{HashMap, HashSet};
@@ -26,9 +26,6 @@ use super::sys;
 /// Files up to this size are hashed in memory before anything is written, so a duplicate costs
 /// no write at all; larger ones are hashed while being streamed into a tmp file.
 const IN_MEMORY_LIMIT: usize = 1 << 20;
-
-/// Batches up to this many new blobs are flushed file by file, larger ones with `syncfs`.
-const PER_FILE_FLUSH_LIMIT: usize = 64;
 
 /// A SHA-256 content digest.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -506,11 +503,7 @@ impl WriteBatch<'_> {
         if let Some(chunk) = tokens.chunk_bytes() {
             self.write_back_paced(chunk.max(1), tokens)?;
         }
-        if self.blobs.pending.len() <= PER_FILE_FLUSH_LIMIT {
-            self.flush_per_file()?;
-        } else {
-            self.flush_whole_fs()?;
-        }
+        self.flush()?;
         self.blobs.pending.clear();
         self.blobs.queued.clear();
         self.store.record(&self.blobs.traffic);
@@ -558,20 +551,25 @@ impl WriteBatch<'_> {
         Ok(())
     }
 
-    /// A typical fs turn: a few blobs. `syncfs` would also flush every other tenant's dirty
-    /// data on a shared host, so flush just ours: start writeback of all of them, then fsync
-    /// each (after the first journal commit the rest are cheap), rename, fsync the fan-out
-    /// directories touched.
-    fn flush_per_file(&self) -> Result<()> {
+    /// Makes this batch's blobs durable and visible, and nobody else's data: starts writeback of
+    /// every blob (nothing left to write for those the paced write-back wrote), fsyncs each (the
+    /// first fsync commits the journal transaction that holds every blob's allocation, so the
+    /// others find it committed), renames them into place and fsyncs the fan-out directories.
+    ///
+    /// Never `syncfs`, however many blobs (a CRIU dump is thousands of page chunks): it writes
+    /// back every dirty page of the file system, which on a node is the other sandboxes'
+    /// write-outs still queued for the bucket (they would reach the disk without their grant)
+    /// and whatever the tenants' own writes to their rootfs left dirty (one tenant's gigabytes
+    /// would stall everyone's commits).
+    fn flush(&self) -> Result<()> {
         let pending = &self.blobs.pending;
-        let mut files = Vec::with_capacity(pending.len());
+        // Opened once per pass rather than held: a dump's thousands of blobs would exceed the
+        // shim's descriptor limit.
         for (tmp, _) in pending {
-            let file = File::open(tmp).io_ctx("open", tmp)?;
-            sys::start_writeback(&file).io_ctx("sync_file_range", tmp)?;
-            files.push(file);
+            sys::start_writeback(&File::open(tmp).io_ctx("open", tmp)?).io_ctx("sync_file_range", tmp)?;
         }
-        for (file, (tmp, _)) in files.iter().zip(pending) {
-            file.sync_all().io_ctx("fsync", tmp)?;
+        for (tmp, _) in pending {
+            File::open(tmp).io_ctx("open", tmp)?.sync_all().io_ctx("fsync", tmp)?;
         }
         let mut dirs = std::collections::BTreeSet::new();
         for (tmp, dst) in pending {
@@ -582,16 +580,6 @@ impl WriteBatch<'_> {
             sys::fsync_dir(&dir).io_ctx("fsync", &dir)?;
         }
         Ok(())
-    }
-
-    /// Thousands of page chunks: two file system flushes beat thousands of fsyncs.
-    fn flush_whole_fs(&self) -> Result<()> {
-        let tmp_dir = File::open(&self.store.tmp).io_ctx("open", &self.store.tmp)?;
-        sys::syncfs(tmp_dir.as_fd()).io_ctx("syncfs", &self.store.tmp)?;
-        for (tmp, dst) in &self.blobs.pending {
-            fs::rename(tmp, dst).io_ctx("rename", dst)?;
-        }
-        sys::syncfs(tmp_dir.as_fd()).io_ctx("syncfs", self.store.blobs_dir())
     }
 }
 
@@ -655,6 +643,47 @@ mod tests {
         assert_eq!(fs::metadata(path.parent().unwrap()).unwrap().permissions().mode() & 0o777, 0o700);
         let left: Vec<_> = fs::read_dir(path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(left, vec![std::ffi::OsString::from("sb.json")], "nothing written aside is left");
+    }
+
+    /// What a commit writes back is its own blobs, never another write-out's: the node's bucket
+    /// paces each sandbox's write-out chunk by chunk, and a commit that flushed the whole file
+    /// system (as one of a CRIU dump's thousands of chunks once did, with `syncfs`) sent every
+    /// other sandbox's queued, ungranted bytes to the disk at once.
+    #[test]
+    fn a_commit_writes_back_its_own_blobs_and_no_other_write_outs() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path()).unwrap();
+        let unwritten = |path: &Path| crab_sys::unwritten_bytes(&File::open(path).unwrap()).unwrap();
+        let mut seen_clean = Vec::new();
+        // Our commit flushing the other write-out cleans it every time; something outside this
+        // test (another process's sync) might once, in the few ms between the two looks.
+        for attempt in 0..3u8 {
+            // Another sandbox's write-out, written to its tmp file and waiting for its grant.
+            let mut waiting = store.batch();
+            waiting.put_bytes(&[attempt; 1 << 20]).unwrap();
+            let waiting_tmp = waiting.blobs.pending[0].0.clone();
+            // This turn: a CRIU dump's page chunks, committed.
+            let mut turn = store.batch();
+            for i in 0..1000u32 {
+                let mut chunk = vec![attempt; 4096];
+                chunk[..4].copy_from_slice(&i.to_le_bytes());
+                turn.put_bytes(&chunk).unwrap();
+            }
+            let published: Vec<PathBuf> = turn.blobs.pending.iter().map(|(_, dst)| dst.clone()).collect();
+            let before = unwritten(&waiting_tmp);
+            turn.commit().unwrap();
+            for blob in published.iter().step_by(97) {
+                assert_eq!(unwritten(blob), 0, "{} is published durable", blob.display());
+            }
+            let after = unwritten(&waiting_tmp);
+            if before == 1 << 20 && after == before {
+                return;
+            }
+            seen_clean.push((before, after));
+        }
+        panic!(
+            "the waiting write-out's 1 MiB reached the disk with the turn's commit (unwritten before, after): {seen_clean:?}"
+        );
     }
 
     #[test]
