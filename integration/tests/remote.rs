@@ -32,6 +32,7 @@ fn text(out: &Output) -> String {
 }
 
 /// One node: a containerd socket and the crab config its crabctl reads.
+#[derive(Clone)]
 struct Node {
     name: &'static str,
     socket: String,
@@ -520,7 +521,7 @@ fn a_drained_node_s_sandboxes_recover_on_node_b_with_the_printed_command() {
     a_config.checkpoint.kept_images_dir = PathBuf::from(format!("{ctrd_dir}/remote-drain-test-a-kept"));
     a_config.remote = crab_config::RemoteConfig { prefix: registry.prefix(), plain_http: true, ..Default::default() };
     let a = node_a(&a_config, &namespace, &scratch);
-    let (b, _node_b) = node_b(&base, &ctrd_dir, "drain", &namespace, &scratch);
+    let (b, node_b) = node_b(&base, &ctrd_dir, "drain", &namespace, &scratch);
     // The namespace's image on A (node B imported it when it started).
     let out = NodeB::script(&[("CRAB_NS".into(), namespace.clone())], &["scripts/build-images", "busybox"]);
     assert!(out.status.success(), "importing busybox into node A's namespace {namespace}: {}", text(&out));
@@ -607,6 +608,64 @@ fn a_drained_node_s_sandboxes_recover_on_node_b_with_the_printed_command() {
     assert_eq!(secret, before, "the shell's memory came back on B");
     assert!(count > 1, "the counter runs on B");
 
+    // Node B shuts down in turn: crab-drain.service's ExecStop, run as systemd would (the node's
+    // crab config and containerd's socket in the environment, no namespace, no deadline), takes
+    // the crab sandboxes of every namespace off the node within the configured deadline, and
+    // leaves a runc container alone.
+    let other_ns = format!("{namespace}-other");
+    let other = Node { namespace: other_ns.clone(), ..b.clone() };
+    let mut env = node_b.env.clone();
+    env.retain(|(k, _)| k != "CRAB_NS" && k != "CONTAINERD_NAMESPACE");
+    env.push(("CRAB_NS".into(), other_ns.clone()));
+    let out = NodeB::script(&env, &["scripts/build-images", "busybox"]);
+    assert!(out.status.success(), "importing busybox into node B's namespace {other_ns}: {}", text(&out));
+    // The namespace is this test's: what an earlier run left there goes.
+    for id in other.ctr_ok(&["containers", "ls", "-q"]).lines().filter(|l| !l.trim().is_empty()) {
+        other.remove(id.trim());
+    }
+    let (sandbox, plain) = (format!("drain-other-{pid}"), format!("drain-runc-{pid}"));
+    other.run_sandbox(&sandbox, &b.config);
+    other.ctr_ok(&["run", "-d", "--runtime", "io.containerd.runc.v2", IMAGE, &plain, "sleep", "3600"]);
+    other.exec(&sandbox, "mkdir -p /data && echo other > /data/a");
+    wait_for("the other namespace's checkpoint on B", Duration::from_secs(60), || {
+        let out = other.crabctl(&["checkpoints", &sandbox, "--json"]);
+        out.status.success()
+            && serde_json::from_slice::<serde_json::Value>(&out.stdout)
+                .is_ok_and(|v| v.as_array().unwrap().iter().any(|c| c["turn"] == 1))
+    });
+    let mut b_config = crab_config::Config::load(Some(&b.config)).expect("node B's config");
+    b_config.remote.prefix = format!("{}-b", registry.prefix());
+    b_config.remote.drain_deadline_ms = 75_000;
+    write_config(&b.config, &b_config);
+    let unit = std::fs::read_to_string(repo_root().join("shim-config/crab-drain.service")).unwrap();
+    let exec_stop = unit.lines().find_map(|l| l.strip_prefix("ExecStop=")).expect("the unit's ExecStop");
+    let argv: Vec<&str> = exec_stop.split_whitespace().collect();
+    assert_eq!(argv[0], "/usr/local/bin/crabctl", "{exec_stop}");
+    let out = Command::new(crab_binary("crabctl"))
+        .args(&argv[1..])
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("CRAB_CONFIG", &b.config)
+        .env("CONTAINERD_ADDRESS", &b.socket)
+        .output()
+        .unwrap();
+    let said = text(&out);
+    assert!(out.status.success(), "{exec_stop}: {said}");
+    for (ns, id) in [(&namespace, &proc_), (&other_ns, &sandbox)] {
+        assert!(said.contains(&format!("{ns}/{id}: turn ")) && said.contains("is off the node"), "{said}");
+        assert!(
+            said.contains(&format!(
+                "crabctl recover {id} --namespace {ns} --from {}-b/{ns}/{id}:turn-",
+                registry.prefix()
+            )),
+            "{said}"
+        );
+    }
+    assert!(!said.contains(&plain), "a runc container is no crab sandbox: {said}");
+    assert!(said.contains("drained 2 sandboxes of namespaces") && said.contains("(deadline 75000 ms)"), "{said}");
+
+    other.remove(&sandbox);
+    other.remove(&plain);
     b.remove(&proc_);
     let _ = std::fs::remove_dir_all(&scratch);
 }

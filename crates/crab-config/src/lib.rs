@@ -42,7 +42,7 @@ pub struct Config {
 
 /// The remote tier: checkpoints pushed to an OCI registry (crab-remote's ARTIFACT.md), so a
 /// sandbox can be recovered or forked on another node. Off by default.
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct RemoteConfig {
     /// `host[:port][/path]`: each sandbox's turns go to `<prefix>/<namespace>/<sandbox>`,
@@ -60,6 +60,27 @@ pub struct RemoteConfig {
     /// by crabd's bucket). NOT YET TESTED end to end: off by default; `crabctl push` is the
     /// tested way off the node.
     pub auto_push: bool,
+    /// How long `crabctl drain` and `crabctl migrate` may take when no `--deadline` is given
+    /// (the node's shutdown: `crab-drain.service` runs the drain as the node stops). A spot
+    /// node gets about two minutes' notice; the default leaves a margin for the rest of the
+    /// shutdown.
+    pub drain_deadline_ms: u64,
+}
+
+/// [`RemoteConfig::drain_deadline_ms`] unless crab.toml says otherwise.
+pub const DEFAULT_DRAIN_DEADLINE_MS: u64 = 90_000;
+
+impl Default for RemoteConfig {
+    fn default() -> Self {
+        Self {
+            prefix: String::new(),
+            plain_http: false,
+            credentials_file: PathBuf::new(),
+            ca_file: PathBuf::new(),
+            auto_push: false,
+            drain_deadline_ms: DEFAULT_DRAIN_DEADLINE_MS,
+        }
+    }
 }
 
 impl RemoteConfig {
@@ -323,6 +344,7 @@ impl Config {
             ("node.burst_mib", self.node.burst_mib),
             ("node.timeout_ms", self.node.timeout_ms),
             ("node.max_effects_kib_per_sandbox", self.node.max_effects_kib_per_sandbox),
+            ("remote.drain_deadline_ms", self.remote.drain_deadline_ms),
         ] {
             if value == 0 {
                 return Err(invalid(format!("{key}: must be at least 1")));
@@ -436,6 +458,16 @@ mod tests {
     #[test]
     fn explicit_missing_file_is_an_error_default_is_not() {
         assert!(Config::load(Some(Path::new("/nonexistent/crab.toml"))).is_err());
+    }
+
+    #[test]
+    fn the_drain_deadline_defaults_to_90_s_and_must_be_some_time() {
+        assert_eq!(Config::parse("", Path::new("c.toml")).unwrap().remote.drain_deadline_ms, 90_000);
+        let c = Config::parse("[remote]\ndrain_deadline_ms = 45000\n", Path::new("c.toml")).unwrap();
+        assert_eq!(c.remote.drain_deadline_ms, 45_000);
+        let err = Config::parse("[remote]\ndrain_deadline_ms = 0\n", Path::new("/etc/crab/crab.toml")).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("/etc/crab/crab.toml") && msg.contains("remote.drain_deadline_ms"), "{msg}");
     }
 
     #[test]

@@ -164,18 +164,25 @@ pub enum CheckpointCommand {
         #[arg(long)]
         to: Option<String>,
         /// Give up (saying what is not off the node) after this long: 90s, 2m, 1500ms.
-        #[arg(long, default_value = "90s")]
-        deadline: String,
+        /// Default: `[remote] drain_deadline_ms` of crab.toml (90s).
+        #[arg(long)]
+        deadline: Option<String>,
         #[command(flatten)]
         common: Common,
     },
-    /// Spot drain: `migrate` for every crab sandbox containerd has in the namespace, most
-    /// turns not yet off the node first, all within the deadline; prints per sandbox the turn
-    /// safely off the node or why not. Exits non-zero unless every sandbox's newest turn is.
+    /// Spot drain: `migrate` for every crab sandbox containerd has in the namespace (or in
+    /// all of them), most turns not yet off the node first, all within the deadline; prints
+    /// per sandbox the turn safely off the node or why not. Exits non-zero unless every
+    /// sandbox's newest turn is.
     Drain {
-        /// The whole drain's bound: 90s, 2m, 1500ms.
-        #[arg(long, default_value = "90s")]
-        deadline: String,
+        /// The whole drain's bound: 90s, 2m, 1500ms. Default: `[remote] drain_deadline_ms` of
+        /// crab.toml (90s).
+        #[arg(long)]
+        deadline: Option<String>,
+        /// Every namespace of containerd, not just `--namespace`'s: the node's drain as it
+        /// shuts down (`shim-config/crab-drain.service`).
+        #[arg(long, short = 'A')]
+        all_namespaces: bool,
         /// Registry prefix; default: `[remote] prefix` of crab.toml.
         #[arg(long)]
         to: Option<String>,
@@ -429,18 +436,22 @@ impl CheckpointCommand {
                 });
             }
             Self::Migrate { container, to, deadline, .. } => {
-                let end = std::time::Instant::now() + crate::remote::parse_deadline(deadline)?;
+                let end = std::time::Instant::now() + crate::remote::deadline_or_configured(deadline.as_deref())?;
                 let r = ctl.migrate(container, to.as_deref(), end).await?;
                 print(json, &r, crate::remote::migrate_line);
             }
-            Self::Drain { deadline, to, .. } => {
-                let r = ctl.drain(to.as_deref(), crate::remote::parse_deadline(deadline)?).await?;
+            Self::Drain { deadline, to, all_namespaces, .. } => {
+                let deadline = crate::remote::deadline_or_configured(deadline.as_deref())?;
+                let r = ctl.drain(to.as_deref(), deadline, *all_namespaces).await?;
                 print(json, &r, |r| {
                     let mut out: String = r.sandboxes.iter().map(crate::remote::migrate_line).collect();
                     out += &format!(
-                        "drained {} sandboxes of namespace {} in {:.0} ms (deadline {:.0} ms), {} bytes sent\n",
+                        "drained {} sandboxes of {} in {:.0} ms (deadline {:.0} ms), {} bytes sent\n",
                         r.sandboxes.len(),
-                        r.namespace,
+                        match &r.namespaces[..] {
+                            [one] => format!("namespace {one}"),
+                            all => format!("namespaces {}", all.join(", ")),
+                        },
                         r.elapsed_ms,
                         r.deadline_ms,
                         r.bytes_uploaded

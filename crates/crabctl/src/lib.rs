@@ -138,6 +138,13 @@ impl Ctl {
         Ok(Self { state_dir: state_dir.into(), store: Arc::new(CheckpointStore::open(state_dir)?), ctr, containerd })
     }
 
+    /// This Ctl for another namespace of the same containerd and store.
+    pub fn in_namespace(&self, namespace: &str) -> Self {
+        let ctr = Ctr::new(self.ctr.socket(), namespace.to_owned());
+        let containerd = crab_containerd::grpc::Containerd::new(ctr.socket(), ctr.namespace());
+        Self { state_dir: self.state_dir.clone(), store: Arc::clone(&self.store), ctr, containerd }
+    }
+
     /// The store key of `container` (an id, or `<id>@<n>`) in this Ctl's namespace.
     pub fn key(&self, container: &str) -> Result<String> {
         if container.contains('/') {

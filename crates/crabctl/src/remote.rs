@@ -265,6 +265,7 @@ impl Ctl {
 #[derive(Debug, Serialize)]
 pub struct MigrateReport {
     pub container: String,
+    pub namespace: String,
     /// The sandbox's newest turn on this node (0: none yet).
     pub newest_turn: u64,
     /// The turn the final mark ended (None: no turn was open, or the mark failed: see `notes`).
@@ -285,10 +286,11 @@ pub struct MigrateReport {
     pub elapsed_ms: f64,
 }
 
-/// What `crabctl drain` did: every crab sandbox of the namespace, highest value first.
+/// What `crabctl drain` did: every crab sandbox of the namespaces, highest value first.
 #[derive(Debug, Serialize)]
 pub struct DrainReport {
-    pub namespace: String,
+    /// The namespaces drained: the one asked for, or every one containerd has.
+    pub namespaces: Vec<String>,
     pub deadline_ms: f64,
     pub sandboxes: Vec<MigrateReport>,
     pub bytes_uploaded: u64,
@@ -304,6 +306,14 @@ impl DrainReport {
 
 /// How often a wait for a turn to settle or a push lock looks again.
 const POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// `--deadline` when given, else `[remote] drain_deadline_ms` of the crab config.
+pub fn deadline_or_configured(flag: Option<&str>) -> Result<std::time::Duration> {
+    match flag {
+        Some(text) => parse_deadline(text),
+        None => Ok(std::time::Duration::from_millis(crab_config::Config::load(None)?.remote.drain_deadline_ms)),
+    }
+}
 
 /// `90s`, `2m`, `1500ms`, or plain seconds.
 pub fn parse_deadline(text: &str) -> Result<std::time::Duration> {
@@ -460,6 +470,7 @@ impl Ctl {
             reference.as_ref().map(|r| format!("crabctl recover {container} --namespace {namespace} --from {r}"));
         Ok(MigrateReport {
             container: container.to_owned(),
+            namespace,
             newest_turn,
             final_mark,
             safe_turn: safe,
@@ -474,35 +485,59 @@ impl Ctl {
     }
 
     /// `crabctl drain`: [`Ctl::migrate`] for every crab sandbox containerd has in this
-    /// namespace, most outstanding turns first, all within `deadline`. A sandbox that fails
-    /// (or whose turn never came) gets a row saying why and which turn the registry holds.
-    pub async fn drain(&self, to: Option<&str>, deadline: std::time::Duration) -> Result<DrainReport> {
+    /// namespace (`all_namespaces`: in every namespace), most outstanding turns first, all
+    /// within `deadline`. A sandbox that fails (or whose turn never came) gets a row saying why
+    /// and which turn the registry holds.
+    pub async fn drain(
+        &self,
+        to: Option<&str>,
+        deadline: std::time::Duration,
+        all_namespaces: bool,
+    ) -> Result<DrainReport> {
         let clock = Instant::now();
         let end = clock + deadline;
         connect(to)?;
-        let mut order: Vec<(u64, String, bool)> = self
-            .crab_sandboxes()
-            .await?
-            .into_iter()
-            .map(|(id, running)| (self.outstanding(&id), id, running))
-            .collect();
+        let asked = |e: crab_containerd::grpc::GrpcError| CtlError::Containerd(e.to_string());
+        let namespaces = if all_namespaces {
+            let mut all = self.containerd.namespaces().await.map_err(asked)?;
+            all.sort();
+            all
+        } else {
+            vec![self.ctr.namespace().to_owned()]
+        };
+        // One Ctl per namespace (the store is the node's, shared); a namespace crab cannot key
+        // holds no crab sandbox (its shims would have refused it).
+        let mut ctls = Vec::new();
+        for namespace in &namespaces {
+            if crab_store::validate_namespace(namespace).is_ok() {
+                ctls.push(self.in_namespace(namespace));
+            }
+        }
+        let mut order: Vec<(u64, bool, usize, String)> = Vec::new();
+        for (n, ctl) in ctls.iter().enumerate() {
+            for (id, running) in ctl.crab_sandboxes().await? {
+                order.push((ctl.outstanding(&id), running, n, id));
+            }
+        }
         // Highest value first: most turns not yet off the node, a running one before a stopped
         // one (it may hold an uncaptured turn).
-        order.sort_by(|a, b| (b.0, b.2).cmp(&(a.0, a.2)).then_with(|| a.1.cmp(&b.1)));
+        order.sort_by(|a, b| (b.0, b.1).cmp(&(a.0, a.1)).then_with(|| (a.2, &a.3).cmp(&(b.2, &b.3))));
         let mut rows = Vec::new();
-        for (_, id, _) in order {
+        for (_, _, n, id) in order {
+            let ctl = &ctls[n];
             let started = Instant::now();
             let row = if started >= end {
                 Err(CtlError::Invalid(format!("{id}: the deadline passed before its turn came; nothing was pushed")))
             } else {
-                self.migrate(&id, to, end).await
+                ctl.migrate(&id, to, end).await
             };
             rows.push(row.unwrap_or_else(|e| {
                 // What the registry holds of it all the same (an earlier push, or part of this one).
-                let pushed = self.pushed_turns(&id).ok().flatten().unwrap_or_default();
+                let pushed = ctl.pushed_turns(&id).ok().flatten().unwrap_or_default();
                 MigrateReport {
                     container: id.clone(),
-                    newest_turn: self.turns(&id).ok().and_then(|t| t.last().map(|t| t.turn)).unwrap_or(0),
+                    namespace: ctl.ctr.namespace().to_owned(),
+                    newest_turn: ctl.turns(&id).ok().and_then(|t| t.last().map(|t| t.turn)).unwrap_or(0),
                     final_mark: None,
                     safe_turn: pushed.last().copied(),
                     reference: None,
@@ -516,7 +551,7 @@ impl Ctl {
             }));
         }
         Ok(DrainReport {
-            namespace: self.ctr.namespace().to_owned(),
+            namespaces,
             deadline_ms: deadline.as_secs_f64() * 1e3,
             bytes_uploaded: rows.iter().map(|r| r.bytes_uploaded).sum(),
             sandboxes: rows,
@@ -527,23 +562,20 @@ impl Ctl {
 
 /// One line per sandbox: the turn safely off the node and how to restore it, or why not.
 pub fn migrate_line(r: &MigrateReport) -> String {
+    let who = format!("{}/{}", r.namespace, r.container);
     let mut out = match (&r.error, r.safe_turn) {
         (Some(e), Some(safe)) => {
-            format!(
-                "{}: NOT off the node: {e} (the registry holds up to turn {safe} of {})\n",
-                r.container, r.newest_turn
-            )
+            format!("{who}: NOT off the node: {e} (the registry holds up to turn {safe} of {})\n", r.newest_turn)
         }
-        (Some(e), None) => format!("{}: NOT off the node: {e} (the registry holds none of it)\n", r.container),
+        (Some(e), None) => format!("{who}: NOT off the node: {e} (the registry holds none of it)\n"),
         (None, Some(safe)) => format!(
-            "{}: turn {safe} of {} is off the node ({} turns pushed, {} bytes) in {:.0} ms\n",
-            r.container,
+            "{who}: turn {safe} of {} is off the node ({} turns pushed, {} bytes) in {:.0} ms\n",
             r.newest_turn,
             r.turns_pushed.len(),
             r.bytes_uploaded,
             r.elapsed_ms
         ),
-        (None, None) => format!("{}: no checkpointed turn to push (newest turn {})\n", r.container, r.newest_turn),
+        (None, None) => format!("{who}: no checkpointed turn to push (newest turn {})\n", r.newest_turn),
     };
     for note in &r.notes {
         out += &format!("  note: {note}\n");
