@@ -414,12 +414,33 @@ async fn oom_kill_is_reported_once() {
         events.wait_for(container.id(), "/tasks/oom", LONG, |_| true).await?;
         // Notifications that arrive later than this are not part of the kill.
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let alive = container.exec_ok("alive", &["true"]).await;
-        container.kill("SIGKILL", false).await?;
+        // The kernel may take the container's init as one more victim of the same OOM: its exit,
+        // 137, came 5 ms after the hog's in about 1 run of 20 to 40 under runc. Whether the
+        // container outlives its hog is the kernel's choice, not the shim's; the OOM and the
+        // exits are reported either way.
+        let init_exit = |events: &EventStream| {
+            events
+                .for_container(container.id())
+                .into_iter()
+                .find(|e| e.topic == "/tasks/exit" && e.str_field("id") == Some(container.id()))
+                .map(|e| e.payload["exit_status"].as_u64())
+        };
+        let killed_with_the_hog = init_exit(&events);
+        let alive = match killed_with_the_hog {
+            None => Some(container.exec_ok("alive", &["true"]).await),
+            Some(status) => {
+                ensure_eq!(status, Some(137), "the init's exit status, when it exited with the hog");
+                eprintln!("{}: the OOM killer took the init as well", container.id());
+                None
+            }
+        };
+        if killed_with_the_hog.is_none() {
+            container.kill("SIGKILL", false).await?;
+        }
         events.wait_init_exit(container.id(), SHORT).await?;
         container.delete_task().await?;
         container.delete_container().await?;
-        alive?;
+        alive.transpose()?;
         let topics: Vec<String> = events
             .for_container(container.id())
             .into_iter()
