@@ -314,8 +314,8 @@ const KILL_AT_SHARE: f64 = 0.75;
 const KILL_AT_LATEST: f64 = 0.9;
 /// ... or this many seconds before the kernel's flusher writes back pages that have been dirty
 /// for `vm.dirty_expire_centisecs` (30 s by default) on its own, granted or not: a write-out
-/// queued for the bucket longer than that reaches the disk anyway (seen: 1.3–1.5 MiB over the
-/// bound when the kill came late), which is the kernel's pacing, not the bucket's.
+/// queued for the bucket longer than that reaches the disk anyway, which is the kernel's pacing,
+/// not the bucket's.
 const KILL_BEFORE_EXPIRY_S: f64 = 5.0;
 
 /// The fastest growth of the store's disk bytes, in bytes per second, over a window of about
