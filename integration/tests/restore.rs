@@ -725,11 +725,7 @@ fn shim_socket(shim: u32) -> String {
 }
 
 async fn task_pid(sb: &Sandbox) -> u32 {
-    let tasks = sb.ctr.run(&["tasks", "ls"]).await.unwrap().stdout_text();
-    tasks
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("{} ", sb.id)).and_then(|r| r.split_whitespace().next()?.parse().ok()))
-        .unwrap_or_else(|| panic!("{} has no task: {tasks}", sb.id))
+    task_pid_of(sb, &sb.id).await
 }
 
 fn parent_of(pid: u32) -> u32 {
@@ -1238,7 +1234,7 @@ async fn tmpfs_writes_of_a_proc_turn_and_a_later_fs_turn_come_back() {
 
 /// A write on a bind mount crab does not own is external state: the turn record says so and
 /// names the path, nothing of it is checkpointed, and a recover still succeeds (leaving the
-/// host directory as it is; `crabctl recover` does not mount it again, see the README).
+/// host directory as it is, mounted again from the kept spec; see the README).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_on_a_foreign_bind_mount_is_recorded_as_external_and_recover_succeeds() {
     crab_sys::skip_unless_root!("containerd, runc and CRIU");
@@ -1264,6 +1260,86 @@ async fn a_write_on_a_foreign_bind_mount_is_recorded_as_external_and_recover_suc
     sb.ctl().recover(&sb.id, None).await.unwrap();
     assert_eq!(sb.exec_in(&sb.id.clone(), "cat /data/own").await, "own\n");
     assert_eq!(std::fs::read_to_string(shared.path().join("f")).unwrap(), "host\n", "the host's file is left alone");
+    assert_eq!(sb.exec_in(&sb.id.clone(), "cat /shared/f").await, "host\n", "the bind mount is back");
+}
+
+/// What `ctr run` was given beyond image, command and environment (a bind mount, a capability
+/// dropped, a memory limit, a label) is in the spec containerd keeps, and a recovered sandbox
+/// and a fork keep all of it: crabctl creates them from that spec, not from the image. Each
+/// fork gets a cgroup of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recover_and_fork_keep_the_whole_spec() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let host = tempfile::tempdir().unwrap();
+    std::fs::write(host.path().join("marker"), "from the host\n").unwrap();
+    let mount = format!("type=bind,src={},dst=/host,options=rbind:ro", host.path().display());
+    let flags = [
+        "--mount",
+        &mount,
+        "--cap-drop",
+        "CAP_NET_RAW",
+        "--memory-limit",
+        "268435456",
+        "--label",
+        "io.crab.test=kept",
+        "--env",
+        "KEEP=kept",
+    ];
+    let mut sb = Sandbox::start_with("rs-spec", &flags).await;
+    // A process turn: recover and fork restore processes (CRIU) as well as files.
+    sb.turn("mkdir -p /data && echo v1 > /data/f && (sleep 3600 &) && echo ok").await;
+    let turns = sb.settled().await;
+    assert_eq!(turns[0].class, RecordedClass::Proc, "{:?}", turns[0]);
+    const VIEW: &str =
+        "cat /host/marker /data/f; grep CapBnd /proc/1/status; echo \"$KEEP\"; ps -o args | grep -c '^sleep 3600'";
+    let id = sb.id.clone();
+    let before = sb.exec_in(&id, VIEW).await;
+    assert!(before.starts_with("from the host\nv1\nCapBnd:") && before.ends_with("\nkept\n2\n"), "{before}");
+    let containerd = crab_containerd::grpc::Containerd::new(sb.ctr.socket(), sb.ctr.namespace());
+    let label = |id: String| {
+        let containerd = &containerd;
+        async move {
+            let record = containerd.container(&id).await.unwrap().unwrap_or_else(|| panic!("{id} is gone"));
+            record.labels.get("io.crab.test").cloned()
+        }
+    };
+
+    sb.kill_processes().await;
+    sb.ctl().recover(&sb.id, None).await.unwrap();
+    assert_eq!(sb.exec_in(&id, VIEW).await, before, "the recovered sandbox");
+    assert_eq!(label(id.clone()).await.as_deref(), Some("kept"), "label of the recovered sandbox");
+    // The recovered sandbox is checkpointed again, processes and all (CRIU dumps what it
+    // restored: no descriptor of the host's in it).
+    sb.turn("echo v2 > /data/f && (sleep 3601 &) && echo ok").await;
+    let turns = sb.settled().await;
+    let last = turns.last().unwrap();
+    assert_eq!((last.class, last.checkpoint_turn), (RecordedClass::Proc, Some(last.turn)), "{last:?}");
+
+    let fork = format!("{}-f", sb.id);
+    sb.extra.push(fork.clone());
+    sb.ctl().fork(&sb.id, 1, &fork).await.unwrap();
+    assert_eq!(sb.exec_in(&fork, VIEW).await, before, "the fork");
+    assert_eq!(label(fork.clone()).await.as_deref(), Some("kept"), "label of the fork");
+    // Each in a memory cgroup of its own, with the limit (cgroup v1 here, read from the host).
+    let memory = |pid: u32| {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+        let path = text.lines().find_map(|l| l.split_once(":memory:").map(|(_, p)| p.to_string())).unwrap();
+        let limit = std::fs::read_to_string(format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"));
+        (path, limit.map(|l| l.trim().to_string()).unwrap_or_else(|e| e.to_string()))
+    };
+    let source = memory(task_pid(&sb).await);
+    let forked = memory(task_pid_of(&sb, &fork).await);
+    assert!(source.0.ends_with(&format!("/{id}")) && forked.0.ends_with(&format!("/{fork}")), "{source:?} {forked:?}");
+    assert_eq!((source.1.as_str(), forked.1.as_str()), ("268435456", "268435456"), "memory limits");
+}
+
+/// The init pid of container `id` of the sandbox's containerd namespace.
+async fn task_pid_of(sb: &Sandbox, id: &str) -> u32 {
+    let tasks = sb.ctr.run(&["tasks", "ls"]).await.unwrap().stdout_text();
+    tasks
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{id} ")).and_then(|r| r.split_whitespace().next()?.parse().ok()))
+        .unwrap_or_else(|| panic!("{id} has no task: {tasks}"))
 }
 
 /// A sandbox whose quota (`io.crab.max-sandbox-mib`) is smaller than what it writes: the turn

@@ -97,6 +97,23 @@ fn runtime_options_config_path(bytes: &[u8]) -> Result<Option<String>, String> {
     Ok(config_path)
 }
 
+/// `runtimeoptions.v1.Options` with only `config_path` set, as (type URL, bytes): what `ctr run
+/// --runtime-config-path` gives a runtime other than runc's, and what [`CreateOptions::decode`]
+/// reads back.
+pub fn runtime_options_with_config_path(config_path: &str) -> (String, Vec<u8>) {
+    let mut bytes = Vec::with_capacity(config_path.len() + 6);
+    // Field 2, wire type 2 (length-delimited), then the length as a varint.
+    bytes.push((2 << 3) | 2);
+    let mut len = config_path.len() as u64;
+    while len >= 0x80 {
+        bytes.push((len as u8 & 0x7f) | 0x80);
+        len >>= 7;
+    }
+    bytes.push(len as u8);
+    bytes.extend_from_slice(config_path.as_bytes());
+    (RUNTIME_OPTIONS.to_string(), bytes)
+}
+
 /// Checkpoint options: containerd 1.6/1.7 send `containerd.linux.runc.CheckpointOptions`
 /// to runtimes other than runc's own; its fields match `containerd.runc.v1.CheckpointOptions`.
 pub fn checkpoint_options(any: Option<&Any>) -> Result<oci::CheckpointOptions, OptionsError> {
@@ -116,6 +133,21 @@ pub fn checkpoint_options(any: Option<&Any>) -> Result<oci::CheckpointOptions, O
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn options_made_for_a_config_path_decode_to_it() {
+        // The bytes containerd kept for `ctr run --runtime-config-path /tmp/store/cfgtest.toml`.
+        let (type_url, bytes) = runtime_options_with_config_path("/tmp/store/cfgtest.toml");
+        assert_eq!(
+            (type_url.as_str(), bytes.as_slice()),
+            ("runtimeoptions.v1.Options", &b"\x12\x17/tmp/store/cfgtest.toml"[..])
+        );
+        // A path of 200 bytes takes a two-byte length.
+        let long = format!("/{}", "x".repeat(199));
+        let (type_url, bytes) = runtime_options_with_config_path(&long);
+        let got = CreateOptions::decode(Some(&any(&type_url, bytes))).unwrap();
+        assert_eq!(got.config_path.as_deref(), Some(std::path::Path::new(&long)));
+    }
 
     fn any(type_url: &str, value: Vec<u8>) -> Any {
         Any { type_url: type_url.into(), value, ..Default::default() }

@@ -1,21 +1,28 @@
 //! containerd's gRPC API: what crabctl asks containerd (namespaces, containers and their
-//! specs, tasks), and what the `ctr` command line cannot ask at all: a Task Update that carries
-//! annotations and no resources (crab's turn marks). Every call is bounded ([`CALL_TIMEOUT`]).
+//! specs, tasks), the containers it creates from a kept spec (its restores), and what the `ctr`
+//! command line cannot ask at all: a Task Update that carries annotations and no resources
+//! (crab's turn marks). Every call is bounded ([`CALL_TIMEOUT`]).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use containerd_client::services::v1::container::Runtime;
 use containerd_client::services::v1::containers_client::ContainersClient;
+use containerd_client::services::v1::content_client::ContentClient;
+use containerd_client::services::v1::images_client::ImagesClient;
 use containerd_client::services::v1::namespaces_client::NamespacesClient;
-use containerd_client::services::v1::snapshots::RemoveSnapshotRequest;
 use containerd_client::services::v1::snapshots::snapshots_client::SnapshotsClient;
+use containerd_client::services::v1::snapshots::{PrepareSnapshotRequest, RemoveSnapshotRequest};
 use containerd_client::services::v1::tasks_client::TasksClient;
 use containerd_client::services::v1::{
-    DeleteContainerRequest, DeleteTaskRequest, GetContainerRequest, GetRequest, KillRequest, ListContainersRequest,
-    ListNamespacesRequest, ListTasksRequest, UpdateTaskRequest,
+    Container, CreateContainerRequest, CreateTaskRequest, DeleteContainerRequest, DeleteTaskRequest,
+    GetContainerRequest, GetImageRequest, GetRequest, KillRequest, ListContainersRequest, ListNamespacesRequest,
+    ListTasksRequest, ReadContentRequest, StartRequest, UpdateTaskRequest,
 };
 use containerd_client::tonic;
 
+use crate::image::{self, DocumentKind, ImageError, MAX_DOCUMENT_BYTES};
 use crab_store::turns::{ANNOTATION_TURN, TurnRequest};
 
 #[derive(Debug, thiserror::Error)]
@@ -28,6 +35,34 @@ pub enum GrpcError {
     Call { call: &'static str, container: String, code: tonic::Code, message: String },
     #[error("{call} of {container}: no answer from containerd within {after:?}")]
     Timeout { call: &'static str, container: String, after: Duration },
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    #[error(
+        "image {image} is not unpacked for snapshotter {snapshotter} on this node (no snapshot {chain_id}): \
+         pull or import it here, which unpacks it"
+    )]
+    NotUnpacked { image: String, snapshotter: String, chain_id: String },
+}
+
+/// The type containerd stores a container's OCI spec under.
+pub const SPEC_TYPE_URL: &str = "types.containerd.io/opencontainers/runtime-spec/1/Spec";
+
+/// containerd's default snapshotter on Linux, for a container whose record is gone.
+pub const DEFAULT_SNAPSHOTTER: &str = "overlayfs";
+
+/// A container to create from a kept spec and start, detached.
+#[derive(Debug, Clone)]
+pub struct NewContainer {
+    pub id: String,
+    /// The image whose layers its root file system starts from.
+    pub image: String,
+    pub runtime: String,
+    /// The runtime's options as containerd holds them (type URL, bytes).
+    pub runtime_options: Option<(String, Vec<u8>)>,
+    /// The OCI spec, JSON, used as it is.
+    pub spec: Vec<u8>,
+    pub labels: HashMap<String, String>,
+    pub snapshotter: String,
 }
 
 /// The bound on one call: containerd answers these in milliseconds, a Kill or a Delete included
@@ -44,6 +79,9 @@ pub struct ContainerRecord {
     pub runtime_options: Option<(String, Vec<u8>)>,
     /// The OCI spec, JSON.
     pub spec: Option<Vec<u8>>,
+    pub labels: HashMap<String, String>,
+    /// The snapshotter of its root file system (empty for none).
+    pub snapshotter: String,
 }
 
 /// A container's task: its init's pid and its status.
@@ -149,7 +187,14 @@ impl Containerd {
             Some(r) => (r.name, r.options.map(|o| (o.type_url, o.value))),
             None => (String::new(), None),
         };
-        Ok(Some(ContainerRecord { image: found.image, runtime, runtime_options, spec: found.spec.map(|s| s.value) }))
+        Ok(Some(ContainerRecord {
+            image: found.image,
+            runtime,
+            runtime_options,
+            spec: found.spec.map(|s| s.value),
+            labels: found.labels,
+            snapshotter: found.snapshotter,
+        }))
     }
 
     async fn get_container(
@@ -232,6 +277,145 @@ impl Containerd {
     async fn snapshot_of(&self, container: &str) -> Result<Option<(String, String)>, GrpcError> {
         let found = self.get_container(container).await?;
         Ok(found.filter(|c| !c.snapshot_key.is_empty()).map(|c| (c.snapshotter, c.snapshot_key)))
+    }
+
+    /// Creates `new` (its container record, a root file system over its image's layers, its
+    /// task with no stdio) and starts it; returns its init's pid. What `ctr run -d` does, but
+    /// from a whole spec instead of one built from the image, so nothing of the kept spec
+    /// (mounts, user, capabilities, resources, namespaces, annotations) is lost. On a failure
+    /// nothing of `new` is left behind in containerd.
+    pub async fn run_detached(&self, new: &NewContainer) -> Result<u32, GrpcError> {
+        let parent = self.image_chain_id(&new.image).await?;
+        // The record first: it references the snapshot, so containerd's garbage collector
+        // keeps the snapshot from the moment it exists (a snapshot no container or lease
+        // references may be collected).
+        let container = Container {
+            id: new.id.clone(),
+            labels: new.labels.clone(),
+            image: new.image.clone(),
+            runtime: Some(Runtime {
+                name: new.runtime.clone(),
+                options: new
+                    .runtime_options
+                    .as_ref()
+                    .map(|(type_url, value)| prost_types::Any { type_url: type_url.clone(), value: value.clone() }),
+            }),
+            spec: Some(prost_types::Any { type_url: SPEC_TYPE_URL.into(), value: new.spec.clone() }),
+            snapshotter: new.snapshotter.clone(),
+            snapshot_key: new.id.clone(),
+            ..Default::default()
+        };
+        let request = self.request(CreateContainerRequest { container: Some(container) })?;
+        let mut client = self.containers_client().await?;
+        let created = Self::bounded("Containers.Create", &new.id, client.create(request)).await?;
+        created.map_err(|status| Self::failed("Containers.Create", &new.id, status))?;
+        match self.start_created(new, &parent).await {
+            Ok(pid) => Ok(pid),
+            Err(error) => {
+                // Best effort: the error that matters is the first one.
+                let _ = self.kill_all(&new.id).await;
+                let _ = self.delete_task(&new.id).await;
+                let _ = self.delete_container(&new.id).await;
+                Err(error)
+            }
+        }
+    }
+
+    /// The root file system, the task and its start, for a container just recorded.
+    async fn start_created(&self, new: &NewContainer, parent: &str) -> Result<u32, GrpcError> {
+        let request = self.request(PrepareSnapshotRequest {
+            snapshotter: new.snapshotter.clone(),
+            key: new.id.clone(),
+            parent: parent.into(),
+            labels: HashMap::new(),
+        })?;
+        let mut snapshots = SnapshotsClient::new(self.channel().await?);
+        let mounts = match Self::bounded("Snapshots.Prepare", &new.id, snapshots.prepare(request)).await? {
+            Ok(prepared) => prepared.mounts,
+            Err(status) if status.code() == tonic::Code::NotFound => {
+                return Err(GrpcError::NotUnpacked {
+                    image: new.image.clone(),
+                    snapshotter: new.snapshotter.clone(),
+                    chain_id: parent.into(),
+                });
+            }
+            Err(status) => return Err(Self::failed("Snapshots.Prepare", &new.id, status)),
+        };
+        // No stdio: the shim drops the output and gives an empty input, as `ctr run -d` left
+        // them once it exited (nobody read its fifos any more).
+        let request =
+            self.request(CreateTaskRequest { container_id: new.id.clone(), rootfs: mounts, ..Default::default() })?;
+        let created = Self::bounded("Tasks.Create", &new.id, self.tasks().await?.create(request)).await?;
+        created.map_err(|status| Self::failed("Tasks.Create", &new.id, status))?;
+        let request = self.request(StartRequest { container_id: new.id.clone(), exec_id: String::new() })?;
+        let started = Self::bounded("Tasks.Start", &new.id, self.tasks().await?.start(request)).await?;
+        Ok(started.map_err(|status| Self::failed("Tasks.Start", &new.id, status))?.pid)
+    }
+
+    /// The chain ID of `image`'s layers for this host's platform: the key of its unpacked top
+    /// layer in a snapshotter.
+    pub async fn image_chain_id(&self, image: &str) -> Result<String, GrpcError> {
+        let request = self.request(GetImageRequest { name: image.into() })?;
+        let mut client = ImagesClient::new(self.channel().await?);
+        let got = Self::bounded("Images.Get", image, client.get(request)).await?;
+        let target =
+            got.map_err(|status| Self::failed("Images.Get", image, status))?.image.and_then(|i| i.target).ok_or_else(
+                || ImageError::Document {
+                    image: image.into(),
+                    what: "record",
+                    digest: String::new(),
+                    problem: "has no target".into(),
+                },
+            )?;
+        let (mut media_type, mut digest) = (target.media_type, target.digest);
+        // An index names one manifest per platform; a manifest list inside an index is not
+        // followed further than this one step.
+        if DocumentKind::of(&media_type) == Some(DocumentKind::Index) {
+            let index = self.read_document(image, &digest).await?;
+            (media_type, digest) = image::pick_manifest(image, &digest, &index, image::host_platform())?;
+        }
+        if DocumentKind::of(&media_type) != Some(DocumentKind::Manifest) {
+            return Err(ImageError::Document {
+                image: image.into(),
+                what: "manifest",
+                digest,
+                problem: format!("unexpected media type {media_type:?}"),
+            }
+            .into());
+        }
+        let manifest = self.read_document(image, &digest).await?;
+        let config_digest = image::config_digest(image, &digest, &manifest)?;
+        let config = self.read_document(image, &config_digest).await?;
+        Ok(image::chain_id_of_config(image, &config_digest, &config)?)
+    }
+
+    /// One of `image`'s JSON documents from the content store, at most [`MAX_DOCUMENT_BYTES`].
+    async fn read_document(&self, image: &str, digest: &str) -> Result<Vec<u8>, GrpcError> {
+        let request = self.request(ReadContentRequest { digest: digest.into(), offset: 0, size: 0 })?;
+        let mut client = ContentClient::new(self.channel().await?);
+        let read = async {
+            let mut stream = client.read(request).await?.into_inner();
+            let mut bytes = Vec::new();
+            while let Some(chunk) = stream.message().await? {
+                bytes.extend_from_slice(&chunk.data);
+                if bytes.len() > MAX_DOCUMENT_BYTES {
+                    return Ok(None);
+                }
+            }
+            Ok(Some(bytes))
+        };
+        let read: Result<Option<Vec<u8>>, tonic::Status> = tokio::time::timeout(CALL_TIMEOUT, read)
+            .await
+            .map_err(|_| GrpcError::Timeout { call: "Content.Read", container: digest.into(), after: CALL_TIMEOUT })?;
+        read.map_err(|status| Self::failed("Content.Read", digest, status))?.ok_or_else(|| {
+            ImageError::Document {
+                image: image.into(),
+                what: "document",
+                digest: digest.into(),
+                problem: format!("larger than {MAX_DOCUMENT_BYTES} bytes"),
+            }
+            .into()
+        })
     }
 
     /// Sends the task of `container` a turn request (`io.crab.turn`). The

@@ -504,8 +504,9 @@ impl ProcessIo {
     ) -> Result<(Arc<ProcessIo>, LaunchIo), IoError> {
         let io = Self::new(uris);
         let stdin_t = parse_uri(&uris.stdin)?;
-        let stdout_t = parse_uri(&uris.stdout)?;
-        let stderr_t = parse_uri(&uris.stderr)?;
+        // Checked here, so a bad URI fails the call that named it.
+        parse_uri(&uris.stdout)?;
+        parse_uri(&uris.stderr)?;
 
         if uris.terminal {
             // The container gets the pty slave; the runtime hands us the master.
@@ -524,8 +525,17 @@ impl ProcessIo {
 
         let mut stdio = ProcessStdio::default();
         let mut ends = ParentEnds::default();
+        // A null stream is a pipe too, not the host's /dev/null: a process holding the host's
+        // /dev/null cannot be dumped ("Can't lookup mount"). runc reopens the container's own
+        // /dev/null for a created init, but CRIU gives a restored process the very descriptors
+        // it is handed, and such a container could never be checkpointed again.
         stdio.stdin = Some(match &stdin_t {
-            Target::Null => dev_null(false).map_err(os("/dev/null"))?,
+            Target::Null => {
+                // Nobody writes it: its write end is closed here, so a read sees end of file.
+                let (r, _closed) = pipe().map_err(os("stdin pipe"))?;
+                chown_fd(&r, owner.uid, owner.gid)?;
+                r
+            }
             Target::Fifo(_) => {
                 let (r, w) = pipe().map_err(os("stdin pipe"))?;
                 chown_fd(&r, owner.uid, owner.gid)?;
@@ -534,13 +544,8 @@ impl ProcessIo {
             }
             other => return Err(IoError::Scheme { uri: format!("{other:?} for stdin") }),
         });
-        for (target, slot, end) in
-            [(&stdout_t, &mut stdio.stdout, &mut ends.stdout), (&stderr_t, &mut stdio.stderr, &mut ends.stderr)]
-        {
-            if *target == Target::Null {
-                *slot = Some(dev_null(true).map_err(os("/dev/null"))?);
-                continue;
-            }
+        // Every output is a pipe; a null one's is read and dropped by its copy (no sink).
+        for (slot, end) in [(&mut stdio.stdout, &mut ends.stdout), (&mut stdio.stderr, &mut ends.stderr)] {
             let (r, w) = pipe().map_err(os("output pipe"))?;
             chown_fd(&w, owner.uid, owner.gid)?;
             *slot = Some(w);

@@ -116,18 +116,18 @@ pub struct MarkReport {
     pub elapsed_ms: f64,
 }
 
-/// How a container was run, to run it again.
-#[derive(Debug, Clone)]
+/// What a sandbox is recreated from: everything containerd (or, once containerd forgot it,
+/// the shim's saved copy) keeps of how it was created.
 struct SandboxInfo {
-    /// The sandbox's own `io.crab.*` annotations (policy, turns, ignore), carried over.
-    annotations: Vec<(String, String)>,
     image: String,
-    args: Vec<String>,
-    cwd: Option<String>,
-    env: Vec<String>,
-    /// The crab config the sandbox's shim was given (`ConfigPath` of its runtime options),
-    /// so the restored one reads the same store.
-    config_path: Option<String>,
+    /// Its OCI spec as its client made it: process (args, env, cwd, user, capabilities),
+    /// mounts, resources, namespaces and annotations.
+    spec: serde_json::Value,
+    /// Its runtime options (crab's `ConfigPath`), as containerd holds them (type URL, bytes), so
+    /// the restored shim reads the same config and store.
+    runtime_options: Option<(String, Vec<u8>)>,
+    labels: std::collections::HashMap<String, String>,
+    snapshotter: String,
     /// The pod it is a container of, by the annotations CRI sets on every pod container.
     pod: Option<crab_store::PodOwner>,
 }
@@ -296,37 +296,27 @@ impl Ctl {
     }
 
     async fn sandbox_info(&self, container: &str, image_override: Option<&str>) -> Result<SandboxInfo> {
-        #[derive(serde::Deserialize)]
-        struct Process {
-            #[serde(default)]
-            args: Vec<String>,
-            cwd: Option<String>,
-            #[serde(default)]
-            env: Vec<String>,
-        }
-        #[derive(serde::Deserialize)]
-        struct Spec {
-            process: Option<Process>,
-            #[serde(default)]
-            annotations: std::collections::HashMap<String, String>,
-        }
         let from_containerd =
             self.containerd.container(container).await.map_err(|e| CtlError::Containerd(e.to_string()))?;
-        let (image, spec, config_path) = match from_containerd {
+        let info = match from_containerd {
             Some(record) => {
-                let spec = match &record.spec {
-                    Some(bytes) => Some(
-                        serde_json::from_slice::<Spec>(bytes)
-                            .map_err(|e| CtlError::Containerd(format!("the spec of {container}: {e}")))?,
-                    ),
-                    None => None,
-                };
-                let config_path = match &record.runtime_options {
-                    Some((type_url, value)) => config_path_of_options(type_url, value)
-                        .map_err(|e| CtlError::Containerd(format!("runtime options of {container}: {e}")))?,
-                    None => None,
-                };
-                (image_override.map(str::to_string).unwrap_or(record.image), spec, config_path)
+                let bytes = record
+                    .spec
+                    .ok_or_else(|| CtlError::Containerd(format!("containerd keeps no spec for {container:?}")))?;
+                let spec = serde_json::from_slice(&bytes)
+                    .map_err(|e| CtlError::Containerd(format!("the spec of {container}: {e}")))?;
+                SandboxInfo {
+                    image: image_override.map(str::to_string).unwrap_or(record.image),
+                    spec,
+                    runtime_options: record.runtime_options,
+                    labels: record.labels,
+                    snapshotter: if record.snapshotter.is_empty() {
+                        crab_containerd::grpc::DEFAULT_SNAPSHOTTER.into()
+                    } else {
+                        record.snapshotter
+                    },
+                    pod: None,
+                }
             }
             None => {
                 // Node loss: containerd forgot the sandbox. The shim kept its spec.
@@ -337,38 +327,25 @@ impl Ctl {
                 let bytes = std::fs::read(&path).map_err(|e| {
                     CtlError::Invalid(format!("no saved spec for {container:?} at {}: {e}", path.display()))
                 })?;
-                let spec: Spec = serde_json::from_slice(&bytes)
+                let spec = serde_json::from_slice(&bytes)
                     .map_err(|e| CtlError::Invalid(format!("saved spec {}: {e}", path.display())))?;
                 // containerd's record of the runtime options is gone with it; the config
                 // crabctl itself was pointed at is the best guess.
                 let config_path = std::env::var(crab_config::CONFIG_ENV).ok().filter(|p| !p.is_empty());
-                (image.to_string(), Some(spec), config_path)
+                SandboxInfo {
+                    image: image.to_string(),
+                    spec,
+                    runtime_options: config_path
+                        .map(|p| crab_config::runtime_options::runtime_options_with_config_path(&p)),
+                    labels: Default::default(),
+                    snapshotter: crab_containerd::grpc::DEFAULT_SNAPSHOTTER.into(),
+                    pod: None,
+                }
             }
         };
-        let annotations = spec
-            .as_ref()
-            .map(|s| {
-                let mut a: Vec<_> = s
-                    .annotations
-                    .iter()
-                    .filter(|(k, _)| k.starts_with("io.crab.") && k.as_str() != ANNOTATION_RESTORE_FROM)
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect();
-                a.sort();
-                a
-            })
-            .unwrap_or_default();
-        let pod = spec.as_ref().and_then(|s| pod_of_annotations(&s.annotations));
-        let process = spec.and_then(|s| s.process);
-        Ok(SandboxInfo {
-            pod,
-            annotations,
-            image,
-            args: process.as_ref().map(|p| p.args.clone()).unwrap_or_default(),
-            cwd: process.as_ref().and_then(|p| p.cwd.clone()),
-            env: process.map(|p| p.env).unwrap_or_default(),
-            config_path,
-        })
+        let annotations: std::collections::HashMap<String, String> =
+            info.spec.get("annotations").and_then(|a| serde_json::from_value(a.clone()).ok()).unwrap_or_default();
+        Ok(SandboxInfo { pod: pod_of_annotations(&annotations), ..info })
     }
 
     /// Refuses `what` (a command that recreates `container` through containerd) for a container
@@ -408,33 +385,20 @@ impl Ctl {
         let _ = containerd.delete_container(container).await;
     }
 
-    /// Creates `new` on the crab runtime from `source`'s state at `turn`.
+    /// Creates `new` on the crab runtime from `source`'s state at `turn`, with `source`'s whole
+    /// spec, runtime options and labels, through containerd's API.
     async fn run_restored(&self, info: &SandboxInfo, source: &str, turn: u64, new: &str) -> Result<()> {
-        let mut args: Vec<String> = vec!["run".into(), "-d".into(), "--runtime".into(), CRAB_RUNTIME.into()];
-        if let Some(config) = &info.config_path {
-            args.push("--runtime-config-path".into());
-            args.push(config.clone());
-        }
-        if turn > 0 {
-            args.push("--annotation".into());
-            args.push(format!("{ANNOTATION_RESTORE_FROM}={source}:{turn}"));
-        }
-        for (k, v) in &info.annotations {
-            args.push("--annotation".into());
-            args.push(format!("{k}={v}"));
-        }
-        if let Some(cwd) = &info.cwd {
-            args.push("--cwd".into());
-            args.push(cwd.clone());
-        }
-        for e in &info.env {
-            args.push("--env".into());
-            args.push(e.clone());
-        }
-        args.push(info.image.clone());
-        args.push(new.into());
-        args.extend(info.args.iter().cloned());
-        self.ctr.run(&args).await.map_err(|e| CtlError::Containerd(e.to_string()))?;
+        let spec = restored_spec(&info.spec, source, turn, new)?;
+        let container = crab_containerd::grpc::NewContainer {
+            id: new.into(),
+            image: info.image.clone(),
+            runtime: CRAB_RUNTIME.into(),
+            runtime_options: info.runtime_options.clone(),
+            spec: serde_json::to_vec(&spec).map_err(|e| CtlError::Invalid(format!("the spec of {new}: {e}")))?,
+            labels: info.labels.clone(),
+            snapshotter: info.snapshotter.clone(),
+        };
+        self.containerd.run_detached(&container).await.map_err(|e| CtlError::Containerd(e.to_string()))?;
         Ok(())
     }
 
@@ -573,6 +537,51 @@ impl Ctl {
     }
 }
 
+/// The spec of `new`, restored from `source` at `turn` (0: its image, nothing to restore): the
+/// kept spec, with `io.crab.restore-from` naming the checkpoint, its cgroup named after `new`
+/// where the source's named `source`, and no terminal (a detached restore has no client to
+/// hold one; the old `ctr run -d` gave none either).
+fn restored_spec(spec: &serde_json::Value, source: &str, turn: u64, new: &str) -> Result<serde_json::Value> {
+    let mut spec = spec.clone();
+    let object =
+        spec.as_object_mut().ok_or_else(|| CtlError::Invalid(format!("the spec of {source} is not an object")))?;
+    let annotations = object.entry("annotations").or_insert_with(|| serde_json::json!({}));
+    let annotations = annotations
+        .as_object_mut()
+        .ok_or_else(|| CtlError::Invalid(format!("the annotations of {source}'s spec are not an object")))?;
+    annotations.remove(ANNOTATION_RESTORE_FROM);
+    if turn > 0 {
+        annotations.insert(ANNOTATION_RESTORE_FROM.into(), format!("{source}:{turn}").into());
+    }
+    if let Some(terminal) = spec.pointer_mut("/process/terminal") {
+        *terminal = false.into();
+    }
+    if new != source
+        && let Some(path) = spec.pointer_mut("/linux/cgroupsPath")
+        && let Some(old) = path.as_str().filter(|p| !p.is_empty())
+    {
+        *path = renamed_cgroup(old, source, new)
+            .ok_or_else(|| {
+                CtlError::Invalid(format!(
+                    "cannot place {new}'s cgroup: {source}'s cgroupsPath {old:?} does not end in its id, and two \
+                     containers must not share one"
+                ))
+            })?
+            .into();
+    }
+    Ok(spec)
+}
+
+/// `path` with its last element, `source`, replaced by `new`: `/ns/source` (cgroupfs) or
+/// `slice:prefix:source` (systemd).
+fn renamed_cgroup(path: &str, source: &str, new: &str) -> Option<String> {
+    if let Some(parent) = path.strip_suffix(source).filter(|p| p.ends_with('/')) {
+        return Some(format!("{parent}{new}"));
+    }
+    let (head, name) = path.rsplit_once(':')?;
+    (name == source && !path.starts_with('/')).then(|| format!("{head}:{new}"))
+}
+
 /// The pod a container's spec says it belongs to: CRI sets these annotations on every container
 /// of a pod (a pod's sandbox container included).
 fn pod_of_annotations(annotations: &std::collections::HashMap<String, String>) -> Option<crab_store::PodOwner> {
@@ -583,17 +592,6 @@ fn pod_of_annotations(annotations: &std::collections::HashMap<String, String>) -
         container_name: get("io.kubernetes.cri.container-name").unwrap_or_else(|| "(the pod sandbox)".into()),
         pod_sandbox,
     })
-}
-
-/// The `ConfigPath` in a container's runtime options (a protobuf `Any`: its type and bytes), decoded
-/// as the shim decodes them.
-fn config_path_of_options(type_url: &str, value: &[u8]) -> std::result::Result<Option<String>, String> {
-    use containerd_shim_protos::protobuf::well_known_types::any::Any;
-    let mut any = Any::new();
-    any.type_url = type_url.to_string();
-    any.value = value.to_vec();
-    let options = crab_config::runtime_options::CreateOptions::decode(Some(&any)).map_err(|e| e.to_string())?;
-    Ok(options.config_path.map(|p| p.to_string_lossy().into_owned()))
 }
 
 /// The image layer a container's overlay root starts from: the base of an
@@ -612,12 +610,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn config_path_comes_from_the_runtime_options_containerd_keeps() {
-        // The bytes containerd kept for `ctr run --runtime-config-path /tmp/store/cfgtest.toml`.
-        let kept = b"\x12\x17/tmp/store/cfgtest.toml";
-        let found = config_path_of_options("runtimeoptions.v1.Options", kept).unwrap();
-        assert_eq!(found.as_deref(), Some("/tmp/store/cfgtest.toml"));
-        assert_eq!(config_path_of_options("runtimeoptions.v1.Options", b"").unwrap(), None);
-        assert!(config_path_of_options("example.Unknown", b"").unwrap_err().contains("example.Unknown"));
+    fn a_restored_spec_keeps_the_source_s_and_names_the_checkpoint_and_its_own_cgroup() {
+        let source = serde_json::json!({
+            "process": {"terminal": true, "user": {"uid": 65534, "gid": 65534}, "args": ["sleep", "1"],
+                        "capabilities": {"bounding": ["CAP_KILL"]}},
+            "mounts": [{"destination": "/data", "type": "bind", "source": "/srv/data", "options": ["rbind", "ro"]}],
+            "annotations": {"io.crab.policy": "crab", "io.crab.restore-from": "old:3"},
+            "linux": {"cgroupsPath": "/crab/src", "resources": {"memory": {"limit": 268435456}}}
+        });
+        let spec = restored_spec(&source, "src", 4, "src-f1").unwrap();
+        assert_eq!(spec["annotations"]["io.crab.restore-from"], "src:4");
+        assert_eq!(spec["annotations"]["io.crab.policy"], "crab");
+        assert_eq!(spec["linux"]["cgroupsPath"], "/crab/src-f1");
+        assert_eq!(spec["process"]["terminal"], false);
+        for kept in ["/process/user", "/process/args", "/process/capabilities", "/mounts", "/linux/resources"] {
+            assert_eq!(spec.pointer(kept), source.pointer(kept), "{kept}");
+        }
+        // Recover: the same id keeps its cgroup; turn 0 restores nothing.
+        let spec = restored_spec(&source, "src", 0, "src").unwrap();
+        assert_eq!(spec["linux"]["cgroupsPath"], "/crab/src");
+        assert!(spec["annotations"].get("io.crab.restore-from").is_none(), "{spec}");
+        // A cgroup the id cannot be found in is refused for a fork, naming it.
+        let custom = serde_json::json!({"linux": {"cgroupsPath": "/tenants/a"}});
+        let err = restored_spec(&custom, "src", 1, "f").unwrap_err().to_string();
+        assert!(err.contains("\"/tenants/a\"") && err.contains("f's cgroup"), "{err}");
+        assert_eq!(renamed_cgroup("system.slice:crab:src", "src", "f").as_deref(), Some("system.slice:crab:f"));
+        assert_eq!(renamed_cgroup("/a/xsrc", "src", "f"), None);
     }
 }
