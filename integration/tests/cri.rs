@@ -618,6 +618,64 @@ async fn kubelet_replacement_is_restored() {
     }
 }
 
+/// A server behind a hostPort, started in the background by a checkpointed exec turn (its
+/// listening socket and process in memory only), comes back with kubelet's replacement of its
+/// killed container: the restored server answers on the same hostPort, from the same pod (its
+/// hostname), while the dead container's port refused connections.
+#[tokio::test]
+async fn port_mapping_server_is_restored() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
+    let Some(handler) = crab_handler() else {
+        eprintln!("CRAB_TEST_RUNTIMES leaves out crab: nothing to test");
+        return;
+    };
+    let (_holder, host_port) = hold_free_port().unwrap_or_else(|e| panic!("port_mapping_server_is_restored: {e}"));
+    let shape = PodShape { ports: vec![TcpPort { host: host_port, container: SERVER_PORT }], ..Default::default() };
+    let expected = format!("ports-restore-{}", handler.short());
+    let run = with_pod("ports-restore", handler, shape, |pod| {
+        async move {
+            let cmd = ["sh", "-c", ENTRYPOINT];
+            let first = pod.create_attempt("main", 0, &cmd, &[]).await?;
+            pod.start(&first).await?;
+            pod.stdout_until("main-0", "started", WAIT).await?;
+            let address = std::net::SocketAddr::new(pod.host_address().await?, host_port);
+            let serve = format!("nc -ll -p {SERVER_PORT} -e hostname </dev/null >/dev/null 2>&1 & echo serving");
+            ensure_eq!(pod.exec(&first, &["sh", "-c", &serve], 30).await?.0, "serving\n", "the exec turn");
+            // The checkpoint of the turn first: a connection open while CRIU dumps would be
+            // an established socket, which the dump refuses.
+            let record = turn_record(&first, 1).await?;
+            ensure_eq!(record.checkpoint_turn, Some(1), "checkpoint of the turn: {record:?}");
+            let before = reply_of(address, "the exec turn's server through the hostPort").await?;
+            ensure_eq!(before.trim(), expected, "the reply before the crash");
+            ensure_eq!(crash(pod, &first).await?, 137, "exit code of the killed container");
+            match fetch(address).await {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+                other => {
+                    return Err(HarnessError::Expectation(format!(
+                        "the hostPort {address} answers with the server's container dead: {other:?}"
+                    )));
+                }
+            }
+            let second = pod.create_attempt("main", 1, &cmd, &[]).await?;
+            pod.start(&second).await?;
+            let origin = store()?.origin(&key(&second)).map_err(|e| HarnessError::Expectation(e.to_string()))?;
+            let origin = origin.ok_or_else(|| HarnessError::Expectation("the replacement records no origin".into()))?;
+            ensure_eq!((origin.source, origin.turn), (key(&first), 1), "origin of the replacement");
+            let after = reply_of(address, "the restored server through the hostPort").await?;
+            ensure_eq!(after.trim(), expected, "the reply of the restored server");
+            // The restored server is the turn's (the replacement's entrypoint starts none).
+            let (listeners, _, _) = pod.exec(&second, &["sh", "-c", "pidof nc | wc -w"], 30).await?;
+            ensure_eq!(listeners.trim(), "1", "servers in the replacement");
+            Ok(())
+        }
+        .boxed_local()
+    });
+    match tokio::time::timeout(crab_integration::matrix::SCENARIO_TIMEOUT, run).await {
+        Ok(outcome) => outcome.unwrap_or_else(|e| panic!("port_mapping_server_is_restored: {e}")),
+        Err(_) => panic!("port_mapping_server_is_restored: timed out"),
+    }
+}
+
 /// `io.crab.restore-from` under CRI: every pod of the node is in containerd namespace k8s.io,
 /// so a pod may restore only from chains of pods in its own Kubernetes namespace. A pod in
 /// team-b naming a team-a container's checkpoint is refused when its task is created (CRI's
