@@ -385,9 +385,15 @@ async fn port_mapping() {
                 pod.run("server", &["nc", "-ll", "-p", &port, "-e", "hostname"]).await?;
                 let address = std::net::SocketAddr::new(pod.host_address().await?, host_port);
                 let rules = hostport_rules(&pod.id)?;
-                let reply = reply_of(address, "the pod's server through its hostPort")
-                    .await
-                    .map_err(|e| HarnessError::Expectation(format!("{e}; portmap's rules for the pod: {rules:?}")))?;
+                let reply = reply_of(address, "the pod's server through its hostPort").await.map_err(|e| {
+                    let hint = if rules.is_empty() {
+                        " (none: is portmap in the CRI containerd's CNI chain, $CRAB_CRI_DIR/cni/net.d? \
+                         `scripts/cri-containerd start` writes it)"
+                    } else {
+                        ""
+                    };
+                    HarnessError::Expectation(format!("{e}; portmap's rules for the pod: {rules:?}{hint}"))
+                })?;
                 Ok((reply, rules.len(), address))
             }
             .boxed_local()

@@ -90,7 +90,14 @@ cri_write_cni_config() {
   ]
 }
 EOF
-  mv -f "$CRAB_CRI_CNI_DIR/net.d/10-crab-cri.conflist.tmp" "$CRAB_CRI_CNI_DIR/net.d/10-crab-cri.conflist"
+  # containerd's CRI plugin watches the directory and reloads a changed file:
+  # an instance started by an older script takes the current chain from the
+  # next `start`, and an unchanged file is left alone (no reload).
+  if cmp -s "$CRAB_CRI_CNI_DIR/net.d/10-crab-cri.conflist.tmp" "$CRAB_CRI_CNI_DIR/net.d/10-crab-cri.conflist"; then
+    rm -f "$CRAB_CRI_CNI_DIR/net.d/10-crab-cri.conflist.tmp"
+  else
+    mv -f "$CRAB_CRI_CNI_DIR/net.d/10-crab-cri.conflist.tmp" "$CRAB_CRI_CNI_DIR/net.d/10-crab-cri.conflist"
+  fi
 }
 
 # The pods' bridge with its address (see above), before any pod joins it; the
