@@ -286,25 +286,28 @@ const HOSTPORT_CHAIN: &str = "CNI-HOSTPORT-DNAT";
 
 /// portmap's rules for pod sandbox `pod_id` in the nat table's [`HOSTPORT_CHAIN`] (as
 /// `iptables -S` prints them): CNI ADD puts one there for a pod with hostPorts, jumping to the
-/// pod's own `CNI-DN-*` chain, and CNI DEL removes both. None when the chain does not exist
-/// (no pod on the host ever had a hostPort).
+/// pod's own `CNI-DN-*` chain, and CNI DEL removes both. The whole table is listed, as listing
+/// a chain that does not exist (no pod on the host ever had a hostPort) is an error whose
+/// wording differs between iptables' backends.
 pub fn hostport_rules(pod_id: &str) -> Outcome<Vec<String>> {
     let output = Command::new("iptables")
-        .args(["-w", "5", "-t", "nat", "-S", HOSTPORT_CHAIN])
+        .args(["-w", "5", "-t", "nat", "-S"])
         .output()
         .map_err(|e| HarnessError::io("running iptables -t nat -S", e))?;
-    let stderr = String::from_utf8_lossy(&output.stderr);
     if !output.status.success() {
-        if stderr.contains("No chain") || stderr.contains("does not exist") {
-            return Ok(Vec::new());
-        }
         return Err(HarnessError::Expectation(format!(
-            "iptables -t nat -S {HOSTPORT_CHAIN}: {}: {stderr}",
-            output.status
+            "iptables -t nat -S: {}: {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
         )));
     }
+    let chain = format!("-A {HOSTPORT_CHAIN} ");
     let tag = format!("id: \\\"{pod_id}\\\"");
-    Ok(String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.contains(&tag)).map(String::from).collect())
+    Ok(String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|l| l.starts_with(&chain) && l.contains(&tag))
+        .map(String::from)
+        .collect())
 }
 
 impl Pod {
