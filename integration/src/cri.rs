@@ -18,8 +18,8 @@ use k8s_cri::v1::{
     ContainerConfig, ContainerMetadata, ContainerState, ContainerStatusRequest, CreateContainerRequest, ExecRequest,
     ExecSyncRequest, ImageSpec, LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
     LinuxSandboxSecurityContext, NamespaceOption, PodSandboxConfig, PodSandboxMetadata, PodSandboxStatusRequest,
-    RemoveContainerRequest, RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest, StopContainerRequest,
-    StopPodSandboxRequest,
+    PortMapping, Protocol, RemoveContainerRequest, RemovePodSandboxRequest, RunPodSandboxRequest,
+    StartContainerRequest, StopContainerRequest, StopPodSandboxRequest,
 };
 
 use crate::env::Runtime;
@@ -174,6 +174,7 @@ impl Cri {
             // refuses to set one without a UTS namespace of the container's own).
             hostname: if shape.host_network { String::new() } else { name.clone() },
             log_directory: log_dir.display().to_string(),
+            port_mappings: shape.port_mappings(),
             linux: Some(LinuxPodSandboxConfig {
                 security_context: Some(LinuxSandboxSecurityContext {
                     namespace_options: Some(shape.namespaces()),
@@ -213,16 +214,39 @@ impl Cri {
     }
 }
 
-/// Which host namespaces a pod shares, and the security context of its container.
+/// Which host namespaces a pod shares, the security context of its container, and its
+/// hostPorts.
 #[derive(Debug, Clone, Default)]
 pub struct PodShape {
     pub host_network: bool,
     pub host_pid: bool,
     pub host_ipc: bool,
     pub security: LinuxContainerSecurityContext,
+    /// TCP hostPorts: CRI hands them to CNI's portmap, which DNATs connections to a host
+    /// address at `host` to the pod's address at `container`.
+    pub ports: Vec<TcpPort>,
+}
+
+/// A TCP port mapping of a pod (a container port's `hostPort` in Kubernetes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpPort {
+    pub host: u16,
+    pub container: u16,
 }
 
 impl PodShape {
+    fn port_mappings(&self) -> Vec<PortMapping> {
+        self.ports
+            .iter()
+            .map(|port| PortMapping {
+                protocol: Protocol::Tcp as i32,
+                container_port: port.container.into(),
+                host_port: port.host.into(),
+                host_ip: String::new(),
+            })
+            .collect()
+    }
+
     fn namespaces(&self) -> NamespaceOption {
         use k8s_cri::v1::NamespaceMode;
         let mode = |host: bool| if host { NamespaceMode::Node } else { NamespaceMode::Pod } as i32;
@@ -246,12 +270,44 @@ pub struct Pod {
     shape: PodShape,
 }
 
-/// What a removed pod left on the host: shims, mounts, its network namespace.
+/// What a removed pod left on the host: shims, mounts, its network namespace, portmap's DNAT
+/// rules for its hostPorts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Leftovers {
     shims: usize,
     mounts: usize,
     netns: bool,
+    hostport_rules: usize,
+}
+
+/// The chain where CNI's portmap plugin puts one rule per pod with hostPorts (shared by every
+/// CNI network of the host); each names its network and pod in a comment.
+const HOSTPORT_CHAIN: &str = "CNI-HOSTPORT-DNAT";
+
+/// portmap's rules for pod sandbox `pod_id` in the nat table's [`HOSTPORT_CHAIN`] (as
+/// `iptables -S` prints them): CNI ADD puts one there for a pod with hostPorts, jumping to the
+/// pod's own `CNI-DN-*` chain, and CNI DEL removes both. The whole table is listed, as listing
+/// a chain that does not exist (no pod on the host ever had a hostPort) is an error whose
+/// wording differs between iptables' backends.
+pub fn hostport_rules(pod_id: &str) -> Outcome<Vec<String>> {
+    let output = Command::new("iptables")
+        .args(["-w", "5", "-t", "nat", "-S"])
+        .output()
+        .map_err(|e| HarnessError::io("running iptables -t nat -S", e))?;
+    if !output.status.success() {
+        return Err(HarnessError::Expectation(format!(
+            "iptables -t nat -S: {}: {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        )));
+    }
+    let chain = format!("-A {HOSTPORT_CHAIN} ");
+    let tag = format!("id: \\\"{pod_id}\\\"");
+    Ok(String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|l| l.starts_with(&chain) && l.contains(&tag))
+        .map(String::from)
+        .collect())
 }
 
 impl Pod {
@@ -289,6 +345,32 @@ impl Pod {
         };
         let mut runtime = self.cri.runtime.clone();
         Ok(bounded("CreateContainer", runtime.create_container(request)).await?.into_inner().container_id)
+    }
+
+    /// The pod's address on the CNI network, from PodSandboxStatus.
+    pub async fn ip(&self) -> Outcome<std::net::IpAddr> {
+        let mut runtime = self.cri.runtime.clone();
+        let request = PodSandboxStatusRequest { pod_sandbox_id: self.id.clone(), verbose: false };
+        let status = bounded("PodSandboxStatus", runtime.pod_sandbox_status(request)).await?.into_inner();
+        let ip = status.status.and_then(|s| s.network).map(|n| n.ip).unwrap_or_default();
+        ip.parse().map_err(|_| {
+            HarnessError::Expectation(format!("pod {} has no address on the CNI network: {ip:?}", self.id))
+        })
+    }
+
+    /// The host's own address towards the pod (the source of its route to the pod's address):
+    /// the CNI bridge's, where a hostPort is reached as a node's address is.
+    pub async fn host_address(&self) -> Outcome<std::net::IpAddr> {
+        let pod = self.ip().await?;
+        // Connecting a UDP socket sends nothing: it only picks the route and its source.
+        let socket = std::net::UdpSocket::bind((std::net::Ipv4Addr::UNSPECIFIED, 0))
+            .map_err(|e| HarnessError::io("binding a UDP socket", e))?;
+        socket
+            .connect((pod, 9))
+            .map_err(|e| HarnessError::io(format!("no route from the host to pod address {pod}"), e))?;
+        let local = socket.local_addr().map_err(|e| HarnessError::io("reading a UDP socket's address", e))?.ip();
+        ensure_on_bridge(local, pod)?;
+        Ok(local)
     }
 
     pub async fn start(&self, id: &str) -> Outcome<()> {
@@ -453,19 +535,22 @@ impl Pod {
         // The shim exits after answering its last request: allow it a moment.
         let id = self.id.clone();
         let netns = self.netns.clone();
+        let ports = !self.shape.ports.is_empty();
         let observe = || {
             Ok::<_, HarnessError>(Leftovers {
                 shims: shim_daemons(CRI_NAMESPACE, &id).len(),
                 mounts: mounts_of(&id)?.len(),
                 netns: netns.as_deref().is_some_and(|p| p.exists()),
+                hostport_rules: if ports { hostport_rules(&id)?.len() } else { 0 },
             })
         };
-        let clean = Leftovers { shims: 0, mounts: 0, netns: false };
-        let waited = wait_until("the removed pod's shim, mounts and netns to go", LEFTOVER_TIMEOUT, || async {
-            let now = observe()?;
-            Ok((now == clean).then_some(()))
-        })
-        .await;
+        let clean = Leftovers { shims: 0, mounts: 0, netns: false, hostport_rules: 0 };
+        let waited =
+            wait_until("the removed pod's shim, mounts, netns and hostPort rules to go", LEFTOVER_TIMEOUT, || async {
+                let now = observe()?;
+                Ok((now == clean).then_some(()))
+            })
+            .await;
         match waited {
             Ok(()) => Ok(()),
             // Say what was left rather than only that the wait timed out.
@@ -490,6 +575,24 @@ impl Pod {
         )
         .await;
         let _ = std::fs::remove_dir_all(&self.log_dir);
+    }
+}
+
+/// Fails unless `local` (the host's source address towards `pod`) is on the pod's own /24, as
+/// the CNI bridge's address is: else the host has no address on the pod network (a bridge
+/// without one) and reaches the pod, if at all, some other way.
+fn ensure_on_bridge(local: std::net::IpAddr, pod: std::net::IpAddr) -> Outcome<()> {
+    let same = match (local, pod) {
+        (std::net::IpAddr::V4(l), std::net::IpAddr::V4(p)) => l.octets()[..3] == p.octets()[..3],
+        _ => false,
+    };
+    if same {
+        Ok(())
+    } else {
+        Err(HarnessError::Expectation(format!(
+            "the host reaches pod address {pod} from {local}, not from an address of the pod's bridge \
+             (scripts/cri-containerd gives the bridge the subnet's first address)"
+        )))
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crab_integration::cri::{Pod, PodShape, across_handlers, with_pod, with_pod_in};
+use crab_integration::cri::{Pod, PodShape, TcpPort, across_handlers, hostport_rules, with_pod, with_pod_in};
 use crab_integration::{HarnessError, Outcome, ensure, ensure_eq, wait_until};
 use futures::FutureExt;
 use k8s_cri::v1::security_profile::ProfileType;
@@ -320,6 +320,100 @@ async fn host_network() {
     in_host_namespace("hostnet", PodShape { host_network: true, ..Default::default() }, "net").await;
 }
 
+/// The container port the port mapping scenarios' servers listen on in the pod.
+const SERVER_PORT: u16 = 8080;
+/// How long a server behind a hostPort may take to answer (its container starting, or its
+/// restore): connections are retried until then.
+const SERVE_WAIT: Duration = Duration::from_secs(30);
+
+/// A free TCP port for a hostPort, held (bound on loopback) for as long as the returned listener
+/// lives, so concurrent runs (the other handler's, another worker's CRI containerd) never pick
+/// the same one: portmap's DNAT catches a hostPort on every host address before any socket
+/// sees it, and once the mapping is gone a connection to the bridge's address at that port is
+/// refused (the holder listens on loopback only).
+fn hold_free_port() -> Outcome<(std::net::TcpListener, u16)> {
+    let holder = std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
+        .map_err(|e| HarnessError::io("binding a free port on 127.0.0.1", e))?;
+    let port = holder.local_addr().map_err(|e| HarnessError::io("reading a bound port", e))?.port();
+    Ok((holder, port))
+}
+
+/// One request to `address`: what the server wrote before closing the connection, or the
+/// error connecting or reading (each step bounded by 5 s).
+async fn fetch(address: std::net::SocketAddr) -> std::io::Result<String> {
+    use tokio::io::AsyncReadExt;
+    let bound = Duration::from_secs(5);
+    let timed_out = |what: &str| std::io::Error::new(std::io::ErrorKind::TimedOut, format!("{what} {address}"));
+    let mut stream = tokio::time::timeout(bound, tokio::net::TcpStream::connect(address))
+        .await
+        .map_err(|_| timed_out("connecting to"))??;
+    let mut reply = String::new();
+    tokio::time::timeout(bound, stream.read_to_string(&mut reply)).await.map_err(|_| timed_out("reading from"))??;
+    Ok(reply)
+}
+
+/// Waits until the server behind `address` answers with a non-empty reply; returns it. Until
+/// the server listens a connection is refused (or reset); the error of the last try names
+/// what happened.
+async fn reply_of(address: std::net::SocketAddr, what: &str) -> Outcome<String> {
+    wait_until(&format!("a reply from {what} at {address}"), SERVE_WAIT, || async {
+        match fetch(address).await {
+            Ok(reply) if !reply.is_empty() => Ok(Some(reply)),
+            Ok(_) => Err(HarnessError::Expectation(format!("{address} closed the connection without a reply"))),
+            Err(e) => Err(HarnessError::io(format!("connecting to {address}"), e)),
+        }
+    })
+    .await
+}
+
+/// hostPort (CNI's portmap): a pod maps a free host port to its container's port 8080, where
+/// a server from busybox answers each connection with the pod's hostname. The host connects
+/// to its address on the pod network (the CNI bridge's) at the hostPort and reads that reply
+/// (from this pod: the name is the pod's); portmap has one DNAT rule for the pod meanwhile.
+/// Once the pod is removed its rule is gone (checked by the removal itself) and the hostPort
+/// refuses connections.
+#[tokio::test]
+async fn port_mapping() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
+    across_handlers("port_mapping", |handler| async move {
+        let (_holder, host_port) = hold_free_port()?;
+        let shape = PodShape { ports: vec![TcpPort { host: host_port, container: SERVER_PORT }], ..Default::default() };
+        let expected = format!("ports-{}", handler.short());
+        let (reply, rules, address) = with_pod("ports", handler, shape, |pod| {
+            async move {
+                let port = SERVER_PORT.to_string();
+                pod.run("server", &["nc", "-ll", "-p", &port, "-e", "hostname"]).await?;
+                let address = std::net::SocketAddr::new(pod.host_address().await?, host_port);
+                let rules = hostport_rules(&pod.id)?;
+                let reply = reply_of(address, "the pod's server through its hostPort").await.map_err(|e| {
+                    let hint = if rules.is_empty() {
+                        " (none: is portmap in the CRI containerd's CNI chain, $CRAB_CRI_DIR/cni/net.d? \
+                         `scripts/cri-containerd start` writes it)"
+                    } else {
+                        ""
+                    };
+                    HarnessError::Expectation(format!("{e}; portmap's rules for the pod: {rules:?}{hint}"))
+                })?;
+                Ok((reply, rules.len(), address))
+            }
+            .boxed_local()
+        })
+        .await?;
+        ensure_eq!(reply.trim(), expected, "the reply through the hostPort (the pod's hostname)");
+        ensure_eq!(rules, 1, "portmap's DNAT rules for the pod while it ran");
+        let after = match fetch(address).await {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => "refused".to_string(),
+            other => {
+                return Err(HarnessError::Expectation(format!(
+                    "the hostPort {address} of the removed pod is not refused: {other:?}"
+                )));
+            }
+        };
+        Ok(("answered with the pod's hostname", rules, after))
+    })
+    .await;
+}
+
 // Transparent recovery under kubelet: when a crab container dies, kubelet creates a
 // replacement in the same pod sandbox with the same name and config, attempt + 1, and a new
 // id; crab restores the dead one's latest checkpoint into it. Crab only: under runc the
@@ -527,6 +621,64 @@ async fn kubelet_replacement_is_restored() {
     match tokio::time::timeout(crab_integration::matrix::SCENARIO_TIMEOUT, run).await {
         Ok(outcome) => outcome.unwrap_or_else(|e| panic!("kubelet_replacement_is_restored: {e}")),
         Err(_) => panic!("kubelet_replacement_is_restored: timed out"),
+    }
+}
+
+/// A server behind a hostPort, started in the background by a checkpointed exec turn (its
+/// listening socket and process in memory only), comes back with kubelet's replacement of its
+/// killed container: the restored server answers on the same hostPort, from the same pod (its
+/// hostname), while the dead container's port refused connections.
+#[tokio::test]
+async fn port_mapping_server_is_restored() {
+    crab_sys::skip_unless_root!("containerd with its CRI plugin, runc and CRIU");
+    let Some(handler) = crab_handler() else {
+        eprintln!("CRAB_TEST_RUNTIMES leaves out crab: nothing to test");
+        return;
+    };
+    let (_holder, host_port) = hold_free_port().unwrap_or_else(|e| panic!("port_mapping_server_is_restored: {e}"));
+    let shape = PodShape { ports: vec![TcpPort { host: host_port, container: SERVER_PORT }], ..Default::default() };
+    let expected = format!("ports-restore-{}", handler.short());
+    let run = with_pod("ports-restore", handler, shape, |pod| {
+        async move {
+            let cmd = ["sh", "-c", ENTRYPOINT];
+            let first = pod.create_attempt("main", 0, &cmd, &[]).await?;
+            pod.start(&first).await?;
+            pod.stdout_until("main-0", "started", WAIT).await?;
+            let address = std::net::SocketAddr::new(pod.host_address().await?, host_port);
+            let serve = format!("nc -ll -p {SERVER_PORT} -e hostname </dev/null >/dev/null 2>&1 & echo serving");
+            ensure_eq!(pod.exec(&first, &["sh", "-c", &serve], 30).await?.0, "serving\n", "the exec turn");
+            // The checkpoint of the turn first: a connection open while CRIU dumps would be
+            // an established socket, which the dump refuses.
+            let record = turn_record(&first, 1).await?;
+            ensure_eq!(record.checkpoint_turn, Some(1), "checkpoint of the turn: {record:?}");
+            let before = reply_of(address, "the exec turn's server through the hostPort").await?;
+            ensure_eq!(before.trim(), expected, "the reply before the crash");
+            ensure_eq!(crash(pod, &first).await?, 137, "exit code of the killed container");
+            match fetch(address).await {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+                other => {
+                    return Err(HarnessError::Expectation(format!(
+                        "the hostPort {address} answers with the server's container dead: {other:?}"
+                    )));
+                }
+            }
+            let second = pod.create_attempt("main", 1, &cmd, &[]).await?;
+            pod.start(&second).await?;
+            let origin = store()?.origin(&key(&second)).map_err(|e| HarnessError::Expectation(e.to_string()))?;
+            let origin = origin.ok_or_else(|| HarnessError::Expectation("the replacement records no origin".into()))?;
+            ensure_eq!((origin.source, origin.turn), (key(&first), 1), "origin of the replacement");
+            let after = reply_of(address, "the restored server through the hostPort").await?;
+            ensure_eq!(after.trim(), expected, "the reply of the restored server");
+            // The restored server is the turn's (the replacement's entrypoint starts none).
+            let (listeners, _, _) = pod.exec(&second, &["sh", "-c", "pidof nc | wc -w"], 30).await?;
+            ensure_eq!(listeners.trim(), "1", "servers in the replacement");
+            Ok(())
+        }
+        .boxed_local()
+    });
+    match tokio::time::timeout(crab_integration::matrix::SCENARIO_TIMEOUT, run).await {
+        Ok(outcome) => outcome.unwrap_or_else(|e| panic!("port_mapping_server_is_restored: {e}")),
+        Err(_) => panic!("port_mapping_server_is_restored: timed out"),
     }
 }
 

@@ -40,11 +40,33 @@ cri_crab_config() {
   fi
 }
 
+# The bridge's own address, the pods' gateway: the first of the subnet.
+CRAB_CRI_GATEWAY="${CRAB_CRI_SUBNET%.0/24}.1"
+
+# Host-wide changes, and why (the CRI suite's port mapping scenario needs the
+# host to reach a pod's hostPort, as a node and its kubelet do):
+# - the bridge has an address, $CRAB_CRI_GATEWAY/24 (so a connected route to
+#   the subnet): the host reaches the pods, and a hostPort DNATed to a pod's
+#   address gets there. The script makes the bridge with that address itself
+#   (cri_ensure_bridge) rather than asking the bridge plugin for it with
+#   "isGateway": true, which would also turn on net.ipv4.ip_forward host-wide;
+#   the pods still have no default route and reach nothing beyond the bridge,
+#   and nothing is masqueraded out of them.
+# - the portmap plugin's iptables rules in the nat table: the chains shared by
+#   every CNI network on the host (CNI-HOSTPORT-DNAT, -SETMARK, -MASQ, and the
+#   jumps to them from PREROUTING, OUTPUT and POSTROUTING, which it creates on
+#   its first use and never removes), and per pod with a hostPort a CNI-DN-*
+#   chain plus a rule in CNI-HOSTPORT-DNAT, which CNI DEL (StopPodSandbox)
+#   removes; `stop --all` removes those of this instance's network that are
+#   left (cri_clear_portmap). The shared chains stay: another instance's pods
+#   may be using them, and they are empty without a pod's rules. portmap also
+#   sets route_localnet on the bridge (gone with it).
 cri_write_cni_config() {
   mkdir -p "$CRAB_CRI_CNI_DIR/net.d" "$CRAB_CRI_CNI_DIR/ipam"
-  # No gateway, no default route, no masquerade: pods get addresses on a bridge
-  # of their own and reach nothing beyond it, and nothing host-wide (iptables,
-  # ip_forward) is changed.
+  # No default route, no masquerade: pods get addresses on a bridge of their
+  # own (which the host reaches, see above) and reach nothing beyond it.
+  # portmap maps a pod's hostPorts (CRI passes them as the portMappings
+  # capability).
   cat >"$CRAB_CRI_CNI_DIR/net.d/10-crab-cri.conflist.tmp" <<EOF
 {
   "cniVersion": "0.4.0",
@@ -57,14 +79,38 @@ cri_write_cni_config() {
       "ipMasq": false,
       "ipam": {
         "type": "host-local",
-        "ranges": [[{"subnet": "$CRAB_CRI_SUBNET"}]],
+        "ranges": [[{"subnet": "$CRAB_CRI_SUBNET", "gateway": "$CRAB_CRI_GATEWAY"}]],
         "dataDir": "$CRAB_CRI_CNI_DIR/ipam"
       }
+    },
+    {
+      "type": "portmap",
+      "capabilities": {"portMappings": true}
     }
   ]
 }
 EOF
-  mv -f "$CRAB_CRI_CNI_DIR/net.d/10-crab-cri.conflist.tmp" "$CRAB_CRI_CNI_DIR/net.d/10-crab-cri.conflist"
+  # containerd's CRI plugin watches the directory and reloads a changed file:
+  # an instance started by an older script takes the current chain from the
+  # next `start`, and an unchanged file is left alone (no reload).
+  if cmp -s "$CRAB_CRI_CNI_DIR/net.d/10-crab-cri.conflist.tmp" "$CRAB_CRI_CNI_DIR/net.d/10-crab-cri.conflist"; then
+    rm -f "$CRAB_CRI_CNI_DIR/net.d/10-crab-cri.conflist.tmp"
+  else
+    mv -f "$CRAB_CRI_CNI_DIR/net.d/10-crab-cri.conflist.tmp" "$CRAB_CRI_CNI_DIR/net.d/10-crab-cri.conflist"
+  fi
+}
+
+# The pods' bridge with its address (see above), before any pod joins it; the
+# bridge plugin then uses it as it is.
+cri_ensure_bridge() {
+  if ! ip link show "$CRAB_CRI_BRIDGE" >/dev/null 2>&1; then
+    ip link add name "$CRAB_CRI_BRIDGE" type bridge || die "could not create bridge $CRAB_CRI_BRIDGE"
+  fi
+  if ! ip -4 addr show dev "$CRAB_CRI_BRIDGE" | grep -qF " $CRAB_CRI_GATEWAY/24 "; then
+    ip addr add "$CRAB_CRI_GATEWAY/24" dev "$CRAB_CRI_BRIDGE" ||
+      die "could not give bridge $CRAB_CRI_BRIDGE the address $CRAB_CRI_GATEWAY/24"
+  fi
+  ip link set "$CRAB_CRI_BRIDGE" up || die "could not bring bridge $CRAB_CRI_BRIDGE up"
 }
 
 # Replaces containerd.sh's config writer (ctrd_start calls it).
@@ -111,12 +157,41 @@ EOF
 }
 
 # What a killed instance's pods leave on the host beyond mounts (which
-# ctrd_stop --all unmounts): the bridge and the address leases.
+# ctrd_stop --all unmounts): portmap's rules for them, the bridge and the
+# address leases.
 cri_clear_network() {
+  cri_clear_portmap
   if ip link show "$CRAB_CRI_BRIDGE" >/dev/null 2>&1; then
     ip link delete "$CRAB_CRI_BRIDGE" 2>/dev/null || log "could not delete bridge $CRAB_CRI_BRIDGE"
   fi
   rm -rf "$CRAB_CRI_CNI_DIR/ipam"
+}
+
+# portmap's per-pod rules of this instance's network that CNI DEL did not
+# remove (pods removed with their containerd, not through CRI): each is a rule
+# in CNI-HOSTPORT-DNAT whose comment names the network and pod
+# (`dnat name: "NET" id: "POD"`) jumping to the pod's CNI-DN-* chain. Other
+# networks' rules and the shared chains are left alone.
+cri_clear_portmap() {
+  command -v iptables >/dev/null || return 0
+  local rules rule chain
+  rules=$(iptables -w 5 -t nat -S CNI-HOSTPORT-DNAT 2>/dev/null |
+    grep -F -- "--comment \"dnat name: \\\"$CRAB_CRI_NETWORK\\\" " || true)
+  [ -n "$rules" ] || return 0
+  while read -r rule; do
+    chain=${rule##*-j }
+    # iptables -S quotes as the shell does: the words of the rule, -A first.
+    eval "set -- $rule"
+    shift 2
+    iptables -w 5 -t nat -D CNI-HOSTPORT-DNAT "$@" || log "could not delete portmap rule: $rule"
+    case "$chain" in
+      CNI-DN-*)
+        iptables -w 5 -t nat -F "$chain" && iptables -w 5 -t nat -X "$chain" ||
+          log "could not delete portmap chain $chain"
+        ;;
+    esac
+  done <<<"$rules"
+  log "removed $(wc -l <<<"$rules") leftover portmap rule(s) of network $CRAB_CRI_NETWORK"
 }
 
 cri_env() {
