@@ -1333,6 +1333,56 @@ async fn recover_and_fork_keep_the_whole_spec() {
     assert_eq!((source.1.as_str(), forked.1.as_str()), ("268435456", "268435456"), "memory limits");
 }
 
+/// A container whose restore fails at Start (its checkpoint's processes held a bind mount the
+/// new container lacks, which CRIU refuses) is left created, with no process and no runtime
+/// container: `ctr task delete -f` removes it (the shim's kill answers NotFound, which lets
+/// containerd go on to Delete; it answered Unknown, and the task could not be removed), and its
+/// shim goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_whose_restore_failed_at_start_is_removed_by_delete_force() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let host = tempfile::tempdir().unwrap();
+    let mount = format!("type=bind,src={},dst=/host,options=rbind:ro", host.path().display());
+    let mut sb = Sandbox::start_with("rs-nostart", &["--mount", &mount]).await;
+    sb.turn("(sleep 3600 &) && echo ok").await;
+    let turns = sb.settled().await;
+    assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{:?}", turns[0]);
+
+    let failed = format!("{}-r", sb.id);
+    sb.extra.push(failed.clone());
+    let restore_from = format!("io.crab.restore-from={}:1", sb.id);
+    let leg = crab_integration::env::Runtime::parse("crab").expect("crab runtime").run_flags();
+    let mut args: Vec<&str> = vec!["run", "-d"];
+    args.extend(leg.iter().map(String::as_str));
+    args.extend_from_slice(&["--annotation", &restore_from, IMAGE, &failed, "sleep", "3600"]);
+    let run = sb.ctr.run(&args).await;
+    assert!(run.is_err(), "the restore without the bind mount started: {run:?}");
+    let tasks = sb.ctr.run(&["tasks", "ls"]).await.unwrap().stdout_text();
+    assert!(tasks.lines().any(|l| l.starts_with(&format!("{failed} ")) && l.contains("CREATED")), "{tasks}");
+
+    let deleted = sb.ctr.run(&["tasks", "delete", "--force", &failed]).await;
+    assert!(deleted.is_ok(), "ctr task delete --force of the task left created: {deleted:?}");
+    let tasks = sb.ctr.run(&["tasks", "ls"]).await.unwrap().stdout_text();
+    assert!(!tasks.lines().any(|l| l.starts_with(&format!("{failed} "))), "{tasks}");
+    sb.ctr.run(&["containers", "delete", &failed]).await.unwrap();
+    // Its shim exits once its last task is deleted.
+    let shim_of = |id: &str| {
+        let needle = format!("-id {id} ");
+        std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+            std::fs::read(e.path().join("cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).replace('\0', " ").contains(&needle))
+                .unwrap_or(false)
+        })
+    };
+    for _ in 0..100 {
+        if !shim_of(&failed) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the shim of {failed} is still running 5 s after its task and container were deleted");
+}
+
 /// The init pid of container `id` of the sandbox's containerd namespace.
 async fn task_pid_of(sb: &Sandbox, id: &str) -> u32 {
     let tasks = sb.ctr.run(&["tasks", "ls"]).await.unwrap().stdout_text();

@@ -595,7 +595,17 @@ impl Container {
             return Err(ShimError::NotFound(format!("process {} already finished", describe(process))));
         }
         if process.exec_id.is_empty() {
-            return Ok(self.runtime.kill(&self.config.id, signal, all).await?);
+            return match self.runtime.kill(&self.config.id, signal, all).await {
+                Err(e) if e.is_no_container() && snap.pid == 0 => {
+                    // Created, never started: a restore that failed at Start leaves no runtime
+                    // container, so there is nothing to signal. It is stopped from now on, so a
+                    // Wait returns (a forced delete kills, then waits for the exit) and Delete
+                    // goes on.
+                    process.set_stopped_unstarted();
+                    Err(ShimError::NotFound(format!("container {} has no process: it never started", self.config.id)))
+                }
+                killed => Ok(killed?),
+            };
         }
         if snap.pid == 0 {
             return Err(ShimError::FailedPrecondition(format!("exec {} is not started", process.exec_id)));

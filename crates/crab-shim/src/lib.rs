@@ -60,7 +60,9 @@ impl ShimError {
 
     pub fn code(&self) -> ttrpc::Code {
         match self {
-            ShimError::NotFound(_) => ttrpc::Code::NOT_FOUND,
+            // The runtime knows no such container (a task whose restore failed at Start has none):
+            // NotFound is what lets `ctr task delete -f` and CRI's removal go on to Delete.
+            ShimError::NotFound(_) | ShimError::Runtime(RuntimeError::NoContainer { .. }) => ttrpc::Code::NOT_FOUND,
             ShimError::AlreadyExists(_) => ttrpc::Code::ALREADY_EXISTS,
             ShimError::FailedPrecondition(_) | ShimError::Runtime(RuntimeError::Missing { .. }) => {
                 ttrpc::Code::FAILED_PRECONDITION

@@ -484,7 +484,14 @@ impl TaskService {
         if req.exec_id.is_empty() {
             let restoring = container.config.restore_from.is_some();
             let clock = std::time::Instant::now();
-            let pid = container.start().await?;
+            // A restore that fails here attaches no engine: whoever waits for one (Delete, execs)
+            // must not wait forever, so its slot is settled with the failure.
+            let failed_restore = |e: &ShimError| {
+                if restoring {
+                    container.engine_settled(Err(format!("the restore failed at Start: {e}")));
+                }
+            };
+            let pid = container.start().await.inspect_err(failed_restore)?;
             container.spawner_started();
             let pending_mounts = container.pending_mounts.lock().expect("pending mounts lock").take();
             if let Some(pending) = pending_mounts
@@ -492,6 +499,7 @@ impl TaskService {
             {
                 // The restored processes must not go on with their tmpfs state missing.
                 let _ = container.kill(&container.init, libc::SIGKILL as u32, true).await;
+                failed_restore(&e);
                 return Err(e);
             }
             if restoring {
