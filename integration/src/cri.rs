@@ -1,6 +1,6 @@
-//! Harness for the CRI suite (`tests/cri.rs`): pods and containers driven over the CRI gRPC API
-//! (`runtime.v1`, the `k8s-cri` bindings) of the CRI containerd of `scripts/cri-containerd`, as
-//! kubelet drives them, under the runtime handlers `runc` and `crab`.
+//! Harness for the CRI suites (`tests/cri.rs`, `tests/cri_recovery.rs`): pods and containers
+//! driven over the CRI gRPC API (`runtime.v1`, the `k8s-cri` bindings) of the CRI containerd of
+//! `scripts/cri-containerd`, as kubelet drives them, under the runtime handlers `runc` and `crab`.
 //!
 //! Environment: `CRAB_CRI_SOCK` (default `$CRAB_CRI_DIR/containerd.sock`, else
 //! `${CRAB_CTRD_DIR:-/run/crab-dev}-cri/containerd.sock`, where `scripts/cri-containerd` puts it),
