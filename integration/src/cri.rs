@@ -1,6 +1,6 @@
-//! Harness for the CRI suite (`tests/cri.rs`): pods and containers driven over the CRI gRPC API
-//! (`runtime.v1`, the `k8s-cri` bindings) of the CRI containerd of `scripts/cri-containerd`, as
-//! kubelet drives them, under the runtime handlers `runc` and `crab`.
+//! Harness for the CRI suites (`tests/cri.rs`, `tests/cri_recovery.rs`): pods and containers
+//! driven over the CRI gRPC API (`runtime.v1`, the `k8s-cri` bindings) of the CRI containerd of
+//! `scripts/cri-containerd`, as kubelet drives them, under the runtime handlers `runc` and `crab`.
 //!
 //! Environment: `CRAB_CRI_SOCK` (default `$CRAB_CRI_DIR/containerd.sock`, else
 //! `${CRAB_CTRD_DIR:-/run/crab-dev}-cri/containerd.sock`, where `scripts/cri-containerd` puts it),
@@ -24,7 +24,7 @@ use k8s_cri::v1::{
 
 use crate::env::Runtime;
 use crate::host::{mounts_of, shim_daemons};
-use crate::{HarnessError, Outcome, wait_until};
+use crate::{HarnessError, Outcome, ensure, wait_until};
 
 /// CRI keeps every pod, container and image of its own in this containerd namespace.
 pub const CRI_NAMESPACE: &str = "k8s.io";
@@ -100,6 +100,50 @@ fn ensure_running() -> Result<PathBuf, String> {
         ));
     }
     Ok(socket)
+}
+
+/// Bound of importing (or, when build-images never ran here, building) one sandbox image.
+const IMAGE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Makes sure the CRI containerd has sandbox image `reference`: when CRI does not know it,
+/// `scripts/cri-containerd images BUILD...` imports it from build-images' cache (building it
+/// first if that is empty). `build` names it as `scripts/build-images` does (`terminal`,
+/// `code-repair PROJECT VERSION`). `scripts/test` imports the suite's images beforehand.
+pub async fn ensure_image(reference: &str, build: &[&str]) -> Outcome<()> {
+    use k8s_cri::v1::ImageStatusRequest;
+    use k8s_cri::v1::image_service_client::ImageServiceClient;
+    let path = socket();
+    let channel = containerd_client::connect(path)
+        .await
+        .map_err(|e| HarnessError::Expectation(format!("connecting to CRI at {}: {e:?}", path.display())))?;
+    let mut images = ImageServiceClient::new(channel);
+    let request = ImageStatusRequest {
+        image: Some(ImageSpec { image: reference.to_string(), ..Default::default() }),
+        verbose: false,
+    };
+    if bounded("ImageStatus", images.image_status(request)).await?.into_inner().image.is_some() {
+        return Ok(());
+    }
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/cri-containerd");
+    let mut command = tokio::process::Command::new("bash");
+    command.arg(&script).arg("images").args(build).env("CRAB_PACKAGE_SOURCES", "0");
+    command.stdin(std::process::Stdio::null()).kill_on_drop(true);
+    let output = tokio::time::timeout(IMAGE_TIMEOUT, command.output())
+        .await
+        .map_err(|_| HarnessError::Timeout {
+            what: format!("{} images {build:?}", script.display()),
+            after: IMAGE_TIMEOUT,
+        })?
+        .map_err(|e| HarnessError::io(format!("running {}", script.display()), e))?;
+    ensure!(
+        output.status.success(),
+        "{} images {build:?} ({}): {}{}",
+        script.display(),
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(())
 }
 
 /// The handlers to compare, from `CRAB_TEST_RUNTIMES` (default both); `crab` and `runc` are the
@@ -314,15 +358,16 @@ impl Pod {
     /// Creates (not starts) container `name` running `command` with the pod's security context
     /// (attempt 0, log `<name>.log`).
     pub async fn create(&self, name: &str, command: &[&str]) -> Outcome<String> {
-        self.create_container(name, 0, format!("{name}.log"), command, &[]).await
+        self.create_container(name, 0, IMAGE, format!("{name}.log"), command, &[]).await
     }
 
-    /// CreateContainer as kubelet sends it: the pod's security context and namespaces, the
-    /// test image, and the given attempt, log path and container annotations.
+    /// CreateContainer as kubelet sends it: the pod's security context and namespaces, and
+    /// the given attempt, image, log path and container annotations.
     async fn create_container(
         &self,
         name: &str,
         attempt: u32,
+        image: &str,
         log_path: String,
         command: &[&str],
         annotations: &[(&str, &str)],
@@ -331,7 +376,7 @@ impl Pod {
         security.namespace_options = Some(self.shape.namespaces());
         let config = ContainerConfig {
             metadata: Some(ContainerMetadata { name: name.to_string(), attempt }),
-            image: Some(ImageSpec { image: IMAGE.to_string(), ..Default::default() }),
+            image: Some(ImageSpec { image: image.to_string(), ..Default::default() }),
             command: command.iter().map(|s| s.to_string()).collect(),
             log_path,
             linux: Some(LinuxContainerConfig { security_context: Some(security), resources: None }),
@@ -436,29 +481,7 @@ impl Pod {
     pub async fn exec_stream(&self, id: &str, cmd: &[&str], tty: bool, stdin: Option<&[u8]>) -> Outcome<Streamed> {
         use futures::{SinkExt, StreamExt};
         use tokio_tungstenite::tungstenite::Message;
-        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-        let stream_error = |what: &str| {
-            let what = what.to_string();
-            move |e: tokio_tungstenite::tungstenite::Error| {
-                HarnessError::Expectation(format!("streaming exec, {what}: {e}"))
-            }
-        };
-        let mut runtime = self.cri.runtime.clone();
-        let request = ExecRequest {
-            container_id: id.to_string(),
-            cmd: cmd.iter().map(|s| s.to_string()).collect(),
-            tty,
-            stdin: stdin.is_some(),
-            stdout: true,
-            stderr: !tty,
-        };
-        let url = bounded("Exec", runtime.exec(request)).await?.into_inner().url;
-        let mut request = url.replacen("http://", "ws://", 1).into_client_request().map_err(stream_error(&url))?;
-        request.headers_mut().insert("Sec-WebSocket-Protocol", "v4.channel.k8s.io".parse().expect("a header value"));
-        let (mut socket, _) = tokio::time::timeout(CALL_TIMEOUT, tokio_tungstenite::connect_async(request))
-            .await
-            .map_err(|_| HarnessError::Timeout { what: format!("connecting to {url}"), after: CALL_TIMEOUT })?
-            .map_err(stream_error("connect"))?;
+        let mut socket = self.exec_socket(id, cmd, tty, stdin.is_some()).await?;
         if let Some(data) = stdin {
             let message: Vec<u8> = std::iter::once(0).chain(data.iter().copied()).collect();
             socket.send(Message::Binary(message.into())).await.map_err(stream_error("stdin"))?;
@@ -486,6 +509,34 @@ impl Pod {
             stderr: String::from_utf8_lossy(&stderr).into_owned(),
             exit_code: exit_code_of_status(&status)?,
         })
+    }
+
+    /// CRI's Exec, then a WebSocket to the URL it answers with (`v4.channel.k8s.io`).
+    async fn exec_socket(&self, id: &str, cmd: &[&str], tty: bool, stdin: bool) -> Outcome<ExecSocket> {
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+        let mut runtime = self.cri.runtime.clone();
+        let request = ExecRequest {
+            container_id: id.to_string(),
+            cmd: cmd.iter().map(|s| s.to_string()).collect(),
+            tty,
+            stdin,
+            stdout: true,
+            stderr: !tty,
+        };
+        let url = bounded("Exec", runtime.exec(request)).await?.into_inner().url;
+        let mut request = url.replacen("http://", "ws://", 1).into_client_request().map_err(stream_error(&url))?;
+        request.headers_mut().insert("Sec-WebSocket-Protocol", "v4.channel.k8s.io".parse().expect("a header value"));
+        let (socket, _) = tokio::time::timeout(CALL_TIMEOUT, tokio_tungstenite::connect_async(request))
+            .await
+            .map_err(|_| HarnessError::Timeout { what: format!("connecting to {url}"), after: CALL_TIMEOUT })?
+            .map_err(stream_error("connect"))?;
+        Ok(socket)
+    }
+
+    /// A streaming Exec of `cmd` kept open with stdin (a shell an agent framework types into):
+    /// [`ExecSession::send`] writes to it, [`ExecSession::read_until`] reads its stdout.
+    pub async fn exec_session(&self, id: &str, cmd: &[&str]) -> Outcome<ExecSession> {
+        Ok(ExecSession { socket: self.exec_socket(id, cmd, false, true).await?, stdout: Vec::new() })
     }
 
     /// The container's log as CRI wrote it: (stream, tag, content) per line, timestamps dropped.
@@ -663,6 +714,65 @@ pub struct Streamed {
     pub exit_code: i32,
 }
 
+type ExecSocket = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+fn stream_error(what: &str) -> impl FnOnce(tokio_tungstenite::tungstenite::Error) -> HarnessError {
+    let what = what.to_string();
+    move |e| HarnessError::Expectation(format!("streaming exec, {what}: {e}"))
+}
+
+/// An open streaming Exec with stdin ([`Pod::exec_session`]).
+pub struct ExecSession {
+    socket: ExecSocket,
+    stdout: Vec<u8>,
+}
+
+impl ExecSession {
+    /// Writes `data` to the process's stdin (one message on channel 0).
+    pub async fn send(&mut self, data: &[u8]) -> Outcome<()> {
+        use futures::SinkExt;
+        let message: Vec<u8> = std::iter::once(0).chain(data.iter().copied()).collect();
+        let sent = self.socket.send(tokio_tungstenite::tungstenite::Message::Binary(message.into()));
+        tokio::time::timeout(CALL_TIMEOUT, sent)
+            .await
+            .map_err(|_| HarnessError::Timeout { what: "a write to the exec session".into(), after: CALL_TIMEOUT })?
+            .map_err(stream_error("stdin"))
+    }
+
+    /// The stdout read so far once it holds `marker` (what came before it); stderr is dropped.
+    pub async fn read_until(&mut self, marker: &str, timeout: Duration) -> Outcome<String> {
+        use futures::StreamExt;
+        use tokio_tungstenite::tungstenite::Message;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let text = String::from_utf8_lossy(&self.stdout).into_owned();
+            if let Some(at) = text.find(marker) {
+                self.stdout.drain(..at + marker.len());
+                return Ok(text[..at].to_string());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let next = tokio::time::timeout(left, self.socket.next()).await.map_err(|_| HarnessError::Timeout {
+                what: format!("{marker:?} from the exec session (stdout so far {text:?})"),
+                after: timeout,
+            })?;
+            match next {
+                None | Some(Ok(Message::Close(_))) => {
+                    return Err(HarnessError::Expectation(format!(
+                        "the exec session ended before {marker:?}: {text:?}"
+                    )));
+                }
+                Some(Ok(Message::Binary(bytes))) => {
+                    if let Some((1, data)) = bytes.split_first() {
+                        self.stdout.extend_from_slice(data);
+                    }
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(stream_error("read")(e)),
+            }
+        }
+    }
+}
+
 /// The exit code in a streaming exec's final status (a Kubernetes `Status`): 0 for `Success`,
 /// else the `ExitCode` cause of a `NonZeroExitCode` failure.
 fn exit_code_of_status(status: &[u8]) -> Outcome<i32> {
@@ -695,17 +805,35 @@ impl Pod {
         command: &[&str],
         annotations: &[(&str, &str)],
     ) -> Outcome<String> {
-        self.create_container(name, attempt, format!("{name}-{attempt}.log"), command, annotations).await
+        self.create_attempt_of(IMAGE, name, attempt, command, annotations).await
     }
 
-    /// The host pid of the container's init, from CRI's verbose status.
-    pub async fn init_pid(&self, id: &str) -> Outcome<u32> {
+    /// [`Pod::create_attempt`] of a container of `image` (one the CRI containerd has: see
+    /// [`ensure_image`]).
+    pub async fn create_attempt_of(
+        &self,
+        image: &str,
+        name: &str,
+        attempt: u32,
+        command: &[&str],
+        annotations: &[(&str, &str)],
+    ) -> Outcome<String> {
+        self.create_container(name, attempt, image, format!("{name}-{attempt}.log"), command, annotations).await
+    }
+
+    /// CRI's verbose information on the container (containerd's: `pid`, `runtimeSpec`, ...).
+    pub async fn container_info(&self, id: &str) -> Outcome<serde_json::Value> {
         let mut runtime = self.cri.runtime.clone();
         let request = ContainerStatusRequest { container_id: id.to_string(), verbose: true };
         let response = bounded("ContainerStatus", runtime.container_status(request)).await?.into_inner();
         let info = response.info.get("info").cloned().unwrap_or_default();
-        let info: serde_json::Value = serde_json::from_str(&info)
-            .map_err(|e| HarnessError::Parse { what: "ContainerStatus info".into(), detail: e.to_string() })?;
+        serde_json::from_str(&info)
+            .map_err(|e| HarnessError::Parse { what: "ContainerStatus info".into(), detail: e.to_string() })
+    }
+
+    /// The host pid of the container's init, from CRI's verbose status.
+    pub async fn init_pid(&self, id: &str) -> Outcome<u32> {
+        let info = self.container_info(id).await?;
         info.get("pid")
             .and_then(|p| p.as_u64())
             .filter(|p| *p > 0)
