@@ -1668,6 +1668,61 @@ mod tests {
         assert!(store.head("ns/live").unwrap().is_some());
     }
 
+    /// A removed pod leaves nothing in the store once GC drops it (here at once, keep_removed 0):
+    /// besides its containers' chains, turn logs and specs, their pod owner records, the pod
+    /// sandbox's record of its current containers and the containers' kept-image directories
+    /// go, also for an id the store knows only by such a record. A live pod's stay.
+    #[test]
+    fn a_removed_pod_leaves_no_records_behind() {
+        use std::collections::{BTreeMap, HashSet};
+        use std::time::{Duration, SystemTime};
+
+        let tmp = tempfile::tempdir().unwrap();
+        let state = tmp.path().join("state");
+        let rootfs = tmp.path().join("root");
+        fs::create_dir_all(&rootfs).unwrap();
+        let store = CheckpointStore::open(&state).unwrap();
+        let owner = |pod: &str| crate::PodOwner {
+            kube_namespace: "team-a".into(),
+            pod_sandbox: pod.into(),
+            container_name: "main".into(),
+        };
+        for (pod, container) in [("gonepod", "gone"), ("livepod", "live")] {
+            commit_file(&store, &rootfs, &format!("k8s.io/{container}"), 1, container.as_bytes());
+            store.set_owner(&format!("k8s.io/{container}"), &owner(pod)).unwrap();
+            store.set_pod_member("k8s.io", pod, "main", container).unwrap();
+            fs::create_dir_all(store.assembled_dir().join("k8s.io").join(container)).unwrap();
+        }
+        // Known only by its owner record, and a pod known only by its members' record.
+        store.set_owner("k8s.io/ownedonly", &owner("gonepod")).unwrap();
+        store.set_pod_member("k8s.io", "podonly", "main", "gone").unwrap();
+
+        let census = crate::ContainerCensus {
+            namespaces: BTreeMap::from([(
+                "k8s.io".to_string(),
+                HashSet::from(["live".to_string(), "livepod".to_string()]),
+            )]),
+            keep_removed: Duration::ZERO,
+            now: SystemTime::now(),
+        };
+        let report = store.gc_with(&crate::RetentionPolicy { keep_last: 16 }, Some(&census)).unwrap();
+        assert_eq!(report.removed_dropped, 4, "gone, gonepod, ownedonly, podonly: {report:?}");
+        assert_eq!(store.owner("k8s.io/gone").unwrap(), None);
+        assert_eq!(store.owner("k8s.io/ownedonly").unwrap(), None);
+        assert_eq!(store.pod_member("k8s.io", "gonepod", "main").unwrap(), None);
+        for path in ["pods/k8s.io/gonepod", "pods/k8s.io/podonly", "removed/k8s.io"] {
+            let left: Vec<_> = fs::read_dir(state.join(path)).into_iter().flatten().flatten().collect();
+            assert!(left.is_empty(), "{path}: {left:?}");
+        }
+        assert!(!state.join("pods/k8s.io/gonepod").exists() && !state.join("pods/k8s.io/podonly").exists());
+        assert!(!store.assembled_dir().join("k8s.io/gone").exists(), "the removed container's kept-image directory");
+
+        assert_eq!(store.owner("k8s.io/live").unwrap(), Some(owner("livepod")));
+        assert_eq!(store.pod_member("k8s.io", "livepod", "main").unwrap().as_deref(), Some("live"));
+        assert!(store.assembled_dir().join("k8s.io/live").is_dir());
+        assert_eq!(store.containers().unwrap(), ["k8s.io/live"]);
+    }
+
     /// A new container that reuses an id retires the old chain with its turn log and spec;
     /// GC drops it only once newer checkpoints of the id fill the retention window.
     #[test]

@@ -33,8 +33,9 @@ pub struct RetentionPolicy {
 
 /// What containerd says exists, so that GC drops the chains of containers it removed (CRI's
 /// RemoveContainer, a pod's deletion, `ctr c rm`). A chain is dropped, with its turn log, saved
-/// spec and retired generations, once `keep_removed` has passed since a GC first found its
-/// container gone (the time is kept in the store, `removed/<namespace>/<id>`); a container
+/// spec, retired generations, pod owner record, emptied kept-image directory and (for a pod
+/// sandbox) the record of the pod's current containers, once `keep_removed` has passed since a
+/// GC first found its container gone (the time is kept in the store, `removed/<namespace>/<id>`); a container
 /// that is back (an id created again) clears the mark. Manifests and blobs a fork or a
 /// restored replacement still references stay: they are live through that chain.
 #[derive(Debug, Clone)]
@@ -158,6 +159,16 @@ impl CheckpointStore {
                 }
             }
         }
+        // The records kept per container id beside its chains: its pod owner and, for a pod
+        // sandbox, its current container of each name. Nothing reads them once containerd has
+        // removed the container (or the pod), so they go with it.
+        for id in &removed {
+            // Also the removal mark of an id known only by these records.
+            self.remove_chain(id)?;
+            self.remove_owner(id)?;
+            self.remove_pod_members(id)?;
+            dropped.insert(id.clone());
+        }
         report.removed_dropped = dropped.len() as u64;
 
         for (chain, keep) in windows {
@@ -231,6 +242,10 @@ impl CheckpointStore {
                         report.assembled_removed += 1;
                     }
                 }
+                if !has_head {
+                    // Its directory too, now empty (left alone when it is not).
+                    let _ = fs::remove_dir(owner.path());
+                }
             }
         }
         let tmp = self.blobs().tmp_dir();
@@ -278,7 +293,12 @@ impl CheckpointStore {
     fn judge_removed(&self, census: &ContainerCensus, report: &mut GcReport) -> Result<HashSet<SandboxKey>> {
         let state_dir = self.state_dir();
         let mut ids: BTreeSet<SandboxKey> = self.sandbox_keys()?.iter().map(SandboxKey::current).collect();
-        for (dir, suffix) in [(state_dir.join("turns"), ".jsonl"), (state_dir.join("sandboxes"), ".json")] {
+        for (dir, suffix) in [
+            (state_dir.join("turns"), ".jsonl"),
+            (state_dir.join("sandboxes"), ".json"),
+            (state_dir.join("owners"), ""),
+            (state_dir.join("pods"), ""),
+        ] {
             ids.extend(key::keys_under(&dir, suffix)?.iter().map(SandboxKey::current));
         }
         let now = unix_secs(census.now);

@@ -156,6 +156,18 @@ impl CheckpointStore {
         }
     }
 
+    /// Drops what the store recorded for pod sandbox `key` (its current container of each
+    /// name), once containerd no longer has the pod sandbox (GC); nothing to do for a key that
+    /// is no pod sandbox.
+    pub(crate) fn remove_pod_members(&self, key: &SandboxKey) -> Result<()> {
+        let dir = self.state_dir().join("pods").join(key.namespace()).join(key.id());
+        match fs::remove_dir_all(&dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e).io_ctx("remove", dir),
+        }
+    }
+
     fn pod_member_path(&self, namespace: &str, pod_sandbox: &str, name: &str) -> Result<PathBuf> {
         key::validate_namespace(namespace)?;
         Ok(self
