@@ -841,3 +841,41 @@ impl Pod {
             .ok_or_else(|| HarnessError::Expectation(format!("ContainerStatus of {id} names no init pid: {info}")))
     }
 }
+
+// ---- crab's side of a CRI container: its handler, store and keys -------------------------------
+
+/// The `crab` handler, unless `CRAB_TEST_RUNTIMES` leaves it out.
+pub fn crab_handler() -> Option<Runtime> {
+    handlers().into_iter().find(|h| h.short() == "crab")
+}
+
+/// The state directory of the crab config the crab handler's shims read.
+pub fn crab_state_dir() -> Outcome<PathBuf> {
+    let config = crab_config::Config::load(None).map_err(|e| HarnessError::Expectation(format!("crab config: {e}")))?;
+    Ok(config.checkpoint.state_dir)
+}
+
+/// The store the crab handler's shims write.
+pub fn crab_store() -> Outcome<crab_store::CheckpointStore> {
+    let dir = crab_state_dir()?;
+    crab_store::CheckpointStore::open(&dir)
+        .map_err(|e| HarnessError::Expectation(format!("store {}: {e}", dir.display())))
+}
+
+/// The store's key of CRI container `id` (every pod's containers are in namespace k8s.io).
+pub fn store_key(id: &str) -> String {
+    format!("{CRI_NAMESPACE}/{id}")
+}
+
+impl Pod {
+    /// SIGKILLs container `id`'s init on the host (a crash, an OOM kill); returns its exit code
+    /// once CRI sees it exited, within `timeout`.
+    pub async fn crash(&self, id: &str, timeout: Duration) -> Outcome<i32> {
+        let pid = self.init_pid(id).await?;
+        // SAFETY: kill(2) with a pid CRI reported for this running container; no memory involved.
+        if unsafe { libc::kill(pid as i32, libc::SIGKILL) } != 0 {
+            return Err(HarnessError::Expectation(format!("kill -9 {pid}: {}", std::io::Error::last_os_error())));
+        }
+        self.wait_exited(id, timeout).await
+    }
+}

@@ -430,27 +430,11 @@ const TURN: &str = "echo hello > /data.txt; \
     >/proc/$(cat /tmp/main.pid)/fd/1 2>&1 </dev/null & echo turn-done";
 const NAMESPACES: &str = "readlink /proc/self/ns/net /proc/self/ns/ipc /proc/self/ns/uts";
 
-fn crab_handler() -> Option<crab_integration::Runtime> {
-    crab_integration::cri::handlers().into_iter().find(|h| h.short() == "crab")
-}
-
-/// The store the crab handler's shims write: the one of the crab config they read.
-fn store() -> Outcome<crab_store::CheckpointStore> {
-    let config = crab_config::Config::load(None).map_err(|e| HarnessError::Expectation(format!("crab config: {e}")))?;
-    crab_store::CheckpointStore::open(&config.checkpoint.state_dir)
-        .map_err(|e| HarnessError::Expectation(format!("store {}: {e}", config.checkpoint.state_dir.display())))
-}
-
-fn key(id: &str) -> String {
-    format!("{}/{id}", crab_integration::cri::CRI_NAMESPACE)
-}
+use crab_integration::cri::{crab_handler, crab_state_dir, crab_store as store, store_key as key};
 
 /// Waits until turn `turn` of CRI container `id` has its record; returns it.
 async fn turn_record(id: &str, turn: u64) -> Outcome<crab_store::turns::TurnRecord> {
-    let state_dir = crab_config::Config::load(None)
-        .map_err(|e| HarnessError::Expectation(format!("crab config: {e}")))?
-        .checkpoint
-        .state_dir;
+    let state_dir = crab_state_dir()?;
     let log =
         crab_store::turns::TurnLog::open(&state_dir, &key(id)).map_err(|e| HarnessError::Expectation(e.to_string()))?;
     wait_until(&format!("the record of turn {turn} of {id}"), WAIT, || async {
@@ -476,15 +460,9 @@ async fn counts(pod: &Pod, name: &str, at_least: u64) -> Outcome<Vec<(String, u6
     .await
 }
 
-/// SIGKILLs the container's init on the host (a crash, an OOM kill) and waits for CRI to see
-/// it exited.
+/// SIGKILLs the container's init on the host and waits for CRI to see it exited.
 async fn crash(pod: &Pod, id: &str) -> Outcome<i32> {
-    let pid = pod.init_pid(id).await?;
-    // SAFETY: kill(2) with a pid CRI reported for this running container; no memory involved.
-    if unsafe { libc::kill(pid as i32, libc::SIGKILL) } != 0 {
-        return Err(HarnessError::Expectation(format!("kill -9 {pid}: {}", std::io::Error::last_os_error())));
-    }
-    pod.wait_exited(id, WAIT).await
+    pod.crash(id, WAIT).await
 }
 
 /// Runs, through containerd's task API (`ctr run --rm`, namespace k8s.io, the crab runtime),

@@ -11,10 +11,10 @@
 //! says. Each prints the replacement's Create-to-running time against a plain container
 //! start in the same pod, with where the restore's time went (the shim's log).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crab_integration::cri::{CRI_NAMESPACE, Pod, PodShape, ensure_image, with_pod};
+use crab_integration::cri::{Pod, PodShape, ensure_image, with_pod};
 use crab_integration::{HarnessError, Outcome, ensure, ensure_eq, wait_until};
 use crab_replay::fingerprint::{Fingerprint, HashCache, Scope};
 use crab_store::turns::{RecordedClass, TurnLog, TurnRecord, TurnSource};
@@ -30,27 +30,10 @@ const CODE_REPAIR: &str = "crab.local/code-repair-marshmallow-3.0.0:latest";
 const CODE_REPAIR_BUILD: [&str; 3] = ["code-repair", "marshmallow", "3.0.0"];
 const SLEEP: [&str; 2] = ["sleep", "infinity"];
 
-fn crab_handler() -> Option<crab_integration::Runtime> {
-    crab_integration::cri::handlers().into_iter().find(|h| h.short() == "crab")
-}
+use crab_integration::cri::{crab_handler, crab_state_dir as state_dir, crab_store as store, store_key as key};
 
 fn expectation(e: impl std::fmt::Display) -> HarnessError {
     HarnessError::Expectation(e.to_string())
-}
-
-fn state_dir() -> Outcome<PathBuf> {
-    let config = crab_config::Config::load(None).map_err(|e| expectation(format!("crab config: {e}")))?;
-    Ok(config.checkpoint.state_dir)
-}
-
-/// The store the crab handler's shims write: the one of the crab config they read.
-fn store() -> Outcome<crab_store::CheckpointStore> {
-    let dir = state_dir()?;
-    crab_store::CheckpointStore::open(&dir).map_err(|e| expectation(format!("store {}: {e}", dir.display())))
-}
-
-fn key(id: &str) -> String {
-    format!("{CRI_NAMESPACE}/{id}")
 }
 
 fn turn_log(id: &str) -> Outcome<TurnLog> {
@@ -112,9 +95,7 @@ fn same_state(what: &str, after: &Fingerprint, before: &Fingerprint) -> Outcome<
 /// SIGKILLs the container's init on the host (a crash, an OOM kill); returns its exit code
 /// once CRI sees it exited.
 async fn crash(pod: &Pod, id: &str) -> Outcome<i32> {
-    let pid = pod.init_pid(id).await?;
-    kill(pid)?;
-    pod.wait_exited(id, WAIT).await
+    pod.crash(id, WAIT).await
 }
 
 fn kill(pid: u32) -> Outcome<()> {
