@@ -301,7 +301,18 @@ impl OciRuntime {
         }
         args.push(id.into());
         let _exclusive = self.exclusive.lock().await;
-        self.run_verb(id, &args).await.map(drop)
+        let deleted = self.run_verb(id, &args).await.map(drop);
+        if deleted.is_ok() || deleted.as_ref().is_err_and(RuntimeError::is_no_container) {
+            // The container is gone, and so is every use of its log (its errors were read out
+            // as they came): one per container ever run on the node would pile up otherwise.
+            // A CRIU log kept after a failure stays, for whoever reads the error naming it.
+            if let Err(e) = std::fs::remove_file(self.log_path(id))
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::debug!(container = id, error = %e, "runtime log not removed");
+            }
+        }
+        deleted
     }
 
     pub async fn state(&self, id: &str) -> Result<ContainerState> {
@@ -724,6 +735,38 @@ mod tests {
         let reaper = Reaper::default();
         reaper.start().unwrap();
         (OciRuntime::new(&script, dir.join("root"), false, reaper), child)
+    }
+
+    /// A stand-in runtime that logs one line for every verb and exits with `status`.
+    fn logging_runtime(dir: &Path, status: i32) -> OciRuntime {
+        use std::os::unix::fs::PermissionsExt;
+        let script = dir.join(format!("exits-{status}"));
+        // Its arguments: --root ROOT --log LOG --log-format json VERB ...
+        std::fs::write(
+            &script,
+            format!("#!/bin/sh\necho '{{\"level\":\"info\",\"msg\":\"hi\"}}' >> \"$4\"\nexit {status}\n"),
+        )
+        .unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let reaper = Reaper::default();
+        reaper.start().unwrap();
+        OciRuntime::new(&script, dir.join("root"), false, reaper)
+    }
+
+    #[tokio::test]
+    async fn a_deleted_container_leaves_no_runtime_log_and_a_failed_delete_keeps_it() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("root")).unwrap();
+        let runtime = logging_runtime(dir.path(), 0);
+        runtime.state("c1").await.unwrap_err();
+        let log = dir.path().join("root/c1.log");
+        assert!(log.exists(), "the stand-in logs where the runtime is told to");
+        runtime.delete("c1", true).await.unwrap();
+        assert!(!log.exists(), "the log of a deleted container is left behind");
+
+        let failing = logging_runtime(dir.path(), 1);
+        failing.delete("c2", true).await.unwrap_err();
+        assert!(dir.path().join("root/c2.log").exists(), "the log of a container whose delete failed is gone");
     }
 
     fn gone(pid: u32) -> bool {
