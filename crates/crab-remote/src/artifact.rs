@@ -331,7 +331,7 @@ mod tests {
                 Layer::PackIndex { digest: Digest::of(b"idx"), size: 5, pack },
                 Layer::Blob { digest: Digest::of(b"big"), size: 3 },
             ],
-            extra: BTreeMap::from([(ANNOTATION_IMAGE.to_owned(), "docker.io/library/busybox:latest".to_owned())]),
+            extra: BTreeMap::from([(ANNOTATION_IMAGE.to_owned(), "crab.local/busybox:latest".to_owned())]),
         }
     }
 
