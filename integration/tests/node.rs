@@ -550,6 +550,7 @@ async fn colocated_run(
             ignore: Vec::new(),
             read_only_binds: Vec::new(),
             mode: Default::default(),
+            runtime_config: None,
         };
         let sandbox =
             Sandbox::create(ctr, id, &spec).await.map_err(|e| HarnessError::Expectation(format!("{id}: {e}")))?;

@@ -30,9 +30,9 @@ import sys
 from pathlib import Path
 
 POLICY_ORDER = ["off", "chat-only", "every-turn", "crab"]
-FAULT_ORDER = ["kill-processes", "kill-shim", "restart-containerd", "kill-crabd", "node-loss"]
+FAULT_ORDER = ["kill-processes", "kill-shim", "restart-containerd", "kill-crabd", "containerd-state-loss", "node-loss"]
 # Faults that destroy the sandbox's state: the headline correctness is computed over these.
-STATE_DESTROYING = ["kill-processes", "kill-shim", "node-loss"]
+STATE_DESTROYING = ["kill-processes", "kill-shim", "containerd-state-loss", "node-loss"]
 # Faults that leave the sandbox running (every policy, `off` included, keeps its state): shown
 # apart, as checks that the sandbox stays available and checkpointed through them.
 AVAILABILITY = ["restart-containerd", "kill-crabd"]
@@ -59,14 +59,22 @@ FAULT_MODEL = [
     "oracle still compares the state and every later turn, which run through the restarted containerd.",
     "- kill-crabd: SIGKILL to crabd (the process on `node.socket`); sandboxes keep running. For crab the "
     "run is only correct if every later turn's checkpoint was taken and `crabctl verify` passes on its chain.",
-    "- node-loss: SIGKILL to the sandbox's processes and shim, then containerd forgets the container and its "
-    "snapshot, and every-turn's checkpoint image in containerd's content store goes with it. every-turn keeps "
-    "each checkpoint off the node too: after `ctr containers checkpoint` it copies the checkpoint's own blobs "
-    "(index, CRIU image, rw layer, spec; not the base image, which a replacement node pulls like any image) into "
-    "an OCI archive in a directory of the replay's own (`--checkpoint-dir`), synced before the previous one is "
-    "dropped, and after node loss it brings the newest back with `ctr images import` and restores it. Those "
-    "exported bytes count as its checkpoint bytes, beside what it wrote into containerd. crab recovers from "
-    "its store under the state dir alone (`crabctl recover --image`).",
+    "- containerd-state-loss: SIGKILL to the sandbox's processes and shim, then containerd forgets the "
+    "container and its snapshot, and every-turn's checkpoint image in containerd's content store goes with it. "
+    "every-turn keeps each checkpoint off the node too: after `ctr containers checkpoint` it copies the "
+    "checkpoint's own blobs (index, CRIU image, rw layer, spec; not the base image, which a replacement node pulls "
+    "like any image) into an OCI archive in a directory of the replay's own (`--checkpoint-dir`), synced before "
+    "the previous one is dropped, and after the fault it brings the newest back with `ctr images import` and "
+    "restores it. Those exported bytes count as its checkpoint bytes, beside what it wrote into containerd. crab "
+    "recovers from its store under the state dir alone (`crabctl recover --image`).",
+    "- node-loss: node A is gone. Once the fault turn's checkpoint is off the node (crab: its shim pushed it to "
+    "the registry; every-turn: its archive is written), SIGKILL to the sandbox's processes and shim, to crabd "
+    "and to containerd; the crab sandbox's store, kept images and runc root (a crab config of its own) are "
+    "deleted; containerd is started again without the sandbox, as a replacement node with the images. Every "
+    "policy recovers on node B, a second containerd and crab on the same machine with directories of their "
+    "own: crab with `crabctl recover --from <registry>/<namespace>/<sandbox>` (only what B's store lacks is "
+    "pulled, every digest verified), every-turn by importing its archive into B's containerd, chat-only from the "
+    "base image there. The later turns run on node B.",
     "",
 ]
 

@@ -57,8 +57,7 @@ pub struct RemoteConfig {
     /// the system's only.
     pub ca_file: PathBuf,
     /// The shim pushes each checkpointed turn by itself (crab-remote's persistent queue, paced
-    /// by crabd's bucket). NOT YET TESTED end to end: off by default; `crabctl push` is the
-    /// tested way off the node.
+    /// by crabd's bucket). Off by default; `crabctl push` and `crabctl drain` push on demand.
     pub auto_push: bool,
     /// How long `crabctl drain` and `crabctl migrate` may take when no `--deadline` is given
     /// (the node's shutdown: `crab-drain.service` runs the drain as the node stops). A spot

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
+use super::node::NodeB;
 use super::{Daemons, FaultKind, FaultTurn, PolicyKind, ReplayMode, ReplayOptions, report};
 use crab_containerd::Ctr;
 
@@ -19,8 +20,9 @@ pub struct ReplayArgs {
     #[arg(long, value_delimiter = ',', default_value = "every-turn")]
     policy: Vec<PolicyKind>,
     /// Faults injected after the fault turn, comma-separated or repeated: none, kill-processes,
-    /// kill-shim, restart-containerd, kill-crabd, node-loss. Each fault gets its own policy runs;
-    /// the fault-free reference runs are shared.
+    /// kill-shim, restart-containerd, kill-crabd, containerd-state-loss, node-loss. Each fault
+    /// gets its own policy runs; the fault-free reference runs are shared. node-loss needs node
+    /// B (--node-b-socket, --node-b-config).
     #[arg(long, value_delimiter = ',', default_value = "kill-processes")]
     fault: Vec<FaultKind>,
     /// Inject the fault after this turn (default: the middle turn).
@@ -62,6 +64,17 @@ pub struct ReplayArgs {
     /// sandbox, whose image must have tmux).
     #[arg(long, value_enum, default_value_t = ReplayMode::Exec)]
     mode: ReplayMode,
+    /// node-loss: node B's containerd socket (a second containerd on this machine, with the
+    /// images of the traces); the sandbox comes back there.
+    #[arg(long, env = "CRAB_REPLAY_NODE_B_SOCK", value_name = "SOCKET", requires = "node_b_config")]
+    node_b_socket: Option<PathBuf>,
+    /// node-loss: node B's crab config (its own store, kept images, runc root and crabd
+    /// socket); its `[remote]` names the registry node A's sandboxes push to.
+    #[arg(long, env = "CRAB_REPLAY_NODE_B_CONFIG", value_name = "FILE", requires = "node_b_socket")]
+    node_b_config: Option<PathBuf>,
+    /// The crabctl run on node B (default: the one beside crab-replay).
+    #[arg(long, env = "CRAB_CTL", value_name = "FILE")]
+    crabctl: Option<PathBuf>,
     /// Print the report as JSON instead of tables.
     #[arg(long)]
     json: bool,
@@ -88,6 +101,12 @@ pub async fn run(args: ReplayArgs) -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut daemons = Daemons::from_env();
     daemons.containerd_start = args.containerd_start.filter(|command| !command.trim().is_empty());
+    let ctr = Ctr::from_env();
+    if let (Some(socket), Some(config)) = (&args.node_b_socket, &args.node_b_config) {
+        let beside = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|dir| dir.join("crabctl")));
+        let crabctl = args.crabctl.or(beside).ok_or("no crabctl for node B: give --crabctl")?;
+        daemons.node_b = Some(NodeB::new(socket, ctr.namespace(), config, &crabctl)?);
+    }
     let options = ReplayOptions {
         traces: args.traces,
         policies: dedup(args.policy),
@@ -98,7 +117,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), Box<dyn std::error::Error>> {
         ref_runs: args.ref_runs,
         ref_spacing: std::time::Duration::try_from_secs_f64(args.ref_spacing)
             .map_err(|_| format!("--ref-spacing must be a number of seconds >= 0, not {}", args.ref_spacing))?,
-        ctr: Ctr::from_env(),
+        ctr,
         daemons,
         checkpoint_dir: args.checkpoint_dir,
         packages: args.packages.filter(|dir| !dir.as_os_str().is_empty()),

@@ -20,16 +20,23 @@ pub enum FaultKind {
     /// The sandbox's processes and shim die and containerd forgets the
     /// container and its snapshot (and the checkpoint images in its content
     /// store); only what lies outside containerd, crab's store, is left.
+    ContainerdStateLoss,
+    /// Node A is gone: the sandbox's processes and shim, crabd and containerd
+    /// are killed, containerd forgets the sandbox, and the directories of the
+    /// sandbox's node (crab's store, kept images, runc root) are deleted.
+    /// Recovery happens on node B (a second containerd and crab on this
+    /// machine) from what left node A before the fault: the registry.
     NodeLoss,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 6] = [
+    pub const ALL: [FaultKind; 7] = [
         FaultKind::None,
         FaultKind::KillProcesses,
         FaultKind::KillShim,
         FaultKind::RestartContainerd,
         FaultKind::KillCrabd,
+        FaultKind::ContainerdStateLoss,
         FaultKind::NodeLoss,
     ];
 
@@ -40,6 +47,7 @@ impl FaultKind {
             FaultKind::KillShim => "kill-shim",
             FaultKind::RestartContainerd => "restart-containerd",
             FaultKind::KillCrabd => "kill-crabd",
+            FaultKind::ContainerdStateLoss => "containerd-state-loss",
             FaultKind::NodeLoss => "node-loss",
         }
     }
@@ -47,6 +55,11 @@ impl FaultKind {
     /// Whether the fault wipes what containerd stores for the sandbox,
     /// checkpoint images in its content store included.
     pub fn loses_containerd_state(self) -> bool {
+        matches!(self, FaultKind::ContainerdStateLoss | FaultKind::NodeLoss)
+    }
+
+    /// Whether the sandbox comes back on node B, with nothing of node A.
+    pub fn moves_to_node_b(self) -> bool {
         self == FaultKind::NodeLoss
     }
 
@@ -65,7 +78,7 @@ impl fmt::Display for FaultKind {
 
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "unknown fault {0:?} (expected one of: none, kill-processes, kill-shim, restart-containerd, kill-crabd, node-loss)"
+    "unknown fault {0:?} (expected one of: none, kill-processes, kill-shim, restart-containerd, kill-crabd, containerd-state-loss, node-loss)"
 )]
 pub struct UnknownFault(pub String);
 
@@ -148,9 +161,11 @@ mod tests {
     }
 
     #[test]
-    fn only_node_loss_takes_containerd_state_and_only_kill_crabd_needs_later_checkpoints() {
+    fn only_the_state_losses_take_containerd_state_and_only_kill_crabd_needs_later_checkpoints() {
         let lossy: Vec<FaultKind> = FaultKind::ALL.into_iter().filter(|k| k.loses_containerd_state()).collect();
-        assert_eq!(lossy, [FaultKind::NodeLoss]);
+        assert_eq!(lossy, [FaultKind::ContainerdStateLoss, FaultKind::NodeLoss]);
+        let moved: Vec<FaultKind> = FaultKind::ALL.into_iter().filter(|k| k.moves_to_node_b()).collect();
+        assert_eq!(moved, [FaultKind::NodeLoss]);
         let pipeline: Vec<FaultKind> = FaultKind::ALL.into_iter().filter(|k| k.strikes_checkpointing()).collect();
         assert_eq!(pipeline, [FaultKind::KillCrabd]);
     }

@@ -14,6 +14,7 @@ use tokio::process::Command;
 use tracing::{info, warn};
 
 use super::fault::FaultKind;
+use super::node::{NodeA, NodeB};
 use super::sandbox::{Sandbox, SandboxError, remove_container};
 use crab_containerd::{Ctr, CtrError};
 
@@ -58,6 +59,16 @@ pub enum InjectError {
     TaskStillRunning { container: String, status: String, after: Duration },
     #[error("containerd still knows container {container} after node loss")]
     StillKnown { container: String },
+    #[error(
+        "node-loss needs node B (--node-b-socket and --node-b-config, or CRAB_REPLAY_NODE_B_SOCK and CRAB_REPLAY_NODE_B_CONFIG) and the command that starts node A's containerd again (--containerd-start); containerd-state-loss is the fault that stays on one node"
+    )]
+    NoNodeB,
+    #[error("deleting node A's {path}: {source}")]
+    Delete {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// How the replay reaches the daemons its faults strike.
@@ -68,6 +79,8 @@ pub struct Daemons {
     pub containerd_start: Option<String>,
     /// crabd's socket: `node.socket` of crab's configuration.
     pub crabd_socket: PathBuf,
+    /// Where node-loss brings the sandbox back.
+    pub node_b: Option<NodeB>,
 }
 
 impl Daemons {
@@ -78,7 +91,7 @@ impl Daemons {
         let crabd_socket = crab_config::Config::load(None)
             .map(|config| config.node.socket)
             .unwrap_or_else(|_| crab_config::DEFAULT_NODE_SOCKET.into());
-        Daemons { containerd_start, crabd_socket }
+        Daemons { containerd_start, crabd_socket, node_b: None }
     }
 }
 
@@ -112,6 +125,9 @@ impl FaultInjector {
     pub fn check(&self, kind: FaultKind) -> Result<(), InjectError> {
         match kind {
             FaultKind::RestartContainerd if self.daemons.containerd_start.is_none() => Err(InjectError::NoStartCommand),
+            FaultKind::NodeLoss if self.daemons.node_b.is_none() || self.daemons.containerd_start.is_none() => {
+                Err(InjectError::NoNodeB)
+            }
             _ => Ok(()),
         }
     }
@@ -146,7 +162,8 @@ impl FaultInjector {
                 };
                 Injected { detail, task_running: self.task_status(container).await?.is_some_and(|s| s == "RUNNING") }
             }
-            FaultKind::NodeLoss => self.lose_node(container).await?,
+            FaultKind::ContainerdStateLoss => self.forget_container(container).await?,
+            FaultKind::NodeLoss => self.lose_node(sandbox).await?,
         };
         info!(container, fault = %kind, detail = %injected.detail, task_running = injected.task_running, "fault injected");
         Ok(injected)
@@ -155,7 +172,7 @@ impl FaultInjector {
     /// Kills what ran (processes, then shim) and makes containerd forget the
     /// container and its rw snapshot, as a replacement node's containerd
     /// would not know it. What lies outside containerd (crab's store) stays.
-    async fn lose_node(&self, container: &str) -> Result<Injected, InjectError> {
+    async fn forget_container(&self, container: &str) -> Result<Injected, InjectError> {
         let shim = self.shim_of(container).await?;
         let bundle = bundle_of(shim, container)?;
         self.ctr.run(&["tasks", "kill", "--all", "--signal", "SIGKILL", container]).await?;
@@ -173,16 +190,64 @@ impl FaultInjector {
         })
     }
 
-    async fn restart_containerd(&self, container: &str) -> Result<Injected, InjectError> {
-        let command = self.daemons.containerd_start.clone().ok_or(InjectError::NoStartCommand)?;
-        let socket = self.ctr.socket().to_path_buf();
-        let containerd = listener_pid("containerd", &socket)?;
+    /// Node A is gone: the sandbox's processes and shim, then crabd and containerd, die; the
+    /// sandbox's store, kept images and runc root (its own crab config's, see
+    /// [`crate::node::NodeA`]) are deleted. containerd is started again as the node's
+    /// replacement would be: with the images a node pulls, without the sandbox (its container
+    /// and snapshot are deleted). Recovery is node B's.
+    async fn lose_node(&self, sandbox: &Sandbox) -> Result<Injected, InjectError> {
+        let container = sandbox.id();
+        let command = self.daemons.containerd_start.clone().ok_or(InjectError::NoNodeB)?;
+        let forgotten = self.forget_container(container).await?;
+        let mut killed = Vec::new();
+        match listener_pid("crabd", &self.daemons.crabd_socket) {
+            Ok(crabd) => {
+                kill_and_wait(crabd, "crabd").await?;
+                killed.push(format!("crabd (pid {crabd})"));
+            }
+            Err(InjectError::NoListener { .. }) => {}
+            Err(error) => return Err(error),
+        }
+        let containerd = listener_pid("containerd", self.ctr.socket())?;
         kill_and_wait(containerd, "containerd").await?;
+        killed.push(format!("containerd (pid {containerd})"));
+        let mut deleted = Vec::new();
+        if let Some(config) = &sandbox.spec().runtime_config {
+            let node_a = NodeA::load(config).map_err(|error| InjectError::Delete {
+                path: config.clone(),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidData, error.to_string()),
+            })?;
+            for dir in node_a.directories() {
+                match std::fs::remove_dir_all(dir) {
+                    Ok(()) => deleted.push(dir.display().to_string()),
+                    Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(source) => return Err(InjectError::Delete { path: dir.to_path_buf(), source }),
+                }
+            }
+        }
+        let restart_s = self.start_containerd(&command).await?;
+        if self.ctr.run(&["containers", "info", container]).await.is_ok() {
+            return Err(InjectError::StillKnown { container: container.into() });
+        }
+        let deleted = if deleted.is_empty() { "nothing of crab's".to_string() } else { deleted.join(", ") };
+        Ok(Injected {
+            detail: format!(
+                "node A lost: {}; then SIGKILL to {}; deleted {deleted}; containerd started again in {restart_s:.2} s without the sandbox",
+                forgotten.detail,
+                killed.join(", ")
+            ),
+            task_running: false,
+        })
+    }
+
+    /// Runs `command` and waits until containerd answers; returns the seconds it took.
+    async fn start_containerd(&self, command: &str) -> Result<f64, InjectError> {
+        let socket = self.ctr.socket().to_path_buf();
         let started = Instant::now();
         let output =
-            Command::new("sh").arg("-c").arg(&command).stdin(std::process::Stdio::null()).output().await.map_err(
+            Command::new("sh").arg("-c").arg(command).stdin(std::process::Stdio::null()).output().await.map_err(
                 |e| InjectError::StartFailed {
-                    command: command.clone(),
+                    command: command.to_string(),
                     status: "not started".into(),
                     stderr: e.to_string(),
                 },
@@ -193,19 +258,26 @@ impl FaultInjector {
             if started.elapsed() > SETTLE {
                 if !output.status.success() {
                     return Err(InjectError::StartFailed {
-                        command,
+                        command: command.to_string(),
                         status: output.status.to_string(),
                         stderr: String::from_utf8_lossy(&output.stderr).trim().to_string(),
                     });
                 }
-                return Err(InjectError::NotAnswering { socket, command, after: SETTLE });
+                return Err(InjectError::NotAnswering { socket, command: command.to_string(), after: SETTLE });
             }
             tokio::time::sleep(POLL).await;
         }
         if !output.status.success() {
             warn!(%command, status = %output.status, "the start command failed, yet containerd answers");
         }
-        let restart_s = started.elapsed().as_secs_f64();
+        Ok(started.elapsed().as_secs_f64())
+    }
+
+    async fn restart_containerd(&self, container: &str) -> Result<Injected, InjectError> {
+        let command = self.daemons.containerd_start.clone().ok_or(InjectError::NoStartCommand)?;
+        let containerd = listener_pid("containerd", self.ctr.socket())?;
+        kill_and_wait(containerd, "containerd").await?;
+        let restart_s = self.start_containerd(&command).await?;
         let status = self.task_status(container).await?;
         Ok(Injected {
             detail: format!(

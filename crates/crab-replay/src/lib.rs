@@ -8,7 +8,8 @@
 //! - [`policy`]: recovery policies (`off`, `chat-only`, `every-turn`, `crab`);
 //!   [`archive`]: every-turn's checkpoints kept outside containerd.
 //! - [`fault`]: which fault strikes after which turn; [`injector`]: striking it
-//!   (processes, shim, containerd, crabd, node loss).
+//!   (processes, shim, containerd, crabd, containerd's state, the node);
+//!   [`node`]: node A and node B of a node loss.
 //! - [`oracle`]: the correctness verdict against the reference; [`normalize`]:
 //!   wall-clock stamps and stderr order, which the oracle does not judge.
 //! - [`shell`]: replay modes: each command its own exec, one shell fed
@@ -21,6 +22,7 @@ pub mod cli;
 pub mod fault;
 pub mod fingerprint;
 pub mod injector;
+pub mod node;
 pub mod normalize;
 pub mod oracle;
 pub mod policy;

@@ -13,6 +13,7 @@ use tracing::info;
 
 use super::ReplayError;
 use super::archive::ArchiveWriter;
+use super::node::{NodeA, NodeB};
 use super::sandbox::{CheckpointImage, Sandbox, SandboxSpec, remove_container, remove_image};
 use crab_containerd::Ctr;
 
@@ -53,10 +54,9 @@ impl PolicyKind {
 
     pub fn build(self, launch: Launch) -> Box<dyn RecoveryPolicy> {
         match self {
-            PolicyKind::Off => Box::new(FreshSandbox { launch, kind: self }),
-            PolicyKind::ChatOnly => Box::new(FreshSandbox { launch, kind: self }),
+            PolicyKind::Off | PolicyKind::ChatOnly => Box::new(FreshSandbox { launch, kind: self, on_node_b: false }),
             PolicyKind::EveryTurn => Box::new(EveryTurn::new(launch)),
-            PolicyKind::Crab => Box::new(CrabPolicy { launch }),
+            PolicyKind::Crab => Box::new(CrabPolicy::new(launch)),
         }
     }
 }
@@ -88,11 +88,28 @@ pub struct Launch {
     /// Where a policy keeps what it saves outside containerd (every-turn's
     /// archives), one subdirectory per container.
     pub checkpoint_dir: PathBuf,
+    /// Where the sandbox comes back after node-loss.
+    pub node_b: Option<NodeB>,
 }
 
 impl Launch {
     pub async fn fresh(&self) -> Result<Sandbox, ReplayError> {
         Ok(Sandbox::create(&self.ctr, &self.container_id, &self.spec).await?)
+    }
+
+    /// A new sandbox from the base image on node B, whose shims read node B's own config.
+    async fn fresh_on_node_b(&self) -> Result<Sandbox, ReplayError> {
+        let node_b = self.node_b()?;
+        Ok(Sandbox::create(&node_b.ctr, &self.container_id, &self.spec_on_node_b()).await?)
+    }
+
+    fn node_b(&self) -> Result<&NodeB, ReplayError> {
+        self.node_b.as_ref().ok_or_else(|| ReplayError::Policy("node-loss without a node B".into()))
+    }
+
+    /// The sandbox's spec on node B: node A's own crab config went with node A.
+    pub fn spec_on_node_b(&self) -> SandboxSpec {
+        SandboxSpec { runtime_config: None, ..self.spec.clone() }
     }
 }
 
@@ -161,6 +178,16 @@ pub trait RecoveryPolicy: Send {
         Ok(None)
     }
 
+    /// Node A is about to be lost: waits (bounded) until what the policy saved of `sandbox` is
+    /// off the node, as every other fault strikes once the turn's checkpoint is durable. Says
+    /// what it waited for.
+    async fn before_node_loss(&mut self, _sandbox: &Sandbox) -> Result<Option<String>, ReplayError> {
+        Ok(None)
+    }
+
+    /// Node A is gone: from now on the policy works on node B.
+    fn move_to_node_b(&mut self);
+
     /// Checks what the policy stored for `container` is complete and intact,
     /// where it keeps a store of its own to check.
     async fn check_store(&mut self, _container: &str) -> Option<StoreCheck> {
@@ -175,6 +202,7 @@ pub trait RecoveryPolicy: Send {
 struct FreshSandbox {
     launch: Launch,
     kind: PolicyKind,
+    on_node_b: bool,
 }
 
 #[async_trait]
@@ -189,8 +217,12 @@ impl RecoveryPolicy for FreshSandbox {
 
     async fn recover(&mut self, dead: Sandbox) -> Result<Recovery, ReplayError> {
         dead.remove().await?;
-        let sandbox = self.launch.fresh().await?;
+        let sandbox = if self.on_node_b { self.launch.fresh_on_node_b().await? } else { self.launch.fresh().await? };
         Ok(Recovery { sandbox, method: RecoveryMethod::BaseImage, possible: self.kind != PolicyKind::Off })
+    }
+
+    fn move_to_node_b(&mut self) {
+        self.on_node_b = true;
     }
 
     async fn cleanup(&mut self) -> Result<(), ReplayError> {
@@ -206,6 +238,8 @@ impl RecoveryPolicy for FreshSandbox {
 /// image), and after node loss `ctr images import` brings it back.
 struct EveryTurn {
     launch: Launch,
+    /// The containerd the sandbox runs on: node A's, node B's after node-loss.
+    ctr: Ctr,
     /// The newest checkpoint image in containerd, unless lost with it.
     image: Option<(u32, String)>,
     /// The newest checkpoint archive outside containerd.
@@ -214,7 +248,7 @@ struct EveryTurn {
 
 impl EveryTurn {
     fn new(launch: Launch) -> EveryTurn {
-        EveryTurn { launch, image: None, archive: None }
+        EveryTurn { ctr: launch.ctr.clone(), launch, image: None, archive: None }
     }
 
     fn reference(&self, turn: u32) -> String {
@@ -236,7 +270,7 @@ impl EveryTurn {
         let mut archive =
             ArchiveWriter::create(&path, &image.reference, &image.index).map_err(|e| failed(e.to_string()))?;
         for blob in &image.blobs {
-            let data = self.launch.ctr.run(&["content", "get", &blob.digest]).await?.stdout;
+            let data = self.ctr.run(&["content", "get", &blob.digest]).await?.stdout;
             archive.add(blob, &data).map_err(|e| failed(e.to_string()))?;
         }
         let bytes = archive.finish().map_err(|e| failed(e.to_string()))?;
@@ -257,7 +291,7 @@ impl RecoveryPolicy for EveryTurn {
         // Not counted as agent-visible: it could run any time before the next
         // checkpoint.
         if let Some((_, previous)) = self.image.take() {
-            remove_image(&self.launch.ctr, &previous).await?;
+            remove_image(&self.ctr, &previous).await?;
         }
         let reference = self.reference(turn);
         let started = Instant::now();
@@ -265,7 +299,7 @@ impl RecoveryPolicy for EveryTurn {
             Ok(image) => image,
             Err(error) => {
                 // An incomplete image must not be restored later, nor left behind.
-                remove_image(&self.launch.ctr, &reference).await?;
+                remove_image(&self.ctr, &reference).await?;
                 return Err(error.into());
             }
         };
@@ -285,7 +319,9 @@ impl RecoveryPolicy for EveryTurn {
         // next exec must not reuse one, or it would be handed that process.
         let execs_made = dead.execs_made();
         dead.remove().await?;
-        let (ctr, id, spec) = (&self.launch.ctr, &self.launch.container_id, &self.launch.spec);
+        let on_node_b = self.ctr.socket() != self.launch.ctr.socket();
+        let spec = if on_node_b { self.launch.spec_on_node_b() } else { self.launch.spec.clone() };
+        let (ctr, id, spec) = (&self.ctr, &self.launch.container_id, &spec);
         let sandbox = match (self.image.clone(), self.archive.clone()) {
             (Some((turn, reference)), _) => Some((turn, Sandbox::restore(ctr, id, spec, &reference).await?)),
             // containerd lost the image (node loss) or never stored this
@@ -307,7 +343,11 @@ impl RecoveryPolicy for EveryTurn {
                 possible: true,
             },
             // Killed before the first checkpoint: the base image is all there is.
-            None => Recovery { sandbox: self.launch.fresh().await?, method: RecoveryMethod::BaseImage, possible: true },
+            None => Recovery {
+                sandbox: Sandbox::create(ctr, id, spec).await?,
+                method: RecoveryMethod::BaseImage,
+                possible: true,
+            },
         })
     }
 
@@ -316,7 +356,7 @@ impl RecoveryPolicy for EveryTurn {
     /// archive outside containerd stays.
     async fn lose_containerd_state(&mut self) -> Result<Option<String>, ReplayError> {
         let Some((turn, reference)) = self.image.take() else { return Ok(None) };
-        remove_image(&self.launch.ctr, &reference).await?;
+        remove_image(&self.ctr, &reference).await?;
         let kept = match &self.archive {
             Some((kept, _)) => format!("; its archive of turn {kept} outside containerd remains"),
             None => "; no archive outside containerd".to_string(),
@@ -324,9 +364,17 @@ impl RecoveryPolicy for EveryTurn {
         Ok(Some(format!("checkpoint image of turn {turn} lost with containerd's content store{kept}")))
     }
 
+    /// The archive is on storage that outlives the node (the replay's own directory); node B
+    /// imports it into its containerd and restores from there.
+    fn move_to_node_b(&mut self) {
+        if let Some(node_b) = &self.launch.node_b {
+            self.ctr = node_b.ctr.clone();
+        }
+    }
+
     async fn cleanup(&mut self) -> Result<(), ReplayError> {
         if let Some((_, reference)) = self.image.take() {
-            remove_image(&self.launch.ctr, &reference).await?;
+            remove_image(&self.ctr, &reference).await?;
         }
         if let Some((_, archive)) = self.archive.take() {
             remove_archive(&archive)?;
@@ -349,14 +397,41 @@ fn remove_archive(path: &Path) -> Result<(), ReplayError> {
 /// CRIU dump, as the inspector saw the turn) while the agent thinks.
 struct CrabPolicy {
     launch: Launch,
+    /// The node the sandbox runs on: its containerd and crab's store there.
+    ctr: Ctr,
+    state_dir: PathBuf,
+    on_node_b: bool,
 }
 
 /// How long a turn's checkpoint may take before the replay gives up on it.
 const CRAB_CHECKPOINT_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+/// How long node A's shim may take to get the newest checkpoint into the registry before the
+/// node is lost anyway (the recovery then starts from an older turn, and the report says so).
+const CRAB_PUSH_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 
 impl CrabPolicy {
+    fn new(launch: Launch) -> CrabPolicy {
+        // A run that will lose its node has a store of its own (node A's config); else the
+        // shims' store of the environment's config.
+        let state_dir = launch
+            .spec
+            .runtime_config
+            .as_deref()
+            .and_then(|config| NodeA::load(config).ok())
+            .map(|node_a| node_a.config.checkpoint.state_dir)
+            .unwrap_or_else(crab_state_dir);
+        CrabPolicy { ctr: launch.ctr.clone(), state_dir, launch, on_node_b: false }
+    }
+
     fn ctl(&self) -> Result<crabctl::Ctl, ReplayError> {
-        crabctl::Ctl::open(&crab_state_dir(), self.launch.ctr.clone()).map_err(|e| ReplayError::Policy(e.to_string()))
+        crabctl::Ctl::open(&self.state_dir, self.ctr.clone()).map_err(|e| ReplayError::Policy(e.to_string()))
+    }
+
+    /// The turn of the newest checkpoint of the chain under store key `key`.
+    fn head_turn(&self, key: &str) -> Result<Option<u64>, ReplayError> {
+        let store =
+            crab_store::CheckpointStore::open(&self.state_dir).map_err(|e| ReplayError::Policy(e.to_string()))?;
+        Ok(store.head(key).map_err(|e| ReplayError::Policy(e.to_string()))?.map(|head| head.turn))
     }
 }
 
@@ -386,8 +461,8 @@ impl RecoveryPolicy for CrabPolicy {
         let Some((exec_id, turns)) = sandbox.last_turn_exec() else { return Ok(TurnCost::default()) };
         // The turn log of the sandbox in the replay's containerd namespace.
         let key = self.ctl()?.key(sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?;
-        let log = crab_store::turns::TurnLog::open(&crab_state_dir(), &key)
-            .map_err(|e| ReplayError::Policy(e.to_string()))?;
+        let log =
+            crab_store::turns::TurnLog::open(&self.state_dir, &key).map_err(|e| ReplayError::Policy(e.to_string()))?;
         let deadline = Instant::now() + CRAB_CHECKPOINT_WAIT;
         loop {
             // Matched by exec id, which the replay never reuses in a sandbox: a
@@ -420,18 +495,60 @@ impl RecoveryPolicy for CrabPolicy {
     }
 
     async fn recover(&mut self, dead: Sandbox) -> Result<Recovery, ReplayError> {
-        let ctl = self.ctl()?;
-        let report = ctl
-            .recover(dead.id(), Some(&self.launch.spec.image))
-            .await
-            .map_err(|e| ReplayError::Policy(e.to_string()))?;
-        info!(container = dead.id(), checkpoint = ?report.checkpoint_turn, ms = report.elapsed_ms, "crab recovered");
-        let sandbox = Sandbox::attach(&dead);
-        let method = match report.checkpoint_turn {
+        let (checkpoint_turn, sandbox) = if self.on_node_b {
+            // Node B has nothing of the sandbox: crabctl there pulls its chain from the
+            // registry (every digest verified) and restores through B's containerd.
+            let node_b = self.launch.node_b()?;
+            let repository = node_b.repository(dead.id());
+            let image = self.launch.spec.image.clone();
+            let report = node_b.crabctl(&["recover", dead.id(), "--from", &repository, "--image", &image]).await?;
+            info!(container = dead.id(), from = %repository, report = %report, "crab recovered on node B");
+            (report["checkpoint_turn"].as_u64(), Sandbox::attach_on(&node_b.ctr, &dead))
+        } else {
+            let report = self
+                .ctl()?
+                .recover(dead.id(), Some(&self.launch.spec.image))
+                .await
+                .map_err(|e| ReplayError::Policy(e.to_string()))?;
+            info!(container = dead.id(), checkpoint = ?report.checkpoint_turn, ms = report.elapsed_ms, "crab recovered");
+            (report.checkpoint_turn, Sandbox::attach(&dead))
+        };
+        let method = match checkpoint_turn {
             Some(turn) => RecoveryMethod::Checkpoint { turn: turn as u32 },
             None => RecoveryMethod::BaseImage,
         };
         Ok(Recovery { sandbox, method, possible: true })
+    }
+
+    /// The shim pushes each checkpointed turn by itself (node A's `[remote] auto_push`): waits
+    /// until the registry holds the newest checkpoint of the chain.
+    async fn before_node_loss(&mut self, sandbox: &Sandbox) -> Result<Option<String>, ReplayError> {
+        let ctl = self.ctl()?;
+        let key = ctl.key(sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?;
+        let started = Instant::now();
+        loop {
+            let head = self.head_turn(&key)?;
+            let Some(head) = head else { return Ok(Some("no checkpoint to push before node A was lost".into())) };
+            let pushed = ctl.pushed_turns(sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?;
+            if pushed.is_some_and(|turns| turns.contains(&head)) {
+                let waited = started.elapsed().as_secs_f64();
+                return Ok(Some(format!("checkpoint of turn {head} in the registry {waited:.2} s after it was asked")));
+            }
+            if started.elapsed() > CRAB_PUSH_WAIT {
+                return Ok(Some(format!(
+                    "checkpoint of turn {head} not in the registry after {CRAB_PUSH_WAIT:?}: node A lost anyway"
+                )));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
+    fn move_to_node_b(&mut self) {
+        if let Some(node_b) = &self.launch.node_b {
+            self.ctr = node_b.ctr.clone();
+            self.state_dir = node_b.config.checkpoint.state_dir.clone();
+            self.on_node_b = true;
+        }
     }
 
     async fn check_store(&mut self, container: &str) -> Option<StoreCheck> {
@@ -457,9 +574,23 @@ impl RecoveryPolicy for CrabPolicy {
     }
 }
 
-/// Removes a policy run's container whatever happened to it.
+/// Removes a policy run's container whatever happened to it, on node B too, and node A's
+/// directory of the run.
 pub async fn discard(launch: &Launch) -> Result<(), ReplayError> {
-    Ok(remove_container(&launch.ctr, &launch.container_id).await?)
+    remove_container(&launch.ctr, &launch.container_id).await?;
+    if let Some(node_b) = &launch.node_b {
+        remove_container(&node_b.ctr, &launch.container_id).await?;
+    }
+    if let Some(config) = &launch.spec.runtime_config
+        && let Some(dir) = config.parent()
+    {
+        match std::fs::remove_dir_all(dir) {
+            Ok(()) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+            Err(error) => return Err(ReplayError::Policy(format!("removing {}: {error}", dir.display()))),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ use super::ReplayError;
 use super::fault::{FaultKind, FaultTurn};
 use super::fingerprint::Fingerprint;
 use super::injector::{Daemons, FaultInjector};
+use super::node::NodeA;
 use super::oracle::{Reference, ReferenceRun, TurnResult};
 use super::policy::{Launch, PolicyKind, Recovery, RecoveryMethod, RecoveryPolicy, StoreCheck, TurnCost, discard};
 use super::report::{DelaySummary, FaultReport, PolicyRun, ReferenceSummary, TraceReport, TurnReport};
@@ -145,7 +146,10 @@ async fn replay_trace(
         for policy in &options.policies {
             runs_done += 1;
             info!(trace = %trace.header.trace, run = runs_done, of = runs_total, policy = %policy, %fault, fault_turn, "progress: policy run");
-            let launch = launch(options, trace, *policy, policy.name());
+            let mut launch = launch(options, trace, *policy, policy.name());
+            if fault.moves_to_node_b() {
+                launch = on_node_a_of_its_own(launch, options)?;
+            }
             let outcome =
                 run_guarded(trace, &launch, policy.build(launch.clone()), strike, options, injector, false).await?;
             runs.push(policy_report(*policy, &reference, outcome, &trace.file)?);
@@ -169,12 +173,28 @@ async fn replay_trace(
 
 static NEXT_CONTAINER: AtomicU64 = AtomicU64::new(1);
 
+/// A crab sandbox that will lose its node gets node A's directories of its own (its crab
+/// config names them; the fault deletes them) and pushes its turns to node B's registry.
+fn on_node_a_of_its_own(mut launch: Launch, options: &ReplayOptions) -> Result<Launch, ReplayError> {
+    let Some(node_b) = &options.daemons.node_b else { return Ok(launch) };
+    if options.runtime != crabctl::CRAB_RUNTIME {
+        return Ok(launch);
+    }
+    let base = crab_config::Config::load(None)
+        .map_err(|error| ReplayError::Options(format!("node A's crab config: {error}")))?;
+    let dir = options.checkpoint_dir.join("node-a").join(&launch.container_id);
+    let node_a = NodeA::prepare(&dir, &base, node_b)?;
+    launch.spec.runtime_config = Some(node_a.config_path);
+    Ok(launch)
+}
+
 fn launch(options: &ReplayOptions, trace: &Trace, policy: PolicyKind, role: &str) -> Launch {
     let sequence = NEXT_CONTAINER.fetch_add(1, Ordering::Relaxed);
     Launch {
         ctr: options.ctr.clone(),
         container_id: format!("replay-{}-{sequence}-{role}", std::process::id()),
         checkpoint_dir: options.checkpoint_dir.clone(),
+        node_b: options.daemons.node_b.clone(),
         spec: SandboxSpec {
             image: trace.header.image.reference(),
             runtime: options.runtime.clone(),
@@ -183,6 +203,7 @@ fn launch(options: &ReplayOptions, trace: &Trace, policy: PolicyKind, role: &str
             ignore: trace.header.ignore.clone(),
             read_only_binds: options.packages.iter().map(|dir| (dir.clone(), SANDBOX_PACKAGES.to_string())).collect(),
             mode: options.mode,
+            runtime_config: None,
         },
     }
 }
@@ -359,9 +380,16 @@ async fn strike_and_recover(
     policy: &mut dyn RecoveryPolicy,
     injector: &FaultInjector,
 ) -> Result<(Option<Sandbox>, FaultOutcome), ReplayError> {
-    let injected =
+    let waited = if kind.moves_to_node_b() { policy.before_node_loss(&sandbox).await? } else { None };
+    let mut injected =
         injector.inject(kind, &sandbox).await.map_err(|source| ReplayError::Fault { fault: kind, source })?;
+    if let Some(waited) = waited {
+        injected.detail = format!("{waited}; {}", injected.detail);
+    }
     let lost = if kind.loses_containerd_state() { policy.lose_containerd_state().await? } else { None };
+    if kind.moves_to_node_b() {
+        policy.move_to_node_b();
+    }
     let recovering = Instant::now();
     let recovery = if injected.task_running {
         Ok(Recovery { sandbox, method: RecoveryMethod::NotNeeded, possible: true })

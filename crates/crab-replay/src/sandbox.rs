@@ -53,6 +53,9 @@ pub struct SandboxSpec {
     pub read_only_binds: Vec<(PathBuf, String)>,
     /// How each turn's command reaches the sandbox.
     pub mode: ReplayMode,
+    /// A crab config of the sandbox's own (its runtime options' `ConfigPath`): a run that
+    /// will lose its node keeps its store there (see [`crate::node::NodeA`]).
+    pub runtime_config: Option<PathBuf>,
 }
 
 /// The agent-visible result of one exec'd command.
@@ -120,6 +123,10 @@ impl Sandbox {
             args.push("--mount".to_string());
             args.push(format!("type=bind,src={},dst={at},options=rbind:ro", host.display()));
         }
+        if let Some(config) = &spec.runtime_config {
+            args.push("--runtime-config-path".to_string());
+            args.push(config.display().to_string());
+        }
         args.extend([spec.image.clone(), id.to_string(), "sleep".to_string(), "infinity".to_string()]);
         ctr.run(&args).await?;
         debug!(container = id, image = %spec.image, runtime = %spec.runtime, "sandbox created");
@@ -153,8 +160,13 @@ impl Sandbox {
     /// else, under the same id): exec ids go on from `previous`'s, so the
     /// sandbox's turn log never sees one twice.
     pub fn attach(previous: &Sandbox) -> Sandbox {
+        Sandbox::attach_on(&previous.ctr, previous)
+    }
+
+    /// [`Sandbox::attach`] to the container recreated through `ctr` (another node's containerd).
+    pub fn attach_on(ctr: &Ctr, previous: &Sandbox) -> Sandbox {
         Sandbox {
-            ctr: previous.ctr.clone(),
+            ctr: ctr.clone(),
             id: previous.id.clone(),
             spec: previous.spec.clone(),
             next_exec: previous.next_exec,
@@ -166,6 +178,15 @@ impl Sandbox {
 
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    pub fn spec(&self) -> &SandboxSpec {
+        &self.spec
+    }
+
+    /// The containerd this sandbox runs on.
+    pub fn ctr(&self) -> &Ctr {
+        &self.ctr
     }
 
     /// How many exec ids this sandbox handed out (`replay-1` to `replay-N`).

@@ -5,7 +5,9 @@
 //! CRAB_TEST_RUNTIMES (runc, crab or full names; default both); then every
 //! fault kind against the crab policy. restart-containerd restarts that
 //! containerd with `scripts/containerd start` (CRAB_CTRD_DIR etc. from the
-//! environment), so the tests that use containerd take turns.
+//! environment), so the tests that use containerd take turns. node-loss
+//! brings the sandbox back on node B: a second containerd of `scripts/containerd`
+//! and a registry of `scripts/registry`, started by the test that needs them.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -64,6 +66,104 @@ fn options(traces: Vec<PathBuf>, runtime: &str) -> ReplayOptions {
             .map_or_else(|| crab_replay::cli::DEFAULT_CHECKPOINT_DIR.into(), PathBuf::from),
         packages: None,
         mode: crab_replay::ReplayMode::Exec,
+    }
+}
+
+fn script(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts").join(name)
+}
+
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).ok().filter(|v| !v.is_empty()).unwrap_or_else(|| default.to_owned())
+}
+
+/// Node B of the node-loss tests: a registry on a free port (its storage in a temporary
+/// directory), a second containerd with its own state (its root kept from run to run, so the
+/// trace's image is imported once) and crab's config for it; all stopped on drop.
+struct NodeBFixture {
+    env: Vec<(String, String)>,
+    registry: tempfile::TempDir,
+    scratch: tempfile::TempDir,
+    crabd_socket: PathBuf,
+    node_b: crab_replay::node::NodeB,
+}
+
+impl NodeBFixture {
+    fn run(&self, program: &std::path::Path, args: &[&str], env: &[(String, String)]) {
+        let out = std::process::Command::new("bash")
+            .arg(program)
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{} {args:?}: {text}", program.display());
+    }
+
+    fn start() -> NodeBFixture {
+        let registry = tempfile::Builder::new().prefix("crab-replay-registry-").tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+        let scratch = tempfile::Builder::new().prefix("crab-replay-node-b-").tempdir().unwrap();
+        let b_dir = format!("{}-b-replay", env_or("CRAB_CTRD_DIR", "/run/crab-dev"));
+        let socket = PathBuf::from(format!("{b_dir}/containerd.sock"));
+        let base = crab_config::Config::load(None).expect("the environment's crab config ($CRAB_CONFIG)");
+        let mut config = base.clone();
+        config.runtime.root = format!("{b_dir}/runc").into();
+        config.checkpoint.state_dir = scratch.path().join("store");
+        config.checkpoint.kept_images_dir = format!("{b_dir}/kept-images").into();
+        config.node.socket = format!("{b_dir}/crabd/crabd.sock").into();
+        config.remote = crab_config::RemoteConfig {
+            prefix: format!("127.0.0.1:{port}/crab"),
+            plain_http: true,
+            ..Default::default()
+        };
+        let config_path = scratch.path().join("node-b.toml");
+        std::fs::write(&config_path, config.to_toml().unwrap()).unwrap();
+        let namespace = env_or("CRAB_NS", "crab");
+        let env = vec![
+            ("CRAB_CTRD_DIR".to_owned(), b_dir.clone()),
+            (
+                "CRAB_CTRD_ROOT".to_owned(),
+                format!("{}-b-replay", env_or("CRAB_CTRD_ROOT", "/var/lib/crab-dev/containerd")),
+            ),
+            ("CRAB_CONFIG".to_owned(), config_path.display().to_string()),
+            ("CRAB_NS".to_owned(), namespace.clone()),
+        ];
+        // The crabctl of this build: beside the test binary's directory (target/<profile>/deps).
+        let exe = std::env::current_exe().unwrap();
+        let crabctl = exe.parent().and_then(|deps| deps.parent()).unwrap().join("crabctl");
+        let node_b = crab_replay::node::NodeB::new(&socket, &namespace, &config_path, &crabctl)
+            .unwrap_or_else(|error| panic!("node B: {error}"));
+        let fixture = NodeBFixture { env, registry, scratch, crabd_socket: config.node.socket.clone(), node_b };
+        let registry_dir = fixture.registry.path().display().to_string();
+        fixture.run(&script("registry"), &["start", "--dir", &registry_dir, "--port", &port], &[]);
+        fixture.run(&script("containerd"), &["start"], &fixture.env);
+        fixture.run(&script("build-images"), &["terminal"], &fixture.env);
+        fixture
+    }
+}
+
+impl Drop for NodeBFixture {
+    fn drop(&mut self) {
+        let registry_dir = self.registry.path().display().to_string();
+        let _ =
+            std::process::Command::new("bash").arg(script("registry")).args(["stop", "--dir", &registry_dir]).output();
+        let _ = std::process::Command::new("bash")
+            .arg(script("containerd"))
+            .args(["stop", "--all"])
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .output();
+        // A shim of B started B's crabd; `stop --all` leaves it.
+        let socket = self.crabd_socket.display().to_string();
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            let is_crabd = args.first().is_some_and(|a| a.ends_with(b"/crabd"));
+            if is_crabd && args.windows(2).any(|w| w[0] == b"--socket" && w[1] == socket.as_bytes()) {
+                let _ = std::process::Command::new("kill").arg(entry.file_name()).status();
+            }
+        }
+        let _ = self.scratch.path();
     }
 }
 
@@ -143,17 +243,13 @@ async fn crab_recovers_from_every_fault_kind_and_the_later_turns_match() {
     crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let _containerd = CONTAINERD.lock().await;
     let file = trace_file(TRACE);
+    let node_b = NodeBFixture::start();
     let mut options = options(vec![file.path().to_path_buf()], "io.containerd.crab.v2");
     options.policies = vec![PolicyKind::Crab];
-    options.faults = vec![
-        FaultKind::KillProcesses,
-        FaultKind::KillShim,
-        FaultKind::RestartContainerd,
-        FaultKind::KillCrabd,
-        FaultKind::NodeLoss,
-    ];
+    options.faults = EVERY_FAULT.to_vec();
+    options.daemons.node_b = Some(node_b.node_b.clone());
     let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
-    assert_eq!(reports.len(), 5, "one report per fault");
+    assert_eq!(reports.len(), EVERY_FAULT.len(), "one report per fault");
     for kind in &options.faults {
         let report = report_for(&reports, *kind);
         assert_eq!(report.fault_turn, Some(2));
@@ -191,18 +287,18 @@ async fn crab_recovers_from_every_fault_kind_and_the_later_turns_match() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_node_loss_every_turn_restores_its_archive_and_chat_only_lost_its_state() {
+async fn after_containerd_state_loss_every_turn_restores_its_archive_and_chat_only_lost_its_state() {
     crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let _containerd = CONTAINERD.lock().await;
     let file = trace_file(TRACE);
     let checkpoints = tempfile::tempdir().unwrap();
     let mut options = options(vec![file.path().to_path_buf()], "io.containerd.crab.v2");
     options.policies = vec![PolicyKind::EveryTurn, PolicyKind::ChatOnly];
-    options.faults = vec![FaultKind::NodeLoss];
+    options.faults = vec![FaultKind::ContainerdStateLoss];
     options.ref_runs = 1;
     options.checkpoint_dir = checkpoints.path().to_path_buf();
     let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
-    let report = report_for(&reports, FaultKind::NodeLoss);
+    let report = report_for(&reports, FaultKind::ContainerdStateLoss);
 
     let every_turn = run_of(&report.runs, PolicyKind::EveryTurn);
     let fault = every_turn.fault.as_ref().unwrap();
@@ -240,6 +336,59 @@ async fn after_node_loss_every_turn_restores_its_archive_and_chat_only_lost_its_
     assert_eq!(fault.lost, None);
     let keys: Vec<&str> = fault.verdict.as_ref().unwrap().state_differences.iter().map(|d| d.key.as_str()).collect();
     assert!(keys.contains(&"file:/app/data/a.txt") && keys.contains(&"process:sleep 4321"), "chat-only: {keys:?}");
+}
+
+/// Node A is lost after turn 2: its containerd and crabd, the sandbox's shim and processes are
+/// killed and the sandbox's store, kept images and runc root deleted. crab comes back on node B
+/// from the registry its shim pushed each turn to, every-turn from its archive off the node,
+/// chat-only from the base image; the later turns run on node B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_the_loss_of_node_a_crab_and_every_turn_come_back_exactly_on_node_b() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let _containerd = CONTAINERD.lock().await;
+    let file = trace_file(TRACE);
+    let node_b = NodeBFixture::start();
+    let checkpoints = tempfile::tempdir().unwrap();
+    let mut options = options(vec![file.path().to_path_buf()], "io.containerd.crab.v2");
+    options.policies = vec![PolicyKind::Crab, PolicyKind::EveryTurn, PolicyKind::ChatOnly];
+    options.faults = vec![FaultKind::NodeLoss];
+    options.ref_runs = 1;
+    options.checkpoint_dir = checkpoints.path().to_path_buf();
+    options.daemons.node_b = Some(node_b.node_b.clone());
+    let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
+    let report = report_for(&reports, FaultKind::NodeLoss);
+
+    let crab = run_of(&report.runs, PolicyKind::Crab);
+    let fault = crab.fault.as_ref().unwrap();
+    let verdict = fault.verdict.as_ref().unwrap_or_else(|| panic!("crab: recovery failed: {:?}", fault.error));
+    assert_eq!(crab.recovered_correctly, Some(true), "crab: {verdict:?} {fault:?}");
+    assert_eq!(fault.recovery, Some(RecoveryMethod::Checkpoint { turn: 2 }), "{}", fault.detail);
+    assert!(verdict.state_equal && verdict.turns_compared == [3, 4], "{verdict:?}");
+    for part in ["checkpoint of turn 2 in the registry", "SIGKILL to crabd", "containerd (pid", "/store", "/runc"] {
+        assert!(fault.detail.contains(part), "{part:?} not in {}", fault.detail);
+    }
+    assert_eq!(crab.turns[2].rc, Some(0), "the restored `sleep 4321` is there on turn 3, on node B");
+    // Turns 3 and 4 were checkpointed on node B, on top of the chain pulled from the registry.
+    let store = crab.store.as_ref().expect("crab verifies its store");
+    assert!(store.ok && store.head_turn == Some(4), "{store:?}");
+
+    let every_turn = run_of(&report.runs, PolicyKind::EveryTurn);
+    let fault = every_turn.fault.as_ref().unwrap();
+    assert_eq!(every_turn.recovered_correctly, Some(true), "every-turn: {fault:?}");
+    assert_eq!(fault.recovery, Some(RecoveryMethod::Checkpoint { turn: 2 }));
+    assert_eq!(every_turn.turns[2].rc, Some(0));
+
+    let chat_only = run_of(&report.runs, PolicyKind::ChatOnly);
+    assert_eq!(chat_only.recovered_correctly, Some(false), "chat-only: {:?}", chat_only.fault);
+
+    // Nothing of the runs is left: no container on either node, no node A directory.
+    for ctr in [&options.ctr, &node_b.node_b.ctr] {
+        let listing = ctr.run(&["containers", "ls", "-q"]).await.unwrap().stdout_text();
+        let ours = format!("replay-{}-", std::process::id());
+        assert!(!listing.contains(&ours), "{ours}* left in {listing}");
+    }
+    let node_a = checkpoints.path().join("node-a");
+    assert!(std::fs::read_dir(&node_a).map_or(true, |mut dir| dir.next().is_none()), "{}", node_a.display());
 }
 
 #[tokio::test]
@@ -313,21 +462,24 @@ fn combined(names: &[&str]) -> tempfile::NamedTempFile {
     trace_file(&text)
 }
 
-const EVERY_FAULT: [FaultKind; 5] = [
+const EVERY_FAULT: [FaultKind; 6] = [
     FaultKind::KillProcesses,
     FaultKind::KillShim,
     FaultKind::RestartContainerd,
     FaultKind::KillCrabd,
+    FaultKind::ContainerdStateLoss,
     FaultKind::NodeLoss,
 ];
 
 /// Replays `file` under crab and every fault (after turn 2); panics naming every fault whose
 /// recovery the oracle did not judge correct, with its first differences.
 async fn crab_recovers_under_every_fault(file: &std::path::Path) {
+    let node_b = NodeBFixture::start();
     let mut options = options(vec![file.to_path_buf()], "io.containerd.crab.v2");
     options.policies = vec![PolicyKind::Crab];
     options.faults = EVERY_FAULT.to_vec();
     options.ref_runs = 1;
+    options.daemons.node_b = Some(node_b.node_b.clone());
     let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
     let mut failures = Vec::new();
     for kind in EVERY_FAULT {

@@ -33,6 +33,18 @@ use serde_json::Value;
 pub const ACTION_ENV: &str = "CRTOOLS_SCRIPT_ACTION";
 /// runc passes the file this spec annotation names to CRIU as its config file.
 pub const CONFIG_ANNOTATION: &str = "org.criu.config";
+/// Where in a container's bundle the shim keeps crab's CRIU config (its work directory).
+pub const CONFIG_IN_BUNDLE: &str = "crab/criu.conf";
+
+/// Whether `path`, the value of a spec's [`CONFIG_ANNOTATION`], is crab's own config of
+/// container `container`'s bundle (containerd names bundles after their container): what the
+/// shim wrote into that container's spec, not a config the user chose. A spec kept from that
+/// container (its saved copy, a checkpoint pulled from a registry) names it; a container
+/// restored from that spec, under another bundle or on another node, must not read it.
+pub fn is_crab_config_of(path: &str, container: &str) -> bool {
+    Path::new(path).ends_with(Path::new(container).join(CONFIG_IN_BUNDLE))
+}
+
 /// Largest deleted file a dump carries. Its content is stored like any image file
 /// (content-addressed), so a ghost that does not change costs one write.
 pub const GHOST_LIMIT_MIB: u64 = 64;
@@ -228,6 +240,10 @@ mod tests {
     fn a_spec_without_annotations_gets_them_and_a_users_config_wins() {
         let dir = bundle(serde_json::json!({"ociVersion": "1.0.2"}));
         assert!(name_config(dir.path(), &dir.path().join("criu.conf")).unwrap());
+        let crabs = "/run/containerd/io.containerd.runtime.v2.task/ns/sbx-1/crab/criu.conf";
+        assert!(is_crab_config_of(crabs, "sbx-1"));
+        assert!(!is_crab_config_of(crabs, "sbx-10") && !is_crab_config_of(crabs, "bx-1"), "another container's");
+        assert!(!is_crab_config_of("/etc/criu/sbx-1.conf", "sbx-1"), "the user's own");
         let theirs = bundle(serde_json::json!({"annotations": {CONFIG_ANNOTATION: "/etc/criu/mine.conf"}}));
         assert!(!name_config(theirs.path(), &theirs.path().join("criu.conf")).unwrap());
         assert_eq!(annotations(theirs.path())[CONFIG_ANNOTATION], "/etc/criu/mine.conf");

@@ -412,7 +412,7 @@ impl Container {
 
     /// The CRIU config file the spec names (see [`crab_runtime::criu`]).
     fn criu_config_path(&self) -> PathBuf {
-        self.work_dir().join("criu.conf")
+        self.config.bundle.join(crab_runtime::criu::CONFIG_IN_BUNDLE)
     }
 
     /// Names crab's CRIU config in the spec, for every later dump and restore. Without it

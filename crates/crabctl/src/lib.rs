@@ -550,6 +550,15 @@ fn restored_spec(spec: &serde_json::Value, source: &str, turn: u64, new: &str) -
         .as_object_mut()
         .ok_or_else(|| CtlError::Invalid(format!("the annotations of {source}'s spec are not an object")))?;
     annotations.remove(ANNOTATION_RESTORE_FROM);
+    // The source's shim named crab's CRIU config of the source's bundle in the spec it saved;
+    // the new container's shim names its own. Left in, it would name a file of another bundle
+    // (or of another node), and the shim would take it for the user's own config and restore
+    // without its action script: a loopback TCP connection could not come back.
+    let crabs = crab_runtime::criu::CONFIG_ANNOTATION;
+    if annotations.get(crabs).and_then(|v| v.as_str()).is_some_and(|p| crab_runtime::criu::is_crab_config_of(p, source))
+    {
+        annotations.remove(crabs);
+    }
     if turn > 0 {
         annotations.insert(ANNOTATION_RESTORE_FROM.into(), format!("{source}:{turn}").into());
     }
@@ -636,5 +645,18 @@ mod tests {
         assert!(err.contains("\"/tenants/a\"") && err.contains("f's cgroup"), "{err}");
         assert_eq!(renamed_cgroup("system.slice:crab:src", "src", "f").as_deref(), Some("system.slice:crab:f"));
         assert_eq!(renamed_cgroup("/a/xsrc", "src", "f"), None);
+    }
+
+    #[test]
+    fn a_restored_spec_drops_crab_s_criu_config_of_the_source_s_bundle_and_keeps_the_user_s() {
+        let saved = serde_json::json!({"annotations": {
+            "org.criu.config": "/run/containerd/io.containerd.runtime.v2.task/ns/src/crab/criu.conf"}});
+        for (id, turn) in [("src", 2), ("src-f1", 2)] {
+            let spec = restored_spec(&saved, "src", turn, id).unwrap();
+            assert!(spec["annotations"].get("org.criu.config").is_none(), "{id}: {spec}");
+        }
+        let users = serde_json::json!({"annotations": {"org.criu.config": "/etc/criu/src.conf"}});
+        let spec = restored_spec(&users, "src", 2, "src").unwrap();
+        assert_eq!(spec["annotations"]["org.criu.config"], "/etc/criu/src.conf");
     }
 }
