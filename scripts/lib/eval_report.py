@@ -297,6 +297,19 @@ def aggregate(reports, errors, classes):
                 group["off_s"] += off["run_time_s"]
                 group["runs"] += 1
 
+    # Replication (runs that push off the node): per think-time scale, turns looked at and
+    # those whose saved state was in the registry when the next turn started.
+    replication = {}
+    for report in reports:
+        for run in report["runs"]:
+            if run.get("replication"):
+                cell = replication.setdefault(f"{run['policy']} x{report.get('think_scale', 0.0):g}",
+                                              {"turns": 0, "off_node_in_time": 0})
+                cell["turns"] += run["replication"]["turns"]
+                cell["off_node_in_time"] += run["replication"]["off_node_in_time"]
+    for cell in replication.values():
+        cell["pct"] = pct(cell["off_node_in_time"], cell["turns"])
+
     summary = {}
     for name in sorted(policies, key=lambda n: rank(POLICY_ORDER, n)):
         stats = policies[name]
@@ -334,6 +347,7 @@ def aggregate(reports, errors, classes):
         "correctness_judgeable": correctness_cells([r for r in reports if r["trace"] not in unstable]),
         "oracle": oracle_summary(reports),
         "run_time_vs_off": dict(sorted(run_time.items())),
+        "replication": dict(sorted(replication.items())),
         "classes": {
             "turns": total_classified,
             "counts": class_counts,
@@ -520,6 +534,17 @@ def render_markdown(summary, meta):
     lines += ["", "Each policy's run against the `off` run of the same trace and fault, summed; x<scale> is "
               "the factor the recorded think times were replayed at. Fault-free runs measure the overhead; "
               "faulted ones also include the fault and the recovery.", ""]
+
+    if summary.get("replication"):
+        lines += ["## Replication off the node", "",
+                  "| runs | turns looked at | off the node when the next turn started |", "|---|---|---|"]
+        for group, cell in summary["replication"].items():
+            lines.append(f"| {group} | {cell['turns']} | {cell['off_node_in_time']} "
+                         f"({fmt(cell['pct'], '{:.1f}%')}) |")
+        lines += ["", "node-loss runs push every checkpointed turn to the registry by themselves (the shim's "
+                  "queue): at the start of each next turn, on node A, the replay looks whether the newest "
+                  "checkpoint is in the registry. x<scale> is the think-time factor: with 0 the next turn "
+                  "starts as soon as the checkpoint is taken.", ""]
 
     failing = [(name, stats) for name, stats in summary["policies"].items() if stats["first_checkpoint_error"]]
     if failing:

@@ -188,6 +188,12 @@ pub trait RecoveryPolicy: Send {
     /// Node A is gone: from now on the policy works on node B.
     fn move_to_node_b(&mut self);
 
+    /// Whether everything the policy saved of `sandbox` is off the node now; None when the
+    /// policy does not push its checkpoints anywhere.
+    async fn off_node(&mut self, _sandbox: &Sandbox) -> Result<Option<bool>, ReplayError> {
+        Ok(None)
+    }
+
     /// Checks what the policy stored for `container` is complete and intact,
     /// where it keeps a store of its own to check.
     async fn check_store(&mut self, _container: &str) -> Option<StoreCheck> {
@@ -401,6 +407,8 @@ struct CrabPolicy {
     ctr: Ctr,
     state_dir: PathBuf,
     on_node_b: bool,
+    /// The newest turn in the registry when node A was lost (None: nothing was pushed).
+    pushed_turn: Option<u64>,
 }
 
 /// How long a turn's checkpoint may take before the replay gives up on it.
@@ -420,7 +428,7 @@ impl CrabPolicy {
             .and_then(|config| NodeA::load(config).ok())
             .map(|node_a| node_a.config.checkpoint.state_dir)
             .unwrap_or_else(crab_state_dir);
-        CrabPolicy { ctr: launch.ctr.clone(), state_dir, launch, on_node_b: false }
+        CrabPolicy { ctr: launch.ctr.clone(), state_dir, launch, on_node_b: false, pushed_turn: None }
     }
 
     fn ctl(&self) -> Result<crabctl::Ctl, ReplayError> {
@@ -495,7 +503,13 @@ impl RecoveryPolicy for CrabPolicy {
     }
 
     async fn recover(&mut self, dead: Sandbox) -> Result<Recovery, ReplayError> {
-        let (checkpoint_turn, sandbox) = if self.on_node_b {
+        let (checkpoint_turn, sandbox) = if self.on_node_b && self.pushed_turn.is_none() {
+            // No turn had changed anything before node A was lost (every one clean): the
+            // base image is the sandbox's state, on node B as anywhere.
+            dead.remove().await?;
+            let sandbox = self.launch.fresh_on_node_b().await?;
+            (None, sandbox)
+        } else if self.on_node_b {
             // Node B has nothing of the sandbox: crabctl there pulls its chain from the
             // registry (every digest verified) and restores through B's containerd.
             let node_b = self.launch.node_b()?;
@@ -530,6 +544,7 @@ impl RecoveryPolicy for CrabPolicy {
             let head = self.head_turn(&key)?;
             let Some(head) = head else { return Ok(Some("no checkpoint to push before node A was lost".into())) };
             let pushed = ctl.pushed_turns(sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?;
+            self.pushed_turn = pushed.as_ref().and_then(|turns| turns.last().copied());
             if pushed.is_some_and(|turns| turns.contains(&head)) {
                 let waited = started.elapsed().as_secs_f64();
                 return Ok(Some(format!("checkpoint of turn {head} in the registry {waited:.2} s after it was asked")));
@@ -541,6 +556,21 @@ impl RecoveryPolicy for CrabPolicy {
             }
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
+    }
+
+    /// Node A's shim pushes (a run that will lose its node): the newest checkpoint is in the
+    /// registry, or there is none yet.
+    async fn off_node(&mut self, sandbox: &Sandbox) -> Result<Option<bool>, ReplayError> {
+        if self.on_node_b || self.launch.spec.runtime_config.is_none() {
+            return Ok(None);
+        }
+        let ctl = self.ctl()?;
+        let Some(head) = self.head_turn(&ctl.key(sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?)?
+        else {
+            return Ok(Some(true));
+        };
+        let pushed = ctl.pushed_turns(sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?;
+        Ok(Some(pushed.is_some_and(|turns| turns.contains(&head))))
     }
 
     fn move_to_node_b(&mut self) {

@@ -63,7 +63,26 @@ pub struct PolicyRun {
     pub store: Option<StoreCheck>,
     pub run_time_s: f64,
     pub agent_delay: DelaySummary,
+    /// For a policy that pushes its checkpoints off the node: how many turns had everything
+    /// saved so far off the node when the next turn started.
+    pub replication: Option<Replication>,
     pub turns: Vec<TurnReport>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Replication {
+    /// Turns followed by another turn on the same node, whose replication was looked at.
+    pub turns: u32,
+    /// Of those, the turns whose saved state was all off the node when the next one started.
+    pub off_node_in_time: u32,
+}
+
+impl Replication {
+    /// `None` when no turn was looked at (the policy does not push).
+    pub fn of(off_node: impl Iterator<Item = bool>) -> Option<Replication> {
+        let (turns, in_time) = off_node.fold((0, 0), |(n, k), off| (n + 1, k + u32::from(off)));
+        (turns > 0).then_some(Replication { turns, off_node_in_time: in_time })
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -101,6 +120,9 @@ pub struct TurnReport {
     /// What the agent waited for the policy before its next turn: the part
     /// of the checkpoint that outlasted the (scaled) think time before it.
     pub agent_visible_delay_s: f64,
+    /// Whether everything the policy had saved was off the node when the next turn started
+    /// (None: the policy does not push, or no turn followed on this node).
+    pub off_node_before_next_turn: Option<bool>,
     /// Why the policy could not save after this turn.
     pub checkpoint_error: Option<String>,
     pub stdout_sha256: String,
@@ -269,6 +291,17 @@ fn render_trace(out: &mut String, report: &TraceReport) {
                 count("clean"),
                 count("fs"),
                 count("proc")
+            );
+        }
+    }
+    for run in &report.runs {
+        if let Some(replication) = run.replication {
+            let _ = writeln!(
+                out,
+                "{}: off the node when the next turn started: {} of {} turns",
+                run.policy.name(),
+                replication.off_node_in_time,
+                replication.turns
             );
         }
     }

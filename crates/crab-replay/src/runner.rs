@@ -14,7 +14,7 @@ use super::injector::{Daemons, FaultInjector};
 use super::node::NodeA;
 use super::oracle::{Reference, ReferenceRun, TurnResult};
 use super::policy::{Launch, PolicyKind, Recovery, RecoveryMethod, RecoveryPolicy, StoreCheck, TurnCost, discard};
-use super::report::{DelaySummary, FaultReport, PolicyRun, ReferenceSummary, TraceReport, TurnReport};
+use super::report::{DelaySummary, FaultReport, PolicyRun, ReferenceSummary, Replication, TraceReport, TurnReport};
 use super::sandbox::{ExecResult, Sandbox, SandboxSpec};
 use super::shell::ReplayMode;
 use super::trace::Trace;
@@ -221,6 +221,9 @@ struct TurnOutcome {
     checkpoint_error: Option<String>,
     /// How long the agent waited for the policy beyond its think time.
     agent_visible_delay_s: f64,
+    /// Whether what the policy saved was off the node when the next turn started (policies that
+    /// push only).
+    off_node_before_next: Option<bool>,
 }
 
 struct FaultOutcome {
@@ -299,7 +302,7 @@ async fn run(
 ) -> Result<RunOutcome, ReplayError> {
     let started = Instant::now();
     let mut sandbox = launch.fresh().await?;
-    let mut turns = Vec::new();
+    let mut turns: Vec<TurnOutcome> = Vec::new();
     let mut fingerprints = Vec::new();
     let mut fault = None;
     let think = |index: usize| {
@@ -308,6 +311,10 @@ async fn run(
     };
     tokio::time::sleep(think(0)).await;
     for (index, turn) in trace.turns.iter().enumerate() {
+        // The agent's next turn starts now: how far the policy's replication got by then.
+        if let Some(previous) = turns.last_mut() {
+            previous.off_node_before_next = policy.off_node(&sandbox).await?;
+        }
         let exec = sandbox.exec(&turn.cmd, Duration::from_secs_f64(turn.timeout_s)).await?;
         // The policy saves while the agent thinks about its next turn; the
         // agent waits only for what outlasts its thinking.
@@ -350,6 +357,7 @@ async fn run(
             checkpoint_class: cost.class.map(str::to_string),
             checkpoint_error,
             agent_visible_delay_s,
+            off_node_before_next: None,
         });
         if fingerprint_every_turn {
             fingerprints.push(sandbox.fingerprint().await?);
@@ -482,6 +490,7 @@ fn policy_report(
             checkpoint_exported_bytes: turn.checkpoint_exported_bytes,
             checkpoint_class: turn.checkpoint_class.clone(),
             agent_visible_delay_s: turn.agent_visible_delay_s,
+            off_node_before_next_turn: turn.off_node_before_next,
             checkpoint_error: turn.checkpoint_error.clone(),
             stdout_sha256: turn.result.stdout_sha256.clone(),
             stderr_sha256: turn.result.stderr_sha256.clone(),
@@ -507,6 +516,7 @@ fn policy_report(
         ),
         run_time_s: outcome.run_time.as_secs_f64(),
         agent_delay: DelaySummary::of(turns.iter().map(|turn| turn.agent_visible_delay_s)),
+        replication: Replication::of(turns.iter().filter_map(|turn| turn.off_node_before_next_turn)),
         fault,
         turns,
     })

@@ -371,12 +371,19 @@ async fn after_the_loss_of_node_a_crab_and_every_turn_come_back_exactly_on_node_
     // Turns 3 and 4 were checkpointed on node B, on top of the chain pulled from the registry.
     let store = crab.store.as_ref().expect("crab verifies its store");
     assert!(store.ok && store.head_turn == Some(4), "{store:?}");
+    // Node A's replication was looked at when turn 2 started (the later turns ran on node B).
+    let replication = crab.replication.expect("node A's shim pushes");
+    assert_eq!(replication.turns, 1, "{replication:?}");
+    assert!(crab.turns[0].off_node_before_next_turn.is_some(), "{:?}", crab.turns[0]);
+    assert!(crab.turns[1..].iter().all(|turn| turn.off_node_before_next_turn.is_none()), "{:?}", crab.turns);
 
     let every_turn = run_of(&report.runs, PolicyKind::EveryTurn);
     let fault = every_turn.fault.as_ref().unwrap();
     assert_eq!(every_turn.recovered_correctly, Some(true), "every-turn: {fault:?}");
     assert_eq!(fault.recovery, Some(RecoveryMethod::Checkpoint { turn: 2 }));
     assert_eq!(every_turn.turns[2].rc, Some(0));
+
+    assert!(every_turn.replication.is_none(), "every-turn pushes nothing");
 
     let chat_only = run_of(&report.runs, PolicyKind::ChatOnly);
     assert_eq!(chat_only.recovered_correctly, Some(false), "chat-only: {:?}", chat_only.fault);
@@ -389,6 +396,34 @@ async fn after_the_loss_of_node_a_crab_and_every_turn_come_back_exactly_on_node_
     }
     let node_a = checkpoints.path().join("node-a");
     assert!(std::fs::read_dir(&node_a).map_or(true, |mut dir| dir.next().is_none()), "{}", node_a.display());
+}
+
+/// Turns that change nothing before the fault: crab checkpointed nothing, so the registry has
+/// nothing of the sandbox, and node B starts it from the base image, which is its state.
+const CLEAN_FIRST: &str = r#"{"trace": "clean-first-itest", "source": "crab tests", "mode": "exec", "workdir": "/app", "image": "terminal", "turns": 3}
+{"turn": 1, "think_s": 0.1, "cmd": "ls / > /dev/null && echo looked", "timeout_s": 30}
+{"turn": 2, "think_s": 0.1, "cmd": "cat /etc/hostname > /dev/null; echo read", "timeout_s": 30}
+{"turn": 3, "think_s": 0.1, "cmd": "mkdir -p data && echo x > data/x && cat data/x", "timeout_s": 30}
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_that_never_changed_comes_back_on_node_b_from_its_image() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let _containerd = CONTAINERD.lock().await;
+    let file = trace_file(CLEAN_FIRST);
+    let node_b = NodeBFixture::start();
+    let mut options = options(vec![file.path().to_path_buf()], "io.containerd.crab.v2");
+    options.policies = vec![PolicyKind::Crab];
+    options.faults = vec![FaultKind::NodeLoss];
+    options.ref_runs = 1;
+    options.daemons.node_b = Some(node_b.node_b.clone());
+    let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
+    let crab = run_of(&report_for(&reports, FaultKind::NodeLoss).runs, PolicyKind::Crab);
+    let fault = crab.fault.as_ref().unwrap();
+    assert_eq!(crab.recovered_correctly, Some(true), "{fault:?}");
+    assert_eq!(fault.recovery, Some(RecoveryMethod::BaseImage), "{}", fault.detail);
+    assert!(fault.detail.starts_with("no checkpoint to push"), "{}", fault.detail);
+    assert_eq!(crab.turns[2].rc, Some(0), "turn 3 ran on node B");
 }
 
 #[tokio::test]
