@@ -12,6 +12,7 @@
 //! 2. Fan-out: 16 forks of one turn on node B from the registry (the first pulls, the other
 //!    15 at once find the chain in B's store), against one fork of that turn on node A from
 //!    its store; and the bytes pulled against the bytes the turn's push sent (one copy).
+//!    2b: the same with all 16 started at once, from a source B's store does not hold yet.
 //! 3. Drain of 16 sandboxes on node A (`crabctl drain --deadline 90s`, a namespace of its
 //!    own), against `crabctl migrate` of one such sandbox.
 //!
@@ -88,6 +89,98 @@ fn json_of(child: Child, what: &str) -> Result<serde_json::Value, String> {
     serde_json::from_slice(&out.stdout).map_err(|e| format!("{what}: no JSON ({e}): {}", text(&out)))
 }
 
+/// What one fan-out on node B came to.
+struct FanOut {
+    /// Until every fork ran (or the last failed).
+    took: Duration,
+    /// The first fork, alone (staggered), else zero.
+    first: Duration,
+    running: usize,
+    pulls: usize,
+    pulled: u64,
+    failed: Vec<String>,
+}
+
+impl FanOut {
+    fn print(&self, figure: &str, how: &str, one_on_a: Duration, pushed: u64) {
+        let n = self.running + self.failed.len();
+        println!(
+            "figure {figure}, fan-out ({how}): {n} forks of one turn (64 MiB python3) on B from the registry, {} \
+             running in {:.0} ms{}, one fork on A from its store {:.0} ms: ratio {:.2} ({:.2} per fork); {} of {n} \
+             forks pulled, {} bytes in all against {pushed} bytes pushed: ratio {:.3}",
+            self.running,
+            ms(self.took),
+            if self.first.is_zero() {
+                String::new()
+            } else {
+                format!(" (the first, which pulled, in {:.0} ms)", ms(self.first))
+            },
+            ms(one_on_a),
+            self.took.as_secs_f64() / one_on_a.as_secs_f64(),
+            self.took.as_secs_f64() / n as f64 / one_on_a.as_secs_f64(),
+            self.pulls,
+            self.pulled,
+            self.pulled as f64 / pushed as f64,
+        );
+        for e in &self.failed {
+            println!("  a fork failed: {}", e.trim());
+        }
+    }
+}
+
+/// Forks turn 1 of `source` (pushed as `reference`) on `b` as each of `forks`, all at once, or
+/// (`staggered`) the first alone and then the others at once. Each names the image: a fork
+/// that pulls nothing takes it from containerd's record of the source, which B does not have
+/// (without --image those fail: "containerd does not know").
+fn fan_out(b: &Node, source: &str, reference: &str, forks: &[String], staggered: bool) -> FanOut {
+    let spawn = |new: &str| {
+        b.crabctl_command(&[
+            "fork", source, "--turn", "1", "--as", new, "--from", reference, "--image", TERMINAL, "--json",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+    };
+    let clock = Instant::now();
+    let mut reports = Vec::new();
+    let mut failed = Vec::new();
+    let mut rest = forks;
+    let mut first = Duration::ZERO;
+    if staggered {
+        match json_of(spawn(&forks[0]), &forks[0]) {
+            Ok(report) => reports.push(report),
+            Err(e) => failed.push(e),
+        }
+        first = clock.elapsed();
+        rest = &forks[1..];
+    }
+    let children: Vec<_> = rest.iter().map(|id| (id, spawn(id))).collect();
+    for (id, child) in children {
+        match json_of(child, id) {
+            Ok(report) => reports.push(report),
+            Err(e) => failed.push(e),
+        }
+    }
+    let running = || {
+        let tasks = b.ctr_ok(&["tasks", "ls"]);
+        forks.iter().filter(|id| tasks.lines().any(|l| l.starts_with(id.as_str()) && l.contains("RUNNING"))).count()
+    };
+    if failed.is_empty() {
+        wait_for("all forks running on B", Duration::from_secs(60), || running() == forks.len());
+    }
+    let took = clock.elapsed();
+    let pulls: Vec<&serde_json::Value> = reports.iter().map(|r| &r["pull"]).filter(|p| !p.is_null()).collect();
+    FanOut {
+        took,
+        first,
+        running: running(),
+        pulls: pulls.len(),
+        pulled: pulls.iter().map(|p| p["bytes_pulled"].as_u64().unwrap()).sum(),
+        failed,
+    }
+}
+
 /// Runs `scripts/build-images IMAGE` with `env` added (a node, a namespace).
 fn import(env: &[(String, String)], image: &str, into: &str) {
     let out = NodeB::script(env, &["scripts/build-images", image]);
@@ -119,23 +212,24 @@ fn registry_tier_figures() {
     import(&node_b.env, "terminal", "node B");
 
     let pid = std::process::id();
-    let (mem, fan) = (format!("fig-mem-{pid}"), format!("fig-fan-{pid}"));
+    let (mem, fan, fan2) = (format!("fig-mem-{pid}"), format!("fig-fan-{pid}"), format!("fig-fan2-{pid}"));
     let forks: Vec<String> = (0..FORKS).map(|i| format!("fig-fork-{pid}-{i}")).collect();
     let base_fork = format!("fig-fork-{pid}-on-a");
-    for id in [&mem, &fan, &base_fork] {
+    for id in [&mem, &fan, &fan2, &base_fork] {
         a.remove(id);
     }
-    for id in [&mem, &fan].into_iter().chain(&forks) {
+    for id in [&mem, &fan, &fan2].into_iter().chain(&forks) {
         b.remove(id);
     }
 
-    // Two sandboxes on A, each one turn: python3 holding 64 MiB. Both pushed.
-    for id in [&mem, &fan] {
+    // Three sandboxes on A, each one turn: python3 holding 64 MiB. All pushed.
+    let sources = [&mem, &fan, &fan2];
+    for id in sources {
         a.run_sandbox_of(TERMINAL, id, &a_shim_config);
         a.exec(id, HOLD_64_MIB);
     }
     let mut pushed_bytes = Vec::new();
-    for id in [&mem, &fan] {
+    for id in sources {
         wait_for("turn 1's checkpoint on A", Duration::from_secs(120), || has_checkpoint(&a, id, 1));
         let turns = a.crabctl_json(&["turns", id]);
         assert_eq!(turns[0]["class"], "proc", "{turns:#}");
@@ -182,62 +276,18 @@ fn registry_tier_figures() {
     assert_memory_back(&a, &base_fork);
     a.remove(&base_fork);
     a.remove(&fan);
+    a.remove(&fan2);
     // On B: the first fork pulls; the other 15 start at once and find the chain in B's store.
-    // Each names the image: a fork that pulls nothing takes it from containerd's record of the
-    // source, which B does not have (without --image the 15 fail: "containerd does not know").
-    let fan_ref = reference(&fan);
-    let spawn = |new: &str| {
-        b.crabctl_command(&[
-            "fork", &fan, "--turn", "1", "--as", new, "--from", &fan_ref, "--image", TERMINAL, "--json",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap()
-    };
-    let clock = Instant::now();
-    let first = json_of(spawn(&forks[0]), &forks[0]).unwrap();
-    let first_done = clock.elapsed();
-    let children: Vec<_> = forks[1..].iter().map(|id| (id, spawn(id))).collect();
-    let mut reports = vec![first];
-    let mut failed = Vec::new();
-    for (id, child) in children {
-        match json_of(child, id) {
-            Ok(report) => reports.push(report),
-            Err(e) => failed.push(e),
-        }
-    }
-    let running = || {
-        let tasks = b.ctr_ok(&["tasks", "ls"]);
-        let ok = forks.iter().filter(|id| tasks.lines().any(|l| l.starts_with(id.as_str()) && l.contains("RUNNING")));
-        ok.count()
-    };
-    let all_ran = failed.is_empty();
-    if all_ran {
-        wait_for("all forks running on B", Duration::from_secs(60), || running() == FORKS);
-    }
-    let fan_out = clock.elapsed();
-    let pulls: Vec<&serde_json::Value> = reports.iter().map(|r| &r["pull"]).filter(|p| !p.is_null()).collect();
-    let pulled: u64 = pulls.iter().map(|p| p["bytes_pulled"].as_u64().unwrap()).sum();
-    println!(
-        "figure 2, fan-out: {FORKS} forks of one turn (64 MiB python3) on B from the registry, {} running in {:.0} ms \
-         (the first, which pulled, in {:.0} ms), one fork on A from its store {:.0} ms: ratio {:.2} ({:.2} per \
-         fork); {} of {FORKS} forks pulled, {pulled} bytes in all against {} bytes pushed: ratio {:.3}",
-        running(),
-        ms(fan_out),
-        ms(first_done),
-        ms(one_on_a),
-        fan_out.as_secs_f64() / one_on_a.as_secs_f64(),
-        fan_out.as_secs_f64() / FORKS as f64 / one_on_a.as_secs_f64(),
-        pulls.len(),
-        pushed_bytes[1],
-        pulled as f64 / pushed_bytes[1] as f64,
-    );
-    for e in &failed {
-        println!("  a fork failed: {}", e.trim());
-    }
-    assert!(all_ran, "{} of {FORKS} forks failed", failed.len());
+    let staggered = fan_out(&b, &fan, &reference(&fan), &forks, true);
+    staggered.print("2", "the first pulled, then 15 at once", one_on_a, pushed_bytes[1]);
+    assert!(staggered.failed.is_empty(), "{} of {FORKS} forks failed", staggered.failed.len());
     assert_memory_back(&b, &forks[FORKS - 1]);
+    for id in &forks {
+        b.remove(id);
+    }
+    // The same with all 16 started at once, from a source B's store does not hold yet.
+    let at_once = fan_out(&b, &fan2, &reference(&fan2), &forks, false);
+    at_once.print("2b", "all 16 at once", one_on_a, pushed_bytes[2]);
     for id in &forks {
         b.remove(id);
     }
