@@ -446,3 +446,68 @@ fn a_drained_node_s_sandboxes_recover_on_node_b_with_the_printed_command() {
     b.remove(&proc_);
     let _ = std::fs::remove_dir_all(&scratch);
 }
+
+/// Node A with a sandbox whose turns 1 (`/data/a`) and 2 (`/data/b`) are pushed, node B (its
+/// own, `tag`) that knows nothing of it: the sandbox's id, reference (no turn) and the nodes.
+struct Pushed {
+    id: String,
+    reference: String,
+    a: Node,
+    b: Node,
+    _node_b: NodeB,
+    _registry: Registry,
+    scratch: PathBuf,
+}
+
+impl Drop for Pushed {
+    fn drop(&mut self) {
+        self.a.remove(&self.id);
+        let _ = std::fs::remove_dir_all(&self.scratch);
+    }
+}
+
+fn pushed_two_turns(tag: &str) -> Pushed {
+    let registry = Registry::start();
+    let base = crab_config::Config::load(None).expect("the environment's crab config ($CRAB_CONFIG)");
+    let ctrd_dir = env_or("CRAB_CTRD_DIR", "/run/crab-dev");
+    let namespace = env_or("CRAB_NS", "crab");
+    let scratch = PathBuf::from(format!("{}-remote-{tag}", base.checkpoint.state_dir.display()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let mut a_config = base.clone();
+    a_config.checkpoint.state_dir = scratch.join("a-store");
+    a_config.checkpoint.kept_images_dir = PathBuf::from(format!("{ctrd_dir}/remote-{tag}-a-kept"));
+    let a_shim_config = scratch.join("a-shim.toml");
+    write_config(&a_shim_config, &a_config);
+    a_config.remote = crab_config::RemoteConfig { prefix: registry.prefix(), plain_http: true, ..Default::default() };
+    let a = node_a(&a_config, &namespace, &scratch);
+    let (b, node_b) = node_b(&base, &ctrd_dir, tag, &namespace, &scratch);
+    let id = format!("{tag}-{}", std::process::id());
+    a.remove(&id);
+    a.run_sandbox(&id, &a_shim_config);
+    a.exec(&id, "mkdir -p /data && echo one > /data/a");
+    a.exec(&id, "echo two > /data/b");
+    wait_for("turn 2's checkpoint on A", Duration::from_secs(60), || {
+        a.crabctl_json(&["checkpoints", &id]).as_array().unwrap().iter().any(|c| c["turn"] == 2)
+    });
+    let pushed = a.crabctl_json(&["push", &id]);
+    assert_eq!(pushed["head_turn"], 2, "{pushed:#}");
+    let reference = format!("{}/{namespace}/{id}", registry.prefix());
+    Pushed { id, reference, a, b, _node_b: node_b, _registry: registry, scratch }
+}
+
+#[test]
+fn a_second_fork_of_a_pulled_turn_on_node_b_finds_the_image_the_pull_named() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let p = pushed_two_turns("fork-image");
+    let (first, second) = (format!("{}-f1", p.id), format!("{}-f2", p.id));
+    // The first fork pulls turn 1; the artifact names the image, containerd on B never ran the source.
+    let forked = p.b.crabctl_json(&["fork", &p.id, "--turn", "1", "--as", &first, "--from", &p.reference]);
+    assert!(forked["pull"]["bytes_pulled"].as_u64().unwrap() > 0, "{forked:#}");
+    assert_eq!(p.b.exec(&first, "cat /data/a; ls /data").trim(), "one\na");
+    // The second finds turn 1 in B's store, pulls nothing, and still knows the image.
+    let forked = p.b.crabctl_json(&["fork", &p.id, "--turn", "1", "--as", &second, "--from", &p.reference]);
+    assert!(forked["pull"].is_null(), "{forked:#}");
+    assert_eq!(p.b.exec(&second, "cat /data/a; ls /data").trim(), "one\na");
+    p.b.remove(&first);
+    p.b.remove(&second);
+}

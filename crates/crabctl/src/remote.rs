@@ -24,6 +24,37 @@ fn push_logs_dir(state_dir: &Path) -> PathBuf {
     remote_dir(state_dir).join("pushed")
 }
 
+/// What this node pulled of a sandbox from the registry: `<state_dir>/remote/pulled/<namespace>/<sandbox>.json`
+/// (keyed as the push logs are), written once a pull moved the chain's head.
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
+pub struct PulledRecord {
+    /// The reference pulled (`<registry>/<repository>:turn-N`).
+    pub reference: String,
+    /// The turn the chain's head is at after the pull.
+    pub turn: u64,
+    /// The image the artifact names: what a fork or recover of the chain runs when neither
+    /// `--image` nor containerd names one.
+    pub image: Option<String>,
+}
+
+fn pulled_path(state_dir: &Path, namespace: &str, sandbox: &str) -> PathBuf {
+    PushLog::path_in(&remote_dir(state_dir).join("pulled"), namespace, sandbox)
+}
+
+impl PulledRecord {
+    /// The record of `sandbox`, when this node pulled it (an unreadable one counts as none).
+    pub fn load(state_dir: &Path, namespace: &str, sandbox: &str) -> Option<Self> {
+        let bytes = std::fs::read(pulled_path(state_dir, namespace, sandbox)).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+
+    fn save(&self, state_dir: &Path, namespace: &str, sandbox: &str) -> Result<()> {
+        let bytes = serde_json::to_vec_pretty(self).expect("a pulled record always serializes");
+        crab_store::write_file_durably(&pulled_path(state_dir, namespace, sandbox), &bytes)?;
+        Ok(())
+    }
+}
+
 /// A connection to the registry of `[remote]`, under `prefix` (default: the configured one).
 pub fn connect(prefix: Option<&str>) -> Result<Remote> {
     let config = crab_config::Config::load(None)?;
@@ -206,6 +237,14 @@ impl Ctl {
                 crab_store::write_file_durably(&path, spec)?;
             }
         }
+        // The image beside the chain: a later fork or recover that pulls nothing still has it.
+        let namespace = self.ctr.namespace();
+        let kept = PulledRecord::load(&self.state_dir, namespace, container).and_then(|r| r.image);
+        PulledRecord { reference: report.reference.clone(), turn, image: report.image.clone().or(kept) }.save(
+            &self.state_dir,
+            namespace,
+            container,
+        )?;
         Ok((
             turn,
             report.image.clone(),
@@ -221,6 +260,11 @@ impl Ctl {
         ))
     }
 
+    /// The image the artifact named when `container`'s chain was pulled to this node.
+    fn pulled_image(&self, container: &str) -> Option<String> {
+        PulledRecord::load(&self.state_dir, self.ctr.namespace(), container).and_then(|r| r.image)
+    }
+
     /// `recover --from`: the sandbox's chain from the registry, then a recover as after a node loss.
     pub async fn recover_from(
         &self,
@@ -230,9 +274,10 @@ impl Ctl {
     ) -> Result<RemoteRestoreReport> {
         let clock = Instant::now();
         let (_, pulled_image, pull) = self.pull(container, reference, None).await?;
-        let image = image.map(str::to_owned).or(pulled_image).ok_or_else(|| {
-            CtlError::Invalid(format!("{reference} names no image: give the sandbox's image with --image"))
-        })?;
+        let image =
+            image.map(str::to_owned).or(pulled_image).or_else(|| self.pulled_image(container)).ok_or_else(|| {
+                CtlError::Invalid(format!("{reference} names no image: give the sandbox's image with --image"))
+            })?;
         let restore = self.recover(container, Some(&image)).await?;
         Ok(RemoteRestoreReport { restore, pull: Some(pull), total_ms: clock.elapsed().as_secs_f64() * 1e3 })
     }
@@ -255,7 +300,9 @@ impl Ctl {
             let (_, image, pull) = self.pull(source, reference, Some(turn)).await?;
             (Some(pull), image)
         };
-        let image = image.map(str::to_owned).or(pulled_image);
+        // The image: --image, else the pull's, else the one kept beside a chain pulled earlier
+        // (containerd on this node need not know the source), else containerd's.
+        let image = image.map(str::to_owned).or(pulled_image).or_else(|| self.pulled_image(source));
         let restore = self.fork_with_image(source, turn, new, image.as_deref()).await?;
         Ok(RemoteRestoreReport { restore, pull, total_ms: clock.elapsed().as_secs_f64() * 1e3 })
     }
