@@ -511,3 +511,41 @@ fn a_second_fork_of_a_pulled_turn_on_node_b_finds_the_image_the_pull_named() {
     p.b.remove(&first);
     p.b.remove(&second);
 }
+
+#[test]
+fn a_fork_of_a_later_turn_on_node_b_extends_the_chain_an_earlier_fork_pulled() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let p = pushed_two_turns("fork-extend");
+    let (first, second) = (format!("{}-f1", p.id), format!("{}-f2", p.id));
+    let one = p.b.crabctl_json(&["fork", &p.id, "--turn", "1", "--as", &first, "--from", &p.reference]);
+    assert!(one["pull"]["bytes_pulled"].as_u64().unwrap() > 0, "{one:#}");
+    // Turn 2 on top of the pulled turn 1: only what turn 1 lacks comes (its objects, the manifest).
+    let two = p.b.crabctl_json(&["fork", &p.id, "--turn", "2", "--as", &second, "--from", &p.reference]);
+    let (first_bytes, more) = (one["pull"]["bytes_pulled"].as_u64().unwrap(), &two["pull"]);
+    assert!(more["manifests_pulled"] == 1 && more["bytes_pulled"].as_u64().unwrap() > 0, "{two:#}");
+    assert!(more["bytes_pulled"].as_u64().unwrap() < first_bytes, "turn 1's objects are not pulled again: {two:#}");
+    assert_eq!(p.b.exec(&second, "cat /data/a /data/b").trim(), "one\ntwo");
+    // A chain of another sandbox (three turns of its own) is no extension of this one: the
+    // store finds B's turn 2 is not its link and refuses; B's chain stays at turn 2.
+    let other = format!("{}-other", p.id);
+    p.a.remove(&other);
+    p.a.run_sandbox(&other, &p.scratch.join("a-shim.toml"));
+    for (n, script) in ["mkdir -p /data && echo x > /data/x", "echo y > /data/y", "echo z > /data/z"].iter().enumerate()
+    {
+        p.a.exec(&other, script);
+        wait_for("the other sandbox's turn", Duration::from_secs(60), || {
+            p.a.crabctl_json(&["checkpoints", &other]).as_array().unwrap().iter().any(|c| c["turn"] == n + 1)
+        });
+    }
+    p.a.crabctl_json(&["push", &other]);
+    let other_ref = p.reference.replace(&p.id, &other);
+    let third = format!("{}-f3", p.id);
+    let out = p.b.crabctl(&["fork", &p.id, "--turn", "3", "--as", &third, "--from", &other_ref]);
+    assert!(!out.status.success() && text(&out).contains("diverged"), "{}", text(&out));
+    p.a.remove(&other);
+    let heads = p.b.crabctl_json(&["checkpoints", &p.id]);
+    let turns: Vec<_> = heads.as_array().unwrap().iter().map(|c| c["turn"].as_u64().unwrap()).collect();
+    assert!(turns.contains(&1) && turns.contains(&2), "{heads:#}");
+    p.b.remove(&first);
+    p.b.remove(&second);
+}

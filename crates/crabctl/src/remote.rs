@@ -195,13 +195,16 @@ impl Ctl {
 
     /// Pulls `reference` (its turn, or the newest; `turn` must agree with the tag when both
     /// are given) into the local store as the chain of `container`. Returns the turn, the
-    /// image the artifact names, and what the pull moved. Refused before anything is pulled
-    /// when `container` already has a chain here.
+    /// image the artifact names, and what the pull moved. When `container` already has a chain
+    /// here, refused before anything is pulled, unless `extend`: a local chain that is a prefix
+    /// of the registry's (every turn of it is the registry's, by manifest) is extended with
+    /// the later turns (only what the store lacks is pulled); one that diverged is refused.
     async fn pull(
         &self,
         container: &str,
         reference: &str,
         turn: Option<u64>,
+        extend: bool,
     ) -> Result<(u64, Option<String>, PullSummary)> {
         let clock = Instant::now();
         let (prefix, namespace, sandbox, tagged) = chain::parse_reference(reference)?;
@@ -213,7 +216,10 @@ impl Ctl {
             (None, None) => None,
         };
         let key = self.key(container)?;
-        if let Some(head) = self.store.head(&key)? {
+        let over = self.store.head(&key)?;
+        if let Some(head) = over
+            && !extend
+        {
             return Err(CtlError::Invalid(format!(
                 "{container:?} already has a chain in {} (head turn {}): nothing is pulled over it; \
                  recover it without --from, or pull into another name",
@@ -222,15 +228,38 @@ impl Ctl {
             )));
         }
         let remote = connect(Some(&prefix))?;
-        let turn =
-            match turn {
-                Some(t) => t,
-                None => *remote.list_turns(&namespace, &sandbox).await?.last().ok_or_else(|| {
-                    CtlError::Invalid(format!("{reference}: the repository holds no checkpointed turn"))
-                })?,
-            };
+        let listed = match (turn, over) {
+            (Some(_), None) => Vec::new(),
+            _ => remote.list_turns(&namespace, &sandbox).await?,
+        };
+        let turn = match turn {
+            Some(t) => t,
+            None => *listed
+                .last()
+                .ok_or_else(|| CtlError::Invalid(format!("{reference}: the repository holds no checkpointed turn")))?,
+        };
+        if let Some(head) = over {
+            // Only a prefix of the registry's chain is extended: every local turn must be one the
+            // registry has (the store checks each manifest against the pulled chain's links), and
+            // the turn asked for must come after them.
+            let local: Vec<u64> = self.store.history(&key)?.iter().map(|c| c.turn).collect();
+            let foreign: Vec<u64> = local.iter().copied().filter(|t| !listed.contains(t)).collect();
+            if !foreign.is_empty() || head.turn >= turn {
+                let why = if foreign.is_empty() {
+                    format!("it lacks turn {turn} but holds turns up to {}", head.turn)
+                } else {
+                    format!("the registry does not have its turns {foreign:?}")
+                };
+                return Err(CtlError::Invalid(format!(
+                    "{container:?} already has a chain in {} (head turn {}) that has diverged from {reference}: \
+                     {why}; nothing is pulled over it, pull into another name",
+                    self.state_dir.display(),
+                    head.turn
+                )));
+            }
+        }
         let store = self.store.clone();
-        let report = chain::pull_chain(&remote, &namespace, &sandbox, turn, &store, &key).await?;
+        let report = chain::pull_chain(&remote, &namespace, &sandbox, turn, &store, &key, over).await?;
         if let Some(spec) = &report.spec {
             let path = crab_store::saved_spec_path_of(&self.state_dir, &key)?;
             if !path.exists() {
@@ -273,7 +302,7 @@ impl Ctl {
         image: Option<&str>,
     ) -> Result<RemoteRestoreReport> {
         let clock = Instant::now();
-        let (_, pulled_image, pull) = self.pull(container, reference, None).await?;
+        let (_, pulled_image, pull) = self.pull(container, reference, None, false).await?;
         let image =
             image.map(str::to_owned).or(pulled_image).or_else(|| self.pulled_image(container)).ok_or_else(|| {
                 CtlError::Invalid(format!("{reference} names no image: give the sandbox's image with --image"))
@@ -283,7 +312,8 @@ impl Ctl {
     }
 
     /// `fork --from`: `source`'s chain from the registry (unless the local store holds turn
-    /// `turn` of it already), then a fork as today.
+    /// `turn` of it already; a local chain that is a prefix of the registry's is extended up to
+    /// `turn`), then a fork as today.
     pub async fn fork_from(
         &self,
         source: &str,
@@ -297,7 +327,7 @@ impl Ctl {
         let (pull, pulled_image) = if held {
             (None, None)
         } else {
-            let (_, image, pull) = self.pull(source, reference, Some(turn)).await?;
+            let (_, image, pull) = self.pull(source, reference, Some(turn), true).await?;
             (Some(pull), image)
         };
         // The image: --image, else the pull's, else the one kept beside a chain pulled earlier
