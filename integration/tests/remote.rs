@@ -466,6 +466,14 @@ impl Drop for Pushed {
     }
 }
 
+/// True once `node`'s store holds a checkpoint of `id`'s turn `turn` (none yet: false).
+fn has_checkpoint(node: &Node, id: &str, turn: u64) -> bool {
+    let out = node.crabctl(&["checkpoints", id, "--json"]);
+    out.status.success()
+        && serde_json::from_slice::<serde_json::Value>(&out.stdout)
+            .is_ok_and(|v| v.as_array().is_some_and(|a| a.iter().any(|c| c["turn"] == turn)))
+}
+
 fn pushed_two_turns(tag: &str) -> Pushed {
     let registry = Registry::start();
     let base = crab_config::Config::load(None).expect("the environment's crab config ($CRAB_CONFIG)");
@@ -486,9 +494,7 @@ fn pushed_two_turns(tag: &str) -> Pushed {
     a.run_sandbox(&id, &a_shim_config);
     a.exec(&id, "mkdir -p /data && echo one > /data/a");
     a.exec(&id, "echo two > /data/b");
-    wait_for("turn 2's checkpoint on A", Duration::from_secs(60), || {
-        a.crabctl_json(&["checkpoints", &id]).as_array().unwrap().iter().any(|c| c["turn"] == 2)
-    });
+    wait_for("turn 2's checkpoint on A", Duration::from_secs(60), || has_checkpoint(&a, &id, 2));
     let pushed = a.crabctl_json(&["push", &id]);
     assert_eq!(pushed["head_turn"], 2, "{pushed:#}");
     let reference = format!("{}/{namespace}/{id}", registry.prefix());
@@ -533,9 +539,7 @@ fn a_fork_of_a_later_turn_on_node_b_extends_the_chain_an_earlier_fork_pulled() {
     for (n, script) in ["mkdir -p /data && echo x > /data/x", "echo y > /data/y", "echo z > /data/z"].iter().enumerate()
     {
         p.a.exec(&other, script);
-        wait_for("the other sandbox's turn", Duration::from_secs(60), || {
-            p.a.crabctl_json(&["checkpoints", &other]).as_array().unwrap().iter().any(|c| c["turn"] == n + 1)
-        });
+        wait_for("the other sandbox's turn", Duration::from_secs(60), || has_checkpoint(&p.a, &other, n as u64 + 1));
     }
     p.a.crabctl_json(&["push", &other]);
     let other_ref = p.reference.replace(&p.id, &other);
@@ -548,4 +552,27 @@ fn a_fork_of_a_later_turn_on_node_b_extends_the_chain_an_earlier_fork_pulled() {
     assert!(turns.contains(&1) && turns.contains(&2), "{heads:#}");
     p.b.remove(&first);
     p.b.remove(&second);
+}
+
+#[test]
+fn concurrent_forks_of_one_source_on_node_b_pull_its_chain_once() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let p = pushed_two_turns("fork-once");
+    let forks: Vec<String> = (0..4).map(|i| format!("{}-f{i}", p.id)).collect();
+    let outs: Vec<serde_json::Value> = std::thread::scope(|s| {
+        let running: Vec<_> = forks
+            .iter()
+            .map(|new| {
+                let (b, id, reference) = (&p.b, &p.id, &p.reference);
+                s.spawn(move || b.crabctl_json(&["fork", id, "--turn", "2", "--as", new, "--from", reference]))
+            })
+            .collect();
+        running.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    let pulls = outs.iter().filter(|o| !o["pull"].is_null()).count();
+    assert_eq!(pulls, 1, "one fork pulls, the others find its chain: {outs:#?}");
+    for new in &forks {
+        assert_eq!(p.b.exec(new, "cat /data/a /data/b").trim(), "one\ntwo");
+        p.b.remove(new);
+    }
 }

@@ -41,6 +41,38 @@ fn pulled_path(state_dir: &Path, namespace: &str, sandbox: &str) -> PathBuf {
     PushLog::path_in(&remote_dir(state_dir).join("pulled"), namespace, sandbox)
 }
 
+/// How long a pull waits for another pull of the same sandbox on this node to finish.
+const PULL_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Holds `<state_dir>/remote/pulling/<namespace>/<sandbox>.lock` (flock, exclusive) while a
+/// pull of the sandbox checks what the store holds and pulls the rest: concurrent pulls of one
+/// source on one node run one after the other, and the later ones find the first's chain.
+/// Released when dropped (the lock goes with the descriptor, also when the process dies).
+async fn lock_pull(state_dir: &Path, namespace: &str, sandbox: &str) -> Result<std::fs::File> {
+    let path = PushLog::path_in(&remote_dir(state_dir).join("pulling"), namespace, sandbox).with_extension("lock");
+    let io = |what: &str, e: std::io::Error| CtlError::Invalid(format!("{what} {}: {e}", path.display()));
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| io("create the directory of", e))?;
+    }
+    let file =
+        std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(|e| io("open", e))?;
+    let deadline = Instant::now() + PULL_LOCK_TIMEOUT;
+    loop {
+        match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => return Ok(file),
+            Err(rustix::io::Errno::WOULDBLOCK) if Instant::now() < deadline => tokio::time::sleep(POLL).await,
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                return Err(CtlError::Invalid(format!(
+                    "another pull of {namespace}/{sandbox} on this node held {} for {} s: try again once it is done",
+                    path.display(),
+                    PULL_LOCK_TIMEOUT.as_secs()
+                )));
+            }
+            Err(e) => return Err(io("lock", e.into())),
+        }
+    }
+}
+
 impl PulledRecord {
     /// The record of `sandbox`, when this node pulled it (an unreadable one counts as none).
     pub fn load(state_dir: &Path, namespace: &str, sandbox: &str) -> Option<Self> {
@@ -302,7 +334,9 @@ impl Ctl {
         image: Option<&str>,
     ) -> Result<RemoteRestoreReport> {
         let clock = Instant::now();
+        let lock = lock_pull(&self.state_dir, self.ctr.namespace(), container).await?;
         let (_, pulled_image, pull) = self.pull(container, reference, None, false).await?;
+        drop(lock);
         let image =
             image.map(str::to_owned).or(pulled_image).or_else(|| self.pulled_image(container)).ok_or_else(|| {
                 CtlError::Invalid(format!("{reference} names no image: give the sandbox's image with --image"))
@@ -323,6 +357,9 @@ impl Ctl {
         image: Option<&str>,
     ) -> Result<RemoteRestoreReport> {
         let clock = Instant::now();
+        // The check and the pull under the sandbox's pull lock: a concurrent fork of the same
+        // source waits, then finds the turn held.
+        let lock = lock_pull(&self.state_dir, self.ctr.namespace(), source).await?;
         let held = self.store.history(&self.key(source)?).is_ok_and(|h| h.iter().any(|c| c.turn == turn));
         let (pull, pulled_image) = if held {
             (None, None)
@@ -330,6 +367,7 @@ impl Ctl {
             let (_, image, pull) = self.pull(source, reference, Some(turn), true).await?;
             (Some(pull), image)
         };
+        drop(lock);
         // The image: --image, else the pull's, else the one kept beside a chain pulled earlier
         // (containerd on this node need not know the source), else containerd's.
         let image = image.map(str::to_owned).or(pulled_image).or_else(|| self.pulled_image(source));
