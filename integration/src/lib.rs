@@ -19,6 +19,7 @@ pub mod events;
 pub mod host;
 pub mod matrix;
 pub mod pty;
+pub mod remote;
 pub mod sandbox;
 
 use std::time::Duration;

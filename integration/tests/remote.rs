@@ -5,193 +5,18 @@
 //! fail clearly at this layer (a sandbox the registry does not hold, the registry down) and
 //! what must then still be there.
 //!
-//! Node A is the private containerd of the environment (`scripts/containerd`, CRAB_CTRD_*),
-//! its sandbox with a store of its own (a config given by `--runtime-config-path`) so deleting
-//! it touches nothing else. Node B is started here (`scripts/containerd start` with
-//! CRAB_CTRD_DIR=`$CRAB_CTRD_DIR-b`), with `crab.local/busybox:latest` imported from the image
-//! cache, and stopped at the end when this test started it.
+//! The nodes and the registry are `crab_integration::remote`'s: node A the environment's
+//! containerd, node B a second one started here (per test) and stopped at the end when this
+//! test started it.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crab_integration::env::crab_binary;
-
-const IMAGE: &str = "crab.local/busybox:latest";
-
-fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn env_or(name: &str, default: &str) -> String {
-    std::env::var(name).ok().filter(|v| !v.is_empty()).unwrap_or_else(|| default.to_owned())
-}
-
-fn text(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
-}
-
-/// One node: a containerd socket and the crab config its crabctl reads.
-#[derive(Clone)]
-struct Node {
-    name: &'static str,
-    socket: String,
-    namespace: String,
-    config: PathBuf,
-    state: PathBuf,
-}
-
-impl Node {
-    fn ctr(&self, args: &[&str]) -> Output {
-        Command::new("ctr").args(["-a", &self.socket, "-n", &self.namespace]).args(args).output().expect("run ctr")
-    }
-
-    fn ctr_ok(&self, args: &[&str]) -> String {
-        let out = self.ctr(args);
-        assert!(out.status.success(), "node {}: ctr {args:?}: {}", self.name, text(&out));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    /// Starts sandbox `id` (busybox sleeping) under crab with the shim config `shim_config`.
-    fn run_sandbox(&self, id: &str, shim_config: &Path) {
-        let config = shim_config.display().to_string();
-        let run = ["run", "-d", "--runtime", "io.containerd.crab.v2", "--runtime-config-path", &config, IMAGE, id];
-        let args: Vec<&str> = run.into_iter().chain(["sleep", "3600"]).collect();
-        self.ctr_ok(&args);
-    }
-
-    fn exec(&self, id: &str, script: &str) -> String {
-        let exec_id =
-            format!("x{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
-        self.ctr_ok(&["tasks", "exec", "--exec-id", &exec_id, id, "sh", "-c", script])
-    }
-
-    fn crabctl(&self, args: &[&str]) -> Output {
-        Command::new(crab_binary("crabctl"))
-            .args(args)
-            .env("CRAB_CONFIG", &self.config)
-            .env("CRAB_STATE_DIR", &self.state)
-            .env("CRAB_CTRD_SOCK", &self.socket)
-            .env("CRAB_NS", &self.namespace)
-            .output()
-            .expect("run crabctl")
-    }
-
-    fn crabctl_json(&self, args: &[&str]) -> serde_json::Value {
-        let mut all = args.to_vec();
-        all.push("--json");
-        let out = self.crabctl(&all);
-        assert!(out.status.success(), "node {}: crabctl {args:?}: {}", self.name, text(&out));
-        serde_json::from_slice(&out.stdout)
-            .unwrap_or_else(|e| panic!("crabctl {args:?} printed no JSON ({e}): {}", text(&out)))
-    }
-
-    fn remove(&self, id: &str) {
-        let _ = self.ctr(&["tasks", "kill", "--signal", "SIGKILL", id]);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !self.ctr(&["tasks", "delete", "--force", id]).status.success() && Instant::now() < deadline {
-            if !String::from_utf8_lossy(&self.ctr(&["tasks", "ls", "-q"]).stdout).lines().any(|l| l.trim() == id) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = self.ctr(&["containers", "delete", id]);
-    }
-}
-
-/// A docker-registry on a free port with its storage in a temporary directory, stopped on drop.
-struct Registry {
-    dir: tempfile::TempDir,
-    port: u16,
-}
-
-impl Registry {
-    fn start() -> Registry {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let registry = Registry { dir: tempfile::Builder::new().prefix("crab-registry-").tempdir().unwrap(), port };
-        registry.run("start");
-        registry
-    }
-
-    fn run(&self, cmd: &str) {
-        let out = Command::new(repo_root().join("scripts/registry"))
-            .arg(cmd)
-            .arg("--dir")
-            .arg(self.dir.path())
-            .arg("--port")
-            .arg(self.port.to_string())
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "scripts/registry {cmd}: {}", text(&out));
-    }
-
-    fn prefix(&self) -> String {
-        format!("127.0.0.1:{}/crab", self.port)
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ =
-            Command::new(repo_root().join("scripts/registry")).arg("stop").arg("--dir").arg(self.dir.path()).output();
-    }
-}
-
-/// Node B's containerd, stopped (with its shims, and the crabd a shim of B started) on drop
-/// when this test started it.
-struct NodeB {
-    env: Vec<(String, String)>,
-    crabd_socket: PathBuf,
-    started: bool,
-}
-
-impl NodeB {
-    fn script(env: &[(String, String)], args: &[&str]) -> Output {
-        Command::new("bash").args(args).current_dir(repo_root()).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap()
-    }
-
-    fn start(env: Vec<(String, String)>, crabd_socket: PathBuf) -> NodeB {
-        let running = Self::script(&env, &["scripts/containerd", "status"]).status.success();
-        if !running {
-            let out = Self::script(&env, &["scripts/containerd", "start"]);
-            assert!(out.status.success(), "starting node B's containerd: {}", text(&out));
-        }
-        let out = Self::script(&env, &["scripts/build-images", "busybox"]);
-        assert!(out.status.success(), "importing busybox into node B: {}", text(&out));
-        NodeB { env, crabd_socket, started: !running }
-    }
-}
-
-impl Drop for NodeB {
-    fn drop(&mut self) {
-        if self.started {
-            let _ = Self::script(&self.env, &["scripts/containerd", "stop", "--all"]);
-            // A shim starts the node's crabd when none answers; `stop --all` leaves it.
-            let socket = self.crabd_socket.display().to_string();
-            for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-                let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
-                let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-                let is_crabd = args.first().is_some_and(|a| a.ends_with(b"/crabd"));
-                if is_crabd && args.windows(2).any(|w| w[0] == b"--socket" && w[1] == socket.as_bytes()) {
-                    let _ = Command::new("kill").arg(entry.file_name()).status();
-                }
-            }
-        }
-    }
-}
-
-fn write_config(path: &Path, config: &crab_config::Config) {
-    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    std::fs::write(path, config.to_toml().unwrap()).unwrap();
-}
-
-fn wait_for(what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !ready() {
-        assert!(Instant::now() < deadline, "{what}: not after {timeout:?}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
+use crab_integration::remote::{
+    IMAGE, Node, NodeB, Registry, env_or, node_a, node_b, repo_root, text, wait_for, write_config,
+};
 
 /// The counter's secret (only in the shell's memory) and its count, from `/data/counter`.
 fn counter(out: &str) -> (String, u64) {
@@ -453,54 +278,6 @@ fn checkpointed_turns_leave_the_node_by_themselves_and_resume_when_the_registry_
     let _ = std::fs::remove_dir_all(&config.checkpoint.kept_images_dir);
 }
 
-/// Node B: a second containerd, runc root, store, kept images and crabd socket on this
-/// machine, its config under `scratch`; its containerd is stopped on drop when this started it.
-/// Each test has a node B of its own (`tag`): tests run in parallel, and one that stopped a
-/// shared node B would kill the other's shims (two that started it at once collided).
-/// Node A: the environment's containerd, with `config` (its own store) as `<scratch>/a.toml`.
-fn node_a(config: &crab_config::Config, namespace: &str, scratch: &Path) -> Node {
-    let a = Node {
-        name: "A",
-        socket: env_or("CRAB_CTRD_SOCK", crab_containerd::ctr::DEFAULT_SOCKET),
-        namespace: namespace.to_owned(),
-        config: scratch.join("a.toml"),
-        state: config.checkpoint.state_dir.clone(),
-    };
-    write_config(&a.config, config);
-    a
-}
-
-fn node_b(base: &crab_config::Config, ctrd_dir: &str, tag: &str, namespace: &str, scratch: &Path) -> (Node, NodeB) {
-    let b_dir = format!("{ctrd_dir}-b-{tag}");
-    let mut b_config = base.clone();
-    b_config.runtime.root = PathBuf::from(format!("{b_dir}/runc"));
-    b_config.checkpoint.state_dir = scratch.join("b-store");
-    b_config.checkpoint.kept_images_dir = PathBuf::from(format!("{b_dir}/kept-images"));
-    b_config.node.socket = PathBuf::from(format!("{b_dir}/crabd/crabd.sock"));
-    b_config.remote = crab_config::RemoteConfig { plain_http: true, ..Default::default() };
-    let b = Node {
-        name: "B",
-        socket: format!("{b_dir}/containerd.sock"),
-        namespace: namespace.to_owned(),
-        config: scratch.join("b.toml"),
-        state: b_config.checkpoint.state_dir.clone(),
-    };
-    write_config(&b.config, &b_config);
-    let started = NodeB::start(
-        vec![
-            ("CRAB_CTRD_DIR".into(), b_dir.clone()),
-            ("CRAB_CTRD_ROOT".into(), format!("{}-b-{tag}", env_or("CRAB_CTRD_ROOT", "/var/lib/crab-dev/containerd"))),
-            ("CRAB_CTRD_SOCK".into(), b.socket.clone()),
-            ("CRAB_CONFIG".into(), b.config.display().to_string()),
-            ("CRAB_NS".into(), namespace.to_owned()),
-            ("CONTAINERD_ADDRESS".into(), b.socket.clone()),
-            ("CONTAINERD_NAMESPACE".into(), namespace.to_owned()),
-        ],
-        b_config.node.socket.clone(),
-    );
-    (b, started)
-}
-
 /// Spot drain: three sandboxes on node A (in a namespace of their own, so the drain sees only
 /// them), `crabctl drain` pushes each one's turns, most outstanding first, and prints per
 /// sandbox the turn off the node and the command that restores it; node A is then gone and
@@ -668,4 +445,134 @@ fn a_drained_node_s_sandboxes_recover_on_node_b_with_the_printed_command() {
     other.remove(&plain);
     b.remove(&proc_);
     let _ = std::fs::remove_dir_all(&scratch);
+}
+
+/// Node A with a sandbox whose turns 1 (`/data/a`) and 2 (`/data/b`) are pushed, node B (its
+/// own, `tag`) that knows nothing of it: the sandbox's id, reference (no turn) and the nodes.
+struct Pushed {
+    id: String,
+    reference: String,
+    a: Node,
+    b: Node,
+    _node_b: NodeB,
+    _registry: Registry,
+    scratch: PathBuf,
+}
+
+impl Drop for Pushed {
+    fn drop(&mut self) {
+        self.a.remove(&self.id);
+        let _ = std::fs::remove_dir_all(&self.scratch);
+    }
+}
+
+/// True once `node`'s store holds a checkpoint of `id`'s turn `turn` (none yet: false).
+fn has_checkpoint(node: &Node, id: &str, turn: u64) -> bool {
+    let out = node.crabctl(&["checkpoints", id, "--json"]);
+    out.status.success()
+        && serde_json::from_slice::<serde_json::Value>(&out.stdout)
+            .is_ok_and(|v| v.as_array().is_some_and(|a| a.iter().any(|c| c["turn"] == turn)))
+}
+
+fn pushed_two_turns(tag: &str) -> Pushed {
+    let registry = Registry::start();
+    let base = crab_config::Config::load(None).expect("the environment's crab config ($CRAB_CONFIG)");
+    let ctrd_dir = env_or("CRAB_CTRD_DIR", "/run/crab-dev");
+    let namespace = env_or("CRAB_NS", "crab");
+    let scratch = PathBuf::from(format!("{}-remote-{tag}", base.checkpoint.state_dir.display()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let mut a_config = base.clone();
+    a_config.checkpoint.state_dir = scratch.join("a-store");
+    a_config.checkpoint.kept_images_dir = PathBuf::from(format!("{ctrd_dir}/remote-{tag}-a-kept"));
+    let a_shim_config = scratch.join("a-shim.toml");
+    write_config(&a_shim_config, &a_config);
+    a_config.remote = crab_config::RemoteConfig { prefix: registry.prefix(), plain_http: true, ..Default::default() };
+    let a = node_a(&a_config, &namespace, &scratch);
+    let (b, node_b) = node_b(&base, &ctrd_dir, tag, &namespace, &scratch);
+    let id = format!("{tag}-{}", std::process::id());
+    a.remove(&id);
+    a.run_sandbox(&id, &a_shim_config);
+    a.exec(&id, "mkdir -p /data && echo one > /data/a");
+    a.exec(&id, "echo two > /data/b");
+    wait_for("turn 2's checkpoint on A", Duration::from_secs(60), || has_checkpoint(&a, &id, 2));
+    let pushed = a.crabctl_json(&["push", &id]);
+    assert_eq!(pushed["head_turn"], 2, "{pushed:#}");
+    let reference = format!("{}/{namespace}/{id}", registry.prefix());
+    Pushed { id, reference, a, b, _node_b: node_b, _registry: registry, scratch }
+}
+
+#[test]
+fn a_second_fork_of_a_pulled_turn_on_node_b_finds_the_image_the_pull_named() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let p = pushed_two_turns("fork-image");
+    let (first, second) = (format!("{}-f1", p.id), format!("{}-f2", p.id));
+    // The first fork pulls turn 1; the artifact names the image, containerd on B never ran the source.
+    let forked = p.b.crabctl_json(&["fork", &p.id, "--turn", "1", "--as", &first, "--from", &p.reference]);
+    assert!(forked["pull"]["bytes_pulled"].as_u64().unwrap() > 0, "{forked:#}");
+    assert_eq!(p.b.exec(&first, "cat /data/a; ls /data").trim(), "one\na");
+    // The second finds turn 1 in B's store, pulls nothing, and still knows the image.
+    let forked = p.b.crabctl_json(&["fork", &p.id, "--turn", "1", "--as", &second, "--from", &p.reference]);
+    assert!(forked["pull"].is_null(), "{forked:#}");
+    assert_eq!(p.b.exec(&second, "cat /data/a; ls /data").trim(), "one\na");
+    p.b.remove(&first);
+    p.b.remove(&second);
+}
+
+#[test]
+fn a_fork_of_a_later_turn_on_node_b_extends_the_chain_an_earlier_fork_pulled() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let p = pushed_two_turns("fork-extend");
+    let (first, second) = (format!("{}-f1", p.id), format!("{}-f2", p.id));
+    let one = p.b.crabctl_json(&["fork", &p.id, "--turn", "1", "--as", &first, "--from", &p.reference]);
+    assert!(one["pull"]["bytes_pulled"].as_u64().unwrap() > 0, "{one:#}");
+    // Turn 2 on top of the pulled turn 1: only what turn 1 lacks comes (its objects, the manifest).
+    let two = p.b.crabctl_json(&["fork", &p.id, "--turn", "2", "--as", &second, "--from", &p.reference]);
+    let (first_bytes, more) = (one["pull"]["bytes_pulled"].as_u64().unwrap(), &two["pull"]);
+    assert!(more["manifests_pulled"] == 1 && more["bytes_pulled"].as_u64().unwrap() > 0, "{two:#}");
+    assert!(more["bytes_pulled"].as_u64().unwrap() < first_bytes, "turn 1's objects are not pulled again: {two:#}");
+    assert_eq!(p.b.exec(&second, "cat /data/a /data/b").trim(), "one\ntwo");
+    // A chain of another sandbox (three turns of its own) is no extension of this one: the
+    // store finds B's turn 2 is not its link and refuses; B's chain stays at turn 2.
+    let other = format!("{}-other", p.id);
+    p.a.remove(&other);
+    p.a.run_sandbox(&other, &p.scratch.join("a-shim.toml"));
+    for (n, script) in ["mkdir -p /data && echo x > /data/x", "echo y > /data/y", "echo z > /data/z"].iter().enumerate()
+    {
+        p.a.exec(&other, script);
+        wait_for("the other sandbox's turn", Duration::from_secs(60), || has_checkpoint(&p.a, &other, n as u64 + 1));
+    }
+    p.a.crabctl_json(&["push", &other]);
+    let other_ref = p.reference.replace(&p.id, &other);
+    let third = format!("{}-f3", p.id);
+    let out = p.b.crabctl(&["fork", &p.id, "--turn", "3", "--as", &third, "--from", &other_ref]);
+    assert!(!out.status.success() && text(&out).contains("diverged"), "{}", text(&out));
+    p.a.remove(&other);
+    let heads = p.b.crabctl_json(&["checkpoints", &p.id]);
+    let turns: Vec<_> = heads.as_array().unwrap().iter().map(|c| c["turn"].as_u64().unwrap()).collect();
+    assert!(turns.contains(&1) && turns.contains(&2), "{heads:#}");
+    p.b.remove(&first);
+    p.b.remove(&second);
+}
+
+#[test]
+fn concurrent_forks_of_one_source_on_node_b_pull_its_chain_once() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let p = pushed_two_turns("fork-once");
+    let forks: Vec<String> = (0..4).map(|i| format!("{}-f{i}", p.id)).collect();
+    let outs: Vec<serde_json::Value> = std::thread::scope(|s| {
+        let running: Vec<_> = forks
+            .iter()
+            .map(|new| {
+                let (b, id, reference) = (&p.b, &p.id, &p.reference);
+                s.spawn(move || b.crabctl_json(&["fork", id, "--turn", "2", "--as", new, "--from", reference]))
+            })
+            .collect();
+        running.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    let pulls = outs.iter().filter(|o| !o["pull"].is_null()).count();
+    assert_eq!(pulls, 1, "one fork pulls, the others find its chain: {outs:#?}");
+    for new in &forks {
+        assert_eq!(p.b.exec(new, "cat /data/a /data/b").trim(), "one\ntwo");
+        p.b.remove(new);
+    }
 }

@@ -346,7 +346,9 @@ pub struct ChainPullReport {
 
 /// Pulls turn `turn` of `namespace/sandbox` from the registry into the local store as the
 /// chain of `key`; see the module's description. Nothing local is replaced: a key that
-/// already has another chain is refused by the store before its head would move.
+/// already has another chain is refused by the store before its head would move, except a
+/// chain whose head is `over` that the pulled chain extends (its head is one of the pulled
+/// chain's links; only the objects and manifests the store lacks are pulled).
 pub async fn pull_chain(
     remote: &Remote,
     namespace: &str,
@@ -354,6 +356,7 @@ pub async fn pull_chain(
     turn: u64,
     store: &CheckpointStore,
     key: &str,
+    over: Option<Head>,
 ) -> Result<ChainPullReport> {
     let reference = remote.reference(namespace, sandbox, turn);
     let mut report = ChainPullReport { reference: reference.clone(), ..Default::default() };
@@ -414,7 +417,7 @@ pub async fn pull_chain(
         parent = m.parent;
     }
     let head = Head { manifest: head_id, turn };
-    store.import_head(key, head).map_err(|e| store_error(&reference, e))?;
+    store.import_head_over(key, head, over).map_err(|e| store_error(&reference, e))?;
     report.head = Some(head);
     Ok(report)
 }

@@ -94,17 +94,36 @@ impl CheckpointStore {
     /// root and every blob it references is present and verified. Refused when `container`
     /// already has a different head: an import never replaces a local chain.
     pub fn import_head(&self, container: &str, head: Head) -> Result<()> {
+        self.import_head_over(container, head, None)
+    }
+
+    /// [`CheckpointStore::import_head`], except that a chain whose head is `over` is extended
+    /// (not refused) when the imported chain holds `over` as one of its links, at its turn: the
+    /// local chain is then a prefix of the imported one. Any other existing head is refused.
+    pub fn import_head_over(&self, container: &str, head: Head, over: Option<Head>) -> Result<()> {
         let _lock = self.lock(false)?;
-        if let Some(existing) = self.head(container)? {
+        let existing = self.head(container)?;
+        if let Some(existing) = existing {
             if existing == head {
                 return Ok(());
             }
-            return Err(CheckpointError::InvalidRequest(format!(
-                "{container:?} already has a chain here (head turn {}, manifest {}); it is not replaced by an imported one",
-                existing.turn, existing.manifest
-            )));
+            if over != Some(existing) {
+                return Err(CheckpointError::InvalidRequest(format!(
+                    "{container:?} already has a chain here (head turn {}, manifest {}); it is not replaced by an imported one",
+                    existing.turn, existing.manifest
+                )));
+            }
         }
         let chain = self.walk(container, head.manifest)?;
+        if let Some(existing) = existing
+            && !chain.links.iter().any(|(id, m)| *id == existing.manifest && m.turn == existing.turn)
+        {
+            return Err(CheckpointError::InvalidRequest(format!(
+                "{container:?} has diverged from the imported chain: its head (turn {}, manifest {}) is not a link of \
+                 the chain of turn {} (manifest {}); it is not replaced",
+                existing.turn, existing.manifest, head.turn, head.manifest
+            )));
+        }
         let (_, newest) = chain.links.first().expect("a walked chain has its head");
         if newest.turn != head.turn {
             return Err(CheckpointError::InvalidRequest(format!(

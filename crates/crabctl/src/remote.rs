@@ -24,6 +24,69 @@ fn push_logs_dir(state_dir: &Path) -> PathBuf {
     remote_dir(state_dir).join("pushed")
 }
 
+/// What this node pulled of a sandbox from the registry: `<state_dir>/remote/pulled/<namespace>/<sandbox>.json`
+/// (keyed as the push logs are), written once a pull moved the chain's head.
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
+pub struct PulledRecord {
+    /// The reference pulled (`<registry>/<repository>:turn-N`).
+    pub reference: String,
+    /// The turn the chain's head is at after the pull.
+    pub turn: u64,
+    /// The image the artifact names: what a fork or recover of the chain runs when neither
+    /// `--image` nor containerd names one.
+    pub image: Option<String>,
+}
+
+fn pulled_path(state_dir: &Path, namespace: &str, sandbox: &str) -> PathBuf {
+    PushLog::path_in(&remote_dir(state_dir).join("pulled"), namespace, sandbox)
+}
+
+/// How long a pull waits for another pull of the same sandbox on this node to finish.
+const PULL_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Holds `<state_dir>/remote/pulling/<namespace>/<sandbox>.lock` (flock, exclusive) while a
+/// pull of the sandbox checks what the store holds and pulls the rest: concurrent pulls of one
+/// source on one node run one after the other, and the later ones find the first's chain.
+/// Released when dropped (the lock goes with the descriptor, also when the process dies).
+async fn lock_pull(state_dir: &Path, namespace: &str, sandbox: &str) -> Result<std::fs::File> {
+    let path = PushLog::path_in(&remote_dir(state_dir).join("pulling"), namespace, sandbox).with_extension("lock");
+    let io = |what: &str, e: std::io::Error| CtlError::Invalid(format!("{what} {}: {e}", path.display()));
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| io("create the directory of", e))?;
+    }
+    let file =
+        std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(|e| io("open", e))?;
+    let deadline = Instant::now() + PULL_LOCK_TIMEOUT;
+    loop {
+        match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => return Ok(file),
+            Err(rustix::io::Errno::WOULDBLOCK) if Instant::now() < deadline => tokio::time::sleep(POLL).await,
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                return Err(CtlError::Invalid(format!(
+                    "another pull of {namespace}/{sandbox} on this node held {} for {} s: try again once it is done",
+                    path.display(),
+                    PULL_LOCK_TIMEOUT.as_secs()
+                )));
+            }
+            Err(e) => return Err(io("lock", e.into())),
+        }
+    }
+}
+
+impl PulledRecord {
+    /// The record of `sandbox`, when this node pulled it (an unreadable one counts as none).
+    pub fn load(state_dir: &Path, namespace: &str, sandbox: &str) -> Option<Self> {
+        let bytes = std::fs::read(pulled_path(state_dir, namespace, sandbox)).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+
+    fn save(&self, state_dir: &Path, namespace: &str, sandbox: &str) -> Result<()> {
+        let bytes = serde_json::to_vec_pretty(self).expect("a pulled record always serializes");
+        crab_store::write_file_durably(&pulled_path(state_dir, namespace, sandbox), &bytes)?;
+        Ok(())
+    }
+}
+
 /// A connection to the registry of `[remote]`, under `prefix` (default: the configured one).
 pub fn connect(prefix: Option<&str>) -> Result<Remote> {
     let config = crab_config::Config::load(None)?;
@@ -164,13 +227,16 @@ impl Ctl {
 
     /// Pulls `reference` (its turn, or the newest; `turn` must agree with the tag when both
     /// are given) into the local store as the chain of `container`. Returns the turn, the
-    /// image the artifact names, and what the pull moved. Refused before anything is pulled
-    /// when `container` already has a chain here.
+    /// image the artifact names, and what the pull moved. When `container` already has a chain
+    /// here, refused before anything is pulled, unless `extend`: a local chain that is a prefix
+    /// of the registry's (every turn of it is the registry's, by manifest) is extended with
+    /// the later turns (only what the store lacks is pulled); one that diverged is refused.
     async fn pull(
         &self,
         container: &str,
         reference: &str,
         turn: Option<u64>,
+        extend: bool,
     ) -> Result<(u64, Option<String>, PullSummary)> {
         let clock = Instant::now();
         let (prefix, namespace, sandbox, tagged) = chain::parse_reference(reference)?;
@@ -182,7 +248,10 @@ impl Ctl {
             (None, None) => None,
         };
         let key = self.key(container)?;
-        if let Some(head) = self.store.head(&key)? {
+        let over = self.store.head(&key)?;
+        if let Some(head) = over
+            && !extend
+        {
             return Err(CtlError::Invalid(format!(
                 "{container:?} already has a chain in {} (head turn {}): nothing is pulled over it; \
                  recover it without --from, or pull into another name",
@@ -191,21 +260,52 @@ impl Ctl {
             )));
         }
         let remote = connect(Some(&prefix))?;
-        let turn =
-            match turn {
-                Some(t) => t,
-                None => *remote.list_turns(&namespace, &sandbox).await?.last().ok_or_else(|| {
-                    CtlError::Invalid(format!("{reference}: the repository holds no checkpointed turn"))
-                })?,
-            };
+        let listed = match (turn, over) {
+            (Some(_), None) => Vec::new(),
+            _ => remote.list_turns(&namespace, &sandbox).await?,
+        };
+        let turn = match turn {
+            Some(t) => t,
+            None => *listed
+                .last()
+                .ok_or_else(|| CtlError::Invalid(format!("{reference}: the repository holds no checkpointed turn")))?,
+        };
+        if let Some(head) = over {
+            // Only a prefix of the registry's chain is extended: every local turn must be one the
+            // registry has (the store checks each manifest against the pulled chain's links), and
+            // the turn asked for must come after them.
+            let local: Vec<u64> = self.store.history(&key)?.iter().map(|c| c.turn).collect();
+            let foreign: Vec<u64> = local.iter().copied().filter(|t| !listed.contains(t)).collect();
+            if !foreign.is_empty() || head.turn >= turn {
+                let why = if foreign.is_empty() {
+                    format!("it lacks turn {turn} but holds turns up to {}", head.turn)
+                } else {
+                    format!("the registry does not have its turns {foreign:?}")
+                };
+                return Err(CtlError::Invalid(format!(
+                    "{container:?} already has a chain in {} (head turn {}) that has diverged from {reference}: \
+                     {why}; nothing is pulled over it, pull into another name",
+                    self.state_dir.display(),
+                    head.turn
+                )));
+            }
+        }
         let store = self.store.clone();
-        let report = chain::pull_chain(&remote, &namespace, &sandbox, turn, &store, &key).await?;
+        let report = chain::pull_chain(&remote, &namespace, &sandbox, turn, &store, &key, over).await?;
         if let Some(spec) = &report.spec {
             let path = crab_store::saved_spec_path_of(&self.state_dir, &key)?;
             if !path.exists() {
                 crab_store::write_file_durably(&path, spec)?;
             }
         }
+        // The image beside the chain: a later fork or recover that pulls nothing still has it.
+        let namespace = self.ctr.namespace();
+        let kept = PulledRecord::load(&self.state_dir, namespace, container).and_then(|r| r.image);
+        PulledRecord { reference: report.reference.clone(), turn, image: report.image.clone().or(kept) }.save(
+            &self.state_dir,
+            namespace,
+            container,
+        )?;
         Ok((
             turn,
             report.image.clone(),
@@ -221,6 +321,11 @@ impl Ctl {
         ))
     }
 
+    /// The image the artifact named when `container`'s chain was pulled to this node.
+    fn pulled_image(&self, container: &str) -> Option<String> {
+        PulledRecord::load(&self.state_dir, self.ctr.namespace(), container).and_then(|r| r.image)
+    }
+
     /// `recover --from`: the sandbox's chain from the registry, then a recover as after a node loss.
     pub async fn recover_from(
         &self,
@@ -229,16 +334,20 @@ impl Ctl {
         image: Option<&str>,
     ) -> Result<RemoteRestoreReport> {
         let clock = Instant::now();
-        let (_, pulled_image, pull) = self.pull(container, reference, None).await?;
-        let image = image.map(str::to_owned).or(pulled_image).ok_or_else(|| {
-            CtlError::Invalid(format!("{reference} names no image: give the sandbox's image with --image"))
-        })?;
+        let lock = lock_pull(&self.state_dir, self.ctr.namespace(), container).await?;
+        let (_, pulled_image, pull) = self.pull(container, reference, None, false).await?;
+        drop(lock);
+        let image =
+            image.map(str::to_owned).or(pulled_image).or_else(|| self.pulled_image(container)).ok_or_else(|| {
+                CtlError::Invalid(format!("{reference} names no image: give the sandbox's image with --image"))
+            })?;
         let restore = self.recover(container, Some(&image)).await?;
         Ok(RemoteRestoreReport { restore, pull: Some(pull), total_ms: clock.elapsed().as_secs_f64() * 1e3 })
     }
 
     /// `fork --from`: `source`'s chain from the registry (unless the local store holds turn
-    /// `turn` of it already), then a fork as today.
+    /// `turn` of it already; a local chain that is a prefix of the registry's is extended up to
+    /// `turn`), then a fork as today.
     pub async fn fork_from(
         &self,
         source: &str,
@@ -248,14 +357,20 @@ impl Ctl {
         image: Option<&str>,
     ) -> Result<RemoteRestoreReport> {
         let clock = Instant::now();
+        // The check and the pull under the sandbox's pull lock: a concurrent fork of the same
+        // source waits, then finds the turn held.
+        let lock = lock_pull(&self.state_dir, self.ctr.namespace(), source).await?;
         let held = self.store.history(&self.key(source)?).is_ok_and(|h| h.iter().any(|c| c.turn == turn));
         let (pull, pulled_image) = if held {
             (None, None)
         } else {
-            let (_, image, pull) = self.pull(source, reference, Some(turn)).await?;
+            let (_, image, pull) = self.pull(source, reference, Some(turn), true).await?;
             (Some(pull), image)
         };
-        let image = image.map(str::to_owned).or(pulled_image);
+        drop(lock);
+        // The image: --image, else the pull's, else the one kept beside a chain pulled earlier
+        // (containerd on this node need not know the source), else containerd's.
+        let image = image.map(str::to_owned).or(pulled_image).or_else(|| self.pulled_image(source));
         let restore = self.fork_with_image(source, turn, new, image.as_deref()).await?;
         Ok(RemoteRestoreReport { restore, pull, total_ms: clock.elapsed().as_secs_f64() * 1e3 })
     }
