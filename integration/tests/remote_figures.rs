@@ -266,6 +266,21 @@ fn registry_tier_figures() {
         on_a_report["elapsed_ms"].as_f64().unwrap_or(f64::NAN),
         on_b_report["total_ms"].as_f64().unwrap_or(f64::NAN),
     );
+    let phases = &pull["breakdown"];
+    println!(
+        "figure 1, B's pull: fetch {:.0} ms, verify {:.0} ms, unpack {:.0} ms, store writes {:.0} ms, store flush \
+         {:.0} ms, other {:.0} ms; {} blobs, {} bytes fetched, {} objects ({} bytes) written",
+        phases["fetch_ms"].as_f64().unwrap_or(f64::NAN),
+        phases["verify_ms"].as_f64().unwrap_or(f64::NAN),
+        phases["unpack_ms"].as_f64().unwrap_or(f64::NAN),
+        phases["store_write_ms"].as_f64().unwrap_or(f64::NAN),
+        phases["store_flush_ms"].as_f64().unwrap_or(f64::NAN),
+        phases["other_ms"].as_f64().unwrap_or(f64::NAN),
+        phases["blobs"],
+        phases["bytes_fetched"],
+        phases["objects_written"],
+        phases["object_bytes_written"],
+    );
     a.remove(&mem);
     b.remove(&mem);
 

@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use crab_store::{CheckpointStore, Head, WriteBatch};
 use serde::{Deserialize, Serialize};
@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::artifact::{self, ANNOTATION_IMAGE, ANNOTATION_SPEC, path_component};
 use crate::digest::Digest;
 use crate::error::{RemoteError, Result};
-use crate::remote::{ObjectSink, ObjectSource, PushReport, Remote, RemoteIndex, TurnPush, write_atomic};
+use crate::remote::{ObjectSink, ObjectSource, PullTimes, PushReport, Remote, RemoteIndex, TurnPush, write_atomic};
 
 /// Paces a push: called (on a blocking thread) with the bytes of each object read out of the
 /// store for packing, before they go on; may block until they may.
@@ -338,6 +338,8 @@ pub struct ChainPullReport {
     pub objects_received: u64,
     pub object_bytes_written: u64,
     pub packs_skipped: u64,
+    /// Where the pull's time went, every turn's summed (the store's flushes included).
+    pub times: PullTimes,
     /// [`ANNOTATION_IMAGE`] of the turn's manifest.
     pub image: Option<String>,
     /// The sandbox's saved spec ([`ANNOTATION_SPEC`]), verified.
@@ -363,7 +365,9 @@ pub async fn pull_chain(
     let mut sink = StoreSink::new(store);
     let first = remote.pull_turn(namespace, sandbox, turn, &mut sink).await?;
     let written = sink.bytes_written;
+    let clock = Instant::now();
     sink.commit().map_err(|e| store_error(&reference, e))?;
+    report.times.store_flush += clock.elapsed();
     report.object_bytes_written = written;
     let add = |report: &mut ChainPullReport, p: &crate::remote::PullReport| {
         report.manifests_pulled += 1;
@@ -371,6 +375,7 @@ pub async fn pull_chain(
         report.bytes_pulled += p.bytes_pulled;
         report.objects_received += p.objects_received;
         report.packs_skipped += p.packs_skipped;
+        report.times.add(&p.times);
     };
     add(&mut report, &first);
     report.image = first.checkpoint.extra.get(ANNOTATION_IMAGE).cloned();
@@ -404,7 +409,9 @@ pub async fn pull_chain(
         let parent_ref = remote.reference(namespace, sandbox, p.turn);
         let mut sink = StoreSink::new(store);
         let pulled = remote.pull_turn(namespace, sandbox, p.turn, &mut sink).await?;
+        let clock = Instant::now();
         sink.commit().map_err(|e| store_error(&parent_ref, e))?;
+        report.times.store_flush += clock.elapsed();
         add(&mut report, &pulled);
         let (id, m) = store.import_manifest(&pulled.turn_manifest).map_err(|e| store_error(&parent_ref, e))?;
         if id != p.manifest {

@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_util::StreamExt as _;
 use oci_client::client::{Certificate, CertificateEncoding, ClientConfig, ClientProtocol};
@@ -169,6 +169,81 @@ pub struct PullReport {
     pub bytes_pulled: u64,
     /// Packs not pulled: the sink held every object in them.
     pub packs_skipped: u64,
+    /// Where the pull's time went (the store's flush is the caller's: [`PullTimes::store_flush`]).
+    pub times: PullTimes,
+}
+
+/// Where a pull's wall time went, phase by phase: an `Instant` around each phase of each blob
+/// and object, summed. Cheap (two clock reads per object).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PullTimes {
+    /// Waiting for blobs (manifest, turn manifest, pack indexes, packs, loose blobs): the
+    /// registry's requests and transfers, as far as the pull waited for them.
+    pub fetch: Duration,
+    /// Hashing fetched blobs against their digests and checking packs against their indexes.
+    pub verify: Duration,
+    /// Taking objects out of packs: decompressing each and checking it against its digest.
+    pub unpack: Duration,
+    /// Handing objects to the sink: the local store's tmp files (each hashed again, its name).
+    pub store_write: Duration,
+    /// Making them durable and visible: the store batch's commit (fsyncs, renames).
+    pub store_flush: Duration,
+    /// Blobs fetched (manifests included) and their bytes.
+    pub blobs: u64,
+    pub bytes: u64,
+    /// Objects handed to the sink and their bytes.
+    pub objects_written: u64,
+    pub object_bytes_written: u64,
+}
+
+impl PullTimes {
+    pub fn add(&mut self, other: &PullTimes) {
+        self.fetch += other.fetch;
+        self.verify += other.verify;
+        self.unpack += other.unpack;
+        self.store_write += other.store_write;
+        self.store_flush += other.store_flush;
+        self.blobs += other.blobs;
+        self.bytes += other.bytes;
+        self.objects_written += other.objects_written;
+        self.object_bytes_written += other.object_bytes_written;
+    }
+
+    /// The phases in milliseconds, with what of `total` (the whole pull's wall time) none of
+    /// them covers: connecting, the manifests' imports, and the store's walk of the chain
+    /// before its head moves (it reads and verifies every blob the chain references again).
+    pub fn breakdown(&self, total: Duration) -> PullBreakdown {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let phases = self.fetch + self.verify + self.unpack + self.store_write + self.store_flush;
+        PullBreakdown {
+            fetch_ms: ms(self.fetch),
+            verify_ms: ms(self.verify),
+            unpack_ms: ms(self.unpack),
+            store_write_ms: ms(self.store_write),
+            store_flush_ms: ms(self.store_flush),
+            other_ms: ms(total.saturating_sub(phases)),
+            blobs: self.blobs,
+            bytes_fetched: self.bytes,
+            objects_written: self.objects_written,
+            object_bytes_written: self.object_bytes_written,
+        }
+    }
+}
+
+/// [`PullTimes`] as reported (`crabctl ... --json`: `pull.breakdown`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PullBreakdown {
+    pub fetch_ms: f64,
+    pub verify_ms: f64,
+    pub unpack_ms: f64,
+    pub store_write_ms: f64,
+    pub store_flush_ms: f64,
+    /// The rest of the pull's wall time (see [`PullTimes::breakdown`]).
+    pub other_ms: f64,
+    pub blobs: u64,
+    pub bytes_fetched: u64,
+    pub objects_written: u64,
+    pub object_bytes_written: u64,
 }
 
 /// What this node knows the registry holds: the indexes of the packs it pushed (or pulled) and
@@ -672,7 +747,8 @@ impl Remote {
         })
     }
 
-    /// Fetches one blob whole, refusing it unless it is exactly `size` bytes hashing to `digest`.
+    /// Fetches one blob whole, refusing it unless it is exactly `size` bytes hashing to `digest`;
+    /// with the time its check took.
     async fn fetch_blob(
         &self,
         oci_ref: &Reference,
@@ -681,7 +757,7 @@ impl Remote {
         size: u64,
         media_type: &str,
         what: &str,
-    ) -> Result<Vec<u8>> {
+    ) -> Result<(Vec<u8>, Duration)> {
         let descriptor = OciDescriptor {
             media_type: media_type.to_owned(),
             digest: digest.to_oci(),
@@ -728,7 +804,9 @@ impl Remote {
             .await;
             let error = match fetched {
                 Ok(Ok(data)) => {
+                    let clock = Instant::now();
                     let actual = Digest::of(&data);
+                    let verify = clock.elapsed();
                     if actual != digest || data.len() as u64 != size {
                         return Err(RemoteError::DigestMismatch {
                             reference: reference.to_owned(),
@@ -736,7 +814,7 @@ impl Remote {
                             actual: format!("{actual} ({} bytes)", data.len()),
                         });
                     }
-                    return Ok(data);
+                    return Ok((data, verify));
                 }
                 Ok(Err(e)) => e,
                 Err(_) => RemoteError::Timeout { reference: reference.to_owned(), what: what.to_owned(), after: bound },
@@ -761,11 +839,16 @@ impl Remote {
         let tag = artifact::turn_tag(turn);
         let reference = format!("{}/{repo}:{tag}", self.registry);
         let oci_ref = self.oci_reference(&repo, &tag);
+        let mut times = PullTimes::default();
+        let clock = Instant::now();
         let (manifest_bytes, manifest_digest) = self
             .request(&reference, "manifest", 0, || {
                 self.client.pull_manifest_raw(&oci_ref, &self.auth, &[OCI_IMAGE_MEDIA_TYPE])
             })
             .await?;
+        times.fetch += clock.elapsed();
+        times.blobs += 1;
+        times.bytes += manifest_bytes.len() as u64;
         if manifest_bytes.len() > artifact::MAX_MANIFEST_BYTES {
             return Err(RemoteError::BadManifest {
                 reference,
@@ -783,17 +866,33 @@ impl Remote {
             blobs_pulled: 0,
             bytes_pulled: manifest_bytes.len() as u64,
             packs_skipped: 0,
+            times: PullTimes::default(),
         };
-        let turn_manifest = self
-            .fetch_blob(
+        // A blob fetched and verified, its time in `times`.
+        async fn timed(
+            times: &mut PullTimes,
+            fetched: impl Future<Output = Result<(Vec<u8>, Duration)>>,
+        ) -> Result<Vec<u8>> {
+            let clock = Instant::now();
+            let (data, verify) = fetched.await?;
+            times.fetch += clock.elapsed().saturating_sub(verify);
+            times.verify += verify;
+            times.blobs += 1;
+            times.bytes += data.len() as u64;
+            Ok(data)
+        }
+        let turn_manifest = timed(
+            &mut times,
+            self.fetch_blob(
                 &oci_ref,
                 &reference,
                 checkpoint.turn_manifest,
                 checkpoint.turn_manifest_size,
                 artifact::TURN_MEDIA_TYPE,
                 "turn manifest",
-            )
-            .await?;
+            ),
+        )
+        .await?;
         report.blobs_pulled += 1;
         report.bytes_pulled += turn_manifest.len() as u64;
         report.turn_manifest = turn_manifest;
@@ -808,9 +907,18 @@ impl Remote {
         for layer in &checkpoint.layers {
             match layer {
                 Layer::PackIndex { digest, size, pack } => {
-                    let bytes = self
-                        .fetch_blob(&oci_ref, &reference, *digest, *size, artifact::PACK_INDEX_MEDIA_TYPE, "pack index")
-                        .await?;
+                    let bytes = timed(
+                        &mut times,
+                        self.fetch_blob(
+                            &oci_ref,
+                            &reference,
+                            *digest,
+                            *size,
+                            artifact::PACK_INDEX_MEDIA_TYPE,
+                            "pack index",
+                        ),
+                    )
+                    .await?;
                     report.blobs_pulled += 1;
                     report.bytes_pulled += bytes.len() as u64;
                     let index = PackIndex::decode(&bytes)
@@ -830,21 +938,27 @@ impl Remote {
                         report.packs_skipped += 1;
                         continue;
                     }
-                    let pack_bytes = self
-                        .fetch_blob(&oci_ref, &reference, *pack, index.pack_len, artifact::PACK_MEDIA_TYPE, "pack")
-                        .await?;
+                    let pack_bytes = timed(
+                        &mut times,
+                        self.fetch_blob(&oci_ref, &reference, *pack, index.pack_len, artifact::PACK_MEDIA_TYPE, "pack"),
+                    )
+                    .await?;
                     report.blobs_pulled += 1;
                     report.bytes_pulled += pack_bytes.len() as u64;
+                    let clock = Instant::now();
                     index
                         .check_pack(&pack_bytes)
                         .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
+                    times.verify += clock.elapsed();
                     let mut reader = pack::ObjectReader::new()
                         .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
                     for entry in wanted {
+                        let clock = Instant::now();
                         let data = reader
                             .read(pack, &pack_bytes, &entry)
                             .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
-                        self.put(sink, &reference, entry.digest, data)?;
+                        times.unpack += clock.elapsed();
+                        self.put(sink, &reference, entry.digest, data, &mut times)?;
                         report.objects_received += 1;
                     }
                 }
@@ -852,26 +966,42 @@ impl Remote {
                     if sink.has(digest) {
                         continue;
                     }
-                    let data = self
-                        .fetch_blob(&oci_ref, &reference, *digest, *size, artifact::BLOB_MEDIA_TYPE, "blob")
-                        .await?;
+                    let data = timed(
+                        &mut times,
+                        self.fetch_blob(&oci_ref, &reference, *digest, *size, artifact::BLOB_MEDIA_TYPE, "blob"),
+                    )
+                    .await?;
                     report.blobs_pulled += 1;
                     report.bytes_pulled += data.len() as u64;
-                    self.put(sink, &reference, *digest, data)?;
+                    self.put(sink, &reference, *digest, data, &mut times)?;
                     report.objects_received += 1;
                 }
                 Layer::Pack { .. } => {}
             }
         }
+        report.times = times;
         Ok(report)
     }
 
-    fn put(&self, sink: &mut (dyn ObjectSink + Send), reference: &str, digest: Digest, data: Vec<u8>) -> Result<()> {
+    fn put(
+        &self,
+        sink: &mut (dyn ObjectSink + Send),
+        reference: &str,
+        digest: Digest,
+        data: Vec<u8>,
+        times: &mut PullTimes,
+    ) -> Result<()> {
+        let clock = Instant::now();
+        let len = data.len() as u64;
         sink.put(digest, data).map_err(|e| RemoteError::Source {
             reference: reference.to_owned(),
             digest,
             reason: format!("storing it failed: {e}"),
-        })
+        })?;
+        times.store_write += clock.elapsed();
+        times.objects_written += 1;
+        times.object_bytes_written += len;
+        Ok(())
     }
 
     /// The checkpointed turns of a sandbox in the registry, ascending.
@@ -884,5 +1014,70 @@ impl Remote {
         let mut turns: Vec<u64> = tags.tags.iter().filter_map(|t| artifact::parse_turn_tag(t)).collect();
         turns.sort_unstable();
         Ok(turns)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn pull_times_sum_phase_by_phase() {
+        let one = PullTimes {
+            fetch: ms(10),
+            verify: ms(2),
+            unpack: ms(3),
+            store_write: ms(4),
+            store_flush: ms(5),
+            blobs: 3,
+            bytes: 300,
+            objects_written: 7,
+            object_bytes_written: 700,
+        };
+        let mut sum = PullTimes::default();
+        sum.add(&one);
+        sum.add(&PullTimes { fetch: ms(1), blobs: 1, bytes: 1, ..Default::default() });
+        assert_eq!(sum, PullTimes { fetch: ms(11), blobs: 4, bytes: 301, ..one });
+    }
+
+    #[test]
+    fn a_breakdown_is_in_milliseconds_and_the_rest_is_other() {
+        let t = PullTimes {
+            fetch: Duration::from_micros(1500),
+            verify: ms(2),
+            unpack: ms(3),
+            store_write: ms(4),
+            store_flush: ms(5),
+            blobs: 3,
+            bytes: 300,
+            objects_written: 7,
+            object_bytes_written: 700,
+        };
+        let b = t.breakdown(ms(20));
+        assert_eq!(
+            b,
+            PullBreakdown {
+                fetch_ms: 1.5,
+                verify_ms: 2.0,
+                unpack_ms: 3.0,
+                store_write_ms: 4.0,
+                store_flush_ms: 5.0,
+                other_ms: 4.5,
+                blobs: 3,
+                bytes_fetched: 300,
+                objects_written: 7,
+                object_bytes_written: 700,
+            }
+        );
+        // Phases that overlap (blobs fetched while others are unpacked) can sum past the
+        // wall time: nothing is left over, never a negative rest.
+        assert_eq!(t.breakdown(ms(10)).other_ms, 0.0);
+        let json = serde_json::to_value(b).unwrap();
+        assert_eq!(json["store_flush_ms"], 5.0);
+        assert_eq!(json["objects_written"], 7);
     }
 }

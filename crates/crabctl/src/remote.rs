@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crab_remote::chain::{self, ChainSandbox, PushLog};
+use crab_remote::remote::PullBreakdown;
 use crab_remote::{Credentials, Remote, RemoteIndex};
 use serde::Serialize;
 
@@ -144,6 +145,8 @@ pub struct PullSummary {
     pub objects_received: u64,
     pub packs_skipped: u64,
     pub elapsed_ms: f64,
+    /// Where `elapsed_ms` went: fetching, verifying, unpacking, the store's writes and flushes.
+    pub breakdown: PullBreakdown,
 }
 
 #[derive(Debug, Serialize)]
@@ -317,6 +320,7 @@ impl Ctl {
                 objects_received: report.objects_received,
                 packs_skipped: report.packs_skipped,
                 elapsed_ms: clock.elapsed().as_secs_f64() * 1e3,
+                breakdown: report.times.breakdown(clock.elapsed()),
             },
         ))
     }
