@@ -182,14 +182,8 @@ impl Drop for NodeB {
         if self.started {
             let _ = Self::script(&self.env, &["scripts/containerd", "stop", "--all"]);
             // A shim starts the node's crabd when none answers; `stop --all` leaves it.
-            let socket = self.crabd_socket.display().to_string();
-            for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-                let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
-                let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-                let is_crabd = args.first().is_some_and(|a| a.ends_with(b"/crabd"));
-                if is_crabd && args.windows(2).any(|w| w[0] == b"--socket" && w[1] == socket.as_bytes()) {
-                    let _ = Command::new("kill").arg(entry.file_name()).status();
-                }
+            if let Ok(crabd) = crab_replay::injector::listener_pid("crabd", &self.crabd_socket) {
+                let _ = Command::new("kill").arg(crabd.to_string()).status();
             }
         }
     }

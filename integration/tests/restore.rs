@@ -1366,16 +1366,8 @@ async fn a_task_whose_restore_failed_at_start_is_removed_by_delete_force() {
     assert!(!tasks.lines().any(|l| l.starts_with(&format!("{failed} "))), "{tasks}");
     sb.ctr.run(&["containers", "delete", &failed]).await.unwrap();
     // Its shim exits once its last task is deleted.
-    let shim_of = |id: &str| {
-        let needle = format!("-id {id} ");
-        std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
-            std::fs::read(e.path().join("cmdline"))
-                .map(|c| String::from_utf8_lossy(&c).replace('\0', " ").contains(&needle))
-                .unwrap_or(false)
-        })
-    };
     for _ in 0..100 {
-        if !shim_of(&failed) {
+        if crab_integration::host::shim_daemons(sb.ctr.namespace(), &failed).is_empty() {
             return;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -405,8 +405,9 @@ fn is_alive(pid: u32) -> bool {
         .is_ok_and(|stat| stat_state(&stat).is_some_and(|state| state != 'Z' && state != 'X'))
 }
 
-/// The pid of the process that listens on the Unix socket `socket`.
-fn listener_pid(daemon: &'static str, socket: &Path) -> Result<u32, InjectError> {
+/// The pid of the process that listens on the Unix socket `socket` (a daemon by what it
+/// serves: its command line may not name the socket).
+pub fn listener_pid(daemon: &'static str, socket: &Path) -> Result<u32, InjectError> {
     let no_listener = || InjectError::NoListener { daemon, socket: socket.to_path_buf() };
     let table = read_proc(Path::new("/proc/net/unix"))?;
     let inodes = listening_inodes(&table, socket);
