@@ -1025,10 +1025,10 @@ mod tests {
         Duration::from_millis(n)
     }
 
-    #[test]
-    fn pull_times_sum_phase_by_phase() {
-        let one = PullTimes {
-            fetch: ms(10),
+    /// One pull's times: `fetch`, then 2, 3, 4 and 5 ms; 3 blobs of 300 bytes, 7 objects of 700.
+    fn sample(fetch: Duration) -> PullTimes {
+        PullTimes {
+            fetch,
             verify: ms(2),
             unpack: ms(3),
             store_write: ms(4),
@@ -1037,7 +1037,12 @@ mod tests {
             bytes: 300,
             objects_written: 7,
             object_bytes_written: 700,
-        };
+        }
+    }
+
+    #[test]
+    fn pull_times_sum_phase_by_phase() {
+        let one = sample(ms(10));
         let mut sum = PullTimes::default();
         sum.add(&one);
         sum.add(&PullTimes { fetch: ms(1), blobs: 1, bytes: 1, ..Default::default() });
@@ -1046,17 +1051,7 @@ mod tests {
 
     #[test]
     fn a_breakdown_is_in_milliseconds_and_the_rest_is_other() {
-        let t = PullTimes {
-            fetch: Duration::from_micros(1500),
-            verify: ms(2),
-            unpack: ms(3),
-            store_write: ms(4),
-            store_flush: ms(5),
-            blobs: 3,
-            bytes: 300,
-            objects_written: 7,
-            object_bytes_written: 700,
-        };
+        let t = sample(Duration::from_micros(1500));
         let b = t.breakdown(ms(20));
         assert_eq!(
             b,

@@ -435,11 +435,15 @@ impl CrabPolicy {
         crabctl::Ctl::open(&self.state_dir, self.ctr.clone()).map_err(|e| ReplayError::Policy(e.to_string()))
     }
 
-    /// The turn of the newest checkpoint of the chain under store key `key`.
-    fn head_turn(&self, key: &str) -> Result<Option<u64>, ReplayError> {
+    /// The turn of `container`'s newest checkpoint on this node, and the turns of it the
+    /// registry holds (by the push log; none when never pushed).
+    fn replication(&self, container: &str) -> Result<(Option<u64>, std::collections::BTreeSet<u64>), ReplayError> {
+        let failed = |e: crabctl::CtlError| ReplayError::Policy(e.to_string());
+        let ctl = self.ctl()?;
         let store =
             crab_store::CheckpointStore::open(&self.state_dir).map_err(|e| ReplayError::Policy(e.to_string()))?;
-        Ok(store.head(key).map_err(|e| ReplayError::Policy(e.to_string()))?.map(|head| head.turn))
+        let head = store.head(&ctl.key(container).map_err(failed)?).map_err(|e| ReplayError::Policy(e.to_string()))?;
+        Ok((head.map(|head| head.turn), ctl.pushed_turns(container).map_err(failed)?.unwrap_or_default()))
     }
 }
 
@@ -537,15 +541,12 @@ impl RecoveryPolicy for CrabPolicy {
     /// The shim pushes each checkpointed turn by itself (node A's `[remote] auto_push`): waits
     /// until the registry holds the newest checkpoint of the chain.
     async fn before_node_loss(&mut self, sandbox: &Sandbox) -> Result<Option<String>, ReplayError> {
-        let ctl = self.ctl()?;
-        let key = ctl.key(sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?;
         let started = Instant::now();
         loop {
-            let head = self.head_turn(&key)?;
+            let (head, pushed) = self.replication(sandbox.id())?;
             let Some(head) = head else { return Ok(Some("no checkpoint to push before node A was lost".into())) };
-            let pushed = ctl.pushed_turns(sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?;
-            self.pushed_turn = pushed.as_ref().and_then(|turns| turns.last().copied());
-            if pushed.is_some_and(|turns| turns.contains(&head)) {
+            self.pushed_turn = pushed.last().copied();
+            if pushed.contains(&head) {
                 let waited = started.elapsed().as_secs_f64();
                 return Ok(Some(format!("checkpoint of turn {head} in the registry {waited:.2} s after it was asked")));
             }
@@ -564,13 +565,8 @@ impl RecoveryPolicy for CrabPolicy {
         if self.on_node_b || self.launch.spec.runtime_config.is_none() {
             return Ok(None);
         }
-        let ctl = self.ctl()?;
-        let Some(head) = self.head_turn(&ctl.key(sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?)?
-        else {
-            return Ok(Some(true));
-        };
-        let pushed = ctl.pushed_turns(sandbox.id()).map_err(|e| ReplayError::Policy(e.to_string()))?;
-        Ok(Some(pushed.is_some_and(|turns| turns.contains(&head))))
+        let (head, pushed) = self.replication(sandbox.id())?;
+        Ok(Some(head.is_none_or(|head| pushed.contains(&head))))
     }
 
     fn move_to_node_b(&mut self) {
