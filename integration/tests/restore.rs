@@ -479,8 +479,18 @@ async fn a_corrupted_blob_is_refused_with_its_name() {
     assert!(ctl.verify(Some(&sb.id)).unwrap()[0].ok);
     // The blob holding this file's content is ours alone: corrupt it.
     let digest = crab_store::Digest::of(format!("{token}\n").as_bytes());
-    let path = ctl.store.blobs().path_of(&digest);
-    std::fs::write(&path, b"garbage").unwrap();
+    // Where its bytes are: its own file, or its place in a pack (flipped in place there).
+    match ctl.store.blobs().location(&digest).unwrap() {
+        crab_store::BlobLocation::File(path) => std::fs::write(&path, b"garbage").unwrap(),
+        crab_store::BlobLocation::Packed { pack, offset, .. } => {
+            use std::os::unix::fs::{FileExt, PermissionsExt};
+            std::fs::set_permissions(&pack, std::fs::Permissions::from_mode(0o600)).unwrap();
+            let file = std::fs::OpenOptions::new().read(true).write(true).open(&pack).unwrap();
+            let mut first = [0u8; 1];
+            file.read_exact_at(&mut first, offset).unwrap();
+            file.write_all_at(&[first[0] ^ 0xff], offset).unwrap();
+        }
+    }
     let rows = ctl.verify(Some(&sb.id)).unwrap();
     assert!(!rows[0].ok);
     let error = rows[0].error.clone().unwrap();

@@ -1,7 +1,10 @@
 //! The checkpoint store proper: per-container chains of manifests over the blob store.
 //!
 //! Layout under the state directory:
-//! - `blobs/<2 hex>/<62 hex>`: content-addressed blobs ([`BlobStore`]);
+//! - `blobs/<2 hex>/<62 hex>`: content-addressed blobs ([`BlobStore`]): a file each for blobs over
+//!   64 KiB, a link to a place in a pack for the smaller ones;
+//! - `packs/<16 hex>.pack`: the small blobs of one write batch, one after another
+//!   ([`super::pack`]);
 //! - `manifests/<sha256>.json`: sealed manifests, named by the hash of their body;
 //! - `snapshots/<sha256>.json`: a folded chain prefix ending at that manifest (written by GC);
 //! - `containers/<namespace>/<id>/HEAD`: the container's current checkpoint, updated last

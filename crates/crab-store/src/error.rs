@@ -20,6 +20,10 @@ pub enum CheckpointError {
     #[error("blob {digest} is missing (expected at {path})")]
     MissingBlob { digest: String, path: PathBuf },
 
+    /// A blob's name is a link that does not name a place in a pack.
+    #[error("blob link {path} names no place in a pack: {target:?}")]
+    BadPackLink { path: PathBuf, target: String },
+
     #[error("invalid digest {0:?}: expected 64 lowercase hex characters")]
     InvalidDigest(String),
 

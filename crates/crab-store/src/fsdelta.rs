@@ -583,7 +583,7 @@ impl<'a> Applier<'a> {
             if self.prefetched.contains_key(digest) || !verified.insert(*digest) {
                 continue;
             }
-            let size = std::fs::metadata(self.blobs.path_of(digest)).map(|m| m.len() as usize).unwrap_or(0);
+            let size = self.blobs.size_of(digest)?.unwrap_or(0) as usize;
             if size <= budget {
                 let data = self.blobs.read(digest)?;
                 budget -= data.len();

@@ -10,7 +10,7 @@
 //! finishes the job. GC holds the store lock exclusively, so no commit is between deduplicating
 //! against a blob and referencing it.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs;
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -22,6 +22,7 @@ use super::error::{CheckpointError, IoContext, Result};
 use super::images;
 use super::key::{self, SandboxKey};
 use super::manifest::{ImageSet, MANIFEST_VERSION, Snapshot, direct_blobs, seal};
+use super::pack::{PackBuilder, PackId, PackRef};
 use super::store::{Digest, Durability, publish_file};
 use super::sys;
 
@@ -57,6 +58,10 @@ pub struct GcReport {
     pub blobs_removed: u64,
     pub bytes_freed: u64,
     pub tmp_files_removed: u64,
+    /// Packs none of whose blobs is live any more, removed.
+    pub packs_removed: u64,
+    /// Packs mostly dead, rewritten with their live blobs alone.
+    pub packs_rewritten: u64,
     /// Kept CRIU image directories of checkpoints no longer live.
     pub assembled_removed: u64,
     /// Retired chains (`<id>@<n>`) past the retention window, removed with their turn logs.
@@ -254,23 +259,138 @@ impl CheckpointStore {
             fs::remove_file(&path).io_ctx("remove", &path)?;
             report.tmp_files_removed += 1;
         }
+        // Blob names no live checkpoint uses go; the packed ones that stay say what of each
+        // pack is still live.
+        let mut live_packed: HashMap<PackId, Vec<(Digest, PackRef)>> = HashMap::new();
+        let mut touched = Vec::new();
         for fan in 0..=255u8 {
             let prefix = format!("{fan:02x}");
             let dir = self.blobs().blobs_dir().join(&prefix);
+            let mut removed_here = false;
             for (digest, path) in digest_files(&dir, &prefix, "")? {
-                if !live_blobs.contains(&digest) {
-                    let size = fs::symlink_metadata(&path).map(|m| m.len()).unwrap_or(0);
-                    fs::remove_file(&path).io_ctx("remove", &path)?;
-                    report.blobs_removed += 1;
-                    report.bytes_freed += size;
+                let packed = match self.blobs().pack_ref(&digest) {
+                    Ok(packed) => packed,
+                    // A link naming no place in a pack holds nothing: a live one stays (its
+                    // checkpoint's restore names it), a dead one goes.
+                    Err(CheckpointError::BadPackLink { .. }) => None,
+                    Err(CheckpointError::MissingBlob { .. }) => continue,
+                    Err(e) => return Err(e),
+                };
+                if live_blobs.contains(&digest) {
+                    if let Some(at) = packed {
+                        live_packed.entry(at.id).or_default().push((digest, at));
+                    }
+                    continue;
                 }
+                // A packed blob's bytes are freed with its pack, below.
+                let size = if packed.is_some() { 0 } else { fs::symlink_metadata(&path).map(|m| m.len()).unwrap_or(0) };
+                fs::remove_file(&path).io_ctx("remove", &path)?;
+                report.blobs_removed += 1;
+                report.bytes_freed += size;
+                removed_here = true;
+            }
+            if removed_here {
+                touched.push(dir);
             }
         }
+        // The removed links are durable before any pack they pointed into goes: a crash must
+        // not bring back a name whose bytes are gone.
+        for dir in &touched {
+            sys::fsync_dir(dir).io_ctx("fsync", dir)?;
+        }
+        self.collect_packs(&live_packed, &mut report)?;
         for dir in [self.manifests_dir(), self.snapshots_dir()] {
             sys::fsync_dir(dir).io_ctx("fsync", dir)?;
         }
         info!(?report, keep_last = policy.keep_last, "checkpoint GC done");
         Ok(report)
+    }
+
+    /// Removes each pack with no live blob and rewrites each whose live blobs are under half
+    /// its bytes. A rewrite publishes the new pack durably, then moves each live blob's link to
+    /// it (one rename each, so a reader sees the old place or the new, both whole), makes the
+    /// links durable, and only then removes the old pack. A blob that does not hash to its
+    /// name leaves its pack as it is: a rewrite must not launder it.
+    fn collect_packs(&self, live: &HashMap<PackId, Vec<(Digest, PackRef)>>, report: &mut GcReport) -> Result<()> {
+        let packs_dir = self.blobs().packs_dir();
+        let mut removed = false;
+        // Listed before anything changes: a pack this pass writes has none of `live`'s blobs
+        // under its name, and must not be judged by it.
+        let mut packs = Vec::new();
+        for dirent in fs::read_dir(packs_dir).io_ctx("read dir", packs_dir)? {
+            let dirent = dirent.io_ctx("read dir", packs_dir)?;
+            if let Some(id) = dirent.file_name().to_str().and_then(PackId::from_file_name) {
+                packs.push((id, dirent.path()));
+            }
+        }
+        for (id, path) in packs {
+            let size = fs::symlink_metadata(&path).map(|m| m.len()).io_ctx("stat", &path)?;
+            let blobs = live.get(&id).map(Vec::as_slice).unwrap_or_default();
+            let live_bytes: u64 = blobs.iter().map(|(_, at)| at.len).sum();
+            if blobs.is_empty() {
+                fs::remove_file(&path).io_ctx("remove", &path)?;
+                report.packs_removed += 1;
+                report.bytes_freed += size;
+                removed = true;
+            } else if live_bytes * 2 < size
+                && let Some(new_size) = self.rewrite_pack(&path, blobs)?
+            {
+                report.packs_rewritten += 1;
+                report.bytes_freed += size.saturating_sub(new_size);
+                removed = true;
+            }
+        }
+        if removed {
+            sys::fsync_dir(packs_dir).io_ctx("fsync", packs_dir)?;
+        }
+        Ok(())
+    }
+
+    /// Copies `blobs` (each verified) out of the pack at `old` into a new pack, moves their
+    /// links and removes `old`; returns the new pack's size, or None (nothing changed) when a
+    /// blob does not hash to its name.
+    fn rewrite_pack(&self, old: &Path, blobs: &[(Digest, PackRef)]) -> Result<Option<u64>> {
+        let source = fs::File::open(old).io_ctx("open", old)?;
+        let mut blobs = blobs.to_vec();
+        blobs.sort_by_key(|(_, at)| at.offset);
+        let mut pack = PackBuilder::create(self.blobs().tmp_path("pack"))?;
+        let tmp = pack.tmp.clone();
+        let copied = (|| {
+            for (digest, at) in &blobs {
+                let mut data = vec![0u8; at.len as usize];
+                std::os::unix::fs::FileExt::read_exact_at(&source, &mut data, at.offset).io_ctx("read", old)?;
+                if Digest::of(&data) != *digest {
+                    tracing::warn!(blob = %digest, pack = %old.display(), "blob does not hash to its name: its pack is not rewritten");
+                    return Ok(false);
+                }
+                pack.append(*digest, &data)?;
+            }
+            Ok(true)
+        })();
+        if !matches!(copied, Ok(true)) {
+            let _ = fs::remove_file(&tmp);
+            return copied.map(|_| None);
+        }
+        let (tmp, id, places) = pack.finish();
+        let new = self.blobs().pack_path(id);
+        let new_size =
+            fs::File::open(&tmp).and_then(|f| f.sync_all().and_then(|()| f.metadata())).io_ctx("fsync", &tmp)?.len();
+        fs::rename(&tmp, &new).io_ctx("rename", &new)?;
+        let packs_dir = self.blobs().packs_dir();
+        sys::fsync_dir(packs_dir).io_ctx("fsync", packs_dir)?;
+        let mut dirs = BTreeSet::new();
+        for (digest, at) in places {
+            let name = self.blobs().path_of(&digest);
+            let link = self.blobs().tmp_path("link");
+            std::os::unix::fs::symlink(at.to_link(), &link).io_ctx("symlink", &link)?;
+            fs::rename(&link, &name).io_ctx("rename", &name)?;
+            dirs.insert(name.parent().expect("blob paths have a fan-out parent").to_owned());
+        }
+        for dir in &dirs {
+            sys::fsync_dir(dir).io_ctx("fsync", dir)?;
+        }
+        fs::remove_file(old).io_ctx("remove", old)?;
+        Ok(Some(new_size))
     }
 
     fn collect_blobs<'a>(

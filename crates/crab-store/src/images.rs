@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use super::error::{CheckpointError, IoContext, Result};
 use super::manifest::{ImageContent, ImageFile, ImageSet, valid_image_name};
-use super::store::{BlobStore, Digest, WriteBatch};
+use super::store::{BlobStore, Digest, OpenPacks, WriteBatch};
 use super::sys;
 
 pub const CHUNK_SIZE: usize = 4096;
@@ -174,13 +174,20 @@ fn write_image_files(set: &ImageSet, blobs: &BlobStore, dest: &Path) -> Result<R
     /// One thread's reassembly state: its chunk cache, buffers, and chunk blobs read.
     struct Io {
         cache: HashMap<Digest, Vec<u8>>,
+        packs: OpenPacks,
         scratch: Vec<u8>,
         run: Vec<u8>,
         read: u64,
     }
     run_jobs(
         &jobs,
-        || Io { cache: HashMap::new(), scratch: Vec::new(), run: Vec::with_capacity(WRITE_RUN), read: 0 },
+        || Io {
+            cache: HashMap::new(),
+            packs: OpenPacks::default(),
+            scratch: Vec::new(),
+            run: Vec::with_capacity(WRITE_RUN),
+            read: 0,
+        },
         |io, job| match *job {
             Job::Whole { target } => {
                 let t = &targets[target];
@@ -197,6 +204,7 @@ fn write_image_files(set: &ImageSet, blobs: &BlobStore, dest: &Path) -> Result<R
                     blobs,
                     repeated: &repeated,
                     cache: &mut io.cache,
+                    packs: &mut io.packs,
                     scratch: &mut io.scratch,
                     run: &mut io.run,
                 },
@@ -293,6 +301,8 @@ struct ChunkIo<'w> {
     repeated: &'w HashSet<Digest>,
     /// Repeated chunks this worker already verified in this restore.
     cache: &'w mut HashMap<Digest, Vec<u8>>,
+    /// Pack files this worker has open.
+    packs: &'w mut OpenPacks,
     scratch: &'w mut Vec<u8>,
     run: &'w mut Vec<u8>,
 }
@@ -313,7 +323,7 @@ fn write_chunks(target: &Target<'_>, first: usize, count: usize, io: ChunkIo<'_>
             Some(data) => data,
             None => {
                 io.scratch.resize(chunk_size as usize + 1, 0);
-                let n = io.blobs.read_small_into(&digest, io.scratch)?;
+                let n = io.blobs.read_small_into(&digest, io.scratch, io.packs)?;
                 read += 1;
                 if io.repeated.contains(&digest) {
                     io.cache.insert(digest, io.scratch[..n].to_vec());

@@ -16,6 +16,7 @@ mod key;
 mod lineage;
 mod manifest;
 mod mounts;
+mod pack;
 mod path;
 mod quota;
 mod store;
@@ -44,5 +45,5 @@ pub use manifest::{
 pub use mounts::{ContainerMount, ContainerRoot, MountKind, SandboxMounts, SpecMount, WalkEntry, rootfs_diff_paths};
 pub use path::{Bytes, RelPath};
 pub use quota::OverQuota;
-pub use store::{BlobStore, Digest, Traffic, Unlimited, WriteBatch, WriteTokens, write_file_durably};
+pub use store::{BlobLocation, BlobStore, Digest, Traffic, Unlimited, WriteBatch, WriteTokens, write_file_durably};
 pub use transfer::ExportedTurn;

@@ -11,7 +11,6 @@
 
 use std::collections::HashSet;
 use std::fmt;
-use std::fs;
 
 use serde::{Deserialize, Serialize};
 
@@ -111,7 +110,7 @@ impl CheckpointStore {
         }
         for blob in blobs {
             // A missing blob breaks the chain, which verify reports; it holds no bytes.
-            usage.add(blob, || fs::symlink_metadata(self.blobs().path_of(&blob)).map_or(0, |m| m.len()));
+            usage.add(blob, || self.blobs().size_of(&blob).ok().flatten().unwrap_or(0));
         }
         Ok(usage)
     }
@@ -135,9 +134,7 @@ impl CheckpointStore {
             images::referenced_blobs_read(set, &|digest| batch.read(digest), &mut new)?;
         }
         let len_of = |blob: &Digest| {
-            batch
-                .queued_len(blob)
-                .unwrap_or_else(|| fs::symlink_metadata(self.blobs().path_of(blob)).map_or(0, |m| m.len()))
+            batch.queued_len(blob).unwrap_or_else(|| self.blobs().size_of(blob).ok().flatten().unwrap_or(0))
         };
         let cached = head.and_then(|head| self.take_cached_usage(container, &head.manifest));
         let from_cache = cached.is_some();

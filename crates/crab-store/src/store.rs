@@ -1,10 +1,15 @@
-//! Content-addressed blob store: `blobs/<2 hex>/<62 hex>` under the state directory.
+//! Content-addressed blob store: `blobs/<2 hex>/<62 hex>` under the state directory. A blob of
+//! up to 64 KiB (a page chunk, a small file) lives in a pack with the other small blobs of its
+//! batch, and its name is a link to its place there ([`super::pack`]); a larger one is a file of
+//! its own.
 //!
 //! A blob name is visible only once its content is durable: tmp file → fsync → rename → fsync
-//! dir. A [`WriteBatch`] holds one turn's blobs as tmp files and publishes them together, file by
-//! file: writeback of all started, then an fsync each (one journal commit, the rest find it
-//! done), the renames, an fsync of each fan-out directory touched. Never a flush of the whole
-//! file system, which would write other sandboxes' data too (see [`WriteBatch::commit_paced`]).
+//! dir. A [`WriteBatch`] holds one turn's blobs as tmp files (small ones appended to a tmp
+//! pack) and publishes them together: writeback of all started, then an fsync each (one
+//! journal commit, the rest find it done), the renames, the links to packed blobs once their
+//! packs' names are durable, an fsync of each fan-out directory touched. Never a flush of the
+//! whole file system, which would write other sandboxes' data too (see
+//! [`WriteBatch::commit_paced`]).
 
 use rustix::fs::OFlags;
 use std::collections::{HashMap, HashSet};
@@ -12,7 +17,7 @@ use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,6 +26,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use sha2::{Digest as _, Sha256};
 
 use super::error::{CheckpointError, IoContext, Result};
+use super::pack::{PACK_LIMIT, PACKED_MAX, PackBuilder, PackId, PackRef};
 use super::sys;
 
 /// Files up to this size are hashed in memory before anything is written, so a duplicate costs
@@ -131,11 +137,39 @@ struct TrafficCounters {
     blobs_deduplicated: AtomicU64,
 }
 
+/// Where a blob's bytes are on disk (for tools and tests that look at the store's files).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BlobLocation {
+    /// A file of its own, `blobs/<2 hex>/<62 hex>`.
+    File(PathBuf),
+    /// `len` bytes at `offset` of the pack file `pack`; the blob's name is a link to them.
+    Packed { pack: PathBuf, offset: u64, len: u64 },
+}
+
+/// A blob opened for reading.
+enum Opened {
+    Loose { file: File, path: PathBuf },
+    Packed { file: File, path: PathBuf, at: PackRef },
+}
+
+/// Pack files a reader keeps open while it reads many chunks (a restore's worker); dropped
+/// with the reader, so a pack GC removed is not kept on the disk by a long-lived process.
+#[derive(Default)]
+pub(crate) struct OpenPacks {
+    files: HashMap<PackId, (File, PathBuf)>,
+}
+
+/// More packs than this open at once in one reader: the oldest is closed (a restore reads a
+/// chain's packs, a few per turn).
+const OPEN_PACKS_MAX: usize = 64;
+
 pub struct BlobStore {
     blobs: PathBuf,
     /// `blobs/` as an `O_PATH` anchor: restores open tens of thousands of chunks, and a lookup
     /// relative to it skips walking the state directory's path every time.
     blobs_fd: OwnedFd,
+    packs: PathBuf,
+    packs_fd: OwnedFd,
     tmp: PathBuf,
     traffic: TrafficCounters,
     tmp_seq: AtomicU64,
@@ -157,13 +191,92 @@ impl BlobStore {
             sys::fsync_dir(&blobs).io_ctx("fsync", &blobs)?;
             sys::fsync_dir(state_dir).io_ctx("fsync", state_dir)?;
         }
+        let packs = state_dir.join("packs");
+        if !packs.is_dir() {
+            sys::create_private_dir_all(&packs).io_ctx("create", &packs)?;
+            sys::fsync_dir(state_dir).io_ctx("fsync", state_dir)?;
+        }
         let blobs_fd = sys::open_dir_path(&blobs).io_ctx("open", &blobs)?;
-        Ok(BlobStore { blobs, blobs_fd, tmp, traffic: TrafficCounters::default(), tmp_seq: AtomicU64::new(0) })
+        let packs_fd = sys::open_dir_path(&packs).io_ctx("open", &packs)?;
+        Ok(BlobStore {
+            blobs,
+            blobs_fd,
+            packs,
+            packs_fd,
+            tmp,
+            traffic: TrafficCounters::default(),
+            tmp_seq: AtomicU64::new(0),
+        })
     }
 
+    /// The blob's name: a file of its own, or a link to its place in a pack.
     pub fn path_of(&self, digest: &Digest) -> PathBuf {
         let hex = digest.to_hex();
         self.blobs.join(&hex[..2]).join(&hex[2..])
+    }
+
+    pub(crate) fn packs_dir(&self) -> &Path {
+        &self.packs
+    }
+
+    pub(crate) fn pack_path(&self, id: PackId) -> PathBuf {
+        self.packs.join(id.file_name())
+    }
+
+    /// The blob's name relative to `blobs/`.
+    fn rel_name(digest: &Digest) -> std::ffi::CString {
+        let hex = digest.to_hex();
+        sys::cstr(format!("{}/{}", &hex[..2], &hex[2..]).as_bytes()).expect("hex has no NUL")
+    }
+
+    /// Where the blob's name says its bytes are: Some(place in a pack) for a link, None for a
+    /// file of its own. A name that is neither a file nor a well-formed link is an error.
+    pub(crate) fn pack_ref(&self, digest: &Digest) -> Result<Option<PackRef>> {
+        match sys::readlinkat(self.blobs_fd.as_fd(), &Self::rel_name(digest)) {
+            Ok(target) => match PackRef::parse(&target) {
+                Some(at) => Ok(Some(at)),
+                None => Err(CheckpointError::BadPackLink {
+                    path: self.path_of(digest),
+                    target: String::from_utf8_lossy(&target).into_owned(),
+                }),
+            },
+            // Not a link: a file of its own.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Err(CheckpointError::MissingBlob { digest: digest.to_hex(), path: self.path_of(digest) })
+            }
+            Err(e) => Err(e).io_ctx("readlink", self.path_of(digest)),
+        }
+    }
+
+    /// Where a stored blob's bytes are.
+    pub fn location(&self, digest: &Digest) -> Result<BlobLocation> {
+        Ok(match self.pack_ref(digest)? {
+            Some(at) => BlobLocation::Packed { pack: self.pack_path(at.id), offset: at.offset, len: at.len },
+            None => BlobLocation::File(self.path_of(digest)),
+        })
+    }
+
+    /// The size of a stored blob; None when the store does not have it.
+    pub fn size_of(&self, digest: &Digest) -> Result<Option<u64>> {
+        match self.pack_ref(digest) {
+            Ok(Some(at)) => Ok(Some(at.len)),
+            Ok(None) => {
+                let path = self.path_of(digest);
+                match fs::symlink_metadata(&path) {
+                    Ok(meta) => Ok(Some(meta.len())),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                    Err(e) => Err(e).io_ctx("stat", path),
+                }
+            }
+            Err(CheckpointError::MissingBlob { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn open_pack(&self, id: PackId) -> std::io::Result<File> {
+        let name = sys::cstr(id.file_name().as_bytes()).expect("hex has no NUL");
+        sys::openat(self.packs_fd.as_fd(), &name, OFlags::RDONLY | OFlags::NOATIME, 0).map(File::from)
     }
 
     pub(crate) fn blobs_dir(&self) -> &Path {
@@ -239,20 +352,46 @@ impl BlobStore {
         Ok(digest)
     }
 
-    fn open_blob(&self, digest: &Digest) -> Result<(File, PathBuf)> {
-        let hex = digest.to_hex();
-        let rel = format!("{}/{}", &hex[..2], &hex[2..]);
-        let path = || self.blobs.join(&rel);
-        let name = sys::cstr(rel.as_bytes()).expect("hex has no NUL");
-        // O_NOATIME: the first read of a freshly written chunk would otherwise dirty its inode
-        // (relatime), and a restore reads thousands of them.
-        match sys::openat(self.blobs_fd.as_fd(), &name, OFlags::RDONLY | OFlags::NOATIME, 0) {
-            Ok(fd) => Ok((File::from(fd), path())),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                Err(CheckpointError::MissingBlob { digest: hex, path: path() })
+    fn open_blob(&self, digest: &Digest) -> Result<Opened> {
+        // Twice at most: GC may rewrite a pack and move the link between the two lookups.
+        for retry in [false, true] {
+            let Some(at) = self.pack_ref(digest)? else {
+                let path = self.path_of(digest);
+                // O_NOATIME: the first read of a freshly written blob would otherwise dirty its
+                // inode (relatime). O_NOFOLLOW: the name was a file a moment ago; a link now
+                // is GC's doing, and the next look reads it as one.
+                let flags = OFlags::RDONLY | OFlags::NOATIME | OFlags::NOFOLLOW;
+                return match sys::openat(self.blobs_fd.as_fd(), &Self::rel_name(digest), flags, 0) {
+                    Ok(fd) => Ok(Opened::Loose { file: File::from(fd), path }),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        Err(CheckpointError::MissingBlob { digest: digest.to_hex(), path })
+                    }
+                    Err(e) => Err(e).io_ctx("open", path),
+                };
+            };
+            let path = self.pack_path(at.id);
+            fail::fail_point!("blobs-open-pack");
+            match self.open_pack(at.id) {
+                Ok(file) => return Ok(Opened::Packed { file, path, at }),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound && !retry => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(CheckpointError::MissingBlob { digest: digest.to_hex(), path });
+                }
+                Err(e) => return Err(e).io_ctx("open", path),
             }
-            Err(e) => Err(e).io_ctx("open", path()),
         }
+        unreachable!("the second pass returns")
+    }
+
+    /// Reads a packed blob's bytes and checks them against its name.
+    fn read_packed(digest: &Digest, file: &File, path: &Path, at: PackRef) -> Result<Vec<u8>> {
+        let mut data = vec![0u8; at.len as usize];
+        file.read_exact_at(&mut data, at.offset).io_ctx("read", path)?;
+        let actual: [u8; 32] = Sha256::digest(&data).into();
+        if actual != digest.0 {
+            return Err(Self::corrupt(digest, path.to_owned(), actual));
+        }
+        Ok(data)
     }
 
     fn corrupt(digest: &Digest, path: PathBuf, actual: [u8; 32]) -> CheckpointError {
@@ -261,7 +400,10 @@ impl BlobStore {
 
     /// Reads a whole blob, refusing it unless it hashes to its name.
     pub fn read(&self, digest: &Digest) -> Result<Vec<u8>> {
-        let (mut file, path) = self.open_blob(digest)?;
+        let (mut file, path) = match self.open_blob(digest)? {
+            Opened::Loose { file, path } => (file, path),
+            Opened::Packed { file, path, at } => return Self::read_packed(digest, &file, &path, at),
+        };
         let mut data = Vec::new();
         file.read_to_end(&mut data).io_ctx("read", &path)?;
         let actual: [u8; 32] = Sha256::digest(&data).into();
@@ -277,8 +419,27 @@ impl BlobStore {
     /// one read; whatever does come back is hashed, so a short read could only cause a refusal,
     /// never let other bytes through. This skips `read_to_end`'s stat, seek and EOF probe,
     /// which cost more than the read itself for a 4 KiB chunk.
-    pub(crate) fn read_small_into(&self, digest: &Digest, buf: &mut [u8]) -> Result<usize> {
-        let (mut file, path) = self.open_blob(digest)?;
+    /// A packed chunk is read from a pack file `open` keeps open, with one positioned read.
+    pub(crate) fn read_small_into(&self, digest: &Digest, buf: &mut [u8], open: &mut OpenPacks) -> Result<usize> {
+        if let Some(at) = self.pack_ref(digest)? {
+            match self.read_small_packed(digest, buf, open, at) {
+                // GC rewrote the pack since the link was read: the loose path below looks again.
+                Err(CheckpointError::MissingBlob { .. }) => {}
+                done => return done,
+            }
+        }
+        let (mut file, path) = match self.open_blob(digest)? {
+            Opened::Loose { file, path } => (file, path),
+            Opened::Packed { file, path, at } => {
+                let n = (at.len as usize).min(buf.len());
+                file.read_exact_at(&mut buf[..n], at.offset).io_ctx("read", &path)?;
+                let actual: [u8; 32] = Sha256::digest(&buf[..n]).into();
+                if actual != digest.0 {
+                    return Err(Self::corrupt(digest, path, actual));
+                }
+                return Ok(n);
+            }
+        };
         let n = file.read(buf).io_ctx("read", &path)?;
         let actual: [u8; 32] = Sha256::digest(&buf[..n]).into();
         if actual != digest.0 {
@@ -287,9 +448,41 @@ impl BlobStore {
         Ok(n)
     }
 
+    fn read_small_packed(&self, digest: &Digest, buf: &mut [u8], open: &mut OpenPacks, at: PackRef) -> Result<usize> {
+        if !open.files.contains_key(&at.id) {
+            let path = self.pack_path(at.id);
+            let file = match self.open_pack(at.id) {
+                Ok(file) => file,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(CheckpointError::MissingBlob { digest: digest.to_hex(), path });
+                }
+                Err(e) => return Err(e).io_ctx("open", path),
+            };
+            if open.files.len() >= OPEN_PACKS_MAX {
+                open.files.clear();
+            }
+            open.files.insert(at.id, (file, path));
+        }
+        let (file, path) = &open.files[&at.id];
+        // A blob longer than the buffer reads as the buffer's worth, which cannot hash right:
+        // the caller sized the buffer one byte over what it expects.
+        let n = (at.len as usize).min(buf.len());
+        file.read_exact_at(&mut buf[..n], at.offset).io_ctx("read", path)?;
+        let actual: [u8; 32] = Sha256::digest(&buf[..n]).into();
+        if actual != digest.0 {
+            return Err(Self::corrupt(digest, path.clone(), actual));
+        }
+        Ok(n)
+    }
+
     /// Hashes a blob without keeping it; returns its size.
     pub fn verify(&self, digest: &Digest) -> Result<u64> {
-        let (mut file, path) = self.open_blob(digest)?;
+        let (mut file, path) = match self.open_blob(digest)? {
+            Opened::Loose { file, path } => (file, path),
+            Opened::Packed { file, path, at } => {
+                return Self::read_packed(digest, &file, &path, at).map(|data| data.len() as u64);
+            }
+        };
         let (actual, size) = hash_reader(&mut file).io_ctx("read", &path)?;
         if actual != digest.0 {
             return Err(Self::corrupt(digest, path, actual));
@@ -301,7 +494,15 @@ impl BlobStore {
     /// memory before the first byte reaches `dst`; large ones are verified in a first pass and
     /// then copied in the kernel, so `dst` never receives unverified content.
     pub fn copy_verified(&self, digest: &Digest, dst: &File, dst_path: &Path) -> Result<u64> {
-        let (mut file, path) = self.open_blob(digest)?;
+        let (mut file, path) = match self.open_blob(digest)? {
+            Opened::Loose { file, path } => (file, path),
+            Opened::Packed { file, path, at } => {
+                let data = Self::read_packed(digest, &file, &path, at)?;
+                let mut dst = dst;
+                dst.write_all(&data).io_ctx("write", dst_path)?;
+                return Ok(data.len() as u64);
+            }
+        };
         let len = file.metadata().io_ctx("stat", &path)?.len();
         if len as usize <= IN_MEMORY_LIMIT {
             let mut data = Vec::with_capacity(len as usize);
@@ -335,12 +536,30 @@ impl BlobStore {
         extents: &[super::manifest::Extent],
         dst_path: &Path,
     ) -> Result<u64> {
-        let (mut file, path) = self.open_blob(digest)?;
+        let wanted: u64 = extents.iter().map(|e| e.len()).sum();
+        let (mut file, path) = match self.open_blob(digest)? {
+            Opened::Loose { file, path } => (file, path),
+            Opened::Packed { file, path, at } => {
+                let data = Self::read_packed(digest, &file, &path, at)?;
+                if wanted != data.len() as u64 {
+                    return Err(CheckpointError::BadExtents {
+                        path: dst_path.to_owned(),
+                        reason: format!("its extents hold {wanted} bytes, its blob {}", data.len()),
+                    });
+                }
+                let mut from = 0usize;
+                for extent in extents {
+                    let piece = &data[from..from + extent.len() as usize];
+                    dst.write_all_at(piece, extent.offset()).io_ctx("write", dst_path)?;
+                    from += piece.len();
+                }
+                return Ok(data.len() as u64);
+            }
+        };
         let (actual, size) = hash_reader(&mut file).io_ctx("read", &path)?;
         if actual != digest.0 {
             return Err(Self::corrupt(digest, path, actual));
         }
-        let wanted: u64 = extents.iter().map(|e| e.len()).sum();
         if wanted != size {
             return Err(CheckpointError::BadExtents {
                 path: dst_path.to_owned(),
@@ -376,12 +595,28 @@ fn hash_reader(r: &mut impl Read) -> std::io::Result<([u8; 32], u64)> {
 /// its tmp files.
 #[derive(Default)]
 pub(crate) struct PendingBlobs {
+    /// Files to publish, as (tmp, final path): blobs of their own and closed packs.
     pending: Vec<(PathBuf, PathBuf)>,
+    /// The pack small blobs are appended to now.
+    filling: Option<PackBuilder>,
+    /// The tmp file of each pack of this batch, closed or filling, in order.
+    pack_tmps: Vec<PathBuf>,
+    /// The links to make, once their closed packs are durable.
+    links: Vec<(Digest, PackRef)>,
     seen: HashSet<Digest>,
-    /// The size and place in `pending` of each queued blob (the quota counts them before
-    /// they are published).
-    queued: HashMap<Digest, (usize, u64)>,
+    /// The place and size of each queued blob (the quota counts them before they are
+    /// published).
+    queued: HashMap<Digest, (Queued, u64)>,
     traffic: Traffic,
+}
+
+/// Where a queued blob waits.
+#[derive(Clone, Copy)]
+enum Queued {
+    /// `pending[index]`.
+    Own(usize),
+    /// At `offset` of the pack `pack_tmps[pack]`.
+    Packed { pack: usize, offset: u64 },
 }
 
 impl PendingBlobs {
@@ -395,6 +630,9 @@ impl Drop for PendingBlobs {
     fn drop(&mut self) {
         for (tmp, _) in self.pending.drain(..) {
             let _ = fs::remove_file(tmp);
+        }
+        if let Some(pack) = self.filling.take() {
+            let _ = fs::remove_file(&pack.tmp);
         }
     }
 }
@@ -417,13 +655,43 @@ impl WriteBatch<'_> {
         false
     }
 
-    fn queue(&mut self, digest: Digest, tmp: PathBuf, len: u64) {
+    fn count_new(&mut self, digest: Digest, queued: Queued, len: u64) {
         let blobs = &mut self.blobs;
         blobs.seen.insert(digest);
-        blobs.queued.insert(digest, (blobs.pending.len(), len));
-        blobs.pending.push((tmp, self.store.path_of(&digest)));
+        blobs.queued.insert(digest, (queued, len));
         blobs.traffic.written_bytes += len;
         blobs.traffic.blobs_written += 1;
+    }
+
+    fn queue(&mut self, digest: Digest, tmp: PathBuf, len: u64) {
+        self.blobs.pending.push((tmp, self.store.path_of(&digest)));
+        self.count_new(digest, Queued::Own(self.blobs.pending.len() - 1), len);
+    }
+
+    /// Appends a small blob to the batch's pack, beginning a new pack when it is full.
+    fn queue_packed(&mut self, digest: Digest, data: &[u8]) -> Result<()> {
+        let full = self.blobs.filling.as_ref().is_some_and(|pack| pack.len() + data.len() as u64 > PACK_LIMIT);
+        if full {
+            self.close_pack();
+        }
+        if self.blobs.filling.is_none() {
+            let tmp = self.store.tmp_path("pack");
+            self.blobs.filling = Some(PackBuilder::create(tmp.clone())?);
+            self.blobs.pack_tmps.push(tmp);
+        }
+        let offset = self.blobs.filling.as_mut().expect("a pack is filling").append(digest, data)?;
+        let pack = self.blobs.pack_tmps.len() - 1;
+        self.count_new(digest, Queued::Packed { pack, offset }, data.len() as u64);
+        Ok(())
+    }
+
+    /// Closes the filling pack: it is published with the batch's files, its links after it.
+    fn close_pack(&mut self) {
+        if let Some(pack) = self.blobs.filling.take() {
+            let (tmp, id, places) = pack.finish();
+            self.blobs.pending.push((tmp, self.store.pack_path(id)));
+            self.blobs.links.extend(places);
+        }
     }
 
     /// The size of a blob queued in this batch (None: not queued here).
@@ -433,9 +701,19 @@ impl WriteBatch<'_> {
 
     /// Reads a blob queued in this batch or already stored, verified against its name.
     pub(crate) fn read(&self, digest: &Digest) -> Result<Vec<u8>> {
-        let Some(&(index, _)) = self.blobs.queued.get(digest) else { return self.store.read(digest) };
-        let tmp = &self.blobs.pending[index].0;
-        let data = fs::read(tmp).io_ctx("read", tmp)?;
+        let Some(&(queued, len)) = self.blobs.queued.get(digest) else { return self.store.read(digest) };
+        let (tmp, data) = match queued {
+            Queued::Own(index) => {
+                let tmp = &self.blobs.pending[index].0;
+                (tmp, fs::read(tmp).io_ctx("read", tmp)?)
+            }
+            Queued::Packed { pack, offset } => {
+                let tmp = &self.blobs.pack_tmps[pack];
+                let mut data = vec![0u8; len as usize];
+                File::open(tmp).and_then(|f| f.read_exact_at(&mut data, offset)).io_ctx("read", tmp)?;
+                (tmp, data)
+            }
+        };
         let actual: [u8; 32] = Sha256::digest(&data).into();
         if actual != digest.0 {
             return Err(BlobStore::corrupt(digest, tmp.clone(), actual));
@@ -451,6 +729,10 @@ impl WriteBatch<'_> {
     pub fn put_bytes(&mut self, data: &[u8]) -> Result<Digest> {
         let digest = Digest::of(data);
         if self.known(&digest, data.len() as u64) {
+            return Ok(digest);
+        }
+        if data.len() <= PACKED_MAX {
+            self.queue_packed(digest, data)?;
             return Ok(digest);
         }
         let (tmp, ()) = self.store.write_tmp(|f, tmp| f.write_all(data).io_ctx("write", tmp))?;
@@ -500,11 +782,14 @@ impl WriteBatch<'_> {
     /// Like [`commit`](Self::commit), with the new bytes written back chunk by chunk as
     /// `tokens` grants them; the flushes after that find them on disk already.
     pub fn commit_paced(mut self, tokens: &mut dyn WriteTokens) -> Result<Traffic> {
+        self.close_pack();
         if let Some(chunk) = tokens.chunk_bytes() {
             self.write_back_paced(chunk.max(1), tokens)?;
         }
         self.flush()?;
         self.blobs.pending.clear();
+        self.blobs.pack_tmps.clear();
+        self.blobs.links.clear();
         self.blobs.queued.clear();
         self.store.record(&self.blobs.traffic);
         Ok(self.blobs.traffic)
@@ -552,9 +837,10 @@ impl WriteBatch<'_> {
     }
 
     /// Makes this batch's blobs durable and visible, and nobody else's data: starts writeback of
-    /// every blob (nothing left to write for those the paced write-back wrote), fsyncs each (the
-    /// first fsync commits the journal transaction that holds every blob's allocation, so the
-    /// others find it committed), renames them into place and fsyncs the fan-out directories.
+    /// every file (nothing left to write for those the paced write-back wrote), fsyncs each (the
+    /// first fsync commits the journal transaction that holds every file's allocation, so the
+    /// others find it committed), renames them into place, makes the packs' names durable, then
+    /// links each packed blob's name to its place and fsyncs the fan-out directories.
     ///
     /// Never `syncfs`, however many blobs (a CRIU dump is thousands of page chunks): it writes
     /// back every dirty page of the file system, which on a node is the other sandboxes'
@@ -563,7 +849,7 @@ impl WriteBatch<'_> {
     /// would stall everyone's commits).
     fn flush(&self) -> Result<()> {
         let pending = &self.blobs.pending;
-        // Opened once per pass rather than held: a dump's thousands of blobs would exceed the
+        // Opened once per pass rather than held: a batch of many large blobs would exceed the
         // shim's descriptor limit.
         for (tmp, _) in pending {
             sys::start_writeback(&File::open(tmp).io_ctx("open", tmp)?).io_ctx("sync_file_range", tmp)?;
@@ -573,32 +859,58 @@ impl WriteBatch<'_> {
         let mut dirs = std::collections::BTreeSet::new();
         for (tmp, dst) in pending {
             fs::rename(tmp, dst).io_ctx("rename", dst)?;
-            dirs.insert(dst.parent().expect("blob paths have a fan-out parent").to_owned());
+            if dst.parent() != Some(self.store.packs.as_path()) {
+                dirs.insert(dst.parent().expect("blob paths have a fan-out parent").to_owned());
+            }
+        }
+        if !self.blobs.links.is_empty() {
+            // A link must never be durable while its pack's name is not.
+            sys::fsync_dir(&self.store.packs).io_ctx("fsync", &self.store.packs)?;
+        }
+        let link = |(digest, at): &(Digest, PackRef)| -> Result<()> {
+            let target = sys::cstr(at.to_link().as_bytes()).expect("a link target has no NUL");
+            match sys::symlinkat(&target, self.store.blobs_fd.as_fd(), &BlobStore::rel_name(digest)) {
+                Ok(()) => Ok(()),
+                // Stored meanwhile by another batch (its own copy): the content is the name's.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+                Err(e) => Err(e).io_ctx("symlink", self.store.path_of(digest)),
+            }
+        };
+        let links = &self.blobs.links;
+        // A link is a new inode each: a dump's thousands are made by several threads.
+        in_parallel(links, link)?;
+        for (digest, _) in links {
+            let hex = digest.to_hex();
+            dirs.insert(self.store.blobs.join(&hex[..2]));
         }
         let dirs: Vec<&Path> = dirs.iter().map(PathBuf::as_path).collect();
         fsync_all(&dirs, sys::fsync_dir)
     }
 }
 
-/// Batches of more files than this are fsynced by [`FSYNC_THREADS`] threads at once.
-const PARALLEL_FSYNC_FROM: usize = 64;
-const FSYNC_THREADS: usize = 8;
+/// Batches of more files than this are fsynced (or linked) by [`FILE_THREADS`] threads at once.
+const PARALLEL_FROM: usize = 64;
+const FILE_THREADS: usize = 8;
 
 /// `fsync` of each path. A file whose data is already on disk still costs its fsync a flush of
 /// the disk's cache (ext4 asks for one when the journal has nothing to commit), one after
 /// another; fsyncs that arrive together share one flush (the block layer merges them), so a
 /// large batch is spread over a few threads.
 fn fsync_all(paths: &[&Path], fsync: impl Fn(&Path) -> std::io::Result<()> + Sync) -> Result<()> {
-    if paths.len() <= PARALLEL_FSYNC_FROM {
-        return paths.iter().try_for_each(|path| fsync(path).io_ctx("fsync", path));
+    in_parallel(paths, |path| fsync(path).io_ctx("fsync", path))
+}
+
+/// `work` on each item, over [`FILE_THREADS`] threads for a large batch: file system calls that
+/// wait on the disk or the journal (an fsync, a new inode) overlap instead of queueing.
+fn in_parallel<T: Sync>(items: &[T], work: impl Fn(&T) -> Result<()> + Sync) -> Result<()> {
+    if items.len() <= PARALLEL_FROM {
+        return items.iter().try_for_each(work);
     }
-    let share = paths.len().div_ceil(FSYNC_THREADS);
+    let share = items.len().div_ceil(FILE_THREADS);
     std::thread::scope(|scope| {
-        let workers: Vec<_> = paths
-            .chunks(share)
-            .map(|chunk| scope.spawn(|| chunk.iter().try_for_each(|path| fsync(path).io_ctx("fsync", path))))
-            .collect();
-        workers.into_iter().try_for_each(|w| w.join().expect("an fsync thread does not panic"))
+        let workers: Vec<_> =
+            items.chunks(share).map(|chunk| scope.spawn(|| chunk.iter().try_for_each(&work))).collect();
+        workers.into_iter().try_for_each(|w| w.join().expect("a file thread does not panic"))
     })
 }
 
@@ -688,11 +1000,14 @@ mod tests {
                 chunk[..4].copy_from_slice(&i.to_le_bytes());
                 turn.put_bytes(&chunk).unwrap();
             }
-            let published: Vec<PathBuf> = turn.blobs.pending.iter().map(|(_, dst)| dst.clone()).collect();
+            let chunks: Vec<Digest> = turn.blobs.queued.keys().copied().collect();
             let before = unwritten(&waiting_tmp);
             turn.commit().unwrap();
-            for blob in published.iter().step_by(97) {
-                assert_eq!(unwritten(blob), 0, "{} is published durable", blob.display());
+            for chunk in chunks.iter().step_by(97) {
+                let BlobLocation::Packed { pack, .. } = store.location(chunk).unwrap() else {
+                    panic!("a page chunk is packed")
+                };
+                assert_eq!(unwritten(&pack), 0, "{} is published durable", pack.display());
             }
             let after = unwritten(&waiting_tmp);
             if before == 1 << 20 && after == before {
@@ -740,17 +1055,116 @@ mod tests {
         assert_eq!(a.to_hex(), "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824");
     }
 
+    /// Overwrites `len` bytes where a blob's are (its file, or its place in its pack).
+    fn tamper(store: &BlobStore, digest: &Digest) -> PathBuf {
+        let (path, offset) = match store.location(digest).unwrap() {
+            BlobLocation::File(path) => (path, 0),
+            BlobLocation::Packed { pack, offset, .. } => (pack, offset),
+        };
+        fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+        let file = OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let mut first = [0u8; 1];
+        file.read_exact_at(&mut first, offset).unwrap();
+        file.write_all_at(&[first[0] ^ 1], offset).unwrap();
+        path
+    }
+
     #[test]
     fn corrupt_blob_is_refused_naming_digest_and_path() {
         let dir = tempfile::tempdir().unwrap();
         let store = BlobStore::open(dir.path()).unwrap();
-        let d = store.put(b"precious").unwrap();
-        let path = store.path_of(&d);
-        fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
-        fs::write(&path, b"tampered").unwrap();
-        let err = store.read(&d).unwrap_err().to_string();
-        assert!(err.contains(&d.to_hex()) && err.contains(&path.display().to_string()), "{err}");
-        assert!(matches!(store.verify(&d), Err(CheckpointError::CorruptBlob { .. })));
+        let small = store.put(b"precious").unwrap();
+        let large = store.put(&vec![7u8; PACKED_MAX + 1]).unwrap();
+        assert!(matches!(store.location(&small).unwrap(), BlobLocation::Packed { .. }));
+        assert_eq!(store.location(&large).unwrap(), BlobLocation::File(store.path_of(&large)));
+        for d in [small, large] {
+            let path = tamper(&store, &d);
+            let err = store.read(&d).unwrap_err().to_string();
+            assert!(err.contains(&d.to_hex()) && err.contains(&path.display().to_string()), "{err}");
+            assert!(matches!(store.verify(&d), Err(CheckpointError::CorruptBlob { .. })));
+            let mut buf = vec![0u8; PACKED_MAX + 2];
+            let err = store.read_small_into(&d, &mut buf, &mut OpenPacks::default()).unwrap_err();
+            assert!(matches!(err, CheckpointError::CorruptBlob { .. }), "{err}");
+        }
+    }
+
+    /// A dump's page chunks go into one pack file whose blobs are links in the blob tree, and
+    /// another store over the same directory (another process) finds and reads them.
+    #[test]
+    fn small_blobs_of_a_batch_share_one_pack_that_every_opener_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path()).unwrap();
+        let chunks: Vec<Vec<u8>> = (0..3000u32).map(|i| [i.to_le_bytes().as_slice(), &[9u8; 4092]].concat()).collect();
+        let mut batch = store.batch();
+        let digests: Vec<Digest> = chunks.iter().map(|c| batch.put_bytes(c).unwrap()).collect();
+        // Readable from the batch before it is published.
+        assert_eq!(batch.read(&digests[1234]).unwrap(), chunks[1234]);
+        assert!(!store.contains(&digests[0]), "nothing is visible before the commit");
+        let traffic = batch.commit().unwrap();
+        assert_eq!((traffic.blobs_written, traffic.written_bytes), (3000, 3000 * 4096));
+        let packs: Vec<_> = fs::read_dir(dir.path().join("packs")).unwrap().map(|e| e.unwrap().path()).collect();
+        assert_eq!(packs.len(), 1, "{packs:?}");
+        assert_eq!(fs::metadata(&packs[0]).unwrap().len(), 3000 * 4096);
+        assert_eq!(fs::read_dir(store.tmp_dir()).unwrap().count(), 0, "no tmp file left");
+
+        let other = BlobStore::open(dir.path()).unwrap();
+        let mut open = OpenPacks::default();
+        let mut buf = vec![0u8; 4097];
+        for (digest, chunk) in digests.iter().zip(&chunks).step_by(7) {
+            assert!(other.contains(digest));
+            assert_eq!(other.size_of(digest).unwrap(), Some(4096));
+            assert_eq!(other.read(digest).unwrap(), *chunk);
+            let n = other.read_small_into(digest, &mut buf, &mut open).unwrap();
+            assert_eq!(&buf[..n], chunk.as_slice());
+            assert_eq!(
+                other.location(digest).unwrap(),
+                BlobLocation::Packed {
+                    pack: packs[0].clone(),
+                    offset: 4096 * (chunks.iter().position(|c| c == chunk).unwrap() as u64),
+                    len: 4096
+                }
+            );
+        }
+        assert_eq!(other.verify(&digests[0]).unwrap(), 4096);
+        // A second batch with the same chunks writes nothing.
+        let mut again = other.batch();
+        for chunk in &chunks {
+            again.put_bytes(chunk).unwrap();
+        }
+        let traffic = again.commit().unwrap();
+        assert_eq!((traffic.blobs_written, traffic.blobs_deduplicated), (0, 3000));
+        assert_eq!(fs::read_dir(dir.path().join("packs")).unwrap().count(), 1);
+    }
+
+    /// A pack closes at PACK_LIMIT and the next begins; a batch dropped before its commit
+    /// leaves neither packs nor links.
+    #[test]
+    fn a_full_pack_closes_and_a_dropped_batch_leaves_no_pack() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path()).unwrap();
+        let blob = |i: u32| [i.to_le_bytes().as_slice(), &[1u8; PACKED_MAX - 4]].concat();
+        let per_pack = (PACK_LIMIT / PACKED_MAX as u64) as u32;
+        let mut dropped = store.batch();
+        let d = dropped.put_bytes(&blob(u32::MAX)).unwrap();
+        drop(dropped);
+        assert!(!store.contains(&d));
+        assert_eq!(fs::read_dir(store.tmp_dir()).unwrap().count(), 0);
+        let mut batch = store.batch();
+        let digests: Vec<Digest> = (0..per_pack + 1).map(|i| batch.put_bytes(&blob(i)).unwrap()).collect();
+        batch.commit().unwrap();
+        assert_eq!(fs::read_dir(dir.path().join("packs")).unwrap().count(), 2);
+        assert_eq!(store.read(&digests[per_pack as usize]).unwrap(), blob(per_pack));
+    }
+
+    /// A link naming no place in a pack is refused by name, never followed.
+    #[test]
+    fn a_link_that_names_no_pack_place_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path()).unwrap();
+        let digest = Digest::of(b"anything");
+        std::os::unix::fs::symlink("/etc/passwd", store.path_of(&digest)).unwrap();
+        let err = store.read(&digest).unwrap_err();
+        assert!(matches!(&err, CheckpointError::BadPackLink { target, .. } if target == "/etc/passwd"), "{err}");
     }
 
     #[test]

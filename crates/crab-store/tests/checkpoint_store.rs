@@ -26,6 +26,26 @@ enum Node {
     Other { mode: u32, uid: u32, gid: u32 },
 }
 
+/// Overwrites a stored blob's bytes where they are (its own file, or its place in its pack);
+/// returns the file an error about it names.
+fn overwrite_blob(store: &CheckpointStore, digest: &crab_store::Digest, bytes: &[u8]) -> PathBuf {
+    use std::os::unix::fs::FileExt;
+    let (path, offset) = match store.blobs().location(digest).unwrap() {
+        crab_store::BlobLocation::File(path) => {
+            fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+            fs::write(&path, bytes).unwrap();
+            return path;
+        }
+        crab_store::BlobLocation::Packed { pack, offset, len } => {
+            assert_eq!(bytes.len() as u64, len, "a packed blob is overwritten in place");
+            (pack, offset)
+        }
+    };
+    fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+    fs::OpenOptions::new().write(true).open(&path).unwrap().write_all_at(bytes, offset).unwrap();
+    path
+}
+
 fn xattrs(path: &Path) -> BTreeMap<String, Vec<u8>> {
     let c = CString::new(path.as_os_str().as_bytes()).unwrap();
     let mut names = vec![0u8; 4096];
@@ -496,9 +516,7 @@ fn corrupt_blob_is_refused_before_anything_is_written() {
     sb.commit("c1", 1, &[c("/app/one"), c("/app/two")]);
     let (_, manifest) = sb.store.manifest_at("c1", 1).unwrap();
     let blob = *manifest.fs_delta.iter().find(|e| e.path.to_string() == "/app/two").unwrap().node.blob().unwrap();
-    let blob_path = sb.store.blobs().path_of(&blob);
-    fs::set_permissions(&blob_path, fs::Permissions::from_mode(0o644)).unwrap();
-    fs::write(&blob_path, b"second filf\n").unwrap();
+    let blob_path = overwrite_blob(&sb.store, &blob, b"second filf\n");
 
     let target = sb.fresh_target("restored");
     let err = sb.store.materialize("c1", 1, &target).unwrap_err();
@@ -508,7 +526,7 @@ fn corrupt_blob_is_refused_before_anything_is_written() {
     assert!(!target.join("app/one").exists(), "nothing restored from a corrupt checkpoint");
     assert!(matches!(sb.store.verify("c1", 1), Err(CheckpointError::CorruptBlob { .. })));
 
-    fs::remove_file(&blob_path).unwrap();
+    fs::remove_file(sb.store.blobs().path_of(&blob)).unwrap();
     let err = sb.store.materialize("c1", 1, &target).unwrap_err();
     assert!(matches!(err, CheckpointError::MissingBlob { .. }), "{err}");
 }
@@ -742,12 +760,10 @@ fn large_page_images_reassemble_exactly_and_refuse_a_corrupt_chunk() {
     let zero = page * 7 * 200;
     for (offset, len) in [(unique, page), (zero, page)] {
         let digest = crab_store::Digest::of(&pages[offset..offset + len]);
-        let path = sb.store.blobs().path_of(&digest);
-        let good = fs::read(&path).unwrap();
-        fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+        let good = sb.store.blobs().read(&digest).unwrap();
         let mut bad = good.clone();
         bad[100] ^= 1;
-        fs::write(&path, &bad).unwrap();
+        overwrite_blob(&sb.store, &digest, &bad);
         let out = sb._tmp.path().join(format!("refused-{offset}"));
         let err = sb.store.restore_images("c1", 1, &out).unwrap_err();
         assert!(
@@ -757,7 +773,7 @@ fn large_page_images_reassemble_exactly_and_refuse_a_corrupt_chunk() {
         assert!(!out.exists(), "no image directory from a corrupt checkpoint");
         let partial = sb._tmp.path().join(format!("refused-{offset}.partial"));
         assert!(!partial.exists(), "the partial directory is removed");
-        fs::write(&path, &good).unwrap();
+        overwrite_blob(&sb.store, &digest, &good);
     }
 }
 
@@ -1021,11 +1037,9 @@ fn a_corrupted_kept_copy_is_refused_and_the_chunks_restore_instead() {
     let pages = fs::read(dump.join("pages-1.img")).unwrap();
     let chunk = &pages[4096 * 10..4096 * 11];
     let digest = crab_store::Digest::of(chunk);
-    let path = sb.store.blobs().path_of(&digest);
-    fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
     let mut bad = chunk.to_vec();
     bad[1] ^= 1;
-    fs::write(&path, &bad).unwrap();
+    overwrite_blob(&sb.store, &digest, &bad);
     let kept_pages = kept.join("pages-1.img");
     fs::remove_file(&kept_pages).unwrap();
     fs::write(&kept_pages, [&pages[..4096 * 10], &bad[..], &pages[4096 * 11..]].concat()).unwrap();
@@ -1360,4 +1374,113 @@ fn the_names_of_a_hard_linked_file_are_found_in_the_overlay_upper_layer() {
     fs::create_dir_all(&target).unwrap();
     store.materialize("c1", 2, &target).unwrap();
     assert_one_inode(&target, &["app/one", "app/two", "srv/three"], 3, b"a\nb\n");
+}
+
+/// A dump of one page image of `pages` (plus a core file of its own) in `dir`.
+fn dump_of(dir: &Path, pages: &[u8], core: &str) {
+    fs::create_dir_all(dir).unwrap();
+    fs::write(dir.join("pages-1.img"), pages).unwrap();
+    fs::write(dir.join("core-1.img"), core).unwrap();
+}
+
+fn packs_in(sb: &Sandbox) -> Vec<PathBuf> {
+    let mut packs: Vec<PathBuf> = fs::read_dir(sb.state.join("packs")).unwrap().map(|e| e.unwrap().path()).collect();
+    packs.sort();
+    packs
+}
+
+/// GC frees packed chunks by the pack: a pack none of whose chunks is live goes, a pack whose
+/// live chunks are under half its bytes is rewritten with them alone (their links moved), and
+/// the chain's images restore byte for byte afterwards, also through a store opened before.
+#[test]
+fn gc_removes_dead_packs_and_rewrites_mostly_dead_ones() {
+    let sb = Sandbox::new();
+    // Pages unlike each other and unlike other seeds' (xorshift).
+    let pages = |seed: u64, n: usize| -> Vec<u8> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n * 4096 / 8)
+            .flat_map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x.to_le_bytes()
+            })
+            .collect()
+    };
+    let n = 512; // 2 MiB
+    let p1 = pages(1, n);
+    let p2 = pages(2, n);
+    // Turn 3 keeps turn 2's first quarter of pages; the rest is new.
+    let p3 = [&p2[..n / 4 * 4096], &pages(3, n)[n / 4 * 4096..]].concat();
+    for (turn, data) in [(1, &p1), (2, &p2), (3, &p3)] {
+        let dump = sb._tmp.path().join(format!("dump{turn}"));
+        dump_of(&dump, data, &format!("core of turn {turn}"));
+        commit_dump(&sb, "a", turn, &dump);
+    }
+    let before = packs_in(&sb);
+    assert_eq!(before.len(), 3, "one pack per dump: {before:?}");
+    let kept_chunk = crab_store::Digest::of(&p2[4096..8192]);
+    let crab_store::BlobLocation::Packed { pack: turn2_pack, .. } = sb.store.blobs().location(&kept_chunk).unwrap()
+    else {
+        panic!("a page chunk is packed")
+    };
+    let opened_before = CheckpointStore::open(&sb.state).unwrap();
+
+    let report = sb.store.gc(&RetentionPolicy { keep_last: 1 }).unwrap();
+    assert_eq!((report.packs_removed, report.packs_rewritten), (1, 1), "{report:?}");
+    assert!(report.bytes_freed >= (n + n * 3 / 4) as u64 * 4096, "{report:?}");
+    let after = packs_in(&sb);
+    assert_eq!(after.len(), 2, "{after:?}");
+    assert!(!after.contains(&turn2_pack), "turn 2's pack was rewritten");
+    let crab_store::BlobLocation::Packed { pack, offset, len } = sb.store.blobs().location(&kept_chunk).unwrap() else {
+        panic!("a page chunk is packed")
+    };
+    assert_eq!((offset, len), (4096, 4096), "the live quarter alone, in its order");
+    assert_eq!(fs::metadata(&pack).unwrap().len(), (n / 4) as u64 * 4096);
+
+    fs::remove_dir_all(sb.state.join("assembled")).unwrap();
+    for (name, store) in [("now", &sb.store), ("opened-before", &opened_before)] {
+        let out = sb._tmp.path().join(format!("restored-{name}"));
+        store.restore_images("a", 3, &out).unwrap();
+        assert_eq!(fs::read(out.join("pages-1.img")).unwrap(), p3, "{name}");
+    }
+    assert!(sb.store.verify("a", 3).is_ok());
+    // Nothing more to do: a second GC leaves the packs alone.
+    let again = sb.store.gc(&RetentionPolicy { keep_last: 1 }).unwrap();
+    assert_eq!((again.packs_removed, again.packs_rewritten), (0, 0), "{again:?}");
+    assert_eq!(packs_in(&sb), after);
+}
+
+/// A reader that read a chunk's link just before GC rewrote its pack (and removed the old
+/// one) looks again and reads the chunk from the new pack.
+#[test]
+fn a_read_racing_a_pack_rewrite_finds_the_blob_in_the_new_pack() {
+    let sb = Sandbox::new();
+    let chunks: Vec<Vec<u8>> = (0..64u32).map(|i| [i.to_le_bytes().as_slice(), &[5u8; 4092]].concat()).collect();
+    let p1: Vec<u8> = chunks.concat();
+    // Turn 2 keeps 8 of turn 1's 64 pages: its pack is mostly dead once turn 1 goes.
+    let p2: Vec<u8> = [&p1[..8 * 4096], &vec![6u8; 56 * 4096][..]].concat();
+    for (turn, data) in [(1, &p1), (2, &p2)] {
+        let dump = sb._tmp.path().join(format!("dump{turn}"));
+        dump_of(&dump, data, &format!("core of turn {turn}"));
+        commit_dump(&sb, "a", turn, &dump);
+    }
+    let chunk = crab_store::Digest::of(&chunks[3]);
+    let before = sb.store.blobs().location(&chunk).unwrap();
+    let reader = crab_store::BlobStore::open(&sb.state).unwrap();
+    let scenario = fail::FailScenario::setup();
+    let gc_ran = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (counter, state) = (gc_ran.clone(), sb.state.clone());
+    fail::cfg_callback("blobs-open-pack", move || {
+        if counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            let report = CheckpointStore::open(&state).unwrap().gc(&RetentionPolicy { keep_last: 1 }).unwrap();
+            assert_eq!(report.packs_rewritten, 1, "{report:?}");
+        }
+    })
+    .unwrap();
+    let read = reader.read(&chunk);
+    scenario.teardown();
+    assert!(gc_ran.load(std::sync::atomic::Ordering::SeqCst) >= 1, "the failpoint never ran");
+    assert_ne!(sb.store.blobs().location(&chunk).unwrap(), before, "the chunk moved to a new pack");
+    assert_eq!(read.unwrap(), chunks[3]);
 }

@@ -367,6 +367,8 @@ impl CheckpointCommand {
                 struct Gc {
                     manifests_removed: u64,
                     blobs_removed: u64,
+                    packs_removed: u64,
+                    packs_rewritten: u64,
                     bytes_freed: u64,
                     snapshots_written: u64,
                     tmp_files_removed: u64,
@@ -378,6 +380,8 @@ impl CheckpointCommand {
                 let gc = Gc {
                     manifests_removed: report.manifests_removed,
                     blobs_removed: report.blobs_removed,
+                    packs_removed: report.packs_removed,
+                    packs_rewritten: report.packs_rewritten,
                     bytes_freed: report.bytes_freed,
                     snapshots_written: report.snapshots_written,
                     tmp_files_removed: report.tmp_files_removed,
@@ -388,10 +392,12 @@ impl CheckpointCommand {
                 };
                 print(json, &gc, |g| {
                     format!(
-                        "removed {} manifests, {} blobs ({} bytes), {} tmp files, {} retired chains; {} snapshots written\n\
+                        "removed {} manifests, {} blobs, {} packs ({} rewritten; {} bytes), {} tmp files, {} retired chains; {} snapshots written\n\
                          containers removed from containerd: {} newly found, {} sandboxes dropped (containerd {})\n",
                         g.manifests_removed,
                         g.blobs_removed,
+                        g.packs_removed,
+                        g.packs_rewritten,
                         g.bytes_freed,
                         g.tmp_files_removed,
                         g.retired_removed,
