@@ -65,16 +65,21 @@ FAULT_MODEL = [
     "checkpoint's own blobs (index, CRIU image, rw layer, spec; not the base image, which a replacement node pulls "
     "like any image) into an OCI archive in a directory of the replay's own (`--checkpoint-dir`), synced before "
     "the previous one is dropped, and after the fault it brings the newest back with `ctr images import` and "
-    "restores it. Those exported bytes count as its checkpoint bytes, beside what it wrote into containerd. crab "
+    "restores it. Those archived bytes count as its checkpoint bytes, beside what it wrote into containerd. crab "
     "recovers from its store under the state dir alone (`crabctl recover --image`).",
     "- node-loss: node A is gone. Once the fault turn's checkpoint is off the node (crab: its shim pushed it to "
-    "the registry; every-turn: its archive is written), SIGKILL to the sandbox's processes and shim, to crabd "
+    "the registry; every-turn: its push ended within the turn), SIGKILL to the sandbox's processes and shim, to crabd "
     "and to containerd; the crab sandbox's store, kept images and runc root (a crab config of its own) are "
     "deleted; containerd is started again without the sandbox, as a replacement node with the images. Every "
     "policy recovers on node B, a second containerd and crab on the same machine with directories of their "
     "own: crab with `crabctl recover --from <registry>/<namespace>/<sandbox>` (only what B's store lacks is "
-    "pulled, every digest verified), every-turn by importing its archive into B's containerd, chat-only from the "
-    "base image there. The later turns run on node B.",
+    "pulled, every digest verified), every-turn from the checkpoint image it pushed to the same registry after "
+    "every turn (`ctr images push` of `<registry>/every-turn/<sandbox>:turn-N`, part of the turn's cost; no "
+    "archive in these runs), fetched into B's containerd with `ctr content fetch` (a pull without the unpack, "
+    "which a checkpoint index fails), chat-only from the base image there. The later turns run on node B. "
+    "every-turn's pushed bytes are what each push sent: the sizes of the blobs (and manifests) the registry's "
+    "repository lacked, asked with HEAD just before the push as containerd's pusher asks; they count as its "
+    "checkpoint bytes, beside what it wrote into containerd, as the archive does under the other faults.",
     "",
 ]
 
@@ -247,6 +252,16 @@ def oracle_summary(reports):
     }
 
 
+def off_node_bytes(stats):
+    """What a policy's checkpoints sent off the node: archived + pushed, or the one there is."""
+    archived, pushed = stats["checkpoint_archived_bytes"], stats["checkpoint_pushed_bytes"]
+    if archived and pushed:
+        return f"{human_bytes(archived)} + {human_bytes(pushed)} pushed"
+    if pushed:
+        return f"{human_bytes(pushed)} pushed"
+    return human_bytes(archived)
+
+
 def aggregate(reports, errors, classes):
     policies = {}
     run_time = {}
@@ -261,6 +276,7 @@ def aggregate(reports, errors, classes):
                 "runs": 0, "faulted": 0, "correct": 0,
                 "availability_faulted": 0, "availability_correct": 0,
                 "checkpoints": 0, "checkpoint_failures": 0, "checkpoint_bytes": 0, "checkpoint_exported_bytes": 0,
+                "checkpoint_archived_bytes": 0, "checkpoint_pushed_bytes": 0,
                 "charged_bytes": 0, "referenced_bytes": 0, "runs_without_store_check": 0,
                 "paired_bytes": 0, "every_turn_bytes": 0, "every_turn_containerd_bytes": 0,
                 "delays": [], "first_checkpoint_error": None,
@@ -270,6 +286,9 @@ def aggregate(reports, errors, classes):
             stats["checkpoint_failures"] += run["checkpoint_failures"]
             stats["checkpoint_bytes"] += run["checkpoint_bytes"]
             stats["checkpoint_exported_bytes"] += run.get("checkpoint_exported_bytes", 0)
+            # Off the node: pushed to the registry (every-turn in node-loss runs) or archived.
+            off_node = "pushed" if run.get("checkpoint_exported_to") == "registry" else "archived"
+            stats[f"checkpoint_{off_node}_bytes"] += run.get("checkpoint_exported_bytes", 0)
             charged = charged_bytes(run)
             stats["charged_bytes"] += charged
             store = run.get("store")
@@ -493,7 +512,7 @@ def render_markdown(summary, meta):
     lines += [
         "## Per policy", "",
         "| policy | recovered correctly (state-destroying) | availability | checkpoints (failed) | written "
-        "| charged | of which exported | bytes vs every-turn | vs its containerd part | delay p50 / turn "
+        "| charged | of which off the node (archived + pushed) | bytes vs every-turn | vs its containerd part | delay p50 / turn "
         "| delay p99 / turn | delay max |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -505,7 +524,7 @@ def render_markdown(summary, meta):
         lines.append(
             f"| {name} | {correct} | {available} | {stats['checkpoints']} ({stats['checkpoint_failures']}) "
             f"| {human_bytes(stats['checkpoint_bytes'])} | {human_bytes(stats['charged_bytes'])} "
-            f"| {human_bytes(stats['checkpoint_exported_bytes'])} "
+            f"| {off_node_bytes(stats)} "
             f"| {fmt(stats['bytes_vs_every_turn'], '{:.3f}x')} "
             f"| {fmt(stats['bytes_vs_every_turn_in_containerd'], '{:.3f}x')} "
             f"| {fmt(stats['delay_p50_s'], '{:.3f} s')} | {fmt(stats['delay_p99_s'], '{:.3f} s')} "
@@ -517,8 +536,10 @@ def render_markdown(summary, meta):
         "policy with a store of its own (crab), everything its checkpoint chain references (`crabctl verify`), "
         "whichever is more: crab's store deduplicates across all runs of a batch, so a run can write almost "
         "nothing for a turn another run already stored. Bytes vs every-turn: the policy's charged bytes over "
-        "every-turn's in the same (trace, fault) reports; every-turn's include the copy it exports out of "
-        "containerd (\"of which exported\"); \"vs its containerd part\" leaves that copy out (every-turn as it "
+        "every-turn's in the same (trace, fault) reports; every-turn's include its copy off the node (\"of which "
+        "off the node\": the archives it writes out of containerd, and in node-loss runs what its `ctr images "
+        "push`es sent the registry instead, the blobs the registry lacked); \"vs its containerd part\" leaves "
+        "that copy out (every-turn as it "
         "would be without node loss in its fault model). Delay: what the agent waited for the policy's checkpoint beyond its (scaled) think time "
         "before the next turn; with think times scaled to 0 it is the whole checkpoint time.",
         "",

@@ -1,6 +1,7 @@
 //! OCI image layout archives (the tar that `ctr images import` reads) of a
 //! checkpoint image's own blobs: how the every-turn baseline keeps each
-//! checkpoint off containerd's state, where node loss cannot take it.
+//! checkpoint off containerd's state in a run without a registry (a run that
+//! will lose its node pushes the image to node B's registry instead).
 //!
 //! What `ctr images export` writes, less the base image: a checkpoint index
 //! names its base image by reference and descriptor, and a replacement node

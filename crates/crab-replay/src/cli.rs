@@ -50,8 +50,8 @@ pub struct ReplayArgs {
     #[arg(long, env = "CRAB_CTRD_START_CMD", value_name = "CMD")]
     containerd_start: Option<String>,
     /// Where every-turn keeps its checkpoint archives, outside containerd's
-    /// state (node loss spares them); one subdirectory per sandbox, removed
-    /// after its run.
+    /// state, in runs without a registry (in node-loss runs it pushes to node
+    /// B's registry instead); one subdirectory per sandbox, removed after its run.
     #[arg(long, env = "CRAB_REPLAY_CHECKPOINT_DIR", value_name = "DIR", default_value = DEFAULT_CHECKPOINT_DIR)]
     checkpoint_dir: PathBuf,
     /// Package sources the sandboxes see read-only at /opt/crab-packages, where their images

@@ -6,7 +6,8 @@
 //! - [`sandbox`]: a container driven with `ctr` (create, exec, checkpoint, restore).
 //! - [`fingerprint`]: what the next turn can observe of a sandbox.
 //! - [`policy`]: recovery policies (`off`, `chat-only`, `every-turn`, `crab`);
-//!   [`archive`]: every-turn's checkpoints kept outside containerd.
+//!   [`archive`]: every-turn's checkpoints kept outside containerd (runs
+//!   without a registry; with one it pushes them, see [`node::Registry`]).
 //! - [`fault`]: which fault strikes after which turn; [`injector`]: striking it
 //!   (processes, shim, containerd, crabd, containerd's state, the node);
 //!   [`node`]: node A and node B of a node loss.

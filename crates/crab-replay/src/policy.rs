@@ -13,7 +13,7 @@ use tracing::info;
 
 use super::ReplayError;
 use super::archive::ArchiveWriter;
-use super::node::{NodeA, NodeB};
+use super::node::{NodeA, NodeB, Registry};
 use super::sandbox::{CheckpointImage, Sandbox, SandboxSpec, remove_container, remove_image};
 use crab_containerd::Ctr;
 
@@ -90,6 +90,9 @@ pub struct Launch {
     pub checkpoint_dir: PathBuf,
     /// Where the sandbox comes back after node-loss.
     pub node_b: Option<NodeB>,
+    /// The registry of a run that will lose its node (node B's, where crab's shim pushes too):
+    /// every-turn pushes its checkpoint images there instead of writing archives.
+    pub registry: Option<Registry>,
 }
 
 impl Launch {
@@ -113,6 +116,16 @@ impl Launch {
     }
 }
 
+/// Where every-turn's copy of a checkpoint off the node went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OffNode {
+    /// An OCI archive in a directory of the replay's (`--checkpoint-dir`).
+    Archive,
+    /// `ctr images push` to the run's registry (node-loss runs).
+    Registry,
+}
+
 /// What saving after one turn cost.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct TurnCost {
@@ -120,8 +133,11 @@ pub struct TurnCost {
     pub blocking_s: f64,
     /// Everything the checkpoint wrote.
     pub bytes: u64,
-    /// Of `bytes`, what went outside containerd (every-turn's archive).
+    /// Of `bytes`, what went off the node: the archive every-turn wrote, or what its push sent
+    /// to the registry (the blobs the registry lacked).
     pub exported_bytes: u64,
+    /// Where `exported_bytes` went.
+    pub exported_to: Option<OffNode>,
     /// The runtime's class of the turn (clean, fs, proc), where it records one.
     pub class: Option<&'static str>,
 }
@@ -238,10 +254,14 @@ impl RecoveryPolicy for FreshSandbox {
 
 /// What users of containerd have today: a full checkpoint after every turn,
 /// kept off the node. `ctr c checkpoint` writes it into containerd's content
-/// store (what a restore on this node uses); the checkpoint's own blobs then
-/// go into an archive in a directory of the replay's own (what a user of
-/// spot machines keeps on durable storage, `ctr images export` less the base
-/// image), and after node loss `ctr images import` brings it back.
+/// store (what a restore on this node uses). In a run with a registry (one that
+/// will lose its node) the checkpoint image is named for the registry and
+/// `ctr images push`ed there, as crab's shim pushes its turns; after node loss
+/// node B fetches the newest with `ctr content fetch` and restores from it.
+/// Otherwise the checkpoint's own blobs go into an archive in a directory of
+/// the replay's own (what a user of spot machines keeps on durable storage,
+/// `ctr images export` less the base image), and after the loss of
+/// containerd's state `ctr images import` brings it back.
 struct EveryTurn {
     launch: Launch,
     /// The containerd the sandbox runs on: node A's, node B's after node-loss.
@@ -250,15 +270,22 @@ struct EveryTurn {
     image: Option<(u32, String)>,
     /// The newest checkpoint archive outside containerd.
     archive: Option<(u32, PathBuf)>,
+    /// The newest checkpoint image pushed to the registry.
+    pushed: Option<(u32, String)>,
 }
 
 impl EveryTurn {
     fn new(launch: Launch) -> EveryTurn {
-        EveryTurn { ctr: launch.ctr.clone(), launch, image: None, archive: None }
+        EveryTurn { ctr: launch.ctr.clone(), launch, image: None, archive: None, pushed: None }
     }
 
+    /// The checkpoint image's name: in the registry's every-turn repository of the container
+    /// when the run has one, else a local name.
     fn reference(&self, turn: u32) -> String {
-        format!("crab.local/replay/{}:turn-{turn}", self.launch.container_id)
+        match &self.launch.registry {
+            Some(registry) => registry.every_turn_reference(&self.launch.container_id, turn),
+            None => format!("crab.local/replay/{}:turn-{turn}", self.launch.container_id),
+        }
     }
 
     /// This sandbox's archives: one directory per container.
@@ -281,6 +308,47 @@ impl EveryTurn {
         }
         let bytes = archive.finish().map_err(|e| failed(e.to_string()))?;
         Ok((path, bytes))
+    }
+
+    /// The bytes a push of `image` will send: the sizes of the descriptors of its push set the
+    /// registry's repository lacks. containerd's pusher asks the same (HEAD of each blob, or
+    /// manifest, in the target repository; of the image itself by its tag, new every turn) and
+    /// uploads exactly those, each whole, in one request body of its size; what the repository
+    /// has is skipped (seen with `ctr images push --http-dump`). It would mount a blob
+    /// from another repository instead of sending it only for content labelled as pulled from
+    /// this registry, which a checkpoint never is (a node B that fetched one pushes to the
+    /// same repository, which has those blobs). So the base image's layers, where the index
+    /// lists them, count on the repository's first push, and an unchanged blob (the runtime
+    /// options, an rw layer no turn changed) costs nothing after. Registry storage would not
+    /// do: it deduplicates across repositories, which a push without mounts does not.
+    async fn bytes_to_push(&self, registry: &Registry, image: &CheckpointImage) -> Result<u64, ReplayError> {
+        let repository = registry.every_turn_repository(&self.launch.container_id);
+        let tag = image.reference.rsplit_once(':').map_or("", |(_, tag)| tag);
+        let mut lacking = 0;
+        for descriptor in image.push_set(&self.ctr).await? {
+            let held = if descriptor.digest == image.index.digest {
+                registry.has_tag(&repository, tag).await?
+            } else {
+                registry.holds(&repository, &descriptor).await?
+            };
+            if !held {
+                lacking += descriptor.size;
+            }
+        }
+        Ok(lacking)
+    }
+
+    /// `ctr images push` of the checkpoint image (named for the registry); returns the bytes it
+    /// sent and how long the push took.
+    async fn push(&self, registry: &Registry, image: &CheckpointImage) -> Result<(u64, f64), ReplayError> {
+        let flags = registry.ctr_flags()?;
+        let bytes = self.bytes_to_push(registry, image).await?;
+        let started = Instant::now();
+        let mut args = vec!["images".to_owned(), "push".to_owned()];
+        args.extend(flags);
+        args.push(image.reference.clone());
+        self.ctr.run(&args).await?;
+        Ok((bytes, started.elapsed().as_secs_f64()))
     }
 }
 
@@ -309,14 +377,42 @@ impl RecoveryPolicy for EveryTurn {
                 return Err(error.into());
             }
         };
-        self.image = Some((turn, reference));
-        let (archive, exported_bytes) = self.export(turn, &image).await?;
-        if let Some((_, previous)) = self.archive.replace((turn, archive)) {
-            remove_archive(&previous)?;
-        }
-        let blocking_s = started.elapsed().as_secs_f64();
-        info!(container = sandbox.id(), turn, bytes = image.bytes, exported_bytes, seconds = blocking_s, "checkpoint");
-        Ok(TurnCost { blocking_s, bytes: image.bytes + exported_bytes, exported_bytes, class: None })
+        self.image = Some((turn, reference.clone()));
+        let checkpoint_s = started.elapsed().as_secs_f64();
+        // The push (or the export) is part of the turn's cost: the turn is not off the node
+        // before it is done. Asking the registry what it lacks is the measurement's, not counted.
+        let (exported_bytes, exported_s, exported_to) = match self.launch.registry.clone() {
+            Some(registry) => {
+                let (bytes, seconds) = self.push(&registry, &image).await?;
+                self.pushed = Some((turn, reference));
+                (bytes, seconds, OffNode::Registry)
+            }
+            None => {
+                let exporting = Instant::now();
+                let (archive, bytes) = self.export(turn, &image).await?;
+                if let Some((_, previous)) = self.archive.replace((turn, archive)) {
+                    remove_archive(&previous)?;
+                }
+                (bytes, exporting.elapsed().as_secs_f64(), OffNode::Archive)
+            }
+        };
+        let blocking_s = checkpoint_s + exported_s;
+        info!(
+            container = sandbox.id(),
+            turn,
+            bytes = image.bytes,
+            exported_bytes,
+            ?exported_to,
+            seconds = blocking_s,
+            "checkpoint"
+        );
+        Ok(TurnCost {
+            blocking_s,
+            bytes: image.bytes + exported_bytes,
+            exported_bytes,
+            exported_to: Some(exported_to),
+            class: None,
+        })
     }
 
     async fn recover(&mut self, dead: Sandbox) -> Result<Recovery, ReplayError> {
@@ -328,19 +424,29 @@ impl RecoveryPolicy for EveryTurn {
         let on_node_b = self.ctr.socket() != self.launch.ctr.socket();
         let spec = if on_node_b { self.launch.spec_on_node_b() } else { self.launch.spec.clone() };
         let (ctr, id, spec) = (&self.ctr, &self.launch.container_id, &spec);
-        let sandbox = match (self.image.clone(), self.archive.clone()) {
-            (Some((turn, reference)), _) => Some((turn, Sandbox::restore(ctr, id, spec, &reference).await?)),
-            // containerd lost the image (node loss) or never stored this
-            // turn's (a failed checkpoint): the archive of the newest turn
-            // saved is what a replacement node has.
-            (None, Some((turn, archive))) => {
+        let sandbox = match (self.image.clone(), self.pushed.clone(), self.archive.clone()) {
+            (Some((turn, reference)), _, _) => Some((turn, Sandbox::restore(ctr, id, spec, &reference).await?)),
+            // containerd lost the image (node loss) or never stored this turn's (a failed
+            // checkpoint): the newest turn in the registry is what a replacement node has.
+            (None, Some((turn, reference)), _) => {
+                let flags = self.launch.registry.as_ref().map(Registry::ctr_flags).transpose()?.unwrap_or_default();
+                let sandbox = Sandbox::restore_from_registry(ctr, id, spec, &reference, &flags).await?;
+                info!(
+                    container = id.as_str(),
+                    turn, reference, "restored from the checkpoint image fetched from the registry"
+                );
+                self.image = Some((turn, reference));
+                Some((turn, sandbox))
+            }
+            // The same for a run without a registry: the archive of the newest turn saved.
+            (None, None, Some((turn, archive))) => {
                 let reference = self.reference(turn);
                 let sandbox = Sandbox::restore_from_archive(ctr, id, spec, &reference, &archive).await?;
                 info!(container = id.as_str(), turn, archive = %archive.display(), "restored from the exported checkpoint");
                 self.image = Some((turn, reference));
                 Some((turn, sandbox))
             }
-            (None, None) => None,
+            (None, None, None) => None,
         };
         Ok(match sandbox {
             Some((turn, sandbox)) => Recovery {
@@ -359,19 +465,32 @@ impl RecoveryPolicy for EveryTurn {
 
     /// `ctr c checkpoint` keeps the image in containerd's content store, which
     /// goes with the node: the image is removed as the fault's part. The
-    /// archive outside containerd stays.
+    /// archive outside containerd, or the image pushed to the registry, stays.
     async fn lose_containerd_state(&mut self) -> Result<Option<String>, ReplayError> {
         let Some((turn, reference)) = self.image.take() else { return Ok(None) };
         remove_image(&self.ctr, &reference).await?;
-        let kept = match &self.archive {
-            Some((kept, _)) => format!("; its archive of turn {kept} outside containerd remains"),
-            None => "; no archive outside containerd".to_string(),
+        let kept = match (&self.pushed, &self.archive, &self.launch.registry) {
+            (Some((kept, pushed)), _, _) => format!("; its push of turn {kept} to {pushed} remains"),
+            (None, _, Some(_)) => "; nothing pushed to the registry".to_string(),
+            (None, Some((kept, _)), None) => format!("; its archive of turn {kept} outside containerd remains"),
+            (None, None, None) => "; no archive outside containerd".to_string(),
         };
         Ok(Some(format!("checkpoint image of turn {turn} lost with containerd's content store{kept}")))
     }
 
-    /// The archive is on storage that outlives the node (the replay's own directory); node B
-    /// imports it into its containerd and restores from there.
+    /// Each turn's push ends before the next turn starts: the newest checkpoint is in the
+    /// registry already when node A is lost.
+    async fn before_node_loss(&mut self, _sandbox: &Sandbox) -> Result<Option<String>, ReplayError> {
+        Ok(match (&self.pushed, &self.launch.registry) {
+            (Some((turn, reference)), _) => Some(format!("checkpoint of turn {turn} in the registry as {reference}")),
+            (None, Some(_)) => Some("no checkpoint in the registry before node A was lost".into()),
+            (None, None) => None,
+        })
+    }
+
+    /// What left the node (the image in the registry, or the archive on storage that outlives
+    /// the node, the replay's own directory) comes back into node B's containerd, and the
+    /// sandbox is restored from there.
     fn move_to_node_b(&mut self) {
         if let Some(node_b) = &self.launch.node_b {
             self.ctr = node_b.ctr.clone();
@@ -488,6 +607,7 @@ impl RecoveryPolicy for CrabPolicy {
                     blocking_s: record.checkpoint_ms / 1e3,
                     bytes: record.bytes_written,
                     exported_bytes: 0,
+                    exported_to: None,
                     class: Some(match record.class {
                         crab_store::turns::RecordedClass::Clean => "clean",
                         crab_store::turns::RecordedClass::Fs => "fs",

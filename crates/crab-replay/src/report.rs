@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use super::fault::FaultKind;
 use super::oracle::Verdict;
-use super::policy::{PolicyKind, RecoveryMethod, StoreCheck};
+use super::policy::{OffNode, PolicyKind, RecoveryMethod, StoreCheck};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct TraceReport {
@@ -52,8 +52,11 @@ pub struct PolicyRun {
     pub checkpoint_failures: u32,
     /// Sum over all checkpoints of the bytes each one stored.
     pub checkpoint_bytes: u64,
-    /// Of `checkpoint_bytes`, what went outside containerd (every-turn's archives).
+    /// Of `checkpoint_bytes`, what went off the node: every-turn's archives, or what its pushes
+    /// sent to the registry (node-loss runs).
     pub checkpoint_exported_bytes: u64,
+    /// Where `checkpoint_exported_bytes` went (None: nothing went off the node this way).
+    pub checkpoint_exported_to: Option<OffNode>,
     /// What the run is charged for its checkpoints: `checkpoint_bytes`, or for a policy with a
     /// store of its own (crab, whose store deduplicates across every sandbox of a batch, so a
     /// run may write almost nothing for a turn another run stored) everything its chain
@@ -113,8 +116,11 @@ pub struct TurnReport {
     pub exec_s: f64,
     pub checkpoint_s: f64,
     pub checkpoint_bytes: u64,
-    /// Of `checkpoint_bytes`, what went outside containerd (every-turn's archive).
+    /// Of `checkpoint_bytes`, what went off the node: every-turn's archive, or what its push
+    /// sent to the registry.
     pub checkpoint_exported_bytes: u64,
+    /// Where `checkpoint_exported_bytes` went.
+    pub checkpoint_exported_to: Option<OffNode>,
     /// How the runtime classed the turn (crab: clean, fs, proc), where it says.
     pub checkpoint_class: Option<String>,
     /// What the agent waited for the policy before its next turn: the part
@@ -254,7 +260,7 @@ fn render_trace(out: &mut String, report: &TraceReport) {
         "ckpts",
         "written",
         "charged",
-        "exported",
+        "off node",
         "delay mean",
         "delay max",
         "recovery",
@@ -293,6 +299,16 @@ fn render_trace(out: &mut String, report: &TraceReport) {
                 count("proc")
             );
         }
+    }
+    for run in &report.runs {
+        let how = match run.checkpoint_exported_to {
+            Some(OffNode::Registry) => {
+                "pushed to the registry with `ctr images push` (what the pushes sent: the blobs the registry lacked)"
+            }
+            Some(OffNode::Archive) => "written to archives outside containerd (--checkpoint-dir)",
+            None => continue,
+        };
+        let _ = writeln!(out, "{}: off node: {how}", run.policy.name());
     }
     for run in &report.runs {
         if let Some(replication) = run.replication {

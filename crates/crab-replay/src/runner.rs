@@ -11,9 +11,11 @@ use super::ReplayError;
 use super::fault::{FaultKind, FaultTurn};
 use super::fingerprint::Fingerprint;
 use super::injector::{Daemons, FaultInjector};
-use super::node::NodeA;
+use super::node::{NodeA, NodeB};
 use super::oracle::{Reference, ReferenceRun, TurnResult};
-use super::policy::{Launch, PolicyKind, Recovery, RecoveryMethod, RecoveryPolicy, StoreCheck, TurnCost, discard};
+use super::policy::{
+    Launch, OffNode, PolicyKind, Recovery, RecoveryMethod, RecoveryPolicy, StoreCheck, TurnCost, discard,
+};
 use super::report::{DelaySummary, FaultReport, PolicyRun, ReferenceSummary, Replication, TraceReport, TurnReport};
 use super::sandbox::{ExecResult, Sandbox, SandboxSpec};
 use super::shell::ReplayMode;
@@ -148,6 +150,7 @@ async fn replay_trace(
             info!(trace = %trace.header.trace, run = runs_done, of = runs_total, policy = %policy, %fault, fault_turn, "progress: policy run");
             let mut launch = launch(options, trace, *policy, policy.name());
             if fault.moves_to_node_b() {
+                launch.registry = options.daemons.node_b.as_ref().map(NodeB::registry);
                 launch = on_node_a_of_its_own(launch, options)?;
             }
             let outcome =
@@ -195,6 +198,7 @@ fn launch(options: &ReplayOptions, trace: &Trace, policy: PolicyKind, role: &str
         container_id: format!("replay-{}-{sequence}-{role}", std::process::id()),
         checkpoint_dir: options.checkpoint_dir.clone(),
         node_b: options.daemons.node_b.clone(),
+        registry: None,
         spec: SandboxSpec {
             image: trace.header.image.reference(),
             runtime: options.runtime.clone(),
@@ -217,6 +221,7 @@ struct TurnOutcome {
     checkpoint_s: f64,
     checkpoint_bytes: u64,
     checkpoint_exported_bytes: u64,
+    checkpoint_exported_to: Option<OffNode>,
     checkpoint_class: Option<String>,
     checkpoint_error: Option<String>,
     /// How long the agent waited for the policy beyond its think time.
@@ -354,6 +359,7 @@ async fn run(
             checkpoint_s: cost.blocking_s,
             checkpoint_bytes: cost.bytes,
             checkpoint_exported_bytes: cost.exported_bytes,
+            checkpoint_exported_to: cost.exported_to,
             checkpoint_class: cost.class.map(str::to_string),
             checkpoint_error,
             agent_visible_delay_s,
@@ -488,6 +494,7 @@ fn policy_report(
             checkpoint_s: turn.checkpoint_s,
             checkpoint_bytes: turn.checkpoint_bytes,
             checkpoint_exported_bytes: turn.checkpoint_exported_bytes,
+            checkpoint_exported_to: turn.checkpoint_exported_to,
             checkpoint_class: turn.checkpoint_class.clone(),
             agent_visible_delay_s: turn.agent_visible_delay_s,
             off_node_before_next_turn: turn.off_node_before_next,
@@ -510,6 +517,7 @@ fn policy_report(
         checkpoint_failures: turns.iter().filter(|turn| turn.checkpoint_error.is_some()).count() as u32,
         checkpoint_bytes: turns.iter().map(|turn| turn.checkpoint_bytes).sum(),
         checkpoint_exported_bytes: turns.iter().map(|turn| turn.checkpoint_exported_bytes).sum(),
+        checkpoint_exported_to: turns.iter().find_map(|turn| turn.checkpoint_exported_to),
         checkpoint_charged_bytes: charged_bytes(
             turns.iter().map(|turn| turn.checkpoint_bytes).sum(),
             outcome.store.as_ref(),

@@ -92,6 +92,56 @@ const IMAGE_MEDIA_TYPES: [&str; 4] = [
     "application/vnd.docker.distribution.manifest.v2+json",
     "application/vnd.docker.distribution.manifest.list.v2+json",
 ];
+/// Whether a descriptor of `media_type` is a manifest or an index (which a registry keeps
+/// apart from the repository's blobs).
+pub fn is_manifest_type(media_type: &str) -> bool {
+    IMAGE_MEDIA_TYPES.contains(&media_type)
+}
+
+/// The descriptors a manifest or index names: an index's entries, a manifest's config and
+/// layers; nothing for any other blob. What containerd's push walks to find what to send.
+pub fn children(descriptor: &Descriptor, content: &[u8]) -> Result<Vec<Descriptor>, serde_json::Error> {
+    #[derive(Deserialize)]
+    struct Named {
+        #[serde(default)]
+        manifests: Vec<Descriptor>,
+        config: Option<Descriptor>,
+        #[serde(default)]
+        layers: Vec<Descriptor>,
+    }
+    if !is_manifest_type(&descriptor.media_type) {
+        return Ok(Vec::new());
+    }
+    let named: Named = serde_json::from_slice(content)?;
+    Ok(named.manifests.into_iter().chain(named.config).chain(named.layers).collect())
+}
+
+impl CheckpointImage {
+    /// Everything `ctr images push` of this image sends to a registry that holds none of it,
+    /// each digest once: the index, every entry, and where an entry is an image manifest (a
+    /// base image the index lists; containerd 1.6 only names it by annotation) its config and
+    /// layers, read from `ctr`'s content store.
+    pub async fn push_set(&self, ctr: &Ctr) -> Result<Vec<Descriptor>, SandboxError> {
+        let mut set: Vec<Descriptor> = Vec::new();
+        let mut pending = vec![self.index.clone()];
+        while let Some(descriptor) = pending.pop() {
+            if set.iter().any(|seen| seen.digest == descriptor.digest) {
+                continue;
+            }
+            if is_manifest_type(&descriptor.media_type) {
+                let content = ctr.run(&["content", "get", &descriptor.digest]).await?.stdout;
+                let named = children(&descriptor, &content).map_err(|error| SandboxError::Checkpoint {
+                    reference: self.reference.clone(),
+                    problem: format!("{} {} does not parse: {error}", descriptor.media_type, descriptor.digest),
+                })?;
+                pending.extend(named.into_iter().rev());
+            }
+            set.push(descriptor);
+        }
+        Ok(set)
+    }
+}
+
 /// How long `ctr` may go on after a turn's timeout: enough for the SIGKILLed
 /// command to be reaped, not for background children that keep its output open.
 const KILL_GRACE: Duration = Duration::from_secs(2);
@@ -513,6 +563,30 @@ impl Sandbox {
         }
         Sandbox::restore(ctr, id, spec, reference).await
     }
+
+    /// Recreates container `id` from a checkpoint image in a registry: `ctr content fetch` of
+    /// `reference` (containerd's pull without the unpack, which a checkpoint index, not a rootfs,
+    /// fails: `ctr images pull` of one stores the image, then exits 1 with "unexpected media
+    /// type"), then restores from it. The base image it names must be on the node already.
+    pub async fn restore_from_registry(
+        ctr: &Ctr,
+        id: &str,
+        spec: &SandboxSpec,
+        reference: &str,
+        flags: &[String],
+    ) -> Result<Sandbox, SandboxError> {
+        let mut args = vec!["content".to_owned(), "fetch".to_owned()];
+        args.extend(flags.iter().cloned());
+        args.push(reference.to_owned());
+        ctr.run(&args).await?;
+        if ctr.image_digest(reference).await?.is_none() {
+            return Err(SandboxError::Checkpoint {
+                reference: reference.to_string(),
+                problem: "fetching it from the registry did not create the image".to_string(),
+            });
+        }
+        Sandbox::restore(ctr, id, spec, reference).await
+    }
 }
 
 /// A sandbox that was just started or recovered shows its init as `runc init` until the
@@ -557,4 +631,34 @@ fn ignore_not_found(result: Result<crab_containerd::RawOutput, CtrError>) -> Res
 fn is_ctr_failure(code: Option<i32>, stderr: &[u8]) -> bool {
     code == Some(1)
         && String::from_utf8_lossy(stderr).trim().lines().last().is_some_and(|line| line.starts_with("ctr: "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn descriptor(media_type: &str, digest: char, size: u64) -> Descriptor {
+        Descriptor { media_type: media_type.into(), digest: format!("sha256:{}", digest.to_string().repeat(64)), size }
+    }
+
+    #[test]
+    fn a_push_walks_an_index_to_its_entries_and_a_manifest_to_its_config_and_layers() {
+        let manifest = descriptor("application/vnd.oci.image.manifest.v1+json", 'b', 400);
+        let criu = descriptor(CRIU_CHECKPOINT_MEDIA_TYPE, 'c', 9000);
+        let index = serde_json::json!({"schemaVersion": 2, "manifests": [manifest, criu]});
+        let index_descriptor = descriptor(INDEX_MEDIA_TYPE, 'a', 300);
+        assert_eq!(
+            children(&index_descriptor, index.to_string().as_bytes()).unwrap(),
+            [manifest.clone(), criu.clone()]
+        );
+
+        let config = descriptor("application/vnd.oci.image.config.v1+json", 'd', 50);
+        let layer = descriptor("application/vnd.oci.image.layer.v1.tar+gzip", 'e', 7000);
+        let body = serde_json::json!({"schemaVersion": 2, "config": config, "layers": [layer]});
+        assert_eq!(children(&manifest, body.to_string().as_bytes()).unwrap(), [config, layer]);
+
+        // A CRIU image, a layer, a config: nothing beneath them, whatever their bytes are.
+        assert!(children(&criu, b"not json").unwrap().is_empty());
+        assert!(children(&manifest, b"not json").is_err());
+    }
 }

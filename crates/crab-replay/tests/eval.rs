@@ -84,6 +84,9 @@ fn aggregates_the_synthetic_matrix() {
     assert!(close(&policies["every-turn"]["bytes_vs_every_turn"], 1.0));
     assert!(close(&policies["crab"]["bytes_vs_every_turn_in_containerd"], 950.0 / 4000.0));
     assert_eq!(policies["every-turn"]["checkpoint_exported_bytes"], 4000);
+    // Of those, what every-turn pushed to the registry in b's node-loss run; the rest is archives.
+    assert_eq!(policies["every-turn"]["checkpoint_pushed_bytes"], 1500);
+    assert_eq!(policies["every-turn"]["checkpoint_archived_bytes"], 2500);
 
     // Run time against off in the same report, fault-free and faulted apart.
     let run_time = &summary["run_time_vs_off"];
@@ -120,10 +123,11 @@ fn aggregates_the_synthetic_matrix() {
         ),
         "{report}"
     );
-    // every-turn's bytes include its archives outside containerd (half of them in the fixture).
+    // every-turn's bytes include its copy off the node (half of them in the fixture): archives,
+    // and in b's node-loss run what it pushed to the registry, shown apart.
     assert!(
         report.contains(
-            "| every-turn | 67% (2/3) | 100% (1/1) | 8 (0) | 7.8 KiB | 7.8 KiB | 3.9 KiB | 1.000x | 2.000x |"
+            "| every-turn | 67% (2/3) | 100% (1/1) | 8 (0) | 7.8 KiB | 7.8 KiB | 2.4 KiB + 1.5 KiB pushed | 1.000x | 2.000x |"
         ),
         "{report}"
     );

@@ -13,7 +13,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use crab_containerd::Ctr;
-use crab_replay::policy::RecoveryMethod;
+use crab_replay::policy::{OffNode, RecoveryMethod};
 use crab_replay::report::{PolicyRun, TraceReport};
 use crab_replay::{Daemons, FaultKind, FaultTurn, PolicyKind, ReplayError, ReplayOptions, replay};
 
@@ -161,6 +161,58 @@ impl Drop for NodeBFixture {
     }
 }
 
+/// GET of a path of the plain-HTTP registry at `host` (`host:port`), as JSON.
+fn registry_get(host: &str, path: &str) -> serde_json::Value {
+    use std::io::Read;
+    let mut stream = std::net::TcpStream::connect(host).unwrap();
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "GET {path}: {head}");
+    serde_json::from_str(body).unwrap_or_else(|error| panic!("GET {path}: {error}: {body}"))
+}
+
+/// Every archive (`*.tar`, `*.partial`) that appears beneath a directory while it is watched
+/// (each lives from its turn until the run's clean-up, seconds at least; looked for every 20 ms).
+struct ArchiveWatch {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Vec<PathBuf>>>,
+}
+
+impl ArchiveWatch {
+    fn start(dir: &std::path::Path) -> ArchiveWatch {
+        fn archives(dir: &std::path::Path, found: &mut Vec<PathBuf>) {
+            for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                let path = entry.path();
+                if path.is_dir() {
+                    archives(&path, found);
+                } else if path.extension().is_some_and(|ext| ext == "tar" || ext == "partial") && !found.contains(&path)
+                {
+                    found.push(path);
+                }
+            }
+        }
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (dir, stopped) = (dir.to_path_buf(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut found = Vec::new();
+            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                archives(&dir, &mut found);
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            found
+        });
+        ArchiveWatch { stop, thread: Some(thread) }
+    }
+
+    fn stop(mut self) -> Vec<PathBuf> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.take().unwrap().join().unwrap()
+    }
+}
+
 fn run_of(runs: &[PolicyRun], policy: PolicyKind) -> &PolicyRun {
     runs.iter().find(|run| run.policy == policy).unwrap()
 }
@@ -291,6 +343,7 @@ async fn after_containerd_state_loss_every_turn_restores_its_archive_and_chat_on
     options.faults = vec![FaultKind::ContainerdStateLoss];
     options.ref_runs = 1;
     options.checkpoint_dir = checkpoints.path().to_path_buf();
+    let archives_seen = ArchiveWatch::start(checkpoints.path());
     let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
     let report = report_for(&reports, FaultKind::ContainerdStateLoss);
 
@@ -320,6 +373,9 @@ async fn after_containerd_state_loss_every_turn_restores_its_archive_and_chat_on
         every_turn.checkpoint_exported_bytes,
         every_turn.turns.iter().map(|turn| turn.checkpoint_exported_bytes).sum::<u64>()
     );
+    // Without a registry (no node-loss in the run) the copy off the node is an archive.
+    assert!(every_turn.turns.iter().all(|turn| turn.checkpoint_exported_to == Some(OffNode::Archive)));
+    assert!(!archives_seen.stop().is_empty(), "every-turn wrote no archive");
     // The run's archives are gone with it.
     assert_eq!(std::fs::read_dir(checkpoints.path()).unwrap().count(), 0);
 
@@ -334,8 +390,9 @@ async fn after_containerd_state_loss_every_turn_restores_its_archive_and_chat_on
 
 /// Node A is lost after turn 2: its containerd and crabd, the sandbox's shim and processes are
 /// killed and the sandbox's store, kept images and runc root deleted. crab comes back on node B
-/// from the registry its shim pushed each turn to, every-turn from its archive off the node,
-/// chat-only from the base image; the later turns run on node B.
+/// from the registry its shim pushed each turn to, every-turn from the checkpoint image it pushed
+/// to the same registry with `ctr images push`, chat-only from the base image; the later turns run
+/// on node B.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_the_loss_of_node_a_crab_and_every_turn_come_back_exactly_on_node_b() {
     crab_sys::skip_unless_root!("containerd, runc and CRIU");
@@ -349,6 +406,7 @@ async fn after_the_loss_of_node_a_crab_and_every_turn_come_back_exactly_on_node_
     options.ref_runs = 1;
     options.checkpoint_dir = checkpoints.path().to_path_buf();
     options.daemons.node_b = Some(node_b.node_b.clone());
+    let archives_seen = ArchiveWatch::start(checkpoints.path());
     let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
     let report = report_for(&reports, FaultKind::NodeLoss);
 
@@ -376,8 +434,47 @@ async fn after_the_loss_of_node_a_crab_and_every_turn_come_back_exactly_on_node_
     assert_eq!(every_turn.recovered_correctly, Some(true), "every-turn: {fault:?}");
     assert_eq!(fault.recovery, Some(RecoveryMethod::Checkpoint { turn: 2 }));
     assert_eq!(every_turn.turns[2].rc, Some(0));
+    // every-turn pushed each turn's checkpoint image to the registry node B uses (turns 1 and 2
+    // from node A, 3 and 4 from node B), and came back on node B from turn 2's, fetched from there.
+    let prefix = &node_b.node_b.config.remote.prefix;
+    let (host, path) = prefix.split_once('/').unwrap();
+    let catalog = registry_get(host, "/v2/_catalog");
+    let repository = catalog["repositories"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|name| name.as_str())
+        .find(|name| name.starts_with(&format!("{path}/every-turn/replay-")))
+        .unwrap_or_else(|| panic!("no every-turn repository in {catalog}"))
+        .to_owned();
+    let tags = registry_get(host, &format!("/v2/{repository}/tags/list"));
+    let mut tags: Vec<&str> = tags["tags"].as_array().unwrap().iter().filter_map(|tag| tag.as_str()).collect();
+    tags.sort();
+    assert_eq!(tags, ["turn-1", "turn-2", "turn-3", "turn-4"], "{repository}");
+    let pushed = format!("checkpoint of turn 2 in the registry as {host}/{repository}:turn-2");
+    assert!(fault.detail.contains(&pushed), "{pushed:?} not in {}", fault.detail);
+    assert_eq!(
+        fault.lost.as_deref(),
+        Some(&*format!(
+            "checkpoint image of turn 2 lost with containerd's content store; its push of turn 2 to {host}/{repository}:turn-2 remains"
+        ))
+    );
+    // No archive was written: the copy off the node is the push, whose bytes are what the
+    // registry lacked. The first push sent the whole checkpoint (the base image is not part of
+    // a containerd 1.6 checkpoint index, only named by it); later ones left out the blobs the
+    // registry already had (the runtime options, identical every turn).
+    assert!(archives_seen.stop().is_empty(), "every-turn wrote archives");
+    for turn in &every_turn.turns {
+        assert_eq!(turn.checkpoint_exported_to, Some(OffNode::Registry), "{turn:?}");
+        let in_containerd = turn.checkpoint_bytes - turn.checkpoint_exported_bytes;
+        if turn.turn == 1 {
+            assert!(turn.checkpoint_exported_bytes >= in_containerd && in_containerd > 0, "{turn:?}");
+        } else {
+            assert!(turn.checkpoint_exported_bytes > 0 && turn.checkpoint_exported_bytes < in_containerd, "{turn:?}");
+        }
+    }
 
-    assert!(every_turn.replication.is_none(), "every-turn pushes nothing");
+    assert!(every_turn.replication.is_none(), "every-turn pushes within the turn: nothing lags");
 
     let chat_only = run_of(&report.runs, PolicyKind::ChatOnly);
     assert_eq!(chat_only.recovered_correctly, Some(false), "chat-only: {:?}", chat_only.fault);
