@@ -159,8 +159,8 @@ pub(crate) struct OpenPacks {
     files: HashMap<PackId, (File, PathBuf)>,
 }
 
-/// More packs than this open at once in one reader: the oldest is closed (a restore reads a
-/// chain's packs, a few per turn).
+/// More packs than this open at once in one reader: all are closed and opened again as needed
+/// (a restore reads a chain's packs, a few per turn).
 const OPEN_PACKS_MAX: usize = 64;
 
 pub struct BlobStore {
@@ -356,18 +356,8 @@ impl BlobStore {
         // Twice at most: GC may rewrite a pack and move the link between the two lookups.
         for retry in [false, true] {
             let Some(at) = self.pack_ref(digest)? else {
-                let path = self.path_of(digest);
-                // O_NOATIME: the first read of a freshly written blob would otherwise dirty its
-                // inode (relatime). O_NOFOLLOW: the name was a file a moment ago; a link now
-                // is GC's doing, and the next look reads it as one.
-                let flags = OFlags::RDONLY | OFlags::NOATIME | OFlags::NOFOLLOW;
-                return match sys::openat(self.blobs_fd.as_fd(), &Self::rel_name(digest), flags, 0) {
-                    Ok(fd) => Ok(Opened::Loose { file: File::from(fd), path }),
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                        Err(CheckpointError::MissingBlob { digest: digest.to_hex(), path })
-                    }
-                    Err(e) => Err(e).io_ctx("open", path),
-                };
+                let (file, path) = self.open_loose(digest)?;
+                return Ok(Opened::Loose { file, path });
             };
             let path = self.pack_path(at.id);
             fail::fail_point!("blobs-open-pack");
@@ -381,6 +371,21 @@ impl BlobStore {
             }
         }
         unreachable!("the second pass returns")
+    }
+
+    /// Opens a blob that is a file of its own.
+    fn open_loose(&self, digest: &Digest) -> Result<(File, PathBuf)> {
+        let path = self.path_of(digest);
+        // O_NOATIME: the first read of a freshly written blob would otherwise dirty its inode
+        // (relatime). O_NOFOLLOW: the name was a file a moment ago; a link is never followed.
+        let flags = OFlags::RDONLY | OFlags::NOATIME | OFlags::NOFOLLOW;
+        match sys::openat(self.blobs_fd.as_fd(), &Self::rel_name(digest), flags, 0) {
+            Ok(fd) => Ok((File::from(fd), path)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Err(CheckpointError::MissingBlob { digest: digest.to_hex(), path })
+            }
+            Err(e) => Err(e).io_ctx("open", path),
+        }
     }
 
     /// Reads a packed blob's bytes and checks them against its name.
@@ -421,25 +426,15 @@ impl BlobStore {
     /// which cost more than the read itself for a 4 KiB chunk.
     /// A packed chunk is read from a pack file `open` keeps open, with one positioned read.
     pub(crate) fn read_small_into(&self, digest: &Digest, buf: &mut [u8], open: &mut OpenPacks) -> Result<usize> {
-        if let Some(at) = self.pack_ref(digest)? {
+        // Twice at most, as in open_blob: GC may have moved the link to a rewritten pack.
+        for retry in [false, true] {
+            let Some(at) = self.pack_ref(digest)? else { break };
             match self.read_small_packed(digest, buf, open, at) {
-                // GC rewrote the pack since the link was read: the loose path below looks again.
-                Err(CheckpointError::MissingBlob { .. }) => {}
+                Err(CheckpointError::MissingBlob { .. }) if !retry => continue,
                 done => return done,
             }
         }
-        let (mut file, path) = match self.open_blob(digest)? {
-            Opened::Loose { file, path } => (file, path),
-            Opened::Packed { file, path, at } => {
-                let n = (at.len as usize).min(buf.len());
-                file.read_exact_at(&mut buf[..n], at.offset).io_ctx("read", &path)?;
-                let actual: [u8; 32] = Sha256::digest(&buf[..n]).into();
-                if actual != digest.0 {
-                    return Err(Self::corrupt(digest, path, actual));
-                }
-                return Ok(n);
-            }
-        };
+        let (mut file, path) = self.open_loose(digest)?;
         let n = file.read(buf).io_ctx("read", &path)?;
         let actual: [u8; 32] = Sha256::digest(&buf[..n]).into();
         if actual != digest.0 {
@@ -451,6 +446,7 @@ impl BlobStore {
     fn read_small_packed(&self, digest: &Digest, buf: &mut [u8], open: &mut OpenPacks, at: PackRef) -> Result<usize> {
         if !open.files.contains_key(&at.id) {
             let path = self.pack_path(at.id);
+            fail::fail_point!("blobs-open-pack");
             let file = match self.open_pack(at.id) {
                 Ok(file) => file,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -1154,6 +1150,39 @@ mod tests {
         batch.commit().unwrap();
         assert_eq!(fs::read_dir(dir.path().join("packs")).unwrap().count(), 2);
         assert_eq!(store.read(&digests[per_pack as usize]).unwrap(), blob(per_pack));
+    }
+
+    /// GC's rewrite of a pack between a reader's look at a chunk's link and its open of the
+    /// pack: the reader looks again and reads the chunk where the link now points.
+    #[test]
+    fn a_chunk_read_racing_a_pack_rewrite_is_read_from_the_new_pack() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path()).unwrap();
+        let chunk = vec![3u8; 4096];
+        let digest = store.put(&chunk).unwrap();
+        let scenario = fail::FailScenario::setup();
+        let moved = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (counter, root) = (moved.clone(), dir.path().to_owned());
+        fail::cfg_callback("blobs-open-pack", move || {
+            if counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst) > 0 {
+                return;
+            }
+            // What GC's rewrite does: the bytes in a new pack, the link moved, the old pack gone.
+            let store = BlobStore::open(&root).unwrap();
+            let at = store.pack_ref(&digest).unwrap().unwrap();
+            let new = PackRef { id: PackId([9; 8]), ..at };
+            fs::copy(store.pack_path(at.id), store.pack_path(new.id)).unwrap();
+            let link = store.tmp_path("link");
+            std::os::unix::fs::symlink(new.to_link(), &link).unwrap();
+            fs::rename(&link, store.path_of(&digest)).unwrap();
+            fs::remove_file(store.pack_path(at.id)).unwrap();
+        })
+        .unwrap();
+        let mut buf = vec![0u8; 4097];
+        let read = store.read_small_into(&digest, &mut buf, &mut OpenPacks::default());
+        scenario.teardown();
+        assert!(moved.load(std::sync::atomic::Ordering::SeqCst) >= 2, "looked once, then again");
+        assert_eq!(&buf[..read.unwrap()], chunk.as_slice());
     }
 
     /// A link naming no place in a pack is refused by name, never followed.
