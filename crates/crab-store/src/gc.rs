@@ -22,7 +22,7 @@ use super::error::{CheckpointError, IoContext, Result};
 use super::images;
 use super::key::{self, SandboxKey};
 use super::manifest::{ImageSet, MANIFEST_VERSION, Snapshot, direct_blobs, seal};
-use super::pack::{PackBuilder, PackId, PackRef};
+use super::pack::{ClosedPack, PackBuilder, PackId, PackRef};
 use super::store::{Digest, Durability, publish_file};
 use super::sys;
 
@@ -371,7 +371,13 @@ impl CheckpointStore {
             let _ = fs::remove_file(&tmp);
             return copied.map(|_| None);
         }
-        let (tmp, id, places) = pack.finish();
+        let ClosedPack { tmp, id, places } = match pack.finish() {
+            Ok(done) => done,
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                return Err(e);
+            }
+        };
         let new = self.blobs().pack_path(id);
         let new_size =
             fs::File::open(&tmp).and_then(|f| f.sync_all().and_then(|()| f.metadata())).io_ctx("fsync", &tmp)?.len();

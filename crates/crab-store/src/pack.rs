@@ -92,42 +92,76 @@ impl PackRef {
     }
 }
 
+/// A pack whose blobs are all written: its tmp file, its name, and each blob's place.
+pub(crate) struct ClosedPack {
+    pub tmp: PathBuf,
+    pub id: PackId,
+    pub places: Vec<(Digest, PackRef)>,
+}
+
+/// Bytes a pack gathers in memory before one write: a dump appends thousands of 4 KiB chunks,
+/// and a write each would cost more than the copy.
+const WRITE_RUN: usize = 1 << 20;
+
 /// A pack being filled in the store's tmp directory.
 pub(crate) struct PackBuilder {
     pub tmp: PathBuf,
     file: File,
-    len: u64,
+    /// Bytes in `file`; those appended after them wait in `run`.
+    written: u64,
+    run: Vec<u8>,
     entries: Vec<(Digest, u64, u64)>,
 }
 
 impl PackBuilder {
     pub fn create(tmp: PathBuf) -> Result<PackBuilder> {
         let file = OpenOptions::new()
-            .read(true)
             .write(true)
             .create_new(true)
             // Read-only once published, and root's alone: packs are sandboxes' files and memory.
             .mode(0o400)
             .open(&tmp)
             .io_ctx("create", &tmp)?;
-        Ok(PackBuilder { tmp, file, len: 0, entries: Vec::new() })
+        Ok(PackBuilder { tmp, file, written: 0, run: Vec::with_capacity(WRITE_RUN), entries: Vec::new() })
     }
 
     /// Appends a blob; returns its offset.
     pub fn append(&mut self, digest: Digest, data: &[u8]) -> Result<u64> {
-        let offset = self.len;
-        self.file.write_all_at(data, offset).io_ctx("write", &self.tmp)?;
-        self.len += data.len() as u64;
+        let offset = self.len();
+        self.run.extend_from_slice(data);
         self.entries.push((digest, offset, data.len() as u64));
+        if self.run.len() >= WRITE_RUN {
+            self.write_run()?;
+        }
         Ok(offset)
     }
 
+    fn write_run(&mut self) -> Result<()> {
+        self.file.write_all_at(&self.run, self.written).io_ctx("write", &self.tmp)?;
+        self.written += self.run.len() as u64;
+        self.run.clear();
+        Ok(())
+    }
+
     pub fn len(&self) -> u64 {
-        self.len
+        self.written + self.run.len() as u64
+    }
+
+    /// Bytes appended earlier (unverified: the caller hashes them). A blob is written whole, so
+    /// it is either all in the file or all still in memory.
+    pub fn read_at(&self, offset: u64, len: u64) -> Result<Vec<u8>> {
+        if offset >= self.written {
+            let from = (offset - self.written) as usize;
+            return Ok(self.run[from..from + len as usize].to_vec());
+        }
+        let mut data = vec![0u8; len as usize];
+        File::open(&self.tmp).and_then(|f| f.read_exact_at(&mut data, offset)).io_ctx("read", &self.tmp)?;
+        Ok(data)
     }
 
     /// Closes the pack: its id, and where each of its blobs is.
-    pub fn finish(self) -> (PathBuf, PackId, Vec<(Digest, PackRef)>) {
+    pub fn finish(mut self) -> Result<ClosedPack> {
+        self.write_run()?;
         let mut hasher = Sha256::new();
         for (digest, offset, len) in &self.entries {
             hasher.update(digest.0);
@@ -138,13 +172,14 @@ impl PackBuilder {
         let id = PackId(hash[..8].try_into().expect("8 of 32 bytes"));
         let places =
             self.entries.into_iter().map(|(digest, offset, len)| (digest, PackRef { id, offset, len })).collect();
-        (self.tmp, id, places)
+        Ok(ClosedPack { tmp: self.tmp, id, places })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
 
     #[test]
     fn a_link_target_round_trips_and_nothing_else_parses() {
@@ -179,13 +214,14 @@ mod tests {
             for blob in blobs {
                 pack.append(Digest::of(blob), blob).unwrap();
             }
-            pack.finish()
+            pack.finish().unwrap()
         };
-        let (_, a, places) = build("a", &[b"one", b"two"]);
-        let (_, b, _) = build("b", &[b"one", b"two"]);
-        let (_, c, _) = build("c", &[b"two", b"one"]);
-        assert_eq!(a, b);
-        assert_ne!(a, c);
-        assert_eq!(places[1].1, PackRef { id: a, offset: 3, len: 3 });
+        let a = build("a", &[b"one", b"two"]);
+        let b = build("b", &[b"one", b"two"]);
+        let c = build("c", &[b"two", b"one"]);
+        assert_eq!(a.id, b.id);
+        assert_ne!(a.id, c.id);
+        assert_eq!(a.places[1].1, PackRef { id: a.id, offset: 3, len: 3 });
+        assert_eq!(fs::read(&a.tmp).unwrap(), b"onetwo");
     }
 }

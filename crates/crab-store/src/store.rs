@@ -668,7 +668,7 @@ impl WriteBatch<'_> {
     fn queue_packed(&mut self, digest: Digest, data: &[u8]) -> Result<()> {
         let full = self.blobs.filling.as_ref().is_some_and(|pack| pack.len() + data.len() as u64 > PACK_LIMIT);
         if full {
-            self.close_pack();
+            self.close_pack()?;
         }
         if self.blobs.filling.is_none() {
             let tmp = self.store.tmp_path("pack");
@@ -682,11 +682,19 @@ impl WriteBatch<'_> {
     }
 
     /// Closes the filling pack: it is published with the batch's files, its links after it.
-    fn close_pack(&mut self) {
-        if let Some(pack) = self.blobs.filling.take() {
-            let (tmp, id, places) = pack.finish();
-            self.blobs.pending.push((tmp, self.store.pack_path(id)));
-            self.blobs.links.extend(places);
+    fn close_pack(&mut self) -> Result<()> {
+        let Some(pack) = self.blobs.filling.take() else { return Ok(()) };
+        let tmp = pack.tmp.clone();
+        match pack.finish() {
+            Ok(closed) => {
+                self.blobs.pending.push((closed.tmp, self.store.pack_path(closed.id)));
+                self.blobs.links.extend(closed.places);
+                Ok(())
+            }
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                Err(e)
+            }
         }
     }
 
@@ -705,8 +713,14 @@ impl WriteBatch<'_> {
             }
             Queued::Packed { pack, offset } => {
                 let tmp = &self.blobs.pack_tmps[pack];
-                let mut data = vec![0u8; len as usize];
-                File::open(tmp).and_then(|f| f.read_exact_at(&mut data, offset)).io_ctx("read", tmp)?;
+                let data = match &self.blobs.filling {
+                    Some(filling) if pack + 1 == self.blobs.pack_tmps.len() => filling.read_at(offset, len)?,
+                    _ => {
+                        let mut data = vec![0u8; len as usize];
+                        File::open(tmp).and_then(|f| f.read_exact_at(&mut data, offset)).io_ctx("read", tmp)?;
+                        data
+                    }
+                };
                 (tmp, data)
             }
         };
@@ -778,7 +792,7 @@ impl WriteBatch<'_> {
     /// Like [`commit`](Self::commit), with the new bytes written back chunk by chunk as
     /// `tokens` grants them; the flushes after that find them on disk already.
     pub fn commit_paced(mut self, tokens: &mut dyn WriteTokens) -> Result<Traffic> {
-        self.close_pack();
+        self.close_pack()?;
         if let Some(chunk) = tokens.chunk_bytes() {
             self.write_back_paced(chunk.max(1), tokens)?;
         }
@@ -1093,8 +1107,10 @@ mod tests {
         let chunks: Vec<Vec<u8>> = (0..3000u32).map(|i| [i.to_le_bytes().as_slice(), &[9u8; 4092]].concat()).collect();
         let mut batch = store.batch();
         let digests: Vec<Digest> = chunks.iter().map(|c| batch.put_bytes(c).unwrap()).collect();
-        // Readable from the batch before it is published.
+        // Readable from the batch before it is published: from the tmp pack, and from what it
+        // still holds in memory.
         assert_eq!(batch.read(&digests[1234]).unwrap(), chunks[1234]);
+        assert_eq!(batch.read(&digests[2999]).unwrap(), chunks[2999]);
         assert!(!store.contains(&digests[0]), "nothing is visible before the commit");
         let traffic = batch.commit().unwrap();
         assert_eq!((traffic.blobs_written, traffic.written_bytes), (3000, 3000 * 4096));
