@@ -857,20 +857,7 @@ impl<'a> Applier<'a> {
             self.blobs.copy_verified_to_extents(digest, file, extents, host)?;
             return Ok(());
         };
-        let wanted: u64 = extents.iter().map(Extent::len).sum();
-        if wanted != data.len() as u64 {
-            return Err(CheckpointError::BadExtents {
-                path: host.to_owned(),
-                reason: format!("its ranges hold {wanted} bytes, its blob {}", data.len()),
-            });
-        }
-        let mut from = 0usize;
-        for e in extents {
-            let piece = &data[from..from + e.len() as usize];
-            std::os::unix::fs::FileExt::write_all_at(file, piece, e.offset()).io_ctx("write", host)?;
-            from += e.len() as usize;
-        }
-        Ok(())
+        super::store::write_to_extents(data, file, extents, host)
     }
 
     /// Links `rel` to `link_to` when that path was written with the same content in this

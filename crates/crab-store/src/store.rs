@@ -537,18 +537,7 @@ impl BlobStore {
             Opened::Loose { file, path } => (file, path),
             Opened::Packed { file, path, at } => {
                 let data = Self::read_packed(digest, &file, &path, at)?;
-                if wanted != data.len() as u64 {
-                    return Err(CheckpointError::BadExtents {
-                        path: dst_path.to_owned(),
-                        reason: format!("its extents hold {wanted} bytes, its blob {}", data.len()),
-                    });
-                }
-                let mut from = 0usize;
-                for extent in extents {
-                    let piece = &data[from..from + extent.len() as usize];
-                    dst.write_all_at(piece, extent.offset()).io_ctx("write", dst_path)?;
-                    from += piece.len();
-                }
+                write_to_extents(&data, dst, extents, dst_path)?;
                 return Ok(data.len() as u64);
             }
         };
@@ -570,6 +559,30 @@ impl BlobStore {
         }
         Ok(size)
     }
+}
+
+/// Writes `data` into the byte ranges `extents` of `dst`, in order; they must hold exactly its
+/// length.
+pub(crate) fn write_to_extents(
+    data: &[u8],
+    dst: &File,
+    extents: &[super::manifest::Extent],
+    dst_path: &Path,
+) -> Result<()> {
+    let wanted: u64 = extents.iter().map(|e| e.len()).sum();
+    if wanted != data.len() as u64 {
+        return Err(CheckpointError::BadExtents {
+            path: dst_path.to_owned(),
+            reason: format!("its extents hold {wanted} bytes, its blob {}", data.len()),
+        });
+    }
+    let mut from = 0usize;
+    for extent in extents {
+        let piece = &data[from..from + extent.len() as usize];
+        dst.write_all_at(piece, extent.offset()).io_ctx("write", dst_path)?;
+        from += piece.len();
+    }
+    Ok(())
 }
 
 fn hash_reader(r: &mut impl Read) -> std::io::Result<([u8; 32], u64)> {
