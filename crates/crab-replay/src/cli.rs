@@ -26,11 +26,14 @@ pub struct ReplayArgs {
     #[arg(long, value_delimiter = ',', default_value = "kill-processes")]
     fault: Vec<FaultKind>,
     /// Inject the fault after this turn (default: the middle turn).
-    #[arg(long, conflicts_with = "fault_random")]
+    #[arg(long, conflicts_with_all = ["fault_random", "fault_last"])]
     fault_turn: Option<u32>,
     /// Draw the fault turn from this seed (and the trace name).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "fault_last")]
     fault_random: Option<u64>,
+    /// Inject the fault after each trace's last turn (every turn runs before it).
+    #[arg(long)]
+    fault_last: bool,
     /// Scale of the recorded think times: 0 replays back to back, 1 waits in real time.
     #[arg(long, default_value_t = 0.0)]
     think_scale: f64,
@@ -93,12 +96,20 @@ fn dedup<T: PartialEq>(items: Vec<T>) -> Vec<T> {
     unique
 }
 
+impl ReplayArgs {
+    /// After which turn the fault strikes (the three flags exclude each other).
+    fn fault_turn(&self) -> FaultTurn {
+        match (self.fault_turn, self.fault_random, self.fault_last) {
+            (Some(turn), _, _) => FaultTurn::Fixed(turn),
+            (None, Some(seed), _) => FaultTurn::Random(seed),
+            (None, None, true) => FaultTurn::Last,
+            (None, None, false) => FaultTurn::Middle,
+        }
+    }
+}
+
 pub async fn run(args: ReplayArgs) -> Result<(), Box<dyn std::error::Error>> {
-    let fault_turn = match (args.fault_turn, args.fault_random) {
-        (Some(turn), _) => FaultTurn::Fixed(turn),
-        (None, Some(seed)) => FaultTurn::Random(seed),
-        (None, None) => FaultTurn::Middle,
-    };
+    let fault_turn = args.fault_turn();
     let mut daemons = Daemons::from_env();
     daemons.containerd_start = args.containerd_start.filter(|command| !command.trim().is_empty());
     let ctr = Ctr::from_env();
@@ -135,4 +146,32 @@ pub async fn run(args: ReplayArgs) -> Result<(), Box<dyn std::error::Error>> {
         print!("{}", report::render(&reports));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: ReplayArgs,
+    }
+
+    fn fault_turn(flags: &[&str]) -> Result<FaultTurn, clap::Error> {
+        Cli::try_parse_from([&["crab-replay", "t.jsonl"], flags].concat()).map(|cli| cli.args.fault_turn())
+    }
+
+    #[test]
+    fn the_fault_turn_is_the_middle_a_fixed_one_a_drawn_one_or_the_last() {
+        assert_eq!(fault_turn(&[]).unwrap(), FaultTurn::Middle);
+        assert_eq!(fault_turn(&["--fault-turn", "3"]).unwrap(), FaultTurn::Fixed(3));
+        assert_eq!(fault_turn(&["--fault-random", "7"]).unwrap(), FaultTurn::Random(7));
+        assert_eq!(fault_turn(&["--fault-last"]).unwrap(), FaultTurn::Last);
+        for both in [["--fault-last", "--fault-turn=3"], ["--fault-last", "--fault-random=7"]] {
+            let error = fault_turn(&both).unwrap_err();
+            assert_eq!(error.kind(), clap::error::ErrorKind::ArgumentConflict, "{both:?}: {error}");
+        }
+    }
 }

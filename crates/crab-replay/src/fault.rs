@@ -99,6 +99,8 @@ pub enum FaultTurn {
     Random(u64),
     /// The middle of the trace.
     Middle,
+    /// The last turn: every turn runs on the first node (a replication figure looks at each).
+    Last,
 }
 
 impl FaultTurn {
@@ -111,6 +113,7 @@ impl FaultTurn {
             FaultTurn::Fixed(turn) => turn,
             FaultTurn::Random(seed) => (splitmix64(seed ^ fnv1a(trace_name.as_bytes())) % u64::from(turns)) as u32 + 1,
             FaultTurn::Middle => turns.div_ceil(2),
+            FaultTurn::Last => turns,
         })
     }
 }
@@ -147,6 +150,8 @@ mod tests {
         assert_eq!(FaultTurn::Middle.resolve("t", 12), Some(6));
         assert_eq!(FaultTurn::Middle.resolve("t", 1), Some(1));
         assert_eq!(FaultTurn::Fixed(3).resolve("t", 12), Some(3));
+        assert_eq!(FaultTurn::Last.resolve("t", 12), Some(12));
+        assert_eq!(FaultTurn::Last.resolve("t", 0), None);
         assert_eq!(FaultTurn::Middle.resolve("t", 0), None);
     }
 
