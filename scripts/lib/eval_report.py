@@ -79,7 +79,12 @@ FAULT_MODEL = [
     "which a checkpoint index fails), chat-only from the base image there. The later turns run on node B. "
     "every-turn's pushed bytes are what each push sent: the sizes of the blobs (and manifests) the registry's "
     "repository lacked, asked with HEAD just before the push as containerd's pusher asks; they count as its "
-    "checkpoint bytes, beside what it wrote into containerd, as the archive does under the other faults.",
+    "checkpoint bytes, beside what it wrote into containerd, as the archive does under the other faults. "
+    "crab's pushed bytes are what its shim uploaded for each turn it pushed from node A (the push log's "
+    "`bytes_uploaded`: the packs and pack indexes of the chunks the registry lacked, the turn manifest and the OCI "
+    "manifest), read from node A's log once the fault turn is in the registry, before node A goes, and from node "
+    "B's at the end of the run where node B pushes; they are not part "
+    "of crab's written or charged bytes.",
     "",
 ]
 
@@ -252,6 +257,53 @@ def oracle_summary(reports):
     }
 
 
+def pushed_to_registry(run):
+    """What a run pushed to the registry (every-turn's `ctr images push`es, crab's shim), or None
+    when the run's report has no such figure (crab in reports from before crab-replay read them)."""
+    if run.get("checkpoint_exported_to") != "registry":
+        return None
+    return run.get("checkpoint_exported_bytes", 0)
+
+
+def node_loss_pushed(reports):
+    """crab's pushed bytes against every-turn's in the same node-loss reports: over all turns, and
+    over the turns up to the fault turn, which both pushed from node A (after it crab pushes only
+    where node B's config says so, every-turn after every turn)."""
+    every = {"runs": 0, "crab_bytes": 0, "every_turn_bytes": 0}
+    early = {"runs": 0, "turns": 0, "crab_bytes": 0, "every_turn_bytes": 0}
+    notes, without = [], 0
+    for report in reports:
+        if report.get("fault") != "node-loss":
+            continue
+        by_policy = {run["policy"]: run for run in report["runs"]}
+        crab, every_turn = by_policy.get("crab"), by_policy.get("every-turn")
+        if crab is None or every_turn is None:
+            continue
+        crab_pushed, every_turn_pushed = pushed_to_registry(crab), pushed_to_registry(every_turn)
+        if crab_pushed is None or every_turn_pushed is None:
+            without += 1
+            continue
+        every["runs"] += 1
+        every["crab_bytes"] += crab_pushed
+        every["every_turn_bytes"] += every_turn_pushed
+        fault_turn = report.get("fault_turn")
+        if fault_turn is not None:
+            def before(run):
+                return sum(turn.get("checkpoint_exported_bytes", 0) for turn in run["turns"]
+                           if turn["turn"] <= fault_turn and turn.get("checkpoint_exported_to") == "registry")
+            early["runs"] += 1
+            early["turns"] += fault_turn
+            early["crab_bytes"] += before(crab)
+            early["every_turn_bytes"] += before(every_turn)
+        if crab.get("pushed_note"):
+            notes.append(f"{report['trace']}: crab: {crab['pushed_note']}")
+    if not every["runs"] and not without:
+        return None
+    for cell in (every, early):
+        cell["crab_vs_every_turn"] = ratio(cell["crab_bytes"], cell["every_turn_bytes"])
+    return {**every, "up_to_fault_turn": early, "runs_without_crab_figures": without, "notes": notes}
+
+
 def off_node_bytes(stats):
     """What a policy's checkpoints sent off the node: archived + pushed, or the one there is."""
     archived, pushed = stats["checkpoint_archived_bytes"], stats["checkpoint_pushed_bytes"]
@@ -367,6 +419,7 @@ def aggregate(reports, errors, classes):
         "oracle": oracle_summary(reports),
         "run_time_vs_off": dict(sorted(run_time.items())),
         "replication": dict(sorted(replication.items())),
+        "node_loss_pushed": node_loss_pushed(reports),
         "classes": {
             "turns": total_classified,
             "counts": class_counts,
@@ -512,7 +565,7 @@ def render_markdown(summary, meta):
     lines += [
         "## Per policy", "",
         "| policy | recovered correctly (state-destroying) | availability | checkpoints (failed) | written "
-        "| charged | of which off the node (archived + pushed) | bytes vs every-turn | vs its containerd part | delay p50 / turn "
+        "| charged | off the node (archived + pushed) | bytes vs every-turn | vs its containerd part | delay p50 / turn "
         "| delay p99 / turn | delay max |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -536,9 +589,11 @@ def render_markdown(summary, meta):
         "policy with a store of its own (crab), everything its checkpoint chain references (`crabctl verify`), "
         "whichever is more: crab's store deduplicates across all runs of a batch, so a run can write almost "
         "nothing for a turn another run already stored. Bytes vs every-turn: the policy's charged bytes over "
-        "every-turn's in the same (trace, fault) reports; every-turn's include its copy off the node (\"of which "
-        "off the node\": the archives it writes out of containerd, and in node-loss runs what its `ctr images "
-        "push`es sent the registry instead, the blobs the registry lacked); \"vs its containerd part\" leaves "
+        "every-turn's in the same (trace, fault) reports; every-turn's include its copy off the node (\"off the "
+        "node\", part of its written bytes: the archives it writes out of containerd, and in node-loss runs what "
+        "its `ctr images push`es sent the registry instead, the blobs the registry lacked); crab's \"off the "
+        "node\" is what its shim pushed to the registry in node-loss runs, on top of its written bytes and not "
+        "counted in them or in its charged bytes; \"vs its containerd part\" leaves "
         "that copy out (every-turn as it "
         "would be without node loss in its fault model). Delay: what the agent waited for the policy's checkpoint beyond its (scaled) think time "
         "before the next turn; with think times scaled to 0 it is the whole checkpoint time.",
@@ -555,6 +610,24 @@ def render_markdown(summary, meta):
     lines += ["", "Each policy's run against the `off` run of the same trace and fault, summed; x<scale> is "
               "the factor the recorded think times were replayed at. Fault-free runs measure the overhead; "
               "faulted ones also include the fault and the recovery.", ""]
+
+    pushed = summary.get("node_loss_pushed")
+    if pushed:
+        lines += ["## Pushed to the registry in node-loss runs", "",
+                  "| turns | runs | crab pushed | every-turn pushed | crab / every-turn |", "|---|---|---|---|---|"]
+        for label, cell in (("all turns", pushed), ("up to the fault turn (node A)", pushed["up_to_fault_turn"])):
+            lines.append(f"| {label} | {cell['runs']} | {human_bytes(cell['crab_bytes'])} "
+                         f"| {human_bytes(cell['every_turn_bytes'])} | {fmt(cell['crab_vs_every_turn'], '{:.3f}x')} |")
+        lines += ["", "crab pushed: what its shim uploaded to the registry by itself (`[remote] auto_push`), per turn "
+                  "the `bytes_uploaded` of its push log (the packs and pack indexes of the chunks the registry "
+                  "lacked, the turn manifest and the OCI manifest). every-turn pushed: what its `ctr images push` of "
+                  "each turn's checkpoint image sent (the blobs and manifests the repository lacked). Both pushed "
+                  "every turn up to the fault turn from node A; after it every-turn pushes from node B, crab only "
+                  "where node B's crab config has auto_push, so the second row compares the turns both pushed."]
+        if pushed["runs_without_crab_figures"]:
+            lines.append(f"{pushed['runs_without_crab_figures']} node-loss run(s) left out: their report has no "
+                         "pushed bytes of crab's or every-turn's (replays from before crab-replay read them).")
+        lines += [""] + [f"- {note}" for note in pushed["notes"]] + ([""] if pushed["notes"] else [])
 
     if summary.get("replication"):
         lines += ["## Replication off the node", "",

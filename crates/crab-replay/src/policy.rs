@@ -2,6 +2,7 @@
 //! back after its processes were killed. A new policy implements
 //! [`RecoveryPolicy`] and gets a [`PolicyKind`] variant.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -133,13 +134,25 @@ pub struct TurnCost {
     pub blocking_s: f64,
     /// Everything the checkpoint wrote.
     pub bytes: u64,
-    /// Of `bytes`, what went off the node: the archive every-turn wrote, or what its push sent
-    /// to the registry (the blobs the registry lacked).
+    /// What went off the node: every-turn's archive, or what its push sent to the registry (the
+    /// blobs the registry lacked), both part of `bytes`; for crab in node-loss runs what its
+    /// shim pushed for the turn ([`SelfPushed`], filled in by the runner), not part of `bytes`.
     pub exported_bytes: u64,
     /// Where `exported_bytes` went.
     pub exported_to: Option<OffNode>,
     /// The runtime's class of the turn (clean, fs, proc), where it records one.
     pub class: Option<&'static str>,
+}
+
+/// What a policy's runtime pushed to the registry by itself, in the background (crab's shim with
+/// `[remote] auto_push`), per turn of the replay: it is not known when the turn's [`TurnCost`] is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SelfPushed {
+    /// The bytes pushed for each turn the policy ran on a node that pushes (0 for a turn nothing
+    /// was pushed for, such as one that changed nothing).
+    pub turns: BTreeMap<u32, u64>,
+    /// The turns the figures leave out and why (turns on a node that pushes nothing).
+    pub note: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -207,6 +220,13 @@ pub trait RecoveryPolicy: Send {
     /// Whether everything the policy saved of `sandbox` is off the node now; None when the
     /// policy does not push its checkpoints anywhere.
     async fn off_node(&mut self, _sandbox: &Sandbox) -> Result<Option<bool>, ReplayError> {
+        Ok(None)
+    }
+
+    /// What the policy's runtime pushed to the registry by itself so far (see [`SelfPushed`]);
+    /// None when it pushes nothing by itself. The runner asks at the end of the run, before
+    /// [`RecoveryPolicy::cleanup`]; what a lost node pushed is read before it is lost.
+    async fn self_pushed(&mut self) -> Result<Option<SelfPushed>, ReplayError> {
         Ok(None)
     }
 
@@ -528,6 +548,13 @@ struct CrabPolicy {
     on_node_b: bool,
     /// The newest turn in the registry when node A was lost (None: nothing was pushed).
     pushed_turn: Option<u64>,
+    /// Whether node A's shim pushes each checkpointed turn (a run that will lose its node).
+    node_a_pushes: bool,
+    /// The replay's turns, by the node they ran on.
+    turns_on_node_a: Vec<u32>,
+    turns_on_node_b: Vec<u32>,
+    /// Node A's push log (bytes uploaded per turn), read before the node was lost.
+    node_a_pushed: Option<BTreeMap<u64, u64>>,
 }
 
 /// How long a turn's checkpoint may take before the replay gives up on it.
@@ -540,14 +567,28 @@ impl CrabPolicy {
     fn new(launch: Launch) -> CrabPolicy {
         // A run that will lose its node has a store of its own (node A's config); else the
         // shims' store of the environment's config.
-        let state_dir = launch
-            .spec
-            .runtime_config
-            .as_deref()
-            .and_then(|config| NodeA::load(config).ok())
-            .map(|node_a| node_a.config.checkpoint.state_dir)
-            .unwrap_or_else(crab_state_dir);
-        CrabPolicy { ctr: launch.ctr.clone(), state_dir, launch, on_node_b: false, pushed_turn: None }
+        let node_a = launch.spec.runtime_config.as_deref().and_then(|config| NodeA::load(config).ok());
+        let node_a_pushes = node_a.as_ref().is_some_and(|node_a| node_a.config.remote.auto_push);
+        let state_dir = node_a.map(|node_a| node_a.config.checkpoint.state_dir).unwrap_or_else(crab_state_dir);
+        CrabPolicy {
+            ctr: launch.ctr.clone(),
+            state_dir,
+            launch,
+            on_node_b: false,
+            pushed_turn: None,
+            node_a_pushes,
+            turns_on_node_a: Vec::new(),
+            turns_on_node_b: Vec::new(),
+            node_a_pushed: None,
+        }
+    }
+
+    /// The bytes this node's shim uploaded for each turn of `container` it pushed: the
+    /// `bytes_uploaded` of each turn of its push log.
+    fn pushed_bytes(&self, container: &str) -> Result<BTreeMap<u64, u64>, ReplayError> {
+        let log: crab_remote::chain::PushLog =
+            self.ctl()?.push_log(container).map_err(|e| ReplayError::Policy(e.to_string()))?;
+        Ok(log.turns.iter().map(|(turn, pushed)| (*turn, pushed.bytes_uploaded)).collect())
     }
 
     fn ctl(&self) -> Result<crabctl::Ctl, ReplayError> {
@@ -586,7 +627,8 @@ impl RecoveryPolicy for CrabPolicy {
     /// every-turn's (the crash comes once the turn's checkpoint is durable);
     /// the cost reported is the checkpoint's whole duration, which is what an
     /// agent coming back with no think time at all would wait.
-    async fn after_turn(&mut self, sandbox: &Sandbox, _turn: u32) -> Result<TurnCost, ReplayError> {
+    async fn after_turn(&mut self, sandbox: &Sandbox, turn: u32) -> Result<TurnCost, ReplayError> {
+        if self.on_node_b { &mut self.turns_on_node_b } else { &mut self.turns_on_node_a }.push(turn);
         // The exec id the turn's record carries, and how many turns it made:
         // a stdin session makes one per command written to it.
         let Some((exec_id, turns)) = sandbox.last_turn_exec() else { return Ok(TurnCost::default()) };
@@ -666,6 +708,11 @@ impl RecoveryPolicy for CrabPolicy {
             let (head, pushed) = self.replication(sandbox.id())?;
             let Some(head) = head else { return Ok(Some("no checkpoint to push before node A was lost".into())) };
             self.pushed_turn = pushed.last().copied();
+            if pushed.contains(&head) || started.elapsed() > CRAB_PUSH_WAIT {
+                // What node A's shim pushed, read while the node is still there (the fault
+                // deletes its store and the push log in it).
+                self.node_a_pushed = Some(self.pushed_bytes(sandbox.id())?);
+            }
             if pushed.contains(&head) {
                 let waited = started.elapsed().as_secs_f64();
                 return Ok(Some(format!("checkpoint of turn {head} in the registry {waited:.2} s after it was asked")));
@@ -695,6 +742,44 @@ impl RecoveryPolicy for CrabPolicy {
             self.state_dir = node_b.config.checkpoint.state_dir.clone();
             self.on_node_b = true;
         }
+    }
+
+    /// Per turn on node A, the bytes its shim uploaded for the turn (its push log); on node B
+    /// likewise where B's config pushes, else the note says nothing was pushed from there.
+    async fn self_pushed(&mut self) -> Result<Option<SelfPushed>, ReplayError> {
+        if !self.node_a_pushes {
+            return Ok(None);
+        }
+        let container = self.launch.container_id.clone();
+        let node_a = match (&self.node_a_pushed, self.on_node_b) {
+            (Some(pushed), _) => pushed.clone(),
+            (None, false) => self.pushed_bytes(&container)?,
+            (None, true) => BTreeMap::new(),
+        };
+        let mut turns: BTreeMap<u32, u64> = self
+            .turns_on_node_a
+            .iter()
+            .map(|turn| (*turn, node_a.get(&u64::from(*turn)).copied().unwrap_or(0)))
+            .collect();
+        let (Some(first), Some(last)) = (self.turns_on_node_b.first(), self.turns_on_node_b.last()) else {
+            return Ok(Some(SelfPushed { turns, note: None }));
+        };
+        let span = if first == last { format!("turn {first}") } else { format!("turns {first}-{last}") };
+        let node_b = self.launch.node_b()?;
+        let note = if node_b.config.remote.auto_push {
+            let node_b_pushed = self.pushed_bytes(&container)?;
+            let mut any = false;
+            for turn in &self.turns_on_node_b {
+                if let Some(bytes) = node_b_pushed.get(&u64::from(*turn)) {
+                    turns.insert(*turn, *bytes);
+                    any = true;
+                }
+            }
+            (!any).then(|| format!("{span} ran on node B, whose shim had pushed none of them by the end of the run"))
+        } else {
+            Some(format!("{span} ran on node B, whose crab config has no auto_push: nothing pushed from there"))
+        };
+        Ok(Some(SelfPushed { turns, note }))
     }
 
     async fn check_store(&mut self, container: &str) -> Option<StoreCheck> {

@@ -52,11 +52,14 @@ pub struct PolicyRun {
     pub checkpoint_failures: u32,
     /// Sum over all checkpoints of the bytes each one stored.
     pub checkpoint_bytes: u64,
-    /// Of `checkpoint_bytes`, what went off the node: every-turn's archives, or what its pushes
-    /// sent to the registry (node-loss runs).
+    /// What went off the node: every-turn's archives, or what its pushes sent to the registry
+    /// (node-loss runs), both part of `checkpoint_bytes`; crab's in node-loss runs: what its
+    /// shim pushed to the registry (the push log's `bytes_uploaded`), not part of them.
     pub checkpoint_exported_bytes: u64,
     /// Where `checkpoint_exported_bytes` went (None: nothing went off the node this way).
     pub checkpoint_exported_to: Option<OffNode>,
+    /// What crab's pushed bytes leave out: turns on node B, whose config does not push.
+    pub pushed_note: Option<String>,
     /// What the run is charged for its checkpoints: `checkpoint_bytes`, or for a policy with a
     /// store of its own (crab, whose store deduplicates across every sandbox of a batch, so a
     /// run may write almost nothing for a turn another run stored) everything its chain
@@ -116,8 +119,8 @@ pub struct TurnReport {
     pub exec_s: f64,
     pub checkpoint_s: f64,
     pub checkpoint_bytes: u64,
-    /// Of `checkpoint_bytes`, what went off the node: every-turn's archive, or what its push
-    /// sent to the registry.
+    /// What went off the node: every-turn's archive, or what its push sent to the registry (of
+    /// `checkpoint_bytes`); crab's: what its shim pushed for the turn (not of `checkpoint_bytes`).
     pub checkpoint_exported_bytes: u64,
     /// Where `checkpoint_exported_bytes` went.
     pub checkpoint_exported_to: Option<OffNode>,
@@ -301,14 +304,57 @@ fn render_trace(out: &mut String, report: &TraceReport) {
         }
     }
     for run in &report.runs {
-        let how = match run.checkpoint_exported_to {
-            Some(OffNode::Registry) => {
-                "pushed to the registry with `ctr images push` (what the pushes sent: the blobs the registry lacked)"
+        let how = match (run.checkpoint_exported_to, run.policy) {
+            (Some(OffNode::Registry), PolicyKind::Crab) => {
+                "pushed to the registry by its shim (`[remote] auto_push`): per turn the bytes its push log records \
+                 as uploaded (the packs and pack indexes of the chunks the registry lacked, the turn manifest and \
+                 the OCI manifest), not part of `written`"
             }
-            Some(OffNode::Archive) => "written to archives outside containerd (--checkpoint-dir)",
-            None => continue,
+            (Some(OffNode::Registry), _) => {
+                "pushed to the registry with `ctr images push` (what the pushes sent: the blobs the registry \
+                 lacked), part of `written`"
+            }
+            (Some(OffNode::Archive), _) => {
+                "written to archives outside containerd (--checkpoint-dir), part of `written`"
+            }
+            (None, _) => continue,
         };
         let _ = writeln!(out, "{}: off node: {how}", run.policy.name());
+        if let Some(note) = &run.pushed_note {
+            let _ = writeln!(out, "{}: {note}", run.policy.name());
+        }
+    }
+    let pushed = |policy: PolicyKind| {
+        report.runs.iter().find(|run| run.policy == policy && run.checkpoint_exported_to == Some(OffNode::Registry))
+    };
+    if let (Some(crab), Some(every_turn)) = (pushed(PolicyKind::Crab), pushed(PolicyKind::EveryTurn)) {
+        let upto = |run: &PolicyRun, last: u32| -> u64 {
+            run.turns.iter().filter(|turn| turn.turn <= last).map(|turn| turn.checkpoint_exported_bytes).sum()
+        };
+        let ratio = |crab: u64, every_turn: u64| match every_turn {
+            0 => "-".to_string(),
+            _ => format!("{:.3}x", crab as f64 / every_turn as f64),
+        };
+        let (c, e) = (crab.checkpoint_exported_bytes, every_turn.checkpoint_exported_bytes);
+        let _ = write!(
+            out,
+            "pushed to the registry: crab {}, every-turn {} (crab / every-turn {})",
+            human_bytes(c),
+            human_bytes(e),
+            ratio(c, e)
+        );
+        if let Some(fault) = crab.fault.as_ref() {
+            let (c, e) = (upto(crab, fault.turn), upto(every_turn, fault.turn));
+            let _ = write!(
+                out,
+                "; turns up to the fault turn {} (both from node A): crab {}, every-turn {} ({})",
+                fault.turn,
+                human_bytes(c),
+                human_bytes(e),
+                ratio(c, e)
+            );
+        }
+        let _ = writeln!(out);
     }
     for run in &report.runs {
         if let Some(replication) = run.replication {

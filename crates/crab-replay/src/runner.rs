@@ -14,7 +14,7 @@ use super::injector::{Daemons, FaultInjector};
 use super::node::{NodeA, NodeB};
 use super::oracle::{Reference, ReferenceRun, TurnResult};
 use super::policy::{
-    Launch, OffNode, PolicyKind, Recovery, RecoveryMethod, RecoveryPolicy, StoreCheck, TurnCost, discard,
+    Launch, OffNode, PolicyKind, Recovery, RecoveryMethod, RecoveryPolicy, SelfPushed, StoreCheck, TurnCost, discard,
 };
 use super::report::{DelaySummary, FaultReport, PolicyRun, ReferenceSummary, Replication, TraceReport, TurnReport};
 use super::sandbox::{ExecResult, Sandbox, SandboxSpec};
@@ -256,11 +256,24 @@ struct RunOutcome {
     run_time: Duration,
     /// The policy's own check of its store after the run, where it has one.
     store: Option<StoreCheck>,
+    /// What the policy's own push figures leave out (see [`SelfPushed::note`]).
+    pushed_note: Option<String>,
 }
 
 impl RunOutcome {
     fn results(&self) -> Vec<TurnResult> {
         self.turns.iter().map(|turn| turn.result.clone()).collect()
+    }
+
+    /// What the policy's runtime pushed by itself becomes each turn's copy off the node.
+    fn add_self_pushed(&mut self, pushed: SelfPushed) {
+        for turn in &mut self.turns {
+            if let Some(bytes) = pushed.turns.get(&turn.turn) {
+                turn.checkpoint_exported_bytes = *bytes;
+                turn.checkpoint_exported_to = Some(OffNode::Registry);
+            }
+        }
+        self.pushed_note = pushed.note;
     }
 }
 
@@ -278,6 +291,15 @@ async fn run_guarded(
     let mut outcome = run(trace, launch, policy.as_mut(), strike, options, injector, fingerprint_every_turn).await;
     if let Ok(outcome) = &mut outcome {
         outcome.store = policy.check_store(&launch.container_id).await;
+        // Before the clean-up, which deletes node A's directory (and with it its push log).
+        match policy.self_pushed().await {
+            Ok(Some(pushed)) => outcome.add_self_pushed(pushed),
+            Ok(None) => {}
+            Err(error) => {
+                warn!(container = %launch.container_id, %error, "what the policy pushed by itself");
+                outcome.pushed_note = Some(format!("its pushed bytes could not be read: {error}"));
+            }
+        }
     }
     let cleaned = async {
         policy.cleanup().await?;
@@ -380,7 +402,7 @@ async fn run(
             }
         }
     }
-    Ok(RunOutcome { turns, fingerprints, fault, run_time: started.elapsed(), store: None })
+    Ok(RunOutcome { turns, fingerprints, fault, run_time: started.elapsed(), store: None, pushed_note: None })
 }
 
 /// Strikes the fault after `turn`, then lets the policy bring the sandbox
@@ -513,6 +535,7 @@ fn policy_report(
         policy,
         recovered_correctly: fault.as_ref().map(|fault| recovered_correctly(fault, outcome.store.as_ref())),
         store: outcome.store.clone(),
+        pushed_note: outcome.pushed_note.clone(),
         checkpoints: turns.iter().filter(|turn| turn.checkpoint_bytes > 0).count() as u32,
         checkpoint_failures: turns.iter().filter(|turn| turn.checkpoint_error.is_some()).count() as u32,
         checkpoint_bytes: turns.iter().map(|turn| turn.checkpoint_bytes).sum(),

@@ -87,6 +87,23 @@ fn aggregates_the_synthetic_matrix() {
     // Of those, what every-turn pushed to the registry in b's node-loss run; the rest is archives.
     assert_eq!(policies["every-turn"]["checkpoint_pushed_bytes"], 1500);
     assert_eq!(policies["every-turn"]["checkpoint_archived_bytes"], 2500);
+    // crab's shim pushed 120 B in b's node-loss run (turn 1, on node A; turn 2 ran on node B,
+    // which pushes nothing): not part of what it wrote, and beside every-turn's pushes.
+    assert_eq!(policies["crab"]["checkpoint_pushed_bytes"], 120);
+    assert_eq!(policies["crab"]["checkpoint_archived_bytes"], 0);
+    let pushed = &summary["node_loss_pushed"];
+    assert_eq!(pushed["runs"], 1);
+    assert_eq!((pushed["crab_bytes"].as_u64(), pushed["every_turn_bytes"].as_u64()), (Some(120), Some(1500)));
+    assert!(close(&pushed["crab_vs_every_turn"], 120.0 / 1500.0));
+    // Up to the fault turn both pushed from node A: crab 120 B, every-turn 1000 B (turn 1).
+    let node_a = &pushed["up_to_fault_turn"];
+    assert_eq!((node_a["turns"].as_u64(), node_a["crab_bytes"].as_u64()), (Some(1), Some(120)));
+    assert_eq!(node_a["every_turn_bytes"], 1000);
+    assert!(close(&node_a["crab_vs_every_turn"], 0.12));
+    assert_eq!(
+        pushed["notes"][0],
+        "b: crab: turn 2 ran on node B, whose crab config has no auto_push: nothing pushed from there"
+    );
 
     // Run time against off in the same report, fault-free and faulted apart.
     let run_time = &summary["run_time_vs_off"];
@@ -119,7 +136,7 @@ fn aggregates_the_synthetic_matrix() {
     assert!(report.contains("| off | 100% (1/1) | **100%** (1/1) |"), "{report}");
     assert!(
         report.contains(
-            "| crab | 67% (2/3) | 100% (1/1) | 10 (0) | 900 B | 1.0 KiB | 0 B | 0.119x | 0.237x | 0.200 s | 0.400 s | 0.400 s |"
+            "| crab | 67% (2/3) | 100% (1/1) | 10 (0) | 900 B | 1.0 KiB | 120 B pushed | 0.119x | 0.237x | 0.200 s | 0.400 s | 0.400 s |"
         ),
         "{report}"
     );
@@ -131,6 +148,13 @@ fn aggregates_the_synthetic_matrix() {
         ),
         "{report}"
     );
+    assert!(report.contains("## Pushed to the registry in node-loss runs"), "{report}");
+    assert!(
+        report.contains("| all turns | 1 | 120 B | 1.5 KiB | 0.080x |")
+            && report.contains("| up to the fault turn (node A) | 1 | 120 B | 1000 B | 0.120x |"),
+        "{report}"
+    );
+    assert!(report.contains("- b: crab: turn 2 ran on node B, whose crab config has no auto_push"), "{report}");
     assert!(report.contains("| fault-free x1 | crab | 100.5 s | 100.0 s | 1.005x | 1 |"), "{report}");
     assert!(report.contains("| checkpoint traffic | up to 87% less checkpoint traffic than every-turn | 88.1% less than every-turn (0.119x); 0.237x its writes into containerd alone |"), "{report}");
     assert!(

@@ -174,6 +174,49 @@ fn registry_get(host: &str, path: &str) -> serde_json::Value {
     serde_json::from_str(body).unwrap_or_else(|error| panic!("GET {path}: {error}: {body}"))
 }
 
+/// The raw body of `GET <path>` (a manifest, asked for as an OCI image manifest: distribution
+/// answers a request without that type with "manifest unknown").
+fn registry_get_manifest(host: &str, path: &str) -> Vec<u8> {
+    use std::io::Read;
+    let mut stream = std::net::TcpStream::connect(host).unwrap();
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nAccept: application/vnd.oci.image.manifest.v1+json\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).unwrap();
+    let split = response.windows(4).position(|window| window == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&response[..split]).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "GET {path}: {head}");
+    assert!(!head.contains("transfer-encoding: chunked"), "GET {path}: {head}");
+    response[split + 4..].to_vec()
+}
+
+/// What pushing each turn of `repository` (tags `turn-N`, oldest first) sent the registry, as
+/// the registry holds it: the turn's manifest, and each blob it names (config and layers) that
+/// no earlier turn's manifest named. Crab's pusher uploads exactly those (a repository of a
+/// fresh registry, with nothing to mount from).
+fn registry_push_figures(host: &str, repository: &str, turns: &[u64]) -> Vec<(u64, u64)> {
+    let mut named = std::collections::BTreeSet::new();
+    let mut figures = Vec::new();
+    for turn in turns {
+        let body = registry_get_manifest(host, &format!("/v2/{repository}/manifests/turn-{turn}"));
+        let manifest: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let mut bytes = body.len() as u64;
+        let layers = manifest["layers"].as_array().unwrap().iter();
+        for descriptor in std::iter::once(&manifest["config"]).chain(layers) {
+            let digest = descriptor["digest"].as_str().unwrap().to_owned();
+            if named.insert(digest) {
+                bytes += descriptor["size"].as_u64().unwrap();
+            }
+        }
+        figures.push((*turn, bytes));
+    }
+    figures
+}
+
 /// Every archive (`*.tar`, `*.partial`) that appears beneath a directory while it is watched
 /// (each lives from its turn until the run's clean-up, seconds at least; looked for every 20 ms).
 struct ArchiveWatch {
@@ -475,6 +518,57 @@ async fn after_the_loss_of_node_a_crab_and_every_turn_come_back_exactly_on_node_
     }
 
     assert!(every_turn.replication.is_none(), "every-turn pushes within the turn: nothing lags");
+
+    // crab's pushed bytes, per turn: what its shim uploaded for turns 1 and 2 from node A (its
+    // push log's `bytes_uploaded`), which is what the registry holds of those turns beyond
+    // the earlier ones; turns 3 and 4 ran on node B, whose config has no auto_push.
+    let namespace = options.ctr.namespace();
+    let crab_repository = catalog["repositories"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|name| name.as_str())
+        .find(|name| name.starts_with(&format!("{path}/{namespace}/replay-")) && name.ends_with("-crab"))
+        .unwrap_or_else(|| panic!("no crab repository in {catalog}"))
+        .to_owned();
+    let tags = registry_get(host, &format!("/v2/{crab_repository}/tags/list"));
+    let mut tags: Vec<&str> = tags["tags"].as_array().unwrap().iter().filter_map(|tag| tag.as_str()).collect();
+    tags.sort();
+    assert_eq!(tags, ["turn-1", "turn-2"], "{crab_repository}: nothing pushed from node B");
+    for (turn, bytes) in registry_push_figures(host, &crab_repository, &[1, 2]) {
+        let reported = &crab.turns[turn as usize - 1];
+        assert_eq!(reported.checkpoint_exported_to, Some(OffNode::Registry), "{reported:?}");
+        assert_eq!(reported.checkpoint_exported_bytes, bytes, "turn {turn}: {reported:?}");
+        assert!(bytes > 0, "turn {turn} changed the sandbox");
+    }
+    for reported in &crab.turns[2..] {
+        assert_eq!((reported.checkpoint_exported_bytes, reported.checkpoint_exported_to), (0, None), "{reported:?}");
+    }
+    assert_eq!(crab.checkpoint_exported_to, Some(OffNode::Registry));
+    let crab_pushed: u64 = crab.turns.iter().map(|turn| turn.checkpoint_exported_bytes).sum();
+    assert_eq!(crab.checkpoint_exported_bytes, crab_pushed);
+    let every_turn_pushed = every_turn.checkpoint_exported_bytes;
+    assert!(
+        crab_pushed > 0 && crab_pushed < every_turn_pushed,
+        "crab {crab_pushed} B, every-turn {every_turn_pushed} B"
+    );
+    let note = crab.pushed_note.as_deref().unwrap_or_default();
+    assert!(
+        note.contains("turns 3-4 ran on node B, whose crab config has no auto_push: nothing pushed from there"),
+        "{note}"
+    );
+    assert!(every_turn.pushed_note.is_none(), "{:?}", every_turn.pushed_note);
+    let text = crab_replay::report::render(&reports);
+    for part in [
+        "crab: off node: pushed to the registry by its shim".to_owned(),
+        format!(
+            "pushed to the registry: crab {}, every-turn {}",
+            crab_replay::report::human_bytes(crab_pushed),
+            crab_replay::report::human_bytes(every_turn_pushed)
+        ),
+    ] {
+        assert!(text.contains(&part), "{part:?} not in {text}");
+    }
 
     let chat_only = run_of(&report.runs, PolicyKind::ChatOnly);
     assert_eq!(chat_only.recovered_correctly, Some(false), "chat-only: {:?}", chat_only.fault);

@@ -159,7 +159,10 @@ pub struct RemoteRestoreReport {
 }
 
 impl Ctl {
-    fn push_log(&self, container: &str) -> Result<PushLog> {
+    /// What of `container`'s chain this node pushed to the registry (an empty log when it never
+    /// pushed): `<state_dir>/remote/pushed/<namespace>/<container>.json`, where the shim's
+    /// queue and `crabctl push` record each turn the registry accepted.
+    pub fn push_log(&self, container: &str) -> Result<PushLog> {
         Ok(PushLog::load(&push_logs_dir(&self.state_dir), self.ctr.namespace(), container)?)
     }
 
