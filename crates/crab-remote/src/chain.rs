@@ -12,13 +12,14 @@
 //! before any manifest is written); then its turn manifest and each parent's (their tags bring
 //! only the manifests: every pack is already held), each checked against the parent id the
 //! child names; the head last, once the store has walked the chain and verified every blob.
+//! The store's writer lock is held throughout, so a GC of the store waits for the head.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use crab_store::{CheckpointStore, Head, WriteBatch};
+use crab_store::{CheckpointStore, Head, WriteBatch, WriterLock};
 use serde::{Deserialize, Serialize};
 
 use crate::artifact::{self, ANNOTATION_IMAGE, ANNOTATION_SPEC, path_component};
@@ -54,16 +55,19 @@ impl ObjectSource for StoreSource {
 }
 
 /// Pulled objects into the local store, through one batch (flushed by [`StoreSink::commit`]).
+/// Made under the store's [`WriterLock`], which must be held until a head names what it wrote:
+/// GC collects the batch's tmp files, and blobs no head names, the moment it may run.
 pub struct StoreSink<'a> {
     store: &'a CheckpointStore,
     batch: WriteBatch<'a>,
     held: HashSet<Digest>,
     pub bytes_written: u64,
+    _writing: &'a WriterLock,
 }
 
 impl<'a> StoreSink<'a> {
-    pub fn new(store: &'a CheckpointStore) -> Self {
-        StoreSink { store, batch: store.blobs().batch(), held: HashSet::new(), bytes_written: 0 }
+    pub fn new(store: &'a CheckpointStore, writing: &'a WriterLock) -> Self {
+        StoreSink { store, batch: store.blobs().batch(), held: HashSet::new(), bytes_written: 0, _writing: writing }
     }
 
     /// Makes every object put so far durable.
@@ -362,13 +366,22 @@ pub async fn pull_chain(
 ) -> Result<ChainPullReport> {
     let reference = remote.reference(namespace, sandbox, turn);
     let mut report = ChainPullReport { reference: reference.clone(), ..Default::default() };
-    let mut sink = StoreSink::new(store);
+    // Held from the first object written to the head set, network waits included, as a local
+    // checkpoint holds it from capture to publish: until the head names them, the pulled
+    // objects and manifests are what GC collects (tmp files, blobs and manifests no head
+    // names), and `has` skips objects only because the store holds them now. A GC started
+    // meanwhile waits for the pull; the pull waits for a GC already running.
+    let writing = store.writer_lock().map_err(|e| store_error(&reference, e))?;
+    let mut sink = StoreSink::new(store, &writing);
     let first = remote.pull_turn(namespace, sandbox, turn, &mut sink).await?;
     let written = sink.bytes_written;
     let clock = Instant::now();
     sink.commit().map_err(|e| store_error(&reference, e))?;
     report.times.store_flush += clock.elapsed();
     report.object_bytes_written = written;
+    // Between the turn's objects written and its manifest imported: where a GC that ran
+    // unheld would find them unreferenced (tests pause here and collect).
+    fail::fail_point!("pull-chain-before-import");
     let add = |report: &mut ChainPullReport, p: &crate::remote::PullReport| {
         report.manifests_pulled += 1;
         report.blobs_pulled += p.blobs_pulled;
@@ -407,7 +420,7 @@ pub async fn pull_chain(
             continue;
         }
         let parent_ref = remote.reference(namespace, sandbox, p.turn);
-        let mut sink = StoreSink::new(store);
+        let mut sink = StoreSink::new(store, &writing);
         let pulled = remote.pull_turn(namespace, sandbox, p.turn, &mut sink).await?;
         let clock = Instant::now();
         sink.commit().map_err(|e| store_error(&parent_ref, e))?;

@@ -98,6 +98,15 @@ pub struct StagedTurn {
     _lock: File,
 }
 
+/// The store's shared lock, held by a writer that puts blobs and manifests into the store
+/// outside [`CheckpointStore::stage_turn`] (a pull from the remote tier, which writes its
+/// objects, then manifests, then the head). GC takes the lock exclusively and collects every
+/// blob, pack, tmp file and manifest no head names, which is all of such a writer's work until
+/// its head is set: while this is held GC waits, as it does for a staged turn. Released on drop.
+pub struct WriterLock {
+    _lock: File,
+}
+
 impl StagedTurn {
     /// Bounds the bytes the sandbox's chain may reference once this checkpoint is published
     /// (see [`CheckpointStore::chain_bytes`]); over it, [`CheckpointStore::publish`] refuses
@@ -610,6 +619,14 @@ impl CheckpointStore {
             .io_ctx("open", &path)?;
         sys::flock(&file, exclusive).io_ctx("flock", &path)?;
         Ok(file)
+    }
+
+    /// Takes the store's shared lock for a writer that holds it across its own sequence of
+    /// writes (see [`WriterLock`]); blocks while GC runs. The store's calls made under it take
+    /// the shared lock again, which flock grants at once even with GC waiting: shared locks
+    /// are not queued behind a waiting exclusive one.
+    pub fn writer_lock(&self) -> Result<WriterLock> {
+        Ok(WriterLock { _lock: self.lock(false)? })
     }
 
     pub(crate) fn manifest_path(&self, id: &Digest) -> PathBuf {

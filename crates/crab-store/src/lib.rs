@@ -27,7 +27,7 @@ pub mod turns;
 pub use baseline::{FullCheckpoint, overlay_upperdir, remove_full_checkpoints, write_full_checkpoint};
 pub use chain::{
     CheckpointInfo, CheckpointStore, CommitReport, DEFAULT_STATE_DIR, Head, KeptImages, RollbackReport,
-    RollbackRequest, StagedTurn, TurnInput, VerifyReport,
+    RollbackRequest, StagedTurn, TurnInput, VerifyReport, WriterLock,
 };
 pub use error::{CheckpointError, Result};
 pub use fsdelta::{ApplyStats, ChangedPath};

@@ -10,7 +10,8 @@
 //! manifest (checked against its own hash before it is written), and the head last, only once
 //! the whole chain walks and every blob it references is present and hashes to its name. A
 //! pull cut short thus leaves blobs and manifests no head names (GC's to collect), never a
-//! head over a partial chain.
+//! head over a partial chain. The puller holds [`CheckpointStore::writer_lock`] from its first
+//! blob to the head: GC would collect a blob or manifest no head names yet.
 
 use std::collections::HashSet;
 use std::fs;
