@@ -87,6 +87,8 @@ struct Record {
     class: TurnClass,
     ended_unix_ms: i64,
     reasons: Vec<String>,
+    /// Shells asked at the turn's end: (ms, answer bytes, listed).
+    shells: Vec<(f64, u64, bool)>,
 }
 
 /// The containerd namespace of the sandboxes: their turn logs are under `turns/<namespace>/`.
@@ -121,6 +123,18 @@ fn records(container: &str) -> Outcome<Vec<Record>> {
                 reasons: v["reasons"]
                     .as_array()
                     .map(|r| r.iter().filter_map(|x| x.as_str().map(str::to_string)).collect())
+                    .unwrap_or_default(),
+                shells: v["shells"]
+                    .as_array()
+                    .map(|shells| {
+                        shells
+                            .iter()
+                            .map(|s| {
+                                let ms = s["ms"].as_f64().unwrap_or(-1.0);
+                                (ms, s["answer_bytes"].as_u64().unwrap_or(0), s["listed"].as_bool() == Some(true))
+                            })
+                            .collect()
+                    })
                     .unwrap_or_default(),
             })
         })
@@ -205,6 +219,7 @@ async fn feed(
     stamp: &str,
     commands: &[Command],
     first_turn: u64,
+    classes: &[TurnClass],
 ) -> Outcome<Vec<i64>> {
     let mut latencies = Vec::new();
     for (i, cmd) in commands.iter().enumerate() {
@@ -221,9 +236,10 @@ async fn feed(
             rec.reasons.join("; ")
         );
         ensure_eq!(rec.source.as_str(), "stdin", "source of turn {turn} ({})", cmd.line);
-        // The session ran the command, so its memory changed: every stdin turn is a process
-        // turn. What the command did besides must still show in the reasons.
-        ensure_eq!(rec.class, Proc, "class of turn {turn} ({}), reasons {:?}", cmd.line, rec.reasons);
+        // The session ran the command, so its memory changed: a stdin turn is a process turn
+        // unless the session is a shell whose answer stands for that memory. What the command
+        // did besides must still show in the reasons.
+        ensure_eq!(rec.class, classes[i], "class of turn {turn} ({}), reasons {:?}", cmd.line, rec.reasons);
         ensure!(
             rec.reasons.first().is_some_and(|r| r.contains("ran its input")),
             "turn {turn} ({}) does not name the session as the reason, reasons {:?}",
@@ -284,7 +300,8 @@ async fn stdin_mode_turns(
     stamp: &str,
     commands: Vec<Command>,
     setup: Option<&str>,
-) -> Outcome<Vec<i64>> {
+    classes: &[TurnClass],
+) -> Outcome<(Vec<i64>, Vec<Record>)> {
     let name = format!("stdin-{}", argv[0]);
     let sandbox = Sandbox::start(&name, TERMINAL_IMAGE, &[("io.crab.turns", "stdin")], &[]).await?;
     let mut session = Session::start(&sandbox, "session", argv).await?;
@@ -295,7 +312,7 @@ async fn stdin_mode_turns(
         record(sandbox.id(), 1).await?;
     }
     let first = if setup.is_some() { 2 } else { 1 };
-    let latencies = feed(&sandbox, &mut session, stamp, &commands, first).await?;
+    let latencies = feed(&sandbox, &mut session, stamp, &commands, first, classes).await?;
     let all = records(sandbox.id())?;
     ensure_eq!(
         all.len() as u64,
@@ -303,23 +320,59 @@ async fn stdin_mode_turns(
         "turns recorded (start-up makes none in stdin mode)"
     );
     session.close().await?;
-    Ok(latencies)
+    Ok((latencies, all))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shell_fed_through_stdin_makes_one_turn_per_command() {
     crab_sys::skip_unless_root!("containerd, runc and CRIU");
-    let latencies = stdin_mode_turns(&["sh"], SHELL_STAMP, shell_commands(), None).await.unwrap();
+    // `sh` is no shell crab asks: every turn dumps it.
+    let (latencies, _) = stdin_mode_turns(&["sh"], SHELL_STAMP, shell_commands(), None, &[Proc; 5]).await.unwrap();
     summary("sh, stdin mode", &latencies);
+}
+
+/// `bash` is asked for its state at each turn's end: a turn needs no dump once a process
+/// checkpoint holds an answer of it, until it knows a job (its job table is process state).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bash_fed_through_stdin_dumps_only_what_its_answer_cannot_stand_for() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let commands = vec![
+        command(Clean, "echo hi"),
+        command(Clean, "cd /app; X=1"),
+        command(Fs, "echo x > /app/f"),
+        command(Clean, "read -r line < /etc/hostname"),
+        command(Proc, "sleep 300 > /dev/null 2>&1 &"),
+        command(Clean, "ls /app > /dev/null"),
+    ];
+    // The first turn dumps (no checkpoint holds an answer yet); the sleep's turn dumps, and
+    // while bash knows the job every turn does.
+    let classes = [Proc, Fs, Fs, Fs, Proc, Proc];
+    let (latencies, records) = stdin_mode_turns(&["bash"], SHELL_STAMP, commands, None, &classes).await.unwrap();
+    summary("bash, stdin mode", &latencies);
+    let first_reasons: Vec<&str> = records.iter().filter_map(|r| r.reasons.first()).map(String::as_str).collect();
+    assert!(first_reasons[0].contains("no process checkpoint holds"), "{first_reasons:?}");
+    assert!(first_reasons[1].contains("a shell at its prompt"), "{first_reasons:?}");
+    assert!(first_reasons[4].contains("it knows jobs"), "{first_reasons:?}");
+    for record in &records {
+        assert_eq!(record.shells.len(), 1, "turn {}: one shell asked: {:?}", record.turn, record.shells);
+        let (ms, bytes, listed) = record.shells[0];
+        assert!(bytes > 0, "turn {}: an answer", record.turn);
+        println!("  turn {} asked in {ms:.2} ms, {bytes} bytes of answer, listed {listed}", record.turn);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_fed_through_stdin_makes_one_turn_per_statement() {
     crab_sys::skip_unless_root!("containerd, runc and CRIU");
-    let latencies =
-        stdin_mode_turns(&["python3", "-u", "-i", "-q"], PYTHON_STAMP, python_commands(), Some("import os, time"))
-            .await
-            .unwrap();
+    let (latencies, _) = stdin_mode_turns(
+        &["python3", "-u", "-i", "-q"],
+        PYTHON_STAMP,
+        python_commands(),
+        Some("import os, time"),
+        &[Proc; 5],
+    )
+    .await
+    .unwrap();
     summary("python3 -i, stdin mode", &latencies);
 }
 
@@ -335,7 +388,8 @@ async fn auto_mode_turns_a_session_into_stdin_turns() {
         let start = record(sandbox.id(), 1).await?;
         ensure_eq!(start.source.as_str(), "exec", "the session's start-up turn");
         ensure_eq!(start.class, Proc, "the session's start-up turn (a new live shell), reasons {:?}", start.reasons);
-        let latencies = feed(&sandbox, &mut session, SHELL_STAMP, &shell_commands()[..3], 2).await?;
+        // bash: asked at the start-up turn's dump, so its first commands need none.
+        let latencies = feed(&sandbox, &mut session, SHELL_STAMP, &shell_commands()[..3], 2, &[Fs, Fs, Proc]).await?;
         let (out, _) = sandbox.exec("echo beside > /app/beside").await?;
         ensure!(out.status.success(), "exec beside the session: {}", out.stderr);
         let beside = record(sandbox.id(), 5).await?;

@@ -34,6 +34,7 @@ pub mod pipeline;
 #[cfg(test)]
 mod policy_tests;
 mod retry;
+pub mod shell;
 mod sources;
 pub mod stdin;
 
@@ -52,13 +53,14 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cpu::{CpuSnapshot, DumpCharges, ran_between};
 use crate::pipeline::{TurnPipeline, TurnSlot};
+use crate::shell::{ShellChannel, ShellState};
 use crate::stdin::{DetectorConfig, ForwardedBytes, IdleKind, IdleReport, StdinObserver, busy_threads};
 use crab_inspector::{
     ClassifyOptions, Effect, EffectKind, ProcessRan, TurnClass, TurnEffects, classify, monotonic_now_ns,
 };
 use crab_runtime::{CheckpointOptions, DumpDeadline};
 use crab_store::turns::{
-    Policy, RecordedClass, RuntimeExec, SandboxPolicy, TurnLog, TurnRecord, TurnSource, TurnsMode, unix_ms,
+    Policy, RecordedClass, RuntimeExec, SandboxPolicy, ShellAsked, TurnLog, TurnRecord, TurnSource, TurnsMode, unix_ms,
 };
 use crab_store::{ChangedPath, CheckpointStore, MountKind, SandboxMounts, TurnInput};
 
@@ -149,6 +151,26 @@ struct Session {
     /// Wakes the session's detector when input arrives.
     wake: Arc<Notify>,
     stop: CancellationToken,
+    /// A bash session crab can ask for its state (see [`shell`]).
+    shell: Option<AskableShell>,
+}
+
+/// A session's shell channel and what crab knows of its state.
+#[derive(Clone)]
+struct AskableShell {
+    channel: Arc<dyn ShellChannel>,
+    memory: Arc<std::sync::Mutex<ShellMemory>>,
+}
+
+#[derive(Default)]
+struct ShellMemory {
+    /// What the session's newest process checkpoint holds of it (None: that checkpoint has no
+    /// answer it could vouch for, so every turn of the session dumps).
+    base: Option<ShellState>,
+    /// The newest state listed in a checkpoint.
+    listed: Option<ShellState>,
+    /// Asking failed once, or could be seen (`-x`, `-v`): the session is not asked again.
+    given_up: Option<String>,
 }
 
 struct State {
@@ -568,8 +590,15 @@ impl SandboxEngine {
     }
 
     /// A started exec whose stdin the client feeds: follows it as a session
-    /// (`auto` and `stdin` modes). Returns the hook for the shim's stdin copy.
-    pub async fn stdin_session(self: &Arc<Self>, exec_id: &str, pid: u32) -> Option<StdinObserver> {
+    /// (`auto` and `stdin` modes). Returns the hook for the shim's stdin copy. `shell`: the
+    /// session is `bash` reading commands from its stdin and the shim can ask it (see
+    /// [`shell`]), with what its process checkpoint holds when it was restored.
+    pub async fn stdin_session(
+        self: &Arc<Self>,
+        exec_id: &str,
+        pid: u32,
+        shell: Option<(Arc<dyn ShellChannel>, Option<ShellState>)>,
+    ) -> Option<StdinObserver> {
         if !matches!(self.policy.turns, TurnsMode::Auto | TurnsMode::Stdin) {
             return None;
         }
@@ -587,6 +616,10 @@ impl SandboxEngine {
             forwarded: Arc::default(),
             wake: Arc::default(),
             stop: self.stop.child_token(),
+            shell: shell.map(|(channel, base)| AskableShell {
+                channel,
+                memory: Arc::new(std::sync::Mutex::new(ShellMemory { base, ..Default::default() })),
+            }),
         };
         let (forwarded, wake, stop) = (session.forwarded.clone(), session.wake.clone(), session.stop.clone());
         self.state.lock().await.sessions.insert(exec_id.to_string(), session);
@@ -732,6 +765,7 @@ impl SandboxEngine {
             dump_failures: Vec::new(),
             over_quota: None,
             runtime_execs: open.runtime_execs.clone(),
+            shells: Vec::new(),
         };
         let (class, changed) = match self.policy.policy {
             Policy::Off => {
@@ -746,6 +780,14 @@ impl SandboxEngine {
             Policy::Crab => self.inspect(end_ns, open, &mut record).await,
         };
         let (class, mut changed) = carry_unpublished(slot, class, changed, &mut record.reasons);
+        // Shell states this turn's checkpoint lists; a session's turn dumps unless its answer
+        // stands for its memory (see `shell_turn`).
+        let (class, shells) = match self.policy.policy {
+            Policy::Crab => self.shell_turn(open, class, &mut record).await,
+            _ => (class, Vec::new()),
+        };
+        // A shell state that changed needs a checkpoint even when no file did.
+        let class = if class == TurnClass::Clean && !shells.is_empty() { TurnClass::Fs } else { class };
         if record.escalated && class != TurnClass::Clean {
             // The inspector could not see every change (lost events, async
             // I/O, an unresolved path): take every path the rootfs diff holds.
@@ -883,6 +925,7 @@ impl SandboxEngine {
                 upper.as_deref(),
             )?;
             staged.set_quota(quota);
+            staged.set_shells(shells);
             Ok(staged)
         })
         .await;
@@ -981,6 +1024,132 @@ impl SandboxEngine {
         .map_err(EngineError::from)
     }
 
+    /// The shells of a closed turn. A session that ran input changed its own memory (variables,
+    /// cwd, functions) in ways no syscall shows: the turn dumps it, unless it is a shell whose
+    /// answer stands for that memory and which a restore can bring there from its newest
+    /// process checkpoint. A turn that dumps asks every shell first: what each answers is what
+    /// the dump holds of it. Returns the class and the states to list.
+    async fn shell_turn(
+        &self,
+        open: &OpenTurn,
+        mut class: TurnClass,
+        record: &mut TurnRecord,
+    ) -> (TurnClass, Vec<ShellState>) {
+        let session_turn = match (open.source, &open.exec_id) {
+            (TurnSource::Stdin, Some(id)) => Some(id.clone()),
+            _ => None,
+        };
+        let askable: Vec<(String, u32, AskableShell)> = {
+            let state = self.state.lock().await;
+            state
+                .sessions
+                .iter()
+                .filter_map(|(id, s)| Some((id.clone(), s.pid, s.shell.clone()?)))
+                .filter(|(_, _, shell)| shell.memory.lock().expect("shell memory").given_up.is_none())
+                .collect()
+        };
+        let mut answers: HashMap<String, ShellState> = HashMap::new();
+        if let Some(id) = &session_turn {
+            let cheap = match askable.iter().find(|(a, _, _)| a == id) {
+                None => Err("not a shell crab asks".to_string()),
+                Some((_, pid, shell)) => match self.ask_shell(id, *pid, shell, record).await {
+                    Err(why) => Err(why),
+                    Ok(state) => {
+                        let base = shell.memory.lock().expect("shell memory").base.clone();
+                        let cheap = shell::cheap_from(base.as_ref(), &state);
+                        answers.insert(id.clone(), state);
+                        cheap
+                    }
+                },
+            };
+            match cheap {
+                Ok(()) => record.reasons.insert(
+                    0,
+                    format!("session {id} ran its input: a shell at its prompt, its state answered (no process dump)"),
+                ),
+                Err(why) => {
+                    class = TurnClass::Proc;
+                    record
+                        .reasons
+                        .insert(0, format!("session {id} ran its input: its memory is process state ({why})"));
+                }
+            }
+        }
+        let mut listed = Vec::new();
+        if class == TurnClass::Proc {
+            for (id, pid, shell) in &askable {
+                if !answers.contains_key(id)
+                    && let Ok(state) = self.ask_shell(id, *pid, shell, record).await
+                {
+                    answers.insert(id.clone(), state);
+                }
+            }
+            for (id, _, shell) in &askable {
+                let vouched = answers.remove(id).filter(|s| shell::unvouched(s).is_none());
+                let mut memory = shell.memory.lock().expect("shell memory");
+                memory.base = vouched.clone();
+                if let Some(state) = vouched {
+                    memory.listed = Some(state.clone());
+                    listed.push(state);
+                }
+            }
+        } else if let Some((id, state)) = answers.into_iter().next()
+            && let Some((_, _, shell)) = askable.iter().find(|(a, _, _)| *a == id)
+        {
+            let mut memory = shell.memory.lock().expect("shell memory");
+            if memory.listed.as_ref() != Some(&state) {
+                memory.listed = Some(state.clone());
+                listed.push(state);
+            }
+        }
+        for asked in &mut record.shells {
+            asked.listed = listed.iter().any(|s| s.exec_id == asked.exec_id);
+        }
+        (class, listed)
+    }
+
+    /// Asks one session for its state (see [`shell`]), after checking it is at its prompt; the
+    /// asking goes on record. A session that could not be asked harmlessly is not asked again.
+    async fn ask_shell(
+        &self,
+        exec_id: &str,
+        pid: u32,
+        shell: &AskableShell,
+        record: &mut TurnRecord,
+    ) -> Result<ShellState, String> {
+        let call = self.host.procs().syscall(pid).map_err(|e| e.to_string())?;
+        let pids = self
+            .host
+            .cgroup_dir()
+            .and_then(|dir| std::fs::read_to_string(dir.join("cgroup.procs")).ok())
+            .map(|text| text.lines().filter_map(|l| l.trim().parse().ok()).collect::<Vec<u32>>());
+        let Some(pids) = pids else { return Err("the container's cgroup is unreadable".into()) };
+        if let Some(why) = shell::not_at_prompt(pid, &call, shell.channel.stdio(), &pids) {
+            return Err(why);
+        }
+        let marks = shell::Marks::new(shell::nonce());
+        let clock = Instant::now();
+        let answer =
+            shell.channel.ask(shell::capture_line(&marks).into_bytes(), marks.clone(), shell::ASK_TIMEOUT).await;
+        let ms = clock.elapsed().as_secs_f64() * 1e3;
+        let answer_bytes = answer.as_ref().map_or(0, |a| a.len() as u64);
+        let parsed = answer.and_then(|a| shell::parse_answer(exec_id, &a, &marks).map_err(|e| e.to_string()));
+        let unvouched = match &parsed {
+            Ok(state) => shell::unvouched(state),
+            Err(e) => Some(e.clone()),
+        };
+        // Not asked again: a question that failed may have left part of itself in the session,
+        // and with -x or -v the shell prints the question itself.
+        let seen = parsed.as_ref().is_ok_and(|s| s.flags.contains('x') || s.flags.contains('v'));
+        if parsed.is_err() || seen {
+            let why = unvouched.clone().unwrap_or_default();
+            tracing::warn!(container = %self.container, exec = exec_id, %why, "shell session not asked again");
+            shell.memory.lock().expect("shell memory").given_up = Some(why);
+        }
+        record.shells.push(ShellAsked { exec_id: exec_id.to_string(), ms, answer_bytes, listed: false, unvouched });
+        parsed
+    }
+
     /// Classifies the turn from the inspector's effects; fills the record's
     /// reasons. Without an inspector the turn is a process turn.
     async fn inspect(&self, end_ns: u64, open: &OpenTurn, record: &mut TurnRecord) -> (TurnClass, Vec<ChangedPath>) {
@@ -1023,14 +1192,6 @@ impl SandboxEngine {
             record.escalated = true;
             record.reasons.insert(0, overflow.to_string());
             class = class.max(if overflow.processes_cut { TurnClass::Proc } else { TurnClass::Fs });
-        }
-        // A session that worked on input changed its own memory (variables,
-        // cwd, imports) in ways no syscall shows; only its dump brings that back.
-        if open.source == TurnSource::Stdin
-            && let Some(session) = &open.exec_id
-        {
-            class = TurnClass::Proc;
-            record.reasons.insert(0, format!("session {session} ran its input: its memory is process state"));
         }
         let changed = changed_paths(&effects.effects, &self.policy.ignore);
         let (changed, external) = split_by_mount(changed, &self.mounts);
@@ -1251,6 +1412,7 @@ mod tests {
             forwarded: Arc::default(),
             wake: Arc::default(),
             stop: CancellationToken::new(),
+            shell: None,
         };
         engine.state.lock().await.sessions.insert(exec_id.into(), session);
     }

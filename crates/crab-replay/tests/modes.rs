@@ -89,6 +89,39 @@ async fn stdin_mode_keeps_one_shell_and_crab_reattaches_it_after_a_kill() {
     assert_eq!(every_turn.recovered_correctly, Some(false), "{:?}", every_turn.fault);
 }
 
+/// Turn 2 changes only the shell's own state (and one file): a shell turn, which crab
+/// checkpoints without a dump; the fault after it makes recovery bring that state back onto
+/// turn 1's process images.
+const SHELL_TRACE: &str = r#"{"trace": "shell-turns-itest", "source": "crab tests", "mode": "exec", "workdir": "/app", "image": "terminal", "turns": 3}
+{"turn": 1, "think_s": 0.1, "cmd": "mkdir -p /app/sub && export A=1", "timeout_s": 30}
+{"turn": 2, "think_s": 0.1, "cmd": "cd /app/sub; B='two words'; f() { echo \"f:$A:$B\"; }; alias hi='echo hi'; umask 027; set -o pipefail; echo made > m", "timeout_s": 30}
+{"turn": 3, "think_s": 0.1, "cmd": "pwd; echo \"A=$A B=$B\"; f; alias; umask; [[ -o pipefail ]] && echo pipefail-on; cat m", "timeout_s": 30}
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stdin_mode_shell_turns_skip_the_dump_and_recovery_brings_the_shell_state_back() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let mut file = tempfile::Builder::new().suffix(".jsonl").tempfile().unwrap();
+    file.write_all(SHELL_TRACE.as_bytes()).unwrap();
+    let options =
+        ReplayOptions { policies: vec![PolicyKind::Crab], ..options(file.path().to_path_buf(), ReplayMode::Stdin) };
+    let reports = replay(&options).await.unwrap();
+    let crab = run_of(&reports[0].runs, PolicyKind::Crab);
+    let classes: Vec<Option<&str>> = crab.turns.iter().map(|turn| turn.checkpoint_class.as_deref()).collect();
+    // Turn 1 dumps the shell (no process checkpoint held an answer of it yet); turn 2 changed
+    // only files and the shell's own state.
+    assert_eq!(classes[..2], [Some("proc"), Some("fs")], "{crab:#?}");
+    let fault = crab.fault.as_ref().unwrap();
+    assert!(fault.verdict.is_some(), "crab: recovery failed: {:?}", fault.error);
+    assert_eq!(crab.recovered_correctly, Some(true), "crab: {fault:?}");
+    assert_eq!(
+        crab.turns[2].stdout_sha256,
+        sha("/app/sub\nA=1 B=two words\nf:1:two words\nalias hi='echo hi'\n0027\npipefail-on\nmade\n"),
+        "the recovered shell has turn 2's state, not turn 1's: {:?}",
+        crab.turns[2]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tmux_mode_types_into_one_session_and_reads_its_pane() {
     crab_sys::skip_unless_root!("containerd, runc and CRIU");

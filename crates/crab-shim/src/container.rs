@@ -10,6 +10,7 @@ use super::ShimError;
 use super::cgroup::Cgroup;
 use super::io::{IoOwner, ParentEnds, ProcessIo, StdioUris};
 use super::process::{Process, Status};
+use crab_engine::shell::ShellState;
 use crab_runtime::spawner::{SpawnerClient, SpawnerError};
 use crab_runtime::{CheckpointOptions, DumpDeadline, Exit, LaunchOptions, OciRuntime, Reaper, RuntimeError};
 
@@ -44,6 +45,9 @@ pub struct ContainerConfig {
     pub init_binary: Result<PathBuf, String>,
     /// The bound on any dump of this container (`[checkpoint] dump_timeout_ms`).
     pub dump_timeout: std::time::Duration,
+    /// Shell sessions the restore brings back from older process images, and the state to
+    /// bring each to when it is re-attached (see `crab_engine::shell`).
+    pub restore_shells: Vec<crab_store::ShellRestore>,
 }
 
 type Execs = Arc<Mutex<HashMap<String, Arc<Process>>>>;
@@ -501,7 +505,12 @@ impl Container {
         tracing::warn!(container = %self.id(), exec = %process.exec_id, %reason,
             "exec started by the runtime, not crab-init's spawner: it is left out of checkpoints");
         let pid = self.start_exec_with_runtime(process).await?;
-        Ok(StartedExec { pid, exit: Box::pin(self.reaper.wait_for(pid)), through_runtime: Some(reason) })
+        Ok(StartedExec {
+            pid,
+            exit: Box::pin(self.reaper.wait_for(pid)),
+            through_runtime: Some(reason),
+            restored_shell: None,
+        })
     }
 
     async fn start_exec_in_spawner(
@@ -513,12 +522,12 @@ impl Container {
         let exec_id = &process.exec_id;
         let request = spawn_request(exec_id, spec, &process.uris)?;
         let exit = spawner.exit_of(exec_id);
-        let session = match spawner.attach_restored(exec_id, &request.args).await {
+        let (session, restored) = match spawner.attach_restored(exec_id, &request.args).await {
             Some(attached) => {
                 tracing::info!(container = %self.id(), exec = %exec_id, "re-attached a restored exec session");
-                attached
+                (attached, true)
             }
-            None => spawner.spawn(request).await,
+            None => (spawner.spawn(request).await, false),
         };
         let session = session.map_err(|e| match e {
             // The process could not start: the same error the runtime gives.
@@ -537,8 +546,18 @@ impl Container {
             stderr: session.stderr,
             console: session.console,
         };
-        let io = ProcessIo::from_parent_ends(&process.uris, &self.owner(), ends, &self.reaper).await?;
+        let shell_restore = self.config.restore_shells.iter().find(|r| restored && r.target.exec_id == *exec_id);
+        let io = ProcessIo::from_parent_ends(&process.uris, &self.owner(), ends, &self.reaper, shell_restore.is_some())
+            .await?;
         process.set_io(io.clone());
+        let restored_shell = match shell_restore {
+            Some(restore) => {
+                let base = self.bring_shell_forward(restore, &io).await;
+                io.open_input();
+                base
+            }
+            None => None,
+        };
         let pidfd = Arc::new(session.pidfd);
         process.set_pidfd(pidfd.clone());
         process.set_running(pid);
@@ -558,7 +577,41 @@ impl Container {
             let status = spawned_exit_status(exit, &pidfd, &spawner).await;
             Exit { pid, status, at: std::time::SystemTime::now() }
         };
-        Ok(StartedExec { pid, exit: Box::pin(exit), through_runtime: None })
+        Ok(StartedExec { pid, exit: Box::pin(exit), through_runtime: None, restored_shell })
+    }
+
+    /// A restored shell session is as its process images hold it: when a later turn of it
+    /// needed no dump, it is written the input that brings it to that turn's state, before
+    /// any of the client's. Returns what the images hold, which the engine goes on from
+    /// (None: the session dumps at its next turn).
+    async fn bring_shell_forward(&self, restore: &crab_store::ShellRestore, io: &Arc<ProcessIo>) -> Option<ShellState> {
+        let exec_id = restore.target.exec_id.as_str();
+        let Some(base) = &restore.base else {
+            tracing::warn!(container = %self.id(), exec = exec_id, turn = restore.target_turn,
+                images_turn = restore.images_turn,
+                "restored shell session is at its process images' turn: that turn listed no state of it");
+            return None;
+        };
+        if restore.target_turn == restore.images_turn {
+            // The images hold the turn's own state.
+            return Some(base.clone());
+        }
+        let marks = crab_engine::shell::Marks::new(crab_engine::shell::nonce());
+        let line = crab_engine::shell::restore_line(base, &restore.target, &marks);
+        let clock = std::time::Instant::now();
+        match io.ask(line.into_bytes(), marks, crab_engine::shell::ASK_TIMEOUT).await {
+            Ok(_) => {
+                tracing::info!(container = %self.id(), exec = exec_id, turn = restore.target_turn,
+                    images_turn = restore.images_turn, ms = clock.elapsed().as_secs_f64() * 1e3,
+                    "restored shell session brought to its turn's state");
+                Some(base.clone())
+            }
+            Err(e) => {
+                tracing::warn!(container = %self.id(), exec = exec_id, turn = restore.target_turn, error = %e,
+                    "restored shell session not brought to its turn's state");
+                None
+            }
+        }
     }
 
     async fn start_exec_with_runtime(&self, process: &Arc<Process>) -> Result<u32, ShimError> {
@@ -769,6 +822,9 @@ pub struct StartedExec {
     pub exit: ExitFuture,
     /// Why the OCI runtime started it rather than crab-init's spawner (None: the spawner did).
     pub through_runtime: Option<String>,
+    /// A restored shell session brought to its turn's state: what its process images hold of
+    /// it (see `crab_engine::SandboxEngine::stdin_session`).
+    pub restored_shell: Option<ShellState>,
 }
 
 /// Why an exec whose [`crab_runtime::init::process_identity`] is `exec` cannot be started by the

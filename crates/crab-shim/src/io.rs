@@ -17,7 +17,10 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 
+use crab_engine::shell::Marks;
 use crab_runtime::{ProcessStdio, Reaper};
+
+use crate::tap::Tap;
 
 #[derive(Debug, thiserror::Error)]
 pub enum IoError {
@@ -313,7 +316,36 @@ impl Sink {
 /// While true, output copies hold still (a CRIU dump is reading the pipes).
 type Hold = tokio::sync::watch::Receiver<bool>;
 
-async fn copy_out(source: AsyncRaw, mut sinks: Vec<Sink>, mut hold: Hold) {
+/// Where an asker puts a [`Tap`] for an output copy, and what the copy owes the client when
+/// an asker gave up on one.
+#[derive(Default)]
+struct TapSlot {
+    tap: Option<Tap>,
+    released: Vec<u8>,
+}
+
+type SharedTap = Arc<std::sync::Mutex<TapSlot>>;
+
+/// The bytes of one read the client gets, once an asker's tap (if any) took its answer out.
+fn through_tap<'a>(tap: Option<&SharedTap>, read: &'a [u8]) -> std::borrow::Cow<'a, [u8]> {
+    let Some(slot) = tap else { return read.into() };
+    let mut slot = slot.lock().expect("tap lock");
+    let mut out = std::mem::take(&mut slot.released);
+    match slot.tap.as_mut() {
+        None if out.is_empty() => return read.into(),
+        None => out.extend_from_slice(read),
+        Some(tap) => {
+            let routed = tap.route(read);
+            out.extend(routed.forward);
+            if routed.finished {
+                slot.tap = None;
+            }
+        }
+    }
+    out.into()
+}
+
+async fn copy_out(source: AsyncRaw, mut sinks: Vec<Sink>, mut hold: Hold, tap: Option<SharedTap>) {
     for sink in &mut sinks {
         sink.connect().await;
     }
@@ -330,8 +362,9 @@ async fn copy_out(source: AsyncRaw, mut sinks: Vec<Sink>, mut hold: Hold) {
         match source.read(&mut buf).await {
             Ok(0) => break,
             Ok(n) => {
+                let out = through_tap(tap.as_ref(), &buf[..n]);
                 for sink in &mut sinks {
-                    if let Err(e) = sink.write_all(&buf[..n]).await {
+                    if let Err(e) = sink.write_all(&out).await {
                         tracing::warn!(error = %e, "stdio copy: write failed");
                     }
                 }
@@ -352,7 +385,16 @@ type StdinWriter = Arc<Mutex<Option<AsyncRaw>>>;
 /// Set once the turn engine follows the process as a stdin session.
 type StdinObserverSlot = Arc<std::sync::OnceLock<crab_engine::stdin::StdinObserver>>;
 
-async fn copy_stdin(fifo: PathBuf, writer: StdinWriter, observer: StdinObserverSlot) {
+async fn copy_stdin(
+    fifo: PathBuf,
+    writer: StdinWriter,
+    observer: StdinObserverSlot,
+    mut open: tokio::sync::watch::Receiver<bool>,
+) {
+    // A restored shell is brought to its turn's state before the client's first byte.
+    if open.wait_for(|open| *open).await.is_err() {
+        return;
+    }
     // Non-blocking read-only open returns at once. Before any writer came, the
     // fifo is never readable (the kernel reports hang-up only for writers that
     // came after our open and left), so waiting for readiness waits for the
@@ -379,6 +421,26 @@ async fn copy_stdin(fifo: PathBuf, writer: StdinWriter, observer: StdinObserverS
         }
     }
     writer.lock().await.take();
+}
+
+/// A session's streams as the engine asks its shell through them (see `crab_engine::shell`).
+pub struct SessionShell(pub Arc<ProcessIo>);
+
+impl SessionShell {
+    /// None unless the shim copies all three streams over pipes it made.
+    pub fn new(io: Arc<ProcessIo>) -> Option<Self> {
+        (io.pipes.get().is_some() && io.taps.get().is_some()).then_some(SessionShell(io))
+    }
+}
+
+impl crab_engine::shell::ShellChannel for SessionShell {
+    fn stdio(&self) -> [(u64, u64); 3] {
+        *self.0.pipes.get().expect("checked at new")
+    }
+
+    fn ask(&self, input: Vec<u8>, marks: Marks, timeout: std::time::Duration) -> crab_engine::shell::AskFuture<'_> {
+        Box::pin(self.0.ask(input, marks, timeout))
+    }
 }
 
 /// A listening socket on which the runtime sends a new pty's master.
@@ -455,6 +517,12 @@ pub struct ProcessIo {
     /// whoever holds another writer (the spawner keeps one).
     stdin_closed: tokio_util::sync::CancellationToken,
     hold: tokio::sync::watch::Sender<bool>,
+    /// Taps of the stdout and stderr copies, when the shim copies both (see [`ProcessIo::ask`]).
+    taps: std::sync::OnceLock<[SharedTap; 2]>,
+    /// Device and inode of the stdin, stdout and stderr pipes, when all three are pipes.
+    pipes: std::sync::OnceLock<[(u64, u64); 3]>,
+    /// False while the client's input waits (see [`ProcessIo::open_input`]).
+    input_open: tokio::sync::watch::Sender<bool>,
 }
 
 /// The shim's ends of a process's streams when someone else made them (the
@@ -492,6 +560,9 @@ impl ProcessIo {
             stdin_observer: Default::default(),
             stdin_closed: Default::default(),
             hold: tokio::sync::watch::channel(false).0,
+            taps: std::sync::OnceLock::new(),
+            pipes: std::sync::OnceLock::new(),
+            input_open: tokio::sync::watch::channel(true).0,
         })
     }
 
@@ -556,14 +627,19 @@ impl ProcessIo {
     }
 
     /// Copies between the client's streams and ends made elsewhere (the
-    /// spawner's session): the counterpart of [`Self::prepare`].
+    /// spawner's session): the counterpart of [`Self::prepare`]. With `input_held` the
+    /// client's input waits for [`Self::open_input`].
     pub async fn from_parent_ends(
         uris: &StdioUris,
         owner: &IoOwner<'_>,
         mut ends: ParentEnds,
         reaper: &Reaper,
+        input_held: bool,
     ) -> Result<Arc<ProcessIo>, IoError> {
         let io = Self::new(uris);
+        if input_held {
+            io.input_open.send_replace(false);
+        }
         if let Some(master) = ends.console.take() {
             io.attach_console(master)?;
             return Ok(io);
@@ -586,20 +662,30 @@ impl ProcessIo {
         let stdin_t = parse_uri(&self.uris.stdin)?;
         let stdout_t = parse_uri(&self.uris.stdout)?;
         let stderr_t = parse_uri(&self.uris.stderr)?;
+        if let (Some(i), Some(o), Some(e)) = (&ends.stdin, &ends.stdout, &ends.stderr) {
+            let inode = |fd: &OwnedFd| nix::sys::stat::fstat(fd).map(|st| (st.st_dev, st.st_ino));
+            if let (Ok(i), Ok(o), Ok(e)) = (inode(i), inode(o), inode(e)) {
+                let _ = self.pipes.set([i, o, e]);
+            }
+        }
         if let (Target::Fifo(path), Some(writer)) = (&stdin_t, ends.stdin) {
             *self.stdin.lock().await = Some(AsyncRaw::new(writer).map_err(os("stdin pipe"))?);
             self.spawn_stdin_copy(path.clone());
         }
         let logger_needed = matches!(stdout_t, Target::Binary { .. }) || matches!(stderr_t, Target::Binary { .. });
+        // A session can be asked only when the shim copies both its outputs.
+        let taps = (!logger_needed && ends.stdout.is_some() && ends.stderr.is_some())
+            .then(|| self.taps.get_or_init(Default::default).clone());
         let mut logger_fds: Vec<OwnedFd> = Vec::new();
-        for (target, end) in [(&stdout_t, ends.stdout), (&stderr_t, ends.stderr)] {
+        for (i, (target, end)) in [(&stdout_t, ends.stdout), (&stderr_t, ends.stderr)].into_iter().enumerate() {
             let Some(reader) = end else { continue };
             if logger_needed {
                 logger_fds.push(reader);
             } else {
                 let sink = Sink::open(target).await?.into_iter().collect();
                 let source = AsyncRaw::new(reader).map_err(os("output pipe"))?;
-                self.spawn_output(copy_out(source, sink, self.hold.subscribe()));
+                let tap = taps.as_ref().map(|t| t[i].clone());
+                self.spawn_output(copy_out(source, sink, self.hold.subscribe(), tap));
             }
         }
         if logger_needed {
@@ -615,10 +701,16 @@ impl ProcessIo {
 
     fn spawn_stdin_copy(&self, fifo: PathBuf) {
         let (stdin, observer, closed) = (self.stdin.clone(), self.stdin_observer.clone(), self.stdin_closed.clone());
+        let open = self.input_open.subscribe();
         self.spawn_input(async move {
-            copy_stdin(fifo, stdin, observer).await;
+            copy_stdin(fifo, stdin, observer, open).await;
             closed.cancel();
         });
+    }
+
+    /// Lets the client's input through (held by `from_parent_ends` until now).
+    pub fn open_input(&self) {
+        self.input_open.send_replace(true);
     }
 
     /// Resolves once stdin is closed by the client or by CloseIO.
@@ -652,15 +744,16 @@ impl ProcessIo {
                 Ok(s) => s.into_iter().collect(),
                 Err(e) => return tracing::warn!(error = %e, "console output"),
             };
-            copy_out(reader, sink, hold).await;
+            copy_out(reader, sink, hold, None).await;
         });
         if let Ok(Target::Fifo(path)) = parse_uri(&self.uris.stdin) {
             let writer = AsyncRaw::new(master).map_err(os("pty master"))?;
             let (stdin, observer, closed) =
                 (self.stdin.clone(), self.stdin_observer.clone(), self.stdin_closed.clone());
+            let open = self.input_open.subscribe();
             self.spawn_input(async move {
                 *stdin.lock().await = Some(writer);
-                copy_stdin(path, stdin, observer).await;
+                copy_stdin(path, stdin, observer, open).await;
                 closed.cancel();
             });
         }
@@ -686,6 +779,49 @@ impl ProcessIo {
     /// Tells `observer` of every chunk of input before it is forwarded (stdin turns).
     pub fn observe_stdin(&self, observer: crab_engine::stdin::StdinObserver) {
         let _ = self.stdin_observer.set(observer);
+    }
+
+    /// Writes `input` to the process's stdin while both its outputs are tapped for the answer
+    /// between `marks` (see `crab_engine::shell`): what it prints on stdout comes back, what
+    /// it prints on either from the begin mark through the end mark never reaches the client,
+    /// and the client's input waits meanwhile.
+    pub async fn ask(&self, input: Vec<u8>, marks: Marks, timeout: std::time::Duration) -> Result<Vec<u8>, String> {
+        let Some(taps) = self.taps.get() else {
+            return Err("the shim does not copy both of the session's outputs".into());
+        };
+        let writer = self.stdin.lock().await;
+        let Some(stdin) = writer.as_ref() else { return Err("the session's stdin is closed".into()) };
+        let mut answers = Vec::new();
+        for slot in taps {
+            let (tap, answer) = Tap::new(marks.begin(), marks.end(), crab_engine::shell::MAX_ANSWER);
+            let mut slot = slot.lock().expect("tap lock");
+            if slot.tap.is_some() {
+                return Err("another answer is being read".into());
+            }
+            slot.tap = Some(tap);
+            answers.push(answer);
+        }
+        let asked = tokio::time::timeout(timeout, async {
+            stdin.write_all(&input).await.map_err(|e| format!("writing to its stdin: {e}"))?;
+            let mut answers = answers.into_iter();
+            let stdout = answers.next().expect("stdout").await.map_err(|_| "its stdout closed".to_string())?;
+            answers.next().expect("stderr").await.map_err(|_| "its stderr closed".to_string())?;
+            Ok(stdout)
+        })
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {timeout:?}")));
+        if asked.is_err() {
+            // Whatever a tap held goes on to the client with the copy's next read.
+            for slot in taps {
+                let mut slot = slot.lock().expect("tap lock");
+                if let Some(tap) = slot.tap.take() {
+                    let held = tap.release();
+                    slot.released.extend(held);
+                }
+            }
+        }
+        drop(writer);
+        asked
     }
 
     /// Closes the process's stdin (CloseIO): it reads end of file.

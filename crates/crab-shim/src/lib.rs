@@ -19,6 +19,7 @@ pub mod io;
 pub mod process;
 pub mod remote;
 pub mod service;
+mod tap;
 
 use containerd_shim_protos::ttrpc;
 

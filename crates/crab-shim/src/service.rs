@@ -261,9 +261,9 @@ impl TaskService {
             (Some(from), Some(source), Some(key)) => {
                 prepare_restore(&config.checkpoint, source, from.turn, key, &bundle, origin.clone()).await
             }
-            _ => Ok(None),
+            _ => Ok((None, Vec::new())),
         };
-        let prepared = match prepared {
+        let (prepared, restore_shells) = match prepared {
             Ok(prepared) => {
                 if policy.restore_from.is_some() {
                     tracing::info!(container = %req.id, prepare_ms = clock.elapsed().as_secs_f64() * 1e3,
@@ -320,6 +320,7 @@ impl TaskService {
                 io_gid: opts.io_gid,
                 init_binary,
                 dump_timeout: config.checkpoint.dump_timeout(),
+                restore_shells,
             },
             runtime,
             self.reaper.clone(),
@@ -529,24 +530,29 @@ impl TaskService {
                     "exec waited for the previous turn's checkpoint");
             }
         }
-        let super::container::StartedExec { pid, exit, through_runtime } = match container.start_exec(&process).await {
-            Ok(started) => started,
-            Err(e) => {
-                if let Some(engine) = container.engine() {
-                    engine.exec_exited(&req.exec_id).await;
+        let super::container::StartedExec { pid, exit, through_runtime, restored_shell } =
+            match container.start_exec(&process).await {
+                Ok(started) => started,
+                Err(e) => {
+                    if let Some(engine) = container.engine() {
+                        engine.exec_exited(&req.exec_id).await;
+                    }
+                    return Err(e);
                 }
-                return Err(e);
-            }
-        };
+            };
         if let (Some(reason), Some(engine)) = (&through_runtime, container.engine()) {
             // Before the exit can be seen: the record of its turn lists it.
             engine.exec_through_runtime(&req.exec_id, reason).await;
         }
         self.watch_exit(&container, &process, pid, exit);
-        if let (Some(engine), Some(io), false) = (container.engine(), process.io(), process.uris.stdin.is_empty())
-            && let Some(observer) = engine.stdin_session(&req.exec_id, pid).await
-        {
-            io.observe_stdin(observer);
+        if let (Some(engine), Some(io), false) = (container.engine(), process.io(), process.uris.stdin.is_empty()) {
+            let shell = (through_runtime.is_none() && !process.uris.terminal && reads_commands_from_stdin(&process))
+                .then(|| super::io::SessionShell::new(io.clone()))
+                .flatten()
+                .map(|s| (Arc::new(s) as Arc<dyn crab_engine::shell::ShellChannel>, restored_shell));
+            if let Some(observer) = engine.stdin_session(&req.exec_id, pid, shell).await {
+                io.observe_stdin(observer);
+            }
         }
         self.events
             .publish(TaskExecStarted { container_id: req.id, exec_id: req.exec_id, pid, ..Default::default() })
@@ -1019,6 +1025,32 @@ impl Drop for PodCreate<'_> {
     }
 }
 
+/// Whether an exec is `bash` reading its commands from stdin, not interactive: its program's
+/// name is `bash` and its arguments are options that neither give it a command (`-c`), a
+/// script, nor make it interactive (`-i`, which prints prompts). Only such a session is asked
+/// for its state (see `crab_engine::shell`).
+fn reads_commands_from_stdin(process: &super::process::Process) -> bool {
+    let spec: serde_json::Value = match serde_json::from_slice(process.spec.as_deref().unwrap_or_default()) {
+        Ok(spec) => spec,
+        Err(_) => return false,
+    };
+    let args: Vec<&str> = spec["args"].as_array().into_iter().flatten().filter_map(|a| a.as_str()).collect();
+    shell_session_args(&args)
+}
+
+fn shell_session_args(args: &[&str]) -> bool {
+    let Some((program, options)) = args.split_first() else { return false };
+    if program.rsplit('/').next() != Some("bash") {
+        return false;
+    }
+    options.iter().all(|o| match o.strip_prefix("--") {
+        Some(long) => matches!(long, "login" | "norc" | "noprofile" | "posix" | "noediting"),
+        None => o
+            .strip_prefix('-')
+            .is_some_and(|short| !short.is_empty() && short.chars().all(|c| matches!(c, 'l' | 's' | 'e' | 'u'))),
+    })
+}
+
 async fn prepare_restore(
     checkpoint: &crab_config::CheckpointConfig,
     source: &SandboxKey,
@@ -1026,7 +1058,7 @@ async fn prepare_restore(
     new_key: &SandboxKey,
     bundle: &Path,
     pod: Option<(String, String)>,
-) -> Result<Option<(PathBuf, u64)>, ShimError> {
+) -> Result<(Option<(PathBuf, u64)>, Vec<crab_store::ShellRestore>), ShimError> {
     let rootfs = bundle.join("rootfs");
     let skip = spec_mounts(bundle)?.destinations();
     let (src, new) = (source.to_string(), new_key.to_string());
@@ -1058,6 +1090,7 @@ async fn prepare_restore(
         });
         let rootfs_ms = rootfs_done?;
         let (images, dest, images_ms) = images?;
+        let shells = store.shell_restores(&src, turn)?;
         let clock = std::time::Instant::now();
         if src != new {
             store.fork(&src, turn, &new)?;
@@ -1078,7 +1111,7 @@ async fn prepare_restore(
             chunks = images.map_or(0, |(_, r)| r.chunks),
             chunks_read = images.map_or(0, |(_, r)| r.chunks_read),
             restore_step = "store", "restoring from checkpoint");
-        Ok::<_, crab_store::CheckpointError>(images.map(|(images_turn, _)| (dest, images_turn)))
+        Ok::<_, crab_store::CheckpointError>((images.map(|(images_turn, _)| (dest, images_turn)), shells))
     })
     .await
     .map_err(|e| failed(&e))?
@@ -1295,6 +1328,28 @@ impl Task for TaskService {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_bash_reading_commands_from_stdin_is_a_shell_session() {
+        for args in
+            [&["bash"][..], &["/bin/bash", "--norc", "--noprofile"], &["bash", "-l"], &["/usr/bin/bash", "-s", "-eu"]]
+        {
+            assert!(shell_session_args(args), "{args:?}");
+        }
+        for args in [
+            &[][..],
+            &["sh"],
+            &["bash", "-c", "cat"],
+            &["bash", "-lc", "cat"],
+            &["bash", "-i"],
+            &["bash", "script.sh"],
+            &["bash", "--rcfile", "x"],
+            &["python3"],
+            &["notbash"],
+        ] {
+            assert!(!shell_session_args(args), "{args:?}");
+        }
+    }
 
     #[test]
     fn one_create_at_a_time_claims_a_pod_container_name() {

@@ -42,7 +42,8 @@ use super::fsdelta::{self, Applier, ApplyStats, ChangedPath, Root};
 use super::images::{self, RestoredImages};
 use super::key::{self, SandboxKey};
 use super::manifest::{
-    FsEntry, FsNode, ImageSet, MANIFEST_VERSION, Manifest, ParentRef, Snapshot, TurnClass, direct_blobs, seal, unseal,
+    FsEntry, FsNode, ImageSet, MANIFEST_VERSION, Manifest, ParentRef, ShellState, Snapshot, TurnClass, direct_blobs,
+    seal, unseal,
 };
 use super::mounts::{self, ContainerMount};
 use super::path::RelPath;
@@ -73,6 +74,18 @@ pub struct TurnInput<'a> {
     pub criu_images: Option<&'a Path>,
 }
 
+/// A shell session a restore brings back through its process images, and what to bring it to
+/// afterwards: the state the images hold (`base`, None when the images' turn listed none) and
+/// the newest listed at or below the restored turn (the same as `base` when that is the
+/// images' turn).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShellRestore {
+    pub base: Option<ShellState>,
+    pub target: ShellState,
+    pub target_turn: u64,
+    pub images_turn: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CommitReport {
     pub id: Digest,
@@ -95,6 +108,7 @@ pub struct StagedTurn {
     criu_images: Option<PathBuf>,
     /// Bytes the sandbox's chain may reference with this checkpoint (None: no bound).
     quota: Option<u64>,
+    shells: Vec<ShellState>,
     _lock: File,
 }
 
@@ -113,6 +127,15 @@ impl StagedTurn {
     /// the checkpoint with [`CheckpointError::OverQuota`] before anything of it is written.
     pub fn set_quota(&mut self, quota_bytes: Option<u64>) {
         self.quota = quota_bytes;
+    }
+
+    /// The shell states this checkpoint lists (see [`Manifest::shells`]). A turn that changed
+    /// no file still needs a manifest for them: it is published as a file-system turn.
+    pub fn set_shells(&mut self, shells: Vec<ShellState>) {
+        if !shells.is_empty() && self.class == TurnClass::Clean {
+            self.class = TurnClass::Fs;
+        }
+        self.shells = shells;
     }
 
     pub fn turn(&self) -> u64 {
@@ -236,6 +259,56 @@ impl Chain {
             }
         }
         self.snapshot.as_ref().and_then(|s| s.images.as_ref().map(|(turn, set)| (*turn, set, None)))
+    }
+
+    /// What a restore of link `index` must tell each shell session its process images hold
+    /// (see [`ShellRestore`]). Empty without images: then no shell comes back at all.
+    pub(crate) fn shells_at(&self, index: usize) -> Vec<ShellRestore> {
+        let Some((images_turn, _)) = self.images_at(index) else { return Vec::new() };
+        let listed = self.links[index..].iter().flat_map(|(_, m)| m.shells.iter().map(move |s| (m.turn, s)));
+        let folded = self.snapshot.iter().flat_map(|s| s.shells.iter().map(|(turn, shell)| (*turn, shell)));
+        // Newest first: the first listing of a session is its target.
+        let mut targets: Vec<(u64, &ShellState)> = Vec::new();
+        let mut bases: HashMap<&str, &ShellState> = HashMap::new();
+        for (turn, shell) in listed.chain(folded) {
+            if turn < images_turn {
+                break;
+            }
+            if !targets.iter().any(|(_, t)| t.exec_id == shell.exec_id) {
+                targets.push((turn, shell));
+            }
+            if turn == images_turn {
+                bases.entry(shell.exec_id.as_str()).or_insert(shell);
+            }
+        }
+        targets
+            .into_iter()
+            .map(|(turn, target)| ShellRestore {
+                base: bases.get(target.exec_id.as_str()).map(|b| (*b).clone()),
+                target: target.clone(),
+                target_turn: turn,
+                images_turn,
+            })
+            .collect()
+    }
+
+    /// Every listing a restore of link `index` may need (see [`shells_at`](Self::shells_at)),
+    /// with its turn: what a snapshot at `index` keeps.
+    pub(crate) fn shell_listings_at(&self, index: usize) -> Vec<(u64, ShellState)> {
+        let Some((images_turn, _)) = self.images_at(index) else { return Vec::new() };
+        let listed = self.links[index..].iter().flat_map(|(_, m)| m.shells.iter().map(move |s| (m.turn, s)));
+        let folded = self.snapshot.iter().flat_map(|s| s.shells.iter().map(|(turn, shell)| (*turn, shell)));
+        let mut kept: Vec<(u64, ShellState)> = Vec::new();
+        for (turn, shell) in listed.chain(folded) {
+            if turn < images_turn {
+                break;
+            }
+            let newest = !kept.iter().any(|(_, k)| k.exec_id == shell.exec_id);
+            if newest || turn == images_turn {
+                kept.push((turn, shell.clone()));
+            }
+        }
+        kept
     }
 
     /// The newest image set at or below link `index`, with its turn.
@@ -948,6 +1021,7 @@ impl CheckpointStore {
             blobs: batch.set_aside(),
             criu_images: input.criu_images.map(Path::to_owned),
             quota: None,
+            shells: Vec::new(),
             _lock: lock,
         })
     }
@@ -962,7 +1036,7 @@ impl CheckpointStore {
     /// [`publish`](Self::publish) with the new blob bytes and then the manifest drawn from
     /// `tokens` chunk by chunk as they go to the disk (only HEAD, under 100 bytes, is not drawn).
     pub fn publish_paced(&self, staged: StagedTurn, tokens: &mut dyn WriteTokens) -> Result<CommitReport> {
-        let StagedTurn { container, turn, class, fs_delta, blobs, criu_images, quota, _lock } = staged;
+        let StagedTurn { container, turn, class, fs_delta, blobs, criu_images, quota, shells, _lock } = staged;
         let parent = self.head(&container)?;
         if let Some(head) = &parent {
             if turn <= head.turn {
@@ -1000,6 +1074,7 @@ impl CheckpointStore {
             created_unix_ms: now_unix_ms(),
             fs_delta,
             images,
+            shells,
         };
         let (id, bytes) = seal(&manifest, "manifest")?;
         // A process turn's manifest lists every chunk of its images (tens of KiB): it is
@@ -1270,6 +1345,14 @@ impl CheckpointStore {
     }
 
     /// [`restore_images`](Self::restore_images), also saying what was written.
+    /// The shell sessions a restore of `turn` brings back through process images, with the
+    /// state to bring each to (see [`ShellRestore`]).
+    pub fn shell_restores(&self, container: &str, turn: u64) -> Result<Vec<ShellRestore>> {
+        let _lock = self.lock(false)?;
+        let (_, chain) = self.chain(container)?;
+        Ok(chain.shells_at(chain.index_of(container, turn)?))
+    }
+
     pub fn restore_images_report(
         &self,
         container: &str,

@@ -200,6 +200,7 @@ impl CheckpointStore {
                         turn: oldest_manifest.turn,
                         entries: chain.fold(oldest).into_values().collect(),
                         images: chain.images_at(oldest).map(|(turn, set)| (turn, set.clone())),
+                        shells: chain.shell_listings_at(oldest),
                     };
                     let (_, bytes) = seal(&snapshot, "snapshot")?;
                     publish_file(

@@ -27,7 +27,7 @@ pub mod turns;
 pub use baseline::{FullCheckpoint, overlay_upperdir, remove_full_checkpoints, write_full_checkpoint};
 pub use chain::{
     CheckpointInfo, CheckpointStore, CommitReport, DEFAULT_STATE_DIR, Head, KeptImages, RollbackReport,
-    RollbackRequest, StagedTurn, TurnInput, VerifyReport, WriterLock,
+    RollbackRequest, ShellRestore, StagedTurn, TurnInput, VerifyReport, WriterLock,
 };
 pub use error::{CheckpointError, Result};
 pub use fsdelta::{ApplyStats, ChangedPath};
@@ -39,8 +39,8 @@ pub use key::{
 };
 pub use lineage::{Origin, OriginReason, PodOwner};
 pub use manifest::{
-    FsEntry, FsNode, ImageContent, ImageFile, ImageSet, MANIFEST_VERSION, Manifest, Meta, ParentRef, Snapshot,
-    TurnClass,
+    FsEntry, FsNode, ImageContent, ImageFile, ImageSet, MANIFEST_VERSION, Manifest, Meta, ParentRef, ShellState,
+    Snapshot, TurnClass,
 };
 pub use mounts::{ContainerMount, ContainerRoot, MountKind, SandboxMounts, SpecMount, WalkEntry, rootfs_diff_paths};
 pub use path::{Bytes, RelPath};

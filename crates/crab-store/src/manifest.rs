@@ -189,6 +189,48 @@ pub struct Manifest {
     pub fs_delta: Vec<FsEntry>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub images: Option<ImageSet>,
+    /// The state of each shell session crab could ask at this turn's end (see [`ShellState`]):
+    /// on a process turn, what its images hold; on a later turn, what to bring those images'
+    /// shells to. Listed only where it changed since the session's last listing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shells: Vec<ShellState>,
+}
+
+/// What a `bash` session fed through its stdin keeps in its memory beyond its process image's
+/// files: the answers of its own builtins at its prompt, asked by the shim between two inputs.
+/// The store keeps it as data; crab-engine's `shell` module asks for it and turns two of them
+/// into the input that brings one to the other.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShellState {
+    /// The exec whose process the shell is (a restored session is re-attached by it).
+    pub exec_id: String,
+    /// `$?` at the prompt.
+    pub status: i32,
+    /// `$_` at the prompt.
+    pub last_arg: String,
+    /// `$PWD`.
+    pub cwd: String,
+    /// `$-`.
+    pub flags: String,
+    /// `set +o`: every option, as commands that set it.
+    pub set_options: String,
+    /// `shopt -p`.
+    pub shopt: String,
+    /// `declare -p`, one declaration each, without the variables bash keeps itself (see the
+    /// engine's list) and without crab's own.
+    pub variables: Vec<String>,
+    /// `declare -f`.
+    pub functions: String,
+    /// `alias -p`.
+    pub aliases: String,
+    /// `trap -p`.
+    pub traps: String,
+    /// `dirs -l -p`.
+    pub dirs: String,
+    /// `umask`.
+    pub umask: String,
+    /// `jobs -l`.
+    pub jobs: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -208,6 +250,10 @@ pub struct Snapshot {
     /// The newest image set at or below `at`, with the turn that wrote it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub images: Option<(u64, ImageSet)>,
+    /// The shell states a restore at `at` needs, with the turn that listed each: those of
+    /// the images' turn and the newest of each session.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shells: Vec<(u64, ShellState)>,
 }
 
 /// Every blob a list of entries and an image set reference, except the chunks behind chunk lists.
@@ -306,6 +352,7 @@ mod tests {
                 },
             ],
             images: None,
+            shells: Vec::new(),
         }
     }
 

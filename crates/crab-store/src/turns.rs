@@ -355,6 +355,24 @@ pub struct TurnRecord {
     /// of this turn brings back what they wrote, not them). Listed in every turn they ran in.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub runtime_execs: Vec<RuntimeExec>,
+    /// The shell sessions crab asked for their state at this turn's end.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shells: Vec<ShellAsked>,
+}
+
+/// One shell session asked for its state at a turn's end (see crab-engine's `shell` module).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShellAsked {
+    pub exec_id: String,
+    /// From writing the question to the whole answer read.
+    pub ms: f64,
+    /// The answer's size on stdout.
+    pub answer_bytes: u64,
+    /// Listed in this turn's checkpoint (it changed, or the turn dumped the shell).
+    pub listed: bool,
+    /// Why the answer cannot stand for the session (None: it can).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unvouched: Option<String>,
 }
 
 /// An exec the OCI runtime started instead of crab-init's spawner, and why.
@@ -613,6 +631,13 @@ mod tests {
             dump_failures: Vec::new(),
             over_quota: Some(crate::OverQuota { used_bytes: 3 << 20, quota_bytes: 1 << 20, held_bytes: 1 << 19 }),
             runtime_execs: vec![RuntimeExec { exec_id: "e1".into(), reason: "no crab-init".into(), running: true }],
+            shells: vec![ShellAsked {
+                exec_id: "e1".into(),
+                ms: 1.5,
+                answer_bytes: 2048,
+                listed: true,
+                unvouched: Some("it knows jobs".into()),
+            }],
         };
         log.append(&rec).unwrap();
         log.append(&TurnRecord { turn: 2, ..rec.clone() }).unwrap();

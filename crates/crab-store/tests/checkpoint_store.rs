@@ -1484,3 +1484,72 @@ fn a_read_racing_a_pack_rewrite_finds_the_blob_in_the_new_pack() {
     assert_ne!(sb.store.blobs().location(&chunk).unwrap(), before, "the chunk moved to a new pack");
     assert_eq!(read.unwrap(), chunks[3]);
 }
+
+fn shell_state(exec_id: &str, cwd: &str, status: i32) -> crab_store::ShellState {
+    crab_store::ShellState {
+        exec_id: exec_id.into(),
+        status,
+        last_arg: "x".into(),
+        cwd: cwd.into(),
+        flags: "hB".into(),
+        set_options: "set +o errexit\n".into(),
+        shopt: "shopt -u extglob\n".into(),
+        variables: vec![format!("declare -- WHERE=\"{cwd}\"")],
+        functions: String::new(),
+        aliases: String::new(),
+        traps: String::new(),
+        dirs: format!("{cwd}\n"),
+        umask: "0022".into(),
+        jobs: String::new(),
+    }
+}
+
+/// Commits `turn` of c1 listing `shells`: a process turn when `dump` is given.
+fn commit_with_shells(sb: &Sandbox, turn: u64, dump: Option<&Path>, shells: Vec<crab_store::ShellState>) {
+    let mut staged = sb
+        .store
+        .stage_turn(&TurnInput { container: "c1", turn, rootfs: None, changed: &[], criu_images: dump })
+        .unwrap();
+    staged.set_shells(shells);
+    sb.store.publish(staged).unwrap();
+}
+
+/// A shell session's states listed by its turns: a restore of a later turn gets the state its
+/// process images hold and the newest at or below the turn; a turn that changed only the
+/// shell is still a checkpoint; GC's snapshot keeps what a restore of its turn needs.
+#[test]
+fn shell_states_listed_by_turns_come_back_with_the_images_that_hold_their_shell() {
+    let sb = Sandbox::new();
+    let dump = sb._tmp.path().join("dump");
+    synthetic_dump(&dump, 1);
+    let (s1, s2, s3) = (shell_state("sh", "/a", 0), shell_state("sh", "/b", 3), shell_state("sh", "/c", 0));
+    commit_with_shells(&sb, 1, Some(&dump), vec![s1.clone()]);
+    // No file changed: the listing alone makes turn 2 a file-system checkpoint.
+    commit_with_shells(&sb, 2, None, vec![s2.clone()]);
+    commit_with_shells(&sb, 3, None, vec![s3.clone()]);
+    let history = sb.store.history("c1").unwrap();
+    let mut classes: Vec<(u64, TurnClass)> = history.iter().map(|c| (c.turn, c.class)).collect();
+    classes.sort_by_key(|(turn, _)| *turn);
+    assert_eq!(classes, [(1, TurnClass::Proc), (2, TurnClass::Fs), (3, TurnClass::Fs)]);
+    let at = |turn| sb.store.shell_restores("c1", turn).unwrap();
+    let one = at(1);
+    assert_eq!(one.len(), 1);
+    assert_eq!((one[0].base.as_ref(), &one[0].target, one[0].images_turn), (Some(&s1), &s1, 1));
+    let two = at(2);
+    assert_eq!((two[0].base.as_ref(), &two[0].target, two[0].target_turn), (Some(&s1), &s2, 2));
+    // A new process checkpoint is the new base.
+    let dump2 = sb._tmp.path().join("dump2");
+    synthetic_dump(&dump2, 2);
+    commit_with_shells(&sb, 4, Some(&dump2), vec![s3.clone()]);
+    commit_with_shells(&sb, 5, None, vec![s1.clone()]);
+    let five = at(5);
+    assert_eq!((five[0].base.as_ref(), &five[0].target, five[0].images_turn), (Some(&s3), &s1, 4));
+    assert_eq!(at(3)[0].target, s3);
+    // GC folds turns 1-4 into a snapshot at turn 4: restores of 4 and 5 see the same.
+    sb.store.gc(&RetentionPolicy { keep_last: 2 }).unwrap();
+    let four = at(4);
+    assert_eq!((four[0].base.as_ref(), &four[0].target), (Some(&s3), &s3));
+    assert_eq!(at(5), five);
+    sb.store.gc(&RetentionPolicy { keep_last: 1 }).unwrap();
+    assert_eq!(at(5), five, "from the snapshot at turn 5");
+}

@@ -508,7 +508,12 @@ fn turn_reasons(t: &crab_store::turns::TurnRecord) -> String {
         t.dump_failures.iter().enumerate().map(|(i, cause)| format!("dump attempt {} failed: {cause}", i + 1));
     // The engine says it in the reasons; a record that lists a runtime exec without saying so still shows it.
     let runtime_execs = t.runtime_execs.iter().map(ToString::to_string).filter(|said| !t.reasons.contains(said));
-    t.reasons.iter().cloned().chain(runtime_execs).chain(attempts).collect::<Vec<_>>().join("; ")
+    let shells = t.shells.iter().map(|s| {
+        let listed = if s.listed { ", listed" } else { "" };
+        let unvouched = s.unvouched.as_deref().map(|why| format!(", cannot vouch: {why}")).unwrap_or_default();
+        format!("shell {} asked: {:.1} ms, {} bytes of answer{listed}{unvouched}", s.exec_id, s.ms, s.answer_bytes)
+    });
+    t.reasons.iter().cloned().chain(runtime_execs).chain(attempts).chain(shells).collect::<Vec<_>>().join("; ")
 }
 
 /// A turn with whether its checkpoint is in the registry (`None`: the turn has no checkpoint

@@ -27,6 +27,7 @@ fn record(turn: u64) -> TurnRecord {
         dump_failures: Vec::new(),
         over_quota: None,
         runtime_execs: Vec::new(),
+        shells: Vec::new(),
     }
 }
 
