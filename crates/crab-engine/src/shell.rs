@@ -24,41 +24,16 @@ use std::time::Duration;
 
 pub use crab_store::ShellState;
 
-/// Variables bash keeps itself (dynamic, or mirrors of other state): never compared, never
-/// restored.
-const BASH_OWN: &[&str] = &[
-    "_",
-    "BASH_ALIASES",
-    "BASH_ARGC",
-    "BASH_ARGV",
-    "BASH_ARGV0",
-    "BASH_CMDS",
-    "BASH_COMMAND",
-    "BASH_LINENO",
-    "BASH_SOURCE",
-    "BASH_SUBSHELL",
-    "BASHOPTS",
-    "BASHPID",
-    "COMP_WORDBREAKS",
-    "DIRSTACK",
-    "EPOCHREALTIME",
-    "EPOCHSECONDS",
-    "FUNCNAME",
-    "GROUPS",
-    "HISTCMD",
-    "LINENO",
-    "PIPESTATUS",
-    "RANDOM",
-    "SECONDS",
-    "SHELLOPTS",
-    "SRANDOM",
-];
+use crab_store::{BASH_OWN_VARIABLES as BASH_OWN, declared_name};
 
 /// The prefix of every name crab's lines use in the shell.
 const OWN_PREFIX: &str = "__crab_";
 
-/// Answers above this are not a shell state crab keeps per turn.
-pub const MAX_ANSWER: usize = 1 << 20;
+/// Answers above this are not a shell state crab keeps per turn: a checkpoint lists the state
+/// in its manifest, outside the blobs the sandbox's quota counts, so its size is bounded here.
+/// A larger answer comes back empty, and the session is not asked again (it dumps, and the
+/// dump counts against the quota).
+pub const MAX_ANSWER: usize = 256 << 10;
 
 /// How long a session may take to answer.
 pub const ASK_TIMEOUT: Duration = Duration::from_secs(2);
@@ -304,13 +279,6 @@ fn declarations(text: &str) -> Vec<String> {
         }
     }
     out.into_iter().map(|d| d.trim_end_matches('\n').to_string()).collect()
-}
-
-/// `declare -ax NAME=...` → `NAME`.
-fn declared_name(declaration: &str) -> &str {
-    let rest = declaration.strip_prefix("declare ").unwrap_or(declaration);
-    let rest = rest.split_once(' ').map_or("", |(_, name)| name);
-    rest.split('=').next().unwrap_or(rest)
 }
 
 /// `declare -ax NAME=...` → `ax`.

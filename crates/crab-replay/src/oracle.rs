@@ -31,6 +31,9 @@ pub struct TurnResult {
     pub stderr: String,
     /// How many stamps were replaced in stdout and stderr together.
     pub wall_clock_stamps: usize,
+    /// stdin mode: the shell's state as the command found it (empty in the other modes).
+    #[serde(skip)]
+    pub shell: String,
 }
 
 impl TurnResult {
@@ -45,7 +48,13 @@ impl TurnResult {
             wall_clock_stamps: stdout_text.stamps + stderr_text.stamps,
             stdout: stdout_text.text,
             stderr: stderr_text.text,
+            shell: String::new(),
         }
+    }
+
+    /// With the shell's state as the command found it (stdin mode).
+    pub fn with_shell(self, shell: String) -> TurnResult {
+        TurnResult { shell, ..self }
     }
 
     fn same_exit(&self, other: &TurnResult) -> bool {
@@ -54,7 +63,9 @@ impl TurnResult {
 
     /// How this turn's output compares with `other`'s.
     pub fn output_match(&self, other: &TurnResult) -> OutputMatch {
-        if (&self.stdout_sha256, &self.stderr_sha256) == (&other.stdout_sha256, &other.stderr_sha256) {
+        if self.shell != other.shell {
+            OutputMatch::Differs
+        } else if (&self.stdout_sha256, &self.stderr_sha256) == (&other.stdout_sha256, &other.stderr_sha256) {
             OutputMatch::Exact
         } else if self.stdout != other.stdout {
             OutputMatch::Differs
@@ -70,7 +81,9 @@ impl TurnResult {
     /// The first line where this output differs from `expected`'s (after
     /// normalising), for the report.
     fn difference_from(&self, expected: &TurnResult) -> Option<OutputDifference> {
-        let (stream, got, wanted) = if self.stdout != expected.stdout {
+        let (stream, got, wanted) = if self.shell != expected.shell {
+            ("shell state", &self.shell, &expected.shell)
+        } else if self.stdout != expected.stdout {
             ("stdout", &self.stdout, &expected.stdout)
         } else {
             ("stderr", &self.stderr, &expected.stderr)
@@ -404,6 +417,23 @@ mod tests {
                 got: "total 0".to_string()
             }]
         );
+    }
+
+    #[test]
+    fn a_shell_that_came_back_in_another_state_is_a_mismatch_even_with_equal_output() {
+        let reference = Reference::new(vec![ReferenceRun {
+            results: vec![result(1, 0, "a"), result(2, 0, "b").with_shell("/app\ndeclare -- X=\"1\"\n".into())],
+            fingerprints: vec![state(EMPTY), state(EMPTY)],
+        }])
+        .unwrap();
+        let lost = result(2, 0, "b").with_shell("/app\n".into());
+        let verdict = reference.judge(1, &state(EMPTY), &[lost], true).unwrap();
+        assert!(!verdict.correct);
+        assert_eq!(verdict.output_mismatches, [2]);
+        assert_eq!(verdict.output_differences[0].stream, "shell state");
+        assert_eq!(verdict.output_differences[0].expected, "declare -- X=\"1\"");
+        let kept = result(2, 0, "b").with_shell("/app\ndeclare -- X=\"1\"\n".into());
+        assert!(reference.judge(1, &state(EMPTY), &[kept], true).unwrap().correct);
     }
 
     #[test]

@@ -376,7 +376,8 @@ async fn run(
         );
         turns.push(TurnOutcome {
             turn: turn.turn,
-            result: TurnResult::new(turn.turn, exec.rc, exec.timed_out, &exec.stdout, &exec.stderr),
+            result: TurnResult::new(turn.turn, exec.rc, exec.timed_out, &exec.stdout, &exec.stderr)
+                .with_shell(exec.shell.clone()),
             exec,
             checkpoint_s: cost.blocking_s,
             checkpoint_bytes: cost.bytes,

@@ -67,6 +67,8 @@ pub struct ExecResult {
     pub duration: Duration,
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
+    /// stdin mode: the shell's state as the command found it (empty in the other modes).
+    pub shell: String,
 }
 
 /// A checkpoint image in containerd's content store.
@@ -366,7 +368,14 @@ impl Sandbox {
                 return Err(SandboxError::ExecFailed { container: self.id.clone(), stderr });
             }
         }
-        Ok(ExecResult { rc: turn.rc, timed_out: turn.timed_out, duration, stdout: turn.stdout, stderr: turn.stderr })
+        Ok(ExecResult {
+            rc: turn.rc,
+            timed_out: turn.timed_out,
+            duration,
+            stdout: turn.stdout,
+            stderr: turn.stderr,
+            shell: turn.shell,
+        })
     }
 
     /// Types `cmd` into the sandbox's tmux session with one exec that waits
@@ -432,7 +441,7 @@ impl Sandbox {
                 });
             }
         };
-        Ok(ExecResult { rc, timed_out, duration, stdout, stderr: Vec::new() })
+        Ok(ExecResult { rc, timed_out, duration, stdout, stderr: Vec::new(), shell: String::new() })
     }
 
     /// Runs `bash -c CMD` in the workdir; at `timeout` the command is SIGKILLed.
@@ -461,6 +470,7 @@ impl Sandbox {
             duration,
             stdout: output.stdout,
             stderr: output.stderr,
+            shell: String::new(),
         })
     }
 

@@ -86,14 +86,53 @@ pub fn ansi_c_quote(cmd: &str) -> String {
     quoted
 }
 
-/// The line written to a stdin session for `cmd`: the command (stdin at EOF,
-/// as exec mode gives it), then its status on stdout and an end mark on
-/// stderr, so both streams are known complete.
+/// The line written to a stdin session for `cmd`: the shell's state as the command finds it
+/// (see [`split_shell_state`]), the command (stdin at EOF, as exec mode gives it), then its
+/// status on stdout and an end mark on stderr, so both streams are known complete.
 pub fn stdin_line(cmd: &str, nonce: &str) -> String {
     format!(
-        "eval {} </dev/null; printf '__crab_%s_%d__\\n' {nonce} \"$?\"; printf '__crab_%s__\\n' {nonce} >&2\n",
+        "{}eval {} </dev/null; printf '__crab_%s_%d__\\n' {nonce} \"$?\"; printf '__crab_%s__\\n' {nonce} >&2\n",
+        shell_state_probe(nonce),
         ansi_c_quote(cmd)
     )
+}
+
+/// Commands that print, between two marks on stdout, what a bash session's builtins say of
+/// its state: what the oracle compares after a recovery (a shell that came back at another
+/// turn's state, or a new shell, shows there even when no later command prints it). Only
+/// builtins: it starts no process and changes nothing the command could see but `$_`, which
+/// the line's own last command sets anyway.
+fn shell_state_probe(nonce: &str) -> String {
+    let builtins =
+        ["pwd", "declare -p", "declare -f", "alias -p", "shopt -p", "set +o", "trap -p", "dirs -l -p", "umask"];
+    let mut probe = format!("\\builtin printf '__crab_%s_shell__\\n' {nonce}; ");
+    for builtin in builtins {
+        probe.push_str(&format!("\\builtin {builtin}; "));
+    }
+    probe.push_str(&format!("\\builtin printf '__crab_%s_shell_end__\\n' {nonce}; "));
+    probe
+}
+
+/// Splits a stdin turn's stdout into the shell state [`stdin_line`]'s probe printed first
+/// (without the variables bash keeps itself) and the command's own output. A stdout that does
+/// not start with the probe (a session that ended) is all output.
+pub fn split_shell_state(stdout: &[u8], nonce: &str) -> (String, Vec<u8>) {
+    let begin = format!("__crab_{nonce}_shell__\n");
+    let end = format!("__crab_{nonce}_shell_end__\n");
+    let Some(body) = stdout.strip_prefix(begin.as_bytes()) else { return (String::new(), stdout.to_vec()) };
+    let Some(stop) = find(body, end.as_bytes()) else { return (String::new(), stdout.to_vec()) };
+    let text = String::from_utf8_lossy(&body[..stop]);
+    let mut state = String::new();
+    for line in text.split_inclusive('\n') {
+        let own = line.starts_with("declare -") && {
+            let name = crab_store::declared_name(line.trim_end_matches('\n'));
+            crab_store::BASH_OWN_VARIABLES.contains(&name) || name.starts_with("__crab_")
+        };
+        if !own {
+            state.push_str(line);
+        }
+    }
+    (state, body[stop + end.len()..].to_vec())
 }
 
 /// The line typed into the tmux pane for `cmd`: a begin mark (the pane also
@@ -202,6 +241,8 @@ pub enum SessionError {
 pub struct SessionTurn {
     pub rc: Option<i32>,
     pub timed_out: bool,
+    /// The shell's state as the command found it (see [`split_shell_state`]).
+    pub shell: String,
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
     /// The shell exited (the command ran `exit`, or the session was killed):
@@ -271,7 +312,7 @@ impl StdinSession {
         if let Err(error) = self.stdin.write_all(line.as_bytes()).await {
             // The shell is gone (broken pipe): that is the command's result.
             if error.kind() == std::io::ErrorKind::BrokenPipe {
-                return Ok(self.ended(deadline).await);
+                return Ok(self.ended(deadline, &nonce).await);
             }
             return Err(io("writing the command")(error));
         }
@@ -290,14 +331,14 @@ impl StdinSession {
                 stderr_end = parse_stderr_end(&self.err, &nonce);
             }
             if let (Some(out), Some((err_len, err_used))) = (&stdout_end, stderr_end) {
-                let stdout = self.out[..out.output].to_vec();
+                let (shell, stdout) = split_shell_state(&self.out[..out.output], &nonce);
                 let stderr = self.err[..err_len].to_vec();
                 self.out.drain(..out.consumed);
                 self.err.drain(..err_used);
-                return Ok(SessionTurn { rc: Some(out.rc), timed_out: false, stdout, stderr, ended: false });
+                return Ok(SessionTurn { rc: Some(out.rc), timed_out: false, shell, stdout, stderr, ended: false });
             }
             if !out_open && (stdout_end.is_none() || !err_open) {
-                return Ok(self.ended(deadline).await);
+                return Ok(self.ended(deadline, &nonce).await);
             }
             tokio::select! {
                 read = self.stdout.read(&mut out_chunk), if out_open && stdout_end.is_none() => {
@@ -313,9 +354,9 @@ impl StdinSession {
                     }
                 }
                 _ = tokio::time::sleep_until(deadline.into()) => {
-                    let stdout = std::mem::take(&mut self.out);
+                    let (shell, stdout) = split_shell_state(&std::mem::take(&mut self.out), &nonce);
                     let stderr = std::mem::take(&mut self.err);
-                    return Ok(SessionTurn { rc: None, timed_out: true, stdout, stderr, ended: true });
+                    return Ok(SessionTurn { rc: None, timed_out: true, shell, stdout, stderr, ended: true });
                 }
             }
         }
@@ -323,16 +364,18 @@ impl StdinSession {
 
     /// The shell ended before printing its marker: its exit status is the
     /// command's (`exit 3`), and what it printed is the output.
-    async fn ended(&mut self, deadline: Instant) -> SessionTurn {
+    async fn ended(&mut self, deadline: Instant, nonce: &str) -> SessionTurn {
         let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(2));
         let status = tokio::time::timeout(wait, self.child.wait()).await.ok().and_then(Result::ok);
         let mut rest = Vec::new();
         let _ = tokio::time::timeout(Duration::from_millis(200), self.stderr.read_to_end(&mut rest)).await;
         self.err.extend_from_slice(&rest);
+        let (shell, stdout) = split_shell_state(&std::mem::take(&mut self.out), nonce);
         SessionTurn {
             rc: status.and_then(|status| status.code()),
             timed_out: false,
-            stdout: std::mem::take(&mut self.out),
+            shell,
+            stdout,
             stderr: std::mem::take(&mut self.err),
             ended: true,
         }
@@ -380,6 +423,52 @@ mod tests {
         assert_eq!(parse_pane(unfinished, "n1"), None);
         let no_newline = "__crab_n1_begin__\nabc__crab_n1_3__\n";
         assert_eq!(parse_pane(no_newline, "n1"), Some(("abc".to_string(), 3)));
+    }
+
+    /// Runs `cmds` as stdin turns of a real `bash` and splits each turn's stdout.
+    fn turns_in_bash(cmds: &[&str]) -> Vec<(String, String)> {
+        use std::io::Write;
+        let nonces: Vec<String> = cmds.iter().map(|_| nonce()).collect();
+        let input: String = cmds.iter().zip(&nonces).map(|(cmd, n)| stdin_line(cmd, n)).collect();
+        let mut child = std::process::Command::new("bash")
+            .arg("--norc")
+            .current_dir("/")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap().stdout;
+        let mut rest: &[u8] = &out;
+        let mut turns = Vec::new();
+        for n in &nonces {
+            let end = parse_stdout_end(rest, n).expect("status marker");
+            let (shell, stdout) = split_shell_state(&rest[..end.output], n);
+            turns.push((shell, String::from_utf8(stdout).unwrap()));
+            rest = &rest[end.consumed..];
+        }
+        turns
+    }
+
+    #[test]
+    fn each_stdin_turn_shows_the_shell_state_its_command_found() {
+        let turns = turns_in_bash(&["cd /tmp; X=1; f() { :; }; echo out", "echo \"$X\"", "unset X"]);
+        assert_eq!(turns[0].1, "out\n");
+        assert_eq!(turns[1].1, "1\n", "the probe changes nothing the command sees");
+        let (first, second, third) = (&turns[0].0, &turns[1].0, &turns[2].0);
+        assert!(first.starts_with("/\n") && !first.contains("declare -- X="), "{first}");
+        assert!(second.starts_with("/tmp\n") && second.contains("declare -- X=\"1\"\n") && second.contains("f () \n"));
+        assert!(third.contains("declare -- X=\"1\"\n"));
+        // bash's own variables (and the replay's) are left out: two identical states compare equal.
+        for state in [first, second, third] {
+            assert!(
+                !state.contains("declare -- _=") && !state.contains("BASH_COMMAND") && !state.contains("RANDOM"),
+                "{state}"
+            );
+        }
+        let again = turns_in_bash(&["cd /tmp; X=1; f() { :; }; echo out", "echo \"$X\"", "unset X"]);
+        assert_eq!(again.iter().map(|t| &t.0).collect::<Vec<_>>(), [first, second, third]);
     }
 
     #[test]

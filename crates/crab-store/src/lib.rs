@@ -39,8 +39,8 @@ pub use key::{
 };
 pub use lineage::{Origin, OriginReason, PodOwner};
 pub use manifest::{
-    FsEntry, FsNode, ImageContent, ImageFile, ImageSet, MANIFEST_VERSION, Manifest, Meta, ParentRef, ShellState,
-    Snapshot, TurnClass,
+    BASH_OWN_VARIABLES, FsEntry, FsNode, ImageContent, ImageFile, ImageSet, MANIFEST_VERSION, Manifest, Meta,
+    ParentRef, ShellState, Snapshot, TurnClass, declared_name,
 };
 pub use mounts::{ContainerMount, ContainerRoot, MountKind, SandboxMounts, SpecMount, WalkEntry, rootfs_diff_paths};
 pub use path::{Bytes, RelPath};

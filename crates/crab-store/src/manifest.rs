@@ -196,6 +196,43 @@ pub struct Manifest {
     pub shells: Vec<ShellState>,
 }
 
+/// Variables bash keeps itself (dynamic, or mirrors of other state): a shell state neither
+/// compares nor restores them.
+pub const BASH_OWN_VARIABLES: &[&str] = &[
+    "_",
+    "BASH_ALIASES",
+    "BASH_ARGC",
+    "BASH_ARGV",
+    "BASH_ARGV0",
+    "BASH_CMDS",
+    "BASH_COMMAND",
+    "BASH_LINENO",
+    "BASH_SOURCE",
+    "BASH_SUBSHELL",
+    "BASHOPTS",
+    "BASHPID",
+    "COMP_WORDBREAKS",
+    "DIRSTACK",
+    "EPOCHREALTIME",
+    "EPOCHSECONDS",
+    "FUNCNAME",
+    "GROUPS",
+    "HISTCMD",
+    "LINENO",
+    "PIPESTATUS",
+    "RANDOM",
+    "SECONDS",
+    "SHELLOPTS",
+    "SRANDOM",
+];
+
+/// The name a `declare -p` line declares (`declare -ax NAME=...` → `NAME`).
+pub fn declared_name(declaration: &str) -> &str {
+    let rest = declaration.strip_prefix("declare ").unwrap_or(declaration);
+    let rest = rest.split_once(' ').map_or("", |(_, name)| name);
+    rest.split('=').next().unwrap_or(rest)
+}
+
 /// What a `bash` session fed through its stdin keeps in its memory beyond its process image's
 /// files: the answers of its own builtins at its prompt, asked by the shim between two inputs.
 /// The store keeps it as data; crab-engine's `shell` module asks for it and turns two of them
