@@ -1108,6 +1108,29 @@ impl SandboxEngine {
         (class, listed)
     }
 
+    /// Runs `input`, crab's own input to the shell session `pid` (a question, or a restored
+    /// shell's way to its turn), and waits (bounded) until the shell is back at its prompt:
+    /// what it made the container's processes run is charged to crab, as a dump's is, so the
+    /// turn around it does not count the shell as having run.
+    pub async fn crab_input<T>(&self, pid: u32, input: impl std::future::Future<Output = T>) -> T {
+        let before = self.cpu_snapshot();
+        let out = input.await;
+        for _ in 0..100 {
+            let at_prompt = matches!(self.host.procs().syscall(pid),
+                Ok(crate::stdin::SyscallState::Blocked { nr, args }) if nr == libc::SYS_read && args[0] == 0);
+            if at_prompt {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        if let (Some(before), Some(after)) = (before, self.cpu_snapshot()) {
+            let mut charges = self.dump_charges.lock().expect("dump charges lock");
+            charges.add_dump(&before, &after);
+            charges.retain_live(&after);
+        }
+        out
+    }
+
     /// Asks one session for its state (see [`shell`]), after checking it is at its prompt; the
     /// asking goes on record. A session that could not be asked harmlessly is not asked again.
     async fn ask_shell(

@@ -213,6 +213,8 @@ pub fn capture_line(marks: &Marks) -> String {
     line.push_str(&section("dirs", "\\builtin dirs -l -p"));
     line.push_str(&section("umask", "\\builtin umask"));
     line.push_str(&section("jobs", "\\builtin jobs -l"));
+    line.push_str(&section("limits", "\\builtin ulimit -S -a; \\builtin ulimit -H -a"));
+    line.push_str(&section("disabled", "\\builtin enable -n"));
     line.push_str(&marks.print_end());
     line.push_str(&put_back(&format!("\"${OWN_PREFIX}s\""), &format!("\"${OWN_PREFIX}u\"")));
     line
@@ -266,6 +268,8 @@ pub fn parse_answer(exec_id: &str, answer: &[u8], marks: &Marks) -> Result<Shell
         dirs: take("dirs")?,
         umask: one_line(take("umask")?),
         jobs: take("jobs")?,
+        limits: take("limits")?,
+        disabled: take("disabled")?,
     })
 }
 
@@ -318,6 +322,12 @@ pub fn unvouched(state: &ShellState) -> Option<String> {
     if function_names(&state.functions).contains("builtin") {
         return Some("it has a function named builtin".into());
     }
+    if !state.disabled.trim().is_empty() {
+        return Some(format!(
+            "it disabled builtins: {}",
+            state.disabled.split_whitespace().collect::<Vec<_>>().join(" ")
+        ));
+    }
     None
 }
 
@@ -340,6 +350,10 @@ pub fn unreachable_from(base: &ShellState, target: &ShellState) -> Option<String
     let stack = |s: &ShellState| s.dirs.lines().skip(1).map(str::to_string).collect::<Vec<_>>();
     if stack(base) != stack(target) {
         return Some("its directory stack changed".into());
+    }
+    // The process images hold the base's limits, and a raised hard limit cannot be lowered back.
+    if base.limits != target.limits {
+        return Some("its resource limits changed".into());
     }
     None
 }
@@ -499,6 +513,8 @@ mod tests {
             dirs: String::new(),
             umask: String::new(),
             jobs: String::new(),
+            limits: String::new(),
+            disabled: String::new(),
         }
     }
 
@@ -535,6 +551,7 @@ mod tests {
             ("set -o history", "history"),
             ("trap 'true' DEBUG", "DEBUG trap"),
             ("builtin() { command builtin \"$@\"; }", "function named builtin"),
+            ("enable -n echo", "disabled builtins: enable -n echo"),
         ] {
             let (state, _, _) = run_and_ask(script, "");
             let reason = unvouched(&state).unwrap_or_default();
@@ -674,6 +691,8 @@ mod tests {
         let (base, _, _) = run_and_ask("A=1", "");
         let (ro, _, _) = run_and_ask("A=1; readonly R=2", "");
         let (pushed, _, _) = run_and_ask("A=1; pushd /tmp >/dev/null", "");
+        let (limited, _, _) = run_and_ask("A=1; ulimit -S -n 64", "");
+        assert!(unreachable_from(&base, &limited).unwrap().contains("resource limits"));
         assert!(unreachable_from(&base, &ro).unwrap().contains("read-only"));
         assert!(unreachable_from(&base, &pushed).unwrap().contains("directory stack"));
         assert_eq!(cheap_from(None, &base).unwrap_err(), "no process checkpoint holds a state the shell answered for");

@@ -552,7 +552,7 @@ impl Container {
         process.set_io(io.clone());
         let restored_shell = match shell_restore {
             Some(restore) => {
-                let base = self.bring_shell_forward(restore, &io).await;
+                let base = self.bring_shell_forward(restore, pid, &io).await;
                 io.open_input();
                 base
             }
@@ -584,7 +584,12 @@ impl Container {
     /// needed no dump, it is written the input that brings it to that turn's state, before
     /// any of the client's. Returns what the images hold, which the engine goes on from
     /// (None: the session dumps at its next turn).
-    async fn bring_shell_forward(&self, restore: &crab_store::ShellRestore, io: &Arc<ProcessIo>) -> Option<ShellState> {
+    async fn bring_shell_forward(
+        &self,
+        restore: &crab_store::ShellRestore,
+        pid: u32,
+        io: &Arc<ProcessIo>,
+    ) -> Option<ShellState> {
         let exec_id = restore.target.exec_id.as_str();
         let Some(base) = &restore.base else {
             tracing::warn!(container = %self.id(), exec = exec_id, turn = restore.target_turn,
@@ -599,7 +604,13 @@ impl Container {
         let marks = crab_engine::shell::Marks::new(crab_engine::shell::nonce());
         let line = crab_engine::shell::restore_line(base, &restore.target, &marks);
         let clock = std::time::Instant::now();
-        match io.ask(line.into_bytes(), marks, crab_engine::shell::ASK_TIMEOUT).await {
+        let ask = io.ask(line.into_bytes(), marks, crab_engine::shell::ASK_TIMEOUT);
+        // Charged to crab: the re-attach's turn does not count the shell as having run.
+        let asked = match self.engine() {
+            Some(engine) => engine.crab_input(pid, ask).await,
+            None => ask.await,
+        };
+        match asked {
             Ok(_) => {
                 tracing::info!(container = %self.id(), exec = exec_id, turn = restore.target_turn,
                     images_turn = restore.images_turn, ms = clock.elapsed().as_secs_f64() * 1e3,

@@ -268,6 +268,12 @@ pub struct ShellState {
     pub umask: String,
     /// `jobs -l`.
     pub jobs: String,
+    /// `ulimit -S -a` then `ulimit -H -a`: the shell's own resource limits.
+    #[serde(default)]
+    pub limits: String,
+    /// `enable -n`: builtins it disabled.
+    #[serde(default)]
+    pub disabled: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -1501,6 +1501,8 @@ fn shell_state(exec_id: &str, cwd: &str, status: i32) -> crab_store::ShellState 
         dirs: format!("{cwd}\n"),
         umask: "0022".into(),
         jobs: String::new(),
+        limits: String::new(),
+        disabled: String::new(),
     }
 }
 
