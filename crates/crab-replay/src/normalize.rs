@@ -15,12 +15,18 @@
 //! | `ls -l` month-day-time | `Nov 29 19:11`, `Nov 29  2025` | `<mtime>` |
 //! | time of day | `19:11:03`, `19:11:03.458` | `<time>` |
 //! | elapsed time of a test run (pytest, unittest), `time` | `5 passed in 0.12s`, `Ran 3 tests in 0.002s`, `real 0m0.004s` | `in <elapsed>`, `real <elapsed>` |
+//! | bash's input line in its messages | `bash: line 12: foo: command not found` | `bash: line <n>:` |
 //!
 //! Elapsed times were once left to the two reference runs, like other output
 //! that varies: a node-loss evaluation then judged three recoveries wrong only
 //! because pytest's `in 0.05s` differed from `in 0.06s`, which both reference
 //! runs had happened to print. A duration is the clock read twice, no more the
 //! sandbox's state than the time of day; the counts beside it stay compared.
+//!
+//! bash names the line of its input a message is about, and a session's line count is the
+//! lines it was fed: crab asks a stdin session for its state with one line of its own per
+//! turn (see crab-engine's `shell` module), so under crab the count runs ahead of a run
+//! without it. What the message says is compared; its line number is not.
 //!
 //! Dates without a time (`2026-11-29`) are left alone: they change once a
 //! day, and two reference runs on different days show such a turn as
@@ -63,6 +69,8 @@ static STAMPS: LazyLock<Vec<(Regex, &'static str)>> = LazyLock::new(|| {
         (r"\bin \d+(?:\.\d+)?s\b".to_string(), "in <elapsed>"),
         // the shell's `time`: real, user and sys
         (r"(?m)^(real|user|sys)([ \t]+)\d+m\d+[.,]\d+s$".to_string(), "$1$2<elapsed>"),
+        // bash's messages name the line of its input (see the module's documentation)
+        (r"\bbash: line \d+:".to_string(), "bash: line <n>:"),
     ];
     patterns
         .into_iter()
@@ -187,7 +195,7 @@ mod tests {
     #[test]
     fn output_without_stamps_is_unchanged() {
         for line in [
-            "bash: line 2: --include=*.json: command not found",
+            "bash: --include=*.json: command not found",
             "Usage: grep [OPTION]... PATTERNS [FILE]...",
             "total 8",
             "commit 291f193aad7ad806a813b3d229fd5a9c411cbf8b",
@@ -200,6 +208,21 @@ mod tests {
         ] {
             assert_eq!(normalised(line), (line.to_string(), 0), "{line}");
         }
+    }
+
+    #[test]
+    fn bashs_input_line_in_its_messages_becomes_a_placeholder() {
+        assert_eq!(
+            normalised("bash: line 12: foo: command not found"),
+            ("bash: line <n>: foo: command not found".to_string(), 1)
+        );
+        assert_eq!(
+            normalised("bash: line 3: /tmp/x: No such file or directory").0,
+            normalised("bash: line 8: /tmp/x: No such file or directory").0
+        );
+        // The message itself is still compared, and so is a line number that is not bash's.
+        assert_ne!(normalised("bash: line 3: a: not found").0, normalised("bash: line 3: b: not found").0);
+        assert_eq!(normalised("error at line 3: x").1, 0);
     }
 
     #[test]
