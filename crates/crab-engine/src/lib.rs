@@ -167,6 +167,8 @@ struct ShellMemory {
     /// What the session's newest process checkpoint holds of it (None: that checkpoint has no
     /// answer it could vouch for, so every turn of the session dumps).
     base: Option<ShellState>,
+    /// The turn whose checkpoint listed `base`.
+    base_turn: Option<u64>,
     /// The newest state listed in a checkpoint.
     listed: Option<ShellState>,
     /// Asking failed once, or could be seen (`-x`, `-v`): the session is not asked again.
@@ -592,12 +594,13 @@ impl SandboxEngine {
     /// A started exec whose stdin the client feeds: follows it as a session
     /// (`auto` and `stdin` modes). Returns the hook for the shim's stdin copy. `shell`: the
     /// session is `bash` reading commands from its stdin and the shim can ask it (see
-    /// [`shell`]), with what its process checkpoint holds when it was restored.
+    /// [`shell`]), with what its process checkpoint holds, and that checkpoint's turn, when it
+    /// was restored.
     pub async fn stdin_session(
         self: &Arc<Self>,
         exec_id: &str,
         pid: u32,
-        shell: Option<(Arc<dyn ShellChannel>, Option<ShellState>)>,
+        shell: Option<shell::AskableSession>,
     ) -> Option<StdinObserver> {
         if !matches!(self.policy.turns, TurnsMode::Auto | TurnsMode::Stdin) {
             return None;
@@ -616,9 +619,13 @@ impl SandboxEngine {
             forwarded: Arc::default(),
             wake: Arc::default(),
             stop: self.stop.child_token(),
-            shell: shell.map(|(channel, base)| AskableShell {
+            shell: shell.map(|shell::AskableSession { channel, restored: base }| AskableShell {
                 channel,
-                memory: Arc::new(std::sync::Mutex::new(ShellMemory { base, ..Default::default() })),
+                memory: Arc::new(std::sync::Mutex::new(ShellMemory {
+                    base_turn: base.as_ref().map(|(_, turn)| *turn),
+                    base: base.map(|(state, _)| state),
+                    ..Default::default()
+                })),
             }),
         };
         let (forwarded, wake, stop) = (session.forwarded.clone(), session.wake.clone(), session.stop.clone());
@@ -1088,6 +1095,7 @@ impl SandboxEngine {
                 let vouched = answers.remove(id).filter(|s| shell::unvouched(s).is_none());
                 let mut memory = shell.memory.lock().expect("shell memory");
                 memory.base = vouched.clone();
+                memory.base_turn = Some(open.turn);
                 if let Some(state) = vouched {
                     memory.listed = Some(state.clone());
                     listed.push(state);
@@ -1099,7 +1107,11 @@ impl SandboxEngine {
             let mut memory = shell.memory.lock().expect("shell memory");
             if memory.listed.as_ref() != Some(&state) {
                 memory.listed = Some(state.clone());
-                listed.push(state);
+                // Only what differs from the process checkpoint's listing (a restore completes it).
+                listed.push(match (&memory.base, memory.base_turn) {
+                    (Some(base), Some(turn)) => state.relative_to(base, turn),
+                    _ => state,
+                });
             }
         }
         for asked in &mut record.shells {

@@ -102,6 +102,14 @@ pub trait ShellChannel: Send + Sync {
     fn ask(&self, input: Vec<u8>, marks: Marks, timeout: Duration) -> AskFuture<'_>;
 }
 
+/// A session the shim can ask (see [`crate::SandboxEngine::stdin_session`]).
+pub struct AskableSession {
+    pub channel: std::sync::Arc<dyn ShellChannel>,
+    /// A restored session brought to its turn's state: what its process images hold of it,
+    /// and their turn.
+    pub restored: Option<(ShellState, u64)>,
+}
+
 pub type AskFuture<'a> = Pin<Box<dyn Future<Output = Result<Vec<u8>, String>> + Send + 'a>>;
 
 /// Why asking the session now could harm it or its client, from the kernel's view of it (None:
@@ -270,6 +278,8 @@ pub fn parse_answer(exec_id: &str, answer: &[u8], marks: &Marks) -> Result<Shell
         jobs: take("jobs")?,
         limits: take("limits")?,
         disabled: take("disabled")?,
+        base_turn: None,
+        inherited: Vec::new(),
     })
 }
 
@@ -515,6 +525,8 @@ mod tests {
             jobs: String::new(),
             limits: String::new(),
             disabled: String::new(),
+            base_turn: None,
+            inherited: Vec::new(),
         }
     }
 

@@ -589,7 +589,7 @@ impl Container {
         restore: &crab_store::ShellRestore,
         pid: u32,
         io: &Arc<ProcessIo>,
-    ) -> Option<ShellState> {
+    ) -> Option<(ShellState, u64)> {
         let exec_id = restore.target.exec_id.as_str();
         let Some(base) = &restore.base else {
             tracing::warn!(container = %self.id(), exec = exec_id, turn = restore.target_turn,
@@ -599,7 +599,7 @@ impl Container {
         };
         if restore.target_turn == restore.images_turn {
             // The images hold the turn's own state.
-            return Some(base.clone());
+            return Some((base.clone(), restore.images_turn));
         }
         let marks = crab_engine::shell::Marks::new(crab_engine::shell::nonce());
         let line = crab_engine::shell::restore_line(base, &restore.target, &marks);
@@ -615,7 +615,7 @@ impl Container {
                 tracing::info!(container = %self.id(), exec = exec_id, turn = restore.target_turn,
                     images_turn = restore.images_turn, ms = clock.elapsed().as_secs_f64() * 1e3,
                     "restored shell session brought to its turn's state");
-                Some(base.clone())
+                Some((base.clone(), restore.images_turn))
             }
             Err(e) => {
                 tracing::warn!(container = %self.id(), exec = exec_id, turn = restore.target_turn, error = %e,
@@ -834,8 +834,8 @@ pub struct StartedExec {
     /// Why the OCI runtime started it rather than crab-init's spawner (None: the spawner did).
     pub through_runtime: Option<String>,
     /// A restored shell session brought to its turn's state: what its process images hold of
-    /// it (see `crab_engine::SandboxEngine::stdin_session`).
-    pub restored_shell: Option<ShellState>,
+    /// it, and their turn (see `crab_engine::SandboxEngine::stdin_session`).
+    pub restored_shell: Option<(ShellState, u64)>,
 }
 
 /// Why an exec whose [`crab_runtime::init::process_identity`] is `exec` cannot be started by the

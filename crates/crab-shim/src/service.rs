@@ -549,7 +549,7 @@ impl TaskService {
             let shell = (through_runtime.is_none() && !process.uris.terminal && reads_commands_from_stdin(&process))
                 .then(|| super::io::SessionShell::new(io.clone()))
                 .flatten()
-                .map(|s| (Arc::new(s) as Arc<dyn crab_engine::shell::ShellChannel>, restored_shell));
+                .map(|s| crab_engine::shell::AskableSession { channel: Arc::new(s), restored: restored_shell });
             if let Some(observer) = engine.stdin_session(&req.exec_id, pid, shell).await {
                 io.observe_stdin(observer);
             }

@@ -283,11 +283,16 @@ impl Chain {
         }
         targets
             .into_iter()
-            .map(|(turn, target)| ShellRestore {
-                base: bases.get(target.exec_id.as_str()).map(|b| (*b).clone()),
-                target: target.clone(),
-                target_turn: turn,
-                images_turn,
+            .map(|(turn, target)| {
+                let base = bases.get(target.exec_id.as_str()).copied();
+                // A listing relative to the images' own is completed from it; one relative to
+                // another turn's (whose dump never became these images) cannot be brought back.
+                match base.and_then(|b| Some((b, target.completed(b, images_turn)?))) {
+                    Some((base, whole)) => {
+                        ShellRestore { base: Some(base.clone()), target: whole, target_turn: turn, images_turn }
+                    }
+                    None => ShellRestore { base: None, target: target.clone(), target_turn: turn, images_turn },
+                }
             })
             .collect()
     }

@@ -274,6 +274,110 @@ pub struct ShellState {
     /// `enable -n`: builtins it disabled.
     #[serde(default)]
     pub disabled: String,
+    /// A listing made relative to the same session's listing of turn `base_turn` (its process
+    /// checkpoint): the fields named in `inherited` are left out here, and are that listing's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_turn: Option<u64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inherited: Vec<String>,
+}
+
+/// The fields of a [`ShellState`] a listing may leave to its base's: those that seldom change
+/// from turn to turn and make up most of an answer.
+const INHERITABLE: &[&str] = &[
+    "flags",
+    "set_options",
+    "shopt",
+    "variables",
+    "functions",
+    "aliases",
+    "traps",
+    "dirs",
+    "umask",
+    "limits",
+    "disabled",
+];
+
+impl ShellState {
+    fn field(&mut self, name: &str) -> Option<FieldMut<'_>> {
+        Some(match name {
+            "flags" => FieldMut::Text(&mut self.flags),
+            "set_options" => FieldMut::Text(&mut self.set_options),
+            "shopt" => FieldMut::Text(&mut self.shopt),
+            "variables" => FieldMut::Lines(&mut self.variables),
+            "functions" => FieldMut::Text(&mut self.functions),
+            "aliases" => FieldMut::Text(&mut self.aliases),
+            "traps" => FieldMut::Text(&mut self.traps),
+            "dirs" => FieldMut::Text(&mut self.dirs),
+            "umask" => FieldMut::Text(&mut self.umask),
+            "limits" => FieldMut::Text(&mut self.limits),
+            "disabled" => FieldMut::Text(&mut self.disabled),
+            _ => return None,
+        })
+    }
+
+    /// This state as a listing relative to `base`, the listing of turn `base_turn`: what equals
+    /// the base's is left out (see [`ShellState::inherited`]).
+    pub fn relative_to(&self, base: &ShellState, base_turn: u64) -> ShellState {
+        let mut listing = ShellState { base_turn: Some(base_turn), inherited: Vec::new(), ..self.clone() };
+        let mut base = base.clone();
+        for name in INHERITABLE {
+            let (Some(own), Some(theirs)) = (listing.field(name), base.field(name)) else { continue };
+            if own.same_as(&theirs) {
+                own.clear();
+                listing.inherited.push(name.to_string());
+            }
+        }
+        listing
+    }
+
+    /// The whole state of a listing made by [`relative_to`](Self::relative_to), given the
+    /// listing of its base turn (None when `base` is not that listing, or itself relative).
+    pub fn completed(&self, base: &ShellState, base_turn: u64) -> Option<ShellState> {
+        if self.base_turn.is_none() {
+            return Some(self.clone());
+        }
+        if self.base_turn != Some(base_turn) || base.base_turn.is_some() || base.exec_id != self.exec_id {
+            return None;
+        }
+        let mut whole = ShellState { base_turn: None, inherited: Vec::new(), ..self.clone() };
+        let mut base = base.clone();
+        for name in &self.inherited {
+            let (Some(own), Some(theirs)) = (whole.field(name), base.field(name)) else { return None };
+            own.take_from(theirs);
+        }
+        Some(whole)
+    }
+}
+
+enum FieldMut<'a> {
+    Text(&'a mut String),
+    Lines(&'a mut Vec<String>),
+}
+
+impl FieldMut<'_> {
+    fn same_as(&self, other: &FieldMut<'_>) -> bool {
+        match (self, other) {
+            (FieldMut::Text(a), FieldMut::Text(b)) => a == b,
+            (FieldMut::Lines(a), FieldMut::Lines(b)) => a == b,
+            _ => false,
+        }
+    }
+
+    fn clear(self) {
+        match self {
+            FieldMut::Text(t) => t.clear(),
+            FieldMut::Lines(l) => l.clear(),
+        }
+    }
+
+    fn take_from(self, other: FieldMut<'_>) {
+        match (self, other) {
+            (FieldMut::Text(a), FieldMut::Text(b)) => *a = std::mem::take(b),
+            (FieldMut::Lines(a), FieldMut::Lines(b)) => *a = std::mem::take(b),
+            _ => {}
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

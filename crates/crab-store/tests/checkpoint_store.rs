@@ -1503,6 +1503,8 @@ fn shell_state(exec_id: &str, cwd: &str, status: i32) -> crab_store::ShellState 
         jobs: String::new(),
         limits: String::new(),
         disabled: String::new(),
+        base_turn: None,
+        inherited: Vec::new(),
     }
 }
 
@@ -1526,9 +1528,12 @@ fn shell_states_listed_by_turns_come_back_with_the_images_that_hold_their_shell(
     synthetic_dump(&dump, 1);
     let (s1, s2, s3) = (shell_state("sh", "/a", 0), shell_state("sh", "/b", 3), shell_state("sh", "/c", 0));
     commit_with_shells(&sb, 1, Some(&dump), vec![s1.clone()]);
-    // No file changed: the listing alone makes turn 2 a file-system checkpoint.
+    // No file changed: the listing alone makes turn 2 a file-system checkpoint. Turn 3 lists
+    // only what differs from turn 1's (the engine's way): a restore gets it whole.
     commit_with_shells(&sb, 2, None, vec![s2.clone()]);
-    commit_with_shells(&sb, 3, None, vec![s3.clone()]);
+    let relative = s3.relative_to(&s1, 1);
+    assert!(relative.inherited.contains(&"shopt".to_string()) && relative.shopt.is_empty(), "{relative:?}");
+    commit_with_shells(&sb, 3, None, vec![relative]);
     let history = sb.store.history("c1").unwrap();
     let mut classes: Vec<(u64, TurnClass)> = history.iter().map(|c| (c.turn, c.class)).collect();
     classes.sort_by_key(|(turn, _)| *turn);
@@ -1554,4 +1559,7 @@ fn shell_states_listed_by_turns_come_back_with_the_images_that_hold_their_shell(
     assert_eq!(at(5), five);
     sb.store.gc(&RetentionPolicy { keep_last: 1 }).unwrap();
     assert_eq!(at(5), five, "from the snapshot at turn 5");
+    // A listing relative to a turn whose dump is not the images' cannot be completed: no base.
+    commit_with_shells(&sb, 6, None, vec![s2.relative_to(&s1, 1)]);
+    assert_eq!(at(6)[0].base, None);
 }
