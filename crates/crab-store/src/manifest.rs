@@ -196,8 +196,9 @@ pub struct Manifest {
     pub shells: Vec<ShellState>,
 }
 
-/// Variables bash keeps itself (dynamic, or mirrors of other state): a shell state neither
-/// compares nor restores them.
+/// Variables bash keeps itself (dynamic, or mirrors of other state, or the pid of its parent,
+/// which is the order processes happened to start in): a shell state neither compares nor
+/// restores them.
 pub const BASH_OWN_VARIABLES: &[&str] = &[
     "_",
     "BASH_ALIASES",
@@ -220,6 +221,7 @@ pub const BASH_OWN_VARIABLES: &[&str] = &[
     "HISTCMD",
     "LINENO",
     "PIPESTATUS",
+    "PPID",
     "RANDOM",
     "SECONDS",
     "SHELLOPTS",
