@@ -547,30 +547,45 @@ impl CheckpointStore {
                 let link = store.state_dir.join(format!(".assembled-{}-{n}", std::process::id()));
                 let _ = fs::remove_file(&link);
                 std::os::unix::fs::symlink(&target, &link).io_ctx("symlink", &link)?;
-                if fs::symlink_metadata(&store.assembled).is_ok_and(|m| m.is_dir()) {
-                    // Moved aside by a rename before it is removed: a concurrent open may put
-                    // its link there meanwhile, and removing the path in place then failed
-                    // ("Not a directory") halfway. What is moved aside (the directory, or that
-                    // link) is removed; gone already (another open moved it) is as good.
-                    let aside = store.state_dir.join(format!(".assembled-old-{}-{n}", std::process::id()));
-                    match fs::rename(&store.assembled, &aside) {
-                        Ok(()) => {
-                            let removed = if fs::symlink_metadata(&aside).is_ok_and(|m| m.is_dir()) {
-                                fs::remove_dir_all(&aside)
-                            } else {
-                                fs::remove_file(&aside)
-                            };
-                            removed.io_ctx("remove", &aside)?;
+                // A plain `open` that finds no `assembled` (in the window between moving a
+                // directory aside and renaming the link in) makes it a directory again, and the
+                // rename of a link over a directory fails ("Is a directory"): then the new
+                // directory is moved aside too, a bounded number of times.
+                let mut attempts = 0;
+                loop {
+                    attempts += 1;
+                    if fs::symlink_metadata(&store.assembled).is_ok_and(|m| m.is_dir()) {
+                        // Moved aside by a rename before it is removed: a concurrent open may put
+                        // its link there meanwhile, and removing the path in place then failed
+                        // ("Not a directory") halfway. What is moved aside (the directory, or that
+                        // link) is removed; gone already (another open moved it) is as good.
+                        let aside =
+                            store.state_dir.join(format!(".assembled-old-{}-{n}-{attempts}", std::process::id()));
+                        match fs::rename(&store.assembled, &aside) {
+                            Ok(()) => {
+                                let removed = if fs::symlink_metadata(&aside).is_ok_and(|m| m.is_dir()) {
+                                    fs::remove_dir_all(&aside)
+                                } else {
+                                    fs::remove_file(&aside)
+                                };
+                                removed.io_ctx("remove", &aside)?;
+                            }
+                            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                            Err(e) => return Err(e).io_ctx("move aside", &store.assembled),
                         }
-                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                        Err(e) => return Err(e).io_ctx("move aside", &store.assembled),
                     }
-                }
-                if let Err(e) = fs::rename(&link, &store.assembled) {
-                    let _ = fs::remove_file(&link);
-                    // A concurrent open that put the same link in place first is as good.
-                    if fs::read_link(&store.assembled).ok().as_deref() != Some(target.as_path()) {
-                        return Err(e).io_ctx("rename", &store.assembled);
+                    fail::fail_point!("assembled-moved-aside");
+                    match fs::rename(&link, &store.assembled) {
+                        Ok(()) => break,
+                        Err(e) if e.raw_os_error() == Some(libc::EISDIR) && attempts < 4 => continue,
+                        Err(e) => {
+                            let _ = fs::remove_file(&link);
+                            // A concurrent open that put the same link in place first is as good.
+                            if fs::read_link(&store.assembled).ok().as_deref() != Some(target.as_path()) {
+                                return Err(e).io_ctx("rename", &store.assembled);
+                            }
+                            break;
+                        }
                     }
                 }
                 sys::fsync_dir(&store.state_dir).io_ctx("fsync", &store.state_dir)?;

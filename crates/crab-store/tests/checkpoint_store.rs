@@ -1563,3 +1563,38 @@ fn shell_states_listed_by_turns_come_back_with_the_images_that_hold_their_shell(
     commit_with_shells(&sb, 6, None, vec![s2.relative_to(&s1, 1)]);
     assert_eq!(at(6)[0].base, None);
 }
+
+/// A plain open that finds no `assembled` makes it a directory. When that happens between
+/// `open_with` moving the old directory aside and renaming its link in, the rename met a
+/// directory ("Is a directory"): a fork's Create on node B failed so, once in a CI run. The new
+/// directory is moved aside too, and the link goes in.
+#[test]
+fn a_directory_made_by_a_concurrent_open_during_the_link_swap_is_moved_aside_again() {
+    let scenario = fail::FailScenario::setup();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    CheckpointStore::open(&state).unwrap();
+    let assembled = state.join("assembled");
+    assert!(fs::symlink_metadata(&assembled).unwrap().is_dir(), "a plain open keeps copies in a directory");
+    let made = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (made_in, state_in) = (made.clone(), state.clone());
+    fail::cfg_callback("assembled-moved-aside", move || {
+        if !made_in.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            // The concurrent open, in the window.
+            CheckpointStore::open(&state_in).unwrap();
+        }
+    })
+    .unwrap();
+    let kept = KeptImages { dir: Some(tmp.path().join("kept")), max_bytes: u64::MAX };
+    CheckpointStore::open_with(&state, &kept).unwrap();
+    assert!(made.load(std::sync::atomic::Ordering::SeqCst), "the failpoint ran");
+    let target = fs::read_link(&assembled).expect("assembled is the link to the kept directory");
+    assert!(target.starts_with(tmp.path().join("kept")), "{}", target.display());
+    let leftovers: Vec<_> = fs::read_dir(&state)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with(".assembled"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    scenario.teardown();
+}
