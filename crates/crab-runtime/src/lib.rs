@@ -461,9 +461,7 @@ impl OciRuntime {
         };
         match error {
             RuntimeError::Failed { binary, verb, status, message } => {
-                // The last line only says "Dumping FAILED."; the cause is the error before it.
-                let is_cause = |l: &&str| l.contains("Error (") && !l.contains("FAILED.");
-                let cause = text.lines().rev().find(is_cause).map(str::trim).unwrap_or("no error line");
+                let cause = criu_cause(&text);
                 RuntimeError::Failed { binary, verb, status, message: format!("{message}; criu: {cause}{kept}") }
             }
             RuntimeError::TimedOut { binary, verb, after_ms, abandoned } => {
@@ -694,6 +692,22 @@ fn which(binary: &Path) -> std::io::Result<PathBuf> {
         .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "not on PATH"))
 }
 
+/// What a failed CRIU run's log says went wrong: its first error line, where the failure
+/// began, and its last one when that differs (the errors that follow the first are mostly
+/// its consequences: a restore that failed closes cgroupd's socket, and cgroupd's "recv req
+/// error" is then the log's last error, which named only the symptom). CRIU's closing
+/// "Dumping FAILED." / "Restoring FAILED." lines are no cause.
+fn criu_cause(log: &str) -> String {
+    // From "Error (", without the line's time stamp and pid.
+    let mut errors =
+        log.lines().filter_map(|l| l.find("Error (").map(|at| l[at..].trim())).filter(|l| !l.contains("FAILED."));
+    match (errors.next(), errors.next_back()) {
+        (None, _) => "no error line".to_string(),
+        (Some(first), None) => first.to_string(),
+        (Some(first), Some(last)) => format!("{first} (its last error: {last})"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -908,6 +922,27 @@ mod tests {
             tokio::time::timeout(Duration::from_secs(10), both).await.expect("the pause and the dump both finish");
         paused.expect("pause");
         dumped.expect("dump");
+    }
+
+    /// A failed restore's message names where the failure began, not only the cascade after it.
+    #[test]
+    fn a_failed_criu_run_is_named_by_its_first_error_and_its_last() {
+        let restore = "(00.101) 1: Restoring FS\n\
+            (00.120) 7: Error (criu/files-reg.c:2101): Can't open file tmp/x on restore: No such file or directory\n\
+            (00.121) 7: Error (criu/files.c:1234): Unable to open fd=3 id=0x11\n\
+            (00.130) Error (criu/cgroup.c:1998): cg: cgroupd: recv req error: No such file or directory\n\
+            (00.131) Error (criu/cr-restore.c:2480): Restoring FAILED.\n";
+        let named = criu_cause(restore);
+        assert!(named.starts_with("Error (criu/files-reg.c:2101): Can't open file tmp/x"), "{named}");
+        assert!(
+            named.ends_with(
+                "(its last error: Error (criu/cgroup.c:1998): cg: cgroupd: recv req error: No such file or directory)"
+            ),
+            "{named}"
+        );
+        let dump = "(00.2) Error (criu/parasite.c:12): can't seize\n(00.3) Error (criu/cr-dump.c:2): Dumping FAILED.\n";
+        assert_eq!(criu_cause(dump), "Error (criu/parasite.c:12): can't seize");
+        assert_eq!(criu_cause("(00.1) Dumping finished successfully\n"), "no error line");
     }
 
     /// A dump abandoned at its deadline names CRIU's last log line (where it hung) and keeps
