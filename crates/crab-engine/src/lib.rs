@@ -767,6 +767,7 @@ impl SandboxEngine {
             superseded_by: None,
             bytes_written: 0,
             capture_ms: 0.0,
+            dump_ms: None,
             checkpoint_ms: 0.0,
             policy: self.policy.policy,
             dump_failures: Vec::new(),
@@ -868,6 +869,7 @@ impl SandboxEngine {
             })
             .await;
             record.capture_ms = capture.elapsed().as_secs_f64() * 1e3;
+            record.dump_ms = Some(record.capture_ms);
             // The dump ran CRIU's code in every process; the turns around it did not.
             self.wait_until_quiet(&busy_before_dump, "after the dump").await;
             if let (Some(before), Some(after)) = (&cpu_before_dump, self.cpu_snapshot()) {

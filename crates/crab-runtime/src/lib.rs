@@ -380,7 +380,9 @@ impl OciRuntime {
         let args = self.dialect.checkpoint_args(id, opts)?;
         self.create_dirs(opts)?;
         let env = self.dialect.state_spec(&self.root, id).and_then(|spec| self.dialect.criu_env(&spec));
+        let asked = std::time::Instant::now();
         let _exclusive = self.exclusive.lock().await;
+        let locked = std::time::Instant::now();
         // A sandbox frozen before the dump (paused, by containerd or its user) was frozen by
         // someone else, who will thaw it: an abandoned dump leaves it so. Read under the lock
         // that pausing takes, so no pause slips in between.
@@ -392,8 +394,10 @@ impl OciRuntime {
         for hook in &hooks {
             hook.before_dump().await;
         }
+        let hooked = std::time::Instant::now();
         let bound = deadline.map(|d| (d.after, ABANDON_GRACE));
         let mut dumped = self.run_bounded(id, &args, ProcessStdio::default(), bound, env).await.map(drop);
+        let ran = std::time::Instant::now();
         if let (Err(RuntimeError::TimedOut { abandoned, .. }), Some(deadline)) = (&mut dumped, deadline) {
             // Whatever CRIU did before it stopped, the sandbox is left running as it was.
             let thawed = match deadline.thaw_pid {
@@ -405,6 +409,17 @@ impl OciRuntime {
         }
         for hook in hooks.iter().rev() {
             hook.after_dump(dumped.is_ok().then_some(opts.image_path.as_path())).await;
+        }
+        if dumped.is_ok() && tracing::enabled!(tracing::Level::DEBUG) {
+            // Where a dump's time went (scripts/lib/dump_breakdown.py): the runtime's wall beside
+            // CRIU's own log, kept until the next dump (the work directory goes with the turn).
+            let ms = |a: std::time::Instant, b: std::time::Instant| (b - a).as_secs_f64() * 1e3;
+            let kept = keep_last_dump_files(&self.root, id, opts.work_path.as_deref().unwrap_or(&opts.image_path));
+            tracing::debug!(container = id, dump_step = "runtime", lock_ms = ms(asked, locked),
+                hooks_before_ms = ms(locked, hooked), runtime_ms = ms(hooked, ran),
+                hooks_after_ms = ms(ran, std::time::Instant::now()),
+                criu_log = %kept.as_deref().map(Path::display).map(|d| d.to_string()).unwrap_or_default(),
+                "dump taken");
         }
         dumped.map_err(|e| {
             self.with_criu_error(id, e, opts.work_path.as_deref().unwrap_or(&opts.image_path).join("dump.log"))
@@ -708,9 +723,54 @@ fn criu_cause(log: &str) -> String {
     }
 }
 
+/// Copies what a successful dump's CRIU left in its work directory, its log (`dump.log`) and
+/// its figures (`stats-dump`, written where CRIU runs, not with the images), beside the
+/// runtime's state as `<root>/<id>.criu-checkpoint-last.<name>`, each replacing the previous
+/// dump's, for the dump breakdown of scripts/bench-checkpoint. Returns the kept log, None
+/// when there is none.
+fn keep_last_dump_files(root: &Path, id: &str, work: &Path) -> Option<PathBuf> {
+    let mut kept_log = None;
+    for name in ["dump.log", "stats-dump"] {
+        let kept = root.join(format!("{id}.criu-checkpoint-last.{name}"));
+        let tmp = root.join(format!(".{id}.criu-checkpoint-last.{name}.tmp"));
+        if std::fs::copy(work.join(name), &tmp).is_err() || std::fs::rename(&tmp, &kept).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+            continue;
+        }
+        if name == "dump.log" {
+            kept_log = Some(kept);
+        }
+    }
+    kept_log
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The dump breakdown reads the newest successful dump's CRIU log and stats after the
+    /// turn, when the work directory holding them is gone: each dump's copies replace the
+    /// ones before, and a dump without them keeps nothing (no temporary file left either).
+    #[test]
+    fn the_last_dump_log_and_stats_are_kept_once_per_container() {
+        let dir = tempfile::tempdir().unwrap();
+        let (root, work) = (dir.path().join("root"), dir.path().join("work"));
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::create_dir_all(&work).unwrap();
+        for (log, stats) in [("(00.010) first dump\n", "s1"), ("(00.020) second dump\n", "s2")] {
+            std::fs::write(work.join("dump.log"), log).unwrap();
+            std::fs::write(work.join("stats-dump"), stats).unwrap();
+            let kept = keep_last_dump_files(&root, "c1", &work).expect("kept");
+            assert_eq!(kept, root.join("c1.criu-checkpoint-last.dump.log"));
+            assert_eq!(std::fs::read_to_string(&kept).unwrap(), log);
+            let stats_kept = root.join("c1.criu-checkpoint-last.stats-dump");
+            assert_eq!(std::fs::read_to_string(stats_kept).unwrap(), stats);
+        }
+        assert_eq!(keep_last_dump_files(&root, "c2", &dir.path().join("no-work")), None);
+        let mut names: Vec<_> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().file_name()).collect();
+        names.sort();
+        assert_eq!(names, ["c1.criu-checkpoint-last.dump.log", "c1.criu-checkpoint-last.stats-dump"]);
+    }
 
     #[test]
     fn last_line_skips_blank_lines() {

@@ -338,6 +338,10 @@ pub struct TurnRecord {
     pub bytes_written: u64,
     /// Time the container was held for capture (frozen for a CRIU dump).
     pub capture_ms: f64,
+    /// The part of `capture_ms` that the process dump took (the OCI runtime's checkpoint,
+    /// every attempt); the rest is staging into the store. None when the turn took no dump.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dump_ms: Option<f64>,
     /// Time from the turn's end until its checkpoint was durable.
     pub checkpoint_ms: f64,
     pub policy: Policy,
@@ -626,6 +630,7 @@ mod tests {
             superseded_by: None,
             bytes_written: 10,
             capture_ms: 0.5,
+            dump_ms: Some(0.25),
             checkpoint_ms: 1.0,
             policy: Policy::Crab,
             dump_failures: Vec::new(),
@@ -649,6 +654,7 @@ mod tests {
         assert_eq!(got[1].over_quota, rec.over_quota);
         assert_eq!(got[1].source, TurnSource::Stdin);
         assert_eq!(got[1].runtime_execs, rec.runtime_execs);
+        assert_eq!(got[1].dump_ms, Some(0.25));
     }
 
     #[test]
@@ -662,6 +668,8 @@ mod tests {
             !serde_json::to_string(&rec).unwrap().contains("over_quota"),
             "nothing new in a record within its quota"
         );
+        assert_eq!(rec.dump_ms, None, "records from before dump times were recorded have none");
+        assert!(!serde_json::to_string(&rec).unwrap().contains("dump_ms"), "nothing new in a turn without a dump");
         assert!(rec.runtime_execs.is_empty(), "records from before runtime execs were recorded list none");
         assert!(
             !serde_json::to_string(&rec).unwrap().contains("runtime_execs"),

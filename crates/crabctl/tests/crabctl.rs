@@ -22,6 +22,7 @@ fn record(turn: u64) -> TurnRecord {
         superseded_by: None,
         bytes_written: 10,
         capture_ms: 0.1,
+        dump_ms: None,
         checkpoint_ms: 0.2,
         policy: Policy::Crab,
         dump_failures: Vec::new(),
