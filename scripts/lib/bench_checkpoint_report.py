@@ -56,6 +56,8 @@ def main():
     parser.add_argument("--crab-samples", default="", help="part 3's crab samples, ns, space-separated")
     parser.add_argument("--runc-samples", default="", help="part 3's runc samples, ns, space-separated")
     parser.add_argument("--crun-samples", help="part 5's file: lines of runtime, capture ms, restore ns")
+    parser.add_argument("--dump-breakdown", help="part 6's table (dump_breakdown.py's output)")
+    parser.add_argument("--dump-rounds", type=int, default=0, help="part 6's number of dumps")
     parser.add_argument("ids", nargs="*", help="part 1's sandboxes: bench-delay-<policy>-<pid>")
     a = parser.parse_args()
     store_bench = ""
@@ -128,6 +130,9 @@ def main():
             print("  " + line + goal)
 
     crun_report(a.crun_samples)
+    if a.dump_breakdown:
+        print(f"== 6. where a small sandbox's process dump goes (busybox with a shell loop; {a.dump_rounds} turns, each a dump)")
+        print(open(a.dump_breakdown).read(), end="")
 
 
 def crun_report(path):
