@@ -302,6 +302,38 @@ async fn a_counter_process_continues_from_its_value_after_recover() {
     assert_eq!(sb.dump_network_lock(turns[0].turn), NetworkLockRecorded::Skip);
 }
 
+/// The pid namespace's next pid is sandbox state: a process started after a recovery gets the
+/// pid it got without the fault (a server's pid shows in `ss -p`, `$!`, its pid file). CRIU
+/// restores every pid but not the namespace's cursor, which then starts from the lowest free pid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovered_sandbox_hands_out_the_pids_it_would_have() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let mut sb = Sandbox::start("rs-nextpid").await;
+    // Pids used up before and after a process that outlives the turn (the turn dumps).
+    sb.turn(
+        "for i in $(seq 20); do /bin/true; done; sleep 100000 >/dev/null 2>&1 & for i in $(seq 20); do /bin/true; done",
+    )
+    .await;
+    let turns = sb.settled().await;
+    assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{turns:?}");
+    // A new process's pid, as the fault-free sandbox numbers it (the turn is clean: recovery
+    // comes back to turn 1, before this process existed).
+    let first = sb.exec_in(&sb.id.clone(), "sh -c 'echo $$'").await;
+    let first: u32 = first.trim().parse().unwrap();
+    // Builtins only: no pid of the namespace is used to look (pid 1 is the entrypoint's sleep).
+    let find_sleeper = "for p in /proc/[0-9]*; do read c < $p/comm 2>/dev/null; [ \"$c\" = sleep ] && [ ${p#/proc/} != 1 ] && echo ${p#/proc/}; done; true";
+    let sleeper = sb.exec_in(&sb.id.clone(), find_sleeper).await;
+    let sleeper_pid: u32 = sleeper.trim().parse().unwrap_or_else(|e| panic!("one sleeper: {sleeper:?}: {e}"));
+    assert!(first > sleeper_pid + 10, "pids after the sleeper were used: {first}, {sleeper}");
+
+    sb.kill_processes().await;
+    let report = sb.ctl().recover(&sb.id, None).await.unwrap();
+    assert_eq!(report.checkpoint_turn, Some(1));
+    let again: u32 = sb.exec_in(&sb.id.clone(), "sh -c 'echo $$'").await.trim().parse().unwrap();
+    assert_eq!(again, first, "the recovered namespace's next pid");
+    assert_eq!(sb.exec_in(&sb.id.clone(), find_sleeper).await, sleeper, "the sleeper came back with its pid");
+}
+
 /// A process that dropped root (as a server's workers do) is in the checkpoint and comes back
 /// as the same user. Reading another user's rlimits needs CAP_SYS_RESOURCE, which this host
 /// withholds from root: the dump reads them from /proc instead (scripts/patches).

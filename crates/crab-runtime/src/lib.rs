@@ -12,6 +12,7 @@ pub mod criu;
 pub mod dialect;
 pub mod freezer;
 pub mod init;
+pub mod pidns;
 mod reaper;
 pub mod spawner;
 

@@ -315,6 +315,11 @@ impl Container {
         tokio::fs::create_dir_all(&dir).await.map_err(|e| ShimError::io(&dir, e))?;
         self.install_init()?;
         self.name_criu_config();
+        self.runtime.add_dump_hooks(Arc::new(PidNamespaceForDump {
+            init: self.init.clone(),
+            reaper: self.reaper.clone(),
+            next: Default::default(),
+        }));
         if self.config.restore_from.is_some() {
             return Ok(0);
         }
@@ -391,6 +396,8 @@ impl Container {
         // CRIU forks for every action of the script (seven per restore, each a copy of its
         // page tables, about 50 ms for a 64 MiB process): only a restore of established TCP
         // connections, which CRIU dumps as tcp-stream images, needs it.
+        // Read before the restore: the images may go with it.
+        let next_pid = crab_runtime::pidns::recorded_in_images(image);
         let action_script = has_tcp_streams(image) && self.criu_action_script(true);
         let restored = self.runtime.restore(&self.config.id, &self.config.bundle, &opts, launch_opts).await;
         if action_script {
@@ -404,6 +411,7 @@ impl Container {
         finish_console(&io, master, restored.is_ok()).await?;
         restored?;
         let pid = read_pid(&pid_file).await?;
+        self.set_next_pid(pid, next_pid).await;
         // Up already when the shim was CRIU's action script; else (a spec with a CRIU config
         // of its own) a restored server becomes reachable from here on.
         if let Err(e) = loopback_up(pid).await {
@@ -412,6 +420,32 @@ impl Container {
         self.init.set_running(pid);
         *self.cgroup.lock().expect("cgroup lock") = Cgroup::of_pid(pid).ok();
         Ok(pid)
+    }
+
+    /// Gives the restored container's pid namespace the next pid its dump recorded
+    /// ([`crab_runtime::pidns`]): CRIU restores every pid, not the namespace's cursor. The
+    /// restored processes run already; one that forks before this (within milliseconds)
+    /// gets a pid from the bottom of the free ones.
+    async fn set_next_pid(&self, pid: u32, recorded: Result<Option<u32>, String>) {
+        let next = match recorded {
+            Ok(Some(next)) => next,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(container = %self.config.id, error = %e, "the restored pid namespace hands out the lowest free pids");
+                return;
+            }
+        };
+        // The runtime just named `pid` as the restored init, which only this shim reaps.
+        let set = match crab_runtime::pidns::pidfd_open(pid) {
+            Ok(init) => crab_runtime::pidns::set_next_pid(&self.reaper, &init, next).await,
+            Err(e) => Err(e),
+        };
+        match set {
+            Ok(()) => tracing::debug!(container = %self.config.id, next, "pid namespace's next pid set"),
+            Err(e) => {
+                tracing::warn!(container = %self.config.id, next, error = %e, "the restored pid namespace hands out the lowest free pids")
+            }
+        }
     }
 
     /// The CRIU config file the spec names (see [`crab_runtime::criu`]).
@@ -1064,6 +1098,53 @@ impl crab_runtime::DumpHooks for NetworkLockForDump {
     }
 
     async fn after_dump(&self, _dumped_to: Option<&Path>) {}
+}
+
+/// Records with every dump the pid the container's next process would get
+/// ([`crab_runtime::pidns`]), read just before the dump.
+struct PidNamespaceForDump {
+    init: Arc<Process>,
+    reaper: Reaper,
+    next: Mutex<Option<u32>>,
+}
+
+impl std::fmt::Debug for PidNamespaceForDump {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PidNamespaceForDump")
+    }
+}
+
+#[async_trait::async_trait]
+impl crab_runtime::DumpHooks for PidNamespaceForDump {
+    async fn before_dump(&self) {
+        use crab_runtime::pidns;
+        *self.next.lock().expect("next pid lock") = None;
+        let pid = self.init.pid();
+        if pid == 0 {
+            return;
+        }
+        // The pidfd is the init's if the init still has that pid after it was opened: only
+        // this shim reaps the init, so its pid is not reused before the shim has seen it exit.
+        let Ok(init) = pidns::pidfd_open(pid) else { return };
+        if self.init.pid() != pid || self.init.status() == Status::Stopped {
+            return;
+        }
+        match pidns::next_pid(&self.reaper, &init).await {
+            Ok(next) => *self.next.lock().expect("next pid lock") = Some(next),
+            Err(e) => {
+                tracing::warn!(pid, error = %e, "the dump does not record the next pid: a restore of it hands out the lowest free pids")
+            }
+        }
+    }
+
+    async fn after_dump(&self, dumped_to: Option<&Path>) {
+        let next = self.next.lock().expect("next pid lock").take();
+        if let (Some(images), Some(next)) = (dumped_to, next)
+            && let Err(e) = crab_runtime::pidns::record_in_images(images, next)
+        {
+            tracing::warn!(error = %e, "the dump does not record the next pid: a restore of it hands out the lowest free pids");
+        }
+    }
 }
 
 /// Has the spawner close its connection to the shim (it must be running to).
