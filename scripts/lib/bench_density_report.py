@@ -3,7 +3,8 @@
 
 Reads OUT/settings and each run's directory OUT/<mode>-<policy>-r<round>: `cpu` (two
 lines, at the start and the end of the run: ns since the epoch, the node's busy CPU ns,
-the runtime side's cgroup CPU ns), `failed-replays`, and the replays' JSON reports in
+the runtime side's cgroup CPU ns, the sandboxes' cgroup CPU ns), `failed-replays`, and
+the replays' JSON reports in
 `reports/` (per turn: exec time, the agent's wait for the checkpoint, bytes, class).
 A figure over several rounds is the median of the rounds' figures. Exits non-zero,
 naming the run, when a run's files are missing or a mode has no off run to compare with.
@@ -35,9 +36,9 @@ def load_run(d):
         failed = int((d / "failed-replays").read_text())
     except (OSError, ValueError) as e:
         sys.exit(f"bench_density_report: {d}: unfinished or unreadable run ({e})")
-    if len(cpu) != 2 or any(len(sample) != 3 for sample in cpu):
-        sys.exit(f"bench_density_report: {d / 'cpu'}: expected two samples of three numbers")
-    (t0, node0, side0), (t1, node1, side1) = cpu
+    if len(cpu) != 2 or any(len(sample) != 4 for sample in cpu):
+        sys.exit(f"bench_density_report: {d / 'cpu'}: expected two samples of four numbers")
+    (t0, node0, side0, sandboxes0), (t1, node1, side1, sandboxes1) = cpu
     latency, delay, classes = [], [], {}
     turns = bytes_ = errors = 0
     for path in sorted((d / "reports").glob("*.json")):
@@ -54,7 +55,9 @@ def load_run(d):
                     delay.append(previous_wait)
                     if turn.get("checkpoint_class"):
                         classes[turn["checkpoint_class"]] = classes.get(turn["checkpoint_class"], 0) + 1
-    return dict(wall=(t1 - t0) / 1e9, node_cpu=(node1 - node0) / 1e9, side_cpu=(side1 - side0) / 1e9,
+    side = (side1 - side0) / 1e9
+    return dict(wall=(t1 - t0) / 1e9, node_cpu=(node1 - node0) / 1e9, side_cpu=side,
+                cpu=side + (sandboxes1 - sandboxes0) / 1e9,
                 turns=turns, bytes=bytes_, errors=errors, failed=failed, classes=classes,
                 p50=pct(latency, 0.50), p99=pct(latency, 0.99), delay_p99=pct(delay, 0.99))
 
@@ -77,16 +80,16 @@ def main():
           f"{settings['think_scale']}, {rounds} round(s), commit {settings.get('commit', '?')}")
     for mode in settings["modes"].split():
         runs = {p: [load_run(out / f"{mode}-{p}-r{r}") for r in range(1, rounds + 1)] for p in POLICIES}
-        base_node, base_side = median_of(runs["off"], "node_cpu"), median_of(runs["off"], "side_cpu")
+        base_cpu, base_side = median_of(runs["off"], "cpu"), median_of(runs["off"], "side_cpu")
         base_p99 = median_of(runs["off"], "p99")
-        ckpt = {p: median_of(rs, "node_cpu") - base_node for p, rs in runs.items()}
+        ckpt = {p: median_of(rs, "cpu") - base_cpu for p, rs in runs.items()}
         print()
         print(f"## {mode} mode")
         print()
-        print("| policy | turns | clean/fs/proc | wall s | node CPU s | checkpoint CPU s | per turn ms "
-              "| vs every-turn | runtime side s | latency p50 s | p99 s | p99 inflation | wait p99 s "
+        print("| policy | turns | clean/fs/proc | wall s | CPU s | checkpoint CPU s | per turn ms "
+              "| vs every-turn | runtime side s | node CPU s | latency p50 s | p99 s | p99 inflation | wait p99 s "
               "| bytes | failed replays / checkpoints |")
-        print("|" + "---|" * 15)
+        print("|" + "---|" * 16)
         for p, rs in runs.items():
             turns = median_of(rs, "turns")
             classes = rs[0]["classes"]
@@ -95,17 +98,19 @@ def main():
             per_turn = None if is_off or not turns else ckpt[p] / turns * 1e3
             vs = ckpt[p] / ckpt["every-turn"] if p == "crab" and ckpt["every-turn"] > 0 else None
             p99 = median_of(rs, "p99")
-            print(f"| {p} | {turns:.0f} | {cls} | {median_of(rs, 'wall'):.0f} | {median_of(rs, 'node_cpu'):.1f} "
+            print(f"| {p} | {turns:.0f} | {cls} | {median_of(rs, 'wall'):.0f} | {median_of(rs, 'cpu'):.1f} "
                   f"| {fmt(None if is_off else ckpt[p], '{:.1f}')} | {fmt(per_turn, '{:.0f}')} | {fmt(vs, '{:.3f}')} "
                   f"| {fmt(None if is_off else median_of(rs, 'side_cpu') - base_side, '{:.1f}')} "
+                  f"| {median_of(rs, 'node_cpu'):.1f} "
                   f"| {median_of(rs, 'p50'):.3f} | {p99:.3f} "
                   f"| {fmt(None if is_off else p99 / base_p99 - 1, '{:+.1%}')} | {median_of(rs, 'delay_p99'):.3f} "
                   f"| {median_of(rs, 'bytes') / MIB:.1f} MiB "
                   f"| {sum(r['failed'] for r in rs)} / {sum(r['errors'] for r in rs)} |")
     print()
-    print("Checkpoint CPU: the node's busy CPU during the run minus the off run's (same traces, commands and "
-          "think times). Runtime side: the same difference for containerd, shims, runc, CRIU, crabd and the "
-          "replays alone (their cgroup), without the sandboxes' own processes. Turn latency: exec time plus the "
+    print("CPU: the runtime side's (containerd, shims, runc, CRIU, crabd, the replays: their cgroup) and the "
+          "sandboxes' own, during the run. Checkpoint CPU: that minus the off run's (same traces, commands and "
+          "think times). Runtime side: the runtime side's part of it. Node CPU: the whole node's busy CPU, other "
+          "work included. Turn latency: exec time plus the "
           "wait for the previous turn's checkpoint beyond the think time. Classes: crab's. Bytes: crab's charged "
           "bytes (what its chains reference), every-turn's checkpoints and their exported copies.")
 
