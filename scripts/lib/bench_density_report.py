@@ -15,18 +15,15 @@ Usage: bench_density_report.py OUT
 import argparse
 import json
 import pathlib
+import os
 import statistics
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_node_report import pct  # noqa: E402
+
 POLICIES = ("off", "crab", "every-turn")
 MIB = 1 << 20
-
-
-def pct(values, p):
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(p * (len(values) - 1))))]
 
 
 def load_run(d):

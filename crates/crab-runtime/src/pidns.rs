@@ -22,7 +22,7 @@
 //! cursor is the node's.
 
 use std::io::Read;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
@@ -33,17 +33,7 @@ pub const NEXT_PID_FILE: &str = "crab-pid-ns-next";
 
 const NS_LAST_PID: &str = "/proc/sys/kernel/ns_last_pid";
 
-/// A pidfd of `pid`. The caller must know `pid` is the process it means now (the pidfd then
-/// keeps meaning it, even after a reuse of the number).
-pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0 as libc::c_uint) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor nobody else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
+pub use crab_sys::pidfd_open;
 
 /// The pid the next process in `init`'s pid namespace gets, found without changing it.
 pub async fn next_pid(reaper: &Reaper, init: &OwnedFd) -> std::io::Result<u32> {

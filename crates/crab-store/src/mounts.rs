@@ -14,7 +14,7 @@
 //!   a change there is reported in the turn record, not checkpointed, and never restored.
 
 use rustix::fs::OFlags;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use super::error::{CheckpointError, IoContext, Result};
@@ -177,14 +177,7 @@ pub struct ContainerRoot {
 impl ContainerRoot {
     /// `pid` must be the container's init now (the caller just learned it from the runtime).
     pub fn new(pid: u32) -> std::io::Result<Self> {
-        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0 as libc::c_uint) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor nobody else owns.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        Ok(Self { pid, pidfd })
+        Ok(Self { pid, pidfd: crab_sys::pidfd_open(pid)? })
     }
 
     pub fn pid(&self) -> u32 {

@@ -1,6 +1,20 @@
 //! System calls crab's crates share that no library offers in the form they need, each
 //! with why it is sound. The lowest crate of the workspace: it depends on nothing of crab.
 
+/// A pidfd of `pid`. The caller must know `pid` is the process it means now (a child it
+/// has not reaped, a container's init the runtime just named); the pidfd keeps meaning that
+/// process even after its number is reused.
+pub fn pidfd_open(pid: u32) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0 as libc::c_uint) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nobody else owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+}
+
 /// Marks every descriptor from `first` up close-on-exec, so that a child started by a
 /// long-lived process (the shim's server, crabd) inherits nothing but what it was handed
 /// below `first`. Meant for `pre_exec`: only async-signal-safe system calls, no allocation.
