@@ -239,3 +239,39 @@ async fn checkpoint_of_a_tty_container() {
     })
     .await;
 }
+
+/// CRIU probes the kernel at the start of every run unless it finds its cache of the result, which
+/// it keeps only on a tmpfs (crab_runtime::kdat): crab's shim makes crab's CRIU cache directory one,
+/// so a second dump reads the facts the first one found. crab only (over `$CRAB_TEST_CRAB_BINARY`
+/// in the crun leg): runc.v2 leaves CRIU as it finds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn criu_reads_the_kernel_facts_an_earlier_run_kept_on_a_tmpfs() {
+    crab_sys::skip_unless_root!("containerd, crab and CRIU");
+    let runtime = crab_integration::env::Runtime::parse("crab").expect("the crab runtime");
+    let run = async {
+        let container = Container::new(&runtime, "ckpt-kdat");
+        start_token_counter(&container, "kdat").await?;
+        count_at_least(&container, 2).await?;
+        let kdat_dir = Path::new(crab_runtime::kdat::KDAT_DIR);
+        checkpoint_to_dir(&container, &container.scratch_dir().join("first"), false).await?;
+        let fs =
+            nix::sys::statfs::statfs(kdat_dir).map_err(|e| HarnessError::io("statfs of CRIU's cache", e.into()))?;
+        ensure_eq!(fs.filesystem_type(), nix::sys::statfs::TMPFS_MAGIC, "file system of {}", kdat_dir.display());
+        let cache = kdat_dir.join("criu.kdat");
+        ensure!(cache.is_file(), "no {} after a dump", cache.display());
+
+        let second = container.scratch_dir().join("second");
+        checkpoint_to_dir(&container, &second, false).await?;
+        let log = std::fs::read_to_string(second.join("dump.log"))
+            .map_err(|e| HarnessError::io(format!("reading {}/dump.log", second.display()), e))?;
+        let loaded = format!("Loaded kdat cache from {}", cache.display());
+        ensure!(log.contains(&loaded), "the second dump's log lacks {loaded:?}");
+        remove_task_and_container(&container).await?;
+        Ok("second dump read the cache")
+    };
+    let outcome = match tokio::time::timeout(LONG * 2, run).await {
+        Ok(outcome) => outcome,
+        Err(_) => Err(HarnessError::Timeout { what: "kernel facts scenario".into(), after: LONG * 2 }),
+    };
+    crab_integration::matrix::require_same("kernel facts cached between CRIU runs", vec![(&runtime, outcome)]);
+}

@@ -12,6 +12,7 @@ pub mod criu;
 pub mod dialect;
 pub mod freezer;
 pub mod init;
+pub mod kdat;
 pub mod pidns;
 mod reaper;
 pub mod spawner;
@@ -380,6 +381,7 @@ impl OciRuntime {
     pub async fn checkpoint(&self, id: &str, opts: &CheckpointOptions) -> Result<()> {
         let args = self.dialect.checkpoint_args(id, opts)?;
         self.create_dirs(opts)?;
+        kdat::prepare_for_criu();
         let env = self.dialect.state_spec(&self.root, id).and_then(|spec| self.dialect.criu_env(&spec));
         let asked = std::time::Instant::now();
         let _exclusive = self.exclusive.lock().await;
@@ -437,6 +439,7 @@ impl OciRuntime {
     ) -> Result<()> {
         let args = self.dialect.restore_args(id, bundle, opts, &launch)?;
         self.create_dirs(opts)?;
+        kdat::prepare_for_criu();
         let env = self.dialect.criu_env(&bundle.join("config.json"));
         let _exclusive = self.exclusive.lock().await;
         // Bounded like a dump: a CRIU that hangs must not hold the container's verbs (a kill
