@@ -242,10 +242,11 @@ async fn checkpoint_of_a_tty_container() {
 
 /// CRIU probes the kernel at the start of every run unless it finds its cache of the result, which
 /// it keeps only on a tmpfs (crab_runtime::kdat): crab's shim makes crab's CRIU cache directory one,
-/// so a second dump reads the facts the first one found. crab only (over `$CRAB_TEST_CRAB_BINARY`
+/// so a second dump reads the facts the first one found. The same dump archives its empty tmpfs
+/// mounts without tar. crab only (over `$CRAB_TEST_CRAB_BINARY`
 /// in the crun leg): runc.v2 leaves CRIU as it finds it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn criu_reads_the_kernel_facts_an_earlier_run_kept_on_a_tmpfs() {
+async fn crabs_criu_reads_cached_kernel_facts_and_archives_empty_tmpfs_itself() {
     crab_sys::skip_unless_root!("containerd, crab and CRIU");
     let runtime = crab_integration::env::Runtime::parse("crab").expect("the crab runtime");
     let run = async {
@@ -266,6 +267,12 @@ async fn criu_reads_the_kernel_facts_an_earlier_run_kept_on_a_tmpfs() {
             .map_err(|e| HarnessError::io(format!("reading {}/dump.log", second.display()), e))?;
         let loaded = format!("Loaded kdat cache from {}", cache.display());
         ensure!(log.contains(&loaded), "the second dump's log lacks {loaded:?}");
+        // And crab's CRIU archives an empty tmpfs itself (scripts/patches): the spec's /dev/shm
+        // is one here, and so are runc's masked paths.
+        ensure!(
+            log.contains("tmpfs ./dev/shm is empty: archived without tar"),
+            "the dump ran tar for the empty /dev/shm"
+        );
         remove_task_and_container(&container).await?;
         Ok("second dump read the cache")
     };

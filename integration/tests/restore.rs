@@ -1274,6 +1274,31 @@ async fn tmpfs_writes_of_a_proc_turn_and_a_later_fs_turn_come_back() {
     assert_eq!(sb.exec_in(&sb.id.clone(), TMPFS_FINGERPRINT).await, at_proc, "back to the proc turn's tmpfs state");
 }
 
+/// An empty tmpfs keeps its root's mode, owner and time through a process dump: crab's CRIU
+/// archives an empty tmpfs itself instead of running tar (scripts/patches), and must store
+/// what tar stored. Both roots here are empty at the dump, one changed, one as mounted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_tmpfs_comes_back_with_its_roots_mode_owner_and_time() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    const ROOTS: &str = "stat -c '%n %a %u %g %Y %h' /dev/shm /run; ls -A /dev/shm /run";
+    let mut sb = Sandbox::start("rs-tmpfs-empty").await;
+    sb.turn(
+        "chmod 1730 /dev/shm && chown 12:34 /dev/shm && touch -d @1700000000 /dev/shm && (sleep 600 >/dev/null 2>&1 &)",
+    )
+    .await;
+    let turns = sb.turns(1).await;
+    assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{:?}", turns[0]);
+    let before = sb.exec_in(&sb.id.clone(), ROOTS).await;
+    assert!(before.contains("/dev/shm 1730 12 34 1700000000 2"), "{before}");
+
+    sb.kill_processes().await;
+    sb.ctl().recover(&sb.id, None).await.unwrap();
+    let after = sb.exec_in(&sb.id.clone(), ROOTS).await;
+    assert_eq!(after, before, "the empty tmpfs roots as they were at the dump");
+    let ps = sb.exec_in(&sb.id.clone(), "ps").await;
+    assert!(ps.contains("sleep 600"), "the process came back: {ps}");
+}
+
 /// A write on a bind mount crab does not own is external state: the turn record says so and
 /// names the path, nothing of it is checkpointed, and a recover still succeeds (leaving the
 /// host directory as it is, mounted again from the kept spec; see the README).
