@@ -431,9 +431,12 @@ impl Sandbox {
         }
         let pane = String::from_utf8_lossy(&output.stdout);
         let parsed = super::shell::parse_pane(&pane, &nonce);
-        let (stdout, rc) = match (parsed, timed_out) {
-            (Some((text, rc)), false) => (text.into_bytes(), Some(rc)),
-            (_, true) => (output.stdout, None),
+        let (shell, stdout, rc) = match (parsed, timed_out) {
+            (Some((text, rc)), false) => {
+                let (shell, stdout) = super::shell::split_shell_state(text.as_bytes(), &nonce);
+                (shell, stdout, Some(rc))
+            }
+            (_, true) => (String::new(), output.stdout, None),
             (None, false) => {
                 return Err(SandboxError::Task {
                     container: self.id.clone(),
@@ -441,7 +444,7 @@ impl Sandbox {
                 });
             }
         };
-        Ok(ExecResult { rc, timed_out, duration, stdout, stderr: Vec::new(), shell: String::new() })
+        Ok(ExecResult { rc, timed_out, duration, stdout, stderr: Vec::new(), shell })
     }
 
     /// Runs `bash -c CMD` in the workdir; at `timeout` the command is SIGKILLed.

@@ -136,11 +136,14 @@ pub fn split_shell_state(stdout: &[u8], nonce: &str) -> (String, Vec<u8>) {
 }
 
 /// The line typed into the tmux pane for `cmd`: a begin mark (the pane also
-/// shows the prompt and the typed line), the command, its status, then the
-/// wait-for signal the turn's exec waits on.
+/// shows the prompt and the typed line), the pane shell's state as the command
+/// finds it (the probe of stdin mode; [`split_shell_state`] takes it off the
+/// pane's text), the command, its status, then the wait-for signal the turn's
+/// exec waits on.
 pub fn tmux_line(cmd: &str, nonce: &str) -> String {
     format!(
-        "printf '__crab_%s_begin__\\n' {nonce}; eval {} </dev/null; printf '__crab_%s_%d__\\n' {nonce} \"$?\"; tmux wait-for -S {TMUX_SESSION}-{nonce}",
+        "printf '__crab_%s_begin__\\n' {nonce}; {}eval {} </dev/null; printf '__crab_%s_%d__\\n' {nonce} \"$?\"; tmux wait-for -S {TMUX_SESSION}-{nonce}",
+        shell_state_probe(nonce),
         ansi_c_quote(cmd)
     )
 }
@@ -469,6 +472,83 @@ mod tests {
         }
         let again = turns_in_bash(&["cd /tmp; X=1; f() { :; }; echo out", "echo \"$X\"", "unset X"]);
         assert_eq!(again.iter().map(|t| &t.0).collect::<Vec<_>>(), [first, second, third]);
+    }
+
+    /// Types `cmds` as tmux-mode turns into a real tmux pane (a server of its own) running the
+    /// shell tmux mode runs, and splits each turn's pane text as the replay does.
+    fn turns_in_tmux(cmds: &[&str]) -> Vec<(String, String, i32)> {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("tmux.sock");
+        let tmux = |args: &[&str]| {
+            let out = std::process::Command::new("tmux").arg("-S").arg(&socket).args(args).output().unwrap();
+            assert!(out.status.success(), "tmux {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+            String::from_utf8(out.stdout).unwrap()
+        };
+        let session = TMUX_SESSION;
+        tmux(&[
+            "-f",
+            "/dev/null",
+            "new-session",
+            "-d",
+            "-s",
+            session,
+            "-x",
+            "400",
+            "-y",
+            "50",
+            "-c",
+            "/",
+            "exec bash --norc --noprofile -i",
+        ]);
+        tmux(&["set-option", "-g", "history-limit", "100000"]);
+        let mut turns = Vec::new();
+        for cmd in cmds {
+            let n = nonce();
+            // The line signals the replay's server by name: this test's server is another.
+            let line = tmux_line(cmd, &n).replace("tmux wait-for", &format!("tmux -S {} wait-for", socket.display()));
+            tmux(&["send-keys", "-t", session, "-l", "--", &line]);
+            tmux(&["send-keys", "-t", session, "Enter"]);
+            tmux(&["wait-for", &format!("{session}-{n}")]);
+            let pane = tmux(&["capture-pane", "-p", "-J", "-S", "-", "-E", "-", "-t", session]);
+            tmux(&["clear-history", "-t", session]);
+            let (text, rc) = parse_pane(&pane, &n).expect("the pane shows the command's end");
+            let (shell, output) = split_shell_state(text.as_bytes(), &n);
+            turns.push((shell, String::from_utf8(output).unwrap(), rc));
+        }
+        tmux(&["kill-server"]);
+        turns
+    }
+
+    #[test]
+    fn each_tmux_turn_shows_the_pane_shells_state() {
+        if std::process::Command::new("tmux").arg("-V").output().is_err() {
+            panic!("tmux is not installed: scripts/install-deps installs it");
+        }
+        let cmds = [
+            "cd /tmp; X=1; f() { :; }; L=$(printf 'x%.0s' {1..900}); echo out",
+            "echo \"$X\"; false",
+            "unset X; alias hi='echo hi'",
+        ];
+        let turns = turns_in_tmux(&cmds);
+        assert_eq!((turns[0].1.as_str(), turns[0].2), ("out\n", 0));
+        assert_eq!((turns[1].1.as_str(), turns[1].2), ("1\n", 1), "the probe changes nothing the command sees");
+        let (first, second, third) = (&turns[0].0, &turns[1].0, &turns[2].0);
+        assert!(first.starts_with("/\n") && !first.contains("declare -- X="), "{first}");
+        assert!(
+            second.starts_with("/tmp\n") && second.contains("declare -- X=\"1\"\n") && second.contains("f () \n"),
+            "{second}"
+        );
+        assert!(third.contains("declare -- X=\"1\"\n") && !third.contains("alias hi"), "{third}");
+        // Wider than the pane (400 columns): -J gives the wrapped line back whole.
+        assert!(third.contains(&format!("declare -- L=\"{}\"\n", "x".repeat(900))), "{third}");
+        // A second server in the same states shows the same text but for $TMUX
+        // (this test's socket path and server pid; the replay's are the sandbox's own).
+        let without_tmux =
+            |state: &str| state.lines().filter(|l| !l.starts_with("declare -x TMUX=")).collect::<Vec<_>>().join("\n");
+        let again = turns_in_tmux(&cmds);
+        for (a, b) in again.iter().zip([first, second, third]) {
+            assert_eq!(without_tmux(&a.0), without_tmux(b));
+        }
     }
 
     #[test]
