@@ -2,8 +2,9 @@
 //! - every file of the container's mount tree (the rootfs and every mount on it: `/dev/shm`,
 //!   `/run` and any other tmpfs or volume) with its type, mode, owner, size, content hash,
 //!   extended attributes, symlink target, device number, which names share one inode (hard
-//!   links) and, for a file with holes, where its data is. Left out: [`VOLATILE`], the kernel's
-//!   and crab's own mounts of the spec, and the trace's declared ignores;
+//!   links) and, for a file with holes, where its data is. Left out: [`VOLATILE`], apt's
+//!   [`DERIVED`] caches, the kernel's and crab's own mounts of the spec, and the trace's
+//!   declared ignores;
 //! - every process of the sandbox's pid namespace: command line, working directory, parent
 //!   (which tells an exec session, a child of the runtime, from a process its init adopted)
 //!   and open descriptors (files, deleted-but-open files with their size, pipes, sockets);
@@ -32,6 +33,12 @@ use sha2::{Digest, Sha256};
 pub const VOLATILE: [&str; 3] = ["/proc", "/sys", "/dev"];
 /// Paths under [`VOLATILE`] that are state all the same.
 pub const KEPT: [&str; 1] = ["/dev/shm"];
+/// apt's binary caches of its package lists, which apt rebuilds whenever they do not match the
+/// lists: their bytes differ between runs that did the same thing (the evaluation saw them
+/// differ from both reference runs in a run whose fault touched nothing: chat-only under
+/// kill-crabd, and crab under restart-containerd), so they are no state a recovery could keep
+/// or lose. The lists themselves, and everything else under /var/cache/apt, are compared.
+pub const DERIVED: [&str; 2] = ["/var/cache/apt/pkgcache.bin", "/var/cache/apt/srcpkgcache.bin"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum FingerprintError {
@@ -114,8 +121,8 @@ impl fmt::Display for Difference {
     }
 }
 
-/// What the fingerprint leaves out: [`VOLATILE`] but [`KEPT`], the kernel's and crab's own
-/// mounts of the sandbox's spec, and the trace's declared ignores.
+/// What the fingerprint leaves out: [`VOLATILE`] but [`KEPT`], apt's [`DERIVED`] caches, the
+/// kernel's and crab's own mounts of the sandbox's spec, and the trace's declared ignores.
 #[derive(Debug, Clone, Default)]
 pub struct Scope {
     ignored: Vec<RelPath>,
@@ -135,7 +142,7 @@ impl Scope {
             RelPath::parse(entry.as_bytes())
                 .map_err(|error| FingerprintError::BadIgnore { entry: entry.into(), problem: error.to_string() })
         };
-        let mut ignored = VOLATILE.iter().map(|path| parse(path)).collect::<Result<Vec<_>, _>>()?;
+        let mut ignored = VOLATILE.iter().chain(&DERIVED).map(|path| parse(path)).collect::<Result<Vec<_>, _>>()?;
         for path in ignore {
             ignored.push(parse(path)?);
         }
@@ -666,11 +673,24 @@ mod tests {
             "/opt/kernelish/x",
             "/app/cache/y",
             "/opt/crab-packages/pypi/simple/index.html",
+            "/var/cache/apt/pkgcache.bin",
+            "/var/cache/apt/srcpkgcache.bin",
         ] {
             assert!(scope.ignores(ignored.as_bytes()), "{ignored}");
         }
         // A writable bind mount is state crab does not own: a change there must show.
-        for kept in ["/", "/etc/passwd", "/run/x", "/dev/shm", "/dev/shm/x", "/app/cachex", "/opt/y", "/data/x"] {
+        for kept in [
+            "/",
+            "/etc/passwd",
+            "/run/x",
+            "/dev/shm",
+            "/dev/shm/x",
+            "/app/cachex",
+            "/opt/y",
+            "/data/x",
+            "/var/cache/apt/archives/nginx.deb",
+            "/var/lib/apt/lists/x_Packages",
+        ] {
             assert!(!scope.ignores(kept.as_bytes()), "{kept}");
         }
         // /dev is walked (for /dev/shm) though not recorded; /proc is not even walked.

@@ -330,6 +330,7 @@ async fn run(
     let started = Instant::now();
     let mut sandbox = launch.fresh().await?;
     let mut turns: Vec<TurnOutcome> = Vec::new();
+    let mut tmux_servers = super::shell::TmuxServers::default();
     let mut fingerprints = Vec::new();
     let mut fault = None;
     let think = |index: usize| {
@@ -377,7 +378,7 @@ async fn run(
         turns.push(TurnOutcome {
             turn: turn.turn,
             result: TurnResult::new(turn.turn, exec.rc, exec.timed_out, &exec.stdout, &exec.stderr)
-                .with_shell(exec.shell.clone()),
+                .with_shell(tmux_servers.identify(&exec.shell)),
             exec,
             checkpoint_s: cost.blocking_s,
             checkpoint_bytes: cost.bytes,

@@ -148,6 +148,46 @@ pub fn tmux_line(cmd: &str, nonce: &str) -> String {
     )
 }
 
+/// The tmux servers a run's pane shells reported, in order, so that their pids compare by
+/// identity rather than by number: the pid in `$TMUX` (`socket,pid,session`) is handed out
+/// when a fresh sandbox starts its server, and differs between fresh sandboxes by chance (11 in
+/// one, 12 in the next), while what the oracle must see is whether the shell after a recovery
+/// is the server's it had before the fault (CRIU restores the pid) or one started anew.
+/// [`TmuxServers::identify`] writes the first server's pid as `<tmux server 1>`, another as
+/// `<tmux server 2>`, and so on, for the whole run.
+#[derive(Debug, Default)]
+pub struct TmuxServers {
+    seen: Vec<String>,
+}
+
+impl TmuxServers {
+    pub fn identify(&mut self, shell: &str) -> String {
+        let mut out = String::with_capacity(shell.len());
+        for line in shell.split_inclusive('\n') {
+            out.push_str(&self.identify_line(line).unwrap_or_else(|| line.to_string()));
+        }
+        out
+    }
+
+    fn identify_line(&mut self, line: &str) -> Option<String> {
+        let value = line.strip_prefix("declare -x TMUX=\"")?;
+        let (value, rest) = value.split_once('"')?;
+        let mut parts = value.rsplitn(3, ',');
+        let (session, pid, socket) = (parts.next()?, parts.next()?, parts.next()?);
+        if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let ordinal = match self.seen.iter().position(|p| p == pid) {
+            Some(i) => i + 1,
+            None => {
+                self.seen.push(pid.to_string());
+                self.seen.len()
+            }
+        };
+        Some(format!("declare -x TMUX=\"{socket},<tmux server {ordinal}>,{session}\"{rest}"))
+    }
+}
+
 /// The end of a command on a stdin session's stdout: `output` is what the
 /// command printed, `consumed` how much of the buffer the command and its
 /// marker took (the rest belongs to the next command).
@@ -549,6 +589,23 @@ mod tests {
         for (a, b) in again.iter().zip([first, second, third]) {
             assert_eq!(without_tmux(&a.0), without_tmux(b));
         }
+    }
+
+    #[test]
+    fn tmux_servers_compare_by_identity_not_by_pid() {
+        let state = |pid: u32| {
+            format!("/app\ndeclare -x TERM=\"tmux\"\ndeclare -x TMUX=\"/tmp/tmux-0/default,{pid},0\"\numask\n")
+        };
+        let (mut reference, mut run) = (TmuxServers::default(), TmuxServers::default());
+        // Fresh sandboxes whose servers got different pids show the same state ...
+        assert_eq!(reference.identify(&state(11)), run.identify(&state(12)));
+        assert!(run.identify(&state(12)).contains("default,<tmux server 1>,0\"\n"));
+        // ... and a run whose shell after a recovery is another server's shows it.
+        assert_eq!(reference.identify(&state(11)), reference.identify(&state(11)));
+        assert_ne!(reference.identify(&state(11)), run.identify(&state(40)));
+        assert!(run.identify(&state(40)).contains("<tmux server 2>"));
+        // Other lines, and a value that is not socket,pid,session, are left as they are.
+        assert_eq!(run.identify("declare -x TMUX=\"odd\"\nx\n"), "declare -x TMUX=\"odd\"\nx\n");
     }
 
     #[test]
