@@ -243,7 +243,7 @@ async fn checkpoint_of_a_tty_container() {
 /// CRIU probes the kernel at the start of every run unless it finds its cache of the result, which
 /// it keeps only on a tmpfs (crab_runtime::kdat): crab's shim makes crab's CRIU cache directory one,
 /// so a second dump reads the facts the first one found. The same dump archives its empty tmpfs
-/// mounts without tar. crab only (over `$CRAB_TEST_CRAB_BINARY`
+/// mounts without tar (scripts/patches). crab only (over `$CRAB_TEST_CRAB_BINARY`
 /// in the crun leg): runc.v2 leaves CRIU as it finds it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crabs_criu_reads_cached_kernel_facts_and_archives_empty_tmpfs_itself() {
