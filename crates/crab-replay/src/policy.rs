@@ -555,6 +555,10 @@ struct CrabPolicy {
     turns_on_node_b: Vec<u32>,
     /// Node A's push log (bytes uploaded per turn), read before the node was lost.
     node_a_pushed: Option<BTreeMap<u64, u64>>,
+    /// Turns of the stdin session whose records are in a log this node does not have: node B
+    /// starts a turn log of its own, and a session it re-attached after a node loss counts on
+    /// from the turns it made on node A.
+    session_turns_elsewhere: u64,
 }
 
 /// How long a turn's checkpoint may take before the replay gives up on it.
@@ -580,7 +584,17 @@ impl CrabPolicy {
             turns_on_node_a: Vec::new(),
             turns_on_node_b: Vec::new(),
             node_a_pushed: None,
+            session_turns_elsewhere: 0,
         }
+    }
+
+    /// How many turn records of `exec_id` the log of `container` on this node holds.
+    fn records_of(&self, container: &str, exec_id: &str) -> Result<u64, ReplayError> {
+        let key = self.ctl()?.key(container).map_err(|e| ReplayError::Policy(e.to_string()))?;
+        let log =
+            crab_store::turns::TurnLog::open(&self.state_dir, &key).map_err(|e| ReplayError::Policy(e.to_string()))?;
+        let records = log.read().map_err(|e| ReplayError::Policy(e.to_string()))?;
+        Ok(records.iter().filter(|r| r.exec_id.as_deref() == Some(exec_id)).count() as u64)
     }
 
     /// The bytes this node's shim uploaded for each turn of `container` it pushed: the
@@ -642,7 +656,7 @@ impl RecoveryPolicy for CrabPolicy {
             // sandbox recovered from the base image starts a new turn log.
             let records = log.read().map_err(|e| ReplayError::Policy(e.to_string()))?;
             let of_exec = || records.iter().filter(|r| r.exec_id.as_deref() == Some(exec_id.as_str()));
-            if of_exec().count() as u64 >= turns
+            if of_exec().count() as u64 + self.session_turns_elsewhere >= turns
                 && let Some(record) = of_exec().next_back()
             {
                 return Ok(TurnCost {
@@ -683,6 +697,13 @@ impl RecoveryPolicy for CrabPolicy {
             let image = self.launch.spec.image.clone();
             let report = node_b.crabctl(&["recover", dead.id(), "--from", &repository, "--image", &image]).await?;
             info!(container = dead.id(), from = %repository, report = %report, "crab recovered on node B");
+            // A stdin session node B re-attaches goes on counting its turns from node A's,
+            // whose records stayed in node A's log.
+            if dead.mode() == super::shell::ReplayMode::Stdin
+                && let Some((exec_id, turns)) = dead.last_turn_exec()
+            {
+                self.session_turns_elsewhere = turns.saturating_sub(self.records_of(dead.id(), &exec_id)?);
+            }
             (report["checkpoint_turn"].as_u64(), Sandbox::attach_on(&node_b.ctr, &dead))
         } else {
             let report = self

@@ -611,6 +611,34 @@ async fn a_sandbox_that_never_changed_comes_back_on_node_b_from_its_image() {
     assert_eq!(crab.turns[2].rc, Some(0), "turn 3 ran on node B");
 }
 
+/// Node loss in stdin mode: node B re-attaches the restored shell session, which goes on counting
+/// its turns from node A's while node B's turn log starts empty. Every turn after the fault must
+/// find its record there (the replay waited 120 s for records node A kept, on every later turn).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stdin_session_restored_on_node_b_has_every_later_turn_checkpointed() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let _containerd = CONTAINERD.lock().await;
+    let file = trace_file(TRACE);
+    let node_b = NodeBFixture::start();
+    let mut options = options(vec![file.path().to_path_buf()], "io.containerd.crab.v2");
+    options.policies = vec![PolicyKind::Crab];
+    options.faults = vec![FaultKind::NodeLoss];
+    options.ref_runs = 1;
+    options.mode = crab_replay::ReplayMode::Stdin;
+    options.daemons.node_b = Some(node_b.node_b.clone());
+    let started = std::time::Instant::now();
+    let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
+    let crab = run_of(&report_for(&reports, FaultKind::NodeLoss).runs, PolicyKind::Crab);
+    let fault = crab.fault.as_ref().unwrap();
+    assert_eq!(crab.recovered_correctly, Some(true), "{fault:?}");
+    assert_eq!(fault.recovery, Some(RecoveryMethod::Checkpoint { turn: 2 }), "{}", fault.detail);
+    let failed: Vec<_> =
+        crab.turns.iter().filter(|t| t.checkpoint_error.is_some()).map(|t| (t.turn, &t.checkpoint_error)).collect();
+    assert!(failed.is_empty(), "turns without their checkpoint record: {failed:?}");
+    assert!(crab.turns[2].checkpoint_class.is_some() && crab.turns[3].checkpoint_class.is_some(), "{:?}", crab.turns);
+    assert!(started.elapsed() < std::time::Duration::from_secs(110), "took {:?}", started.elapsed());
+}
+
 #[tokio::test]
 async fn restart_containerd_without_a_start_command_fails_before_any_sandbox() {
     let file = trace_file(TRACE);
