@@ -185,6 +185,10 @@ def sample(directory, runtime_lines):
         "probed": 1 if probed else 0,
     }
     fig["dump_rest"] = fig["dump"] - fig["lock"] - fig["hooks_before"] - runtime - fig["hooks_after"]
+    # Each hook's share (shims from before the field have none): "Name=ms,Name=ms".
+    for part in filter(None, line.fields.get("each_hook_before", "").split(",")):
+        name, _, ms = part.partition("=")
+        fig["hook:" + name] = float(ms)
     for label, ms in phases.items():
         fig["phase:" + label] = ms
     fig["log"] = os.path.join(directory, "dump.log")
@@ -209,7 +213,10 @@ def main():
     row("capture (turn record capture_ms: the next turn waits for it)", "capture")
     row("process dump (turn record dump_ms)", "dump", 1)
     row("shim: waiting for the runtime's lock", "lock", 2)
-    row("shim: hooks before (spawner detach, network-lock choice)", "hooks_before", 2)
+    row("shim: hooks before (spawner detach, network-lock choice, next pid)", "hooks_before", 2)
+    for key in sorted({k for f in figs for k in f if k.startswith("hook:")}):
+        if all(key in f for f in figs):
+            row(key[len("hook:"):], key, 3)
     row("runc checkpoint (wall)", "runtime", 2)
     row("runc's own (its wall minus CRIU's log)", "runc_own", 3)
     probed = sum(f["probed"] for f in figs)

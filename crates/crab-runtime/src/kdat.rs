@@ -112,19 +112,22 @@ mod tests {
             .count()
     }
 
-    #[test]
-    fn a_directory_off_tmpfs_gets_one_tmpfs_and_keeps_it() {
-        if !nix::unistd::Uid::effective().is_root() {
-            eprintln!("skipped: mounting needs root");
-            return;
-        }
-        // Under /var/tmp, which is on the root disk here; a tmpfs parent would make the
-        // first call a no-op, and the test says so rather than pass for nothing.
+    /// A scratch directory off any tmpfs, under /var/tmp (on the root disk here): a tmpfs
+    /// parent would make the first call a no-op, and the test says so rather than pass for
+    /// nothing.
+    fn scratch_off_tmpfs() -> Option<tempfile::TempDir> {
         let base = tempfile::tempdir_in("/var/tmp").unwrap();
         if is_tmpfs(base.path()) {
             eprintln!("skipped: /var/tmp is a tmpfs on this machine");
-            return;
+            return None;
         }
+        Some(base)
+    }
+
+    #[test]
+    fn a_directory_off_tmpfs_gets_one_tmpfs_and_keeps_it() {
+        crab_sys::skip_unless_root!("mounting a tmpfs");
+        let Some(base) = scratch_off_tmpfs() else { return };
         let dir = base.path().join("run/criu");
         let _unmount = Unmount(dir.clone());
         assert_eq!(ensure_tmpfs(&dir).unwrap(), KdatDir::Mounted);
@@ -144,10 +147,7 @@ mod tests {
 
     #[test]
     fn a_directory_made_on_a_tmpfs_is_left_as_it_is() {
-        if !nix::unistd::Uid::effective().is_root() {
-            eprintln!("skipped: mounting needs root");
-            return;
-        }
+        crab_sys::skip_unless_root!("mounting a tmpfs");
         let base = tempfile::tempdir_in("/var/tmp").unwrap();
         let parent = base.path().join("run");
         std::fs::create_dir(&parent).unwrap();
@@ -161,15 +161,8 @@ mod tests {
 
     #[test]
     fn concurrent_first_calls_mount_once() {
-        if !nix::unistd::Uid::effective().is_root() {
-            eprintln!("skipped: mounting needs root");
-            return;
-        }
-        let base = tempfile::tempdir_in("/var/tmp").unwrap();
-        if is_tmpfs(base.path()) {
-            eprintln!("skipped: /var/tmp is a tmpfs on this machine");
-            return;
-        }
+        crab_sys::skip_unless_root!("mounting a tmpfs");
+        let Some(base) = scratch_off_tmpfs() else { return };
         let dir = base.path().join("criu");
         let _unmount = Unmount(dir.clone());
         // Every caller past its first look before the first mount is in place.

@@ -141,6 +141,11 @@ pub struct OciRuntime {
 /// connection to the shim would be an external socket CRIU refuses.
 #[async_trait::async_trait]
 pub trait DumpHooks: Send + Sync + std::fmt::Debug {
+    /// What the debug log calls the hook when it says how long each took.
+    fn name(&self) -> &'static str {
+        let full = std::any::type_name::<Self>();
+        full.rsplit("::").next().unwrap_or(full)
+    }
     async fn before_dump(&self);
     /// `dumped_to` is the image directory when the dump succeeded.
     async fn after_dump(&self, dumped_to: Option<&Path>);
@@ -394,8 +399,11 @@ impl OciRuntime {
             _ => d,
         });
         let hooks = self.dump_hooks.lock().expect("dump hooks lock").clone();
+        let mut each_hook = Vec::with_capacity(hooks.len());
         for hook in &hooks {
+            let started = std::time::Instant::now();
             hook.before_dump().await;
+            each_hook.push((hook.name(), started.elapsed()));
         }
         let hooked = std::time::Instant::now();
         let bound = deadline.map(|d| (d.after, ABANDON_GRACE));
@@ -419,7 +427,9 @@ impl OciRuntime {
             let ms = |a: std::time::Instant, b: std::time::Instant| (b - a).as_secs_f64() * 1e3;
             let kept = keep_last_dump_files(&self.root, id, opts.work_path.as_deref().unwrap_or(&opts.image_path));
             tracing::debug!(container = id, dump_step = "runtime", lock_ms = ms(asked, locked),
-                hooks_before_ms = ms(locked, hooked), runtime_ms = ms(hooked, ran),
+                hooks_before_ms = ms(locked, hooked),
+                each_hook_before = %each_hook.iter().map(|(name, took)| format!("{name}={:.1}", took.as_secs_f64() * 1e3)).collect::<Vec<_>>().join(","),
+                runtime_ms = ms(hooked, ran),
                 hooks_after_ms = ms(ran, std::time::Instant::now()),
                 criu_log = %kept.as_deref().map(Path::display).map(|d| d.to_string()).unwrap_or_default(),
                 "dump taken");
