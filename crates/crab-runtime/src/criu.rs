@@ -74,7 +74,20 @@ pub enum NetworkLock {
 
 /// The lock a dump of the processes in `pid`'s network namespace needs: none
 /// when its TCP sockets are all listening or closed. Unreadable tables lock.
+///
+/// The namespace's socket counters come first: with no TCP socket in use (most
+/// sandboxes) there is no connection, and the tables are not read. Reading
+/// `/proc/<pid>/net/tcp` walks the kernel's whole established-socket hash,
+/// shared by every namespace of the node, whatever the namespace holds: about
+/// 4 ms per table per read here, 13 ms of every dump's hooks before this.
 pub fn network_lock_for(pid: u32) -> NetworkLock {
+    let counters = ["sockstat", "sockstat6"].map(|f| std::fs::read_to_string(format!("/proc/{pid}/net/{f}")));
+    if let [Ok(v4), Ok(v6)] = &counters
+        && tcp_in_use(v4, "TCP") == Some(0)
+        && tcp_in_use(v6, "TCP6") == Some(0)
+    {
+        return NetworkLock::Skip;
+    }
     let tables = ["tcp", "tcp6"].map(|t| std::fs::read_to_string(format!("/proc/{pid}/net/{t}")));
     if tables.iter().any(Result::is_err) {
         return NetworkLock::Lock;
@@ -85,6 +98,20 @@ pub fn network_lock_for(pid: u32) -> NetworkLock {
 /// Whether a `/proc/net/tcp` table holds a connection: a socket that is not
 /// listening (0A), closed (07) or in TIME_WAIT (06; no process holds it and
 /// CRIU does not dump it).
+/// `inuse` of the `protocol:` line of a sockstat file: the namespace's sockets of that protocol
+/// in its hash tables (listening, connecting, connected or closing; not TIME_WAIT, which belongs
+/// to no process). None when the line is not there.
+fn tcp_in_use(sockstat: &str, protocol: &str) -> Option<u64> {
+    let line = sockstat.lines().find_map(|l| l.strip_prefix(protocol)?.strip_prefix(':'))?;
+    let mut words = line.split_whitespace();
+    while let Some(word) = words.next() {
+        if word == "inuse" {
+            return words.next()?.parse().ok();
+        }
+    }
+    None
+}
+
 fn has_tcp_connection(table: &str) -> bool {
     table.lines().skip(1).any(|line| !matches!(line.split_whitespace().nth(3), Some("0A" | "07" | "06") | None))
 }
@@ -279,5 +306,55 @@ mod tests {
         assert!(!has_tcp_connection(&format!("{header}{listening}{time_wait}")), "TIME_WAIT belongs to no process");
         assert!(has_tcp_connection(&format!("{header}{closing}")), "a connection on its way out is one");
         assert_eq!(network_lock_for(u32::MAX), NetworkLock::Lock, "no tables: lock");
+    }
+
+    #[test]
+    fn the_sockstat_counters_say_whether_any_tcp_socket_is_in_use() {
+        let v4 = "sockets: used 11\nTCP: inuse 3 orphan 0 tw 2 alloc 5 mem 102\nUDP: inuse 0 mem 0\n";
+        let v6 = "TCP6: inuse 0\nUDP6: inuse 1\n";
+        assert_eq!(tcp_in_use(v4, "TCP"), Some(3));
+        assert_eq!(tcp_in_use(v6, "TCP6"), Some(0));
+        assert_eq!(tcp_in_use(v6, "TCP"), None, "TCP6: is not TCP:");
+        assert_eq!(tcp_in_use("TCP: orphan 0\n", "TCP"), None);
+        assert_eq!(tcp_in_use("TCP: inuse x\n", "TCP"), None);
+    }
+
+    /// A namespace of its own (`unshare -n`): no TCP socket skips the lock (by the counters), a
+    /// listener alone still skips it (through the tables), a connection locks.
+    #[test]
+    fn a_real_namespace_locks_only_for_a_connection() {
+        use std::io::{BufRead, Write};
+        crab_sys::skip_unless_root!("a network namespace of its own");
+        let script = r#"ip link set lo up; echo empty; read _; exec python3 -c '
+import socket, sys
+l = socket.socket(); l.bind(("127.0.0.1", 0)); l.listen()
+print("listening", flush=True); sys.stdin.readline()
+c = socket.create_connection(l.getsockname()); a = l.accept()
+print("connected", flush=True); sys.stdin.readline()
+'"#;
+        let mut child = std::process::Command::new("unshare")
+            .args(["-n", "sh", "-c", script])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let mut stdin = child.stdin.take().unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut step = |expected: &str| {
+            let mut line = String::new();
+            out.read_line(&mut line).unwrap();
+            assert_eq!(line.trim(), expected);
+        };
+        step("empty");
+        assert_eq!(network_lock_for(pid), NetworkLock::Skip, "no socket");
+        stdin.write_all(b"\n").unwrap();
+        step("listening");
+        assert_eq!(network_lock_for(pid), NetworkLock::Skip, "a listener alone");
+        stdin.write_all(b"\n").unwrap();
+        step("connected");
+        assert_eq!(network_lock_for(pid), NetworkLock::Lock, "a connection");
+        stdin.write_all(b"\n").unwrap();
+        child.wait().unwrap();
     }
 }
