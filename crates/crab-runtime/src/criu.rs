@@ -95,23 +95,17 @@ pub fn network_lock_for(pid: u32) -> NetworkLock {
     if tables.iter().flatten().any(|table| has_tcp_connection(table)) { NetworkLock::Lock } else { NetworkLock::Skip }
 }
 
-/// Whether a `/proc/net/tcp` table holds a connection: a socket that is not
-/// listening (0A), closed (07) or in TIME_WAIT (06; no process holds it and
-/// CRIU does not dump it).
 /// `inuse` of the `protocol:` line of a sockstat file: the namespace's sockets of that protocol
 /// in its hash tables (listening, connecting, connected or closing; not TIME_WAIT, which belongs
 /// to no process). None when the line is not there.
 fn tcp_in_use(sockstat: &str, protocol: &str) -> Option<u64> {
     let line = sockstat.lines().find_map(|l| l.strip_prefix(protocol)?.strip_prefix(':'))?;
-    let mut words = line.split_whitespace();
-    while let Some(word) = words.next() {
-        if word == "inuse" {
-            return words.next()?.parse().ok();
-        }
-    }
-    None
+    line.split_whitespace().skip_while(|word| *word != "inuse").nth(1)?.parse().ok()
 }
 
+/// Whether a `/proc/net/tcp` table holds a connection: a socket that is not
+/// listening (0A), closed (07) or in TIME_WAIT (06; no process holds it and
+/// CRIU does not dump it).
 fn has_tcp_connection(table: &str) -> bool {
     table.lines().skip(1).any(|line| !matches!(line.split_whitespace().nth(3), Some("0A" | "07" | "06") | None))
 }
