@@ -305,6 +305,8 @@ async fn a_counter_process_continues_from_its_value_after_recover() {
 /// The pid namespace's next pid is sandbox state: a process started after a recovery gets the
 /// pid it got without the fault (a server's pid shows in `ss -p`, `$!`, its pid file). CRIU
 /// restores every pid but not the namespace's cursor, which then starts from the lowest free pid.
+/// Turns after the dump move it on: a file turn (its manifest keeps where its forks left it) and
+/// clean turns (their records do), so a recovery of either sets the cursor past their forks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recovered_sandbox_hands_out_the_pids_it_would_have() {
     crab_sys::skip_unless_root!("containerd, runc and CRIU");
@@ -316,21 +318,38 @@ async fn a_recovered_sandbox_hands_out_the_pids_it_would_have() {
     .await;
     let turns = sb.settled().await;
     assert_eq!((turns[0].class, turns[0].checkpoint_turn), (RecordedClass::Proc, Some(1)), "{turns:?}");
-    // A new process's pid, as the fault-free sandbox numbers it (the turn is clean: recovery
-    // comes back to turn 1, before this process existed).
-    let first = sb.exec_in(&sb.id.clone(), "sh -c 'echo $$'").await;
-    let first: u32 = first.trim().parse().unwrap();
+    // A file turn after the dump uses up more; its last child's pid is the newest one.
+    let last = sb.turn("for i in $(seq 30); do /bin/true; done; echo x > /f; /bin/true & echo $!; wait").await;
+    let last: u32 = last.trim().parse().unwrap_or_else(|e| panic!("the last child's pid: {last:?}: {e}"));
+    let turns = sb.settled().await;
+    assert_eq!((turns[1].class, turns[1].next_pid), (RecordedClass::Fs, Some(last + 1)), "{turns:?}");
     // Builtins only: no pid of the namespace is used to look (pid 1 is the entrypoint's sleep).
     let find_sleeper = "for p in /proc/[0-9]*; do read c < $p/comm 2>/dev/null; [ \"$c\" = sleep ] && [ ${p#/proc/} != 1 ] && echo ${p#/proc/}; done; true";
-    let sleeper = sb.exec_in(&sb.id.clone(), find_sleeper).await;
-    let sleeper_pid: u32 = sleeper.trim().parse().unwrap_or_else(|e| panic!("one sleeper: {sleeper:?}: {e}"));
-    assert!(first > sleeper_pid + 10, "pids after the sleeper were used: {first}, {sleeper}");
 
     sb.kill_processes().await;
     let report = sb.ctl().recover(&sb.id, None).await.unwrap();
-    assert_eq!(report.checkpoint_turn, Some(1));
+    assert_eq!(report.checkpoint_turn, Some(2));
+    // The turn's one fork (the exec's shell) gets the pid after the file turn's last.
     let again: u32 = sb.exec_in(&sb.id.clone(), "sh -c 'echo $$'").await.trim().parse().unwrap();
-    assert_eq!(again, first, "the recovered namespace's next pid");
+    assert_eq!(again, last + 1, "the recovered namespace's next pid, from the file turn's manifest");
+
+    // Clean turns (each forks its shell) move it on too, with no checkpoint of their own.
+    let sleeper = sb.exec_in(&sb.id.clone(), find_sleeper).await;
+    let sleeper_pid: u32 = sleeper.trim().parse().unwrap_or_else(|e| panic!("one sleeper: {sleeper:?}: {e}"));
+    assert!(last > sleeper_pid + 10, "pids after the sleeper were used: {last}, {sleeper}");
+    let first: u32 = sb.exec_in(&sb.id.clone(), "sh -c 'echo $$'").await.trim().parse().unwrap();
+    assert!(first > again, "{first} after {again}");
+    let turns = sb.settled().await;
+    let newest = turns.last().unwrap();
+    assert_eq!(
+        (newest.class, newest.checkpoint_turn, newest.next_pid),
+        (RecordedClass::Clean, Some(2), Some(first + 1))
+    );
+    sb.kill_processes().await;
+    let report = sb.ctl().recover(&sb.id, None).await.unwrap();
+    assert_eq!(report.checkpoint_turn, Some(2));
+    let after_clean: u32 = sb.exec_in(&sb.id.clone(), "sh -c 'echo $$'").await.trim().parse().unwrap();
+    assert_eq!(after_clean, first + 1, "the recovered namespace's next pid, from the clean turns' records");
     assert_eq!(sb.exec_in(&sb.id.clone(), find_sleeper).await, sleeper, "the sleeper came back with its pid");
 }
 

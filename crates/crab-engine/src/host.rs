@@ -36,6 +36,9 @@ const ROOTFS_DIFF_LIMIT: usize = 4 << 20;
 pub trait SandboxHost: Send + Sync {
     /// The container's init, as a host pid.
     fn init_pid(&self) -> u32;
+    /// How deep the container's pid namespace is (0: the host's; None: unknown), to tell
+    /// its forks from those of a namespace nested in it (see [`crab_inspector::NamespacePid`]).
+    fn pid_namespace_depth(&self) -> Option<u32>;
     /// Where the host reaches the container's root file system (captures read below it
     /// through descriptors, never following links).
     fn rootfs(&self) -> PathBuf;
@@ -70,6 +73,7 @@ pub struct ContainerHost {
     init_pid: u32,
     container_root: Option<Arc<ContainerRoot>>,
     cgroup_dir: Option<PathBuf>,
+    pid_namespace_depth: Option<u32>,
 }
 
 impl ContainerHost {
@@ -87,14 +91,30 @@ impl ContainerHost {
         let cgroup_dir = crab_inspector::cgroup2_path_of_pid(init_pid)
             .ok()
             .and_then(|relative| Some(crab_inspector::cgroup2_mount().ok()?.join(relative)));
-        Self { runtime, id: id.into(), init_pid, container_root, cgroup_dir }
+        // Read while the caller knows the pid is the init's (it is a namespace's: the depth
+        // of a pid's namespace never changes).
+        let pid_namespace_depth = std::fs::read_to_string(format!("/proc/{init_pid}/status"))
+            .ok()
+            .and_then(|status| pid_namespace_depth(&status));
+        Self { runtime, id: id.into(), init_pid, container_root, cgroup_dir, pid_namespace_depth }
     }
+}
+
+/// How deep a process's pid namespace is, from its `/proc/<pid>/status`: its `NSpid` line
+/// has its pid in every namespace from the host's down to its own.
+pub fn pid_namespace_depth(status: &str) -> Option<u32> {
+    let pids = status.lines().find_map(|line| line.strip_prefix("NSpid:"))?.split_whitespace().count();
+    u32::try_from(pids).ok()?.checked_sub(1)
 }
 
 #[async_trait::async_trait]
 impl SandboxHost for ContainerHost {
     fn init_pid(&self) -> u32 {
         self.init_pid
+    }
+
+    fn pid_namespace_depth(&self) -> Option<u32> {
+        self.pid_namespace_depth
     }
 
     fn rootfs(&self) -> PathBuf {

@@ -774,6 +774,7 @@ impl SandboxEngine {
             over_quota: None,
             runtime_execs: open.runtime_execs.clone(),
             shells: Vec::new(),
+            next_pid: None,
         };
         let (class, changed) = match self.policy.policy {
             Policy::Off => {
@@ -908,6 +909,7 @@ impl SandboxEngine {
         let tmpfs = self.mounts.tmpfs();
         let container_root = self.host.container_root();
         let quota = self.policy.quota_bytes();
+        let next_pid = record.next_pid;
         // Where the other names of a hard-linked file are looked for: the rootfs's own writable
         // layer, not the whole image (None when the rootfs is no overlay: then the rootfs).
         let upper = if changed.is_empty() { None } else { self.host.rootfs_diff_dir().ok() };
@@ -935,6 +937,7 @@ impl SandboxEngine {
             )?;
             staged.set_quota(quota);
             staged.set_shells(shells);
+            staged.set_next_pid(next_pid);
             Ok(staged)
         })
         .await;
@@ -1203,6 +1206,8 @@ impl SandboxEngine {
                 return (TurnClass::Proc, Vec::new());
             }
         };
+        // Every fork moves the cursor, the runtime's helpers' too.
+        record.next_pid = self.host.pid_namespace_depth().and_then(|depth| next_pid_after(&effects.effects, depth));
         let effects = turn_effects(effects, self.host.init_pid(), &self.host.helper_pids(), &self.work_dir);
         let verdict = classify(
             &effects.effects,
@@ -1332,6 +1337,22 @@ fn split_by_mount(
     (kept, external)
 }
 
+/// The pid the container's next process gets after `effects`: the one after the highest the
+/// effects' forks were given in the container's pid namespace (`depth` deep; a namespace nested
+/// in it numbers apart), None when the inspector numbered no fork there. The highest, not the
+/// last recorded: two forks on two CPUs may be recorded out of their pids' order. (A namespace
+/// whose pids wrapped around within the turn gets a cursor past the pids before the wrap.)
+pub fn next_pid_after(effects: &[Effect], depth: u32) -> Option<u32> {
+    effects
+        .iter()
+        .filter_map(|e| match e.kind {
+            EffectKind::Fork { in_namespace: Some(ns), .. } if ns.depth == depth => Some(ns.pid),
+            _ => None,
+        })
+        .max()
+        .map(|pid| pid.saturating_add(1))
+}
+
 /// The effects of a turn that the turn's own work made: left out are the container coming up
 /// (the init before it execs the entrypoint, which races the end of Start, and the forks that
 /// made the init and the runtime's helpers: turn 0, the image, stands for them), what the
@@ -1356,7 +1377,7 @@ pub fn turn_effects(
         .max();
     let start_up = |e: &Effect| {
         (e.pid == init_pid && init_exec_ns.is_some_and(|exec| e.time_ns <= exec))
-            || matches!(e.kind, EffectKind::Fork { child } if child == init_pid || helpers.contains(&child))
+            || matches!(e.kind, EffectKind::Fork { child, .. } if child == init_pid || helpers.contains(&child))
     };
     TurnEffects {
         effects: effects

@@ -92,6 +92,10 @@ impl SandboxHost for RecordingHost {
         1
     }
 
+    fn pid_namespace_depth(&self) -> Option<u32> {
+        Some(1)
+    }
+
     fn rootfs(&self) -> PathBuf {
         self.rootfs.clone()
     }
@@ -166,9 +170,20 @@ struct ScriptedEffects {
 
 impl ScriptedEffects {
     fn push(&self, kind: EffectKind) {
+        self.push_as(WORKER, kind);
+    }
+
+    fn push_as(&self, pid: u32, kind: EffectKind) {
         let time_ns = crab_inspector::monotonic_now_ns();
-        let effect = Effect { time_ns, pid: WORKER, tid: WORKER, comm: "sh".into(), result: 0, kind };
+        let effect = Effect { time_ns, pid, tid: pid, comm: "sh".into(), result: 0, kind };
         self.pending.lock().unwrap().effects.push(effect);
+    }
+
+    /// The workload forks `child` (`in_namespace` in the namespace `depth` deep), which exits.
+    fn fork_and_exit(&self, child: u32, in_namespace: u32, depth: u32) {
+        let in_namespace = Some(crab_inspector::NamespacePid { pid: in_namespace, depth });
+        self.push(EffectKind::Fork { child, in_namespace });
+        self.push_as(child, EffectKind::Exit { status: 0 });
     }
 
     fn lose(&self, records: u64) {
@@ -364,6 +379,37 @@ async fn policy_off_never_dumps_or_stores() {
     assert_eq!(sandbox.store.head(&sandbox.key).unwrap(), None);
 }
 
+/// Each turn's record says where its forks left the container's pid cursor (a namespace
+/// nested in the container's numbers apart), clean turns' too; a file turn's manifest keeps
+/// it, for a restore of that turn from the process turn before it.
+#[tokio::test]
+async fn turns_record_where_their_forks_left_the_pid_cursor() {
+    let mut sandbox = Sandbox::new(Policy::Crab).await;
+    sandbox.host.set_cpu(WORKER, 1_000_000);
+    let dumped = sandbox
+        .turn(|s| {
+            s.host.set_cpu(WORKER, 9_000_000);
+            s.effects.fork_and_exit(5001, 5, 1);
+        })
+        .await;
+    assert_eq!((dumped.class, dumped.next_pid), (RecordedClass::Proc, Some(6)), "{dumped:?}");
+    let files = sandbox
+        .turn(|s| {
+            s.effects.fork_and_exit(5002, 12, 1);
+            s.effects.fork_and_exit(5003, 11, 1);
+            // In a pid namespace the workload made inside the container: not its cursor.
+            s.effects.fork_and_exit(5004, 40, 2);
+            s.write("/work/a", "a");
+        })
+        .await;
+    assert_eq!((files.class, files.next_pid), (RecordedClass::Fs, Some(13)), "{files:?}");
+    assert_eq!(sandbox.store.restore_next_pid(&sandbox.key, 2).unwrap(), Some(13));
+    let clean = sandbox.turn(|s| s.effects.fork_and_exit(5005, 20, 1)).await;
+    assert_eq!((clean.class, clean.next_pid), (RecordedClass::Clean, Some(21)), "{clean:?}");
+    let quiet = sandbox.turn(|_| {}).await;
+    assert_eq!((quiet.class, quiet.next_pid), (RecordedClass::Clean, None), "{quiet:?}");
+}
+
 fn effect(pid: u32, time_ns: u64, kind: EffectKind) -> Effect {
     Effect { time_ns, pid, tid: pid, comm: "x".into(), result: 0, kind }
 }
@@ -383,7 +429,7 @@ fn turn_effects_leave_out_start_up_helpers_and_the_dump() {
             effect(init, 1, open("/dev/.crab/sock", true)),
             effect(init, 2, exec.clone()),
             effect(init, 3, open("/app/after-exec", true)),
-            effect(1, 4, EffectKind::Fork { child: helper }),
+            effect(1, 4, EffectKind::Fork { child: helper, in_namespace: None }),
             effect(helper, 5, open("/tmp/helper", true)),
             effect(worker, 6, open("/run/containerd/bundle/crab/dump.log", false)),
             effect(worker, 7, open("/app/work", true)),

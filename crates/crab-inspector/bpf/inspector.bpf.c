@@ -1026,6 +1026,21 @@ int BPF_PROG(on_fork, struct task_struct *parent, struct task_struct *child)
 	if (!r)
 		return 0;
 	r->h.arg[0] = BPF_CORE_READ(child, tgid);
+	/*
+	 * The child's pid as its own (innermost) pid namespace numbers it, and that
+	 * namespace's depth: the newest of these is the namespace's cursor, which a
+	 * restore sets again (CRIU restores pids, not the cursor). numbers[] has
+	 * level + 1 entries, so numbers[level] is in bounds.
+	 */
+	struct pid *tp = BPF_CORE_READ(child, thread_pid);
+	unsigned int level = BPF_CORE_READ(tp, level);
+	struct upid innermost = {};
+	if (tp && !bpf_probe_read_kernel(&innermost, sizeof(innermost),
+					 (void *)tp + bpf_core_field_offset(struct pid, numbers) +
+						 (__u64)level * bpf_core_type_size(struct upid))) {
+		r->h.arg[1] = (__u32)innermost.nr;
+		r->h.arg[2] = level;
+	}
 	r->h.ts_ns = bpf_ktime_get_ns();
 	publish(r);
 	return 0;

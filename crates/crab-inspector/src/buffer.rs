@@ -318,7 +318,7 @@ mod tests {
     }
 
     fn fork(pid: u32, time_ns: u64, child: u32) -> Effect {
-        Effect { time_ns, ..Effect::of_shell(pid, EffectKind::Fork { child }) }
+        Effect { time_ns, ..Effect::of_shell(pid, EffectKind::Fork { child, in_namespace: None }) }
     }
 
     #[test]
@@ -397,7 +397,7 @@ mod tests {
         }
         // A fork after the cut is still kept.
         buffer.push(fork(1, t + 1, 99));
-        assert!(buffer.entries.iter().any(|h| matches!(h.effect.kind, EffectKind::Fork { child: 99 })));
+        assert!(buffer.entries.iter().any(|h| matches!(h.effect.kind, EffectKind::Fork { child: 99, .. })));
         // A later file effect is not, even a small one that would fit.
         let before = buffer.len();
         buffer.push(rename(1, t + 2, "/s", "/t"));

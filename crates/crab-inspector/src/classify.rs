@@ -215,7 +215,7 @@ fn classify_processes(effects: &[Effect], options: &ClassifyOptions, verdict: &m
     let mut started: Vec<(u32, String)> = Vec::new();
     for effect in effects {
         let pid = match effect.kind {
-            EffectKind::Fork { child } => child,
+            EffectKind::Fork { child, .. } => child,
             EffectKind::Exec { .. } => effect.pid,
             _ => continue,
         };
@@ -390,14 +390,14 @@ mod tests {
     fn exited_children_are_clean_survivors_are_proc() {
         let finished = [
             effect(10, EffectKind::Exec { path: EffectPath::resolved("/bin/bash"), filename: "/bin/bash".into() }),
-            effect(10, EffectKind::Fork { child: 11 }),
+            effect(10, EffectKind::Fork { child: 11, in_namespace: None }),
             effect(11, EffectKind::Exit { status: 0 }),
             effect(10, EffectKind::Exit { status: 0 }),
         ];
         assert_eq!(classify_plain(&finished).class, TurnClass::Clean);
 
         let mut background = finished.to_vec();
-        background.push(effect(10, EffectKind::Fork { child: 12 }));
+        background.push(effect(10, EffectKind::Fork { child: 12, in_namespace: None }));
         let c = classify_plain(&background);
         assert_eq!(c.class, TurnClass::Proc);
         assert_eq!(c.reasons, vec![Reason::ProcessSurvives { pid: 12, comm: "sh".into() }]);
@@ -438,7 +438,7 @@ mod tests {
     fn a_child_forked_and_killed_in_the_turn_is_not_from_before() {
         let effects = [
             effect(10, EffectKind::Exec { path: EffectPath::resolved("/bin/bash"), filename: "/bin/bash".into() }),
-            effect(10, EffectKind::Fork { child: 11 }),
+            effect(10, EffectKind::Fork { child: 11, in_namespace: None }),
             effect(11, EffectKind::Exit { status: 9 }),
             effect(10, EffectKind::Exit { status: 0 }),
         ];
@@ -453,7 +453,7 @@ mod tests {
         assert_eq!(c.class, TurnClass::Proc);
         assert!(matches!(&c.reasons[0], Reason::Listening { pid: 7, addr } if addr == "0.0.0.0:8000"));
 
-        let fork = effect(1, EffectKind::Fork { child: 7 });
+        let fork = effect(1, EffectKind::Fork { child: 7, in_namespace: None });
         let closed = classify_plain(&[fork, listen, effect(7, EffectKind::Exit { status: 0 })]);
         assert_eq!(closed.class, TurnClass::Clean);
     }

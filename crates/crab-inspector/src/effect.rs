@@ -184,6 +184,19 @@ impl AsyncIoCall {
     }
 }
 
+/// A pid as the innermost pid namespace of its process numbers it.
+///
+/// A pid namespace hands out the pid after the last one it handed out, so the newest fork's
+/// number in a container's namespace is that namespace's cursor: CRIU restores every pid but
+/// not the cursor, and a restore sets it from these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct NamespacePid {
+    pub pid: u32,
+    /// How deep the namespace is (the host's is 0, a container's usually 1): a namespace
+    /// nested inside the container numbers its processes apart.
+    pub depth: u32,
+}
+
 /// One thing a process in a watched container did.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Effect {
@@ -317,6 +330,10 @@ pub enum EffectKind {
     /// A new process `child` (not a thread) forked by `pid`.
     Fork {
         child: u32,
+        /// The child's pid in its own pid namespace (None from an inspector that did not
+        /// read it): the newest one is that namespace's cursor (see [`NamespacePid`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        in_namespace: Option<NamespacePid>,
     },
     /// `pid` executed `path` (the resolved executable); `filename` is as passed to execve.
     Exec {
@@ -444,7 +461,10 @@ impl fmt::Display for Effect {
                 write!(f, "{source} ({fs_type}) on {target}")
             }
             EffectKind::MoveMount { to, from } => write!(f, "{from} -> {to}"),
-            EffectKind::Fork { child } => write!(f, "child {child}"),
+            EffectKind::Fork { child, in_namespace: None } => write!(f, "child {child}"),
+            EffectKind::Fork { child, in_namespace: Some(ns) } => {
+                write!(f, "child {child} ({} at depth {})", ns.pid, ns.depth)
+            }
             EffectKind::Exec { path, .. } => write!(f, "{path}"),
             EffectKind::Exit { status } => write!(f, "status {status:#x}"),
             other => match other.changed_paths().first() {

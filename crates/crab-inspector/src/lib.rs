@@ -74,7 +74,7 @@ pub use cgroup::{CgroupError, cgroup_id_of_dir, cgroup_id_of_pid, cgroup_level, 
 pub use classify::{
     Classification, ClassifyOptions, DEFAULT_IGNORED_PREFIXES, ProcessRan, Reason, TurnClass, classify,
 };
-pub use effect::{AsyncIoCall, Effect, EffectKind, EffectPath, SockAddr, WriteVia};
+pub use effect::{AsyncIoCall, Effect, EffectKind, EffectPath, NamespacePid, SockAddr, WriteVia};
 pub use mounts::{MountEntry, MountTable, MountsError};
 pub use record::RecordError;
 pub use tracefs::TracefsError;

@@ -5,7 +5,7 @@ use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
-use super::effect::{AsyncIoCall, Effect, EffectKind, EffectPath, SockAddr, WriteVia};
+use super::effect::{AsyncIoCall, Effect, EffectKind, EffectPath, NamespacePid, SockAddr, WriteVia};
 
 // Mirrors `enum record_kind`.
 const KIND_OPEN: u32 = 1;
@@ -284,7 +284,12 @@ impl<'a> RawRecord<'a> {
             },
             KIND_UMOUNT => EffectKind::Unmount { target: self.path(0)?, flags: self.arg(0) },
             KIND_MOVE_MOUNT => EffectKind::MoveMount { to: self.path(0)?, from: self.path(1)? },
-            KIND_FORK => EffectKind::Fork { child: self.arg(0) as u32 },
+            KIND_FORK => EffectKind::Fork {
+                child: self.arg(0) as u32,
+                // 0 is no process's pid: the program could not read the child's.
+                in_namespace: (self.arg(1) != 0)
+                    .then(|| NamespacePid { pid: self.arg(1) as u32, depth: self.arg(2) as u32 }),
+            },
             KIND_EXEC => {
                 EffectKind::Exec { path: self.path(0)?, filename: self.verbatim(1)?.to_string_lossy().into_owned() }
             }
@@ -575,6 +580,16 @@ mod tests {
     fn unix_socket_path_resolves_against_cwd() {
         let bytes = RecordBuilder::new(KIND_BIND).extra(&AF_UNIX.to_ne_bytes()).path(0, &["run"], "s.sock", 0).bytes();
         assert_eq!(kind_of(&bytes), EffectKind::Bind { addr: SockAddr::Unix(EffectPath::resolved("/run/s.sock")) });
+    }
+
+    #[test]
+    fn a_fork_names_the_child_in_both_namespaces_when_it_could_read_both() {
+        let bytes = RecordBuilder::new(KIND_FORK).arg(0, 4711).arg(1, 23).arg(2, 1).bytes();
+        let in_namespace = Some(NamespacePid { pid: 23, depth: 1 });
+        assert_eq!(kind_of(&bytes), EffectKind::Fork { child: 4711, in_namespace });
+        // The program leaves 0 where it could not read the child's pid.
+        let unread = RecordBuilder::new(KIND_FORK).arg(0, 4711).bytes();
+        assert_eq!(kind_of(&unread), EffectKind::Fork { child: 4711, in_namespace: None });
     }
 
     #[test]

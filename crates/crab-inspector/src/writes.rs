@@ -209,7 +209,7 @@ impl WriteMemory {
                 }
             }
             // A forked child shares its parent's MAP_SHARED mappings.
-            EffectKind::Fork { child } => {
+            EffectKind::Fork { child, .. } => {
                 let inherited: Vec<LiveMapping> = self
                     .mappings
                     .iter()
@@ -532,7 +532,7 @@ mod tests {
     fn children_inherit_mappings_and_exec_drops_them() {
         let mut memory = WriteMemory::default();
         memory.observe(&write(7, 0xa0, WriteVia::SharedMapping, 10));
-        memory.observe(&process(7, EffectKind::Fork { child: 8 }));
+        memory.observe(&process(7, EffectKind::Fork { child: 8, in_namespace: None }));
         memory.observe(&process(
             7,
             EffectKind::Exec { path: EffectPath::resolved("/bin/true"), filename: "true".into() },

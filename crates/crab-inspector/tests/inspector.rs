@@ -12,8 +12,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crab_inspector::{
-    AsyncIoCall, ClassifyOptions, Effect, EffectKind, EffectPath, Inspector, InspectorConfig, Reason, SockAddr,
-    TurnClass, WatchedContainer, cgroup_id_of_dir, cgroup2_mount, classify,
+    AsyncIoCall, ClassifyOptions, Effect, EffectKind, EffectPath, Inspector, InspectorConfig, NamespacePid, Reason,
+    SockAddr, TurnClass, WatchedContainer, cgroup_id_of_dir, cgroup2_mount, classify,
 };
 
 const PYTHON: &str = "/usr/bin/python3";
@@ -183,7 +183,7 @@ async fn shell_file_operations_resolve_to_absolute_paths() {
     let children: Vec<u32> = effects
         .iter()
         .filter_map(|e| match e.kind {
-            EffectKind::Fork { child } if e.pid == sh_pid => Some(child),
+            EffectKind::Fork { child, .. } if e.pid == sh_pid => Some(child),
             _ => None,
         })
         .collect();
@@ -205,6 +205,49 @@ async fn shell_file_operations_resolve_to_absolute_paths() {
     assert_eq!(verdict.class, TurnClass::Fs, "{verdict:#?}");
     assert!(!verdict.external && !verdict.escalated);
     assert!(effects.iter().all(|e| time_is_monotonic_now_ish(e.time_ns)), "timestamps are CLOCK_MONOTONIC");
+}
+
+/// How deep this process's pid namespace is (0 on the host), from its `NSpid` line.
+fn own_pid_namespace_depth() -> u32 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let nspid = status.lines().find_map(|l| l.strip_prefix("NSpid:")).expect("NSpid line");
+    nspid.split_whitespace().count() as u32 - 1
+}
+
+/// A fork's record carries the child's pid as its own pid namespace numbers it: a restore
+/// sets a container's pid cursor from the newest of them.
+#[tokio::test]
+async fn forks_carry_the_childs_pid_in_its_own_namespace() {
+    crab_sys::skip_unless_root!("BPF programs, cgroups and a pid namespace");
+    let cgroup = TestCgroup::new("nspid");
+    let inspector = watching("nspid", &cgroup).await;
+    let depth = own_pid_namespace_depth();
+
+    // sh forks true and unshare in this namespace; unshare forks the new namespace's first
+    // process (sh, 1), which forks two (2 and 3).
+    let script = "/bin/true; unshare --pid --fork /bin/sh -c '/bin/true; /bin/true; echo'";
+    let sh = cgroup.command("/bin/sh", &["-c", script]).spawn().unwrap();
+    assert!(sh.wait_with_output().unwrap().status.success());
+    let effects = drain_all(&inspector, "nspid").await;
+
+    let forks: Vec<(u32, Option<NamespacePid>)> = effects
+        .iter()
+        .filter_map(|e| match e.kind {
+            EffectKind::Fork { child, in_namespace } => Some((child, in_namespace)),
+            _ => None,
+        })
+        .collect();
+    let at = |d: u32| -> Vec<(u32, u32)> {
+        forks.iter().filter_map(|(child, ns)| ns.filter(|ns| ns.depth == d).map(|ns| (*child, ns.pid))).collect()
+    };
+    assert_eq!(at(depth + 1).iter().map(|(_, pid)| *pid).collect::<Vec<_>>(), [1, 2, 3], "{forks:#?}");
+    let outer = at(depth);
+    assert_eq!(outer.len(), 2, "true and unshare: {forks:#?}");
+    assert_eq!(outer.len() + 3, forks.len(), "every fork says where it was numbered: {forks:#?}");
+    if depth == 0 {
+        // On the host a pid is its own namespace's number.
+        assert!(outer.iter().all(|(child, pid)| child == pid), "{forks:#?}");
+    }
 }
 
 fn time_is_monotonic_now_ish(time_ns: u64) -> bool {
@@ -361,7 +404,7 @@ async fn background_process_survives_the_turn() {
     let sleep_pid: u32 = String::from_utf8(output.stdout).unwrap().trim().parse().unwrap();
     let effects = drain_all(&inspector, "background").await;
 
-    let forked = effects.iter().any(|e| matches!(e.kind, EffectKind::Fork { child } if child == sleep_pid));
+    let forked = effects.iter().any(|e| matches!(e.kind, EffectKind::Fork { child, .. } if child == sleep_pid));
     assert!(forked, "{effects:#?}");
     let exec = effects.iter().find(|e| e.pid == sleep_pid && matches!(e.kind, EffectKind::Exec { .. })).unwrap();
     let EffectKind::Exec { path, .. } = &exec.kind else { unreachable!() };

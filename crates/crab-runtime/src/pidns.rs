@@ -54,9 +54,12 @@ pub async fn set_next_pid(reaper: &Reaper, init: &OwnedFd, next: u32) -> std::io
     Ok(())
 }
 
-/// Records `next` beside a dump's images.
+/// Records `next` beside a dump's images, replacing what was there. A new file renamed over
+/// the old one: a restore's images are links to the kept copy, which a write would change.
 pub fn record_in_images(images: &Path, next: u32) -> std::io::Result<()> {
-    std::fs::write(images.join(NEXT_PID_FILE), format!("{next}\n"))
+    let tmp = images.join(format!(".{NEXT_PID_FILE}.tmp"));
+    std::fs::write(&tmp, format!("{next}\n"))?;
+    std::fs::rename(&tmp, images.join(NEXT_PID_FILE))
 }
 
 /// The next pid a dump recorded beside its images; None for images without one (taken
@@ -188,6 +191,20 @@ mod tests {
             let err = recorded_in_images(dir.path()).unwrap_err();
             assert!(err.contains(NEXT_PID_FILE) && err.contains("not a pid"), "{bad}: {err}");
         }
+    }
+
+    /// A restore's images are links to the kept copy: a later turn's cursor replaces the file
+    /// in the restore's directory and leaves the kept one as its dump wrote it.
+    #[test]
+    fn a_newer_next_pid_replaces_a_linked_file_without_writing_through_it() {
+        let (kept, restore) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        record_in_images(kept.path(), 20).unwrap();
+        std::fs::hard_link(kept.path().join(NEXT_PID_FILE), restore.path().join(NEXT_PID_FILE)).unwrap();
+        record_in_images(restore.path(), 48).unwrap();
+        assert_eq!(recorded_in_images(restore.path()), Ok(Some(48)));
+        assert_eq!(recorded_in_images(kept.path()), Ok(Some(20)));
+        let names: Vec<_> = std::fs::read_dir(restore.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, [NEXT_PID_FILE], "no temporary file left");
     }
 
     /// The pid a new process in `init`'s pid namespace gets, as that namespace numbers it

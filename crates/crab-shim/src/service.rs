@@ -1091,6 +1091,9 @@ async fn prepare_restore(
         let rootfs_ms = rootfs_done?;
         let (images, dest, images_ms) = images?;
         let shells = store.shell_restores(&src, turn)?;
+        if images.is_some() {
+            set_next_pid_in_images(&store, &state_dir, &src, turn, &dest)?;
+        }
         let clock = std::time::Instant::now();
         if src != new {
             store.fork(&src, turn, &new)?;
@@ -1117,6 +1120,35 @@ async fn prepare_restore(
     .map_err(|e| failed(&e))?
     .map_err(|e| failed(&e))?;
     Ok(restored)
+}
+
+/// CRIU restores every pid but not the pid namespace's cursor: the dump recorded it beside its
+/// images ([`crab_runtime::pidns`]), and the turns after the dump that forked moved it on. The
+/// newest of them that `turn`'s checkpoint stands for says where it stood: the clean turns
+/// after it (in the turn log, on the node that ran them), else the file-system turns between
+/// the images and it (in their manifests, which travel with the checkpoint).
+fn set_next_pid_in_images(
+    store: &crab_store::CheckpointStore,
+    state_dir: &Path,
+    src: &str,
+    turn: u64,
+    images: &Path,
+) -> Result<(), crab_store::CheckpointError> {
+    let after_clean = match crab_store::turns::TurnLog::open(state_dir, src).and_then(|log| log.read()) {
+        Ok(records) => crab_store::turns::next_pid_after_clean_turns(&records, turn),
+        Err(e) => {
+            tracing::warn!(container = src, error = %e, "turn log unread: the pid cursor of the clean turns after the checkpoint is not restored");
+            None
+        }
+    };
+    let Some(next) = after_clean.or(store.restore_next_pid(src, turn)?) else { return Ok(()) };
+    match crab_runtime::pidns::record_in_images(images, next) {
+        Ok(()) => tracing::debug!(container = src, turn, next, "pid cursor of a turn after the dump"),
+        Err(e) => {
+            tracing::warn!(container = src, turn, next, error = %e, "the restore sets the pid cursor its dump recorded")
+        }
+    }
+    Ok(())
 }
 
 async fn copy_dir(from: &Path, to: &Path) -> Result<(), ShimError> {

@@ -109,6 +109,7 @@ pub struct StagedTurn {
     /// Bytes the sandbox's chain may reference with this checkpoint (None: no bound).
     quota: Option<u64>,
     shells: Vec<ShellState>,
+    next_pid: Option<u32>,
     _lock: File,
 }
 
@@ -136,6 +137,11 @@ impl StagedTurn {
             self.class = TurnClass::Fs;
         }
         self.shells = shells;
+    }
+
+    /// The container's pid cursor after this turn (see [`Manifest::next_pid`]).
+    pub fn set_next_pid(&mut self, next_pid: Option<u32>) {
+        self.next_pid = next_pid;
     }
 
     pub fn turn(&self) -> u64 {
@@ -295,6 +301,16 @@ impl Chain {
                 }
             })
             .collect()
+    }
+
+    /// The pid cursor a restore of link `index` sets when a turn after its images' moved it
+    /// (see [`Manifest::next_pid`]): the newest such turn's. None leaves the cursor the dump
+    /// recorded beside the images, or none without images.
+    pub(crate) fn next_pid_at(&self, index: usize) -> Option<u32> {
+        let (images_turn, _) = self.images_at(index)?;
+        let listed = self.links[index..].iter().map(|(_, m)| (m.turn, m.next_pid));
+        let folded = self.snapshot.iter().map(|s| (s.turn, s.next_pid));
+        listed.chain(folded).take_while(|(turn, _)| *turn > images_turn).find_map(|(_, next)| next)
     }
 
     /// Every listing a restore of link `index` may need (see [`shells_at`](Self::shells_at)),
@@ -1042,6 +1058,7 @@ impl CheckpointStore {
             criu_images: input.criu_images.map(Path::to_owned),
             quota: None,
             shells: Vec::new(),
+            next_pid: None,
             _lock: lock,
         })
     }
@@ -1056,7 +1073,8 @@ impl CheckpointStore {
     /// [`publish`](Self::publish) with the new blob bytes and then the manifest drawn from
     /// `tokens` chunk by chunk as they go to the disk (only HEAD, under 100 bytes, is not drawn).
     pub fn publish_paced(&self, staged: StagedTurn, tokens: &mut dyn WriteTokens) -> Result<CommitReport> {
-        let StagedTurn { container, turn, class, fs_delta, blobs, criu_images, quota, shells, _lock } = staged;
+        let StagedTurn { container, turn, class, fs_delta, blobs, criu_images, quota, shells, next_pid, _lock } =
+            staged;
         let parent = self.head(&container)?;
         if let Some(head) = &parent {
             if turn <= head.turn {
@@ -1095,6 +1113,7 @@ impl CheckpointStore {
             fs_delta,
             images,
             shells,
+            next_pid,
         };
         let (id, bytes) = seal(&manifest, "manifest")?;
         // A process turn's manifest lists every chunk of its images (tens of KiB): it is
@@ -1364,7 +1383,6 @@ impl CheckpointStore {
         Ok(self.restore_images_report(container, turn, dest)?.map(|(images_turn, _)| images_turn))
     }
 
-    /// [`restore_images`](Self::restore_images), also saying what was written.
     /// The shell sessions a restore of `turn` brings back through process images, with the
     /// state to bring each to (see [`ShellRestore`]).
     pub fn shell_restores(&self, container: &str, turn: u64) -> Result<Vec<ShellRestore>> {
@@ -1373,6 +1391,15 @@ impl CheckpointStore {
         Ok(chain.shells_at(chain.index_of(container, turn)?))
     }
 
+    /// The pid cursor a restore of `turn` sets when a file-system turn after its images moved
+    /// it (see [`Manifest::next_pid`]); None: the one the dump recorded beside its images.
+    pub fn restore_next_pid(&self, container: &str, turn: u64) -> Result<Option<u32>> {
+        let _lock = self.lock(false)?;
+        let (_, chain) = self.chain(container)?;
+        Ok(chain.next_pid_at(chain.index_of(container, turn)?))
+    }
+
+    /// [`restore_images`](Self::restore_images), also saying what was written.
     pub fn restore_images_report(
         &self,
         container: &str,

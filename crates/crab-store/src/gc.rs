@@ -201,6 +201,7 @@ impl CheckpointStore {
                         entries: chain.fold(oldest).into_values().collect(),
                         images: chain.images_at(oldest).map(|(turn, set)| (turn, set.clone())),
                         shells: chain.shell_listings_at(oldest),
+                        next_pid: chain.next_pid_at(oldest),
                     };
                     let (_, bytes) = seal(&snapshot, "snapshot")?;
                     publish_file(

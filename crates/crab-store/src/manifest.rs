@@ -194,6 +194,12 @@ pub struct Manifest {
     /// shells to. Listed only where it changed since the session's last listing.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub shells: Vec<ShellState>,
+    /// The pid the container's next process gets after this turn, as the inspector saw the
+    /// turn's forks numbered in the container's pid namespace (None when it saw none). CRIU
+    /// restores every pid but not that cursor, and only a process dump reads it (it is beside
+    /// its images): a restore of a later file-system turn sets it from here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_pid: Option<u32>,
 }
 
 /// Variables bash keeps itself (dynamic, or mirrors of other state, or the pid of its parent,
@@ -403,6 +409,9 @@ pub struct Snapshot {
     /// the images' turn and the newest of each session.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub shells: Vec<(u64, ShellState)>,
+    /// The newest [`Manifest::next_pid`] at or below `at` and above the images' turn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_pid: Option<u32>,
 }
 
 /// Every blob a list of entries and an image set reference, except the chunks behind chunk lists.
@@ -502,6 +511,7 @@ mod tests {
             ],
             images: None,
             shells: Vec::new(),
+            next_pid: Some(54),
         }
     }
 

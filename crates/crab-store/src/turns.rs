@@ -362,6 +362,11 @@ pub struct TurnRecord {
     /// The shell sessions crab asked for their state at this turn's end.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub shells: Vec<ShellAsked>,
+    /// The pid the container's next process gets after this turn, when the turn forked
+    /// (see [`crate::Manifest::next_pid`]). Kept for clean turns too, which write no
+    /// manifest: a recovery of their checkpoint sets the cursor past their forks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_pid: Option<u32>,
 }
 
 /// One shell session asked for its state at a turn's end (see crab-engine's `shell` module).
@@ -517,6 +522,18 @@ impl TurnLog {
     }
 }
 
+/// The pid cursor the newest of the turns that checkpoint `checkpoint` stands for (the clean
+/// turns after it, which wrote no manifest) left, when one of them forked (see
+/// [`TurnRecord::next_pid`]).
+pub fn next_pid_after_clean_turns(records: &[TurnRecord], checkpoint: u64) -> Option<u32> {
+    records
+        .iter()
+        .filter(|r| r.turn > checkpoint && r.checkpoint_turn == Some(checkpoint) && r.class == RecordedClass::Clean)
+        .filter_map(|r| Some((r.turn, r.next_pid?)))
+        .max_by_key(|(turn, _)| *turn)
+        .map(|(_, next)| next)
+}
+
 pub fn unix_ms(t: std::time::SystemTime) -> u64 {
     t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
@@ -612,6 +629,48 @@ mod tests {
     }
 
     #[test]
+    fn a_recovery_takes_the_pid_cursor_of_the_newest_clean_turn_that_forked() {
+        let rec = |turn: u64, class: RecordedClass, checkpoint: u64, next_pid: Option<u32>| TurnRecord {
+            turn,
+            exec_id: None,
+            source: TurnSource::Stdin,
+            started_unix_ms: 0,
+            ended_unix_ms: 0,
+            class,
+            external: false,
+            escalated: false,
+            reasons: Vec::new(),
+            checkpoint_turn: Some(checkpoint),
+            superseded_by: None,
+            bytes_written: 0,
+            capture_ms: 0.0,
+            dump_ms: None,
+            checkpoint_ms: 0.0,
+            policy: Policy::Crab,
+            dump_failures: Vec::new(),
+            over_quota: None,
+            runtime_execs: Vec::new(),
+            shells: Vec::new(),
+            next_pid,
+        };
+        use RecordedClass::{Clean, Fs};
+        let records = [
+            rec(3, Fs, 3, Some(30)),
+            rec(4, Clean, 3, Some(41)),
+            rec(5, Clean, 3, Some(52)),
+            // Forked nothing: turn 5's cursor stands.
+            rec(6, Clean, 3, None),
+            rec(7, Fs, 7, Some(70)),
+            rec(8, Clean, 7, Some(81)),
+        ];
+        assert_eq!(next_pid_after_clean_turns(&records, 3), Some(52));
+        assert_eq!(next_pid_after_clean_turns(&records, 7), Some(81));
+        // The checkpoint's own turn is in its manifest, not here; no clean turn after 8.
+        assert_eq!(next_pid_after_clean_turns(&records, 8), None);
+        assert_eq!(next_pid_after_clean_turns(&records[..1], 3), None);
+    }
+
+    #[test]
     fn turn_log_round_trips_and_skips_a_torn_tail() {
         let dir = tempfile::tempdir().unwrap();
         let log = TurnLog::open(dir.path(), "c1").unwrap();
@@ -643,6 +702,7 @@ mod tests {
                 listed: true,
                 unvouched: Some("it knows jobs".into()),
             }],
+            next_pid: Some(54),
         };
         log.append(&rec).unwrap();
         log.append(&TurnRecord { turn: 2, ..rec.clone() }).unwrap();

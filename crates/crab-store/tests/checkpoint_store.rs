@@ -1564,6 +1564,47 @@ fn shell_states_listed_by_turns_come_back_with_the_images_that_hold_their_shell(
     assert_eq!(at(6)[0].base, None);
 }
 
+/// Commits `turn` of c1 with the pid cursor its forks left: a process turn when `dump` is given.
+fn commit_with_next_pid(sb: &Sandbox, turn: u64, dump: Option<&Path>, next_pid: Option<u32>) {
+    let mut staged = sb
+        .store
+        .stage_turn(&TurnInput { container: "c1", turn, rootfs: None, changed: &[], criu_images: dump })
+        .unwrap();
+    staged.set_next_pid(next_pid);
+    if staged.class() == TurnClass::Clean {
+        // A turn whose only change is the cursor (the test's way to publish one).
+        staged.set_shells(vec![shell_state("sh", "/", 0)]);
+    }
+    sb.store.publish(staged).unwrap();
+}
+
+/// A restore of a file-system turn sets the pid cursor the newest turn after the images left
+/// (the dump's own, beside its images, is older); a restore of the process turn itself, or of
+/// a chain whose later turns forked nothing, leaves the dump's. GC's snapshot keeps it.
+#[test]
+fn a_restore_takes_the_pid_cursor_of_the_newest_turn_after_its_images() {
+    let sb = Sandbox::new();
+    let dump = sb._tmp.path().join("dump");
+    synthetic_dump(&dump, 1);
+    commit_with_next_pid(&sb, 1, Some(&dump), Some(20));
+    commit_with_next_pid(&sb, 2, None, Some(31));
+    commit_with_next_pid(&sb, 3, None, None);
+    commit_with_next_pid(&sb, 4, None, Some(48));
+    let at = |turn| sb.store.restore_next_pid("c1", turn).unwrap();
+    assert_eq!([at(1), at(2), at(3), at(4)], [None, Some(31), Some(31), Some(48)]);
+    let dump2 = sb._tmp.path().join("dump2");
+    synthetic_dump(&dump2, 2);
+    commit_with_next_pid(&sb, 5, Some(&dump2), Some(50));
+    commit_with_next_pid(&sb, 6, None, None);
+    assert_eq!([at(5), at(6)], [None, None], "the dump of turn 5 read the cursor after every older turn");
+    commit_with_next_pid(&sb, 7, None, Some(77));
+    // GC folds turns 1-6 into a snapshot at turn 6, then 1-7 into one at 7.
+    sb.store.gc(&RetentionPolicy { keep_last: 2 }).unwrap();
+    assert_eq!([at(6), at(7)], [None, Some(77)]);
+    sb.store.gc(&RetentionPolicy { keep_last: 1 }).unwrap();
+    assert_eq!(at(7), Some(77), "from the snapshot at turn 7");
+}
+
 /// A plain open that finds no `assembled` makes it a directory. When that happens between
 /// `open_with` moving the old directory aside and renaming its link in, the rename met a
 /// directory ("Is a directory"): a fork's Create on node B failed so, once in a CI run. The new

@@ -29,6 +29,7 @@ fn record(turn: u64) -> TurnRecord {
         over_quota: None,
         runtime_execs: Vec::new(),
         shells: Vec::new(),
+        next_pid: None,
     }
 }
 
