@@ -1508,14 +1508,20 @@ fn shell_state(exec_id: &str, cwd: &str, status: i32) -> crab_store::ShellState 
     }
 }
 
-/// Commits `turn` of c1 listing `shells`: a process turn when `dump` is given.
-fn commit_with_shells(sb: &Sandbox, turn: u64, dump: Option<&Path>, shells: Vec<crab_store::ShellState>) {
+/// Commits `turn` of c1 with no file changed, as `set` completes it: a process turn when
+/// `dump` is given.
+fn commit_staged(sb: &Sandbox, turn: u64, dump: Option<&Path>, set: impl FnOnce(&mut crab_store::StagedTurn)) {
     let mut staged = sb
         .store
         .stage_turn(&TurnInput { container: "c1", turn, rootfs: None, changed: &[], criu_images: dump })
         .unwrap();
-    staged.set_shells(shells);
+    set(&mut staged);
     sb.store.publish(staged).unwrap();
+}
+
+/// Commits `turn` of c1 listing `shells`: a process turn when `dump` is given.
+fn commit_with_shells(sb: &Sandbox, turn: u64, dump: Option<&Path>, shells: Vec<crab_store::ShellState>) {
+    commit_staged(sb, turn, dump, |staged| staged.set_shells(shells));
 }
 
 /// A shell session's states listed by its turns: a restore of a later turn gets the state its
@@ -1566,16 +1572,13 @@ fn shell_states_listed_by_turns_come_back_with_the_images_that_hold_their_shell(
 
 /// Commits `turn` of c1 with the pid cursor its forks left: a process turn when `dump` is given.
 fn commit_with_next_pid(sb: &Sandbox, turn: u64, dump: Option<&Path>, next_pid: Option<u32>) {
-    let mut staged = sb
-        .store
-        .stage_turn(&TurnInput { container: "c1", turn, rootfs: None, changed: &[], criu_images: dump })
-        .unwrap();
-    staged.set_next_pid(next_pid);
-    if staged.class() == TurnClass::Clean {
-        // A turn whose only change is the cursor (the test's way to publish one).
-        staged.set_shells(vec![shell_state("sh", "/", 0)]);
-    }
-    sb.store.publish(staged).unwrap();
+    commit_staged(sb, turn, dump, |staged| {
+        staged.set_next_pid(next_pid);
+        if staged.class() == TurnClass::Clean {
+            // A turn whose only change is the cursor (the test's way to publish one).
+            staged.set_shells(vec![shell_state("sh", "/", 0)]);
+        }
+    });
 }
 
 /// A restore of a file-system turn sets the pid cursor the newest turn after the images left
