@@ -1142,7 +1142,10 @@ async fn a_hung_dump_is_abandoned_and_the_sandbox_keeps_working() {
     assert_ne!(first, second, "the ticker stopped");
     let ps = sb.ctr.run(&["tasks", "ps", &sb.id]).await.unwrap().stdout_text();
     let pids: Vec<u32> = ps.lines().skip(1).filter_map(|l| l.split_whitespace().next()?.parse().ok()).collect();
-    assert!(pids.len() >= 3, "{ps}");
+    // The init and the ticker's subshell; the ticker's own child (mv, sleep) only most of the
+    // time: between two of them, or frozen there by the next turn's dump, it has none. (The
+    // spawner is the runtime's and not listed.)
+    assert!(pids.len() >= 2 && pids.contains(&init), "the init and the ticker: {ps}");
     // A leftover of CRIU stays (a tracer, a stop, the parasite); a process of the ticker may
     // pass through D for a moment under load (its writes), so only what lasts 2 s counts.
     let mut leftovers: Vec<String> = pids.iter().flat_map(|p| leftovers_of_a_dump(*p)).collect();
