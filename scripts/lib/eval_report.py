@@ -185,7 +185,7 @@ def ratio(part, whole):
 def unstable_traces(reports):
     """Traces the oracle cannot judge: `off` lost nothing (its sandbox survived
     the fault) and was still found to differ from the reference, so the trace
-    differs from run to run in a way the two reference runs did not show
+    differs from run to run in a way the reference runs did not show
     (e.g. `ls -l` times of the minute the turn ran in)."""
     unstable = set()
     for report in reports:
@@ -555,7 +555,7 @@ def render_markdown(summary, meta):
     if summary["oracle_unstable_traces"]:
         lines += ["Without the traces the oracle cannot judge (`off` lost nothing in a fault, its sandbox kept "
                   "running, and it still differed from the reference: the trace's output changes from run to run "
-                  "in a way the two reference runs did not catch): "
+                  "in a way the reference runs did not catch): "
                   + ", ".join(f"`{trace}`" for trace in summary["oracle_unstable_traces"]), ""]
         lines += correctness_table(summary["correctness_judgeable"], STATE_DESTROYING, "state-destroying faults")
     lines += FAULT_MODEL
@@ -687,11 +687,11 @@ def oracle_lines(oracle, meta):
     if not oracle["policies"]:
         return []
     spacings = sorted({values["reference spacing (s)"] for values in meta.values() if "reference spacing (s)" in values})
-    spacing = (f" The two reference runs of a trace started at least {' / '.join(spacings)} s apart, so clock "
+    spacing = (f" The reference runs of a trace started at least {' / '.join(spacings)} s apart, so clock "
                "output the normaliser does not know shows up as nondeterministic." if spacings else "")
     lines = ["## What the oracle compared", "",
              "Turns after the fault, summed over each policy's judged runs: compared, excluded as "
-             "nondeterministic (they differed between the two fault-free reference runs), and compared turns "
+             "nondeterministic (they differed between the fault-free reference runs), and compared turns "
              "that matched the reference only after normalising: wall-clock stamps replaced (`ls -l` times, "
              "`date`, ISO 8601, HTTP and log dates, HH:MM:SS) or stderr taken in any line order (the members of "
              "a pipeline write to it concurrently)." + spacing, "",

@@ -40,10 +40,11 @@ pub struct ReplayArgs {
     /// containerd runtime of the sandboxes.
     #[arg(long, default_value = "io.containerd.crab.v2")]
     runtime: String,
-    /// Fault-free reference runs: 2 finds and excludes nondeterministic turns and files.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2))]
+    /// Fault-free reference runs: 2 or more find and exclude nondeterministic turns and files
+    /// (a turn whose output depends on timing may agree in two runs by chance).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=crate::runner::MAX_REFERENCE_RUNS as i64))]
     ref_runs: u8,
-    /// Least seconds between the starts of the two reference runs, so that
+    /// Least seconds between the starts of two reference runs, so that
     /// output showing the time of day differs between them (and is excluded)
     /// even where the normaliser does not replace it.
     #[arg(long, default_value_t = 61.0)]

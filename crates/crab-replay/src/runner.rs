@@ -54,6 +54,10 @@ pub struct ReplayOptions {
 /// Where a sandbox sees [`ReplayOptions::packages`]: the images point pip and apt there.
 pub const SANDBOX_PACKAGES: &str = "/opt/crab-packages";
 
+/// Most fault-free reference runs of a trace. Each is a whole run of the trace, spaced
+/// `--ref-spacing` after the one before.
+pub const MAX_REFERENCE_RUNS: u8 = 4;
+
 /// Replays every trace; all traces are parsed and checked before any runs.
 /// One report per trace and fault, in that order.
 pub async fn replay(options: &ReplayOptions) -> Result<Vec<TraceReport>, ReplayError> {
@@ -67,8 +71,11 @@ pub async fn replay(options: &ReplayOptions) -> Result<Vec<TraceReport>, ReplayE
     for fault in &options.faults {
         injector.check(*fault).map_err(|source| ReplayError::Fault { fault: *fault, source })?;
     }
-    if !(1..=2).contains(&options.ref_runs) {
-        return Err(ReplayError::Options(format!("--ref-runs must be 1 or 2, not {}", options.ref_runs)));
+    if !(1..=MAX_REFERENCE_RUNS).contains(&options.ref_runs) {
+        return Err(ReplayError::Options(format!(
+            "--ref-runs must be 1 to {MAX_REFERENCE_RUNS}, not {}",
+            options.ref_runs
+        )));
     }
     if !options.think_scale.is_finite() || options.think_scale < 0.0 {
         return Err(ReplayError::Options(format!("--think-scale must be >= 0, not {}", options.think_scale)));
