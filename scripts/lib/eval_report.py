@@ -225,6 +225,7 @@ def oracle_summary(reports):
     policies = {}
     traces = {}
     differences = []
+    state_differences = []
     for report in reports:
         reference = report.get("reference") or {}
         traces.setdefault(report["trace"], {
@@ -239,21 +240,28 @@ def oracle_summary(reports):
                 continue
             stats = policies.setdefault(run["policy"], {
                 "verdicts": 0, "turns_compared": 0, "turns_excluded": 0, "normalised_wall_clock": 0,
-                "normalised_stderr_order": 0, "rc_mismatches": 0, "output_mismatches": 0})
+                "normalised_stderr_order": 0, "rc_mismatches": 0, "output_mismatches": 0,
+                "states_compared": 0, "state_mismatches": 0})
             stats["verdicts"] += 1
             for key, field in [("turns_compared", "turns_compared"), ("turns_excluded", "turns_excluded"),
                                ("normalised_wall_clock", "turns_normalised_wall_clock"),
                                ("normalised_stderr_order", "turns_normalised_stderr_order"),
-                               ("rc_mismatches", "rc_mismatches"), ("output_mismatches", "output_mismatches")]:
+                               ("rc_mismatches", "rc_mismatches"), ("output_mismatches", "output_mismatches"),
+                               ("states_compared", "states_compared"), ("state_mismatches", "state_mismatches")]:
                 stats[key] += len(verdict.get(field) or [])
             if run["recovered_correctly"] is False:
                 for difference in (verdict.get("output_differences") or [])[:3]:
                     differences.append({"trace": report["trace"], "fault": report.get("fault", "none"),
                                         "policy": run["policy"], **difference})
+                mismatches = verdict.get("state_mismatches") or []
+                for difference in (verdict.get("later_state_differences") or [])[:3]:
+                    state_differences.append({"trace": report["trace"], "fault": report.get("fault", "none"),
+                                              "policy": run["policy"], "turn": mismatches[0], **difference})
     return {
         "policies": {name: policies[name] for name in sorted(policies, key=lambda n: rank(POLICY_ORDER, n))},
         "traces": dict(sorted(traces.items())),
         "output_differences": differences,
+        "later_state_differences": state_differences,
     }
 
 
@@ -694,14 +702,17 @@ def oracle_lines(oracle, meta):
              "nondeterministic (they differed between the fault-free reference runs), and compared turns "
              "that matched the reference only after normalising: wall-clock stamps replaced (`ls -l` times, "
              "`date`, ISO 8601, HTTP and log dates, HH:MM:SS) or stderr taken in any line order (the members of "
-             "a pipeline write to it concurrently)." + spacing, "",
+             "a pipeline write to it concurrently). The state after each of those turns (the whole sandbox, "
+             "as right after recovery) is compared too, with what differed between the reference runs after "
+             "that turn masked." + spacing, "",
              "| policy | judged runs | turns compared | excluded | matched after stamps | after stderr order "
-             "| exit code mismatches | output mismatches |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| exit code mismatches | output mismatches | states compared | state mismatches |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, stats in oracle["policies"].items():
         lines.append(f"| {name} | {stats['verdicts']} | {stats['turns_compared']} | {stats['turns_excluded']} "
                      f"| {stats['normalised_wall_clock']} | {stats['normalised_stderr_order']} "
-                     f"| {stats['rc_mismatches']} | {stats['output_mismatches']} |")
+                     f"| {stats['rc_mismatches']} | {stats['output_mismatches']} "
+                     f"| {stats['states_compared']} | {stats['state_mismatches']} |")
     lines += ["", "Per trace, from the reference runs (turn numbers):", "",
               "| trace | turns | nondeterministic (excluded) | print the clock | differed only in stamps or stderr order |",
               "|---|---|---|---|---|"]
@@ -714,6 +725,12 @@ def oracle_lines(oracle, meta):
         for d in oracle["output_differences"]:
             lines.append(f"- {d['policy']} / {d['fault']} / `{d['trace']}` turn {d['turn']} {d['stream']} line "
                          f"{d['line']}: expected `{d['expected']}`, got `{d['got']}`")
+        lines.append("")
+    if oracle["later_state_differences"]:
+        lines += ["Where the state of incorrect runs first differed after a later turn (the first three entries):", ""]
+        for d in oracle["later_state_differences"]:
+            lines.append(f"- {d['policy']} / {d['fault']} / `{d['trace']}` after turn {d['turn']}: "
+                         f"`{d['key']}`: {d['detail']}")
         lines.append("")
     return lines
 

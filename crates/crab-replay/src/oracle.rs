@@ -1,6 +1,8 @@
 //! The correctness oracle: a recovered run is correct when the sandbox right
-//! after recovery looks like the fault-free reference at that turn, and the
-//! remaining turns give the reference's exit codes and outputs.
+//! after recovery looks like the fault-free reference at that turn, the
+//! remaining turns give the reference's exit codes and outputs, and the
+//! sandbox after each of them looks like the reference's after the same turn
+//! (a state the recovery got wrong that no later turn prints still shows).
 //!
 //! With two reference runs, what differs between them is nondeterministic:
 //! such turns are not compared, and such fingerprint entries are masked.
@@ -139,6 +141,9 @@ pub enum OracleError {
     NoSuchTurn { turn: u32, turns: usize },
 }
 
+/// How many differences of the first later state that differs a verdict keeps.
+pub const LATER_DIFFERENCES_SHOWN: usize = 20;
+
 #[derive(Debug, Clone)]
 pub struct Reference {
     runs: Vec<ReferenceRun>,
@@ -164,6 +169,12 @@ pub struct Verdict {
     pub output_mismatches: Vec<u32>,
     /// The first differing line of each output mismatch.
     pub output_differences: Vec<OutputDifference>,
+    /// Turns after the fault whose state (taken after the turn) was compared with the reference's.
+    pub states_compared: Vec<u32>,
+    /// Those whose state differed (entries that differ between reference runs masked).
+    pub state_mismatches: Vec<u32>,
+    /// The differences of the first of them, at most [`LATER_DIFFERENCES_SHOWN`].
+    pub later_state_differences: Vec<Difference>,
     /// False when the policy had no way to recover, whatever the state looked like.
     pub recovery_possible: bool,
     pub correct: bool,
@@ -227,12 +238,13 @@ impl Reference {
     }
 
     /// Judges a run that was killed after `fault_turn` and recovered into
-    /// `recovered`; `later` are its results for the turns after the fault.
+    /// `recovered`; `later` are its results for the turns after the fault,
+    /// each with the state it left (None where the run took no fingerprint).
     pub fn judge(
         &self,
         fault_turn: u32,
         recovered: &Fingerprint,
-        later: &[TurnResult],
+        later: &[(TurnResult, Option<&Fingerprint>)],
         recovery_possible: bool,
     ) -> Result<Verdict, OracleError> {
         let turns = self.primary().results.len();
@@ -254,10 +266,28 @@ impl Reference {
             rc_mismatches: Vec::new(),
             output_mismatches: Vec::new(),
             output_differences: Vec::new(),
+            states_compared: Vec::new(),
+            state_mismatches: Vec::new(),
+            later_state_differences: Vec::new(),
             recovery_possible,
             correct: false,
         };
-        for result in later {
+        for (result, state) in later {
+            if let Some(state) = state {
+                let reference_state =
+                    self.fingerprint(result.turn).ok_or(OracleError::NoSuchTurn { turn: result.turn, turns })?;
+                let volatile = self.volatile_keys(result.turn);
+                let differences: Vec<Difference> =
+                    state.diff(reference_state).into_iter().filter(|d| !volatile.contains(&d.key)).collect();
+                verdict.states_compared.push(result.turn);
+                if !differences.is_empty() {
+                    if verdict.state_mismatches.is_empty() {
+                        verdict.later_state_differences =
+                            differences.into_iter().take(LATER_DIFFERENCES_SHOWN).collect();
+                    }
+                    verdict.state_mismatches.push(result.turn);
+                }
+            }
             let expected = self
                 .primary()
                 .results
@@ -283,6 +313,7 @@ impl Reference {
         }
         verdict.correct = recovery_possible
             && verdict.state_equal
+            && verdict.state_mismatches.is_empty()
             && verdict.rc_mismatches.is_empty()
             && verdict.output_mismatches.is_empty();
         Ok(verdict)
@@ -337,7 +368,7 @@ mod tests {
     #[test]
     fn exact_recovery_is_correct() {
         let reference = Reference::new(vec![run(["a", "b", "c"], [EMPTY, WITH_FILE, WITH_FILE])]).unwrap();
-        let verdict = reference.judge(2, &state(WITH_FILE), &[result(3, 0, "c")], true).unwrap();
+        let verdict = reference.judge(2, &state(WITH_FILE), &[(result(3, 0, "c"), None)], true).unwrap();
         assert!(verdict.correct);
         assert_eq!(verdict.turns_compared, [3]);
     }
@@ -345,7 +376,7 @@ mod tests {
     #[test]
     fn lost_file_is_incorrect_and_named() {
         let reference = Reference::new(vec![run(["a", "b", "c"], [EMPTY, WITH_FILE, WITH_FILE])]).unwrap();
-        let verdict = reference.judge(2, &state(EMPTY), &[result(3, 0, "c")], true).unwrap();
+        let verdict = reference.judge(2, &state(EMPTY), &[(result(3, 0, "c"), None)], true).unwrap();
         assert!(!verdict.correct);
         assert_eq!(verdict.state_differences[0].key, "file:/app/x");
     }
@@ -353,10 +384,50 @@ mod tests {
     #[test]
     fn a_later_exit_code_or_output_mismatch_is_incorrect() {
         let reference = Reference::new(vec![run(["a", "b", "c"], [EMPTY, WITH_FILE, WITH_FILE])]).unwrap();
-        let rc = reference.judge(2, &state(WITH_FILE), &[result(3, 1, "c")], true).unwrap();
+        let rc = reference.judge(2, &state(WITH_FILE), &[(result(3, 1, "c"), None)], true).unwrap();
         assert_eq!((rc.correct, rc.rc_mismatches.as_slice()), (false, &[3][..]));
-        let output = reference.judge(2, &state(WITH_FILE), &[result(3, 0, "other")], true).unwrap();
+        let output = reference.judge(2, &state(WITH_FILE), &[(result(3, 0, "other"), None)], true).unwrap();
         assert_eq!((output.correct, output.output_mismatches.as_slice()), (false, &[3][..]));
+    }
+
+    #[test]
+    fn a_later_state_that_differs_is_incorrect_even_when_no_output_shows_it() {
+        // Turn 3 writes /app/y and prints nothing: after a recovery that lost
+        // what turn 2 left elsewhere, its output still matches.
+        const WITH_BOTH: &[&str] = &["F d 0755 0:0 4096 /app", "F f 0644 0:0 2 /app/x", "F f 0644 0:0 1 /app/y"];
+        const ONLY_Y: &[&str] = &["F d 0755 0:0 4096 /app", "F f 0644 0:0 1 /app/y"];
+        let reference = Reference::new(vec![run(["a", "b", ""], [EMPTY, WITH_FILE, WITH_BOTH])]).unwrap();
+        let (after_3, lost_after_3) = (state(WITH_BOTH), state(ONLY_Y));
+        let exact = reference.judge(2, &state(WITH_FILE), &[(result(3, 0, ""), Some(&after_3))], true).unwrap();
+        assert!(exact.correct, "{exact:?}");
+        assert_eq!(exact.states_compared, [3]);
+        // The state right after recovery is equal here; turn 3's is not (say a
+        // restored process rewrote the file differently).
+        let verdict = reference.judge(2, &state(WITH_FILE), &[(result(3, 0, ""), Some(&lost_after_3))], true).unwrap();
+        assert!(verdict.state_equal && verdict.output_mismatches.is_empty(), "{verdict:?}");
+        assert!(!verdict.correct);
+        assert_eq!(verdict.state_mismatches, [3]);
+        assert_eq!(verdict.later_state_differences[0].key, "file:/app/x");
+    }
+
+    #[test]
+    fn a_later_state_masks_what_differs_between_reference_runs_after_that_turn() {
+        const LOG_1: &[&str] = &["F d 0755 0:0 4096 /app", "F f 0644 0:0 10 /app/log"];
+        const LOG_2: &[&str] = &["F d 0755 0:0 4096 /app", "F f 0644 0:0 11 /app/log"];
+        let first = run(["a", "b", "c"], [EMPTY, EMPTY, LOG_1]);
+        let second = run(["a", "b", "c"], [EMPTY, EMPTY, LOG_2]);
+        let reference = Reference::new(vec![first, second]).unwrap();
+        const LOG_3: &[&str] = &["F d 0755 0:0 4096 /app", "F f 0644 0:0 12 /app/log"];
+        let after_3 = state(LOG_3);
+        let verdict = reference.judge(2, &state(EMPTY), &[(result(3, 0, "c"), Some(&after_3))], true).unwrap();
+        assert!(verdict.correct, "{verdict:?}");
+        assert_eq!(verdict.states_compared, [3]);
+        // Only that entry is masked.
+        const LOG_AND_MORE: &[&str] =
+            &["F d 0755 0:0 4096 /app", "F f 0644 0:0 12 /app/log", "F f 0644 0:0 1 /app/stray"];
+        let after_3 = state(LOG_AND_MORE);
+        let verdict = reference.judge(2, &state(EMPTY), &[(result(3, 0, "c"), Some(&after_3))], true).unwrap();
+        assert_eq!(verdict.state_mismatches, [3]);
     }
 
     #[test]
@@ -376,7 +447,7 @@ mod tests {
         let reference = Reference::new(vec![first, second]).unwrap();
         assert_eq!(reference.nondeterministic_turns(), BTreeSet::from([3]));
         const STAMP_3: &[&str] = &["F d 0755 0:0 4096 /app", "F f 0644 0:0 2 /app/x", "F f 0644 0:0 12 /tmp/stamp"];
-        let verdict = reference.judge(2, &state(STAMP_3), &[result(3, 0, "date 3")], true).unwrap();
+        let verdict = reference.judge(2, &state(STAMP_3), &[(result(3, 0, "date 3"), None)], true).unwrap();
         assert!(verdict.correct, "{verdict:?}");
         assert_eq!(verdict.masked_entries, 1);
         assert_eq!(verdict.turns_excluded, [3]);
@@ -397,14 +468,14 @@ mod tests {
         assert!(reference.nondeterministic_turns().is_empty());
         assert_eq!(reference.normalised_turns(), BTreeSet::from([3]));
         assert_eq!(reference.turns_with_wall_clock(), BTreeSet::from([3]));
-        let verdict = reference.judge(2, &state(WITH_FILE), &[result(3, 0, &listing("20:40"))], true).unwrap();
+        let verdict = reference.judge(2, &state(WITH_FILE), &[(result(3, 0, &listing("20:40")), None)], true).unwrap();
         assert!(verdict.correct, "{verdict:?}");
         assert_eq!(
             (verdict.turns_compared.as_slice(), verdict.turns_normalised_wall_clock.as_slice()),
             (&[3][..], &[3][..])
         );
         // Normalising hides the time, not the rest of the line.
-        let lost = reference.judge(2, &state(WITH_FILE), &[result(3, 0, "total 0\n")], true).unwrap();
+        let lost = reference.judge(2, &state(WITH_FILE), &[(result(3, 0, "total 0\n"), None)], true).unwrap();
         assert!(!lost.correct);
         assert_eq!(lost.output_mismatches, [3]);
         assert_eq!(
@@ -427,13 +498,13 @@ mod tests {
         }])
         .unwrap();
         let lost = result(2, 0, "b").with_shell("/app\n".into());
-        let verdict = reference.judge(1, &state(EMPTY), &[lost], true).unwrap();
+        let verdict = reference.judge(1, &state(EMPTY), &[(lost, None)], true).unwrap();
         assert!(!verdict.correct);
         assert_eq!(verdict.output_mismatches, [2]);
         assert_eq!(verdict.output_differences[0].stream, "shell state");
         assert_eq!(verdict.output_differences[0].expected, "declare -- X=\"1\"");
         let kept = result(2, 0, "b").with_shell("/app\ndeclare -- X=\"1\"\n".into());
-        assert!(reference.judge(1, &state(EMPTY), &[kept], true).unwrap().correct);
+        assert!(reference.judge(1, &state(EMPTY), &[(kept, None)], true).unwrap().correct);
     }
 
     #[test]
@@ -459,8 +530,9 @@ mod tests {
         let reference = Reference::new(vec![first, second]).unwrap();
         assert!(reference.nondeterministic_turns().is_empty());
         assert_eq!(reference.normalised_turns(), BTreeSet::from([2]));
-        let verdict =
-            reference.judge(1, &state(EMPTY), &[result_with_stderr(2, "", "y: failed\nx: failed\n")], true).unwrap();
+        let verdict = reference
+            .judge(1, &state(EMPTY), &[(result_with_stderr(2, "", "y: failed\nx: failed\n"), None)], true)
+            .unwrap();
         assert!(verdict.correct);
         assert_eq!(verdict.turns_normalised_stderr_order, [2]);
     }

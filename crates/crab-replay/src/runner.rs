@@ -132,7 +132,7 @@ async fn replay_trace(
         info!(trace = %trace.header.trace, run = runs_done, of = runs_total, "progress: reference run (fault-free, no checkpoints)");
         let launch = launch(options, trace, PolicyKind::Off, "ref");
         let outcome =
-            run_guarded(trace, &launch, PolicyKind::Off.build(launch.clone()), None, options, injector, true).await?;
+            run_guarded(trace, &launch, PolicyKind::Off.build(launch.clone()), None, options, injector).await?;
         reference_runs.push(ReferenceRun { results: outcome.results(), fingerprints: outcome.fingerprints });
     }
     let reference_time = started.elapsed();
@@ -160,8 +160,7 @@ async fn replay_trace(
                 launch.registry = options.daemons.node_b.as_ref().map(NodeB::registry);
                 launch = on_node_a_of_its_own(launch, options)?;
             }
-            let outcome =
-                run_guarded(trace, &launch, policy.build(launch.clone()), strike, options, injector, false).await?;
+            let outcome = run_guarded(trace, &launch, policy.build(launch.clone()), strike, options, injector).await?;
             runs.push(policy_report(*policy, &reference, outcome, &trace.file)?);
         }
         reports.push(TraceReport {
@@ -257,7 +256,7 @@ struct Recovered {
 
 struct RunOutcome {
     turns: Vec<TurnOutcome>,
-    /// After every turn when requested (reference runs), else empty.
+    /// The sandbox after each turn, one per entry of `turns`.
     fingerprints: Vec<Fingerprint>,
     fault: Option<FaultOutcome>,
     run_time: Duration,
@@ -293,9 +292,8 @@ async fn run_guarded(
     strike: Option<(FaultKind, u32)>,
     options: &ReplayOptions,
     injector: &FaultInjector,
-    fingerprint_every_turn: bool,
 ) -> Result<RunOutcome, ReplayError> {
-    let mut outcome = run(trace, launch, policy.as_mut(), strike, options, injector, fingerprint_every_turn).await;
+    let mut outcome = run(trace, launch, policy.as_mut(), strike, options, injector).await;
     if let Ok(outcome) = &mut outcome {
         outcome.store = policy.check_store(&launch.container_id).await;
         // Before the clean-up, which deletes node A's directory (and with it its push log).
@@ -332,7 +330,6 @@ async fn run(
     strike: Option<(FaultKind, u32)>,
     options: &ReplayOptions,
     injector: &FaultInjector,
-    fingerprint_every_turn: bool,
 ) -> Result<RunOutcome, ReplayError> {
     let started = Instant::now();
     let mut sandbox = launch.fresh().await?;
@@ -396,9 +393,12 @@ async fn run(
             agent_visible_delay_s,
             off_node_before_next: None,
         });
-        if fingerprint_every_turn {
-            fingerprints.push(sandbox.fingerprint().await?);
-        }
+        // Every run, not only the reference runs, looks at the sandbox after
+        // every turn: the oracle compares the states after the fault's later
+        // turns, and the look takes time the agent's next turn waits for. A
+        // turn whose output depends on the time since the last one (requests
+        // against a rate limit) then sees the same spacing in all runs.
+        fingerprints.push(sandbox.fingerprint().await?);
         if let Some((kind, fault_turn)) = strike
             && fault_turn == turn.turn
         {
@@ -485,8 +485,13 @@ fn policy_report(
     let fault = match &outcome.fault {
         None => None,
         Some(fault) => {
-            let later: Vec<TurnResult> =
-                outcome.turns.iter().filter(|turn| turn.turn > fault.turn).map(|turn| turn.result.clone()).collect();
+            let later: Vec<(TurnResult, Option<&Fingerprint>)> = outcome
+                .turns
+                .iter()
+                .zip(outcome.fingerprints.iter().map(Some).chain(std::iter::repeat(None)))
+                .filter(|(turn, _)| turn.turn > fault.turn)
+                .map(|(turn, state)| (turn.result.clone(), state))
+                .collect();
             let mut report = FaultReport {
                 kind: fault.kind,
                 turn: fault.turn,
@@ -606,6 +611,9 @@ mod tests {
                 rc_mismatches: Vec::new(),
                 output_mismatches: Vec::new(),
                 output_differences: Vec::new(),
+                states_compared: vec![3],
+                state_mismatches: Vec::new(),
+                later_state_differences: Vec::new(),
                 recovery_possible: true,
                 correct,
             }),

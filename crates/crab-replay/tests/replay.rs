@@ -349,6 +349,9 @@ async fn crab_recovers_from_every_fault_kind_and_the_later_turns_match() {
         // The state right after recovery and both later turns, file and restored process included.
         assert!(verdict.state_equal, "{kind}: {:?}", verdict.state_differences);
         assert_eq!(verdict.turns_compared, [3, 4], "{kind}");
+        // And the whole sandbox after each of them.
+        assert_eq!(verdict.states_compared, [3, 4], "{kind}");
+        assert!(verdict.state_mismatches.is_empty(), "{kind}: {:?}", verdict.later_state_differences);
         assert!(verdict.rc_mismatches.is_empty() && verdict.output_mismatches.is_empty(), "{kind}: {verdict:?}");
         assert_eq!(crab.turns.len(), 4, "{kind}: the replay went on after the fault");
         assert_eq!(crab.turns[2].rc, Some(0), "{kind}: `pgrep` found the background sleep on turn 3");
@@ -742,7 +745,11 @@ async fn crab_recovers_under_every_fault(file: &std::path::Path) {
             .flat_map(|verdict| verdict.state_differences.iter().take(5).map(ToString::to_string))
             .collect();
         let outputs = fault.verdict.as_ref().map(|verdict| &verdict.output_differences);
-        failures.push(format!("{kind}: error {:?}, state {first:?}, outputs {outputs:?}", fault.error));
+        let later = fault.verdict.as_ref().map(|verdict| (&verdict.state_mismatches, &verdict.later_state_differences));
+        failures.push(format!(
+            "{kind}: error {:?}, state {first:?}, outputs {outputs:?}, later states {later:?}",
+            fault.error
+        ));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
