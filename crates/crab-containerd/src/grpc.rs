@@ -17,8 +17,8 @@ use containerd_client::services::v1::snapshots::{PrepareSnapshotRequest, RemoveS
 use containerd_client::services::v1::tasks_client::TasksClient;
 use containerd_client::services::v1::{
     Container, CreateContainerRequest, CreateTaskRequest, DeleteContainerRequest, DeleteTaskRequest,
-    GetContainerRequest, GetImageRequest, GetRequest, KillRequest, ListContainersRequest, ListNamespacesRequest,
-    ListTasksRequest, ReadContentRequest, StartRequest, UpdateTaskRequest,
+    ExecProcessRequest, GetContainerRequest, GetImageRequest, GetRequest, KillRequest, ListContainersRequest,
+    ListNamespacesRequest, ListTasksRequest, ReadContentRequest, StartRequest, UpdateTaskRequest, WaitRequest,
 };
 use containerd_client::tonic;
 
@@ -37,6 +37,8 @@ pub enum GrpcError {
     Timeout { call: &'static str, container: String, after: Duration },
     #[error(transparent)]
     Image(#[from] ImageError),
+    #[error("exec {exec_id} in {container}: {problem}")]
+    ExecSpec { container: String, exec_id: String, problem: String },
     #[error(
         "image {image} is not unpacked for snapshotter {snapshotter} on this node (no snapshot {chain_id}): \
          pull or import it here, which unpacks it"
@@ -46,6 +48,17 @@ pub enum GrpcError {
 
 /// The type containerd stores a container's OCI spec under.
 pub const SPEC_TYPE_URL: &str = "types.containerd.io/opencontainers/runtime-spec/1/Spec";
+
+/// The type containerd takes an exec's process spec as.
+pub const PROCESS_TYPE_URL: &str = "types.containerd.io/opencontainers/runtime-spec/1/Process";
+
+/// An exec's standard streams: paths of fifos the caller made and holds open.
+#[derive(Debug, Clone)]
+pub struct ExecIo {
+    pub stdin: PathBuf,
+    pub stdout: PathBuf,
+    pub stderr: PathBuf,
+}
 
 /// containerd's default snapshotter on Linux, for a container whose record is gone.
 pub const DEFAULT_SNAPSHOTTER: &str = "overlayfs";
@@ -220,11 +233,71 @@ impl Containerd {
 
     /// The task of `container`; None when it has none.
     pub async fn task(&self, container: &str) -> Result<Option<TaskState>, GrpcError> {
-        let request = self.request(GetRequest { container_id: container.into(), exec_id: String::new() })?;
+        self.process(container, "").await
+    }
+
+    /// Exec `exec_id` of `container`'s task (the task itself for ""); None when there is none.
+    pub async fn process(&self, container: &str, exec_id: &str) -> Result<Option<TaskState>, GrpcError> {
+        let request = self.request(GetRequest { container_id: container.into(), exec_id: exec_id.into() })?;
         match Self::bounded("Tasks.Get", container, self.tasks().await?.get(request)).await? {
             Ok(got) => Ok(got.process.map(task_state)),
             Err(status) if status.code() == tonic::Code::NotFound => Ok(None),
             Err(status) => Err(Self::failed("Tasks.Get", container, status)),
+        }
+    }
+
+    /// Starts `argv` in `container` as exec `exec_id` with the container's own process
+    /// settings (environment, user, capabilities) in `cwd`, without a terminal, as `ctr tasks
+    /// exec` does; its streams are the caller's fifos. A client that holds its fifos itself
+    /// (as dockerd does) keeps the exec's stdin open across a containerd restart, where `ctr`
+    /// exits and its closed fifo is the end of the process's input.
+    pub async fn exec(
+        &self,
+        container: &str,
+        exec_id: &str,
+        argv: &[&str],
+        cwd: &str,
+        io: &ExecIo,
+    ) -> Result<u32, GrpcError> {
+        let spec_problem =
+            |problem: String| GrpcError::ExecSpec { container: container.into(), exec_id: exec_id.into(), problem };
+        let found = self.get_container(container).await?.ok_or_else(|| spec_problem("no such container".into()))?;
+        let spec = found.spec.ok_or_else(|| spec_problem("the container has no spec".into()))?;
+        let mut spec: serde_json::Value =
+            serde_json::from_slice(&spec.value).map_err(|e| spec_problem(format!("its spec is not JSON: {e}")))?;
+        let process = spec
+            .get_mut("process")
+            .and_then(serde_json::Value::as_object_mut)
+            .ok_or_else(|| spec_problem("its spec has no process".into()))?;
+        process.insert("args".into(), argv.iter().map(|arg| serde_json::Value::from(*arg)).collect());
+        process.insert("cwd".into(), cwd.into());
+        process.insert("terminal".into(), false.into());
+        let process = serde_json::to_vec(process).map_err(|e| spec_problem(e.to_string()))?;
+        let path = |path: &Path| path.to_string_lossy().into_owned();
+        let request = self.request(ExecProcessRequest {
+            container_id: container.into(),
+            stdin: path(&io.stdin),
+            stdout: path(&io.stdout),
+            stderr: path(&io.stderr),
+            terminal: false,
+            spec: Some(prost_types::Any { type_url: PROCESS_TYPE_URL.into(), value: process }),
+            exec_id: exec_id.into(),
+        })?;
+        let created = Self::bounded("Tasks.Exec", container, self.tasks().await?.exec(request)).await?;
+        created.map_err(|status| Self::failed("Tasks.Exec", container, status))?;
+        let request = self.request(StartRequest { container_id: container.into(), exec_id: exec_id.into() })?;
+        let started = Self::bounded("Tasks.Start", container, self.tasks().await?.start(request)).await?;
+        Ok(started.map_err(|status| Self::failed("Tasks.Start", container, status))?.pid)
+    }
+
+    /// The exit status of exec `exec_id` once it has exited; None if it has not within `within`.
+    pub async fn wait(&self, container: &str, exec_id: &str, within: Duration) -> Result<Option<u32>, GrpcError> {
+        let request = self.request(WaitRequest { container_id: container.into(), exec_id: exec_id.into() })?;
+        let mut tasks = self.tasks().await?;
+        match tokio::time::timeout(within, tasks.wait(request)).await {
+            Err(_) => Ok(None),
+            Ok(Ok(waited)) => Ok(Some(waited.into_inner().exit_status)),
+            Ok(Err(status)) => Err(Self::failed("Tasks.Wait", container, status)),
         }
     }
 

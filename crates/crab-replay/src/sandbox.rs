@@ -284,24 +284,28 @@ impl Sandbox {
             return Ok(());
         }
         // A session whose client survived the fault (the task kept running) goes on as it is.
-        if reattach && self.session.as_mut().is_some_and(|session| !session.exited()) {
+        if reattach
+            && let Some(session) = &self.session
+            && !session.exited().await
+        {
             return Ok(());
         }
         if let Some(session) = self.session.take() {
-            session.close().await;
+            session.close();
         }
         match self.session_exec.clone() {
-            Some((exec_id, turns)) if reattach => self.start_session(exec_id, turns)?,
+            Some((exec_id, turns)) if reattach => self.start_session(exec_id, turns).await?,
             _ => {
                 self.next_exec += 1;
-                self.start_session(format!("replay-{}", self.next_exec), 0)?;
+                self.start_session(format!("replay-{}", self.next_exec), 0).await?;
             }
         }
         Ok(())
     }
 
-    fn start_session(&mut self, exec_id: String, turns: u64) -> Result<(), SandboxError> {
+    async fn start_session(&mut self, exec_id: String, turns: u64) -> Result<(), SandboxError> {
         let session = StdinSession::start(&self.ctr, &self.id, &exec_id, &self.spec.workdir)
+            .await
             .map_err(|source| SandboxError::Session { container: self.id.clone(), source })?;
         debug!(container = %self.id, exec = %exec_id, "shell session started");
         self.session = Some(session);
@@ -338,14 +342,14 @@ impl Sandbox {
     /// the last one ended). At `timeout` the session is killed, as an agent
     /// framework restarts a shell that stopped answering; so is one that exited.
     async fn exec_stdin(&mut self, cmd: &str, timeout: Duration) -> Result<ExecResult, SandboxError> {
-        if let Some(session) = self.session.as_mut()
-            && session.exited()
+        if let Some(session) = &self.session
+            && session.exited().await
         {
-            self.session.take().expect("checked").close().await;
+            self.session.take().expect("checked").close();
         }
         if self.session.is_none() {
             self.next_exec += 1;
-            self.start_session(format!("replay-{}", self.next_exec), 0)?;
+            self.start_session(format!("replay-{}", self.next_exec), 0).await?;
         }
         if let Some((_, turns)) = self.session_exec.as_mut() {
             *turns += 1;
@@ -362,11 +366,7 @@ impl Sandbox {
             if turn.timed_out {
                 self.kill_exec(&session.exec_id).await;
             }
-            session.close().await;
-            if !turn.timed_out && is_ctr_failure(turn.rc, &turn.stderr) {
-                let stderr = String::from_utf8_lossy(&turn.stderr).trim().to_string();
-                return Err(SandboxError::ExecFailed { container: self.id.clone(), stderr });
-            }
+            session.close();
         }
         Ok(ExecResult {
             rc: turn.rc,
@@ -528,7 +528,7 @@ impl Sandbox {
     /// Deletes the task (killing what still runs) and the container with its rw snapshot.
     pub async fn remove(mut self) -> Result<(), SandboxError> {
         if let Some(session) = self.session.take() {
-            session.close().await;
+            session.close();
         }
         remove_container(&self.ctr, &self.id).await
     }

@@ -12,14 +12,15 @@
 //! the text itself (echoed by a terminal) never contains the marker.
 
 use std::fmt;
-use std::process::Stdio;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::process::{Child, ChildStderr, ChildStdin, ChildStdout, Command};
+use tokio::net::unix::pipe;
 
 use crab_containerd::Ctr;
+use crab_containerd::grpc::{Containerd, ExecIo, GrpcError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -268,8 +269,14 @@ pub const TMUX_UNAVAILABLE: i32 = 125;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
-    #[error("cannot start `ctr tasks exec` for the shell session: {0}")]
-    Spawn(std::io::Error),
+    #[error("the shell session's fifos: {what}: {source}")]
+    Fifo {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("starting the shell session: {0}")]
+    Exec(#[source] GrpcError),
     #[error("shell session {exec_id}: {what}: {source}")]
     Io {
         exec_id: String,
@@ -293,14 +300,21 @@ pub struct SessionTurn {
     pub ended: bool,
 }
 
-/// A long-lived `bash` exec session driven through `ctr tasks exec`'s stdin.
+/// A long-lived `bash` exec session, started through containerd's API with
+/// fifos the replay makes and holds itself, as dockerd does for `docker exec
+/// -i` (SWE-agent's and OpenHands' sandboxes). The session's input stays open
+/// across a containerd restart: `ctr tasks exec` would exit with containerd,
+/// and its closed fifo would be the end of the shell's input.
 #[derive(Debug)]
 pub struct StdinSession {
     pub exec_id: String,
-    child: Child,
-    stdin: ChildStdin,
-    stdout: ChildStdout,
-    stderr: ChildStderr,
+    container: String,
+    containerd: (std::path::PathBuf, String),
+    stdin: pipe::Sender,
+    stdout: pipe::Receiver,
+    stderr: pipe::Receiver,
+    /// The fifos' directory, removed with the session (the open ends outlive their names).
+    _fifos: tempfile::TempDir,
     out: Vec<u8>,
     err: Vec<u8>,
 }
@@ -308,37 +322,70 @@ pub struct StdinSession {
 /// The session's command line (a re-attach must ask for the same one).
 pub const SESSION_ARGV: [&str; 3] = ["bash", "--norc", "--noprofile"];
 
+/// How long a session that ended is waited for to give containerd its exit status.
+const EXIT_STATUS_WAIT: Duration = Duration::from_secs(5);
+
 impl StdinSession {
     /// Starts (or, where the runtime holds a restored session of that id,
     /// re-attaches) exec `exec_id` running [`SESSION_ARGV`] in `workdir`.
-    pub fn start(ctr: &Ctr, container: &str, exec_id: &str, workdir: &str) -> Result<StdinSession, SessionError> {
-        let mut child = Command::new("ctr")
-            .arg("--address")
-            .arg(ctr.socket())
-            .arg("--namespace")
-            .arg(ctr.namespace())
-            .args(["tasks", "exec", "--exec-id", exec_id, "--cwd", workdir, container])
-            .args(SESSION_ARGV)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(SessionError::Spawn)?;
+    pub async fn start(ctr: &Ctr, container: &str, exec_id: &str, workdir: &str) -> Result<StdinSession, SessionError> {
+        let fifos = tempfile::Builder::new()
+            .prefix("crab-replay-session-")
+            .tempdir()
+            .map_err(|source| SessionError::Fifo { what: "a directory for them".into(), source })?;
+        let io = ExecIo {
+            stdin: fifos.path().join("stdin"),
+            stdout: fifos.path().join("stdout"),
+            stderr: fifos.path().join("stderr"),
+        };
+        for path in [&io.stdin, &io.stdout, &io.stderr] {
+            nix::unistd::mkfifo(path, nix::sys::stat::Mode::from_bits_truncate(0o600))
+                .map_err(|errno| fifo_error(path, "mkfifo", errno.into()))?;
+        }
+        // Readers first: a runtime opens its write ends once a reader exists.
+        // A fifo no writer has opened yet is never readable, so no read sees
+        // an end before the runtime came.
+        let stdout =
+            pipe::OpenOptions::new().open_receiver(&io.stdout).map_err(|e| fifo_error(&io.stdout, "open", e))?;
+        let stderr =
+            pipe::OpenOptions::new().open_receiver(&io.stderr).map_err(|e| fifo_error(&io.stderr, "open", e))?;
+        // Read and write (Linux): the open does not wait for the runtime's
+        // reader, and the fifo keeps a writer for as long as the session lives.
+        let stdin = pipe::OpenOptions::new()
+            .read_write(true)
+            .open_sender(&io.stdin)
+            .map_err(|e| fifo_error(&io.stdin, "open", e))?;
+        let containerd = Containerd::new(ctr.socket(), ctr.namespace());
+        containerd.exec(container, exec_id, &SESSION_ARGV, workdir, &io).await.map_err(SessionError::Exec)?;
         Ok(StdinSession {
             exec_id: exec_id.to_string(),
-            stdin: child.stdin.take().expect("stdin is piped"),
-            stdout: child.stdout.take().expect("stdout is piped"),
-            stderr: child.stderr.take().expect("stderr is piped"),
-            child,
+            container: container.to_string(),
+            containerd: (ctr.socket().to_path_buf(), ctr.namespace().to_string()),
+            stdin,
+            stdout,
+            stderr,
+            _fifos: fifos,
             out: Vec::new(),
             err: Vec::new(),
         })
     }
 
-    /// Whether the `ctr` client (and so the session as this replay sees it) has ended.
-    pub fn exited(&mut self) -> bool {
-        !matches!(self.child.try_wait(), Ok(None))
+    /// A client of its own per call: the session outlives containerd restarts.
+    fn containerd(&self) -> Containerd {
+        Containerd::new(&self.containerd.0, &self.containerd.1)
+    }
+
+    /// Whether the shell has ended, as containerd knows its exec (one it
+    /// cannot ask counts as ended: the caller starts a new session).
+    pub async fn exited(&self) -> bool {
+        match self.containerd().process(&self.container, &self.exec_id).await {
+            Ok(Some(process)) => !process.is_alive(),
+            Ok(None) => true,
+            Err(error) => {
+                tracing::warn!(exec = %self.exec_id, %error, "asking containerd for the shell session");
+                true
+            }
+        }
     }
 
     /// Writes `cmd` with its sentinel and reads until both streams carry the
@@ -408,27 +455,28 @@ impl StdinSession {
     /// The shell ended before printing its marker: its exit status is the
     /// command's (`exit 3`), and what it printed is the output.
     async fn ended(&mut self, deadline: Instant, nonce: &str) -> SessionTurn {
-        let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(2));
-        let status = tokio::time::timeout(wait, self.child.wait()).await.ok().and_then(Result::ok);
+        let wait = deadline.saturating_duration_since(Instant::now()).max(EXIT_STATUS_WAIT);
+        let status = match self.containerd().wait(&self.container, &self.exec_id, wait).await {
+            Ok(status) => status.and_then(|status| i32::try_from(status).ok()),
+            Err(error) => {
+                tracing::warn!(exec = %self.exec_id, %error, "the shell session's exit status");
+                None
+            }
+        };
         let mut rest = Vec::new();
         let _ = tokio::time::timeout(Duration::from_millis(200), self.stderr.read_to_end(&mut rest)).await;
         self.err.extend_from_slice(&rest);
         let (shell, stdout) = split_shell_state(&std::mem::take(&mut self.out), nonce);
-        SessionTurn {
-            rc: status.and_then(|status| status.code()),
-            timed_out: false,
-            shell,
-            stdout,
-            stderr: std::mem::take(&mut self.err),
-            ended: true,
-        }
+        SessionTurn { rc: status, timed_out: false, shell, stdout, stderr: std::mem::take(&mut self.err), ended: true }
     }
 
-    /// Stops the `ctr` client (the caller kills the exec in the container).
-    pub async fn close(mut self) {
-        let _ = self.child.start_kill();
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.child.wait()).await;
-    }
+    /// Closes the session's ends: the shell reads the end of its input (the
+    /// caller kills the exec in the container where it must not wait for that).
+    pub fn close(self) {}
+}
+
+fn fifo_error(path: &Path, what: &str, source: std::io::Error) -> SessionError {
+    SessionError::Fifo { what: format!("{what} {}", path.display()), source }
 }
 
 #[cfg(test)]

@@ -642,6 +642,53 @@ async fn a_stdin_session_restored_on_node_b_has_every_later_turn_checkpointed() 
     assert!(started.elapsed() < std::time::Duration::from_secs(110), "took {:?}", started.elapsed());
 }
 
+/// State that lives only in the agent's shell: its working directory and a variable.
+const SHELL_STATE_TRACE: &str = r#"{"trace": "session-restart-itest", "source": "crab tests", "mode": "exec", "workdir": "/app", "image": "terminal", "turns": 3}
+{"turn": 1, "think_s": 0.1, "cmd": "cd /tmp && export CRAB_V=kept && echo one", "timeout_s": 30}
+{"turn": 2, "think_s": 0.1, "cmd": "echo \"v=$CRAB_V\"; pwd", "timeout_s": 30}
+{"turn": 3, "think_s": 0.1, "cmd": "echo \"v=$CRAB_V\"; pwd", "timeout_s": 30}
+"#;
+
+/// A harness that holds its exec's fifos itself (dockerd for `docker exec -i`, and the
+/// replay) keeps its shell through a containerd restart, over runc as over crab: the
+/// shim keeps the process and its streams, and nothing closes the shell's input.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stdin_session_keeps_its_shell_through_a_containerd_restart() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let _containerd = CONTAINERD.lock().await;
+    let file = trace_file(SHELL_STATE_TRACE);
+    for runtime in runtimes() {
+        let mut options = options(vec![file.path().to_path_buf()], &runtime);
+        let policy = if runtime == "io.containerd.crab.v2" { PolicyKind::Crab } else { PolicyKind::ChatOnly };
+        options.policies = vec![policy];
+        options.faults = vec![FaultKind::RestartContainerd];
+        options.fault_turn = FaultTurn::Fixed(2);
+        options.ref_runs = 1;
+        options.mode = crab_replay::ReplayMode::Stdin;
+        let reports = replay(&options).await.unwrap_or_else(|error| panic!("{runtime}: replay: {error}"));
+        let run = run_of(&report_for(&reports, FaultKind::RestartContainerd).runs, policy);
+        let fault = run.fault.as_ref().unwrap();
+        assert_eq!(fault.recovery, Some(RecoveryMethod::NotNeeded), "{runtime}: {fault:?}");
+        assert_eq!(run.turns.len(), 3, "{runtime}: {:?}", run.turns);
+        assert_eq!(
+            run.turns[2].stdout_sha256,
+            sha256_hex("v=kept\n/tmp\n"),
+            "{runtime}: turn 3 ran in the shell of turns 1 and 2: {:?}",
+            run.turns[2]
+        );
+        assert_eq!(run.recovered_correctly, Some(true), "{runtime}: {fault:?}");
+        if policy == PolicyKind::Crab {
+            // The shim follows the session's turns after containerd came back.
+            assert!(run.turns[2].checkpoint_class.is_some(), "{:?}", run.turns[2]);
+        }
+    }
+}
+
+fn sha256_hex(text: &str) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(text.as_bytes()))
+}
+
 #[tokio::test]
 async fn restart_containerd_without_a_start_command_fails_before_any_sandbox() {
     let file = trace_file(TRACE);
