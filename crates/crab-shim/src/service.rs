@@ -1141,7 +1141,12 @@ fn set_next_pid_in_images(
             None
         }
     };
-    let Some(next) = after_clean.or(store.restore_next_pid(src, turn)?) else { return Ok(()) };
+    // The manifests only when no clean turn after the checkpoint forked: reading them loads the chain.
+    let next = match after_clean {
+        Some(next) => Some(next),
+        None => store.restore_next_pid(src, turn)?,
+    };
+    let Some(next) = next else { return Ok(()) };
     match crab_runtime::pidns::record_in_images(images, next) {
         Ok(()) => tracing::debug!(container = src, turn, next, "pid cursor of a turn after the dump"),
         Err(e) => {
