@@ -720,19 +720,19 @@ def oracle_lines(oracle, meta):
         lines.append(f"| {trace} | {info['turns']} | {turn_list(info['nondeterministic_turns'])} "
                      f"| {turn_list(info['turns_with_wall_clock'])} | {turn_list(info['normalised_turns'])} |")
     lines.append("")
-    if oracle["output_differences"]:
-        lines += ["Where the output of incorrect runs first differed (normalised):", ""]
-        for d in oracle["output_differences"]:
-            lines.append(f"- {d['policy']} / {d['fault']} / `{d['trace']}` turn {d['turn']} {d['stream']} line "
-                         f"{d['line']}: expected `{d['expected']}`, got `{d['got']}`")
-        lines.append("")
-    if oracle["later_state_differences"]:
-        lines += ["Where the state of incorrect runs first differed after a later turn (the first three entries):", ""]
-        for d in oracle["later_state_differences"]:
-            lines.append(f"- {d['policy']} / {d['fault']} / `{d['trace']}` after turn {d['turn']}: "
-                         f"`{d['key']}`: {d['detail']}")
-        lines.append("")
+    lines += bullets("Where the output of incorrect runs first differed (normalised):",
+                     [f"{d['policy']} / {d['fault']} / `{d['trace']}` turn {d['turn']} {d['stream']} line "
+                      f"{d['line']}: expected `{d['expected']}`, got `{d['got']}`"
+                      for d in oracle["output_differences"]])
+    lines += bullets("Where the state of incorrect runs first differed after a later turn (the first three entries):",
+                     [f"{d['policy']} / {d['fault']} / `{d['trace']}` after turn {d['turn']}: `{d['key']}`: "
+                      f"{d['detail']}" for d in oracle["later_state_differences"]])
     return lines
+
+
+def bullets(title, items):
+    """A titled list of `items` for report.md, or nothing when there are none."""
+    return [title, "", *(f"- {item}" for item in items), ""] if items else []
 
 
 def turn_list(turns):
