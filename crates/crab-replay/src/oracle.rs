@@ -171,6 +171,10 @@ pub struct Verdict {
     pub output_differences: Vec<OutputDifference>,
     /// Turns after the fault whose state (taken after the turn) was compared with the reference's.
     pub states_compared: Vec<u32>,
+    /// Turns after the fault whose state was not compared: from the first nondeterministic one
+    /// on, the state carries what that turn left, and the reference runs show only some of what
+    /// it can leave (an install cut off by its timeout, a rate limit on a knife edge).
+    pub states_excluded: Vec<u32>,
     /// Those whose state differed (entries that differ between reference runs masked).
     pub state_mismatches: Vec<u32>,
     /// The differences of the first of them, at most [`LATER_DIFFERENCES_SHOWN`].
@@ -267,13 +271,18 @@ impl Reference {
             output_mismatches: Vec::new(),
             output_differences: Vec::new(),
             states_compared: Vec::new(),
+            states_excluded: Vec::new(),
             state_mismatches: Vec::new(),
             later_state_differences: Vec::new(),
             recovery_possible,
             correct: false,
         };
+        let mut after_nondeterministic = false;
         for (result, state) in later {
-            if let Some(state) = state {
+            after_nondeterministic |= nondeterministic.contains(&result.turn);
+            if after_nondeterministic && state.is_some() {
+                verdict.states_excluded.push(result.turn);
+            } else if let Some(state) = state {
                 let reference_state =
                     self.fingerprint(result.turn).ok_or(OracleError::NoSuchTurn { turn: result.turn, turns })?;
                 let volatile = self.volatile_keys(result.turn);
@@ -428,6 +437,34 @@ mod tests {
         let after_3 = state(LOG_AND_MORE);
         let verdict = reference.judge(2, &state(EMPTY), &[(result(3, 0, "c"), Some(&after_3))], true).unwrap();
         assert_eq!(verdict.state_mismatches, [3]);
+    }
+
+    #[test]
+    fn later_states_from_the_first_nondeterministic_turn_on_are_not_compared() {
+        // Turn 3's output differs between the reference runs (an install its timeout cut
+        // off at another point); what it left differs from run to run beyond what the two
+        // reference runs show, and so does the state after turn 4.
+        const PART_1: &[&str] = &["F d 0755 0:0 4096 /app", "F f 0644 0:0 1 /app/a"];
+        const PART_2: &[&str] = &["F d 0755 0:0 4096 /app", "F f 0644 0:0 1 /app/a", "F f 0644 0:0 1 /app/b"];
+        let runs = |out: &str, after: &'static [&'static str]| ReferenceRun {
+            results: vec![result(1, 0, "a"), result(2, 0, "b"), result(3, 1, out), result(4, 0, "d")],
+            fingerprints: vec![state(EMPTY), state(EMPTY), state(after), state(after)],
+        };
+        let reference = Reference::new(vec![runs("cut at a", PART_1), runs("cut at b", PART_2)]).unwrap();
+        const PART_3: &[&str] = &["F d 0755 0:0 4096 /app"];
+        let (after_2, after_3) = (state(EMPTY), state(PART_3));
+        let later = [
+            (result(2, 0, "b"), Some(&after_2)),
+            (result(3, 1, "cut before a"), Some(&after_3)),
+            (result(4, 0, "d"), Some(&after_3)),
+        ];
+        let verdict = reference.judge(1, &state(EMPTY), &later, true).unwrap();
+        assert!(verdict.correct, "{verdict:?}");
+        assert_eq!((verdict.states_compared.as_slice(), verdict.states_excluded.as_slice()), (&[2][..], &[3, 4][..]));
+        // Before that turn a state is still compared.
+        let lost = state(&["F d 0755 0:0 4096 /elsewhere"]);
+        let later = [(result(2, 0, "b"), Some(&lost))];
+        assert_eq!(reference.judge(1, &state(EMPTY), &later, true).unwrap().state_mismatches, [2]);
     }
 
     #[test]

@@ -612,6 +612,7 @@ mod tests {
                 output_mismatches: Vec::new(),
                 output_differences: Vec::new(),
                 states_compared: vec![3],
+                states_excluded: Vec::new(),
                 state_mismatches: Vec::new(),
                 later_state_differences: Vec::new(),
                 recovery_possible: true,
