@@ -686,15 +686,9 @@ impl CheckpointStore {
         }
     }
 
-    /// Bytes of every kept image copy of this store (dumps in flight not counted).
+    /// Bytes of every kept image copy of this store (dumps in flight not counted), as each
+    /// copy recorded them when it was kept: one small read per copy.
     fn kept_bytes(&self) -> u64 {
-        let sum_files = |dir: &Path| -> u64 {
-            fs::read_dir(dir)
-                .map(|files| {
-                    files.flatten().filter_map(|f| f.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum()
-                })
-                .unwrap_or(0)
-        };
         let Ok(namespaces) = fs::read_dir(&self.assembled) else { return 0 };
         namespaces
             .flatten()
@@ -703,7 +697,7 @@ impl CheckpointStore {
             .filter_map(|owner| fs::read_dir(owner.path()).ok())
             .flat_map(|sets| sets.flatten())
             .filter(|set| set.file_name().to_str().is_some_and(|n| !n.starts_with('.')))
-            .map(|set| sum_files(&set.path()))
+            .map(|set| images::kept_copy_bytes(&set.path()))
             .sum()
     }
 

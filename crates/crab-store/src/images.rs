@@ -376,6 +376,8 @@ pub(crate) fn keep_assembled(set: &ImageSet, dump_dir: &Path, dest: &Path) -> Re
                 Err(e) => return Err(e).io_ctx("link", &to),
             }
         }
+        let marker = partial.join(KEPT_BYTES_FILE);
+        fs::write(&marker, set.files.iter().map(|f| f.size).sum::<u64>().to_string()).io_ctx("write", &marker)?;
         fs::rename(&partial, dest).io_ctx("rename", dest)?;
         Ok(true)
     })();
@@ -383,6 +385,25 @@ pub(crate) fn keep_assembled(set: &ImageSet, dump_dir: &Path, dest: &Path) -> Re
         let _ = fs::remove_dir_all(&partial);
     }
     kept
+}
+
+/// Beside a kept copy's image files, the bytes they hold, in decimal: the bound on kept copies
+/// sums one small file per copy instead of a stat of every image file of every copy on the
+/// node at every publish. Restores link only the manifest's names, so it never reaches CRIU.
+const KEPT_BYTES_FILE: &str = ".bytes";
+
+/// The bytes of the kept copy in `dir`: what [`keep_assembled`] recorded, or for a copy kept
+/// by a build before the record (or whose record does not read as a number), the sum of its
+/// files' sizes.
+pub(crate) fn kept_copy_bytes(dir: &Path) -> u64 {
+    if let Ok(text) = fs::read_to_string(dir.join(KEPT_BYTES_FILE))
+        && let Ok(bytes) = text.trim().parse()
+    {
+        return bytes;
+    }
+    fs::read_dir(dir)
+        .map(|files| files.flatten().filter_map(|f| f.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum())
+        .unwrap_or(0)
 }
 
 /// Recreates an image set as the directory `dest` from a copy kept by [`keep_assembled`] in

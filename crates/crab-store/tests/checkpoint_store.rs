@@ -976,6 +976,58 @@ fn kept_copies_live_beside_the_dumps_in_a_directory_of_their_own() {
     assert!(CheckpointStore::open(&sb.state).is_ok(), "a plain open too");
 }
 
+/// The bound on kept copies counts every container's copy by the bytes recorded beside it when
+/// it was kept: a publish reads one small file per copy on the node, not a stat of each of
+/// their image files. A copy kept by an older build, without that record, counts by its files.
+#[test]
+fn the_bound_on_kept_copies_counts_each_copy_by_its_recorded_bytes() {
+    let sb = Sandbox::new();
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    // A synthetic dump holds about 2.3 MiB: room for one kept copy, not for two.
+    let kept = KeptImages { dir: Some(shm.path().join("kept")), max_bytes: 3 << 20 };
+    let store = CheckpointStore::open_with(&sb.state, &kept).unwrap();
+    let commit = |container: &str| {
+        let dump = store.dump_path(container, 1).unwrap();
+        synthetic_dump(&dump, 1);
+        store
+            .commit_turn(&TurnInput { container, turn: 1, rootfs: None, changed: &[], criu_images: Some(&dump) })
+            .unwrap();
+        fs::remove_dir_all(&dump).unwrap();
+    };
+    let copies = |container: &str| -> usize {
+        fs::read_dir(sb.state.join("assembled").join(crab_store::DEFAULT_NAMESPACE).join(container))
+            .unwrap()
+            .flatten()
+            .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+            .count()
+    };
+    commit("c1");
+    let c1 = kept_dir(&sb, "c1");
+    let image_bytes: u64 = fs::read_dir(&c1)
+        .unwrap()
+        .flatten()
+        .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    assert!(image_bytes > 2 << 20, "{image_bytes}");
+    assert_eq!(fs::read_to_string(c1.join(".bytes")).unwrap(), image_bytes.to_string(), "recorded when kept");
+    commit("c2");
+    assert_eq!(copies("c2"), 0, "c1's copy leaves no room");
+    // A copy kept before the record existed counts by its files.
+    fs::remove_file(c1.join(".bytes")).unwrap();
+    commit("c3");
+    assert_eq!(copies("c3"), 0, "c1's copy, without a record, still leaves no room");
+    // The record is what a publish reads: c1's recorded as empty leaves room for c4's copy.
+    fs::write(c1.join(".bytes"), "0").unwrap();
+    commit("c4");
+    assert_eq!(copies("c4"), 1, "kept within the bound");
+    // A restore from a kept copy hands CRIU the image files only.
+    let out = store.restore_path("r4").unwrap();
+    let (_, report) = store.restore_images_report("c4", 1, &out).unwrap().unwrap();
+    assert!(report.assembled, "{report:?}");
+    assert!(!out.join(".bytes").exists(), "the record stays beside the kept copy");
+}
+
 /// A kept copy that does not match the manifest (a flipped byte in a page image, a truncated
 /// or swapped small file, a file missing, a symlink in place of a file) is refused and never
 /// used: the restore reassembles from the chunks, byte for byte, and drops the bad copy. A
