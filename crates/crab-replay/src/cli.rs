@@ -41,8 +41,10 @@ pub struct ReplayArgs {
     #[arg(long, default_value = "io.containerd.crab.v2")]
     runtime: String,
     /// Fault-free reference runs: 2 or more find and exclude nondeterministic turns and files
-    /// (a turn whose output depends on timing may agree in two runs by chance).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=crate::runner::MAX_REFERENCE_RUNS as i64))]
+    /// (a turn whose output depends on timing may agree in two runs by chance). 0, with
+    /// `--fault none` only: no reference and no oracle, the policies' costs alone (a benchmark's
+    /// runs, which the sandbox walks of the oracle after every turn would load).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=crate::runner::MAX_REFERENCE_RUNS as i64))]
     ref_runs: u8,
     /// Least seconds between the starts of two reference runs, so that
     /// output showing the time of day differs between them (and is excluded)

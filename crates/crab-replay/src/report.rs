@@ -26,7 +26,9 @@ pub struct TraceReport {
     pub runs: Vec<PolicyRun>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+/// The fault-free runs a batch's policy runs are judged against; all zero and empty when it
+/// has none (`--ref-runs 0`).
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct ReferenceSummary {
     pub runs: usize,
     /// Wall time of all reference runs, fingerprints after every turn and the
@@ -239,11 +241,15 @@ fn render_trace(out: &mut String, report: &TraceReport) {
     } else {
         format!("{:?}", report.reference.nondeterministic_turns)
     };
-    let _ = writeln!(
-        out,
-        "reference: {} fault-free run(s) in {:.1} s, nondeterministic turns: {nondeterministic}",
-        report.reference.runs, report.reference.run_time_s
-    );
+    if report.reference.runs == 0 {
+        let _ = writeln!(out, "reference: none (--ref-runs 0), nothing judged");
+    } else {
+        let _ = writeln!(
+            out,
+            "reference: {} fault-free run(s) in {:.1} s, nondeterministic turns: {nondeterministic}",
+            report.reference.runs, report.reference.run_time_s
+        );
+    }
     if !report.reference.turns_with_wall_clock.is_empty() || !report.reference.normalised_turns.is_empty() {
         let _ = writeln!(
             out,

@@ -33,6 +33,8 @@ pub struct ReplayOptions {
     pub think_scale: f64,
     pub runtime: String,
     /// Fault-free runs to compare against; with 2, what differs between them is ignored.
+    /// 0: the runs are not judged (fault `none` only), and no run looks at the sandbox
+    /// between turns.
     pub ref_runs: u8,
     /// Least time between the starts of two reference runs: output that
     /// prints the clock in a form the normaliser does not know (minutes in
@@ -71,11 +73,18 @@ pub async fn replay(options: &ReplayOptions) -> Result<Vec<TraceReport>, ReplayE
     for fault in &options.faults {
         injector.check(*fault).map_err(|source| ReplayError::Fault { fault: *fault, source })?;
     }
-    if !(1..=MAX_REFERENCE_RUNS).contains(&options.ref_runs) {
+    if options.ref_runs > MAX_REFERENCE_RUNS {
         return Err(ReplayError::Options(format!(
-            "--ref-runs must be 1 to {MAX_REFERENCE_RUNS}, not {}",
+            "--ref-runs must be 0 to {MAX_REFERENCE_RUNS}, not {}",
             options.ref_runs
         )));
+    }
+    if options.ref_runs == 0 && options.faults.iter().any(|fault| *fault != FaultKind::None) {
+        return Err(ReplayError::Options(
+            "--ref-runs 0 runs no reference, so it goes only with --fault none: a recovery is judged against \
+             the reference runs"
+                .to_string(),
+        ));
     }
     if !options.think_scale.is_finite() || options.think_scale < 0.0 {
         return Err(ReplayError::Options(format!("--think-scale must be >= 0, not {}", options.think_scale)));
@@ -136,16 +145,22 @@ async fn replay_trace(
         reference_runs.push(ReferenceRun { results: outcome.results(), fingerprints: outcome.fingerprints });
     }
     let reference_time = started.elapsed();
-    let reference =
-        Reference::new(reference_runs).map_err(|source| ReplayError::Oracle { file: trace.file.clone(), source })?;
+    // No reference runs: nothing is judged (the options allow it only without a fault).
+    let reference = (!reference_runs.is_empty())
+        .then(|| Reference::new(reference_runs))
+        .transpose()
+        .map_err(|source| ReplayError::Oracle { file: trace.file.clone(), source })?;
 
-    let reference_summary = ReferenceSummary {
-        runs: reference.runs(),
-        run_time_s: reference_time.as_secs_f64(),
-        nondeterministic_turns: reference.nondeterministic_turns().into_iter().collect(),
-        normalised_turns: reference.normalised_turns().into_iter().collect(),
-        turns_with_wall_clock: reference.turns_with_wall_clock().into_iter().collect(),
-        final_state: reference.fingerprint(trace.header.turns).map(Fingerprint::digest),
+    let reference_summary = match &reference {
+        Some(reference) => ReferenceSummary {
+            runs: reference.runs(),
+            run_time_s: reference_time.as_secs_f64(),
+            nondeterministic_turns: reference.nondeterministic_turns().into_iter().collect(),
+            normalised_turns: reference.normalised_turns().into_iter().collect(),
+            turns_with_wall_clock: reference.turns_with_wall_clock().into_iter().collect(),
+            final_state: reference.fingerprint(trace.header.turns).map(Fingerprint::digest),
+        },
+        None => ReferenceSummary::default(),
     };
 
     let mut reports = Vec::new();
@@ -161,7 +176,7 @@ async fn replay_trace(
                 launch = on_node_a_of_its_own(launch, options)?;
             }
             let outcome = run_guarded(trace, &launch, policy.build(launch.clone()), strike, options, injector).await?;
-            runs.push(policy_report(*policy, &reference, outcome, &trace.file)?);
+            runs.push(policy_report(*policy, reference.as_ref(), outcome, &trace.file)?);
         }
         reports.push(TraceReport {
             trace: trace.header.trace.clone(),
@@ -336,6 +351,7 @@ async fn run(
     let mut turns: Vec<TurnOutcome> = Vec::new();
     let mut tmux_servers = super::shell::TmuxServers::default();
     let mut fingerprints = Vec::new();
+    let judged = options.ref_runs > 0;
     let mut fault = None;
     let think = |index: usize| {
         let seconds = trace.turns.get(index).map_or(0.0, |turn| turn.think_s * options.think_scale);
@@ -397,8 +413,11 @@ async fn run(
         // every turn: the oracle compares the states after the fault's later
         // turns, and the look takes time the agent's next turn waits for. A
         // turn whose output depends on the time since the last one (requests
-        // against a rate limit) then sees the same spacing in all runs.
-        fingerprints.push(sandbox.fingerprint().await?);
+        // against a rate limit) then sees the same spacing in all runs. Runs
+        // that nothing judges (no reference) take no look at all.
+        if judged {
+            fingerprints.push(sandbox.fingerprint().await?);
+        }
         if let Some((kind, fault_turn)) = strike
             && fault_turn == turn.turn
         {
@@ -478,13 +497,16 @@ async fn strike_and_recover(
 
 fn policy_report(
     policy: PolicyKind,
-    reference: &Reference,
+    reference: Option<&Reference>,
     outcome: RunOutcome,
     file: &std::path::Path,
 ) -> Result<PolicyRun, ReplayError> {
     let fault = match &outcome.fault {
         None => None,
         Some(fault) => {
+            let reference = reference.ok_or_else(|| {
+                ReplayError::Options(format!("{}: a fault struck a run without reference runs", file.display()))
+            })?;
             let later: Vec<(TurnResult, Option<&Fingerprint>)> = outcome
                 .turns
                 .iter()

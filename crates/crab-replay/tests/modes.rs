@@ -143,3 +143,33 @@ async fn tmux_mode_types_into_one_session_and_reads_its_pane() {
     let every_turn = run_of(&report.runs, PolicyKind::EveryTurn);
     assert_eq!(every_turn.recovered_correctly, Some(true), "{:?}", every_turn.fault);
 }
+
+/// The density benchmark's runs: no reference run, nothing judged, and so no look at the
+/// sandbox between turns; the policy's turns and checkpoints happen as in a judged run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unjudged_run_replays_only_the_policy_runs() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let file = trace_file();
+    let mut options = options(file.path().to_path_buf(), ReplayMode::Tmux);
+    options.ref_runs = 0;
+    options.policies = vec![PolicyKind::Crab];
+    options.faults = vec![FaultKind::None];
+    let reports = replay(&options).await.unwrap();
+    let report = &reports[0];
+    assert_eq!(report.reference.runs, 0, "no reference run");
+    assert_eq!(report.reference.final_state, None);
+    assert_eq!(report.runs.len(), 1);
+    let crab = run_of(&report.runs, PolicyKind::Crab);
+    assert_eq!(crab.recovered_correctly, None, "nothing judged");
+    let rcs: Vec<Option<i32>> = crab.turns.iter().map(|turn| turn.rc).collect();
+    assert_eq!(rcs, [Some(0), Some(3), Some(0)]);
+    assert_eq!(crab.turns[2].stdout_sha256, sha("v=kept\n/app/sub\none\n"), "one session throughout");
+    assert!(crab.turns.iter().all(|turn| turn.checkpoint_class.is_some()), "every turn recorded: {:?}", crab.turns);
+    let text = crab_replay::report::render(&reports);
+    assert!(text.contains("reference: none (--ref-runs 0), nothing judged"), "{text}");
+
+    // A fault needs the reference runs that judge its recovery.
+    options.faults = vec![FaultKind::KillProcesses];
+    let error = replay(&options).await.unwrap_err().to_string();
+    assert!(error.contains("--ref-runs 0") && error.contains("--fault none"), "{error}");
+}
