@@ -309,7 +309,8 @@ pub struct SessionTurn {
 pub struct StdinSession {
     pub exec_id: String,
     container: String,
-    containerd: (std::path::PathBuf, String),
+    /// The containerd (socket and namespace) the session was started through.
+    ctr: Ctr,
     stdin: pipe::Sender,
     stdout: pipe::Receiver,
     stderr: pipe::Receiver,
@@ -360,7 +361,7 @@ impl StdinSession {
         Ok(StdinSession {
             exec_id: exec_id.to_string(),
             container: container.to_string(),
-            containerd: (ctr.socket().to_path_buf(), ctr.namespace().to_string()),
+            ctr: ctr.clone(),
             stdin,
             stdout,
             stderr,
@@ -372,7 +373,7 @@ impl StdinSession {
 
     /// A client of its own per call: the session outlives containerd restarts.
     fn containerd(&self) -> Containerd {
-        Containerd::new(&self.containerd.0, &self.containerd.1)
+        Containerd::new(self.ctr.socket(), self.ctr.namespace())
     }
 
     /// Whether the shell has ended, as containerd knows its exec (one it
