@@ -74,7 +74,8 @@ def main():
     settings = dict(line.split("=", 1) for line in (out / "settings").read_text().splitlines() if "=" in line)
     rounds = int(settings["rounds"])
     print(f"# bench-density: {settings['size']} sandboxes, {settings['turns']} turns each, think x"
-          f"{settings['think_scale']}, {rounds} round(s), commit {settings.get('commit', '?')}")
+          f"{settings['think_scale']}, started {settings.get('stagger_s', '0')} s apart, {rounds} round(s), "
+          f"commit {settings.get('commit', '?')}")
     for mode in settings["modes"].split():
         runs = {p: [load_run(out / f"{mode}-{p}-r{r}") for r in range(1, rounds + 1)] for p in POLICIES}
         base_cpu, base_side = median_of(runs["off"], "cpu"), median_of(runs["off"], "side_cpu")
