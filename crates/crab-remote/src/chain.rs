@@ -61,18 +61,30 @@ pub struct StoreSink<'a> {
     store: &'a CheckpointStore,
     batch: WriteBatch<'a>,
     held: HashSet<Digest>,
+    /// The objects this sink's batch stored from the bytes it hashed (not those it found
+    /// stored): what [`CheckpointStore::import_head_over`] need not read back.
+    hashed: HashSet<crab_store::Digest>,
     pub bytes_written: u64,
     _writing: &'a WriterLock,
 }
 
 impl<'a> StoreSink<'a> {
     pub fn new(store: &'a CheckpointStore, writing: &'a WriterLock) -> Self {
-        StoreSink { store, batch: store.blobs().batch(), held: HashSet::new(), bytes_written: 0, _writing: writing }
+        StoreSink {
+            store,
+            batch: store.blobs().batch(),
+            held: HashSet::new(),
+            hashed: HashSet::new(),
+            bytes_written: 0,
+            _writing: writing,
+        }
     }
 
-    /// Makes every object put so far durable.
-    pub fn commit(self) -> std::result::Result<(), crab_store::CheckpointError> {
-        self.batch.commit().map(|_| ())
+    /// Makes every object put so far durable; returns those the batch stored from bytes it
+    /// hashed itself.
+    pub fn commit(self) -> std::result::Result<HashSet<crab_store::Digest>, crab_store::CheckpointError> {
+        self.batch.commit()?;
+        Ok(self.hashed)
     }
 }
 
@@ -90,6 +102,9 @@ impl ObjectSink for StoreSink<'_> {
         }
         self.bytes_written += data.len() as u64;
         self.held.insert(digest);
+        if self.batch.wrote(&stored) {
+            self.hashed.insert(stored);
+        }
         Ok(())
     }
 }
@@ -376,7 +391,7 @@ pub async fn pull_chain(
     let first = remote.pull_turn(namespace, sandbox, turn, &mut sink).await?;
     let written = sink.bytes_written;
     let clock = Instant::now();
-    sink.commit().map_err(|e| store_error(&reference, e))?;
+    let mut hashed = sink.commit().map_err(|e| store_error(&reference, e))?;
     report.times.store_flush += clock.elapsed();
     report.object_bytes_written = written;
     // Between the turn's objects written and its manifest imported: where a GC that ran
@@ -423,7 +438,7 @@ pub async fn pull_chain(
         let mut sink = StoreSink::new(store, &writing);
         let pulled = remote.pull_turn(namespace, sandbox, p.turn, &mut sink).await?;
         let clock = Instant::now();
-        sink.commit().map_err(|e| store_error(&parent_ref, e))?;
+        hashed.extend(sink.commit().map_err(|e| store_error(&parent_ref, e))?);
         report.times.store_flush += clock.elapsed();
         add(&mut report, &pulled);
         let (id, m) = store.import_manifest(&pulled.turn_manifest).map_err(|e| store_error(&parent_ref, e))?;
@@ -437,7 +452,7 @@ pub async fn pull_chain(
         parent = m.parent;
     }
     let head = Head { manifest: head_id, turn };
-    store.import_head_over(key, head, over).map_err(|e| store_error(&reference, e))?;
+    store.import_head_over(key, head, over, &hashed).map_err(|e| store_error(&reference, e))?;
     report.head = Some(head);
     Ok(report)
 }

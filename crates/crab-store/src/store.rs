@@ -711,6 +711,12 @@ impl WriteBatch<'_> {
         }
     }
 
+    /// True when this batch stores the blob from bytes it was handed and hashed itself (a
+    /// blob it found stored already, or being stored by another batch, is not its own).
+    pub fn wrote(&self, digest: &Digest) -> bool {
+        self.blobs.queued.contains_key(digest)
+    }
+
     /// The size of a blob queued in this batch (None: not queued here).
     pub(crate) fn queued_len(&self, digest: &Digest) -> Option<u64> {
         self.blobs.queued.get(digest).map(|&(_, len)| len)

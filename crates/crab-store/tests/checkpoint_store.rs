@@ -531,6 +531,80 @@ fn corrupt_blob_is_refused_before_anything_is_written() {
     assert!(matches!(err, CheckpointError::MissingBlob { .. }), "{err}");
 }
 
+/// What a puller of the remote tier does with `from`'s chain of `container`: every object `into`
+/// lacks through one batch under the writer lock, then the manifests. Returns the lock (held
+/// until the head is set), the objects the batch stored from bytes it hashed, and the head.
+fn pull_chain_into(
+    from: &CheckpointStore,
+    container: &str,
+    into: &CheckpointStore,
+) -> (crab_store::WriterLock, std::collections::HashSet<crab_store::Digest>, crab_store::Head) {
+    let exported = from.export_chain(container).unwrap();
+    let writing = into.writer_lock().unwrap();
+    let mut batch = into.blobs().batch();
+    let mut hashed = std::collections::HashSet::new();
+    for object in exported.iter().flat_map(|turn| &turn.objects) {
+        if into.blobs().contains(object) {
+            continue;
+        }
+        let stored = batch.put_bytes(&from.blobs().read(object).unwrap()).unwrap();
+        assert_eq!(stored, *object);
+        if batch.wrote(&stored) {
+            hashed.insert(stored);
+        }
+    }
+    batch.commit().unwrap();
+    for turn in &exported {
+        into.import_manifest(&turn.sealed).unwrap();
+    }
+    let newest = exported.last().unwrap();
+    (writing, hashed, crab_store::Head { manifest: newest.manifest_id, turn: newest.turn })
+}
+
+#[test]
+fn an_import_reads_back_only_the_blobs_it_did_not_hash_as_it_wrote_them() {
+    let a = Sandbox::new();
+    write(&a.live, "/app/one", b"first file\n");
+    write(&a.live, "/app/two", b"second file\n");
+    a.commit("box", 1, &[c("/app/one"), c("/app/two")]);
+    let (_, manifest) = a.store.manifest_at("box", 1).unwrap();
+    let blob_of =
+        |path: &str| *manifest.fs_delta.iter().find(|e| e.path.to_string() == path).unwrap().node.blob().unwrap();
+    let (one, two) = (blob_of("/app/one"), blob_of("/app/two"));
+
+    // Node B holds /app/one's blob already (another sandbox's checkpoint), and its copy has
+    // rotted on disk since: the pull skips it, so the import must read it.
+    let b = Sandbox::new();
+    write(&b.live, "/app/one", b"first file\n");
+    b.commit("other", 1, &[c("/app/one")]);
+    overwrite_blob(&b.store, &one, b"first filf\n");
+    let (writing, hashed, head) = pull_chain_into(&a.store, "box", &b.store);
+    assert!(hashed.contains(&two) && !hashed.contains(&one), "{hashed:?}");
+    let err = b.store.import_head_over("box", head, None, &hashed).unwrap_err();
+    assert!(matches!(err, CheckpointError::CorruptBlob { .. }) && err.to_string().contains(&one.to_hex()), "{err}");
+    assert_eq!(b.store.head("box").unwrap(), None, "no head over a chain with a corrupt blob");
+
+    // With that copy sound, the blobs the pull hashed as it wrote them are not read back: one
+    // that changed on disk after its write is taken (present is all that is checked)...
+    overwrite_blob(&b.store, &one, b"first file\n");
+    overwrite_blob(&b.store, &two, b"second filf\n");
+    b.store.import_head_over("box", head, None, &hashed).unwrap();
+    drop(writing);
+    assert_eq!(b.store.head("box").unwrap(), Some(head));
+    // ... and a restore, which hashes every blob it copies, refuses it before writing a byte.
+    let target = b.fresh_target("restored");
+    let err = b.store.materialize("box", 1, &target).unwrap_err();
+    assert!(matches!(err, CheckpointError::CorruptBlob { .. }) && err.to_string().contains(&two.to_hex()), "{err}");
+
+    // A hashed blob that is gone is refused by name.
+    let c_ = Sandbox::new();
+    let (writing, hashed, head) = pull_chain_into(&a.store, "box", &c_.store);
+    fs::remove_file(c_.store.blobs().path_of(&two)).unwrap();
+    let err = c_.store.import_head_over("box", head, None, &hashed).unwrap_err();
+    assert!(matches!(err, CheckpointError::MissingBlob { .. }) && err.to_string().contains(&two.to_hex()), "{err}");
+    drop(writing);
+}
+
 #[test]
 fn tampered_or_missing_manifests_break_the_chain_loudly() {
     let sb = Sandbox::new();
