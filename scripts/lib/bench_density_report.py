@@ -73,11 +73,13 @@ def main():
     out = parser.parse_args().out
     settings = dict(line.split("=", 1) for line in (out / "settings").read_text().splitlines() if "=" in line)
     rounds = int(settings["rounds"])
+    # Runs before the policies were a setting ran all three.
+    policies = [p for p in POLICIES if p in settings.get("policies", " ".join(POLICIES)).split()]
     print(f"# bench-density: {settings['size']} sandboxes, {settings['turns']} turns each, think x"
           f"{settings['think_scale']}, started {settings.get('stagger_s', '0')} s apart, {rounds} round(s), "
           f"commit {settings.get('commit', '?')}")
     for mode in settings["modes"].split():
-        runs = {p: [load_run(out / f"{mode}-{p}-r{r}") for r in range(1, rounds + 1)] for p in POLICIES}
+        runs = {p: [load_run(out / f"{mode}-{p}-r{r}") for r in range(1, rounds + 1)] for p in policies}
         base_cpu, base_side = median_of(runs["off"], "cpu"), median_of(runs["off"], "side_cpu")
         base_p99 = median_of(runs["off"], "p99")
         ckpt = {p: median_of(rs, "cpu") - base_cpu for p, rs in runs.items()}
@@ -94,7 +96,7 @@ def main():
             cls = "/".join(str(classes.get(c, 0)) for c in ("clean", "fs", "proc")) if classes else "-"
             is_off = p == "off"
             per_turn = None if is_off or not turns else ckpt[p] / turns * 1e3
-            vs = ckpt[p] / ckpt["every-turn"] if p == "crab" and ckpt["every-turn"] > 0 else None
+            vs = ckpt[p] / ckpt["every-turn"] if p == "crab" and ckpt.get("every-turn", 0) > 0 else None
             p99 = median_of(rs, "p99")
             print(f"| {p} | {turns:.0f} | {cls} | {median_of(rs, 'wall'):.0f} | {median_of(rs, 'cpu'):.1f} "
                   f"| {fmt(None if is_off else ckpt[p], '{:.1f}')} | {fmt(per_turn, '{:.0f}')} | {fmt(vs, '{:.3f}')} "
