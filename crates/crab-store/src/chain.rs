@@ -666,7 +666,7 @@ impl CheckpointStore {
                 }
             }
         }
-        let size: u64 = set.files.iter().map(|f| f.size).sum();
+        let size = set.bytes();
         let others = self.kept_bytes();
         if others.saturating_add(size) > self.kept_max_bytes {
             debug!(container, id = %id, size, others, max = self.kept_max_bytes,

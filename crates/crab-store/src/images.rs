@@ -377,7 +377,7 @@ pub(crate) fn keep_assembled(set: &ImageSet, dump_dir: &Path, dest: &Path) -> Re
             }
         }
         let marker = partial.join(KEPT_BYTES_FILE);
-        fs::write(&marker, set.files.iter().map(|f| f.size).sum::<u64>().to_string()).io_ctx("write", &marker)?;
+        fs::write(&marker, set.bytes().to_string()).io_ctx("write", &marker)?;
         fs::rename(&partial, dest).io_ctx("rename", dest)?;
         Ok(true)
     })();

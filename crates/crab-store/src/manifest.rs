@@ -176,6 +176,13 @@ pub struct ImageSet {
     pub files: Vec<ImageFile>,
 }
 
+impl ImageSet {
+    /// The bytes of the image files together: what an assembled copy of the set takes.
+    pub fn bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.size).sum()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
     pub version: u32,
