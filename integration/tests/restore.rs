@@ -1538,12 +1538,13 @@ fn crabctl_gc(state: &std::path::Path, args: &[&str]) -> serde_json::Value {
 /// Checkpoints of a container containerd removed (CRI's RemoveContainer, `ctr c rm`) do not
 /// stay forever: `crabctl gc` asks containerd which containers it has, keeps a removed one's
 /// chain for `--keep-removed` seconds from the GC that first found it gone, then drops it with
-/// its turn log and saved spec; a running sandbox's chain is left alone.
+/// its turn log and saved spec; a running sandbox's chain is left alone. The last GC is the
+/// node's own, `shim-config/crab-gc.service` (which crab-gc.timer runs) as systemd runs it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gc_drops_a_removed_container_s_chain_after_its_retention_and_keeps_a_running_one() {
     crab_sys::skip_unless_root!("containerd, runc and CRIU");
     let dir = tempfile::tempdir().unwrap();
-    let (state, config) = own_config(dir.path(), "");
+    let (state, config) = own_config_with(dir.path(), "", "keep_removed_s = 0\n");
     let flags = ["--runtime-config-path", config.to_str().unwrap()];
     let mut gone = Sandbox::start_in("rs-gc-gone", &flags, state.clone()).await;
     gone.turn("echo gone > /g").await;
@@ -1568,13 +1569,35 @@ async fn gc_drops_a_removed_container_s_chain_after_its_retention_and_keeps_a_ru
     let report = crabctl_gc(&state, &["--keep-removed", "0", "--no-containerd"]);
     assert_eq!(report["removed_dropped"].as_u64(), Some(0), "{report}");
 
-    let report = crabctl_gc(&state, &["--keep-removed", "0"]);
-    assert_eq!(report["removed_dropped"].as_u64(), Some(1), "{report}");
+    // The unit's command with what systemd gives it: the node's config (here the test's, with
+    // keep_removed_s = 0), containerd's socket, no namespace, no state dir of its own.
+    let unit =
+        std::fs::read_to_string(crab_integration::remote::repo_root().join("shim-config/crab-gc.service")).unwrap();
+    let exec_start = unit.lines().find_map(|l| l.strip_prefix("ExecStart=")).expect("the unit's ExecStart");
+    let argv: Vec<&str> = exec_start.split_whitespace().collect();
+    assert_eq!(argv[..2], ["/usr/local/bin/crabctl", "gc"], "{exec_start}");
+    let out = std::process::Command::new(crab_integration::env::crab_binary("crabctl"))
+        .args(&argv[1..])
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("CRAB_CONFIG", &config)
+        .env("CONTAINERD_ADDRESS", &crab_integration::env::TestEnv::get().socket)
+        .output()
+        .unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{exec_start}: {said}");
+    let socket = crab_integration::env::TestEnv::get().socket.display().to_string();
+    assert!(said.contains(&format!("0 newly found, 1 sandboxes dropped (containerd asked at {socket})")), "{said}");
+    let blobs_removed: u64 = said
+        .split_once(" manifests, ")
+        .and_then(|(_, rest)| rest.split_once(" blobs"))
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or_else(|| panic!("no blob count in {said}"));
+    assert!(blobs_removed >= 1, "its blobs were swept: {said}");
     assert_eq!(ctl.store.head(&gone_key).unwrap(), None, "the removed container's chain is gone");
     let gone_key = crab_store::SandboxKey::parse(&gone_key).unwrap();
     assert!(!crab_store::turn_log_path(&state, &gone_key).exists(), "its turn log too");
     assert!(!crab_store::saved_spec_path(&state, &gone_key).exists(), "its saved spec too");
-    assert!(report["blobs_removed"].as_u64().unwrap() >= 1, "its blobs were swept: {report}");
     ctl.store.verify(&live_key, 1).unwrap();
     assert_eq!(live.exec_in(&live.id.clone(), "cat /l").await, "live\n");
 }
