@@ -52,11 +52,19 @@ start_crabd() { # LOG [crabd options...]
 }
 
 # Each run starts from an empty store: otherwise a later run's commits deduplicate
-# against the blobs of the earlier ones and write (and wait) less. Turn logs stay:
-# the reports read them, and every replay names its own sandboxes.
+# against the blobs of the earlier ones and write (and wait) less. The packs go with
+# the blobs' names (they would only fill the disk), and the kept image copies too:
+# they count against the node's bound on kept copies, which every publish adds up.
+# Turn logs stay: the reports read them, and every replay names its own sandboxes.
 empty_store() {
-  local entry
-  for entry in blobs manifests snapshots containers sandboxes tmp full; do
+  local entry kept
+  # assembled is a link to this store's directory under [checkpoint] kept_images_dir
+  # (a tmpfs): the copies are there.
+  kept=$(readlink -f "${state_dir:?}/assembled" || true)
+  case "$kept" in
+    */kept-images/?*) rm -rf "$kept" ;;
+  esac
+  for entry in blobs packs assembled manifests snapshots containers sandboxes tmp full; do
     rm -rf "${state_dir:?}/$entry"
   done
 }
