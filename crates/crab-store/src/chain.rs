@@ -494,6 +494,24 @@ fn now_unix_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
+/// The file in a store's directory under `kept_images_dir` that names the store's state
+/// directory: how any store's GC tells a directory whose store is gone (a deleted state
+/// directory, a test's temporary store) from a live one, since the names are hashes.
+pub(crate) const KEPT_OWNER_FILE: &str = ".state-dir";
+
+/// Writes [`KEPT_OWNER_FILE`] into `target` unless it names `state_dir` already; through a
+/// rename, so that a GC never reads half a path and takes a live store's copies for orphans.
+fn record_kept_owner(target: &Path, state_dir: &Path) -> Result<()> {
+    let owner = target.join(KEPT_OWNER_FILE);
+    let named = state_dir.as_os_str().as_encoded_bytes();
+    if fs::read(&owner).is_ok_and(|bytes| bytes == named) {
+        return Ok(());
+    }
+    let tmp = target.join(format!("{KEPT_OWNER_FILE}.{}.tmp", std::process::id()));
+    fs::write(&tmp, named).io_ctx("write", &tmp)?;
+    fs::rename(&tmp, &owner).io_ctx("rename", &owner)
+}
+
 impl CheckpointStore {
     /// Opens (creating if needed) a store under `state_dir`. Kept image copies stay wherever
     /// the store's `assembled` entry points (see [`open_with`](Self::open_with)).
@@ -553,6 +571,7 @@ impl CheckpointStore {
                 use std::os::unix::fs::PermissionsExt;
                 fs::set_permissions(&target, fs::Permissions::from_mode(0o700)).io_ctx("chmod", &target)?;
             }
+            record_kept_owner(&target, &absolute)?;
             if fs::read_link(&store.assembled).ok().as_deref() != Some(target.as_path()) {
                 // Replaced by a rename, so that a concurrent open sees the old entry or the new
                 // link, never neither.

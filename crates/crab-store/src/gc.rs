@@ -12,12 +12,13 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs;
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tracing::info;
 
-use super::chain::CheckpointStore;
+use super::chain::{CheckpointStore, KEPT_OWNER_FILE};
 use super::error::{CheckpointError, IoContext, Result};
 use super::images;
 use super::key::{self, SandboxKey};
@@ -64,6 +65,9 @@ pub struct GcReport {
     pub packs_rewritten: u64,
     /// Kept CRIU image directories of checkpoints no longer live.
     pub assembled_removed: u64,
+    /// Other stores' directories under the kept images directory whose state directory is
+    /// gone, removed with their copies (on a tmpfs they are memory nobody would free).
+    pub orphaned_kept_removed: u64,
     /// Retired chains (`<id>@<n>`) past the retention window, removed with their turn logs.
     pub retired_removed: u64,
     /// Sandboxes whose container containerd no longer has, first found gone by this GC.
@@ -255,6 +259,7 @@ impl CheckpointStore {
                 }
             }
         }
+        report.orphaned_kept_removed = self.remove_orphaned_kept_dirs();
         let tmp = self.blobs().tmp_dir();
         for dirent in fs::read_dir(tmp).io_ctx("read dir", tmp)? {
             let path = dirent.io_ctx("read dir", tmp)?.path();
@@ -412,6 +417,36 @@ impl CheckpointStore {
             images::referenced_blobs(set, self.blobs(), live)?;
         }
         Ok(())
+    }
+}
+
+impl CheckpointStore {
+    /// Removes the directories beside this store's own under the kept images directory whose
+    /// [`KEPT_OWNER_FILE`] names a state directory that no longer exists; returns how many.
+    /// One without that file (made before stores named themselves there), or whose store still
+    /// exists, is left alone. Copies are only an accelerator: a store that comes back at that
+    /// path reassembles its restores from its chunks. Best effort: what cannot be read or
+    /// removed is left for the next GC.
+    fn remove_orphaned_kept_dirs(&self) -> u64 {
+        let Ok(own) = fs::read_link(self.assembled_dir()) else { return 0 };
+        let Some(kept_dir) = own.parent() else { return 0 };
+        let mut removed = 0;
+        for dirent in fs::read_dir(kept_dir).into_iter().flatten().flatten() {
+            let dir = dirent.path();
+            if dir == own || !dirent.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            let Ok(owner) = fs::read(dir.join(KEPT_OWNER_FILE)) else { continue };
+            let state_dir = Path::new(std::ffi::OsStr::from_bytes(&owner));
+            if state_dir.is_absolute()
+                && fs::symlink_metadata(state_dir).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+                && fs::remove_dir_all(&dir).is_ok()
+            {
+                info!(dir = %dir.display(), state_dir = %state_dir.display(), "removed the kept image copies of a store that is gone");
+                removed += 1;
+            }
+        }
+        removed
     }
 }
 

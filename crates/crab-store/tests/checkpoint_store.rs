@@ -1053,6 +1053,39 @@ fn kept_copies_live_beside_the_dumps_in_a_directory_of_their_own() {
 /// The bound on kept copies counts every container's copy by the bytes recorded beside it when
 /// it was kept: a publish reads one small file per copy on the node, not a stat of each of
 /// their image files. A copy kept by an older build, without that record, counts by its files.
+/// Stores that share a kept images directory (a node's `/run/crab/kept-images`) each have a
+/// directory there named by a hash; when a store's state directory is deleted (a test's
+/// temporary store, a node moved to another `state_dir`), any other store's GC removes its
+/// copies, which on a tmpfs would hold memory until a reboot. Live stores' directories, and
+/// one that does not say whose it is, stay.
+#[test]
+fn gc_removes_the_kept_copies_of_a_store_that_is_gone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kept = KeptImages { dir: Some(tmp.path().join("kept")), max_bytes: u64::MAX };
+    let open = |name: &str| CheckpointStore::open_with(tmp.path().join(name), &kept).unwrap();
+    let (a, b, c) = (open("a"), open("b"), open("c"));
+    let kept_dir_of = |name: &str| fs::read_link(tmp.path().join(name).join("assembled")).unwrap();
+    let (own, gone, live) = (kept_dir_of("a"), kept_dir_of("b"), kept_dir_of("c"));
+    for dir in [&own, &gone, &live] {
+        fs::create_dir_all(dir.join("default/box/copy")).unwrap();
+        fs::write(dir.join("default/box/copy/pages-1.img"), vec![7u8; 4096]).unwrap();
+    }
+    let unnamed = tmp.path().join("kept/0123456789abcdef");
+    fs::create_dir_all(unnamed.join("default")).unwrap();
+    drop((b, c));
+    fs::remove_dir_all(tmp.path().join("b")).unwrap();
+
+    let report = a.gc(&RetentionPolicy { keep_last: 16 }).unwrap();
+    assert_eq!(report.orphaned_kept_removed, 1, "{report:?}");
+    assert!(!gone.exists(), "the deleted store's copies are removed");
+    assert!(live.join("default/box/copy/pages-1.img").is_file(), "a live store's copies stay");
+    assert!(own.is_dir() && unnamed.is_dir());
+    // Opened again, a store finds its directory still its own: nothing more goes.
+    drop(open("c"));
+    assert_eq!(a.gc(&RetentionPolicy { keep_last: 16 }).unwrap().orphaned_kept_removed, 0);
+    assert!(live.is_dir());
+}
+
 #[test]
 fn the_bound_on_kept_copies_counts_each_copy_by_its_recorded_bytes() {
     let sb = Sandbox::new();

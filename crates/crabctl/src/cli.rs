@@ -375,6 +375,7 @@ impl CheckpointCommand {
                     retired_removed: u64,
                     removed_marked: u64,
                     removed_dropped: u64,
+                    orphaned_kept_removed: u64,
                     containerd: String,
                 }
                 let gc = Gc {
@@ -388,12 +389,14 @@ impl CheckpointCommand {
                     retired_removed: report.retired_removed,
                     removed_marked: report.removed_marked,
                     removed_dropped: report.removed_dropped,
+                    orphaned_kept_removed: report.orphaned_kept_removed,
                     containerd,
                 };
                 print(json, &gc, |g| {
                     format!(
                         "removed {} manifests, {} blobs, {} packs ({} rewritten; {} bytes), {} tmp files, {} retired chains; {} snapshots written\n\
-                         containers removed from containerd: {} newly found, {} sandboxes dropped (containerd {})\n",
+                         containers removed from containerd: {} newly found, {} sandboxes dropped (containerd {})\n\
+                         kept image copies of stores that are gone: {} removed\n",
                         g.manifests_removed,
                         g.blobs_removed,
                         g.packs_removed,
@@ -404,7 +407,8 @@ impl CheckpointCommand {
                         g.snapshots_written,
                         g.removed_marked,
                         g.removed_dropped,
-                        g.containerd
+                        g.containerd,
+                        g.orphaned_kept_removed
                     )
                 });
             }
