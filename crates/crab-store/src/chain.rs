@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use super::error::{CheckpointError, IoContext, Result};
 use super::fsdelta::{self, Applier, ApplyStats, ChangedPath, Root};
@@ -501,15 +501,22 @@ pub(crate) const KEPT_OWNER_FILE: &str = ".state-dir";
 
 /// Writes [`KEPT_OWNER_FILE`] into `target` unless it names `state_dir` already; through a
 /// rename, so that a GC never reads half a path and takes a live store's copies for orphans.
-fn record_kept_owner(target: &Path, state_dir: &Path) -> Result<()> {
+/// The temporary name is per call, not per process: a shim opens its store from several
+/// tasks at once. Best effort: without the file a GC only leaves the directory alone, so a
+/// failure is logged and the open goes on.
+fn record_kept_owner(target: &Path, state_dir: &Path) {
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let owner = target.join(KEPT_OWNER_FILE);
     let named = state_dir.as_os_str().as_encoded_bytes();
     if fs::read(&owner).is_ok_and(|bytes| bytes == named) {
-        return Ok(());
+        return;
     }
-    let tmp = target.join(format!("{KEPT_OWNER_FILE}.{}.tmp", std::process::id()));
-    fs::write(&tmp, named).io_ctx("write", &tmp)?;
-    fs::rename(&tmp, &owner).io_ctx("rename", &owner)
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = target.join(format!("{KEPT_OWNER_FILE}.{}-{n}.tmp", std::process::id()));
+    if let Err(e) = fs::write(&tmp, named).and_then(|()| fs::rename(&tmp, &owner)) {
+        let _ = fs::remove_file(&tmp);
+        warn!(file = %owner.display(), error = %e, "could not name the store in its kept images directory");
+    }
 }
 
 impl CheckpointStore {
@@ -571,7 +578,7 @@ impl CheckpointStore {
                 use std::os::unix::fs::PermissionsExt;
                 fs::set_permissions(&target, fs::Permissions::from_mode(0o700)).io_ctx("chmod", &target)?;
             }
-            record_kept_owner(&target, &absolute)?;
+            record_kept_owner(&target, &absolute);
             if fs::read_link(&store.assembled).ok().as_deref() != Some(target.as_path()) {
                 // Replaced by a rename, so that a concurrent open sees the old entry or the new
                 // link, never neither.

@@ -1086,6 +1086,36 @@ fn gc_removes_the_kept_copies_of_a_store_that_is_gone() {
     assert!(live.is_dir());
 }
 
+/// A shim opens its store from several tasks at once: every one of many simultaneous first
+/// opens succeeds, and the store's kept directory names it once, with no temporary left.
+#[test]
+fn simultaneous_first_opens_all_succeed_and_name_the_store_once() {
+    for round in 0..20 {
+        let tmp = tempfile::tempdir().unwrap();
+        let kept = KeptImages { dir: Some(tmp.path().join("kept")), max_bytes: u64::MAX };
+        let state = tmp.path().join(format!("state-{round}"));
+        let barrier = std::sync::Barrier::new(8);
+        std::thread::scope(|scope| {
+            let opens: Vec<_> = (0..8)
+                .map(|_| {
+                    scope.spawn(|| {
+                        barrier.wait();
+                        CheckpointStore::open_with(&state, &kept).map(drop)
+                    })
+                })
+                .collect();
+            for open in opens {
+                open.join().unwrap().unwrap();
+            }
+        });
+        let own = fs::read_link(state.join("assembled")).unwrap();
+        let names: Vec<String> =
+            fs::read_dir(&own).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        assert_eq!(names, [".state-dir"], "round {round}");
+        assert_eq!(fs::read(own.join(".state-dir")).unwrap(), fs::canonicalize(&state).unwrap().as_os_str().as_bytes());
+    }
+}
+
 #[test]
 fn the_bound_on_kept_copies_counts_each_copy_by_its_recorded_bytes() {
     let sb = Sandbox::new();
