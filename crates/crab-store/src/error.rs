@@ -24,6 +24,10 @@ pub enum CheckpointError {
     #[error("blob link {path} names no place in a pack: {target:?}")]
     BadPackLink { path: PathBuf, target: String },
 
+    /// A pack table that cannot be read as one: its blobs are not found through it.
+    #[error("pack index {path} is unusable: {reason}")]
+    BadPackIndex { path: PathBuf, reason: String },
+
     #[error("invalid digest {0:?}: expected 64 lowercase hex characters")]
     InvalidDigest(String),
 

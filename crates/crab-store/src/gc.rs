@@ -21,6 +21,7 @@ use tracing::info;
 use super::chain::{CheckpointStore, KEPT_OWNER_FILE};
 use super::error::{CheckpointError, IoContext, Result};
 use super::images;
+use super::index::{self, Table};
 use super::key::{self, SandboxKey};
 use super::manifest::{ImageSet, MANIFEST_VERSION, Snapshot, direct_blobs, seal};
 use super::pack::{ClosedPack, PackBuilder, PackId, PackRef};
@@ -76,6 +77,11 @@ pub struct GcReport {
     /// the id dropped, with turn logs and saved specs.
     pub removed_dropped: u64,
 }
+
+/// A pack up to this size is rewritten as soon as any of its blobs is dead: a turn's pack of
+/// small files costs little to copy, and a dead blob in it would otherwise stay found (and
+/// counted) until most of the pack is dead.
+const REWRITE_ANY_DEAD_UNDER: u64 = 1 << 20;
 
 /// Digest-named files in a directory (`<hex><suffix>`), with their paths; other names are
 /// left alone.
@@ -266,8 +272,9 @@ impl CheckpointStore {
             fs::remove_file(&path).io_ctx("remove", &path)?;
             report.tmp_files_removed += 1;
         }
-        // Blob names no live checkpoint uses go; the packed ones that stay say what of each
-        // pack is still live.
+        // Blob names no live checkpoint uses go: large blobs' files, and the links of packed
+        // blobs a store written before pack tables has (a live one says its pack holds a live
+        // blob).
         let mut live_packed: HashMap<PackId, Vec<(Digest, PackRef)>> = HashMap::new();
         let mut touched = Vec::new();
         for fan in 0..=255u8 {
@@ -275,7 +282,7 @@ impl CheckpointStore {
             let dir = self.blobs().blobs_dir().join(&prefix);
             let mut removed_here = false;
             for (digest, path) in digest_files(&dir, &prefix, "")? {
-                let packed = match self.blobs().pack_ref(&digest) {
+                let packed = match self.blobs().tree_ref(&digest) {
                     Ok(packed) => packed,
                     // A link naming no place in a pack holds nothing: a live one stays (its
                     // checkpoint's restore names it), a dead one goes.
@@ -305,7 +312,7 @@ impl CheckpointStore {
         for dir in &touched {
             sys::fsync_dir(dir).io_ctx("fsync", dir)?;
         }
-        self.collect_packs(&live_packed, &mut report)?;
+        self.collect_packs(&live_blobs, live_packed, &mut report)?;
         for dir in [self.manifests_dir(), self.snapshots_dir()] {
             sys::fsync_dir(dir).io_ctx("fsync", dir)?;
         }
@@ -314,35 +321,75 @@ impl CheckpointStore {
     }
 
     /// Removes each pack with no live blob and rewrites each whose live blobs are under half
-    /// its bytes. A rewrite publishes the new pack durably, then moves each live blob's link to
-    /// it (one rename each, so a reader sees the old place or the new, both whole), makes the
-    /// links durable, and only then removes the old pack. A blob that does not hash to its
-    /// name leaves its pack as it is: a rewrite must not launder it.
-    fn collect_packs(&self, live: &HashMap<PackId, Vec<(Digest, PackRef)>>, report: &mut GcReport) -> Result<()> {
+    /// its bytes, a small one with any dead blob, or one that has no table yet (its blobs' names
+    /// are links). A rewrite publishes
+    /// the new pack and its table durably, then removes the links that named the old one,
+    /// then the old pack's table and the old pack, so a reader finds each blob in the old pack
+    /// or the new, both whole. A blob that does not hash to its name leaves its pack as it is:
+    /// a rewrite must not launder it. Last, a merged table of the packs that stay replaces the
+    /// older ones, which may name packs removed here.
+    fn collect_packs(
+        &self,
+        live_blobs: &HashSet<Digest>,
+        mut live: HashMap<PackId, Vec<(Digest, PackRef)>>,
+        report: &mut GcReport,
+    ) -> Result<()> {
         let packs_dir = self.blobs().packs_dir();
-        let mut removed = false;
-        // Listed before anything changes: a pack this pass writes has none of `live`'s blobs
-        // under its name, and must not be judged by it.
-        let mut packs = Vec::new();
-        for dirent in fs::read_dir(packs_dir).io_ctx("read dir", packs_dir)? {
-            let dirent = dirent.io_ctx("read dir", packs_dir)?;
-            if let Some(id) = dirent.file_name().to_str().and_then(PackId::from_file_name) {
-                packs.push((id, dirent.path()));
+        // Listed before anything changes: a pack this pass writes is not judged.
+        let listing = index::list(packs_dir)?;
+        let mut dead: HashMap<PackId, u64> = HashMap::new();
+        let mut unreadable = HashSet::new();
+        for &id in &listing.indexed {
+            let path = self.blobs().table_path(id);
+            match Table::open(&path) {
+                Ok(table) => {
+                    for e in table.entries() {
+                        if live_blobs.contains(&e.digest) {
+                            live.entry(id).or_default().push((e.digest, e.at));
+                        } else {
+                            *dead.entry(id).or_default() += 1;
+                        }
+                    }
+                }
+                Err(e) => {
+                    // Its live blobs read as missing; removing the pack would make that final.
+                    tracing::warn!(error = %e, "pack left alone: its table is unusable");
+                    unreadable.insert(id);
+                }
             }
         }
-        for (id, path) in packs {
+        let mut removed = false;
+        for &id in &listing.orphan_tables {
+            let path = self.blobs().table_path(id);
+            fs::remove_file(&path).io_ctx("remove", &path)?;
+            removed = true;
+        }
+        for (&id, indexed) in
+            listing.indexed.iter().map(|id| (id, true)).chain(listing.unindexed.iter().map(|id| (id, false)))
+        {
+            if unreadable.contains(&id) {
+                continue;
+            }
+            let path = self.blobs().pack_path(id);
             let size = fs::symlink_metadata(&path).map(|m| m.len()).io_ctx("stat", &path)?;
             let blobs = live.get(&id).map(Vec::as_slice).unwrap_or_default();
             let live_bytes: u64 = blobs.iter().map(|(_, at)| at.len).sum();
+            let dead_blobs = dead.get(&id).copied().unwrap_or(0);
             if blobs.is_empty() {
+                if indexed {
+                    let table = self.blobs().table_path(id);
+                    fs::remove_file(&table).io_ctx("remove", &table)?;
+                }
                 fs::remove_file(&path).io_ctx("remove", &path)?;
                 report.packs_removed += 1;
+                report.blobs_removed += dead_blobs;
                 report.bytes_freed += size;
                 removed = true;
-            } else if live_bytes * 2 < size
-                && let Some(new_size) = self.rewrite_pack(&path, blobs)?
+            } else if (!indexed || live_bytes * 2 < size || (dead_blobs > 0 && size <= REWRITE_ANY_DEAD_UNDER))
+                && let Some(new_size) = self.rewrite_pack(id, indexed, blobs)?
             {
                 report.packs_rewritten += 1;
+                report.blobs_removed += dead_blobs;
                 report.bytes_freed += size.saturating_sub(new_size);
                 removed = true;
             }
@@ -350,24 +397,27 @@ impl CheckpointStore {
         if removed {
             sys::fsync_dir(packs_dir).io_ctx("fsync", packs_dir)?;
         }
-        Ok(())
+        self.blobs().rebuild_index()
     }
 
-    /// Copies `blobs` (each verified) out of the pack at `old` into a new pack, moves their
-    /// links and removes `old`; returns the new pack's size, or None (nothing changed) when a
-    /// blob does not hash to its name.
-    fn rewrite_pack(&self, old: &Path, blobs: &[(Digest, PackRef)]) -> Result<Option<u64>> {
-        let source = fs::File::open(old).io_ctx("open", old)?;
+    /// Copies `blobs` (each verified) out of the pack `old` into a new pack with its table,
+    /// removes the links that named them in `old` (a pack without a table) and then `old`;
+    /// returns the new pack's size, or None (nothing changed) when a blob does not hash to its
+    /// name.
+    fn rewrite_pack(&self, old: PackId, indexed: bool, blobs: &[(Digest, PackRef)]) -> Result<Option<u64>> {
+        let old_path = self.blobs().pack_path(old);
+        let source = fs::File::open(&old_path).io_ctx("open", &old_path)?;
         let mut blobs = blobs.to_vec();
         blobs.sort_by_key(|(_, at)| at.offset);
+        blobs.dedup_by_key(|(digest, _)| *digest);
         let mut pack = PackBuilder::create(self.blobs().tmp_path("pack"))?;
         let tmp = pack.tmp.clone();
         let copied = (|| {
             for (digest, at) in &blobs {
                 let mut data = vec![0u8; at.len as usize];
-                std::os::unix::fs::FileExt::read_exact_at(&source, &mut data, at.offset).io_ctx("read", old)?;
+                std::os::unix::fs::FileExt::read_exact_at(&source, &mut data, at.offset).io_ctx("read", &old_path)?;
                 if Digest::of(&data) != *digest {
-                    tracing::warn!(blob = %digest, pack = %old.display(), "blob does not hash to its name: its pack is not rewritten");
+                    tracing::warn!(blob = %digest, pack = %old_path.display(), "blob does not hash to its name: its pack is not rewritten");
                     return Ok(false);
                 }
                 pack.append(*digest, &data)?;
@@ -385,24 +435,56 @@ impl CheckpointStore {
                 return Err(e);
             }
         };
-        let new = self.blobs().pack_path(id);
-        let new_size =
-            fs::File::open(&tmp).and_then(|f| f.sync_all().and_then(|()| f.metadata())).io_ctx("fsync", &tmp)?.len();
-        fs::rename(&tmp, &new).io_ctx("rename", &new)?;
-        let packs_dir = self.blobs().packs_dir();
-        sys::fsync_dir(packs_dir).io_ctx("fsync", packs_dir)?;
-        let mut dirs = BTreeSet::new();
-        for (digest, at) in places {
-            let name = self.blobs().path_of(&digest);
-            let link = self.blobs().tmp_path("link");
-            std::os::unix::fs::symlink(at.to_link(), &link).io_ctx("symlink", &link)?;
-            fs::rename(&link, &name).io_ctx("rename", &name)?;
-            dirs.insert(name.parent().expect("blob paths have a fan-out parent").to_owned());
+        // Every blob of a pack without a table is live, in its order: the same pack, which only
+        // needs its table.
+        let same = id == old;
+        if same {
+            fs::remove_file(&tmp).io_ctx("remove", &tmp)?;
         }
-        for dir in &dirs {
-            sys::fsync_dir(dir).io_ctx("fsync", dir)?;
+        let (table_tmp, _) = self.blobs().write_table(id, &places)?;
+        let published = (|| {
+            let mut files = vec![(table_tmp.clone(), self.blobs().table_path(id))];
+            if !same {
+                files.insert(0, (tmp.clone(), self.blobs().pack_path(id)));
+            }
+            for (file, _) in &files {
+                fs::File::open(file).and_then(|f| f.sync_all()).io_ctx("fsync", file)?;
+            }
+            for (file, dst) in &files {
+                fs::rename(file, dst).io_ctx("rename", dst)?;
+            }
+            let packs_dir = self.blobs().packs_dir();
+            sys::fsync_dir(packs_dir).io_ctx("fsync", packs_dir)
+        })();
+        if let Err(e) = published {
+            let _ = fs::remove_file(&tmp);
+            let _ = fs::remove_file(&table_tmp);
+            return Err(e);
         }
-        fs::remove_file(old).io_ctx("remove", old)?;
+        if !indexed {
+            let mut dirs = BTreeSet::new();
+            for (digest, _) in &blobs {
+                let name = self.blobs().path_of(digest);
+                match fs::remove_file(&name) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(e).io_ctx("remove", &name),
+                }
+                dirs.insert(name.parent().expect("blob paths have a fan-out parent").to_owned());
+            }
+            for dir in &dirs {
+                sys::fsync_dir(dir).io_ctx("fsync", dir)?;
+            }
+        }
+        let new_path = self.blobs().pack_path(id);
+        let new_size = fs::symlink_metadata(&new_path).io_ctx("stat", &new_path)?.len();
+        if !same {
+            if indexed {
+                let table = self.blobs().table_path(old);
+                fs::remove_file(&table).io_ctx("remove", &table)?;
+            }
+            fs::remove_file(&old_path).io_ctx("remove", &old_path)?;
+        }
         Ok(Some(new_size))
     }
 

@@ -12,6 +12,7 @@ mod error;
 mod fsdelta;
 mod gc;
 mod images;
+mod index;
 mod key;
 mod lineage;
 mod manifest;

@@ -2,16 +2,16 @@
 //! small files) written one after another into a single file, `packs/<id>.pack`, instead of a
 //! file each. A 64 MiB process is one file and one fsync instead of 16,384 of each.
 //!
-//! The index is the blob tree itself: a packed blob's name, `blobs/<2 hex>/<62 hex>`, is a
-//! symbolic link whose target is never followed but read, `<pack id>+<offset>+<length>`
-//! (under 40 bytes, so the file system keeps it in the inode). Every process that opens the
-//! store sees every pack through the same directory lookups as a loose blob, with no index in
-//! memory to load, share or keep fresh, and GC walks one tree for both.
+//! Where each blob of a pack is, is in the pack's table beside it (see [`super::index`]). A
+//! store written before tables named each packed blob by a symbolic link in the blob tree whose
+//! target is never followed but read, `<pack id>+<offset>+<length>` ([`PackRef::parse`]); such
+//! links are still read, and GC moves their blobs into indexed packs.
 //!
-//! Order of publication (see [`super::store::WriteBatch`]): the pack is fsynced, renamed into
-//! `packs/`, and `packs/` fsynced before the first link names a blob in it, so a link never
-//! outlives its pack in a crash. GC removes dead links before the packs they point into, and
-//! replaces the links of a pack it rewrites (one `rename` each) before it removes the old pack.
+//! Order of publication (see [`super::store::WriteBatch`]): a pack and its table are fsynced,
+//! renamed into `packs/` (the pack first) and `packs/` fsynced before the batch's commit
+//! returns, so no manifest names a blob whose pack a crash could lose. A reader uses a table only
+//! beside its pack. GC removes a pack's table before the pack, and publishes a rewritten pack
+//! with its table before it removes the old.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -62,7 +62,8 @@ impl PackId {
 }
 
 impl PackRef {
-    /// The link target naming this place.
+    /// The link target naming this place (as stores before pack tables wrote it).
+    #[cfg(test)]
     pub fn to_link(self) -> String {
         format!("{}+{}+{}", hex::encode(self.id.0), self.offset, self.len)
     }

@@ -526,9 +526,21 @@ fn corrupt_blob_is_refused_before_anything_is_written() {
     assert!(!target.join("app/one").exists(), "nothing restored from a corrupt checkpoint");
     assert!(matches!(sb.store.verify("c1", 1), Err(CheckpointError::CorruptBlob { .. })));
 
-    fs::remove_file(sb.store.blobs().path_of(&blob)).unwrap();
+    remove_blob(&sb.store, &blob);
     let err = sb.store.materialize("c1", 1, &target).unwrap_err();
     assert!(matches!(err, CheckpointError::MissingBlob { .. }), "{err}");
+}
+
+/// Makes a stored blob gone: its file, or for a packed blob its pack and the pack's table (with
+/// the other blobs in it).
+fn remove_blob(store: &CheckpointStore, digest: &crab_store::Digest) {
+    match store.blobs().location(digest).unwrap() {
+        crab_store::BlobLocation::File(path) => fs::remove_file(path).unwrap(),
+        crab_store::BlobLocation::Packed { pack, .. } => {
+            fs::remove_file(pack.with_extension("idx")).unwrap();
+            fs::remove_file(pack).unwrap();
+        }
+    }
 }
 
 /// What a puller of the remote tier does with `from`'s chain of `container`: every object `into`
@@ -565,7 +577,9 @@ fn pull_chain_into(
 fn an_import_reads_back_only_the_blobs_it_did_not_hash_as_it_wrote_them() {
     let a = Sandbox::new();
     write(&a.live, "/app/one", b"first file\n");
-    write(&a.live, "/app/two", b"second file\n");
+    // A file of its own in the store (past what goes into packs): removed alone below.
+    let second: Vec<u8> = b"second file\n".iter().copied().cycle().take(100_000).collect();
+    write(&a.live, "/app/two", &second);
     a.commit("box", 1, &[c("/app/one"), c("/app/two")]);
     let (_, manifest) = a.store.manifest_at("box", 1).unwrap();
     let blob_of =
@@ -587,7 +601,7 @@ fn an_import_reads_back_only_the_blobs_it_did_not_hash_as_it_wrote_them() {
     // With that copy sound, the blobs the pull hashed as it wrote them are not read back: one
     // that changed on disk after its write is taken (present is all that is checked)...
     overwrite_blob(&b.store, &one, b"first file\n");
-    overwrite_blob(&b.store, &two, b"second filf\n");
+    overwrite_blob(&b.store, &two, &[&second[..99_999], b"X"].concat());
     b.store.import_head_over("box", head, None, &hashed).unwrap();
     drop(writing);
     assert_eq!(b.store.head("box").unwrap(), Some(head));
@@ -599,7 +613,7 @@ fn an_import_reads_back_only_the_blobs_it_did_not_hash_as_it_wrote_them() {
     // A hashed blob that is gone is refused by name.
     let c_ = Sandbox::new();
     let (writing, hashed, head) = pull_chain_into(&a.store, "box", &c_.store);
-    fs::remove_file(c_.store.blobs().path_of(&two)).unwrap();
+    remove_blob(&c_.store, &two);
     let err = c_.store.import_head_over("box", head, None, &hashed).unwrap_err();
     assert!(matches!(err, CheckpointError::MissingBlob { .. }) && err.to_string().contains(&two.to_hex()), "{err}");
     drop(writing);
@@ -1573,13 +1587,17 @@ fn dump_of(dir: &Path, pages: &[u8], core: &str) {
 }
 
 fn packs_in(sb: &Sandbox) -> Vec<PathBuf> {
-    let mut packs: Vec<PathBuf> = fs::read_dir(sb.state.join("packs")).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut packs: Vec<PathBuf> = fs::read_dir(sb.state.join("packs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "pack"))
+        .collect();
     packs.sort();
     packs
 }
 
 /// GC frees packed chunks by the pack: a pack none of whose chunks is live goes, a pack whose
-/// live chunks are under half its bytes is rewritten with them alone (their links moved), and
+/// live chunks are under half its bytes is rewritten with them alone (with a table of its own), and
 /// the chain's images restore byte for byte afterwards, also through a store opened before.
 #[test]
 fn gc_removes_dead_packs_and_rewrites_mostly_dead_ones() {
@@ -1638,6 +1656,59 @@ fn gc_removes_dead_packs_and_rewrites_mostly_dead_ones() {
     let again = sb.store.gc(&RetentionPolicy { keep_last: 1 }).unwrap();
     assert_eq!((again.packs_removed, again.packs_rewritten), (0, 0), "{again:?}");
     assert_eq!(packs_in(&sb), after);
+}
+
+/// A store written before pack tables: each packed blob's name is a link to its place, and
+/// its packs have no table. Its checkpoints restore through the links, and one GC moves every
+/// live blob into an indexed pack and removes the links (dead ones with their blobs).
+#[test]
+fn gc_moves_the_blobs_of_a_store_written_before_pack_tables_into_indexed_packs() {
+    let sb = Sandbox::new();
+    write(&sb.live, "/app/one", b"first version\n");
+    write(&sb.live, "/app/two", b"stays\n");
+    sb.commit("c1", 1, &[c("/app/one"), c("/app/two")]);
+    let (_, turn1) = sb.store.manifest_at("c1", 1).unwrap();
+    let blob_of =
+        |path: &str| *turn1.fs_delta.iter().find(|e| e.path.to_string() == path).unwrap().node.blob().unwrap();
+    let (one, two) = (blob_of("/app/one"), blob_of("/app/two"));
+    // Turn 1 as an older store wrote it: links, and no table beside the pack.
+    let mut pack = None;
+    for blob in [one, two] {
+        let crab_store::BlobLocation::Packed { pack: file, offset, len } = sb.store.blobs().location(&blob).unwrap()
+        else {
+            panic!("a small file is packed")
+        };
+        let id = file.file_stem().unwrap().to_str().unwrap().to_owned();
+        std::os::unix::fs::symlink(format!("{id}+{offset}+{len}"), sb.store.blobs().path_of(&blob)).unwrap();
+        pack = Some(file);
+    }
+    let pack = pack.unwrap();
+    fs::remove_file(pack.with_extension("idx")).unwrap();
+    let older = CheckpointStore::open(&sb.state).unwrap();
+    let restored = sb.fresh_target("through-links");
+    older.materialize("c1", 1, &restored).unwrap();
+    assert_eq!(fs::read(restored.join("app/two")).unwrap(), b"stays\n");
+
+    write(&sb.live, "/app/one", b"second version\n");
+    sb.commit("c1", 2, &[c("/app/one")]);
+    let report = older.gc(&RetentionPolicy { keep_last: 1 }).unwrap();
+    assert_eq!(report.packs_rewritten, 1, "{report:?}");
+    assert!(!pack.exists(), "turn 1's pack, with a dead blob, was rewritten");
+    let names: usize =
+        fs::read_dir(sb.state.join("blobs")).unwrap().map(|d| fs::read_dir(d.unwrap().path()).unwrap().count()).sum();
+    assert_eq!(names, 0, "no link is left");
+    let fresh = CheckpointStore::open(&sb.state).unwrap();
+    assert!(fresh.blobs().contains(&two) && !fresh.blobs().contains(&one));
+    let crab_store::BlobLocation::Packed { pack: moved, .. } = fresh.blobs().location(&two).unwrap() else {
+        panic!("still packed")
+    };
+    assert!(moved.with_extension("idx").is_file(), "in an indexed pack");
+    let restored = sb.fresh_target("after-gc");
+    fresh.materialize("c1", 2, &restored).unwrap();
+    assert_eq!(fs::read(restored.join("app/two")).unwrap(), b"stays\n");
+    assert_eq!(fs::read(restored.join("app/one")).unwrap(), b"second version\n");
+    let again = fresh.gc(&RetentionPolicy { keep_last: 1 }).unwrap();
+    assert_eq!((again.packs_rewritten, again.packs_removed, again.blobs_removed), (0, 0, 0), "{again:?}");
 }
 
 /// A reader that read a chunk's link just before GC rewrote its pack (and removed the old
