@@ -195,6 +195,19 @@ impl PackIndex {
         }
         check_header(self.pack, pack)
     }
+
+    /// [`check_pack`](Self::check_pack) for bytes fetched by this index's pack digest and
+    /// already checked against it (a registry pull hashes every blob it fetches): the length
+    /// and header only.
+    pub fn check_fetched_pack(&self, pack: &[u8]) -> Result<()> {
+        if pack.len() as u64 != self.pack_len {
+            return Err(PackError::BadPack {
+                pack: self.pack,
+                reason: format!("{} bytes, its index says {}", pack.len(), self.pack_len),
+            });
+        }
+        check_header(self.pack, pack)
+    }
 }
 
 fn check_header(digest: Digest, pack: &[u8]) -> Result<()> {

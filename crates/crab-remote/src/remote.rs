@@ -20,7 +20,7 @@
 //! [`RemoteConfig::min_bytes_per_sec`]) and transient failures are retried with exponential
 //! backoff ([`RetryPolicy`]).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -114,13 +114,53 @@ pub trait ObjectSource: Send + Sync {
 pub trait ObjectSink {
     /// True when the local store already holds the object: a pack of such objects only is not
     /// pulled.
-    fn has(&self, digest: &Digest) -> bool;
+    /// `len` is the object's size, which tells a store where to look.
+    fn has(&self, digest: &Digest, len: u64) -> bool;
+    /// Stores an object whose bytes the remote has checked against `digest`.
     fn put(&mut self, digest: Digest, data: Vec<u8>) -> std::io::Result<()>;
 }
 
 /// What packing a push's new objects gives: the packs, the objects stored loose (too large
 /// to pack), and the bytes of both.
 type Packed = (Vec<Pack>, Vec<(Digest, Vec<u8>)>, u64);
+
+/// Blobs a pull fetches ahead of the one it unpacks and stores.
+const PULL_AHEAD: usize = 3;
+
+/// A blob a pull fetches after the manifests: a pack index, a pack holding objects the store
+/// lacks (with the entries of those objects), or a loose object.
+enum PullJob {
+    Index(Digest, u64),
+    Pack(PackIndex, Vec<pack::PackEntry>),
+    Blob(Digest, u64),
+}
+
+/// What a job of [`Remote::fetch_ahead`] brings: a pack index's bytes, or the objects a pack or
+/// loose blob holds that the store lacked, each checked against its digest; and the size of
+/// the blob fetched.
+struct Fetched {
+    index: Vec<u8>,
+    objects: Vec<(Digest, Vec<u8>)>,
+    blob_bytes: u64,
+}
+
+type FetchAhead = tokio::task::JoinHandle<Result<Fetched>>;
+
+/// Waits for a job [`Remote::fetch_ahead`] runs, the wait counted as the pull's fetch time (the
+/// hashing and unpacking ran in its task, beside this one's writes).
+async fn ahead(times: &mut PullTimes, fetch: FetchAhead, reference: &str) -> Result<Fetched> {
+    let clock = Instant::now();
+    let fetched = fetch.await.map_err(|e| RemoteError::Protocol {
+        reference: reference.to_owned(),
+        what: "fetch".into(),
+        message: format!("the task fetching a blob failed: {e}"),
+    })?;
+    let fetched = fetched?;
+    times.fetch += clock.elapsed();
+    times.blobs += 1;
+    times.bytes += fetched.blob_bytes;
+    Ok(fetched)
+}
 
 /// One checkpointed turn to push.
 #[derive(Debug, Clone)]
@@ -178,13 +218,16 @@ pub struct PullReport {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PullTimes {
     /// Waiting for blobs (manifest, turn manifest, pack indexes, packs, loose blobs): the
-    /// registry's requests and transfers, as far as the pull waited for them.
+    /// registry's requests and transfers, and the hashing and unpacking of what they bring
+    /// (in tasks of their own, a few blobs ahead), as far as the pull waited for them.
     pub fetch: Duration,
     /// Hashing fetched blobs against their digests and checking packs against their indexes.
     pub verify: Duration,
-    /// Taking objects out of packs: decompressing each and checking it against its digest.
+    /// Taking objects out of packs on the pull's own task (a registry pull does it in the tasks
+    /// that fetch the packs, counted in `fetch` as far as the pull waited for them).
     pub unpack: Duration,
-    /// Handing objects to the sink: the local store's tmp files (each hashed again, its name).
+    /// Handing objects to the sink: the local store's packs and tmp files (not hashed again:
+    /// the pull checked each against its digest).
     pub store_write: Duration,
     /// Making them durable and visible: the store batch's commit (fsyncs, renames).
     pub store_flush: Duration,
@@ -391,6 +434,7 @@ struct Plan {
 }
 
 /// A connection to one registry under a reference prefix.
+#[derive(Clone)]
 pub struct Remote {
     cfg: RemoteConfig,
     client: Client,
@@ -827,6 +871,41 @@ impl Remote {
         }
     }
 
+    /// Starts a pull's job in a task of its own: the blob fetched and checked against its
+    /// digest ([`fetch_blob`](Self::fetch_blob)), and a pack's wanted objects taken out of it,
+    /// each decompressed and checked against its own digest.
+    fn fetch_ahead(&self, oci_ref: &Reference, reference: &str, job: PullJob) -> FetchAhead {
+        let (remote, oci_ref, reference) = (self.clone(), oci_ref.clone(), reference.to_owned());
+        tokio::spawn(async move {
+            let fetch = |digest, size, media_type, what| {
+                remote.fetch_blob(&oci_ref, &reference, digest, size, media_type, what)
+            };
+            match job {
+                PullJob::Index(digest, size) => {
+                    let (index, _) = fetch(digest, size, artifact::PACK_INDEX_MEDIA_TYPE, "pack index").await?;
+                    Ok(Fetched { blob_bytes: index.len() as u64, index, objects: Vec::new() })
+                }
+                PullJob::Blob(digest, size) => {
+                    let (data, _) = fetch(digest, size, artifact::BLOB_MEDIA_TYPE, "blob").await?;
+                    Ok(Fetched { index: Vec::new(), blob_bytes: data.len() as u64, objects: vec![(digest, data)] })
+                }
+                PullJob::Pack(index, wanted) => {
+                    let (data, _) = fetch(index.pack, index.pack_len, artifact::PACK_MEDIA_TYPE, "pack").await?;
+                    let bad = |source| RemoteError::Pack { reference: reference.clone(), source };
+                    // The fetch checked the pack's digest, which the index names: only its
+                    // header is left to check.
+                    index.check_fetched_pack(&data).map_err(bad)?;
+                    let mut reader = pack::ObjectReader::new().map_err(bad)?;
+                    let objects = wanted
+                        .iter()
+                        .map(|entry| Ok((entry.digest, reader.read(&index.pack, &data, entry).map_err(bad)?)))
+                        .collect::<Result<Vec<_>>>()?;
+                    Ok(Fetched { index: Vec::new(), blob_bytes: data.len() as u64, objects })
+                }
+            }
+        })
+    }
+
     /// Pulls turn `turn` of a sandbox; see the module's description.
     pub async fn pull_turn(
         &self,
@@ -904,79 +983,73 @@ impl Remote {
                 _ => None,
             })
             .collect();
+        // The pack indexes first (small, fetched PULL_AHEAD at a time), then the packs that hold
+        // objects the store lacks and the loose blobs, each fetched in a task of its own up to
+        // PULL_AHEAD ahead of the one being unpacked and stored: the registry's reads and the
+        // transfer overlap this task's decompressing, hashing and writing.
+        let mut indexes = VecDeque::new();
+        let mut index_layers = checkpoint.layers.iter().filter_map(|l| match l {
+            Layer::PackIndex { digest, size, pack } => Some((*digest, *size, *pack)),
+            _ => None,
+        });
+        let mut jobs = Vec::new();
+        loop {
+            while indexes.len() < PULL_AHEAD
+                && let Some((digest, size, pack)) = index_layers.next()
+            {
+                let fetch = self.fetch_ahead(&oci_ref, &reference, PullJob::Index(digest, size));
+                indexes.push_back((digest, pack, fetch));
+            }
+            let Some((digest, pack, fetch)) = indexes.pop_front() else { break };
+            let fetched = ahead(&mut times, fetch, &reference).await?;
+            report.blobs_pulled += 1;
+            report.bytes_pulled += fetched.blob_bytes;
+            let index = PackIndex::decode(&fetched.index)
+                .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
+            if index.pack != pack || Some(&index.pack_len) != pack_sizes.get(&pack) {
+                return Err(RemoteError::BadManifest {
+                    reference,
+                    what: format!("pack index {digest}"),
+                    reason: format!(
+                        "it describes pack {} of {} bytes, the manifest pack {pack}",
+                        index.pack, index.pack_len
+                    ),
+                });
+            }
+            let wanted: Vec<_> =
+                index.entries.iter().filter(|e| !sink.has(&e.digest, e.raw_len.into())).copied().collect();
+            if wanted.is_empty() {
+                report.packs_skipped += 1;
+                continue;
+            }
+            jobs.push(PullJob::Pack(index, wanted));
+        }
         for layer in &checkpoint.layers {
-            match layer {
-                Layer::PackIndex { digest, size, pack } => {
-                    let bytes = timed(
-                        &mut times,
-                        self.fetch_blob(
-                            &oci_ref,
-                            &reference,
-                            *digest,
-                            *size,
-                            artifact::PACK_INDEX_MEDIA_TYPE,
-                            "pack index",
-                        ),
-                    )
-                    .await?;
-                    report.blobs_pulled += 1;
-                    report.bytes_pulled += bytes.len() as u64;
-                    let index = PackIndex::decode(&bytes)
-                        .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
-                    if index.pack != *pack || Some(&index.pack_len) != pack_sizes.get(pack) {
-                        return Err(RemoteError::BadManifest {
-                            reference,
-                            what: format!("pack index {digest}"),
-                            reason: format!(
-                                "it describes pack {} of {} bytes, the manifest pack {pack}",
-                                index.pack, index.pack_len
-                            ),
-                        });
-                    }
-                    let wanted: Vec<_> = index.entries.iter().filter(|e| !sink.has(&e.digest)).copied().collect();
-                    if wanted.is_empty() {
-                        report.packs_skipped += 1;
-                        continue;
-                    }
-                    let pack_bytes = timed(
-                        &mut times,
-                        self.fetch_blob(&oci_ref, &reference, *pack, index.pack_len, artifact::PACK_MEDIA_TYPE, "pack"),
-                    )
-                    .await?;
-                    report.blobs_pulled += 1;
-                    report.bytes_pulled += pack_bytes.len() as u64;
-                    let clock = Instant::now();
-                    index
-                        .check_pack(&pack_bytes)
-                        .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
-                    times.verify += clock.elapsed();
-                    let mut reader = pack::ObjectReader::new()
-                        .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
-                    for entry in wanted {
-                        let clock = Instant::now();
-                        let data = reader
-                            .read(pack, &pack_bytes, &entry)
-                            .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
-                        times.unpack += clock.elapsed();
-                        self.put(sink, &reference, entry.digest, data, &mut times)?;
-                        report.objects_received += 1;
-                    }
+            if let Layer::Blob { digest, size } = layer
+                && !sink.has(digest, *size)
+            {
+                jobs.push(PullJob::Blob(*digest, *size));
+            }
+        }
+        let mut fetching = VecDeque::new();
+        let mut jobs = jobs.into_iter();
+        loop {
+            while fetching.len() < PULL_AHEAD
+                && let Some(job) = jobs.next()
+            {
+                fetching.push_back(self.fetch_ahead(&oci_ref, &reference, job));
+            }
+            let Some(fetch) = fetching.pop_front() else { break };
+            let fetched = ahead(&mut times, fetch, &reference).await?;
+            report.blobs_pulled += 1;
+            report.bytes_pulled += fetched.blob_bytes;
+            for (digest, object) in fetched.objects {
+                // An object an earlier pack of this pull brought is not stored twice.
+                if sink.has(&digest, object.len() as u64) {
+                    continue;
                 }
-                Layer::Blob { digest, size } => {
-                    if sink.has(digest) {
-                        continue;
-                    }
-                    let data = timed(
-                        &mut times,
-                        self.fetch_blob(&oci_ref, &reference, *digest, *size, artifact::BLOB_MEDIA_TYPE, "blob"),
-                    )
-                    .await?;
-                    report.blobs_pulled += 1;
-                    report.bytes_pulled += data.len() as u64;
-                    self.put(sink, &reference, *digest, data, &mut times)?;
-                    report.objects_received += 1;
-                }
-                Layer::Pack { .. } => {}
+                self.put(sink, &reference, digest, object, &mut times)?;
+                report.objects_received += 1;
             }
         }
         report.times = times;

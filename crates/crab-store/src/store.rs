@@ -338,6 +338,18 @@ impl BlobStore {
         matches!(self.index.find(digest), Ok(Some(_))) || fs::symlink_metadata(self.path_of(digest)).is_ok()
     }
 
+    /// [`contains`](Self::contains) for a blob of `len` bytes, looked for only where a blob of
+    /// that size is written: a small one in the pack index (no `stat` for one that is not
+    /// stored; one a store before pack tables named by a link is not found, and stored again),
+    /// a large one by its name. What a batch's deduplication does.
+    pub fn contains_sized(&self, digest: &Digest, len: u64) -> bool {
+        if len as usize <= PACKED_MAX {
+            matches!(self.index.find(digest), Ok(Some(_)))
+        } else {
+            fs::symlink_metadata(self.path_of(digest)).is_ok()
+        }
+    }
+
     pub fn traffic(&self) -> Traffic {
         let c = &self.traffic;
         Traffic {
@@ -714,18 +726,12 @@ pub struct WriteBatch<'a> {
 }
 
 impl WriteBatch<'_> {
-    /// True when the digest is already stored or queued here; counts the dedup. A small blob
-    /// is looked up in the pack index alone (packed, or a name of a store written before pack
-    /// tables, which only costs it a second copy until GC moves it into an indexed pack), a
-    /// large one by its name.
+    /// True when the digest is already stored or queued here; counts the dedup. Looked up as
+    /// [`BlobStore::contains_sized`] does (a small blob that a store written before pack tables
+    /// named by a link is stored again, until GC moves it into an indexed pack).
     fn known(&mut self, digest: &Digest, len: u64) -> bool {
         self.blobs.traffic.logical_bytes += len;
-        let stored = if len as usize <= PACKED_MAX {
-            matches!(self.store.index.find(digest), Ok(Some(_)))
-        } else {
-            fs::symlink_metadata(self.store.path_of(digest)).is_ok()
-        };
-        if self.blobs.seen.contains(digest) || stored {
+        if self.blobs.seen.contains(digest) || self.store.contains_sized(digest, len) {
             self.blobs.traffic.blobs_deduplicated += 1;
             return true;
         }
@@ -828,16 +834,25 @@ impl WriteBatch<'_> {
 
     pub fn put_bytes(&mut self, data: &[u8]) -> Result<Digest> {
         let digest = Digest::of(data);
+        self.put_verified(digest, data)?;
+        Ok(digest)
+    }
+
+    /// Stores bytes the caller has just hashed to `digest` (a registry pull checks every object
+    /// it unpacks against its name), without hashing them again. Every read hashes what it
+    /// returns, so a wrong digest here could only make reads of that name refuse the blob,
+    /// never hand out other bytes under it.
+    pub fn put_verified(&mut self, digest: Digest, data: &[u8]) -> Result<()> {
+        debug_assert_eq!(Digest::of(data), digest, "put_verified given bytes of another digest");
         if self.known(&digest, data.len() as u64) {
-            return Ok(digest);
+            return Ok(());
         }
         if data.len() <= PACKED_MAX {
-            self.queue_packed(digest, data)?;
-            return Ok(digest);
+            return self.queue_packed(digest, data);
         }
         let (tmp, ()) = self.store.write_tmp(|f, tmp| f.write_all(data).io_ctx("write", tmp))?;
         self.queue(digest, tmp, data.len() as u64);
-        Ok(digest)
+        Ok(())
     }
 
     /// Stores what `src` yields until EOF; returns the digest and size of exactly the bytes

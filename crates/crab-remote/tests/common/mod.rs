@@ -130,7 +130,7 @@ impl ObjectSource for Objects {
 }
 
 impl ObjectSink for Objects {
-    fn has(&self, digest: &Digest) -> bool {
+    fn has(&self, digest: &Digest, _len: u64) -> bool {
         self.0.lock().unwrap().contains_key(digest)
     }
 
