@@ -223,9 +223,6 @@ pub struct PullTimes {
     pub fetch: Duration,
     /// Hashing fetched blobs against their digests and checking packs against their indexes.
     pub verify: Duration,
-    /// Taking objects out of packs on the pull's own task (a registry pull does it in the tasks
-    /// that fetch the packs, counted in `fetch` as far as the pull waited for them).
-    pub unpack: Duration,
     /// Handing objects to the sink: the local store's packs and tmp files (not hashed again:
     /// the pull checked each against its digest).
     pub store_write: Duration,
@@ -243,7 +240,6 @@ impl PullTimes {
     pub fn add(&mut self, other: &PullTimes) {
         self.fetch += other.fetch;
         self.verify += other.verify;
-        self.unpack += other.unpack;
         self.store_write += other.store_write;
         self.store_flush += other.store_flush;
         self.blobs += other.blobs;
@@ -257,11 +253,10 @@ impl PullTimes {
     /// before its head moves (it reads and verifies every blob the chain references again).
     pub fn breakdown(&self, total: Duration) -> PullBreakdown {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        let phases = self.fetch + self.verify + self.unpack + self.store_write + self.store_flush;
+        let phases = self.fetch + self.verify + self.store_write + self.store_flush;
         PullBreakdown {
             fetch_ms: ms(self.fetch),
             verify_ms: ms(self.verify),
-            unpack_ms: ms(self.unpack),
             store_write_ms: ms(self.store_write),
             store_flush_ms: ms(self.store_flush),
             other_ms: ms(total.saturating_sub(phases)),
@@ -278,7 +273,6 @@ impl PullTimes {
 pub struct PullBreakdown {
     pub fetch_ms: f64,
     pub verify_ms: f64,
-    pub unpack_ms: f64,
     pub store_write_ms: f64,
     pub store_flush_ms: f64,
     /// The rest of the pull's wall time (see [`PullTimes::breakdown`]).
@@ -1098,12 +1092,11 @@ mod tests {
         Duration::from_millis(n)
     }
 
-    /// One pull's times: `fetch`, then 2, 3, 4 and 5 ms; 3 blobs of 300 bytes, 7 objects of 700.
+    /// One pull's times: `fetch`, then 2, 4 and 5 ms; 3 blobs of 300 bytes, 7 objects of 700.
     fn sample(fetch: Duration) -> PullTimes {
         PullTimes {
             fetch,
             verify: ms(2),
-            unpack: ms(3),
             store_write: ms(4),
             store_flush: ms(5),
             blobs: 3,
@@ -1131,10 +1124,9 @@ mod tests {
             PullBreakdown {
                 fetch_ms: 1.5,
                 verify_ms: 2.0,
-                unpack_ms: 3.0,
                 store_write_ms: 4.0,
                 store_flush_ms: 5.0,
-                other_ms: 4.5,
+                other_ms: 7.5,
                 blobs: 3,
                 bytes_fetched: 300,
                 objects_written: 7,

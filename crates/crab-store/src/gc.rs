@@ -25,7 +25,7 @@ use super::index::{self, Table};
 use super::key::{self, SandboxKey};
 use super::manifest::{ImageSet, MANIFEST_VERSION, Snapshot, direct_blobs, seal};
 use super::pack::{ClosedPack, PackBuilder, PackId, PackRef};
-use super::store::{Digest, Durability, publish_file};
+use super::store::{Digest, Durability, publish_file, publish_written};
 use super::sys;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -442,21 +442,11 @@ impl CheckpointStore {
             fs::remove_file(&tmp).io_ctx("remove", &tmp)?;
         }
         let (table_tmp, _) = self.blobs().write_table(id, &places)?;
-        let published = (|| {
-            let mut files = vec![(table_tmp.clone(), self.blobs().table_path(id))];
-            if !same {
-                files.insert(0, (tmp.clone(), self.blobs().pack_path(id)));
-            }
-            for (file, _) in &files {
-                fs::File::open(file).and_then(|f| f.sync_all()).io_ctx("fsync", file)?;
-            }
-            for (file, dst) in &files {
-                fs::rename(file, dst).io_ctx("rename", dst)?;
-            }
-            let packs_dir = self.blobs().packs_dir();
-            sys::fsync_dir(packs_dir).io_ctx("fsync", packs_dir)
-        })();
-        if let Err(e) = published {
+        let mut files = vec![(table_tmp.clone(), self.blobs().table_path(id))];
+        if !same {
+            files.insert(0, (tmp.clone(), self.blobs().pack_path(id)));
+        }
+        if let Err(e) = publish_written(&files) {
             let _ = fs::remove_file(&tmp);
             let _ = fs::remove_file(&table_tmp);
             return Err(e);

@@ -964,27 +964,34 @@ impl WriteBatch<'_> {
     /// and whatever the tenants' own writes to their rootfs left dirty (one tenant's gigabytes
     /// would stall everyone's commits).
     fn flush(&self) -> Result<()> {
-        let pending = &self.blobs.pending;
-        // Opened once per pass rather than held: a batch of many large blobs would exceed the
-        // shim's descriptor limit.
-        for (tmp, _) in pending {
-            sys::start_writeback(&File::open(tmp).io_ctx("open", tmp)?).io_ctx("sync_file_range", tmp)?;
-        }
-        let tmps: Vec<&Path> = pending.iter().map(|(tmp, _)| tmp.as_path()).collect();
-        fsync_all(&tmps, |tmp| File::open(tmp)?.sync_all())?;
-        let mut dirs = std::collections::BTreeSet::new();
-        for (tmp, dst) in pending {
-            fs::rename(tmp, dst).io_ctx("rename", dst)?;
-            dirs.insert(dst.parent().expect("blob paths have a parent").to_owned());
-        }
-        let dirs: Vec<&Path> = dirs.iter().map(PathBuf::as_path).collect();
-        fsync_all(&dirs, sys::fsync_dir)?;
+        publish_written(&self.blobs.pending)?;
         // This process finds its own blobs from now on without listing the packs again.
         for &id in &self.blobs.closed_packs {
             self.store.index.add(id, &self.store.table_path(id));
         }
         Ok(())
     }
+}
+
+/// Publishes files written aside, `(tmp, destination)` each: starts writeback of every file,
+/// fsyncs each, renames them into place in the order given (a pack before its table, which a
+/// reader only uses beside its pack) and fsyncs the directories they land in. A batch's commit
+/// and GC's rewritten packs are published this way.
+pub(crate) fn publish_written(files: &[(PathBuf, PathBuf)]) -> Result<()> {
+    // Opened once per pass rather than held: a batch of many large blobs would exceed the
+    // shim's descriptor limit.
+    for (tmp, _) in files {
+        sys::start_writeback(&File::open(tmp).io_ctx("open", tmp)?).io_ctx("sync_file_range", tmp)?;
+    }
+    let tmps: Vec<&Path> = files.iter().map(|(tmp, _)| tmp.as_path()).collect();
+    fsync_all(&tmps, |tmp| File::open(tmp)?.sync_all())?;
+    let mut dirs = std::collections::BTreeSet::new();
+    for (tmp, dst) in files {
+        fs::rename(tmp, dst).io_ctx("rename", dst)?;
+        dirs.insert(dst.parent().expect("published files have a parent").to_owned());
+    }
+    let dirs: Vec<&Path> = dirs.iter().map(PathBuf::as_path).collect();
+    fsync_all(&dirs, sys::fsync_dir)
 }
 
 /// Batches of more files than this are fsynced (or linked) by [`FILE_THREADS`] threads at once.
