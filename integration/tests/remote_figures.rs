@@ -268,10 +268,9 @@ fn registry_tier_figures() {
     );
     let phases = &pull["breakdown"];
     println!(
-        "figure 1, B's pull: fetch {:.0} ms, verify {:.0} ms, store writes {:.0} ms, store flush \
+        "figure 1, B's pull: fetch {:.0} ms, store writes {:.0} ms, store flush \
          {:.0} ms, other {:.0} ms; {} blobs, {} bytes fetched, {} objects ({} bytes) written",
         phases["fetch_ms"].as_f64().unwrap_or(f64::NAN),
-        phases["verify_ms"].as_f64().unwrap_or(f64::NAN),
         phases["store_write_ms"].as_f64().unwrap_or(f64::NAN),
         phases["store_flush_ms"].as_f64().unwrap_or(f64::NAN),
         phases["other_ms"].as_f64().unwrap_or(f64::NAN),

@@ -93,10 +93,10 @@ impl ObjectSink for StoreSink<'_> {
         self.held.contains(digest) || self.store.blobs().contains_sized(&crab_store::Digest(digest.0), len)
     }
 
-    fn put(&mut self, digest: Digest, data: Vec<u8>) -> std::io::Result<()> {
+    fn put(&mut self, digest: Digest, data: &[u8]) -> std::io::Result<()> {
         // The remote hashed these bytes to `digest` as it unpacked them: not hashed again.
         let stored = crab_store::Digest(digest.0);
-        self.batch.put_verified(stored, &data).map_err(std::io::Error::other)?;
+        self.batch.put_verified(stored, data).map_err(std::io::Error::other)?;
         self.bytes_written += data.len() as u64;
         self.held.insert(digest);
         if self.batch.wrote(&stored) {

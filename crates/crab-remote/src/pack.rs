@@ -19,6 +19,7 @@
 //! recorded raw length and hands the bytes back only if they hash to the object's digest, so
 //! neither a corrupt pack nor a lying index can yield other bytes than the ones named.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 
 use crate::digest::Digest;
@@ -243,23 +244,42 @@ impl ObjectReader {
 
     /// Reads one object out of a pack's bytes, verifying it against its digest.
     pub fn read(&mut self, pack: &Digest, pack_bytes: &[u8], entry: &PackEntry) -> Result<Vec<u8>> {
-        let stored = pack_bytes.get(entry.range()).ok_or_else(|| PackError::CorruptObject {
-            pack: *pack,
-            digest: entry.digest,
-            reason: format!("bytes {:?} are beyond the pack's {} bytes", entry.range(), pack_bytes.len()),
-        })?;
+        let stored = self.stored(pack, pack_bytes, entry)?;
         self.read_stored(pack, stored, entry)
     }
 
     /// Decodes an object from its stored bytes alone (read from `entry.offset` of its pack)
     /// and verifies it.
     pub fn read_stored(&mut self, pack: &Digest, stored: &[u8], entry: &PackEntry) -> Result<Vec<u8>> {
+        Ok(self.decode(pack, stored, entry)?.into_owned())
+    }
+
+    /// [`read`](Self::read) out of a shared pack buffer: an object stored raw is handed back as
+    /// a slice of it rather than a copy (a pack of random pages is all raw objects).
+    pub fn read_shared(&mut self, pack: &Digest, pack_bytes: &bytes::Bytes, entry: &PackEntry) -> Result<bytes::Bytes> {
+        let stored = self.stored(pack, pack_bytes, entry)?;
+        Ok(match self.decode(pack, stored, entry)? {
+            Cow::Borrowed(_) => pack_bytes.slice(entry.range()),
+            Cow::Owned(data) => bytes::Bytes::from(data),
+        })
+    }
+
+    fn stored<'a>(&self, pack: &Digest, pack_bytes: &'a [u8], entry: &PackEntry) -> Result<&'a [u8]> {
+        pack_bytes.get(entry.range()).ok_or_else(|| PackError::CorruptObject {
+            pack: *pack,
+            digest: entry.digest,
+            reason: format!("bytes {:?} are beyond the pack's {} bytes", entry.range(), pack_bytes.len()),
+        })
+    }
+
+    /// The object's bytes, verified against its digest: borrowed from `stored` when it is raw.
+    fn decode<'a>(&mut self, pack: &Digest, stored: &'a [u8], entry: &PackEntry) -> Result<Cow<'a, [u8]>> {
         let corrupt = |reason: String| PackError::CorruptObject { pack: *pack, digest: entry.digest, reason };
         if stored.len() != entry.stored_len as usize {
             return Err(corrupt(format!("{} stored bytes, the index says {}", stored.len(), entry.stored_len)));
         }
         let data = match entry.codec {
-            Codec::Raw => stored.to_vec(),
+            Codec::Raw => Cow::Borrowed(stored),
             Codec::Zstd => {
                 // Bounded by the recorded length: a frame that inflates to more is refused, not
                 // followed into memory.
@@ -270,7 +290,7 @@ impl ObjectReader {
                 if data.len() != entry.raw_len as usize {
                     return Err(corrupt(format!("decodes to {} bytes, the index says {}", data.len(), entry.raw_len)));
                 }
-                data
+                Cow::Owned(data)
             }
         };
         let actual = Digest::of(&data);
@@ -514,6 +534,27 @@ mod tests {
         // Compressible pages were compressed, random ones kept raw.
         let codecs: HashSet<Codec> = packs.iter().flat_map(|p| p.index.entries.iter().map(|e| e.codec)).collect();
         assert_eq!(codecs, HashSet::from([Codec::Raw, Codec::Zstd]));
+    }
+
+    #[test]
+    fn shared_reads_hand_out_raw_objects_as_slices_of_the_pack_and_verify_every_object() {
+        let objs = objects(8);
+        let pack = pack_new(&ChunkIndex::new(), objs.iter().map(|(d, b)| (*d, &b[..])), 1 << 20, 3).unwrap().remove(0);
+        let shared = bytes::Bytes::from(pack.bytes.clone());
+        let within = |b: &bytes::Bytes| shared.as_ptr_range().contains(&b.as_ptr());
+        let mut reader = ObjectReader::new().unwrap();
+        for ((digest, data), entry) in objs.iter().zip(&pack.index.entries) {
+            assert_eq!(entry.digest, *digest);
+            let read = reader.read_shared(&pack.index.pack, &shared, entry).unwrap();
+            assert_eq!(&read[..], &data[..]);
+            assert_eq!(within(&read), entry.codec == Codec::Raw, "{:?} object", entry.codec);
+        }
+        // A raw object whose bytes changed is refused like a compressed one.
+        let raw = pack.index.entries.iter().find(|e| e.codec == Codec::Raw).unwrap();
+        let mut bytes = pack.bytes.clone();
+        bytes[raw.range().start] ^= 1;
+        let err = reader.read_shared(&pack.index.pack, &bytes::Bytes::from(bytes), raw).unwrap_err();
+        assert!(err.to_string().contains("hash to"), "{err}");
     }
 
     #[test]

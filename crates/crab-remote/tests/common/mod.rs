@@ -134,8 +134,8 @@ impl ObjectSink for Objects {
         self.0.lock().unwrap().contains_key(digest)
     }
 
-    fn put(&mut self, digest: Digest, data: Vec<u8>) -> std::io::Result<()> {
-        self.0.lock().unwrap().insert(digest, data);
+    fn put(&mut self, digest: Digest, data: &[u8]) -> std::io::Result<()> {
+        self.0.lock().unwrap().insert(digest, data.to_vec());
         Ok(())
     }
 }
