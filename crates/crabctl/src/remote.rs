@@ -145,7 +145,8 @@ pub struct PullSummary {
     pub objects_received: u64,
     pub packs_skipped: u64,
     pub elapsed_ms: f64,
-    /// Where `elapsed_ms` went: fetching, verifying, unpacking, the store's writes and flushes.
+    /// Where `elapsed_ms` went: fetching (each blob hashed as it arrives, a pack's objects taken out
+    /// and hashed in the fetch's task), the store's writes and flushes.
     pub breakdown: PullBreakdown,
 }
 
