@@ -244,7 +244,7 @@ impl ObjectReader {
 
     /// Reads one object out of a pack's bytes, verifying it against its digest.
     pub fn read(&mut self, pack: &Digest, pack_bytes: &[u8], entry: &PackEntry) -> Result<Vec<u8>> {
-        let stored = self.stored(pack, pack_bytes, entry)?;
+        let stored = Self::stored(pack, pack_bytes, entry)?;
         self.read_stored(pack, stored, entry)
     }
 
@@ -257,14 +257,14 @@ impl ObjectReader {
     /// [`read`](Self::read) out of a shared pack buffer: an object stored raw is handed back as
     /// a slice of it rather than a copy (a pack of random pages is all raw objects).
     pub fn read_shared(&mut self, pack: &Digest, pack_bytes: &bytes::Bytes, entry: &PackEntry) -> Result<bytes::Bytes> {
-        let stored = self.stored(pack, pack_bytes, entry)?;
+        let stored = Self::stored(pack, pack_bytes, entry)?;
         Ok(match self.decode(pack, stored, entry)? {
             Cow::Borrowed(_) => pack_bytes.slice(entry.range()),
             Cow::Owned(data) => bytes::Bytes::from(data),
         })
     }
 
-    fn stored<'a>(&self, pack: &Digest, pack_bytes: &'a [u8], entry: &PackEntry) -> Result<&'a [u8]> {
+    fn stored<'a>(pack: &Digest, pack_bytes: &'a [u8], entry: &PackEntry) -> Result<&'a [u8]> {
         pack_bytes.get(entry.range()).ok_or_else(|| PackError::CorruptObject {
             pack: *pack,
             digest: entry.digest,

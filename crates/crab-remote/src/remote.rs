@@ -131,19 +131,28 @@ const PULL_AHEAD: usize = 3;
 /// A blob a pull fetches after the manifests: a pack index, a pack holding objects the store
 /// lacks (with the entries of those objects), or a loose object.
 enum PullJob {
-    Index(Digest, u64),
+    /// The index (digest, size) the manifest pairs with `pack`.
+    Index {
+        digest: Digest,
+        size: u64,
+        pack: Digest,
+    },
     Pack(PackIndex, Vec<pack::PackEntry>),
     Blob(Digest, u64),
 }
 
-/// What a job of [`Remote::fetch_ahead`] brings: a pack index's bytes, or the objects a pack or
-/// loose blob holds that the store lacked, each checked against its digest; and the size of
-/// the blob fetched.
+/// What a job of [`Remote::fetch_ahead`] brings, and the size of the blob fetched.
 struct Fetched {
-    index: Bytes,
-    /// A pack's raw objects are slices of the fetched pack, not copies.
-    objects: Vec<(Digest, Bytes)>,
+    content: FetchedContent,
     blob_bytes: u64,
+}
+
+enum FetchedContent {
+    /// A pack index's bytes, with what [`PullJob::Index`] named.
+    Index { digest: Digest, pack: Digest, bytes: Bytes },
+    /// The objects a pack or loose blob holds that the store lacked, each checked against its
+    /// digest. A pack's raw objects are slices of the fetched pack, not copies.
+    Objects(Vec<(Digest, Bytes)>),
 }
 
 type FetchAhead = tokio::task::JoinHandle<Result<Fetched>>;
@@ -876,13 +885,19 @@ impl Remote {
                 remote.fetch_blob(&oci_ref, &reference, digest, size, media_type, what)
             };
             match job {
-                PullJob::Index(digest, size) => {
-                    let index = fetch(digest, size, artifact::PACK_INDEX_MEDIA_TYPE, "pack index").await?;
-                    Ok(Fetched { blob_bytes: index.len() as u64, index, objects: Vec::new() })
+                PullJob::Index { digest, size, pack } => {
+                    let bytes = fetch(digest, size, artifact::PACK_INDEX_MEDIA_TYPE, "pack index").await?;
+                    Ok(Fetched {
+                        blob_bytes: bytes.len() as u64,
+                        content: FetchedContent::Index { digest, pack, bytes },
+                    })
                 }
                 PullJob::Blob(digest, size) => {
                     let data = fetch(digest, size, artifact::BLOB_MEDIA_TYPE, "blob").await?;
-                    Ok(Fetched { index: Bytes::new(), blob_bytes: data.len() as u64, objects: vec![(digest, data)] })
+                    Ok(Fetched {
+                        blob_bytes: data.len() as u64,
+                        content: FetchedContent::Objects(vec![(digest, data)]),
+                    })
                 }
                 PullJob::Pack(index, wanted) => {
                     let data = fetch(index.pack, index.pack_len, artifact::PACK_MEDIA_TYPE, "pack").await?;
@@ -895,7 +910,7 @@ impl Remote {
                         .iter()
                         .map(|entry| Ok((entry.digest, reader.read_shared(&index.pack, &data, entry).map_err(bad)?)))
                         .collect::<Result<Vec<_>>>()?;
-                    Ok(Fetched { index: Bytes::new(), blob_bytes: data.len() as u64, objects })
+                    Ok(Fetched { blob_bytes: data.len() as u64, content: FetchedContent::Objects(objects) })
                 }
             }
         })
@@ -990,49 +1005,51 @@ impl Remote {
         });
         // Packs whose index has been read, waiting for a place in the pipeline.
         let mut packs = VecDeque::new();
-        // In flight, in order: the job's pack index (digest, the pack the manifest pairs it
-        // with) for an index, None for a pack or a loose blob.
-        let mut fetching: VecDeque<(Option<(Digest, Digest)>, FetchAhead)> = VecDeque::new();
+        // In flight, in order.
+        let mut fetching: VecDeque<FetchAhead> = VecDeque::new();
         loop {
             while fetching.len() < PULL_AHEAD {
-                let (job, index_of) = if let Some(job) = packs.pop_front() {
-                    (job, None)
+                let job = if let Some(job) = packs.pop_front() {
+                    job
                 } else if let Some((digest, size, pack)) = index_layers.next() {
-                    (PullJob::Index(digest, size), Some((digest, pack)))
+                    PullJob::Index { digest, size, pack }
                 } else if let Some((digest, size)) = loose.by_ref().find(|(d, size)| !sink.has(d, *size)) {
-                    (PullJob::Blob(digest, size), None)
+                    PullJob::Blob(digest, size)
                 } else {
                     break;
                 };
-                fetching.push_back((index_of, self.fetch_ahead(&oci_ref, &reference, job)));
+                fetching.push_back(self.fetch_ahead(&oci_ref, &reference, job));
             }
-            let Some((index_of, fetch)) = fetching.pop_front() else { break };
+            let Some(fetch) = fetching.pop_front() else { break };
             let fetched = ahead(&mut times, fetch, &reference).await?;
             report.blobs_pulled += 1;
             report.bytes_pulled += fetched.blob_bytes;
-            if let Some((digest, pack)) = index_of {
-                let index = PackIndex::decode(&fetched.index)
-                    .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
-                if index.pack != pack || Some(&index.pack_len) != pack_sizes.get(&pack) {
-                    return Err(RemoteError::BadManifest {
-                        reference,
-                        what: format!("pack index {digest}"),
-                        reason: format!(
-                            "it describes pack {} of {} bytes, the manifest pack {pack}",
-                            index.pack, index.pack_len
-                        ),
-                    });
+            let objects = match fetched.content {
+                FetchedContent::Objects(objects) => objects,
+                FetchedContent::Index { digest, pack, bytes } => {
+                    let index = PackIndex::decode(&bytes)
+                        .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
+                    if index.pack != pack || Some(&index.pack_len) != pack_sizes.get(&pack) {
+                        return Err(RemoteError::BadManifest {
+                            reference,
+                            what: format!("pack index {digest}"),
+                            reason: format!(
+                                "it describes pack {} of {} bytes, the manifest pack {pack}",
+                                index.pack, index.pack_len
+                            ),
+                        });
+                    }
+                    let wanted: Vec<_> =
+                        index.entries.iter().filter(|e| !sink.has(&e.digest, e.raw_len.into())).copied().collect();
+                    if wanted.is_empty() {
+                        report.packs_skipped += 1;
+                    } else {
+                        packs.push_back(PullJob::Pack(index, wanted));
+                    }
+                    continue;
                 }
-                let wanted: Vec<_> =
-                    index.entries.iter().filter(|e| !sink.has(&e.digest, e.raw_len.into())).copied().collect();
-                if wanted.is_empty() {
-                    report.packs_skipped += 1;
-                } else {
-                    packs.push_back(PullJob::Pack(index, wanted));
-                }
-                continue;
-            }
-            for (digest, object) in fetched.objects {
+            };
+            for (digest, object) in objects {
                 // An object an earlier pack of this pull brought is not stored twice.
                 if sink.has(&digest, object.len() as u64) {
                     continue;
