@@ -10,6 +10,7 @@ use libbpf_cargo::SkeletonBuilder;
 
 const BPF_SOURCE: &str = "bpf/inspector.bpf.c";
 const MECHANISM_SOURCE: &str = "bpf/mechanism.bpf.c";
+const FLOOR_SOURCE: &str = "bpf/floor.bpf.c";
 
 /// What defines crabd's records and the effects it sends: the BPF programs and their record
 /// layout, the Rust side that decodes the records into effects, and how effects' paths go on
@@ -40,19 +41,23 @@ fn main() {
         Err(_) => panic!("cargo sets CARGO_CFG_TARGET_ARCH"),
     };
     let asm_headers = format!("/usr/include/{multiarch}");
-    SkeletonBuilder::new()
-        .source(BPF_SOURCE)
-        .clang_args(["-I", "bpf", "-I", &asm_headers, "-O2", "-g", &format!("-D__TARGET_ARCH_{arch}")])
-        .build_and_generate(out_dir.join("inspector.skel.rs"))
-        .expect("building bpf/inspector.bpf.c");
+    let target_arch = format!("-D__TARGET_ARCH_{arch}");
+    let skeleton = |source: &str, skel: &str| {
+        SkeletonBuilder::new()
+            .source(source)
+            .clang_args(["-I", "bpf", "-I", &asm_headers, "-O2", "-g", &target_arch])
+            .build_and_generate(out_dir.join(skel))
+            .unwrap_or_else(|e| panic!("building {source}: {e}"));
+    };
+    skeleton(BPF_SOURCE, "inspector.skel.rs");
     // Hook designs reduced to their cost for unwatched processes, for a benchmark only
     // (tests/inspector.rs includes its skeleton; the crate does not).
-    SkeletonBuilder::new()
-        .source(MECHANISM_SOURCE)
-        .clang_args(["-I", "bpf", "-I", &asm_headers, "-O2", "-g", &format!("-D__TARGET_ARCH_{arch}")])
-        .build_and_generate(out_dir.join("mechanism.skel.rs"))
-        .expect("building bpf/mechanism.bpf.c");
-    for input in [BPF_SOURCE, MECHANISM_SOURCE, "bpf/inspector.h", "bpf/vmlinux.h"].iter().chain(WIRE_SOURCES) {
+    skeleton(MECHANISM_SOURCE, "mechanism.skel.rs");
+    // Empty programs on the inspector's hooks, for the node benchmark's floor (src/floor.rs).
+    skeleton(FLOOR_SOURCE, "floor.skel.rs");
+    for input in
+        [BPF_SOURCE, MECHANISM_SOURCE, FLOOR_SOURCE, "bpf/inspector.h", "bpf/vmlinux.h"].iter().chain(WIRE_SOURCES)
+    {
         println!("cargo:rerun-if-changed={input}");
     }
     println!("cargo:rustc-env=CRAB_RECORD_DIGEST={}", wire_digest());

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The table of scripts/bench-inspector-tax: per phase, subject and workload, the median wall and
-CPU (user + system) seconds, and their ratios against the `none` phase (no crabd at all) of the
-same subject; crabd's attach and detach times from its log.
+CPU (user + system) seconds, their ratios against the `none` phase (no crabd at all) of the same
+subject, and for crabd's phases the CPU ratio against the `floor` phase (empty programs on the
+inspector's hooks: what crab's programs add to what the hooks alone cost); crabd's attach and
+detach times from its log.
 
 Usage: bench_inspector_tax_report.py --samples FILE --rounds N --reps K [--crabd-log FILE --crabd-log-offset BYTES]
   FILE: lines "phase subject workload wall user sys" (seconds); phase `warmup` is left out.
@@ -18,7 +20,7 @@ SUBJECTS = ("host", "runc", "sandbox")
 
 def phase_order(phase):
     kind, _, build = phase.partition("-")
-    return ({"none": 0, "crabd": 1, "idle": 2}.get(kind, 3), build)
+    return ({"none": 0, "floor": 1, "crabd": 2, "idle": 3}.get(kind, 4), build)
 
 
 def crabd_times(path, offset):
@@ -59,12 +61,14 @@ def main():
         raise SystemExit(f"{a.samples}: no samples")
     phases = sorted({k[0] for k in wall}, key=phase_order)
 
-    print(f"medians of {a.rounds} rounds x {a.reps} runs; ratio = phase / none (no crabd at all), same subject")
+    print(f"medians of {a.rounds} rounds x {a.reps} runs; ratio = phase / none (no crabd at all), same subject;")
+    print("cpu / floor = crabd phase / floor phase (empty programs on the inspector's hooks), same subject")
     print("host: unwatched host process; runc: unwatched process in a plain runc container;")
-    print("sandbox: process in the watched crab sandbox (in `none`: a crab container with io.crab.policy=off)")
+    print("sandbox: process in the watched crab sandbox (in `none` and `floor`: a crab container with")
+    print("io.crab.policy=off)")
     print()
-    print(f"| phase | subject | workload | wall s | cpu s | wall ratio | cpu ratio |")
-    print(f"|---|---|---|---|---|---|---|")
+    print(f"| phase | subject | workload | wall s | cpu s | wall ratio | cpu ratio | cpu / floor |")
+    print(f"|---|---|---|---|---|---|---|---|")
     for phase in phases:
         for subject in SUBJECTS:
             for workload in WORKLOADS:
@@ -78,7 +82,12 @@ def main():
                     ratios = f"{mw / bw:.3f} | {mc / bc:.3f}" if bw > 0 and bc > 0 else "- | -"
                 else:
                     ratios = "1 | 1" if phase == "none" else "- | -"
-                print(f"| {phase} | {subject} | {workload} | {mw:.3f} | {mc:.3f} | {ratios} |")
+                floor = ("floor", subject, workload)
+                over_floor = "-"
+                if phase.partition("-")[0] in ("crabd", "idle") and floor in cpu:
+                    fc = statistics.median(cpu[floor])
+                    over_floor = f"{mc / fc:.3f}" if fc > 0 else "-"
+                print(f"| {phase} | {subject} | {workload} | {mw:.3f} | {mc:.3f} | {ratios} | {over_floor} |")
     if a.crabd_log:
         attach, detach = crabd_times(a.crabd_log, a.crabd_log_offset)
         if attach:

@@ -40,6 +40,7 @@ mod buffer;
 mod cgroup;
 mod classify;
 mod effect;
+pub mod floor;
 mod layout;
 mod mounts;
 mod record;
