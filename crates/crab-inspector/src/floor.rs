@@ -35,7 +35,7 @@ pub enum FloorError {
 }
 
 /// A place the inspector attaches a program.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Hook {
     /// `tp/<category>/<event>`: any tracepoint program can be attached there.
     Tracepoint { category: String, event: String },
@@ -71,19 +71,21 @@ pub fn hooks_of_sections<'a>(sections: impl IntoIterator<Item = &'a str>) -> Res
 
 /// The sections of the inspector's programs, all of them (what this kernel lacks included).
 pub fn inspector_sections() -> Result<Vec<String>, FloorError> {
-    let mut storage = MaybeUninit::uninit();
-    let open = InspectorSkelBuilder::default()
-        .open(&mut storage)
-        .map_err(|source| FloorError::Open { object: "inspector", source })?;
-    Ok(open.open_object().progs().map(|p| p.section().to_string_lossy().into_owned()).collect())
+    sections_of(InspectorSkelBuilder::default(), "inspector")
 }
 
 /// The sections of the floor's own programs.
 pub fn floor_sections() -> Result<Vec<String>, FloorError> {
+    sections_of(FloorSkelBuilder::default(), "floor")
+}
+
+/// The program sections of a skeleton's object, read from the opened (not loaded) object.
+fn sections_of<B>(builder: B, object: &'static str) -> Result<Vec<String>, FloorError>
+where
+    B: for<'obj> SkelBuilder<'obj>,
+{
     let mut storage = MaybeUninit::uninit();
-    let open = FloorSkelBuilder::default()
-        .open(&mut storage)
-        .map_err(|source| FloorError::Open { object: "floor", source })?;
+    let open = builder.open(&mut storage).map_err(|source| FloorError::Open { object, source })?;
     Ok(open.open_object().progs().map(|p| p.section().to_string_lossy().into_owned()).collect())
 }
 
@@ -92,7 +94,6 @@ pub fn floor_sections() -> Result<Vec<String>, FloorError> {
 /// Dropped: detached.
 pub struct Floor<'obj> {
     links: Vec<Link>,
-    hooks: Vec<Hook>,
     _skel: FloorSkel<'obj>,
 }
 
@@ -127,12 +128,7 @@ impl<'obj> Floor<'obj> {
             };
             links.push(attached.map_err(|source| FloorError::Attach { hook: hook.to_string(), source })?);
         }
-        Ok(Floor { links, hooks, _skel: skel })
-    }
-
-    /// The hooks an empty program is attached to.
-    pub fn hooks(&self) -> &[Hook] {
-        &self.hooks
+        Ok(Floor { links, _skel: skel })
     }
 
     /// How many links are attached (one per hook).
