@@ -173,6 +173,30 @@ async fn ahead(times: &mut PullTimes, fetch: FetchAhead, reference: &str) -> Res
     Ok(fetched)
 }
 
+/// The job a pack index fetched by a pull asks for: the pack, for the objects in it the sink
+/// lacks, or none when the sink holds them all. The index must describe the pack (digest and
+/// size) the manifest paired it with.
+fn pack_job(
+    reference: &str,
+    digest: Digest,
+    pack: Digest,
+    bytes: &[u8],
+    pack_sizes: &HashMap<Digest, u64>,
+    sink: &(dyn ObjectSink + Send),
+) -> Result<Option<PullJob>> {
+    let index =
+        PackIndex::decode(bytes).map_err(|source| RemoteError::Pack { reference: reference.to_owned(), source })?;
+    if index.pack != pack || Some(&index.pack_len) != pack_sizes.get(&pack) {
+        return Err(RemoteError::BadManifest {
+            reference: reference.to_owned(),
+            what: format!("pack index {digest}"),
+            reason: format!("it describes pack {} of {} bytes, the manifest pack {pack}", index.pack, index.pack_len),
+        });
+    }
+    let wanted: Vec<_> = index.entries.iter().filter(|e| !sink.has(&e.digest, e.raw_len.into())).copied().collect();
+    Ok((!wanted.is_empty()).then_some(PullJob::Pack(index, wanted)))
+}
+
 /// One checkpointed turn to push.
 #[derive(Debug, Clone)]
 pub struct TurnPush {
@@ -1027,24 +1051,9 @@ impl Remote {
             let objects = match fetched.content {
                 FetchedContent::Objects(objects) => objects,
                 FetchedContent::Index { digest, pack, bytes } => {
-                    let index = PackIndex::decode(&bytes)
-                        .map_err(|source| RemoteError::Pack { reference: reference.clone(), source })?;
-                    if index.pack != pack || Some(&index.pack_len) != pack_sizes.get(&pack) {
-                        return Err(RemoteError::BadManifest {
-                            reference,
-                            what: format!("pack index {digest}"),
-                            reason: format!(
-                                "it describes pack {} of {} bytes, the manifest pack {pack}",
-                                index.pack, index.pack_len
-                            ),
-                        });
-                    }
-                    let wanted: Vec<_> =
-                        index.entries.iter().filter(|e| !sink.has(&e.digest, e.raw_len.into())).copied().collect();
-                    if wanted.is_empty() {
-                        report.packs_skipped += 1;
-                    } else {
-                        packs.push_back(PullJob::Pack(index, wanted));
+                    match pack_job(&reference, digest, pack, &bytes, &pack_sizes, sink)? {
+                        Some(job) => packs.push_back(job),
+                        None => report.packs_skipped += 1,
                     }
                     continue;
                 }
@@ -1115,6 +1124,56 @@ mod tests {
             objects_written: 7,
             object_bytes_written: 700,
         }
+    }
+
+    /// A store that holds some objects, for the pull's choice of packs.
+    struct Holding(HashSet<Digest>);
+
+    impl ObjectSink for Holding {
+        fn has(&self, digest: &Digest, _len: u64) -> bool {
+            self.0.contains(digest)
+        }
+        fn put(&mut self, digest: Digest, _data: &[u8]) -> std::io::Result<()> {
+            self.0.insert(digest);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_pack_is_fetched_for_the_objects_the_store_lacks_and_only_as_its_manifest_says() {
+        let objects: Vec<Vec<u8>> = (0u8..3).map(|i| vec![i; 4096]).collect();
+        let mut packer = pack::Packer::new(1 << 20, pack::DEFAULT_ZSTD_LEVEL).unwrap();
+        for data in &objects {
+            packer.add(Digest::of(data), data).unwrap();
+        }
+        let [pack]: [Pack; 1] = packer.finish().try_into().ok().unwrap();
+        let (index, pack_digest) = (pack.index.encode(), pack.digest());
+        let index_digest = Digest::of(&index);
+        let sizes = HashMap::from([(pack_digest, pack.bytes.len() as u64)]);
+        let reference = "registry.test/crab/ns/sb:turn-1";
+
+        let mut store = Holding(HashSet::from([Digest::of(&objects[1])]));
+        let Some(PullJob::Pack(read, wanted)) =
+            pack_job(reference, index_digest, pack_digest, &index, &sizes, &store).unwrap()
+        else {
+            panic!("no pack job for a pack with objects the store lacks");
+        };
+        assert_eq!(read.pack, pack_digest);
+        let wanted: Vec<_> = wanted.iter().map(|e| e.digest).collect();
+        assert_eq!(wanted, [Digest::of(&objects[0]), Digest::of(&objects[2])]);
+
+        store.0.extend(objects.iter().map(|data| Digest::of(data)));
+        assert!(pack_job(reference, index_digest, pack_digest, &index, &sizes, &store).unwrap().is_none());
+
+        // An index the manifest pairs with another pack, or with another size of this one.
+        let other = Digest::of(b"another pack");
+        let other_sizes = HashMap::from([(other, pack.bytes.len() as u64)]);
+        let error = pack_job(reference, index_digest, other, &index, &other_sizes, &store).err().unwrap();
+        assert!(matches!(error, RemoteError::BadManifest { .. }), "{error}");
+        assert!(error.to_string().contains(&format!("the manifest pack {other}")), "{error}");
+        let short = HashMap::from([(pack_digest, pack.bytes.len() as u64 - 1)]);
+        let error = pack_job(reference, index_digest, pack_digest, &index, &short, &store).err().unwrap();
+        assert!(error.to_string().contains(&format!("pack index {index_digest}")), "{error}");
     }
 
     #[test]
