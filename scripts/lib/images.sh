@@ -186,7 +186,8 @@ recipe_key() {
   local word
   {
     for word in "$@" pack_layer IMAGE_PATH_ENV; do
-      if declare -F "$word" >/dev/null; then
+      # A literal such as NAME=value is no function name: declare -F would say so on stderr.
+      if declare -F "$word" >/dev/null 2>&1; then
         declare -f "$word"
       elif declare -p "$word" >/dev/null 2>&1; then
         declare -p "$word"
