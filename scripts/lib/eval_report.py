@@ -50,7 +50,8 @@ PAPER = {
 FAULT_MODEL = [
     "How each fault strikes (after the fault turn's checkpoint is durable) and how the policies recover:", "",
     "- kill-processes: SIGKILL to every process of the sandbox. off: lost; chat-only: a fresh sandbox from "
-    "the base image; every-turn: `ctr containers restore` of its last `ctr containers checkpoint --task --rw` "
+    "the base image (off saves nothing either and goes on in the same fresh sandbox: where both policies are "
+    "replayed, off's report is chat-only's run with the sandbox counted as lost); every-turn: `ctr containers restore` of its last `ctr containers checkpoint --task --rw` "
     "image; crab: `crabctl recover` (the container recreated with `io.crab.restore-from`).",
     "- kill-shim: SIGKILL to the sandbox's shim (the parent of its init); containerd reports the task gone "
     "and the policies recover as above.",

@@ -126,7 +126,9 @@ async fn replay_trace(
 ) -> Result<Vec<TraceReport>, ReplayError> {
     let image = trace.header.image.reference();
     let started = Instant::now();
-    let runs_total = usize::from(options.ref_runs) + options.faults.len() * options.policies.len();
+    let shared_off = shares_off_with_chat_only(&options.policies);
+    let runs_total =
+        usize::from(options.ref_runs) + options.faults.len() * (options.policies.len() - usize::from(shared_off));
     let mut runs_done = 0;
     let mut reference_runs = Vec::new();
     for index in 0..options.ref_runs {
@@ -168,6 +170,9 @@ async fn replay_trace(
         let strike = (*fault != FaultKind::None).then_some(fault_turn).flatten().map(|turn| (*fault, turn));
         let mut runs = Vec::new();
         for policy in &options.policies {
+            if shared_off && *policy == PolicyKind::Off {
+                continue;
+            }
             runs_done += 1;
             info!(trace = %trace.header.trace, run = runs_done, of = runs_total, policy = %policy, %fault, fault_turn, "progress: policy run");
             let mut launch = launch(options, trace, *policy, policy.name());
@@ -176,7 +181,10 @@ async fn replay_trace(
                 launch = on_node_a_of_its_own(launch, options)?;
             }
             let outcome = run_guarded(trace, &launch, policy.build(launch.clone()), strike, options, injector).await?;
-            runs.push(policy_report(*policy, reference.as_ref(), outcome, &trace.file)?);
+            if shared_off && *policy == PolicyKind::ChatOnly {
+                runs.push(policy_report(PolicyKind::Off, reference.as_ref(), &outcome, &trace.file)?);
+            }
+            runs.push(policy_report(*policy, reference.as_ref(), &outcome, &trace.file)?);
         }
         reports.push(TraceReport {
             trace: trace.header.trace.clone(),
@@ -193,6 +201,14 @@ async fn replay_trace(
         });
     }
     Ok(reports)
+}
+
+/// `off` and `chat-only` run the same sandbox: nothing saved, and after a fault that ends it
+/// a fresh one from the base image (see [`FreshSandbox`](super::policy)). They differ only in
+/// whether that counts as a recovery, so with both asked for, only chat-only runs and off's
+/// report is its run judged as off.
+fn shares_off_with_chat_only(policies: &[PolicyKind]) -> bool {
+    policies.contains(&PolicyKind::Off) && policies.contains(&PolicyKind::ChatOnly)
 }
 
 static NEXT_CONTAINER: AtomicU64 = AtomicU64::new(1);
@@ -498,7 +514,7 @@ async fn strike_and_recover(
 fn policy_report(
     policy: PolicyKind,
     reference: Option<&Reference>,
-    outcome: RunOutcome,
+    outcome: &RunOutcome,
     file: &std::path::Path,
 ) -> Result<PolicyRun, ReplayError> {
     let fault = match &outcome.fault {
@@ -529,8 +545,9 @@ fn policy_report(
             };
             match &fault.result {
                 Ok(recovered) => {
+                    let possible = recovery_possible(policy, recovered);
                     let verdict = reference
-                        .judge(fault.turn, &recovered.state_after, &later, recovered.possible)
+                        .judge(fault.turn, &recovered.state_after, &later, possible)
                         .map_err(|source| ReplayError::Oracle { file: file.to_path_buf(), source })?;
                     report.recovery = Some(recovered.method.clone());
                     report.state_after = Some(recovered.state_after.digest());
@@ -587,6 +604,13 @@ fn policy_report(
         fault,
         turns,
     })
+}
+
+/// Whether the policy could have recovered the sandbox: `off` saves nothing, so a sandbox
+/// it had to bring back (not one that kept running through the fault) is lost, whatever the
+/// fresh one it runs on later does; the others say so themselves.
+fn recovery_possible(policy: PolicyKind, recovered: &Recovered) -> bool {
+    recovered.possible && !(policy == PolicyKind::Off && recovered.method != RecoveryMethod::NotNeeded)
 }
 
 /// What a run is charged for its checkpoints: what it wrote, or everything its chain
@@ -671,6 +695,79 @@ mod tests {
         assert_eq!(charged_bytes(40, Some(&store(true))), 100, "deduplicated against another run's blobs");
         assert_eq!(charged_bytes(400, Some(&store(true))), 400);
         assert_eq!(charged_bytes(40, None), 40, "no store of its own");
+    }
+
+    /// One turn of a run, as the oracle sees it.
+    fn turn(turn: u32, stdout: &[u8]) -> TurnOutcome {
+        let exec = ExecResult {
+            rc: Some(0),
+            timed_out: false,
+            duration: Duration::from_millis(10),
+            stdout: stdout.to_vec(),
+            stderr: Vec::new(),
+            shell: String::new(),
+        };
+        TurnOutcome {
+            turn,
+            result: TurnResult::new(turn, exec.rc, false, &exec.stdout, &exec.stderr),
+            exec,
+            checkpoint_s: 0.0,
+            checkpoint_bytes: 0,
+            checkpoint_exported_bytes: 0,
+            checkpoint_exported_to: None,
+            checkpoint_class: None,
+            checkpoint_error: None,
+            agent_visible_delay_s: 0.0,
+            off_node_before_next: None,
+        }
+    }
+
+    /// off's report from chat-only's run: the same sandbox judged as lost where it had to be
+    /// brought back, and as chat-only's where it kept running.
+    #[test]
+    fn off_is_chat_only_s_run_judged_as_lost_where_it_had_to_recover() {
+        assert!(shares_off_with_chat_only(&PolicyKind::ALL));
+        assert!(!shares_off_with_chat_only(&[PolicyKind::Off, PolicyKind::Crab]));
+        assert!(!shares_off_with_chat_only(&[PolicyKind::ChatOnly, PolicyKind::EveryTurn]));
+
+        // A trace whose second turn needs nothing the first left: a fresh sandbox gets it right.
+        let reference_run = || ReferenceRun {
+            results: vec![turn(1, b"").result, turn(2, b"ok").result],
+            fingerprints: vec![Fingerprint::default(), Fingerprint::default()],
+        };
+        let reference = Reference::new(vec![reference_run(), reference_run()]).unwrap();
+        let file = std::path::Path::new("trace.jsonl");
+        for (kind, method, off_correct) in [
+            (FaultKind::KillProcesses, RecoveryMethod::BaseImage, false),
+            (FaultKind::NodeLoss, RecoveryMethod::BaseImage, false),
+            (FaultKind::RestartContainerd, RecoveryMethod::NotNeeded, true),
+        ] {
+            let outcome = RunOutcome {
+                turns: vec![turn(1, b""), turn(2, b"ok")],
+                fingerprints: vec![Fingerprint::default(), Fingerprint::default()],
+                fault: Some(FaultOutcome {
+                    kind,
+                    turn: 1,
+                    detail: String::new(),
+                    lost: None,
+                    recovery_s: 0.1,
+                    result: Ok(Recovered {
+                        method: method.clone(),
+                        possible: true,
+                        state_after: Fingerprint::default(),
+                    }),
+                }),
+                run_time: Duration::from_secs(1),
+                store: None,
+                pushed_note: None,
+            };
+            let chat_only = policy_report(PolicyKind::ChatOnly, Some(&reference), &outcome, file).unwrap();
+            let off = policy_report(PolicyKind::Off, Some(&reference), &outcome, file).unwrap();
+            assert_eq!(chat_only.recovered_correctly, Some(true), "{kind}");
+            assert_eq!(off.recovered_correctly, Some(off_correct), "{kind}");
+            assert_eq!(off.policy, PolicyKind::Off);
+            assert_eq!(off.fault.unwrap().verdict.unwrap().recovery_possible, off_correct, "{kind}");
+        }
     }
 
     #[test]
