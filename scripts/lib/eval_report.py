@@ -234,6 +234,7 @@ def oracle_summary(reports):
             "nondeterministic_turns": reference.get("nondeterministic_turns", []),
             "normalised_turns": reference.get("normalised_turns", []),
             "turns_with_wall_clock": reference.get("turns_with_wall_clock", []),
+            "state_changes": reference.get("state_changes"),
         })
         for run in report["runs"]:
             verdict = (run.get("fault") or {}).get("verdict")
@@ -262,9 +263,32 @@ def oracle_summary(reports):
     return {
         "policies": {name: policies[name] for name in sorted(policies, key=lambda n: rank(POLICY_ORDER, n))},
         "traces": dict(sorted(traces.items())),
+        "state_changes": state_changes_summary(traces),
         "output_differences": differences,
         "later_state_differences": state_differences,
     }
+
+
+def state_changes_summary(traces):
+    """What the turns of the first reference runs changed, summed over the traces whose reports
+    record it: turns looked at, turns that changed the sandbox's state, and of those the turns
+    that changed files outside the working directory, /tmp and /root, or processes and sockets:
+    what the replay's first oracle (the files under those three directories) could not see."""
+    total = {"traces": 0, "traces_without": 0, "turns_seen": 0, "turns_changed": 0,
+             "files_outside_old_scope": 0, "processes_or_sockets": 0, "unseen_by_old_oracle": 0}
+    for info in traces.values():
+        changes = info.get("state_changes")
+        if not changes:
+            total["traces_without"] += 1
+            continue
+        total["traces"] += 1
+        total["turns_seen"] += changes["turns_seen"]
+        total["turns_changed"] += len(changes["turns_changed"])
+        total["files_outside_old_scope"] += len(changes["files_outside_old_scope"])
+        total["processes_or_sockets"] += len(changes["processes_or_sockets"])
+        total["unseen_by_old_oracle"] += len(set(changes["files_outside_old_scope"])
+                                             | set(changes["processes_or_sockets"]))
+    return total
 
 
 def pushed_to_registry(run):
@@ -723,6 +747,17 @@ def oracle_lines(oracle, meta):
         lines.append(f"| {trace} | {info['turns']} | {turn_list(info['nondeterministic_turns'])} "
                      f"| {turn_list(info['turns_with_wall_clock'])} | {turn_list(info['normalised_turns'])} |")
     lines.append("")
+    changes = oracle.get("state_changes") or {}
+    if changes.get("traces"):
+        without = (f" ({changes['traces_without']} traces replayed before crab-replay recorded it are left out)"
+                   if changes["traces_without"] else "")
+        lines += [f"What the turns changed, in the first reference run of {changes['traces']} traces{without} "
+                  "(the sandbox's whole state before and after each turn): of "
+                  f"{changes['turns_seen']} turns, {changes['turns_changed']} changed it; "
+                  f"{changes['files_outside_old_scope']} changed files outside the working directory, `/tmp` and "
+                  f"`/root`, and {changes['processes_or_sockets']} changed processes, listening sockets or "
+                  f"connections: {changes['unseen_by_old_oracle']} turns changed state that an oracle of the files "
+                  "under those three directories alone (the replay's first) could not see.", ""]
     lines += bullets("Where the output of incorrect runs first differed (normalised):",
                      [f"{d['policy']} / {d['fault']} / `{d['trace']}` turn {d['turn']} {d['stream']} line "
                       f"{d['line']}: expected `{d['expected']}`, got `{d['got']}`"

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use serde::Serialize;
 
 use super::fault::FaultKind;
+use super::fingerprint::Fingerprint;
 use super::oracle::Verdict;
 use super::policy::{OffNode, PolicyKind, RecoveryMethod, StoreCheck};
 
@@ -42,6 +43,56 @@ pub struct ReferenceSummary {
     pub turns_with_wall_clock: Vec<u32>,
     /// Fingerprint digest after the last turn.
     pub final_state: Option<String>,
+    /// What each turn of the first reference run changed.
+    pub state_changes: StateChanges,
+}
+
+/// The turns of a run that changed the sandbox's state (its fingerprint after the turn differs
+/// from before it), and of those the ones whose change the replay's first oracle could not
+/// see: it fingerprinted only the files under the working directory, `/tmp` and `/root`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct StateChanges {
+    /// Turns looked at: all of the run's, once its state before the first turn is known.
+    pub turns_seen: u32,
+    pub turns_changed: Vec<u32>,
+    /// A file outside the working directory, `/tmp` and `/root` changed.
+    pub files_outside_old_scope: Vec<u32>,
+    /// A process, listening socket or connection changed.
+    pub processes_or_sockets: Vec<u32>,
+}
+
+impl StateChanges {
+    /// From the states before the first turn (`initial`) and after each turn (`after[i]`:
+    /// turn i + 1). Without the state before the first turn, the first turn is not looked at.
+    pub fn of(initial: Option<&Fingerprint>, after: &[Fingerprint], workdir: &str) -> StateChanges {
+        let old_scope = [workdir, "/tmp", "/root"];
+        let inside_old_scope = |path: &str| {
+            old_scope.iter().any(|dir| {
+                let dir = dir.trim_end_matches('/');
+                path == dir || path.strip_prefix(dir).is_some_and(|rest| rest.starts_with('/'))
+            })
+        };
+        let mut changes = StateChanges::default();
+        let before = initial.into_iter().chain(after.iter());
+        let first_turn = if initial.is_some() { 1 } else { 2 };
+        for (turn, (before, after)) in (first_turn..).zip(before.zip(after.iter().skip(first_turn as usize - 1))) {
+            changes.turns_seen += 1;
+            let differences = after.diff(before);
+            if differences.is_empty() {
+                continue;
+            }
+            changes.turns_changed.push(turn);
+            let file_outside =
+                differences.iter().any(|d| d.key.strip_prefix("file:").is_some_and(|path| !inside_old_scope(path)));
+            if file_outside {
+                changes.files_outside_old_scope.push(turn);
+            }
+            if differences.iter().any(|d| !d.key.starts_with("file:")) {
+                changes.processes_or_sockets.push(turn);
+            }
+        }
+        changes
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -487,6 +538,52 @@ fn render_trace(out: &mut String, report: &TraceReport) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn with_file(base: &Fingerprint, path: &str, sha256: &str) -> Fingerprint {
+        let mut state = base.clone();
+        let entry = crate::fingerprint::FileEntry {
+            kind: 'f',
+            mode: "644".into(),
+            owner: "0:0".into(),
+            size: Some(1),
+            link_target: None,
+            sha256: Some(sha256.into()),
+            xattrs: Default::default(),
+            hard_link: None,
+            data_ranges: None,
+            rdev: None,
+        };
+        state.files.insert(path.into(), entry);
+        state
+    }
+
+    #[test]
+    fn state_changes_tell_the_turns_the_old_scope_could_not_see() {
+        let initial = with_file(&Fingerprint::default(), "/testbed/a.py", "1");
+        // 1: the workdir; 2: nothing; 3: /etc; 4: a process; 5: /tmp and /rootless (not /root);
+        // 6: /root itself and /testbedx (not the workdir).
+        let t1 = with_file(&initial, "/testbed/a.py", "2");
+        let t2 = t1.clone();
+        let t3 = with_file(&t2, "/etc/hosts", "1");
+        let mut t4 = t3.clone();
+        let sleep = crate::fingerprint::ProcessEntry { cwd: "/".into(), parent: "(outside)".into(), fds: Vec::new() };
+        t4.processes.insert("sleep 9".into(), vec![sleep]);
+        let t5 = with_file(&with_file(&t4, "/tmp/x", "1"), "/rootless", "1");
+        let t6 = with_file(&with_file(&t5, "/root/.bashrc", "1"), "/testbedx/y", "1");
+        let after = [t1, t2, t3, t4, t5, t6];
+
+        let changes = StateChanges::of(Some(&initial), &after, "/testbed/");
+        assert_eq!(changes.turns_seen, 6);
+        assert_eq!(changes.turns_changed, [1, 3, 4, 5, 6]);
+        assert_eq!(changes.files_outside_old_scope, [3, 5, 6]);
+        assert_eq!(changes.processes_or_sockets, [4]);
+
+        // Without the state before the first turn, the first is not looked at.
+        let changes = StateChanges::of(None, &after, "/testbed");
+        assert_eq!(changes.turns_seen, 5);
+        assert_eq!(changes.turns_changed, [3, 4, 5, 6]);
+        assert_eq!(StateChanges::of(None, &[], "/testbed"), StateChanges::default());
+    }
 
     #[test]
     fn delay_summary() {

@@ -16,7 +16,9 @@ use super::oracle::{Reference, ReferenceRun, TurnResult};
 use super::policy::{
     Launch, OffNode, PolicyKind, Recovery, RecoveryMethod, RecoveryPolicy, SelfPushed, StoreCheck, TurnCost, discard,
 };
-use super::report::{DelaySummary, FaultReport, PolicyRun, ReferenceSummary, Replication, TraceReport, TurnReport};
+use super::report::{
+    DelaySummary, FaultReport, PolicyRun, ReferenceSummary, Replication, StateChanges, TraceReport, TurnReport,
+};
 use super::sandbox::{ExecResult, Sandbox, SandboxSpec};
 use super::shell::ReplayMode;
 use super::trace::Trace;
@@ -131,6 +133,7 @@ async fn replay_trace(
         usize::from(options.ref_runs) + options.faults.len() * (options.policies.len() - usize::from(shared_off));
     let mut runs_done = 0;
     let mut reference_runs = Vec::new();
+    let mut state_changes = StateChanges::default();
     for index in 0..options.ref_runs {
         if index > 0 {
             let spaced = started + options.ref_spacing * u32::from(index);
@@ -143,7 +146,10 @@ async fn replay_trace(
         info!(trace = %trace.header.trace, run = runs_done, of = runs_total, "progress: reference run (fault-free, no checkpoints)");
         let launch = launch(options, trace, PolicyKind::Off, "ref");
         let outcome =
-            run_guarded(trace, &launch, PolicyKind::Off.build(launch.clone()), None, options, injector).await?;
+            run_guarded(trace, &launch, PolicyKind::Off.build(launch.clone()), None, true, options, injector).await?;
+        if reference_runs.is_empty() {
+            state_changes = StateChanges::of(outcome.initial.as_ref(), &outcome.fingerprints, &trace.header.workdir);
+        }
         reference_runs.push(ReferenceRun { results: outcome.results(), fingerprints: outcome.fingerprints });
     }
     let reference_time = started.elapsed();
@@ -161,6 +167,7 @@ async fn replay_trace(
             normalised_turns: reference.normalised_turns().into_iter().collect(),
             turns_with_wall_clock: reference.turns_with_wall_clock().into_iter().collect(),
             final_state: reference.fingerprint(trace.header.turns).map(Fingerprint::digest),
+            state_changes,
         },
         None => ReferenceSummary::default(),
     };
@@ -180,7 +187,8 @@ async fn replay_trace(
                 launch.registry = options.daemons.node_b.as_ref().map(NodeB::registry);
                 launch = on_node_a_of_its_own(launch, options)?;
             }
-            let outcome = run_guarded(trace, &launch, policy.build(launch.clone()), strike, options, injector).await?;
+            let outcome =
+                run_guarded(trace, &launch, policy.build(launch.clone()), strike, false, options, injector).await?;
             if shared_off && *policy == PolicyKind::ChatOnly {
                 runs.push(policy_report(PolicyKind::Off, reference.as_ref(), &outcome, &trace.file)?);
             }
@@ -287,6 +295,9 @@ struct Recovered {
 
 struct RunOutcome {
     turns: Vec<TurnOutcome>,
+    /// The sandbox before its first turn, where the run was asked to look (the first
+    /// reference run: what each turn changed).
+    initial: Option<Fingerprint>,
     /// The sandbox after each turn, one per entry of `turns`.
     fingerprints: Vec<Fingerprint>,
     fault: Option<FaultOutcome>,
@@ -321,10 +332,11 @@ async fn run_guarded(
     launch: &Launch,
     mut policy: Box<dyn RecoveryPolicy>,
     strike: Option<(FaultKind, u32)>,
+    first_look: bool,
     options: &ReplayOptions,
     injector: &FaultInjector,
 ) -> Result<RunOutcome, ReplayError> {
-    let mut outcome = run(trace, launch, policy.as_mut(), strike, options, injector).await;
+    let mut outcome = run(trace, launch, policy.as_mut(), strike, first_look, options, injector).await;
     if let Ok(outcome) = &mut outcome {
         outcome.store = policy.check_store(&launch.container_id).await;
         // Before the clean-up, which deletes node A's directory (and with it its push log).
@@ -359,6 +371,7 @@ async fn run(
     launch: &Launch,
     policy: &mut dyn RecoveryPolicy,
     strike: Option<(FaultKind, u32)>,
+    first_look: bool,
     options: &ReplayOptions,
     injector: &FaultInjector,
 ) -> Result<RunOutcome, ReplayError> {
@@ -368,6 +381,7 @@ async fn run(
     let mut tmux_servers = super::shell::TmuxServers::default();
     let mut fingerprints = Vec::new();
     let judged = options.ref_runs > 0;
+    let initial = if judged && first_look { Some(sandbox.fingerprint().await?) } else { None };
     let mut fault = None;
     let think = |index: usize| {
         let seconds = trace.turns.get(index).map_or(0.0, |turn| turn.think_s * options.think_scale);
@@ -446,7 +460,7 @@ async fn run(
             }
         }
     }
-    Ok(RunOutcome { turns, fingerprints, fault, run_time: started.elapsed(), store: None, pushed_note: None })
+    Ok(RunOutcome { turns, initial, fingerprints, fault, run_time: started.elapsed(), store: None, pushed_note: None })
 }
 
 /// Strikes the fault after `turn`, then lets the policy bring the sandbox
@@ -744,6 +758,7 @@ mod tests {
         ] {
             let outcome = RunOutcome {
                 turns: vec![turn(1, b""), turn(2, b"ok")],
+                initial: None,
                 fingerprints: vec![Fingerprint::default(), Fingerprint::default()],
                 fault: Some(FaultOutcome {
                     kind,

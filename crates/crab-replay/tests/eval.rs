@@ -180,7 +180,9 @@ fn aggregates_the_synthetic_matrix() {
 const ORACLE_REPORT: &str = r#"[{"trace": "t", "file": "t.jsonl", "image": "terminal", "runtime": "io.containerd.crab.v2",
   "turns": 4, "fault": "kill-shim", "fault_turn": 1, "think_scale": 0.05,
   "reference": {"runs": 2, "run_time_s": 8.0, "nondeterministic_turns": [4], "normalised_turns": [2],
-                "turns_with_wall_clock": [2, 3], "final_state": null},
+                "turns_with_wall_clock": [2, 3], "final_state": null,
+                "state_changes": {"turns_seen": 4, "turns_changed": [1, 2, 4], "files_outside_old_scope": [2],
+                                  "processes_or_sockets": [2, 4]}},
   "runs": [
     {"policy": "crab", "recovered_correctly": true, "checkpoints": 4, "checkpoint_failures": 0,
      "checkpoint_bytes": 10, "run_time_s": 4.0, "agent_delay": {"total_s": 0, "mean_s": 0, "median_s": 0, "max_s": 0},
@@ -222,6 +224,12 @@ fn reports_what_the_oracle_compared_normalised_and_found() {
         (&Value::from(2), &Value::from(1), &Value::from(1), &Value::from(1))
     );
     assert_eq!(summary["oracle"]["traces"]["t"]["normalised_turns"], serde_json::json!([2]));
+    // Turn 2 changed a file outside the old scope and a process, turn 4 a process: 2 turns.
+    assert_eq!(
+        summary["oracle"]["state_changes"],
+        serde_json::json!({"traces": 1, "traces_without": 0, "turns_seen": 4, "turns_changed": 3,
+                           "files_outside_old_scope": 1, "processes_or_sockets": 2, "unseen_by_old_oracle": 2})
+    );
     // Only incorrect runs list where their output differed.
     let differences = summary["oracle"]["output_differences"].as_array().unwrap();
     assert_eq!(differences.len(), 1);
@@ -233,6 +241,11 @@ fn reports_what_the_oracle_compared_normalised_and_found() {
     assert!(report.contains("| chat-only | 1 | 2 | 1 | 1 | 0 | 1 | 1 | 2 | 1 | 2 |"), "{report}");
     assert!(report.contains("| t | 4 | 4 | 2, 3 | 2 |"), "{report}");
     assert!(report.contains("at least 61 s apart"), "{report}");
+    assert!(
+        report.contains("of 4 turns, 3 changed it; 1 changed files outside the working directory")
+            && report.contains("connections: 2 turns changed state that an oracle"),
+        "{report}"
+    );
     assert!(
         report.contains("- chat-only / kill-shim / `t` turn 3 stdout line 1: expected `hello`, got ``"),
         "{report}"
