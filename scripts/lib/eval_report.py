@@ -749,9 +749,11 @@ def oracle_lines(oracle, meta):
     lines.append("")
     changes = oracle.get("state_changes") or {}
     if changes.get("traces"):
-        without = (f" ({changes['traces_without']} traces replayed before crab-replay recorded it are left out)"
+        def traces(n):
+            return f"{n} trace" + ("" if n == 1 else "s")
+        without = (f" ({traces(changes['traces_without'])} replayed before crab-replay recorded it left out)"
                    if changes["traces_without"] else "")
-        lines += [f"What the turns changed, in the first reference run of {changes['traces']} traces{without} "
+        lines += [f"What the turns changed, in the first reference run of {traces(changes['traces'])}{without} "
                   "(the sandbox's whole state before and after each turn): of "
                   f"{changes['turns_seen']} turns, {changes['turns_changed']} changed it; "
                   f"{changes['files_outside_old_scope']} changed files outside the working directory, `/tmp` and "

@@ -9,14 +9,20 @@ use oci_client::manifest::{OCI_IMAGE_MEDIA_TYPE, OciDescriptor, OciImageManifest
 use crate::digest::Digest;
 use crate::error::{RemoteError, Result};
 
-/// `artifactType` of every checkpoint manifest.
-pub const ARTIFACT_TYPE: &str = "application/vnd.crab.checkpoint.v1";
+/// `artifactType` of the checkpoint manifests this build writes: its packs' indexes travel in
+/// [`PACK_INDEXES_MEDIA_TYPE`] blobs, one per push.
+pub const ARTIFACT_TYPE: &str = "application/vnd.crab.checkpoint.v2";
+/// `artifactType` of the manifests of earlier builds, still read: one index blob per pack.
+pub const ARTIFACT_TYPE_V1: &str = "application/vnd.crab.checkpoint.v1";
 /// The config blob: crab's turn manifest, the bytes the store wrote (its sealed JSON).
 pub const TURN_MEDIA_TYPE: &str = "application/vnd.crab.checkpoint.turn.v1+json";
 /// A pack of objects (see [`crate::pack`]).
 pub const PACK_MEDIA_TYPE: &str = "application/vnd.crab.checkpoint.pack.v1";
 /// The index of one pack; its descriptor names the pack in [`ANNOTATION_PACK`].
 pub const PACK_INDEX_MEDIA_TYPE: &str = "application/vnd.crab.checkpoint.pack-index.v1";
+/// The indexes of the packs one push made (see [`crate::pack`]); the packs they describe are
+/// named inside, so a reader learns which packs they cover only once it has read them.
+pub const PACK_INDEXES_MEDIA_TYPE: &str = "application/vnd.crab.checkpoint.pack-indexes.v1";
 /// One object stored as it is (a large file of an fs delta): its OCI digest is the object's
 /// digest in crab's store.
 pub const BLOB_MEDIA_TYPE: &str = "application/vnd.crab.checkpoint.blob.v1";
@@ -118,19 +124,26 @@ pub fn repository(prefix_path: &str, namespace: &str, sandbox: &str) -> String {
 pub enum Layer {
     Pack { digest: Digest, size: u64 },
     PackIndex { digest: Digest, size: u64, pack: Digest },
+    PackIndexes { digest: Digest, size: u64 },
     Blob { digest: Digest, size: u64 },
 }
 
 impl Layer {
     pub fn digest(&self) -> Digest {
         match self {
-            Layer::Pack { digest, .. } | Layer::PackIndex { digest, .. } | Layer::Blob { digest, .. } => *digest,
+            Layer::Pack { digest, .. }
+            | Layer::PackIndex { digest, .. }
+            | Layer::PackIndexes { digest, .. }
+            | Layer::Blob { digest, .. } => *digest,
         }
     }
 
     pub fn size(&self) -> u64 {
         match self {
-            Layer::Pack { size, .. } | Layer::PackIndex { size, .. } | Layer::Blob { size, .. } => *size,
+            Layer::Pack { size, .. }
+            | Layer::PackIndex { size, .. }
+            | Layer::PackIndexes { size, .. }
+            | Layer::Blob { size, .. } => *size,
         }
     }
 
@@ -138,6 +151,7 @@ impl Layer {
         match self {
             Layer::Pack { .. } => PACK_MEDIA_TYPE,
             Layer::PackIndex { .. } => PACK_INDEX_MEDIA_TYPE,
+            Layer::PackIndexes { .. } => PACK_INDEXES_MEDIA_TYPE,
             Layer::Blob { .. } => BLOB_MEDIA_TYPE,
         }
     }
@@ -232,7 +246,7 @@ impl Checkpoint {
         // The artifact type first: an image or another tool's artifact under a crab tag is
         // named as such, not as a parse error.
         let found = probe.artifact_type.or(probe.config.map(|c| c.media_type)).unwrap_or_default();
-        if found != ARTIFACT_TYPE {
+        if found != ARTIFACT_TYPE && found != ARTIFACT_TYPE_V1 {
             return Err(RemoteError::WrongArtifactType {
                 reference: reference.to_owned(),
                 found,
@@ -273,11 +287,14 @@ impl Checkpoint {
                         .ok_or_else(|| bad(format!("pack index {digest} names no pack")))?;
                     Layer::PackIndex { digest, size, pack: Digest::from_oci(pack).map_err(|e| bad(e.to_string()))? }
                 }
+                PACK_INDEXES_MEDIA_TYPE if found == ARTIFACT_TYPE => Layer::PackIndexes { digest, size },
                 BLOB_MEDIA_TYPE => Layer::Blob { digest, size },
                 other => return Err(bad(format!("layer {digest} has media type {other:?}"))),
             });
         }
-        // Every pack comes with its index, and every index with its pack.
+        // Every index comes with its pack, and every pack with its index: its own layer, or
+        // (which a pull checks once it has read them) one of the indexes blobs.
+        let packs_may_share_indexes = layers.iter().any(|l| matches!(l, Layer::PackIndexes { .. }));
         for layer in &layers {
             if let Layer::PackIndex { pack, digest, .. } = layer
                 && !layers.iter().any(|l| matches!(l, Layer::Pack { digest: d, .. } if d == pack))
@@ -285,6 +302,7 @@ impl Checkpoint {
                 return Err(bad(format!("pack index {digest} names pack {pack}, which is not a layer")));
             }
             if let Layer::Pack { digest, .. } = layer
+                && !packs_may_share_indexes
                 && !layers.iter().any(|l| matches!(l, Layer::PackIndex { pack, .. } if pack == digest))
             {
                 return Err(bad(format!("pack {digest} has no index layer")));
@@ -354,6 +372,23 @@ mod tests {
             "{err}"
         );
         assert!(err.to_string().contains("reg/ns/sb:turn-1"), "{err}");
+    }
+
+    #[test]
+    fn indexes_blobs_are_read_from_this_format_only_and_the_first_is_still_read() {
+        let mut c = sample();
+        c.layers.push(Layer::PackIndexes { digest: Digest::of(b"indexes"), size: 9 });
+        assert_eq!(Checkpoint::decode(&c.encode(), "r").unwrap(), c);
+        // A manifest of the first format (one index per pack) is read as it was written...
+        let v1 = String::from_utf8(sample().encode()).unwrap().replace(ARTIFACT_TYPE, ARTIFACT_TYPE_V1);
+        assert_eq!(Checkpoint::decode(v1.as_bytes(), "r").unwrap(), sample());
+        // ...and holds no indexes blob.
+        let mixed = String::from_utf8(c.encode()).unwrap().replace(ARTIFACT_TYPE, ARTIFACT_TYPE_V1);
+        let err = Checkpoint::decode(mixed.as_bytes(), "r").unwrap_err();
+        assert!(err.to_string().contains(PACK_INDEXES_MEDIA_TYPE), "{err}");
+        // A pack whose index is in an indexes blob has no layer of its own.
+        c.layers.remove(1);
+        assert_eq!(Checkpoint::decode(&c.encode(), "r").unwrap(), c);
     }
 
     #[test]

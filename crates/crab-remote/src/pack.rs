@@ -11,7 +11,12 @@
 //! pack:  "CRABPACK" | version u8 (1) | 7 zero bytes | object frames, back to back
 //! index: "CRABPIDX" | version u8 (1) | 3 zero bytes | count u32 | pack digest [32] | pack length u64
 //!        | count entries of 45 bytes: digest [32] | offset u32 | stored length u32 | raw length u32 | codec u8
+//! indexes: "CRABPIDS" | version u8 (1) | 3 zero bytes | count u32 | count indexes, back to back
 //! ```
+//!
+//! The indexes of the packs one push made travel as one blob (the last form): a reader pays one
+//! request for them, not one per pack. Each index in it is self-delimiting (its header says how
+//! many entries follow) and checked as one on its own.
 //!
 //! An index is accepted only if its entries tile the pack exactly (sorted by offset, from the
 //! end of the header to the pack's end, no gap, no overlap), every codec is known, a raw entry
@@ -26,6 +31,7 @@ use crate::digest::Digest;
 
 pub const PACK_MAGIC: &[u8; 8] = b"CRABPACK";
 pub const INDEX_MAGIC: &[u8; 8] = b"CRABPIDX";
+pub const INDEXES_MAGIC: &[u8; 8] = b"CRABPIDS";
 pub const FORMAT_VERSION: u8 = 1;
 pub const PACK_HEADER_LEN: usize = 16;
 const INDEX_HEADER_LEN: usize = 16 + 32 + 8;
@@ -41,6 +47,14 @@ pub const MAX_OBJECT_BYTES: usize = 16 << 20;
 
 /// Largest pack a reader accepts: a full pack plus one maximal object.
 pub const MAX_PACK_BYTES: u64 = (DEFAULT_PACK_TARGET + MAX_OBJECT_BYTES + PACK_HEADER_LEN) as u64;
+
+/// Most packs whose indexes travel in one indexes blob: a push of more packs writes several.
+/// 256 packs of 4 MiB (1 GiB of objects) have indexes of about 12 MiB.
+pub const MAX_PACKS_PER_INDEXES: usize = 256;
+
+/// Largest indexes blob a reader accepts: [`MAX_PACKS_PER_INDEXES`] full indexes of packs of
+/// 4 KiB objects, with room to spare.
+pub const MAX_INDEXES_BYTES: u64 = 64 << 20;
 
 /// zstd level for objects: 3 is zstd's default, the best ratio per CPU second for page data.
 pub const DEFAULT_ZSTD_LEVEL: i32 = 3;
@@ -177,6 +191,62 @@ impl PackIndex {
             return Err(bad(format!("entries end at {next}, the pack at {pack_len}")));
         }
         Ok(PackIndex { pack, pack_len, entries })
+    }
+
+    /// The indexes of several packs as one blob (see the module's formats).
+    pub fn encode_many(indexes: &[PackIndex]) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(INDEXES_MAGIC);
+        out.push(FORMAT_VERSION);
+        out.extend_from_slice(&[0; 3]);
+        out.extend_from_slice(&(indexes.len() as u32).to_le_bytes());
+        for index in indexes {
+            out.extend_from_slice(&index.encode());
+        }
+        out
+    }
+
+    /// Parses and checks an indexes blob: each index as [`decode`](Self::decode) checks one, no
+    /// pack twice, nothing after the last.
+    pub fn decode_many(bytes: &[u8]) -> Result<Vec<Self>> {
+        let bad = |reason: String| PackError::BadIndex(reason);
+        if bytes.len() < 16 || &bytes[..8] != INDEXES_MAGIC {
+            return Err(bad("no CRABPIDS header".into()));
+        }
+        if bytes[8] != FORMAT_VERSION {
+            return Err(bad(format!("indexes format version {} (this build reads {FORMAT_VERSION})", bytes[8])));
+        }
+        if bytes.len() as u64 > MAX_INDEXES_BYTES {
+            return Err(bad(format!("{} bytes of indexes, over the limit of {MAX_INDEXES_BYTES}", bytes.len())));
+        }
+        let count = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes")) as usize;
+        if count > MAX_PACKS_PER_INDEXES {
+            return Err(bad(format!("{count} indexes, over the limit of {MAX_PACKS_PER_INDEXES}")));
+        }
+        let mut indexes = Vec::with_capacity(count);
+        let mut packs = HashSet::with_capacity(count);
+        let mut rest = &bytes[16..];
+        for at in 0..count {
+            if rest.len() < INDEX_HEADER_LEN {
+                return Err(bad(format!("index {at} of {count} is cut off")));
+            }
+            let entries = u32::from_le_bytes(rest[12..16].try_into().expect("4 bytes")) as u64;
+            let len = (INDEX_HEADER_LEN as u64).saturating_add(entries.saturating_mul(ENTRY_LEN as u64));
+            if len > rest.len() as u64 {
+                return Err(bad(format!("index {at} of {count} is cut off")));
+            }
+            let (one, after) = rest.split_at(len as usize);
+            let index = Self::decode(one).map_err(|e| bad(format!("index {at} of {count}: {e}")))?;
+            if !packs.insert(index.pack) {
+                return Err(bad(format!("pack {} is indexed twice", index.pack)));
+            }
+            indexes.push(index);
+            rest = after;
+        }
+        if !rest.is_empty() {
+            return Err(bad(format!("{} bytes after the last of {count} indexes", rest.len())));
+        }
+        Ok(indexes)
     }
 
     /// Raw (uncompressed) bytes of every object in the pack.
@@ -512,6 +582,43 @@ mod tests {
 
     fn objects(n: u32) -> Vec<(Digest, Vec<u8>)> {
         (0..n).map(|i| page(i, i % 2 == 0)).map(|p| (Digest::of(&p), p)).collect()
+    }
+
+    /// The indexes of a push's packs as one blob: round trip, and every way a registry's copy
+    /// can be wrong is refused with what is wrong.
+    #[test]
+    fn indexes_travel_as_one_blob_and_a_bad_one_is_named() {
+        let objs = objects(120);
+        let packs = pack_new(&ChunkIndex::new(), objs.iter().map(|(d, b)| (*d, &b[..])), 128 << 10, 3).unwrap();
+        assert!(packs.len() >= 3);
+        let indexes: Vec<PackIndex> = packs.iter().map(|p| p.index.clone()).collect();
+        let blob = PackIndex::encode_many(&indexes);
+        assert_eq!(PackIndex::decode_many(&blob).unwrap(), indexes);
+        assert_eq!(PackIndex::decode_many(&PackIndex::encode_many(&[])).unwrap(), []);
+
+        let refused = |bytes: &[u8]| PackIndex::decode_many(bytes).unwrap_err().to_string();
+        assert!(refused(&indexes[0].encode()).contains("no CRABPIDS header"));
+        let mut version = blob.clone();
+        version[8] = 2;
+        assert!(refused(&version).contains("indexes format version 2"));
+        // A count past what follows, a cut-off index, bytes left over.
+        let mut more = blob.clone();
+        more[12..16].copy_from_slice(&(indexes.len() as u32 + 1).to_le_bytes());
+        assert!(refused(&more).contains(&format!("index {} of {} is cut off", indexes.len(), indexes.len() + 1)));
+        assert!(refused(&blob[..blob.len() - 1]).contains("cut off"));
+        let mut trailing = blob.clone();
+        trailing.push(0);
+        assert!(refused(&trailing).contains("1 bytes after the last"));
+        // One index that does not tile its pack, named by its place.
+        let mut broken = indexes.clone();
+        broken[1].pack_len += 1;
+        assert!(refused(&PackIndex::encode_many(&broken)).contains("index 1 of"));
+        // The same pack twice.
+        let twice = PackIndex::encode_many(&[indexes[0].clone(), indexes[0].clone()]);
+        assert!(refused(&twice).contains("indexed twice"));
+        let mut huge = PackIndex::encode_many(&[]);
+        huge[12..16].copy_from_slice(&(MAX_PACKS_PER_INDEXES as u32 + 1).to_le_bytes());
+        assert!(refused(&huge).contains("over the limit"));
     }
 
     #[test]

@@ -128,14 +128,14 @@ type Packed = (Vec<Pack>, Vec<(Digest, Vec<u8>)>, u64);
 /// Blobs a pull fetches ahead of the one it unpacks and stores.
 const PULL_AHEAD: usize = 3;
 
-/// A blob a pull fetches after the manifests: a pack index, a pack holding objects the store
-/// lacks (with the entries of those objects), or a loose object.
+/// A blob a pull fetches after the manifests: a pack's index or a push's indexes, a pack
+/// holding objects the store lacks (with the entries of those objects), or a loose object.
 enum PullJob {
-    /// The index (digest, size) the manifest pairs with `pack`.
+    /// An index blob: the one the manifest pairs with `pack`, or (`None`) an indexes blob.
     Index {
         digest: Digest,
         size: u64,
-        pack: Digest,
+        pack: Option<Digest>,
     },
     Pack(PackIndex, Vec<pack::PackEntry>),
     Blob(Digest, u64),
@@ -148,8 +148,8 @@ struct Fetched {
 }
 
 enum FetchedContent {
-    /// A pack index's bytes, with what [`PullJob::Index`] named.
-    Index { digest: Digest, pack: Digest, bytes: Bytes },
+    /// An index blob's bytes, with what [`PullJob::Index`] named.
+    Index { digest: Digest, pack: Option<Digest>, bytes: Bytes },
     /// The objects a pack or loose blob holds that the store lacked, each checked against its
     /// digest. A pack's raw objects are slices of the fetched pack, not copies.
     Objects(Vec<(Digest, Bytes)>),
@@ -173,28 +173,62 @@ async fn ahead(times: &mut PullTimes, fetch: FetchAhead, reference: &str) -> Res
     Ok(fetched)
 }
 
-/// The job a pack index fetched by a pull asks for: the pack, for the objects in it the sink
-/// lacks, or none when the sink holds them all. The index must describe the pack (digest and
-/// size) the manifest paired it with.
-fn pack_job(
+/// The pack jobs an index blob fetched by a pull asks for, and how many of the packs it
+/// describes the sink holds whole (not fetched). A pack's own index must describe the pack (digest
+/// and size) the manifest paired it with; an indexes blob may describe packs this manifest does
+/// not list (a turn reads only some of an earlier push's packs), which are passed over, and must
+/// give the manifest's size for those it does. A pack an earlier index described is not fetched
+/// again.
+fn pack_jobs(
     reference: &str,
     digest: Digest,
-    pack: Digest,
+    pack: Option<Digest>,
     bytes: &[u8],
     pack_sizes: &HashMap<Digest, u64>,
+    described: &mut HashSet<Digest>,
     sink: &(dyn ObjectSink + Send),
-) -> Result<Option<PullJob>> {
-    let index =
-        PackIndex::decode(bytes).map_err(|source| RemoteError::Pack { reference: reference.to_owned(), source })?;
-    if index.pack != pack || Some(&index.pack_len) != pack_sizes.get(&pack) {
-        return Err(RemoteError::BadManifest {
-            reference: reference.to_owned(),
-            what: format!("pack index {digest}"),
-            reason: format!("it describes pack {} of {} bytes, the manifest pack {pack}", index.pack, index.pack_len),
-        });
+) -> Result<(Vec<PullJob>, u64)> {
+    let malformed = |source| RemoteError::Pack { reference: reference.to_owned(), source };
+    let indexes = match pack {
+        Some(_) => vec![PackIndex::decode(bytes).map_err(malformed)?],
+        None => PackIndex::decode_many(bytes).map_err(malformed)?,
+    };
+    let (mut jobs, mut skipped) = (Vec::new(), 0);
+    for index in indexes {
+        let listed = pack_sizes.get(&index.pack);
+        let wrong = match pack {
+            Some(pack) => index.pack != pack || listed != Some(&index.pack_len),
+            None => listed.is_some_and(|size| *size != index.pack_len),
+        };
+        if wrong {
+            return Err(RemoteError::BadManifest {
+                reference: reference.to_owned(),
+                what: format!("pack index {digest}"),
+                reason: match (pack, listed) {
+                    (Some(pack), _) => format!(
+                        "it describes pack {} of {} bytes, the manifest pack {pack}",
+                        index.pack, index.pack_len
+                    ),
+                    (None, listed) => format!(
+                        "it describes pack {} of {} bytes, the manifest {} bytes",
+                        index.pack,
+                        index.pack_len,
+                        listed.copied().unwrap_or_default()
+                    ),
+                },
+            });
+        }
+        if listed.is_none() || !described.insert(index.pack) {
+            continue;
+        }
+        let wanted: Vec<_> = index.entries.iter().filter(|e| !sink.has(&e.digest, e.raw_len.into())).copied().collect();
+        if wanted.is_empty() {
+            skipped += 1;
+        } else {
+            jobs.push(PullJob::Pack(index, wanted));
+        }
     }
-    let wanted: Vec<_> = index.entries.iter().filter(|e| !sink.has(&e.digest, e.raw_len.into())).copied().collect();
-    Ok((!wanted.is_empty()).then_some(PullJob::Pack(index, wanted)))
+    Ok((jobs, skipped))
 }
 
 /// One checkpointed turn to push.
@@ -317,15 +351,41 @@ pub struct PullBreakdown {
 /// What this node knows the registry holds: the indexes of the packs it pushed (or pulled) and
 /// which repositories hold which blobs. Only an accelerator: the registry is the truth (a blob
 /// the record says is there is checked by the registry itself when the manifest is PUT, and a
-/// lost record costs HEAD requests, not data). Kept in a directory: `packs/<hex>` (pack index
-/// blobs, as pushed) and `blobs.json` (blob → repositories, loose objects).
+/// lost record costs HEAD requests, not data). Kept in a directory: `indexes/<hex>` (the indexes
+/// blob of one push, named by its digest), `packs/<hex>` (a pack's own index blob, as builds
+/// before the indexes blobs pushed them) and `blobs.json` (blob → repositories, loose objects).
 #[derive(Debug, Default)]
 pub struct RemoteIndex {
     dir: Option<PathBuf>,
     chunks: ChunkIndex,
-    /// Pack digest → its index blob's digest and bytes.
-    index_blobs: HashMap<Digest, (Digest, Vec<u8>)>,
+    /// Pack digest → the blob its index travels in.
+    index_blobs: HashMap<Digest, IndexBlob>,
     state: IndexState,
+}
+
+/// The registry blob a pack's index is in.
+#[derive(Debug, Clone)]
+struct IndexBlob {
+    digest: Digest,
+    bytes: Arc<Vec<u8>>,
+    /// An indexes blob, with the indexes of the other packs of its push; else the pack's own.
+    shared: bool,
+}
+
+impl IndexBlob {
+    fn new(bytes: Vec<u8>, shared: bool) -> Self {
+        IndexBlob { digest: Digest::of(&bytes), bytes: Arc::new(bytes), shared }
+    }
+
+    /// Its layer in a manifest that lists `pack`.
+    fn layer(&self, pack: Digest) -> Layer {
+        let size = self.bytes.len() as u64;
+        if self.shared {
+            Layer::PackIndexes { digest: self.digest, size }
+        } else {
+            Layer::PackIndex { digest: self.digest, size, pack }
+        }
+    }
 }
 
 #[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
@@ -348,18 +408,34 @@ impl RemoteIndex {
         fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> RemoteError + 'a {
             move |source| RemoteError::Io { path: path.to_owned(), what, source }
         }
-        let packs = dir.join("packs");
-        std::fs::create_dir_all(&packs).map_err(io("create", &packs))?;
+        let (packs, shared) = (dir.join("packs"), dir.join("indexes"));
+        for dir in [&packs, &shared] {
+            std::fs::create_dir_all(dir).map_err(io("create", dir))?;
+        }
         let mut index = RemoteIndex { dir: Some(dir.to_owned()), ..Default::default() };
         for entry in std::fs::read_dir(&packs).map_err(io("read dir", &packs))? {
             let path = entry.map_err(io("read dir", &packs))?.path();
             let Ok(bytes) = std::fs::read(&path) else { continue };
             match PackIndex::decode(&bytes) {
                 Ok(pi) if path.file_name().is_some_and(|n| n == pi.pack.to_hex().as_str()) => {
-                    index.index_blobs.insert(pi.pack, (Digest::of(&bytes), bytes));
+                    index.index_blobs.insert(pi.pack, IndexBlob::new(bytes, false));
                     index.chunks.insert(pi);
                 }
                 _ => warn!(path = %path.display(), "skipping an unreadable pack index"),
+            }
+        }
+        for entry in std::fs::read_dir(&shared).map_err(io("read dir", &shared))? {
+            let path = entry.map_err(io("read dir", &shared))?.path();
+            let Ok(bytes) = std::fs::read(&path) else { continue };
+            let blob = IndexBlob::new(bytes, true);
+            match PackIndex::decode_many(&blob.bytes) {
+                Ok(indexes) if path.file_name().is_some_and(|n| n == blob.digest.to_hex().as_str()) => {
+                    for pi in indexes {
+                        index.index_blobs.insert(pi.pack, blob.clone());
+                        index.chunks.insert(pi);
+                    }
+                }
+                _ => warn!(path = %path.display(), "skipping an unreadable indexes blob"),
             }
         }
         let state = dir.join("blobs.json");
@@ -371,26 +447,49 @@ impl RemoteIndex {
         Ok(index)
     }
 
-    fn add_pack(&mut self, index: PackIndex, index_bytes: Vec<u8>) -> Result<()> {
+    /// Records the packs one push made, whose indexes travel in `blob` (their indexes blob).
+    fn add_packs(&mut self, indexes: Vec<PackIndex>, blob: Vec<u8>) -> Result<()> {
+        let blob = IndexBlob::new(blob, true);
         if let Some(dir) = &self.dir {
-            let path = dir.join("packs").join(index.pack.to_hex());
+            let path = dir.join("indexes").join(blob.digest.to_hex());
             if !path.exists() {
-                write_atomic(&path, &index_bytes)?;
+                write_atomic(&path, &blob.bytes)?;
             }
         }
-        self.index_blobs.insert(index.pack, (Digest::of(&index_bytes), index_bytes));
-        self.chunks.insert(index);
+        for pi in indexes {
+            self.index_blobs.insert(pi.pack, blob.clone());
+            self.chunks.insert(pi);
+        }
         Ok(())
     }
 
+    /// Forgets a pack the registry lost. A pack whose index shares a blob with others takes
+    /// them with it: the record keeps whole indexes blobs only, and forgetting costs HEAD
+    /// requests and packing again, never data.
     fn forget_pack(&mut self, pack: &Digest) {
-        self.chunks.remove_pack(pack);
-        if let Some((index_digest, _)) = self.index_blobs.remove(pack) {
-            self.state.repos.remove(&index_digest);
+        let Some(blob) = self.index_blobs.get(pack).cloned() else {
+            self.chunks.remove_pack(pack);
+            self.state.repos.remove(pack);
+            return;
+        };
+        let packs: Vec<Digest> = if blob.shared {
+            self.index_blobs.iter().filter(|(_, b)| b.digest == blob.digest).map(|(p, _)| *p).collect()
+        } else {
+            vec![*pack]
+        };
+        for pack in &packs {
+            self.chunks.remove_pack(pack);
+            self.index_blobs.remove(pack);
+            self.state.repos.remove(pack);
         }
-        self.state.repos.remove(pack);
+        self.state.repos.remove(&blob.digest);
         if let Some(dir) = &self.dir {
-            let _ = std::fs::remove_file(dir.join("packs").join(pack.to_hex()));
+            let path = if blob.shared {
+                dir.join("indexes").join(blob.digest.to_hex())
+            } else {
+                dir.join("packs").join(pack.to_hex())
+            };
+            let _ = std::fs::remove_file(path);
         }
     }
 
@@ -452,7 +551,8 @@ struct PlannedBlob {
 struct Plan {
     blobs: Vec<PlannedBlob>,
     manifest: Vec<u8>,
-    new_packs: Vec<(PackIndex, Vec<u8>)>,
+    /// Each indexes blob of the push, with the indexes in it.
+    new_packs: Vec<(Vec<PackIndex>, Vec<u8>)>,
     new_loose: Vec<(Digest, u64)>,
     new_objects: u64,
     new_object_bytes: u64,
@@ -583,7 +683,7 @@ impl Remote {
             let plan = self.plan(index, push, &reference, source.clone()).await?;
             report.new_objects = plan.new_objects;
             report.new_object_bytes = plan.new_object_bytes;
-            report.packs_created = plan.new_packs.len() as u64;
+            report.packs_created = plan.new_packs.iter().map(|(indexes, _)| indexes.len() as u64).sum();
             let mut lost = Vec::new();
             for blob in &plan.blobs {
                 if index.repo_has(&blob.digest, &repo) {
@@ -646,8 +746,8 @@ impl Remote {
             // New packs are recorded only now that they are in the registry: a pusher killed
             // during the uploads packs the same objects into the same packs again next time,
             // and HEAD finds those it had sent.
-            for (pi, bytes) in plan.new_packs {
-                index.add_pack(pi, bytes)?;
+            for (indexes, blob) in plan.new_packs {
+                index.add_packs(indexes, blob)?;
             }
             for (digest, size) in &plan.new_loose {
                 index.state.loose.insert(*digest, *size);
@@ -749,35 +849,51 @@ impl Remote {
         let mut blobs = Vec::new();
         let mut layers = Vec::new();
         let mut new_packs = Vec::new();
-        let push_pack = |blobs: &mut Vec<PlannedBlob>,
-                         layers: &mut Vec<Layer>,
-                         pack: Digest,
-                         size: u64,
-                         bytes: Option<Vec<u8>>,
-                         idx: (Digest, Vec<u8>)| {
-            layers.push(Layer::Pack { digest: pack, size });
-            layers.push(Layer::PackIndex { digest: idx.0, size: idx.1.len() as u64, pack });
-            blobs.push(PlannedBlob {
-                digest: pack,
-                bytes: bytes.map(bytes::Bytes::from),
-                what: format!("pack {pack}"),
-            });
-            blobs.push(PlannedBlob {
-                digest: idx.0,
-                bytes: Some(bytes::Bytes::from(idx.1)),
-                what: format!("index of pack {pack}"),
-            });
-        };
+        // Packs pushed before: each with the blob its index travels in, listed once however
+        // many of its packs the turn reads.
+        let mut index_blobs_listed = HashSet::new();
         for pack in &wanted_packs {
             let size = index.chunks.pack(pack).map_or(0, |p| p.pack_len);
-            let idx = index.index_blobs.get(pack).cloned().expect("every indexed pack has its index blob");
-            push_pack(&mut blobs, &mut layers, *pack, size, None, idx);
+            let blob = index.index_blobs.get(pack).cloned().expect("every indexed pack has its index blob");
+            layers.push(Layer::Pack { digest: *pack, size });
+            blobs.push(PlannedBlob { digest: *pack, bytes: None, what: format!("pack {pack}") });
+            if index_blobs_listed.insert(blob.digest) {
+                layers.push(blob.layer(*pack));
+                blobs.push(PlannedBlob {
+                    digest: blob.digest,
+                    bytes: Some(bytes::Bytes::from(blob.bytes.to_vec())),
+                    what: if blob.shared {
+                        format!("indexes {}", blob.digest)
+                    } else {
+                        format!("index of pack {pack}")
+                    },
+                });
+            }
         }
-        for pack in packs {
-            let index_bytes = pack.index.encode();
-            let idx = (Digest::of(&index_bytes), index_bytes.clone());
-            push_pack(&mut blobs, &mut layers, pack.digest(), pack.bytes.len() as u64, Some(pack.bytes), idx);
-            new_packs.push((pack.index, index_bytes));
+        // This push's packs, their indexes in one blob (a few for a push of more than
+        // MAX_PACKS_PER_INDEXES packs): a pull pays one request for them.
+        let mut packs = packs.into_iter().peekable();
+        while packs.peek().is_some() {
+            let group: Vec<Pack> = packs.by_ref().take(pack::MAX_PACKS_PER_INDEXES).collect();
+            let indexes: Vec<PackIndex> = group.iter().map(|p| p.index.clone()).collect();
+            let indexes_blob = PackIndex::encode_many(&indexes);
+            let digest = Digest::of(&indexes_blob);
+            for pack in group {
+                let (pack_digest, size) = (pack.digest(), pack.bytes.len() as u64);
+                layers.push(Layer::Pack { digest: pack_digest, size });
+                blobs.push(PlannedBlob {
+                    digest: pack_digest,
+                    bytes: Some(bytes::Bytes::from(pack.bytes)),
+                    what: format!("pack {pack_digest}"),
+                });
+            }
+            layers.push(Layer::PackIndexes { digest, size: indexes_blob.len() as u64 });
+            blobs.push(PlannedBlob {
+                digest,
+                bytes: Some(bytes::Bytes::from(indexes_blob.clone())),
+                what: format!("indexes of {} packs", indexes.len()),
+            });
+            new_packs.push((indexes, indexes_blob));
         }
         let mut new_loose = Vec::new();
         for (digest, size) in wanted_loose {
@@ -910,7 +1026,10 @@ impl Remote {
             };
             match job {
                 PullJob::Index { digest, size, pack } => {
-                    let bytes = fetch(digest, size, artifact::PACK_INDEX_MEDIA_TYPE, "pack index").await?;
+                    let bytes = match pack {
+                        Some(_) => fetch(digest, size, artifact::PACK_INDEX_MEDIA_TYPE, "pack index").await?,
+                        None => fetch(digest, size, artifact::PACK_INDEXES_MEDIA_TYPE, "pack indexes").await?,
+                    };
                     Ok(Fetched {
                         blob_bytes: bytes.len() as u64,
                         content: FetchedContent::Index { digest, pack, bytes },
@@ -1014,15 +1133,19 @@ impl Remote {
             })
             .collect();
         // One pipeline of blobs, each fetched in a task of its own up to PULL_AHEAD ahead of the
-        // one being stored, and taken in order: the pack indexes, each pack that holds objects
+        // one being stored, and taken in order: the index blobs, each pack that holds objects
         // the store lacks started as soon as its index is read (ahead of the indexes still to
         // fetch), then the loose blobs. The registry's reads and transfers overlap this task's
         // writes, and the indexes' round trips (a registry spends about as long on a 50 KB
         // index as on a 4 MiB pack) overlap the packs' transfers instead of preceding them.
         let mut index_layers = checkpoint.layers.iter().filter_map(|l| match l {
-            Layer::PackIndex { digest, size, pack } => Some((*digest, *size, *pack)),
+            Layer::PackIndex { digest, size, pack } => Some((*digest, *size, Some(*pack))),
+            Layer::PackIndexes { digest, size } => Some((*digest, *size, None)),
             _ => None,
         });
+        // Packs an index read so far described: each is fetched once, and every pack of the
+        // manifest must be one of them.
+        let mut described = HashSet::new();
         let mut loose = checkpoint.layers.iter().filter_map(|l| match l {
             Layer::Blob { digest, size } => Some((*digest, *size)),
             _ => None,
@@ -1051,10 +1174,10 @@ impl Remote {
             let objects = match fetched.content {
                 FetchedContent::Objects(objects) => objects,
                 FetchedContent::Index { digest, pack, bytes } => {
-                    match pack_job(&reference, digest, pack, &bytes, &pack_sizes, sink)? {
-                        Some(job) => packs.push_back(job),
-                        None => report.packs_skipped += 1,
-                    }
+                    let (jobs, skipped) =
+                        pack_jobs(&reference, digest, pack, &bytes, &pack_sizes, &mut described, sink)?;
+                    packs.extend(jobs);
+                    report.packs_skipped += skipped;
                     continue;
                 }
             };
@@ -1066,6 +1189,13 @@ impl Remote {
                 self.put(sink, &reference, digest, &object, &mut times)?;
                 report.objects_received += 1;
             }
+        }
+        if let Some(pack) = pack_sizes.keys().find(|pack| !described.contains(*pack)) {
+            return Err(RemoteError::BadManifest {
+                reference,
+                what: format!("pack {pack}"),
+                reason: "no index the manifest lists describes it".into(),
+            });
         }
         report.times = times;
         Ok(report)
@@ -1139,41 +1269,141 @@ mod tests {
         }
     }
 
+    /// Two packs of three 4 KiB objects each, the objects of the first first.
+    fn two_packs() -> (Vec<Vec<u8>>, Vec<Pack>) {
+        let objects: Vec<Vec<u8>> = (0u8..6).map(|i| vec![i; 4096]).collect();
+        let mut packs = Vec::new();
+        for three in objects.chunks(3) {
+            let mut packer = pack::Packer::new(1 << 20, pack::DEFAULT_ZSTD_LEVEL).unwrap();
+            for data in three {
+                packer.add(Digest::of(data), data).unwrap();
+            }
+            packs.extend(packer.finish());
+        }
+        (objects, packs)
+    }
+
+    fn wanted(jobs: &[PullJob]) -> Vec<(Digest, Vec<Digest>)> {
+        jobs.iter()
+            .map(|job| match job {
+                PullJob::Pack(index, entries) => (index.pack, entries.iter().map(|e| e.digest).collect()),
+                _ => panic!("not a pack job"),
+            })
+            .collect()
+    }
+
     #[test]
     fn a_pack_is_fetched_for_the_objects_the_store_lacks_and_only_as_its_manifest_says() {
-        let objects: Vec<Vec<u8>> = (0u8..3).map(|i| vec![i; 4096]).collect();
-        let mut packer = pack::Packer::new(1 << 20, pack::DEFAULT_ZSTD_LEVEL).unwrap();
-        for data in &objects {
-            packer.add(Digest::of(data), data).unwrap();
-        }
-        let [pack]: [Pack; 1] = packer.finish().try_into().ok().unwrap();
+        let (objects, packs) = two_packs();
+        let (pack, digest_of) = (&packs[0], |i: usize| Digest::of(&objects[i]));
         let (index, pack_digest) = (pack.index.encode(), pack.digest());
         let index_digest = Digest::of(&index);
         let sizes = HashMap::from([(pack_digest, pack.bytes.len() as u64)]);
         let reference = "registry.test/crab/ns/sb:turn-1";
-
-        let mut store = Holding(HashSet::from([Digest::of(&objects[1])]));
-        let Some(PullJob::Pack(read, wanted)) =
-            pack_job(reference, index_digest, pack_digest, &index, &sizes, &store).unwrap()
-        else {
-            panic!("no pack job for a pack with objects the store lacks");
+        let jobs = |store: &Holding, sizes: &HashMap<Digest, u64>, pack: Digest| {
+            pack_jobs(reference, index_digest, Some(pack), &index, sizes, &mut HashSet::new(), store)
         };
-        assert_eq!(read.pack, pack_digest);
-        let wanted: Vec<_> = wanted.iter().map(|e| e.digest).collect();
-        assert_eq!(wanted, [Digest::of(&objects[0]), Digest::of(&objects[2])]);
+
+        let mut store = Holding(HashSet::from([digest_of(1)]));
+        let (found, skipped) = jobs(&store, &sizes, pack_digest).unwrap();
+        assert_eq!((wanted(&found), skipped), (vec![(pack_digest, vec![digest_of(0), digest_of(2)])], 0));
 
         store.0.extend(objects.iter().map(|data| Digest::of(data)));
-        assert!(pack_job(reference, index_digest, pack_digest, &index, &sizes, &store).unwrap().is_none());
+        let (found, skipped) = jobs(&store, &sizes, pack_digest).unwrap();
+        assert_eq!((found.len(), skipped), (0, 1));
 
         // An index the manifest pairs with another pack, or with another size of this one.
         let other = Digest::of(b"another pack");
         let other_sizes = HashMap::from([(other, pack.bytes.len() as u64)]);
-        let error = pack_job(reference, index_digest, other, &index, &other_sizes, &store).err().unwrap();
+        let error = jobs(&store, &other_sizes, other).err().unwrap();
         assert!(matches!(error, RemoteError::BadManifest { .. }), "{error}");
         assert!(error.to_string().contains(&format!("the manifest pack {other}")), "{error}");
         let short = HashMap::from([(pack_digest, pack.bytes.len() as u64 - 1)]);
-        let error = pack_job(reference, index_digest, pack_digest, &index, &short, &store).err().unwrap();
+        let error = jobs(&store, &short, pack_digest).err().unwrap();
         assert!(error.to_string().contains(&format!("pack index {index_digest}")), "{error}");
+    }
+
+    /// A push's indexes blob: only the packs the manifest lists are fetched (a turn may read
+    /// some of an earlier push's packs), at the manifest's size, and each pack once.
+    #[test]
+    fn an_indexes_blob_asks_for_the_packs_the_manifest_lists() {
+        let (objects, packs) = two_packs();
+        assert_eq!(packs.len(), 2);
+        let indexes: Vec<PackIndex> = packs.iter().map(|p| p.index.clone()).collect();
+        let blob = PackIndex::encode_many(&indexes);
+        let blob_digest = Digest::of(&blob);
+        let reference = "registry.test/crab/ns/sb:turn-2";
+        let store = Holding(HashSet::from([Digest::of(&objects[0])]));
+        let (first, second) = (packs[0].digest(), packs[1].digest());
+        let jobs = |sizes: &HashMap<Digest, u64>, described: &mut HashSet<Digest>| {
+            pack_jobs(reference, blob_digest, None, &blob, sizes, described, &store)
+        };
+
+        // The manifest lists the second pack only.
+        let sizes = HashMap::from([(second, packs[1].bytes.len() as u64)]);
+        let mut described = HashSet::new();
+        let (found, skipped) = jobs(&sizes, &mut described).unwrap();
+        let second_objects: Vec<Digest> = objects[3..].iter().map(|o| Digest::of(o)).collect();
+        assert_eq!((wanted(&found), skipped), (vec![(second, second_objects)], 0));
+        assert_eq!(described, HashSet::from([second]));
+        // Described already (by an earlier index of the manifest): not asked for again.
+        let (found, skipped) = jobs(&sizes, &mut described).unwrap();
+        assert_eq!((found.len(), skipped), (0, 0));
+
+        // Both packs listed, the first at a size its index does not give.
+        let sizes = HashMap::from([(first, packs[0].bytes.len() as u64 + 1), (second, packs[1].bytes.len() as u64)]);
+        let error = jobs(&sizes, &mut HashSet::new()).err().unwrap();
+        assert!(error.to_string().contains(&format!("it describes pack {first} of")), "{error}");
+        // Not an indexes blob at all.
+        let error = pack_jobs(reference, blob_digest, None, &indexes[0].encode(), &sizes, &mut HashSet::new(), &store)
+            .err()
+            .unwrap();
+        assert!(matches!(error, RemoteError::Pack { .. }), "{error}");
+    }
+
+    /// The record of what the registry holds reads both forms of index blob a node may have
+    /// kept, and forgets a lost pack with the others whose indexes share its blob.
+    #[test]
+    fn the_remote_index_keeps_both_forms_and_forgets_an_indexes_blob_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let (objects, packs) = two_packs();
+        let mut third = pack::Packer::new(1 << 20, pack::DEFAULT_ZSTD_LEVEL).unwrap();
+        let data = vec![9u8; 4096];
+        third.add(Digest::of(&data), &data).unwrap();
+        let [own]: [Pack; 1] = third.finish().try_into().ok().unwrap();
+        // A pack index as builds before the indexes blobs kept it, and one indexes blob.
+        std::fs::create_dir_all(dir.path().join("packs")).unwrap();
+        std::fs::write(dir.path().join("packs").join(own.digest().to_hex()), own.index.encode()).unwrap();
+        let mut index = RemoteIndex::open(dir.path()).unwrap();
+        index
+            .add_packs(
+                packs.iter().map(|p| p.index.clone()).collect(),
+                PackIndex::encode_many(&packs.iter().map(|p| p.index.clone()).collect::<Vec<_>>()),
+            )
+            .unwrap();
+
+        let index = RemoteIndex::open(dir.path()).unwrap();
+        for data in objects.iter().chain([&data]) {
+            assert!(index.chunks.contains(&Digest::of(data)));
+        }
+        let blob = index.index_blobs[&packs[0].digest()].clone();
+        assert!(blob.shared && blob.digest == index.index_blobs[&packs[1].digest()].digest);
+        assert_eq!(
+            blob.layer(packs[0].digest()),
+            Layer::PackIndexes { digest: blob.digest, size: blob.bytes.len() as u64 }
+        );
+        let own_blob = &index.index_blobs[&own.digest()];
+        assert!(!own_blob.shared);
+        assert!(matches!(own_blob.layer(own.digest()), Layer::PackIndex { pack, .. } if pack == own.digest()));
+
+        let mut index = index;
+        let shared = blob.digest;
+        index.forget_pack(&packs[1].digest());
+        assert!(index.chunks.get(&Digest::of(&objects[0])).is_none(), "the other pack of the blob goes too");
+        assert!(index.chunks.contains(&Digest::of(&data)));
+        assert!(!dir.path().join("indexes").join(shared.to_hex()).exists());
+        let index = RemoteIndex::open(dir.path()).unwrap();
+        assert!(!index.chunks.contains(&Digest::of(&objects[4])) && index.chunks.contains(&Digest::of(&data)));
     }
 
     #[test]
