@@ -295,8 +295,8 @@ struct Recovered {
 
 struct RunOutcome {
     turns: Vec<TurnOutcome>,
-    /// The sandbox before its first turn, where the run was asked to look (the first
-    /// reference run: what each turn changed).
+    /// The sandbox before its first turn, where the run was asked to look (the reference
+    /// runs, all alike; the first one's tells what each turn changed).
     initial: Option<Fingerprint>,
     /// The sandbox after each turn, one per entry of `turns`.
     fingerprints: Vec<Fingerprint>,
