@@ -277,6 +277,19 @@ impl Checkpoint {
         let mut layers = Vec::with_capacity(manifest.layers.len());
         for d in &manifest.layers {
             let (digest, size) = (digest(d)?, size(d)?);
+            // A pull buffers a pack or an index whole before its digest is checked: no reader
+            // accepts one larger than these, so none is fetched.
+            let limit = match d.media_type.as_str() {
+                PACK_MEDIA_TYPE => Some(crate::pack::MAX_PACK_BYTES),
+                PACK_INDEX_MEDIA_TYPE | PACK_INDEXES_MEDIA_TYPE => Some(crate::pack::MAX_INDEXES_BYTES),
+                _ => None,
+            };
+            if let Some(limit) = limit.filter(|limit| size > *limit) {
+                return Err(bad(format!(
+                    "layer {digest} ({}) has {size} bytes, over the limit of {limit}",
+                    d.media_type
+                )));
+            }
             layers.push(match d.media_type.as_str() {
                 PACK_MEDIA_TYPE => Layer::Pack { digest, size },
                 PACK_INDEX_MEDIA_TYPE => {
@@ -389,6 +402,30 @@ mod tests {
         // A pack whose index is in an indexes blob has no layer of its own.
         c.layers.remove(1);
         assert_eq!(Checkpoint::decode(&c.encode(), "r").unwrap(), c);
+    }
+
+    #[test]
+    fn a_pack_or_index_larger_than_any_reader_accepts_is_refused_before_its_fetch() {
+        for (layer, limit) in [
+            (Layer::Pack { digest: Digest::of(b"p"), size: 0 }, crate::pack::MAX_PACK_BYTES),
+            (Layer::PackIndexes { digest: Digest::of(b"i"), size: 0 }, crate::pack::MAX_INDEXES_BYTES),
+        ] {
+            let mut c = sample();
+            // An indexes blob, which may describe the pack.
+            c.layers.push(Layer::PackIndexes { digest: Digest::of(b"small"), size: 100 });
+            c.layers.push(layer.clone());
+            let last = c.layers.len() - 1;
+            let oversize = |size| match &layer {
+                Layer::Pack { digest, .. } => Layer::Pack { digest: *digest, size },
+                Layer::PackIndexes { digest, .. } => Layer::PackIndexes { digest: *digest, size },
+                _ => unreachable!(),
+            };
+            c.layers[last] = oversize(limit);
+            assert!(Checkpoint::decode(&c.encode(), "r").is_ok());
+            c.layers[last] = oversize(limit + 1);
+            let err = Checkpoint::decode(&c.encode(), "r").unwrap_err();
+            assert!(err.to_string().contains(&format!("over the limit of {limit}")), "{err}");
+        }
     }
 
     #[test]

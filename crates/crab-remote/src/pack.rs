@@ -36,6 +36,7 @@ pub const FORMAT_VERSION: u8 = 1;
 pub const PACK_HEADER_LEN: usize = 16;
 const INDEX_HEADER_LEN: usize = 16 + 32 + 8;
 const ENTRY_LEN: usize = 45;
+const INDEXES_HEADER_LEN: usize = 16;
 
 /// Packs are closed once their stored bytes reach this: a few MiB, large enough that a 64 MiB
 /// process is a handful of registry blobs, small enough that a reader who lacks one chunk of a
@@ -191,6 +192,34 @@ impl PackIndex {
             return Err(bad(format!("entries end at {next}, the pack at {pack_len}")));
         }
         Ok(PackIndex { pack, pack_len, entries })
+    }
+
+    /// The bytes [`encode`](Self::encode) writes.
+    pub fn encoded_len(&self) -> usize {
+        INDEX_HEADER_LEN + self.entries.len() * ENTRY_LEN
+    }
+
+    /// How a push's packs are grouped into indexes blobs, given each pack's index length: in
+    /// order, at most [`MAX_PACKS_PER_INDEXES`] a blob and no blob over [`MAX_INDEXES_BYTES`]
+    /// (a reader refuses a larger one; one index alone is always smaller). Returns the number
+    /// of packs in each group.
+    pub fn groups_for_indexes(index_lens: impl IntoIterator<Item = usize>) -> Vec<usize> {
+        let mut groups: Vec<usize> = Vec::new();
+        let mut bytes = 0u64;
+        for len in index_lens {
+            let len = len as u64;
+            match groups.last_mut() {
+                Some(n) if *n < MAX_PACKS_PER_INDEXES && bytes + len <= MAX_INDEXES_BYTES => {
+                    *n += 1;
+                    bytes += len;
+                }
+                _ => {
+                    groups.push(1);
+                    bytes = INDEXES_HEADER_LEN as u64 + len;
+                }
+            }
+        }
+        groups
     }
 
     /// The indexes of several packs as one blob (see the module's formats).
@@ -619,6 +648,23 @@ mod tests {
         let mut huge = PackIndex::encode_many(&[]);
         huge[12..16].copy_from_slice(&(MAX_PACKS_PER_INDEXES as u32 + 1).to_le_bytes());
         assert!(refused(&huge).contains("over the limit"));
+    }
+
+    /// A push of many packs whose indexes are large (compressible objects: many entries per
+    /// pack) is split so that no indexes blob is one a reader refuses.
+    #[test]
+    fn indexes_blobs_stay_under_what_a_reader_accepts() {
+        let max = MAX_INDEXES_BYTES as usize;
+        assert_eq!(PackIndex::groups_for_indexes([]), Vec::<usize>::new());
+        assert_eq!(PackIndex::groups_for_indexes([100; 600]), [256, 256, 88]);
+        // 1 MiB indexes: 63 fit with the header, not 64.
+        assert_eq!(PackIndex::groups_for_indexes([1 << 20; 130]), [63, 63, 4]);
+        assert_eq!(PackIndex::groups_for_indexes([max - 16, 1, max - 16]), [1, 1, 1]);
+        for group in PackIndex::groups_for_indexes([300_000; 1000]) {
+            assert!(16 + group * 300_000 <= max, "{group}");
+        }
+        let index = PackIndex { pack: Digest::of(b"p"), pack_len: 16, entries: Vec::new() };
+        assert_eq!(index.encoded_len(), index.encode().len());
     }
 
     #[test]

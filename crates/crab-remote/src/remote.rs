@@ -870,11 +870,12 @@ impl Remote {
                 });
             }
         }
-        // This push's packs, their indexes in one blob (a few for a push of more than
-        // MAX_PACKS_PER_INDEXES packs): a pull pays one request for them.
-        let mut packs = packs.into_iter().peekable();
-        while packs.peek().is_some() {
-            let group: Vec<Pack> = packs.by_ref().take(pack::MAX_PACKS_PER_INDEXES).collect();
+        // This push's packs, their indexes in one blob (a few for a push of more packs, or larger
+        // indexes, than one blob a reader accepts holds): a pull pays one request for them.
+        let groups = PackIndex::groups_for_indexes(packs.iter().map(|p| p.index.encoded_len()));
+        let mut packs = packs.into_iter();
+        for n in groups {
+            let group: Vec<Pack> = packs.by_ref().take(n).collect();
             let indexes: Vec<PackIndex> = group.iter().map(|p| p.index.clone()).collect();
             let indexes_blob = PackIndex::encode_many(&indexes);
             let digest = Digest::of(&indexes_blob);
