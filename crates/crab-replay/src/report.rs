@@ -9,6 +9,7 @@ use super::fault::FaultKind;
 use super::fingerprint::Fingerprint;
 use super::oracle::Verdict;
 use super::policy::{OffNode, PolicyKind, RecoveryMethod, StoreCheck};
+use crab_store::RelPath;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct TraceReport {
@@ -65,19 +66,19 @@ impl StateChanges {
     /// From the states before the first turn (`initial`) and after each turn (`after[i]`:
     /// turn i + 1). Without the state before the first turn, the first turn is not looked at.
     pub fn of(initial: Option<&Fingerprint>, after: &[Fingerprint], workdir: &str) -> StateChanges {
-        let old_scope = [workdir, "/tmp", "/root"];
+        let old_scope: Vec<RelPath> =
+            [workdir, "/tmp", "/root"].iter().filter_map(|dir| RelPath::parse(dir.as_bytes()).ok()).collect();
+        // As the fingerprint's own scope reads a path: the directory itself or anything below it.
         let inside_old_scope = |path: &str| {
-            old_scope.iter().any(|dir| {
-                let dir = dir.trim_end_matches('/');
-                path == dir || path.strip_prefix(dir).is_some_and(|rest| rest.starts_with('/'))
-            })
+            RelPath::parse(path.as_bytes())
+                .is_ok_and(|rel| old_scope.iter().any(|dir| *dir == rel || dir.is_ancestor_of(&rel)))
         };
-        let mut changes = StateChanges::default();
-        let before = initial.into_iter().chain(after.iter());
+        let states: Vec<&Fingerprint> = initial.into_iter().chain(after).collect();
         let first_turn = if initial.is_some() { 1 } else { 2 };
-        for (turn, (before, after)) in (first_turn..).zip(before.zip(after.iter().skip(first_turn as usize - 1))) {
+        let mut changes = StateChanges::default();
+        for (turn, pair) in (first_turn..).zip(states.windows(2)) {
             changes.turns_seen += 1;
-            let differences = after.diff(before);
+            let differences = pair[1].diff(pair[0]);
             if differences.is_empty() {
                 continue;
             }
