@@ -367,14 +367,15 @@ pub struct RemoteIndex {
 #[derive(Debug, Clone)]
 struct IndexBlob {
     digest: Digest,
-    bytes: Arc<Vec<u8>>,
+    /// Shared by every pack it describes and handed to a push without a copy.
+    bytes: Bytes,
     /// An indexes blob, with the indexes of the other packs of its push; else the pack's own.
     shared: bool,
 }
 
 impl IndexBlob {
     fn new(bytes: Vec<u8>, shared: bool) -> Self {
-        IndexBlob { digest: Digest::of(&bytes), bytes: Arc::new(bytes), shared }
+        IndexBlob { digest: Digest::of(&bytes), bytes: Bytes::from(bytes), shared }
     }
 
     /// Its layer in a manifest that lists `pack`.
@@ -861,7 +862,7 @@ impl Remote {
                 layers.push(blob.layer(*pack));
                 blobs.push(PlannedBlob {
                     digest: blob.digest,
-                    bytes: Some(bytes::Bytes::from(blob.bytes.to_vec())),
+                    bytes: Some(blob.bytes.clone()),
                     what: if blob.shared {
                         format!("indexes {}", blob.digest)
                     } else {
