@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use crab_integration::cri::{Pod, PodShape, ensure_image, with_pod};
 use crab_integration::{HarnessError, Outcome, ensure, ensure_eq, wait_until};
-use crab_replay::fingerprint::{Fingerprint, HashCache, Scope};
+use crab_replay::fingerprint::{Fingerprint, ReadCache, Scope};
 use crab_store::turns::{RecordedClass, TurnLog, TurnRecord, TurnSource};
 use futures::FutureExt;
 use futures::future::LocalBoxFuture;
@@ -73,7 +73,7 @@ async fn fingerprint(pod: &Pod, id: &str) -> Outcome<Fingerprint> {
         Ok((cmdline != b"runc\0init\0").then_some(()))
     })
     .await?;
-    tokio::task::spawn_blocking(move || Fingerprint::capture(init, &scope, &mut HashCache::default()))
+    tokio::task::spawn_blocking(move || Fingerprint::capture(init, &scope, &mut ReadCache::default()))
         .await
         .map_err(|e| expectation(format!("fingerprint thread: {e}")))?
         .map_err(|e| expectation(format!("fingerprint of {id}: {e}")))

@@ -37,6 +37,13 @@ STATE_DESTROYING = ["kill-processes", "kill-shim", "containerd-state-loss", "nod
 # apart, as checks that the sandbox stays available and checkpointed through them.
 AVAILABILITY = ["restart-containerd", "kill-crabd"]
 CLASS_ORDER = ["clean", "fs", "proc"]
+# Faults with nothing to strike in some policies' sandboxes: crab-replay makes no run of those
+# policies under them (PolicyKind::untouched_by), and the runs a report made before that rule are
+# left out here, so that every batch of a matrix counts alike.
+UNTOUCHED = {
+    "kill-crabd": (["off", "chat-only", "every-turn"],
+                   "their shims save nothing and never start or use crabd: each run would be a fault-free run"),
+}
 
 # The paper's headline figures, shown beside ours.
 PAPER = {
@@ -59,7 +66,8 @@ FAULT_MODEL = [
     "command; shims and tasks keep running, so every policy finds the task RUNNING and recovers nothing; the "
     "oracle still compares the state and every later turn, which run through the restarted containerd.",
     "- kill-crabd: SIGKILL to crabd (the process on `node.socket`); sandboxes keep running. For crab the "
-    "run is only correct if every later turn's checkpoint was taken and `crabctl verify` passes on its chain.",
+    "run is only correct if every later turn's checkpoint was taken and `crabctl verify` passes on its chain. "
+    "The baselines are not run under it (n/a): their shims never start or use crabd.",
     "- containerd-state-loss: SIGKILL to the sandbox's processes and shim, then containerd forgets the "
     "container and its snapshot, and every-turn's checkpoint image in containerd's content store goes with it. "
     "every-turn keeps each checkpoint off the node too: after `ctr containers checkpoint` it copies the "
@@ -137,6 +145,24 @@ def load_reports(raw_dir, meta=None):
             else:
                 replaced.append({"batch": batch, "trace": report["trace"], "fault": report.get("fault", "none"), "by": by})
     return reports, replaced
+
+
+def leave_out_untouched(reports):
+    """Drops from `reports` the runs of policies their fault has nothing to strike in (see
+    UNTOUCHED) and returns what is not run: {fault: {policy: why}}, with the reports' own
+    `not_run` entries."""
+    not_run = {}
+    for report in reports:
+        fault = report.get("fault", "none")
+        untouched, why = UNTOUCHED.get(fault, ([], None))
+        for entry in report.get("not_run") or []:
+            not_run.setdefault(fault, {})[entry["policy"]] = why or entry["why"]
+        for run in report["runs"]:
+            if run["policy"] in untouched:
+                not_run.setdefault(fault, {})[run["policy"]] = why
+        report["runs"] = [run for run in report["runs"] if run["policy"] not in untouched]
+    return {fault: dict(sorted(policies.items(), key=lambda item: rank(POLICY_ORDER, item[0])))
+            for fault, policies in not_run.items()}
 
 
 def load_jsonl(path):
@@ -489,24 +515,37 @@ def fmt(value, pattern, missing="-"):
     return missing if value is None else pattern.format(value)
 
 
-def correctness_table(correctness, kinds=None, total="all faults"):
-    """Per policy and fault kind, the faults among `kinds` (every kind when None), with their total."""
+def correctness_table(correctness, kinds=None, total="all faults", not_run=None):
+    """Per policy and fault kind, the faults among `kinds` (every kind when None), with their
+    total; `n/a` where `not_run` ({fault: {policy: why}}) says the policy was not run, followed
+    by why."""
+    not_run = not_run or {}
     faults = sorted({fault for cells in correctness.values() for fault in cells if kinds is None or fault in kinds},
                     key=lambda fault: rank(FAULT_ORDER, fault))
     if not faults:
         return ["No faulted runs.", ""]
     correctness = {name: {fault: cell for fault, cell in cells.items() if fault in faults}
                    for name, cells in correctness.items()}
+    for fault in faults:
+        for name in not_run.get(fault, {}):
+            correctness.setdefault(name, {})
+    correctness = dict(sorted(correctness.items(), key=lambda item: rank(POLICY_ORDER, item[0])))
     lines = ["| policy | " + " | ".join(faults) + f" | {total} |",
              "|---|" + "---|" * (len(faults) + 1)]
     for name, cells in correctness.items():
         row = [f"{fmt(cells[f]['pct'], '{:.0f}%')} ({cells[f]['correct']}/{cells[f]['faulted']})"
-               if f in cells else "-" for f in faults]
+               if f in cells else "n/a" if name in not_run.get(f, {}) else "-" for f in faults]
         correct = sum(cell["correct"] for cell in cells.values())
         faulted = sum(cell["faulted"] for cell in cells.values())
-        row.append(f"**{fmt(pct(correct, faulted), '{:.0f}%')}** ({correct}/{faulted})")
+        row.append(f"**{fmt(pct(correct, faulted), '{:.0f}%')}** ({correct}/{faulted})" if faulted else "n/a")
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     lines.append("")
+    for fault in faults:
+        reasons = {}
+        for name, why in not_run.get(fault, {}).items():
+            reasons.setdefault(why, []).append(name)
+        for why, names in reasons.items():
+            lines += [f"n/a: {fault} is not run for {', '.join(names)}: {why}.", ""]
     failures = [(name, fault, cell["failed"]) for name, cells in correctness.items()
                 for fault, cell in cells.items() if cell["failed"]]
     if failures:
@@ -585,7 +624,7 @@ def render_markdown(summary, meta):
     lines += ["Availability checks (" + ", ".join(AVAILABILITY) + "): the sandbox keeps running through these, "
               "so every policy keeps its state; what is checked is that the sandbox still answers and, for crab, "
               "that every later turn is still checkpointed:", ""]
-    lines += correctness_table(summary["correctness"], AVAILABILITY, "availability faults")
+    lines += correctness_table(summary["correctness"], AVAILABILITY, "availability faults", summary.get("not_run"))
     if summary["oracle_unstable_traces"]:
         lines += ["Without the traces the oracle cannot judge (`off` lost nothing in a fault, its sandbox kept "
                   "running, and it still differed from the reference: the trace's output changes from run to run "
@@ -855,8 +894,10 @@ def main(argv):
             raise EvalInputError(f"{out / 'raw'}: no such directory (nothing was replayed?)")
         meta = load_meta(out)
         reports, replaced = load_reports(out / "raw", meta)
+        not_run = leave_out_untouched(reports)
         summary = aggregate(reports, load_jsonl(out / "errors.jsonl"), load_classes(out / "classes"))
         summary["replaced_reports"] = replaced
+        summary["not_run"] = not_run
     except (EvalInputError, KeyError, TypeError, OSError, json.JSONDecodeError) as error:
         print(f"eval_report.py: error: {error!r}", file=sys.stderr)
         return 1

@@ -177,18 +177,26 @@ impl Scope {
     }
 }
 
-/// Content hashes of files already hashed, by inode and change time: a file whose inode did
-/// not change since (same device, inode, size, mtime and ctime, which no system call sets
-/// back) is not read again. One per sandbox.
+/// What was read of files and directories already looked at (content hash, xattrs, holes), by
+/// [`WalkEntry::content_key`]: an inode that did not change since (same device, inode, size,
+/// mtime and ctime, which no system call sets back; a write, an xattr set or a hole punched
+/// moves ctime) is not opened again. One per sandbox.
 #[derive(Debug, Default)]
-pub struct HashCache {
-    hashes: HashMap<(u64, u64, u64, i128, i128), String>,
+pub struct ReadCache {
+    read: HashMap<(u64, u64, u64, i128, i128), ReadOfInode>,
+}
+
+#[derive(Debug, Clone)]
+struct ReadOfInode {
+    sha256: Option<String>,
+    xattrs: BTreeMap<String, String>,
+    data_ranges: Option<Vec<(u64, u64)>>,
 }
 
 impl Fingerprint {
     /// The whole sandbox whose init is `init` (a host pid the caller just learned from the
     /// runtime), as [`Scope`] bounds it.
-    pub fn capture(init: u32, scope: &Scope, cache: &mut HashCache) -> Result<Fingerprint, FingerprintError> {
+    pub fn capture(init: u32, scope: &Scope, cache: &mut ReadCache) -> Result<Fingerprint, FingerprintError> {
         let root = ContainerRoot::new(init).map_err(|source| FingerprintError::Init { pid: init, source })?;
         let mount = root.open_mount(&RelPath::root())?;
         let files = files_of(&mount, scope, cache)?;
@@ -259,7 +267,7 @@ impl Fingerprint {
 pub fn files_of(
     mount: &ContainerMount,
     scope: &Scope,
-    cache: &mut HashCache,
+    cache: &mut ReadCache,
 ) -> Result<BTreeMap<String, FileEntry>, FingerprintError> {
     let mut files = BTreeMap::new();
     let mut first_names: HashMap<(u64, u64), String> = HashMap::new();
@@ -279,7 +287,7 @@ fn file_entry(
     entry: &WalkEntry<'_>,
     path: &str,
     first_names: &mut HashMap<(u64, u64), String>,
-    cache: &mut HashCache,
+    cache: &mut ReadCache,
 ) -> Result<FileEntry, crab_store::CheckpointError> {
     let file_type = entry.file_type();
     let kind = match file_type {
@@ -297,9 +305,23 @@ fn file_entry(
         let first = first_names.entry(entry.inode()).or_insert_with(|| path.to_string());
         (first.clone(), entry.links())
     });
-    let sha256 = match entry.file()? {
-        Some(file) => Some(content_hash(entry, file, path, cache)?),
-        None => None,
+    // Only regular files and directories have content, xattrs or holes the walk reads.
+    let read = if matches!(kind, 'f' | 'd') {
+        let key = entry.content_key();
+        match cache.read.get(&key) {
+            Some(read) => read.clone(),
+            None => {
+                let read = ReadOfInode {
+                    sha256: entry.file()?.map(|file| content_hash(entry, file, path)).transpose()?,
+                    xattrs: entry.xattrs()?.into_iter().map(|(name, value)| (name, hex::encode(value.0))).collect(),
+                    data_ranges: entry.data_ranges()?,
+                };
+                cache.read.insert(key, read.clone());
+                read
+            }
+        }
+    } else {
+        ReadOfInode { sha256: None, xattrs: BTreeMap::new(), data_ranges: None }
     };
     Ok(FileEntry {
         kind,
@@ -307,27 +329,17 @@ fn file_entry(
         owner: format!("{uid}:{gid}"),
         size: matches!(kind, 'f' | 'l').then(|| entry.size()),
         link_target: entry.link_target()?.map(|target| String::from_utf8_lossy(&target).into_owned()),
-        sha256,
-        xattrs: entry.xattrs()?.into_iter().map(|(name, value)| (name, hex::encode(value.0))).collect(),
+        sha256: read.sha256,
+        xattrs: read.xattrs,
         hard_link,
-        data_ranges: entry.data_ranges()?,
+        data_ranges: read.data_ranges,
         rdev: matches!(kind, 'c' | 'b').then(|| entry.rdev()),
     })
 }
 
 /// The SHA-256 of a regular file's first `size` bytes (the size seen when it was opened: a
 /// file the container keeps appending to cannot keep us reading).
-fn content_hash(
-    entry: &WalkEntry<'_>,
-    file: std::fs::File,
-    path: &str,
-    cache: &mut HashCache,
-) -> Result<String, crab_store::CheckpointError> {
-    let (dev, ino) = entry.inode();
-    let key = (dev, ino, entry.size(), entry.modified_ns(), entry.changed_ns());
-    if let Some(hash) = cache.hashes.get(&key) {
-        return Ok(hash.clone());
-    }
+fn content_hash(entry: &WalkEntry<'_>, file: std::fs::File, path: &str) -> Result<String, crab_store::CheckpointError> {
     let mut hasher = Sha256::new();
     let mut reader = file.take(entry.size());
     let mut buffer = vec![0u8; 1 << 16];
@@ -342,9 +354,7 @@ fn content_hash(
         }
         hasher.update(&buffer[..read]);
     }
-    let hash = hex::encode(hasher.finalize());
-    cache.hashes.insert(key, hash.clone());
-    Ok(hash)
+    Ok(hex::encode(hasher.finalize()))
 }
 
 fn read_proc(path: &Path) -> Result<Vec<u8>, FingerprintError> {
@@ -709,10 +719,14 @@ mod tests {
     /// `files_of` over a directory of this machine, reached as a container's would be
     /// (beneath this process's `/proc/<pid>/root`).
     fn walk(dir: &Path) -> BTreeMap<String, FileEntry> {
+        walk_with(dir, &mut ReadCache::default())
+    }
+
+    fn walk_with(dir: &Path, cache: &mut ReadCache) -> BTreeMap<String, FileEntry> {
         let root = ContainerRoot::new(std::process::id()).unwrap();
         let mount = root.open_mount(&RelPath::parse(dir.to_str().unwrap().as_bytes()).unwrap()).unwrap();
         let scope = Scope::default();
-        let files = files_of(&mount, &scope, &mut HashCache::default()).unwrap();
+        let files = files_of(&mount, &scope, cache).unwrap();
         let prefix = dir.to_str().unwrap();
         files.into_iter().map(|(path, entry)| (path[prefix.len()..].to_string(), entry)).collect()
     }
@@ -766,5 +780,46 @@ mod tests {
         let differences = after.diff(&before);
         assert_eq!(keys(&differences), ["file:/a", "file:/b", "file:/fifo"]);
         assert_eq!(differences[0].detail, "content differs");
+    }
+
+    /// A sandbox's looks share what they read of unchanged inodes; every change a container can
+    /// make to a file or directory without changing its size or mtime (content rewritten and
+    /// mtime set back, an xattr, a hole punched) still shows in the next look.
+    #[test]
+    fn looks_that_share_what_they_read_still_see_every_change() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let at = |name: &str| dir.path().join(name);
+        std::fs::write(at("content"), "abc").unwrap();
+        std::fs::write(at("xattr"), "abc").unwrap();
+        std::fs::create_dir(at("dir")).unwrap();
+        let holes = std::fs::File::create(at("holes")).unwrap();
+        std::os::unix::fs::FileExt::write_at(&holes, &[1u8; 1 << 16], 0).unwrap();
+        holes.sync_all().unwrap();
+        let mut cache = ReadCache::default();
+        let first = walk_with(dir.path(), &mut cache);
+        assert!(first["/holes"].data_ranges.is_none(), "{:?}", first["/holes"]);
+        assert_eq!(walk_with(dir.path(), &mut cache), first);
+
+        let mtime = std::fs::metadata(at("content")).unwrap().modified().unwrap();
+        std::fs::write(at("content"), "abd").unwrap();
+        std::fs::File::options().write(true).open(at("content")).unwrap().set_modified(mtime).unwrap();
+        set_xattr(&at("xattr"), "user.crab", b"v");
+        set_xattr(&at("dir"), "user.crab", b"w");
+        nix::fcntl::fallocate(
+            &holes,
+            nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
+            0,
+            1 << 15,
+        )
+        .unwrap();
+        holes.sync_all().unwrap();
+        let second = walk_with(dir.path(), &mut cache);
+        assert_eq!(second["/content"].size, first["/content"].size);
+        assert_ne!(second["/content"].sha256, first["/content"].sha256);
+        assert_eq!(second["/xattr"].xattrs.get("user.crab").map(String::as_str), Some("76"));
+        assert_eq!(second["/dir"].xattrs.get("user.crab").map(String::as_str), Some("77"));
+        let ranges = second["/holes"].data_ranges.clone().expect("a hole was punched");
+        assert_eq!(ranges, [(1 << 15, 1 << 15)]);
+        assert_eq!(second, walk(dir.path()), "a look without the shared reads sees the same");
     }
 }

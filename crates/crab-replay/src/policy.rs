@@ -14,6 +14,7 @@ use tracing::info;
 
 use super::ReplayError;
 use super::archive::ArchiveWriter;
+use super::fault::FaultKind;
 use super::node::{NodeA, NodeB, Registry};
 use super::sandbox::{CheckpointImage, Sandbox, SandboxSpec, remove_container, remove_image};
 use crab_containerd::Ctr;
@@ -51,6 +52,15 @@ impl PolicyKind {
             PolicyKind::Off | PolicyKind::ChatOnly | PolicyKind::EveryTurn => "off",
             PolicyKind::Crab => "crab",
         }
+    }
+
+    /// Why `fault` has nothing of this policy's sandbox to strike, if so: crabd serves the crab
+    /// shim's checkpoints, and a shim that saves nothing never starts it or talks to it (it sets
+    /// up its engine, crabd's client, only for a sandbox it checkpoints). Killing crabd under
+    /// a baseline would be a fault-free run again, so none is made.
+    pub fn untouched_by(self, fault: FaultKind) -> Option<&'static str> {
+        (fault == FaultKind::KillCrabd && self.shim_policy() == "off")
+            .then_some("its shim saves nothing and never starts or uses crabd")
     }
 
     pub fn build(self, launch: Launch) -> Box<dyn RecoveryPolicy> {

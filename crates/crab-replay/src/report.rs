@@ -26,6 +26,16 @@ pub struct TraceReport {
     pub think_scale: f64,
     pub reference: ReferenceSummary,
     pub runs: Vec<PolicyRun>,
+    /// The policies asked for that were not run under this fault, and why.
+    pub not_run: Vec<NotRun>,
+}
+
+/// A policy left out of a fault's runs because the fault has nothing of its sandbox to strike
+/// (see [`PolicyKind::untouched_by`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct NotRun {
+    pub policy: PolicyKind,
+    pub why: String,
 }
 
 /// The fault-free runs a batch's policy runs are judged against; all zero and empty when it
@@ -346,6 +356,9 @@ fn render_trace(out: &mut String, report: &TraceReport) {
             recovery,
             run.run_time_s
         );
+    }
+    for not_run in &report.not_run {
+        let _ = writeln!(out, "{:<11} not run under {}: {}", not_run.policy.name(), report.fault, not_run.why);
     }
     for run in &report.runs {
         let classes: Vec<&str> = run.turns.iter().filter_map(|turn| turn.checkpoint_class.as_deref()).collect();

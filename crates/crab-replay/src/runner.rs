@@ -17,9 +17,9 @@ use super::policy::{
     Launch, OffNode, PolicyKind, Recovery, RecoveryMethod, RecoveryPolicy, SelfPushed, StoreCheck, TurnCost, discard,
 };
 use super::report::{
-    DelaySummary, FaultReport, PolicyRun, ReferenceSummary, Replication, StateChanges, TraceReport, TurnReport,
+    DelaySummary, FaultReport, NotRun, PolicyRun, ReferenceSummary, Replication, StateChanges, TraceReport, TurnReport,
 };
-use super::sandbox::{ExecResult, Sandbox, SandboxSpec};
+use super::sandbox::{ExecResult, Sandbox, SandboxSpec, remove_container, remove_image};
 use super::shell::ReplayMode;
 use super::trace::Trace;
 use crab_containerd::Ctr;
@@ -112,6 +112,7 @@ pub async fn replay(options: &ReplayOptions) -> Result<Vec<TraceReport>, ReplayE
             return Err(ReplayError::ImageMissing { file, image, hint: trace.header.image.build_hint() });
         }
     }
+    sweep_leftovers(&options.ctr).await?;
     let mut reports = Vec::new();
     for (index, (_, trace, fault_turn)) in planned.iter().enumerate() {
         info!(trace = %trace.header.trace, number = index + 1, of = planned.len(), "progress: trace");
@@ -128,9 +129,8 @@ async fn replay_trace(
 ) -> Result<Vec<TraceReport>, ReplayError> {
     let image = trace.header.image.reference();
     let started = Instant::now();
-    let shared_off = shares_off_with_chat_only(&options.policies);
-    let runs_total =
-        usize::from(options.ref_runs) + options.faults.len() * (options.policies.len() - usize::from(shared_off));
+    let runs_total = usize::from(options.ref_runs)
+        + options.faults.iter().map(|fault| plan(&options.policies, *fault).runs.len()).sum::<usize>();
     let mut runs_done = 0;
     let mut reference_runs = Vec::new();
     let mut state_changes = StateChanges::default();
@@ -175,11 +175,9 @@ async fn replay_trace(
     let mut reports = Vec::new();
     for fault in &options.faults {
         let strike = (*fault != FaultKind::None).then_some(fault_turn).flatten().map(|turn| (*fault, turn));
+        let plan = plan(&options.policies, *fault);
         let mut runs = Vec::new();
-        for policy in &options.policies {
-            if shared_off && *policy == PolicyKind::Off {
-                continue;
-            }
+        for policy in &plan.runs {
             runs_done += 1;
             info!(trace = %trace.header.trace, run = runs_done, of = runs_total, policy = %policy, %fault, fault_turn, "progress: policy run");
             let mut launch = launch(options, trace, *policy, policy.name());
@@ -189,7 +187,7 @@ async fn replay_trace(
             }
             let outcome =
                 run_guarded(trace, &launch, policy.build(launch.clone()), strike, false, options, injector).await?;
-            if shared_off && *policy == PolicyKind::ChatOnly {
+            if plan.off_from_chat_only && *policy == PolicyKind::ChatOnly {
                 runs.push(policy_report(PolicyKind::Off, reference.as_ref(), &outcome, &trace.file)?);
             }
             runs.push(policy_report(*policy, reference.as_ref(), &outcome, &trace.file)?);
@@ -206,6 +204,7 @@ async fn replay_trace(
             think_scale: options.think_scale,
             reference: reference_summary.clone(),
             runs,
+            not_run: plan.not_run,
         });
     }
     Ok(reports)
@@ -219,7 +218,63 @@ fn shares_off_with_chat_only(policies: &[PolicyKind]) -> bool {
     policies.contains(&PolicyKind::Off) && policies.contains(&PolicyKind::ChatOnly)
 }
 
+/// The runs one fault of a trace gets.
+#[derive(Debug, PartialEq)]
+struct Plan {
+    /// The policies run, in the order asked.
+    runs: Vec<PolicyKind>,
+    /// off's report is made from chat-only's run (see [`shares_off_with_chat_only`]).
+    off_from_chat_only: bool,
+    /// The policies the fault has nothing to strike in, left out.
+    not_run: Vec<NotRun>,
+}
+
+fn plan(policies: &[PolicyKind], fault: FaultKind) -> Plan {
+    let (untouched, struck): (Vec<PolicyKind>, Vec<PolicyKind>) =
+        policies.iter().partition(|policy| policy.untouched_by(fault).is_some());
+    let off_from_chat_only = shares_off_with_chat_only(&struck);
+    Plan {
+        runs: struck.into_iter().filter(|policy| !(off_from_chat_only && *policy == PolicyKind::Off)).collect(),
+        off_from_chat_only,
+        not_run: untouched
+            .into_iter()
+            .map(|policy| NotRun { policy, why: policy.untouched_by(fault).unwrap_or_default().to_string() })
+            .collect(),
+    }
+}
+
 static NEXT_CONTAINER: AtomicU64 = AtomicU64::new(1);
+
+/// The pid of the replay that named a container `replay-<pid>-<n>-<role>` (see [`launch`]), or
+/// an image after one (every-turn's checkpoints: `.../replay-<pid>-<n>-<role>:turn-N`).
+fn replay_pid(name: &str) -> Option<u32> {
+    name.match_indices("replay-").find_map(|(at, _)| {
+        let mut parts = name[at + "replay-".len()..].splitn(3, '-');
+        let pid = parts.next()?.parse().ok()?;
+        parts.next()?.parse::<u64>().ok()?;
+        parts.next().filter(|role| !role.is_empty())?;
+        Some(pid)
+    })
+}
+
+/// Removes what replays that are gone left in containerd: their sandboxes, and every-turn's
+/// checkpoint images, which would spoil later runs (containerd stores a checkpoint without its
+/// task part when one of its blobs is still held by another image). Only names whose replay
+/// pid no longer exists are touched: a replay still running, a test's included, keeps its own.
+async fn sweep_leftovers(ctr: &Ctr) -> Result<(), ReplayError> {
+    let gone = |name: &str| replay_pid(name).is_some_and(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists());
+    let containers = ctr.run(&["containers", "ls", "-q"]).await?.stdout_text();
+    for id in containers.lines().map(str::trim).filter(|id| gone(id)) {
+        warn!(container = id, "removing a sandbox a replay that is gone left behind");
+        remove_container(ctr, id).await?;
+    }
+    let images = ctr.run(&["images", "ls", "-q"]).await?.stdout_text();
+    for reference in images.lines().map(str::trim).filter(|reference| gone(reference)) {
+        warn!(image = reference, "removing a checkpoint image a replay that is gone left behind");
+        remove_image(ctr, reference).await?;
+    }
+    Ok(())
+}
 
 /// A crab sandbox that will lose its node gets node A's directories of its own (its crab
 /// config names them; the fault deletes them) and pushes its turns to node B's registry.
@@ -417,14 +472,7 @@ async fn run(
                 (TurnCost { blocking_s: save_time.as_secs_f64(), ..TurnCost::default() }, Some(error.to_string()))
             }
         };
-        info!(
-            container = sandbox.id(),
-            turn = turn.turn,
-            rc = ?exec.rc,
-            exec_s = exec.duration.as_secs_f64(),
-            checkpoint_s = cost.blocking_s,
-            "turn"
-        );
+        let (rc, exec_s, checkpoint_s) = (exec.rc, exec.duration.as_secs_f64(), cost.blocking_s);
         turns.push(TurnOutcome {
             turn: turn.turn,
             result: TurnResult::new(turn.turn, exec.rc, exec.timed_out, &exec.stdout, &exec.stderr)
@@ -445,9 +493,12 @@ async fn run(
         // turn whose output depends on the time since the last one (requests
         // against a rate limit) then sees the same spacing in all runs. Runs
         // that nothing judges (no reference) take no look at all.
+        let looking = Instant::now();
         if judged {
             fingerprints.push(sandbox.fingerprint().await?);
         }
+        let look_s = looking.elapsed().as_secs_f64();
+        info!(container = sandbox.id(), turn = turn.turn, ?rc, exec_s, checkpoint_s, look_s, "turn");
         if let Some((kind, fault_turn)) = strike
             && fault_turn == turn.turn
         {
@@ -733,6 +784,48 @@ mod tests {
             checkpoint_error: None,
             agent_visible_delay_s: 0.0,
             off_node_before_next: None,
+        }
+    }
+
+    #[test]
+    fn a_replay_s_pid_is_read_from_its_container_and_image_names() {
+        assert_eq!(replay_pid("replay-16867-4-every-turn"), Some(16867));
+        assert_eq!(replay_pid("crab.local/replay/replay-16867-4-every-turn:turn-44"), Some(16867));
+        assert_eq!(replay_pid("127.0.0.1:5000/every-turn/replay-9-12-crab:turn-3"), Some(9));
+        for other in ["replay-16867", "replay-x-4-crab", "replay-1-2-", "crab.local/terminal:latest", "my-replay-app"] {
+            assert_eq!(replay_pid(other), None, "{other}");
+        }
+    }
+
+    /// kill-crabd has nothing to strike in a sandbox whose shim saves nothing: the baselines get
+    /// no run under it (each would be a fault-free run again), crab does; every other fault
+    /// runs every policy, off through chat-only's run.
+    #[test]
+    fn kill_crabd_runs_only_the_policies_whose_shim_uses_crabd() {
+        use PolicyKind::{ChatOnly, Crab, EveryTurn, Off};
+        let why = "its shim saves nothing and never starts or uses crabd";
+        let not_run = |policies: &[PolicyKind]| -> Vec<NotRun> {
+            policies.iter().map(|policy| NotRun { policy: *policy, why: why.to_string() }).collect()
+        };
+        assert_eq!(
+            plan(&PolicyKind::ALL, FaultKind::KillCrabd),
+            Plan { runs: vec![Crab], off_from_chat_only: false, not_run: not_run(&[Off, ChatOnly, EveryTurn]) }
+        );
+        assert_eq!(
+            plan(&[Off, Crab], FaultKind::KillCrabd),
+            Plan { runs: vec![Crab], off_from_chat_only: false, not_run: not_run(&[Off]) }
+        );
+        for fault in FaultKind::ALL.into_iter().filter(|fault| *fault != FaultKind::KillCrabd) {
+            assert_eq!(
+                plan(&PolicyKind::ALL, fault),
+                Plan { runs: vec![ChatOnly, EveryTurn, Crab], off_from_chat_only: true, not_run: Vec::new() },
+                "{fault}"
+            );
+            assert_eq!(
+                plan(&[Off, EveryTurn], fault),
+                Plan { runs: vec![Off, EveryTurn], off_from_chat_only: false, not_run: Vec::new() },
+                "{fault}"
+            );
         }
     }
 

@@ -8,7 +8,7 @@ use serde::Deserialize;
 use tracing::{debug, warn};
 
 use super::archive::Descriptor;
-use super::fingerprint::{Fingerprint, FingerprintError, HashCache, Scope};
+use super::fingerprint::{Fingerprint, FingerprintError, ReadCache, Scope};
 use super::injector::task_entry;
 use super::shell::{ReplayMode, SessionError, StdinSession, TMUX_TURN_SCRIPT, TMUX_UNAVAILABLE};
 use crab_containerd::{Ctr, CtrError};
@@ -154,8 +154,11 @@ pub struct Sandbox {
     id: String,
     spec: SandboxSpec,
     next_exec: u64,
-    /// Content hashes of files the fingerprint read, reused while their inodes are unchanged.
-    hashes: HashCache,
+    /// What the fingerprint read of files and directories, reused while their inodes are unchanged.
+    hashes: ReadCache,
+    /// What the fingerprint looks at, from the container's spec (read at the first look: a
+    /// container's spec does not change).
+    scope: Option<Scope>,
     /// stdin mode: the shell session the commands are written to.
     session: Option<StdinSession>,
     /// stdin mode: the exec id of the last session started, and how many
@@ -187,7 +190,8 @@ impl Sandbox {
             id: id.to_string(),
             spec: spec.clone(),
             next_exec: 0,
-            hashes: HashCache::default(),
+            hashes: ReadCache::default(),
+            scope: None,
             session: None,
             session_exec: None,
         })
@@ -202,7 +206,8 @@ impl Sandbox {
             id: id.to_string(),
             spec: spec.clone(),
             next_exec: 0,
-            hashes: HashCache::default(),
+            hashes: ReadCache::default(),
+            scope: None,
             session: None,
             session_exec: None,
         })
@@ -222,7 +227,8 @@ impl Sandbox {
             id: previous.id.clone(),
             spec: previous.spec.clone(),
             next_exec: previous.next_exec,
-            hashes: HashCache::default(),
+            hashes: ReadCache::default(),
+            scope: None,
             session: None,
             session_exec: previous.session_exec.clone(),
         }
@@ -497,15 +503,21 @@ impl Sandbox {
         if status != "RUNNING" {
             return Err(task(format!("its task is {status}, not RUNNING")));
         }
-        let info = self.ctr.run(&["containers", "info", &self.id]).await?.stdout;
-        let spec = serde_json::from_slice::<serde_json::Value>(&info)
-            .ok()
-            .and_then(|info| info.get("Spec").map(serde_json::to_vec))
-            .and_then(Result::ok)
-            .ok_or_else(|| task("`ctr containers info` shows no spec".to_string()))?;
-        let mounts = crab_store::SandboxMounts::from_spec(&spec).map_err(task)?;
-        let scope = Scope::new(&mounts, &self.spec.ignore)
-            .map_err(|source| SandboxError::Fingerprint { container: self.id.clone(), source })?;
+        let scope = match &self.scope {
+            Some(scope) => scope.clone(),
+            None => {
+                let info = self.ctr.run(&["containers", "info", &self.id]).await?.stdout;
+                let spec = serde_json::from_slice::<serde_json::Value>(&info)
+                    .ok()
+                    .and_then(|info| info.get("Spec").map(serde_json::to_vec))
+                    .and_then(Result::ok)
+                    .ok_or_else(|| task("`ctr containers info` shows no spec".to_string()))?;
+                let mounts = crab_store::SandboxMounts::from_spec(&spec).map_err(task)?;
+                let scope = Scope::new(&mounts, &self.spec.ignore)
+                    .map_err(|source| SandboxError::Fingerprint { container: self.id.clone(), source })?;
+                self.scope.insert(scope).clone()
+            }
+        };
         wait_for_exec(init).await;
         let mut hashes = std::mem::take(&mut self.hashes);
         let (captured, hashes) = tokio::task::spawn_blocking(move || {

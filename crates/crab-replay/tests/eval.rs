@@ -306,3 +306,60 @@ fn missing_raw_results_are_a_clear_error() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("raw") && stderr.contains("no such directory"), "{stderr}");
 }
+
+/// A kill-crabd report in which every policy ran (as the batches before the baselines were left
+/// out of kill-crabd did) and one in which only crab ran and the baselines are listed as not run.
+fn kill_crabd_report(trace: &str, baselines_ran: bool) -> String {
+    let run = |policy: &str| {
+        serde_json::json!({"policy": policy, "recovered_correctly": true, "checkpoints": 2, "checkpoint_failures": 0,
+            "checkpoint_bytes": 100, "run_time_s": 5.0, "turns": [{"turn": 1, "agent_visible_delay_s": 0.5}],
+            "fault": {"kind": "kill-crabd", "turn": 1}})
+    };
+    let baselines = ["off", "chat-only", "every-turn"];
+    let runs: Vec<Value> = if baselines_ran {
+        baselines.iter().chain(&["crab"]).map(|policy| run(policy)).collect()
+    } else {
+        vec![run("crab")]
+    };
+    let not_run: Vec<Value> = if baselines_ran {
+        Vec::new()
+    } else {
+        baselines.iter().map(|policy| serde_json::json!({"policy": policy, "why": "its shim saves nothing"})).collect()
+    };
+    serde_json::json!([{"trace": trace, "file": format!("{trace}.jsonl"), "image": "terminal",
+        "runtime": "io.containerd.crab.v2", "turns": 2, "fault": "kill-crabd", "fault_turn": 1, "think_scale": 0.0,
+        "reference": {"runs": 2, "run_time_s": 8.0, "nondeterministic_turns": [], "final_state": null},
+        "runs": runs, "not_run": not_run}])
+    .to_string()
+}
+
+/// kill-crabd strikes nothing of the baselines: they are not counted under it, whether a batch
+/// ran them (before the rule) or not, and the report says n/a and why.
+#[test]
+fn the_baselines_are_not_counted_under_kill_crabd_in_old_or_new_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    for (batch, trace, baselines_ran) in [("old", "t", true), ("new", "u", false)] {
+        std::fs::create_dir_all(dir.path().join("raw").join(batch)).unwrap();
+        std::fs::write(dir.path().join(format!("raw/{batch}/{trace}.json")), kill_crabd_report(trace, baselines_ran))
+            .unwrap();
+    }
+    let output = run_report(dir.path());
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
+    let correctness = summary["correctness"].as_object().unwrap();
+    assert_eq!(correctness.keys().collect::<Vec<_>>(), ["crab"], "{correctness:?}");
+    assert_eq!(correctness["crab"]["kill-crabd"]["faulted"], 2);
+    for policy in ["off", "chat-only", "every-turn"] {
+        assert!(summary["not_run"]["kill-crabd"][policy].as_str().unwrap().contains("never start or use crabd"));
+        assert!(summary["policies"].get(policy).is_none(), "{policy} counted: {}", summary["policies"]);
+    }
+    assert_eq!(summary["policies"]["crab"]["availability_faulted"], 2);
+    let report = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    assert!(report.contains("| every-turn | n/a | n/a |"), "{report}");
+    assert!(report.contains("| crab | 100% (2/2) | **100%** (2/2) |"), "{report}");
+    assert!(
+        report.contains("n/a: kill-crabd is not run for off, chat-only, every-turn: their shims save nothing"),
+        "{report}"
+    );
+}

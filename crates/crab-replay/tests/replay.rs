@@ -278,7 +278,8 @@ async fn every_turn_restores_exactly_and_chat_only_loses_files_and_processes() {
         let verdict = &every_turn.fault.as_ref().unwrap().verdict.as_ref().unwrap();
         assert_eq!(every_turn.recovered_correctly, Some(true), "{runtime}: every-turn {verdict:?}");
         assert!(verdict.state_equal && verdict.turns_compared == [3, 4], "{runtime}: {verdict:?}");
-        assert_eq!((every_turn.checkpoints, every_turn.checkpoint_failures), (4, 0));
+        let errors: Vec<_> = every_turn.turns.iter().filter_map(|turn| turn.checkpoint_error.as_ref()).collect();
+        assert_eq!((every_turn.checkpoints, every_turn.checkpoint_failures), (4, 0), "{runtime}: {errors:?}");
         assert!(every_turn.checkpoint_bytes > 0);
         assert!(every_turn.turns.iter().all(|turn| turn.agent_visible_delay_s > 0.0));
         // The restored `sleep 4321` is still there on turn 3: pid 1's sleep plus it.
@@ -321,6 +322,42 @@ async fn a_fault_turn_past_the_end_is_rejected() {
     options.fault_turn = FaultTurn::Fixed(5);
     let error = replay(&options).await.unwrap_err();
     assert!(error.to_string().ends_with("fault turn 5 is outside the trace (turns 1..=4)"), "{error}");
+}
+
+/// A replay that died (here: names with the pid of a process that has exited) left a sandbox
+/// and an every-turn checkpoint image; the next replay removes both before its first run, and
+/// leaves the names of a replay still running (this test's own pid) alone.
+#[tokio::test]
+async fn a_replay_removes_what_replays_that_are_gone_left_in_containerd() {
+    crab_sys::skip_unless_root!("containerd");
+    let _containerd = CONTAINERD.lock().await;
+    let ctr = Ctr::from_env();
+    let mut exited = std::process::Command::new("true").spawn().unwrap();
+    exited.wait().unwrap();
+    let (dead, alive) = (exited.id(), std::process::id());
+    let base = "crab.local/busybox:latest";
+    let names = |pid: u32| {
+        (format!("replay-{pid}-1-every-turn"), format!("crab.local/replay/replay-{pid}-1-every-turn:turn-1"))
+    };
+    for pid in [dead, alive] {
+        let (container, image) = names(pid);
+        ctr.run(&["images", "tag", "--force", base, &image]).await.unwrap();
+        ctr.run(&["containers", "create", base, &container]).await.unwrap();
+    }
+    let file = trace_file(TRACE);
+    let mut options = options(vec![file.path().to_path_buf()], "io.containerd.runc.v2");
+    (options.policies, options.faults, options.ref_runs) = (vec![PolicyKind::Off], vec![FaultKind::None], 0);
+    replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
+    let containers = ctr.run(&["containers", "ls", "-q"]).await.unwrap().stdout_text();
+    let images = ctr.run(&["images", "ls", "-q"]).await.unwrap().stdout_text();
+    let (dead_container, dead_image) = names(dead);
+    let (alive_container, alive_image) = names(alive);
+    assert!(!containers.lines().any(|id| id == dead_container), "{containers}");
+    assert!(!images.lines().any(|name| name == dead_image), "{images}");
+    assert!(containers.lines().any(|id| id == alive_container), "{containers}");
+    assert!(images.lines().any(|name| name == alive_image), "{images}");
+    ctr.run(&["containers", "delete", &alive_container]).await.unwrap();
+    ctr.run(&["images", "rm", &alive_image]).await.unwrap();
 }
 
 fn report_for(reports: &[TraceReport], fault: FaultKind) -> &TraceReport {

@@ -316,16 +316,22 @@ impl ContainerMount {
     ) -> Result<()> {
         let shown = || self.root.path().join(String::from_utf8_lossy(&path).trim_start_matches('/'));
         let stat = sys::fstat(entry.as_fd()).io_ctx("stat", shown())?;
-        // Regular files and directories are reopened for reading (contents, xattrs, names);
-        // nothing else ever is.
+        // Directories are reopened for reading (names, xattrs), regular files only when
+        // `visit` asks for their content or xattrs; nothing else ever is.
         let opened = match sys::file_type(&stat) {
-            libc::S_IFREG => Some(sys::reopen(entry.as_fd(), OFlags::RDONLY).io_ctx("open", shown())?),
             libc::S_IFDIR => {
                 Some(sys::reopen(entry.as_fd(), OFlags::RDONLY | OFlags::DIRECTORY).io_ctx("open", shown())?)
             }
             _ => None,
         };
-        let walked = WalkEntry { path: &path, shown: shown(), handle: entry.as_fd(), opened: opened.as_ref(), stat };
+        let walked = WalkEntry {
+            path: &path,
+            shown: shown(),
+            handle: entry.as_fd(),
+            opened_dir: opened.as_ref(),
+            opened_file: std::cell::OnceCell::new(),
+            stat,
+        };
         visit(&walked)?;
         let is_dir = walked.file_type() == libc::S_IFDIR;
         drop(walked);
@@ -373,8 +379,12 @@ pub struct WalkEntry<'a> {
     path: &'a [u8],
     shown: PathBuf,
     handle: std::os::fd::BorrowedFd<'a>,
-    /// Regular files and directories, reopened for reading.
-    opened: Option<&'a OwnedFd>,
+    /// A directory, reopened for reading.
+    opened_dir: Option<&'a OwnedFd>,
+    /// A regular file, reopened for reading the first time its content or xattrs are asked
+    /// for: a walk that needs neither (a listing, a fingerprint of unchanged files) opens
+    /// each file once, as a handle.
+    opened_file: std::cell::OnceCell<OwnedFd>,
     stat: sys::Stat,
 }
 
@@ -434,28 +444,60 @@ impl WalkEntry<'_> {
         sys::readlink_entry(self.handle).io_ctx("readlink", &self.shown).map(Some)
     }
 
+    /// A regular file or directory open for reading; `None` for any other entry.
+    fn opened(&self) -> Result<Option<std::os::fd::BorrowedFd<'_>>> {
+        match self.file_type() {
+            libc::S_IFDIR => Ok(self.opened_dir.map(|fd| fd.as_fd())),
+            libc::S_IFREG => {
+                if let Some(fd) = self.opened_file.get() {
+                    return Ok(Some(fd.as_fd()));
+                }
+                // The handle is the inode the walk checked: reopening it reaches nothing else.
+                let fd = sys::reopen(self.handle, OFlags::RDONLY).io_ctx("open", &self.shown)?;
+                Ok(Some(self.opened_file.get_or_init(|| fd).as_fd()))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// Extended attributes of a regular file or directory (what a checkpoint records).
     pub fn xattrs(&self) -> Result<std::collections::BTreeMap<String, super::path::Bytes>> {
-        match self.opened {
-            Some(fd) => super::fsdelta::read_xattrs(fd.as_fd(), &self.shown),
+        match self.opened()? {
+            Some(fd) => super::fsdelta::read_xattrs(fd, &self.shown),
             None => Ok(Default::default()),
         }
     }
 
     /// A regular file's content, open for reading.
     pub fn file(&self) -> Result<Option<std::fs::File>> {
-        match self.opened.filter(|_| self.file_type() == libc::S_IFREG) {
-            Some(fd) => Ok(Some(std::fs::File::from(fd.try_clone().io_ctx("dup", &self.shown)?))),
+        if self.file_type() != libc::S_IFREG {
+            return Ok(None);
+        }
+        match self.opened()? {
+            Some(fd) => Ok(Some(std::fs::File::from(fd.try_clone_to_owned().io_ctx("dup", &self.shown)?))),
             None => Ok(None),
         }
+    }
+
+    /// When a regular file's content last changed as far as the kernel tells (device, inode,
+    /// size, modification and change time): equal keys mean the same content, xattrs and holes
+    /// (no system call a container makes sets a change time back).
+    pub fn content_key(&self) -> (u64, u64, u64, i128, i128) {
+        let (dev, ino) = self.inode();
+        (dev, ino, self.size(), self.modified_ns(), self.changed_ns())
+    }
+
+    /// Whether the file has fewer blocks allocated than its size: it may have holes, and
+    /// [`data_ranges`](Self::data_ranges) reads them.
+    pub fn may_have_holes(&self) -> bool {
+        self.file_type() == libc::S_IFREG && (self.stat.st_blocks.max(0) as u64).saturating_mul(512) < self.size()
     }
 
     /// For a regular file with fewer blocks allocated than its size (it may have holes), its
     /// data ranges `(offset, length)` (`SEEK_DATA`/`SEEK_HOLE`, closest ranges merged past
     /// 4096 of them); `None` for any other entry.
     pub fn data_ranges(&self) -> Result<Option<Vec<(u64, u64)>>> {
-        let allocated = (self.stat.st_blocks.max(0) as u64).saturating_mul(512);
-        if allocated >= self.size() {
+        if !self.may_have_holes() {
             return Ok(None);
         }
         let Some(file) = self.file()? else { return Ok(None) };
