@@ -325,12 +325,14 @@ async fn a_fault_turn_past_the_end_is_rejected() {
 }
 
 /// A replay that died (here: names with the pid of a process that has exited) left a sandbox
-/// and an every-turn checkpoint image; the next replay removes both before its first run, and
-/// leaves the names of a replay still running (this test's own pid) alone.
+/// and an every-turn checkpoint image, and a sandbox on node B; the next replay removes them
+/// before its first run, and leaves the names of a replay still running (this test's own pid)
+/// alone.
 #[tokio::test]
 async fn a_replay_removes_what_replays_that_are_gone_left_in_containerd() {
     crab_sys::skip_unless_root!("containerd");
     let _containerd = CONTAINERD.lock().await;
+    let node_b = NodeBFixture::start();
     let ctr = Ctr::from_env();
     let mut exited = std::process::Command::new("true").spawn().unwrap();
     exited.wait().unwrap();
@@ -344,10 +346,19 @@ async fn a_replay_removes_what_replays_that_are_gone_left_in_containerd() {
         ctr.run(&["images", "tag", "--force", base, &image]).await.unwrap();
         ctr.run(&["containers", "create", base, &container]).await.unwrap();
     }
+    let on_b = &node_b.node_b.ctr;
+    let (dead_on_b, alive_on_b) = (names(dead).0, names(alive).0);
+    for container in [&dead_on_b, &alive_on_b] {
+        on_b.run(&["containers", "create", "crab.local/terminal:latest", container]).await.unwrap();
+    }
     let file = trace_file(TRACE);
     let mut options = options(vec![file.path().to_path_buf()], "io.containerd.runc.v2");
     (options.policies, options.faults, options.ref_runs) = (vec![PolicyKind::Off], vec![FaultKind::None], 0);
+    options.daemons.node_b = Some(node_b.node_b.clone());
     replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
+    let on_b_now = on_b.run(&["containers", "ls", "-q"]).await.unwrap().stdout_text();
+    assert!(!on_b_now.lines().any(|id| id == dead_on_b) && on_b_now.lines().any(|id| id == alive_on_b), "{on_b_now}");
+    on_b.run(&["containers", "delete", &alive_on_b]).await.unwrap();
     let containers = ctr.run(&["containers", "ls", "-q"]).await.unwrap().stdout_text();
     let images = ctr.run(&["images", "ls", "-q"]).await.unwrap().stdout_text();
     let (dead_container, dead_image) = names(dead);
