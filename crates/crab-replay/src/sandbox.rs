@@ -155,7 +155,7 @@ pub struct Sandbox {
     spec: SandboxSpec,
     next_exec: u64,
     /// What the fingerprint read of files and directories, reused while their inodes are unchanged.
-    hashes: ReadCache,
+    reads: ReadCache,
     /// What the fingerprint looks at, from the container's spec (read at the first look: a
     /// container's spec does not change).
     scope: Option<Scope>,
@@ -190,7 +190,7 @@ impl Sandbox {
             id: id.to_string(),
             spec: spec.clone(),
             next_exec: 0,
-            hashes: ReadCache::default(),
+            reads: ReadCache::default(),
             scope: None,
             session: None,
             session_exec: None,
@@ -206,7 +206,7 @@ impl Sandbox {
             id: id.to_string(),
             spec: spec.clone(),
             next_exec: 0,
-            hashes: ReadCache::default(),
+            reads: ReadCache::default(),
             scope: None,
             session: None,
             session_exec: None,
@@ -227,7 +227,7 @@ impl Sandbox {
             id: previous.id.clone(),
             spec: previous.spec.clone(),
             next_exec: previous.next_exec,
-            hashes: ReadCache::default(),
+            reads: ReadCache::default(),
             scope: None,
             session: None,
             session_exec: previous.session_exec.clone(),
@@ -519,14 +519,14 @@ impl Sandbox {
             }
         };
         wait_for_exec(init).await;
-        let mut hashes = std::mem::take(&mut self.hashes);
-        let (captured, hashes) = tokio::task::spawn_blocking(move || {
-            let captured = Fingerprint::capture(init, &scope, &mut hashes);
-            (captured, hashes)
+        let mut reads = std::mem::take(&mut self.reads);
+        let (captured, reads) = tokio::task::spawn_blocking(move || {
+            let captured = Fingerprint::capture(init, &scope, &mut reads);
+            (captured, reads)
         })
         .await
         .map_err(|error| task(format!("the fingerprint's thread failed: {error}")))?;
-        self.hashes = hashes;
+        self.reads = reads;
         captured.map_err(|source| SandboxError::Fingerprint { container: self.id.clone(), source })
     }
 

@@ -479,9 +479,9 @@ impl WalkEntry<'_> {
         }
     }
 
-    /// When a regular file's content last changed as far as the kernel tells (device, inode,
-    /// size, modification and change time): equal keys mean the same content, xattrs and holes
-    /// (no system call a container makes sets a change time back).
+    /// When a file's or directory's inode last changed as far as the kernel tells (device,
+    /// inode, size, modification and change time): equal keys mean the same content, xattrs and
+    /// holes (no system call a container makes sets a change time back).
     pub fn content_key(&self) -> (u64, u64, u64, i128, i128) {
         let (dev, ino) = self.inode();
         (dev, ino, self.size(), self.modified_ns(), self.changed_ns())
@@ -489,7 +489,7 @@ impl WalkEntry<'_> {
 
     /// Whether the file has fewer blocks allocated than its size: it may have holes, and
     /// [`data_ranges`](Self::data_ranges) reads them.
-    pub fn may_have_holes(&self) -> bool {
+    fn may_have_holes(&self) -> bool {
         self.file_type() == libc::S_IFREG && (self.stat.st_blocks.max(0) as u64).saturating_mul(512) < self.size()
     }
 
