@@ -260,6 +260,7 @@ def oracle_summary(reports):
             "nondeterministic_turns": reference.get("nondeterministic_turns", []),
             "normalised_turns": reference.get("normalised_turns", []),
             "turns_with_wall_clock": reference.get("turns_with_wall_clock", []),
+            "unsettled_turns": reference.get("unsettled_turns", []),
             "state_changes": reference.get("state_changes"),
         })
         for run in report["runs"]:
@@ -269,14 +270,14 @@ def oracle_summary(reports):
             stats = policies.setdefault(run["policy"], {
                 "verdicts": 0, "turns_compared": 0, "turns_excluded": 0, "normalised_wall_clock": 0,
                 "normalised_stderr_order": 0, "rc_mismatches": 0, "output_mismatches": 0,
-                "states_compared": 0, "states_excluded": 0, "state_mismatches": 0})
+                "states_compared": 0, "states_excluded": 0, "states_unsettled": 0, "state_mismatches": 0})
             stats["verdicts"] += 1
             for key, field in [("turns_compared", "turns_compared"), ("turns_excluded", "turns_excluded"),
                                ("normalised_wall_clock", "turns_normalised_wall_clock"),
                                ("normalised_stderr_order", "turns_normalised_stderr_order"),
                                ("rc_mismatches", "rc_mismatches"), ("output_mismatches", "output_mismatches"),
                                ("states_compared", "states_compared"), ("states_excluded", "states_excluded"),
-                               ("state_mismatches", "state_mismatches")]:
+                               ("states_unsettled", "states_unsettled"), ("state_mismatches", "state_mismatches")]:
                 stats[key] += len(verdict.get(field) or [])
             if run["recovered_correctly"] is False:
                 for difference in (verdict.get("output_differences") or [])[:3]:
@@ -770,21 +771,30 @@ def oracle_lines(oracle, meta):
              "a pipeline write to it concurrently). The state after each of those turns (the whole sandbox, "
              "as right after recovery) is compared too, with what differed between the reference runs after "
              "that turn masked, up to the first turn excluded as nondeterministic: the states from there on are "
-             "excluded, as they carry what that turn left, of which the reference runs show only some." + spacing, "",
+             "excluded, as they carry what that turn left, of which the reference runs show only some. "
+             "After every turn each run waits, up to the agent's recorded think time (1 to 10 s), for what the "
+             "turn left running (a command cut off at its timeout, a job started with `&`) to be quiet, before "
+             "the policy saves and the oracle looks; a state looked at while such a process was still busy "
+             "(in the reference or in the run) is not compared (unsettled), as what it had written by then "
+             "depends on the run's pace." + spacing, "",
              "| policy | judged runs | turns compared | excluded | matched after stamps | after stderr order "
-             "| exit code mismatches | output mismatches | states compared | states excluded | state mismatches |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| exit code mismatches | output mismatches | states compared | states excluded | states unsettled "
+             "| state mismatches |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, stats in oracle["policies"].items():
         lines.append(f"| {name} | {stats['verdicts']} | {stats['turns_compared']} | {stats['turns_excluded']} "
                      f"| {stats['normalised_wall_clock']} | {stats['normalised_stderr_order']} "
                      f"| {stats['rc_mismatches']} | {stats['output_mismatches']} "
-                     f"| {stats['states_compared']} | {stats['states_excluded']} | {stats['state_mismatches']} |")
+                     f"| {stats['states_compared']} | {stats['states_excluded']} | {stats.get('states_unsettled', 0)} "
+                     f"| {stats['state_mismatches']} |")
     lines += ["", "Per trace, from the reference runs (turn numbers):", "",
-              "| trace | turns | nondeterministic (excluded) | print the clock | differed only in stamps or stderr order |",
-              "|---|---|---|---|---|"]
+              "| trace | turns | nondeterministic (excluded) | print the clock | differed only in stamps or stderr order "
+              "| unsettled |",
+              "|---|---|---|---|---|---|"]
     for trace, info in oracle["traces"].items():
         lines.append(f"| {trace} | {info['turns']} | {turn_list(info['nondeterministic_turns'])} "
-                     f"| {turn_list(info['turns_with_wall_clock'])} | {turn_list(info['normalised_turns'])} |")
+                     f"| {turn_list(info['turns_with_wall_clock'])} | {turn_list(info['normalised_turns'])} "
+                     f"| {turn_list(info.get('unsettled_turns', []))} |")
     lines.append("")
     changes = oracle.get("state_changes") or {}
     if changes.get("traces"):

@@ -369,11 +369,22 @@ fn readlink_proc(path: &Path) -> Option<String> {
 /// the same network namespace (there are none today, but a shared one would have them).
 type SocketInodes = BTreeSet<u64>;
 
-/// The processes of `init`'s pid namespace, as the host sees them.
-fn processes_of(init: u32) -> Result<(BTreeMap<String, Vec<ProcessEntry>>, SocketInodes), FingerprintError> {
+/// The host pids of `init`'s pid namespace (the sandbox's processes), zombies included.
+pub(crate) fn pids_of_sandbox(init: u32) -> Result<Vec<u32>, FingerprintError> {
     let namespace = |pid: u32| readlink_proc(Path::new(&format!("/proc/{pid}/ns/pid")));
     let sandbox_ns =
         namespace(init).ok_or_else(|| FingerprintError::Init { pid: init, source: std::io::Error::last_os_error() })?;
+    let entries =
+        std::fs::read_dir("/proc").map_err(|source| FingerprintError::Proc { path: PathBuf::from("/proc"), source })?;
+    Ok(entries
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()))
+        .filter(|pid| namespace(*pid).as_deref() == Some(sandbox_ns.as_str()))
+        .collect())
+}
+
+/// The processes of `init`'s pid namespace, as the host sees them.
+fn processes_of(init: u32) -> Result<(BTreeMap<String, Vec<ProcessEntry>>, SocketInodes), FingerprintError> {
     // Paths under the sandbox's root show as seen from the host's root: cut that prefix.
     let root = readlink_proc(Path::new(&format!("/proc/{init}/root"))).unwrap_or_else(|| "/".to_string());
     let root = root.trim_end_matches('/').to_string();
@@ -387,14 +398,8 @@ fn processes_of(init: u32) -> Result<(BTreeMap<String, Vec<ProcessEntry>>, Socke
         }
         _ => target,
     };
-    let entries =
-        std::fs::read_dir("/proc").map_err(|source| FingerprintError::Proc { path: PathBuf::from("/proc"), source })?;
     let mut members: BTreeMap<u32, (String, u32)> = BTreeMap::new();
-    for entry in entries.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()) else { continue };
-        if namespace(pid).as_deref() != Some(sandbox_ns.as_str()) {
-            continue;
-        }
+    for pid in pids_of_sandbox(init)? {
         // A process that exits meanwhile is simply not there.
         let Ok(cmdline) = read_proc(&PathBuf::from(format!("/proc/{pid}/cmdline"))) else { continue };
         let args: Vec<String> =

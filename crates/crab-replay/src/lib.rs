@@ -4,7 +4,8 @@
 //!
 //! - [`trace`]: parsing and validation of the JSONL turn traces.
 //! - [`sandbox`]: a container driven with `ctr` (create, exec, checkpoint, restore).
-//! - [`fingerprint`]: what the next turn can observe of a sandbox.
+//! - [`fingerprint`]: what the next turn can observe of a sandbox; [`settle`]: waiting for
+//!   what a turn left running before the sandbox is saved and looked at.
 //! - [`policy`]: recovery policies (`off`, `chat-only`, `every-turn`, `crab`);
 //!   [`archive`]: every-turn's checkpoints kept outside containerd (runs
 //!   without a registry; with one it pushes them, see [`node::Registry`]).
@@ -30,6 +31,7 @@ pub mod policy;
 pub mod report;
 pub mod runner;
 pub mod sandbox;
+pub mod settle;
 pub mod shell;
 pub mod trace;
 

@@ -36,6 +36,9 @@ pub struct TurnResult {
     /// stdin mode: the shell's state as the command found it (empty in the other modes).
     #[serde(skip)]
     pub shell: String,
+    /// A process the turns left running was still busy when the sandbox was looked at after
+    /// this turn (see [`crate::settle`]): the state then depends on the run's pace.
+    pub unsettled: bool,
 }
 
 impl TurnResult {
@@ -51,12 +54,18 @@ impl TurnResult {
             stdout: stdout_text.text,
             stderr: stderr_text.text,
             shell: String::new(),
+            unsettled: false,
         }
     }
 
     /// With the shell's state as the command found it (stdin mode).
     pub fn with_shell(self, shell: String) -> TurnResult {
         TurnResult { shell, ..self }
+    }
+
+    /// Whether the sandbox had settled when it was looked at after the turn.
+    pub fn with_settled(self, settled: bool) -> TurnResult {
+        TurnResult { unsettled: !settled, ..self }
     }
 
     fn same_exit(&self, other: &TurnResult) -> bool {
@@ -175,6 +184,10 @@ pub struct Verdict {
     /// on, the state carries what that turn left, and the reference runs show only some of what
     /// it can leave (an install cut off by its timeout, a rate limit on a knife edge).
     pub states_excluded: Vec<u32>,
+    /// Turns after the fault whose state was not compared because a process the turns left
+    /// running was still busy when it was looked at, in the reference or in this run: what that
+    /// process had written by then depends on the run's pace (see [`crate::settle`]).
+    pub states_unsettled: Vec<u32>,
     /// Those whose state differed (entries that differ between reference runs masked).
     pub state_mismatches: Vec<u32>,
     /// The differences of the first of them, at most [`LATER_DIFFERENCES_SHOWN`].
@@ -221,6 +234,11 @@ impl Reference {
         })
     }
 
+    /// Turns after which a reference run was looked at unsettled.
+    pub fn unsettled_turns(&self) -> BTreeSet<u32> {
+        self.runs.iter().flat_map(|run| run.results.iter().filter(|result| result.unsettled)).map(|r| r.turn).collect()
+    }
+
     /// Turns whose reference output holds wall-clock stamps.
     pub fn turns_with_wall_clock(&self) -> BTreeSet<u32> {
         self.primary().results.iter().filter(|result| result.wall_clock_stamps > 0).map(|result| result.turn).collect()
@@ -258,6 +276,7 @@ impl Reference {
         let state_differences: Vec<Difference> =
             recovered.diff(reference_state).into_iter().filter(|d| !volatile.contains(&d.key)).collect();
         let nondeterministic = self.nondeterministic_turns();
+        let unsettled = self.unsettled_turns();
         let mut verdict = Verdict {
             fault_turn,
             state_equal: state_differences.is_empty(),
@@ -272,6 +291,7 @@ impl Reference {
             output_differences: Vec::new(),
             states_compared: Vec::new(),
             states_excluded: Vec::new(),
+            states_unsettled: Vec::new(),
             state_mismatches: Vec::new(),
             later_state_differences: Vec::new(),
             recovery_possible,
@@ -282,6 +302,8 @@ impl Reference {
             after_nondeterministic |= nondeterministic.contains(&result.turn);
             if after_nondeterministic && state.is_some() {
                 verdict.states_excluded.push(result.turn);
+            } else if state.is_some() && (result.unsettled || unsettled.contains(&result.turn)) {
+                verdict.states_unsettled.push(result.turn);
             } else if let Some(state) = state {
                 let reference_state =
                     self.fingerprint(result.turn).ok_or(OracleError::NoSuchTurn { turn: result.turn, turns })?;
@@ -465,6 +487,33 @@ mod tests {
         let lost = state(&["F d 0755 0:0 4096 /elsewhere"]);
         let later = [(result(2, 0, "b"), Some(&lost))];
         assert_eq!(reference.judge(1, &state(EMPTY), &later, true).unwrap().state_mismatches, [2]);
+    }
+
+    #[test]
+    fn a_state_looked_at_unsettled_is_not_compared_and_the_others_still_are() {
+        // Turn 2 timed out and left its process collecting tests: the reference looked at
+        // the sandbox after turn 3 while it was still busy, the run after turn 4.
+        const PARTIAL: &[&str] = &["F d 0755 0:0 4096 /app", "F f 0644 0:0 1 /app/a.pyc"];
+        const FURTHER: &[&str] = &["F d 0755 0:0 4096 /app", "F f 0644 0:0 1 /app/a.pyc", "F f 0644 0:0 1 /app/b.pyc"];
+        let mut reference = ReferenceRun {
+            results: (1..=5).map(|turn| result(turn, 0, "out")).collect(),
+            fingerprints: vec![state(EMPTY), state(EMPTY), state(PARTIAL), state(FURTHER), state(FURTHER)],
+        };
+        reference.results[2] = reference.results[2].clone().with_settled(false);
+        let reference = Reference::new(vec![reference]).unwrap();
+        assert_eq!(reference.unsettled_turns(), BTreeSet::from([3]));
+        let (further, lost) = (state(FURTHER), state(EMPTY));
+        let later = [
+            (result(3, 0, "out"), Some(&further)),
+            (result(4, 0, "out").with_settled(false), Some(&further)),
+            (result(5, 0, "out"), Some(&further)),
+        ];
+        let verdict = reference.judge(2, &state(EMPTY), &later, true).unwrap();
+        assert!(verdict.correct, "{verdict:?}");
+        assert_eq!((verdict.states_unsettled.as_slice(), verdict.states_compared.as_slice()), (&[3, 4][..], &[5][..]));
+        // A settled state that lost what the process wrote is still caught.
+        let later = [(result(3, 0, "out"), Some(&further)), (result(5, 0, "out"), Some(&lost))];
+        assert_eq!(reference.judge(2, &state(EMPTY), &later, true).unwrap().state_mismatches, [5]);
     }
 
     #[test]

@@ -152,6 +152,11 @@ pub struct TurnCost {
     pub exported_to: Option<OffNode>,
     /// The runtime's class of the turn (clean, fs, proc), where it records one.
     pub class: Option<&'static str>,
+    /// When the checkpoint was durable, for a runtime that saves by itself from the turn's end
+    /// (crab's shim records it): the runner waits for what the turn left running before it asks
+    /// (see [`crate::settle`]), and the agent's wait is counted from the turn's end, not from then.
+    #[serde(skip)]
+    pub durable_at: Option<std::time::SystemTime>,
 }
 
 /// What a policy's runtime pushed to the registry by itself, in the background (crab's shim with
@@ -442,6 +447,7 @@ impl RecoveryPolicy for EveryTurn {
             exported_bytes,
             exported_to: Some(exported_to),
             class: None,
+            durable_at: None,
         })
     }
 
@@ -669,11 +675,15 @@ impl RecoveryPolicy for CrabPolicy {
             if of_exec().count() as u64 + self.session_turns_elsewhere >= turns
                 && let Some(record) = of_exec().next_back()
             {
+                let durable_ms = record.ended_unix_ms as f64 + record.checkpoint_ms;
                 return Ok(TurnCost {
                     blocking_s: record.checkpoint_ms / 1e3,
                     bytes: record.bytes_written,
                     exported_bytes: 0,
                     exported_to: None,
+                    durable_at: Some(
+                        std::time::UNIX_EPOCH + std::time::Duration::from_secs_f64(durable_ms.max(0.0) / 1e3),
+                    ),
                     class: Some(match record.class {
                         crab_store::turns::RecordedClass::Clean => "clean",
                         crab_store::turns::RecordedClass::Fs => "fs",

@@ -52,6 +52,9 @@ pub struct ReferenceSummary {
     pub normalised_turns: Vec<u32>,
     /// Turns whose output holds wall-clock stamps (compared with them replaced).
     pub turns_with_wall_clock: Vec<u32>,
+    /// Turns after which a reference run's sandbox had not settled when it was looked at (a
+    /// process left running was still busy): the states after them are not compared.
+    pub unsettled_turns: Vec<u32>,
     /// Fingerprint digest after the last turn.
     pub final_state: Option<String>,
     /// What each turn of the first reference run changed.
@@ -196,6 +199,10 @@ pub struct TurnReport {
     /// Whether everything the policy had saved was off the node when the next turn started
     /// (None: the policy does not push, or no turn followed on this node).
     pub off_node_before_next_turn: Option<bool>,
+    /// How long the run waited after the turn for the processes it left running (see
+    /// [`crate::settle`]), and whether they were quiet by then.
+    pub settle_s: f64,
+    pub settled: bool,
     /// Why the policy could not save after this turn.
     pub checkpoint_error: Option<String>,
     pub stdout_sha256: String,

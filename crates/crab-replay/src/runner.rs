@@ -3,9 +3,9 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::ReplayError;
 use super::fault::{FaultKind, FaultTurn};
@@ -20,6 +20,7 @@ use super::report::{
     DelaySummary, FaultReport, NotRun, PolicyRun, ReferenceSummary, Replication, StateChanges, TraceReport, TurnReport,
 };
 use super::sandbox::{ExecResult, Sandbox, SandboxSpec, remove_container, remove_image};
+use super::settle;
 use super::shell::ReplayMode;
 use super::trace::Trace;
 use crab_containerd::Ctr;
@@ -173,6 +174,7 @@ async fn replay_trace(
             nondeterministic_turns: reference.nondeterministic_turns().into_iter().collect(),
             normalised_turns: reference.normalised_turns().into_iter().collect(),
             turns_with_wall_clock: reference.turns_with_wall_clock().into_iter().collect(),
+            unsettled_turns: reference.unsettled_turns().into_iter().collect(),
             final_state: reference.fingerprint(trace.header.turns).map(Fingerprint::digest),
             state_changes,
         },
@@ -331,6 +333,8 @@ struct TurnOutcome {
     checkpoint_exported_to: Option<OffNode>,
     checkpoint_class: Option<String>,
     checkpoint_error: Option<String>,
+    /// How long the run waited for what the turn left running (see [`settle`]).
+    settle_s: f64,
     /// How long the agent waited for the policy beyond its think time.
     agent_visible_delay_s: f64,
     /// Whether what the policy saved was off the node when the next turn started (policies that
@@ -456,6 +460,11 @@ async fn run(
             previous.off_node_before_next = policy.off_node(&sandbox).await?;
         }
         let exec = sandbox.exec(&turn.cmd, Duration::from_secs_f64(turn.timeout_s)).await?;
+        let turn_ended = SystemTime::now();
+        // What the turn left running gets the time the agent gave it before the next turn
+        // (within bounds), in every run alike, before anything saves or looks.
+        let settle_bound = settle::bound(trace.turns.get(index + 1).map(|next| next.think_s));
+        let settled = sandbox.settle(settle_bound).await;
         // The policy saves while the agent thinks about its next turn; the
         // agent waits only for what outlasts its thinking.
         let next_think = think(index + 1);
@@ -465,9 +474,15 @@ async fn run(
                 let saved = policy.after_turn(&sandbox, turn.turn).await;
                 (saved, saving.elapsed())
             },
-            tokio::time::sleep(next_think)
+            tokio::time::sleep(next_think.saturating_sub(settled.waited))
         );
         let (saved, save_time) = saved;
+        // A save the runner starts (every-turn) would start at the turn's end for a real agent;
+        // one the runtime makes by itself (crab's shim) did, and says when it was durable.
+        let save_time = match saved.as_ref().ok().and_then(|cost| cost.durable_at) {
+            Some(durable) => durable.duration_since(turn_ended).unwrap_or_default(),
+            None => save_time,
+        };
         let agent_visible_delay_s = save_time.saturating_sub(next_think).as_secs_f64();
         // A failed checkpoint is the policy's result (CRIU cannot dump every
         // sandbox): the run goes on without it, and a later recovery has only
@@ -483,7 +498,9 @@ async fn run(
         turns.push(TurnOutcome {
             turn: turn.turn,
             result: TurnResult::new(turn.turn, exec.rc, exec.timed_out, &exec.stdout, &exec.stderr)
-                .with_shell(tmux_servers.identify(&exec.shell)),
+                .with_shell(tmux_servers.identify(&exec.shell))
+                .with_settled(settled.settled),
+            settle_s: settled.waited.as_secs_f64(),
             exec,
             checkpoint_s: cost.blocking_s,
             checkpoint_bytes: cost.bytes,
@@ -505,11 +522,13 @@ async fn run(
             fingerprints.push(sandbox.fingerprint().await?);
         }
         let look_s = looking.elapsed().as_secs_f64();
-        info!(container = sandbox.id(), turn = turn.turn, ?rc, exec_s, checkpoint_s, look_s, "turn");
+        let (settle_s, settled) = (settled.waited.as_secs_f64(), settled.settled);
+        info!(container = sandbox.id(), turn = turn.turn, ?rc, exec_s, settle_s, settled, checkpoint_s, look_s, "turn");
         if let Some((kind, fault_turn)) = strike
             && fault_turn == turn.turn
         {
-            let (recovered, outcome) = strike_and_recover(kind, turn.turn, sandbox, policy, injector).await?;
+            let (recovered, outcome) =
+                strike_and_recover(kind, turn.turn, sandbox, policy, injector, settle_bound).await?;
             let failed = outcome.result.is_err();
             fault = Some(outcome);
             match recovered {
@@ -531,6 +550,7 @@ async fn strike_and_recover(
     sandbox: Sandbox,
     policy: &mut dyn RecoveryPolicy,
     injector: &FaultInjector,
+    settle_bound: Duration,
 ) -> Result<(Option<Sandbox>, FaultOutcome), ReplayError> {
     let waited = if kind.moves_to_node_b() { policy.before_node_loss(&sandbox).await? } else { None };
     let mut injected =
@@ -576,6 +596,16 @@ async fn strike_and_recover(
         return Ok((Some(recovery.sandbox), outcome));
     }
     info!(container = recovery.sandbox.id(), turn, %kind, method = ?recovery.method, recovery_s = outcome.recovery_s, "recovered");
+    // A process restored mid-work (a writer a process checkpoint caught) gets the same time
+    // to settle as after the turn itself, so the state is compared with the reference's at
+    // the same point of that work.
+    let settled = recovery.sandbox.settle(settle_bound).await;
+    debug!(
+        container = recovery.sandbox.id(),
+        settle_s = settled.waited.as_secs_f64(),
+        settled = settled.settled,
+        "settled after recovery"
+    );
     outcome.result = match recovery.sandbox.fingerprint().await {
         Ok(state_after) => Ok(Recovered { method: recovery.method, possible: recovery.possible, state_after }),
         Err(error) => Err(format!("the sandbox after recovery ({:?}) does not answer: {error}", recovery.method)),
@@ -645,6 +675,8 @@ fn policy_report(
             checkpoint_class: turn.checkpoint_class.clone(),
             agent_visible_delay_s: turn.agent_visible_delay_s,
             off_node_before_next_turn: turn.off_node_before_next,
+            settle_s: turn.settle_s,
+            settled: !turn.result.unsettled,
             checkpoint_error: turn.checkpoint_error.clone(),
             stdout_sha256: turn.result.stdout_sha256.clone(),
             stderr_sha256: turn.result.stderr_sha256.clone(),
@@ -731,6 +763,7 @@ mod tests {
                 output_differences: Vec::new(),
                 states_compared: vec![3],
                 states_excluded: Vec::new(),
+                states_unsettled: Vec::new(),
                 state_mismatches: Vec::new(),
                 later_state_differences: Vec::new(),
                 recovery_possible: true,
@@ -783,6 +816,7 @@ mod tests {
             turn,
             result: TurnResult::new(turn, exec.rc, false, &exec.stdout, &exec.stderr),
             exec,
+            settle_s: 0.0,
             checkpoint_s: 0.0,
             checkpoint_bytes: 0,
             checkpoint_exported_bytes: 0,

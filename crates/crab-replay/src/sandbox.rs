@@ -1,6 +1,7 @@
 //! One agent sandbox: a containerd container running `sleep infinity`, into
 //! which each turn is exec'd, driven through `ctr` as a user of containerd would.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -8,8 +9,9 @@ use serde::Deserialize;
 use tracing::{debug, warn};
 
 use super::archive::Descriptor;
-use super::fingerprint::{Fingerprint, FingerprintError, ReadCache, Scope};
+use super::fingerprint::{Fingerprint, FingerprintError, ReadCache, Scope, pids_of_sandbox};
 use super::injector::task_entry;
+use super::settle::{Activity, Settled, Settling};
 use super::shell::{ReplayMode, SessionError, StdinSession, TMUX_TURN_SCRIPT, TMUX_UNAVAILABLE};
 use crab_containerd::{Ctr, CtrError};
 
@@ -159,6 +161,11 @@ pub struct Sandbox {
     /// What the fingerprint looks at, from the container's spec (read at the first look: a
     /// container's spec does not change).
     scope: Option<Scope>,
+    /// Its init's host pid, read at the first settle (a handle's init never changes: a
+    /// recovered container gets a handle of its own).
+    init: Option<u32>,
+    /// Which of its processes were last seen quiet (see [`Sandbox::settle`]).
+    settling: Settling,
     /// stdin mode: the shell session the commands are written to.
     session: Option<StdinSession>,
     /// stdin mode: the exec id of the last session started, and how many
@@ -185,32 +192,14 @@ impl Sandbox {
         args.extend([spec.image.clone(), id.to_string(), "sleep".to_string(), "infinity".to_string()]);
         ctr.run(&args).await?;
         debug!(container = id, image = %spec.image, runtime = %spec.runtime, "sandbox created");
-        Ok(Sandbox {
-            ctr: ctr.clone(),
-            id: id.to_string(),
-            spec: spec.clone(),
-            next_exec: 0,
-            reads: ReadCache::default(),
-            scope: None,
-            session: None,
-            session_exec: None,
-        })
+        Ok(Sandbox::handle(ctr, id, spec, 0, None))
     }
 
     /// Recreates container `id` from a checkpoint image, processes and rw layer included.
     pub async fn restore(ctr: &Ctr, id: &str, spec: &SandboxSpec, reference: &str) -> Result<Sandbox, SandboxError> {
         ctr.run(&["containers", "restore", "--live", "--rw", id, reference]).await?;
         debug!(container = id, checkpoint = reference, "sandbox restored");
-        Ok(Sandbox {
-            ctr: ctr.clone(),
-            id: id.to_string(),
-            spec: spec.clone(),
-            next_exec: 0,
-            reads: ReadCache::default(),
-            scope: None,
-            session: None,
-            session_exec: None,
-        })
+        Ok(Sandbox::handle(ctr, id, spec, 0, None))
     }
 
     /// A handle on container `id`, already running (recreated by someone
@@ -222,15 +211,23 @@ impl Sandbox {
 
     /// [`Sandbox::attach`] to the container recreated through `ctr` (another node's containerd).
     pub fn attach_on(ctr: &Ctr, previous: &Sandbox) -> Sandbox {
+        Sandbox::handle(ctr, &previous.id, &previous.spec, previous.next_exec, previous.session_exec.clone())
+    }
+
+    /// A handle on a container as it is now: what the handle learnt of an earlier one (the
+    /// files it read, its init, which processes were quiet) is not carried over.
+    fn handle(ctr: &Ctr, id: &str, spec: &SandboxSpec, next_exec: u64, session_exec: Option<(String, u64)>) -> Sandbox {
         Sandbox {
             ctr: ctr.clone(),
-            id: previous.id.clone(),
-            spec: previous.spec.clone(),
-            next_exec: previous.next_exec,
+            id: id.to_string(),
+            spec: spec.clone(),
+            next_exec,
             reads: ReadCache::default(),
             scope: None,
+            init: None,
+            settling: Settling::default(),
             session: None,
-            session_exec: previous.session_exec.clone(),
+            session_exec,
         }
     }
 
@@ -337,11 +334,32 @@ impl Sandbox {
 
     /// Runs one turn's command the way the sandbox's mode says.
     pub async fn exec(&mut self, cmd: &str, timeout: Duration) -> Result<ExecResult, SandboxError> {
-        match self.spec.mode {
+        let init = self.init_pid().await;
+        let pids_of = |init: Option<u32>| -> BTreeSet<u32> {
+            init.and_then(|init| pids_of_sandbox(init).ok()).unwrap_or_default().into_iter().collect()
+        };
+        let before = pids_of(init);
+        let result = match self.spec.mode {
             ReplayMode::Exec => self.exec_once(cmd, timeout).await,
             ReplayMode::Stdin => self.exec_stdin(cmd, timeout).await,
             ReplayMode::Tmux => self.exec_tmux(cmd, timeout).await,
+        }?;
+        // What the command started and its timeout left running goes on at its own pace.
+        if result.timed_out {
+            self.settling.abandon(pids_of(init).difference(&before).copied());
         }
+        Ok(result)
+    }
+
+    /// The host pid of the container's init, asked of containerd once per handle.
+    async fn init_pid(&mut self) -> Option<u32> {
+        if self.init.is_none() {
+            match self.ctr.run(&["tasks", "ls"]).await {
+                Ok(listing) => self.init = task_entry(&listing.stdout_text(), &self.id).map(|(init, _)| init),
+                Err(error) => debug!(container = %self.id, %error, "no task listed"),
+            }
+        }
+        self.init
     }
 
     /// Writes `cmd` to the shell session (started first if there is none, or
@@ -493,6 +511,14 @@ impl Sandbox {
                 warn!(container = %self.id, exec = exec_id, %error, "could not kill a timed-out command")
             }
         }
+    }
+
+    /// Waits, up to `bound`, until the processes a turn left running are quiet (see
+    /// [`crate::settle`]), so that what they wrote is the same whenever the sandbox is saved
+    /// and looked at. A sandbox whose task cannot be listed has nothing to wait for.
+    pub async fn settle(&mut self, bound: Duration) -> Settled {
+        let Some(init) = self.init_pid().await else { return Settled { waited: Duration::ZERO, settled: true } };
+        self.settling.settle(bound, || Activity::sample(init)).await
     }
 
     /// The whole sandbox as [`Fingerprint::capture`] sees it from the host.

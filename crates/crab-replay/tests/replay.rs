@@ -777,6 +777,53 @@ async fn the_oracle_sees_state_outside_the_workdir_tmp_and_root() {
     }
 }
 
+/// Turn 2 starts a writer in the background (about 5 s of work) and then a command that its
+/// 1 s timeout cuts off asleep, which wakes at 7 s to write (what pydicom-1256's `pytest` did,
+/// asleep between download retries); `ctr` gives up on the turn at 3 s (its output is still
+/// open); the agent thought 9 s before turn 3. Turn 5 leaves a process spinning for good.
+const LEFT_RUNNING: &str = r#"{"trace": "left-running-itest", "source": "crab tests", "mode": "exec", "workdir": "/app", "image": "terminal", "turns": 6}
+{"turn": 1, "think_s": 0.1, "cmd": "mkdir -p /app/bg", "timeout_s": 30}
+{"turn": 2, "think_s": 0.1, "cmd": "nohup sh -c 'for i in $(seq 1 50); do echo $i >> /app/bg/progress; sleep 0.1; done' >/dev/null 2>&1 & sh -c 'sleep 7; echo late > /app/bg/late'", "timeout_s": 1}
+{"turn": 3, "think_s": 9, "cmd": "echo next", "timeout_s": 30}
+{"turn": 4, "think_s": 0.1, "cmd": "wc -l < /app/bg/progress; cat /app/bg/late", "timeout_s": 30}
+{"turn": 5, "think_s": 0.1, "cmd": "nohup sh -c 'while :; do :; done' >/dev/null 2>&1 & echo spinning", "timeout_s": 30}
+{"turn": 6, "think_s": 0, "cmd": "echo end", "timeout_s": 30}
+"#;
+
+/// What a turn left running gets the agent's think time before anything saves or looks,
+/// in every run alike: every-turn, whose dump takes longer than a reference run's look, is
+/// judged on what it restored, not on how far the left-over processes had got. Without the
+/// wait the reference looks at 1 line of progress and every-turn checkpoints several; without
+/// waiting for the abandoned sleeper, the reference looks before `late` is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_turn_left_running_settles_before_the_checkpoint_and_the_look() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let _containerd = CONTAINERD.lock().await;
+    let file = trace_file(LEFT_RUNNING);
+    let mut options = options(vec![file.path().to_path_buf()], "io.containerd.runc.v2");
+    options.policies = vec![PolicyKind::EveryTurn];
+    options.ref_runs = 1;
+    let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
+    let report = &reports[0];
+    let every_turn = run_of(&report.runs, PolicyKind::EveryTurn);
+    let verdict = every_turn.fault.as_ref().unwrap().verdict.as_ref().unwrap();
+    assert_eq!(every_turn.recovered_correctly, Some(true), "{verdict:?}");
+    assert!(verdict.state_equal, "{verdict:?}");
+    // Turn 2 timed out; the sleeper it abandoned woke about 4 s after `ctr` gave up, within the
+    // 9 s the agent thought, and everything was quiet then.
+    let turn_2 = &every_turn.turns[1];
+    assert!(turn_2.timed_out && turn_2.settled && (2.0..9.0).contains(&turn_2.settle_s), "{turn_2:?}");
+    assert_eq!(every_turn.turns[3].rc, Some(0), "`late` was there for turn 4");
+    // The spinner never settles: the states after turns 5 and 6 are not compared, the
+    // outputs still are.
+    assert_eq!(report.reference.unsettled_turns, [5, 6], "{:?}", report.reference);
+    assert_eq!(verdict.states_unsettled, [5, 6], "{verdict:?}");
+    assert_eq!(
+        (verdict.states_compared.as_slice(), verdict.turns_compared.as_slice()),
+        (&[3, 4][..], &[3, 4, 5, 6][..])
+    );
+}
+
 /// The synthetic traces of `traces/adversarial`, each touching one kind of state.
 fn adversarial(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("../../traces/adversarial/{name}.jsonl"))
