@@ -161,8 +161,8 @@ pub struct Sandbox {
     /// What the fingerprint looks at, from the container's spec (read at the first look: a
     /// container's spec does not change).
     scope: Option<Scope>,
-    /// Its init's host pid, read at the first settle (a handle's init never changes: a
-    /// recovered container gets a handle of its own).
+    /// Its init's host pid, asked of containerd at the first exec or settle (a handle's init
+    /// never changes: a recovered container gets a handle of its own).
     init: Option<u32>,
     /// Which of its processes were last seen quiet (see [`Sandbox::settle`]).
     settling: Settling,
