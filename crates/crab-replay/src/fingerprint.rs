@@ -28,6 +28,8 @@ use crab_store::{ContainerMount, ContainerRoot, MountKind, RelPath, SandboxMount
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+use super::proc_stat;
+
 /// Container paths whose content is the kernel's or the runtime's, not state a turn leaves:
 /// compared by nobody, whatever the spec says. `/dev/shm` (a tmpfs the agent writes) is kept.
 pub const VOLATILE: [&str; 3] = ["/proc", "/sys", "/dev"];
@@ -408,7 +410,7 @@ fn processes_of(init: u32) -> Result<(BTreeMap<String, Vec<ProcessEntry>>, Socke
             continue; // a zombie
         }
         let Ok(stat) = read_proc(&PathBuf::from(format!("/proc/{pid}/stat"))) else { continue };
-        members.insert(pid, (args.join(" "), stat_parent(&stat).unwrap_or(0)));
+        members.insert(pid, (args.join(" "), proc_stat::parent(&stat).unwrap_or(0)));
     }
     let mut processes: BTreeMap<String, Vec<ProcessEntry>> = BTreeMap::new();
     let mut sockets = SocketInodes::new();
@@ -462,13 +464,6 @@ fn describe_fd(
         }
         None => shown,
     }
-}
-
-/// The parent pid in a `/proc/<pid>/stat` line (after the command, which may hold spaces).
-fn stat_parent(stat: &[u8]) -> Option<u32> {
-    let text = String::from_utf8_lossy(stat);
-    let rest = &text[text.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// The first port of the kernel's ephemeral range: ports from there up are chosen at random.
@@ -713,12 +708,6 @@ mod tests {
         assert!(scope.prunes(b"/proc") && scope.prunes(b"/dev/pts"));
         let error = Scope::new(&mounts, &["relative".to_string()]).unwrap_err();
         assert_eq!(error.to_string(), r#"ignore entry "relative": not an absolute path"#);
-    }
-
-    #[test]
-    fn parent_pid_is_read_after_a_command_with_spaces_and_parentheses() {
-        assert_eq!(stat_parent(b"42 (a b) c) S 7 42 42 0"), Some(7));
-        assert_eq!(stat_parent(b"garbage"), None);
     }
 
     /// `files_of` over a directory of this machine, reached as a container's would be

@@ -15,6 +15,7 @@ use tracing::{info, warn};
 
 use super::fault::FaultKind;
 use super::node::{NodeA, NodeB};
+use super::proc_stat;
 use super::sandbox::{Sandbox, SandboxError, remove_container};
 use crab_containerd::{Ctr, CtrError};
 
@@ -296,7 +297,7 @@ impl FaultInjector {
             task_entry(&listing, container).ok_or_else(|| InjectError::NoTask { container: container.into() })?;
         let stat_path = PathBuf::from(format!("/proc/{init}/stat"));
         let stat = read_proc(&stat_path)?;
-        let parent = stat_parent(&stat).ok_or_else(|| InjectError::Proc {
+        let parent = proc_stat::parent(stat.as_bytes()).ok_or_else(|| InjectError::Proc {
             path: stat_path.clone(),
             source: std::io::Error::new(std::io::ErrorKind::InvalidData, "no parent pid in it"),
         })?;
@@ -401,8 +402,8 @@ async fn kill_and_wait(pid: u32, what: &str) -> Result<(), InjectError> {
 }
 
 fn is_alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|stat| stat_state(&stat).is_some_and(|state| state != 'Z' && state != 'X'))
+    std::fs::read(format!("/proc/{pid}/stat"))
+        .is_ok_and(|stat| proc_stat::state(&stat).is_some_and(|state| state != 'Z' && state != 'X'))
 }
 
 /// The pid of the process that listens on the Unix socket `socket` (a daemon by what it
@@ -449,20 +450,6 @@ pub fn listening_inodes(table: &str, path: &Path) -> Vec<u64> {
 /// The inode of an fd link such as `socket:[12345]`.
 pub fn socket_inode(link: &str) -> Option<u64> {
     link.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()
-}
-
-/// Fields after the command name of `/proc/<pid>/stat`, whose name may hold spaces and parentheses.
-fn stat_fields(stat: &str) -> Option<Vec<&str>> {
-    let (_, rest) = stat.rsplit_once(')')?;
-    Some(rest.split_whitespace().collect())
-}
-
-pub fn stat_state(stat: &str) -> Option<char> {
-    stat_fields(stat)?.first()?.chars().next()
-}
-
-pub fn stat_parent(stat: &str) -> Option<u32> {
-    stat_fields(stat)?.get(1)?.parse().ok()
 }
 
 /// Whether a NUL-separated command line is a containerd shim serving
@@ -521,15 +508,6 @@ mod tests {
         assert_eq!(socket_inode("pipe:[41230]"), None);
         assert_eq!(socket_inode("/dev/null"), None);
         assert_eq!(socket_inode("socket:[x]"), None);
-    }
-
-    #[test]
-    fn stat_with_a_tricky_command_name() {
-        let stat = "4242 (sh) x (y) S 17 4242 4242 0 -1 4194560 100 0 0 0";
-        assert_eq!(stat_parent(stat), Some(17));
-        assert_eq!(stat_state(stat), Some('S'));
-        assert_eq!(stat_state("99 (sleep) Z 1 99 99"), Some('Z'));
-        assert_eq!(stat_parent("garbage"), None);
     }
 
     #[test]

@@ -26,6 +26,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use super::fingerprint::{FingerprintError, pids_of_sandbox};
+use super::proc_stat;
 
 /// How long the sandbox must stay quiet to count as settled.
 pub const WINDOW: Duration = Duration::from_millis(100);
@@ -68,7 +69,7 @@ impl Activity {
         let mut activity = Activity::default();
         for pid in pids_of_sandbox(init)? {
             let Ok(stat) = std::fs::read(format!("/proc/{pid}/stat")) else { continue };
-            let Some(state) = stat_state(&stat) else { continue };
+            let Some(state) = proc_stat::state(&stat) else { continue };
             if state == 'Z' || state == 'X' {
                 continue;
             }
@@ -160,12 +161,6 @@ impl Settling {
     }
 }
 
-/// The state letter of `/proc/<pid>/stat` (after the command's closing parenthesis).
-fn stat_state(stat: &[u8]) -> Option<char> {
-    let close = stat.iter().rposition(|b| *b == b')')?;
-    stat.get(close + 2).map(|b| char::from(*b))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,13 +190,6 @@ mod tests {
         assert_eq!(bound(Some(300.0)), MAX_WAIT);
         assert_eq!(bound(Some(f64::NAN)), MIN_WAIT);
         assert_eq!(bound(None), MIN_WAIT);
-    }
-
-    #[test]
-    fn the_state_letter_is_read_after_the_command_whatever_it_holds() {
-        assert_eq!(stat_state(b"42 (a) b (c)) R 1 42"), Some('R'));
-        assert_eq!(stat_state(b"7 (sleep) S 1 7"), Some('S'));
-        assert_eq!(stat_state(b"7 (sleep)"), None);
     }
 
     /// Replays a list of samples, then the last one for ever.
