@@ -381,7 +381,7 @@ mod tests {
                 data_ranges: None,
                 rdev: None,
             };
-            fingerprint.files.insert(fields[5].into(), entry);
+            fingerprint.files.insert(fields[5].into(), entry.into());
         }
         fingerprint
     }

@@ -574,7 +574,7 @@ mod tests {
             data_ranges: None,
             rdev: None,
         };
-        state.files.insert(path.into(), entry);
+        state.files.insert(path.into(), entry.into());
         state
     }
 
