@@ -22,6 +22,13 @@ TERMINAL_PACKAGES=(python3 python3-pip python3-venv git procps curl nginx tmux v
 CODE_REPAIR_PACKAGES=(python3 python3-pip python3-venv git procps python-is-python3)
 # Python all code-repair wheels are resolved for: bookworm's python3.
 CODE_REPAIR_PYTHON=3.11
+# What the environments the traces were recorded in had besides the project and its test extra
+# (pinned). pydicom's tests read data files that pydicom downloads when it does not have them;
+# without pydicom-data a sandbox (no network) spends 21 s of download retries on each, and
+# pydicom-1413's one-module test runs took 42 s against the 0.3 s recorded (0.3 s with it). Its
+# two files whose bytes pydicom 2.3 no longer accepts are downloaded still, as they were when
+# the traces were recorded: a run over the whole suite timed out there too (pydicom-1256).
+declare -gA CODE_REPAIR_ENV_PACKAGES=([pydicom]="pydicom-data==1.0.0")
 
 # ---- recipes: each fills the rootfs directory $1 -------------------------
 
@@ -367,6 +374,28 @@ recipe_code_repair_from_base() {
   recipe_code_repair "$root" "$project" "$version" "$dl"
 }
 
+# The same, then the project's CODE_REPAIR_ENV_PACKAGES from the wheels in $6. A recipe of its
+# own, so that the images of projects without any keep their keys.
+recipe_code_repair_with_env_packages() {
+  local root=$1 project=$3 env_dl=$6
+  recipe_code_repair_from_base "${@:1:5}"
+  mkdir -p "$root/tmp/wheels"
+  cp "$env_dl"/*.whl "$root/tmp/wheels/"
+  # shellcheck disable=SC2086 # one word per requirement
+  in_rootfs "$root" python3 -m pip install --quiet --break-system-packages --no-index --no-deps \
+    --find-links /tmp/wheels ${CODE_REPAIR_ENV_PACKAGES[$project]}
+  rm -rf "$root/tmp/wheels" "$root/root/.cache"
+}
+
+# Downloads (host side) the wheels of REQUIREMENT... into $1.
+code_repair_download_env_packages() {
+  local dir=$1
+  shift
+  mkdir -p "$dir"
+  host_pip download --quiet --no-deps --only-binary :all: --python-version "$CODE_REPAIR_PYTHON" \
+    -d "$dir" "$@" >"$dir/pip.log" 2>&1 || { cat "$dir/pip.log" >&2; die "could not download $*"; }
+}
+
 # The image name of PROJECT VERSION: lowercased (an image reference's repository must be),
 # exactly as crab-replay derives it from a trace header (code_repair_image_name in
 # crates/crab-replay/src/trace.rs); the header keeps the project's own spelling, which pip needs.
@@ -383,8 +412,14 @@ image_code_repair() {
   name=$(code_repair_image_name "$project" "$version")
   base=$(with_image_lock code-repair-base code_repair_base_tar)
   sdist_tool="sdist.py $(sha256sum <"$SDIST_TOOL" | cut -c1-16)"
+  local recipe=recipe_code_repair_from_base env_packages=${CODE_REPAIR_ENV_PACKAGES[$project]:-} env_key=() env_dl=
+  if [ -n "$env_packages" ]; then
+    recipe=recipe_code_repair_with_env_packages
+    env_key=(recipe_code_repair_with_env_packages code_repair_download_env_packages "env packages $env_packages")
+  fi
   key=$(recipe_key recipe_code_repair_from_base recipe_code_repair code_repair_download \
-    code_repair_test_extra in_rootfs CODE_REPAIR_PYTHON "${IMAGE_EXTRA_ENV[@]}" "$sdist_tool" "$(basename "$base")" "$project" "$version")
+    code_repair_test_extra in_rootfs CODE_REPAIR_PYTHON "${IMAGE_EXTRA_ENV[@]}" "$sdist_tool" "$(basename "$base")" "$project" "$version" \
+    "${env_key[@]}")
   if [ -f "$CRAB_IMAGE_CACHE/$(image_cache_name "$name")-$key.tar" ]; then
     tarball="$CRAB_IMAGE_CACHE/$(image_cache_name "$name")-$key.tar"
   else
@@ -395,8 +430,17 @@ image_code_repair() {
       touch "$dl/.complete"
       find "$CRAB_CACHE/pypi" -mindepth 1 -maxdepth 1 -name "$project-$version-*" ! -path "$dl" -exec rm -rf {} +
     fi
-    tarball=$(with_image_lock "$name" image_build_cached "$name" recipe_code_repair_from_base "$key" '["sleep","infinity"]' /testbed \
-      "$base" "$project" "$version" "$dl")
+    if [ -n "$env_packages" ]; then
+      env_dl="$CRAB_CACHE/pypi/env-$project-$(recipe_key code_repair_download_env_packages CODE_REPAIR_PYTHON "$env_packages")"
+      if [ ! -f "$env_dl/.complete" ]; then
+        rm -rf "$env_dl"
+        # shellcheck disable=SC2086 # one word per requirement
+        code_repair_download_env_packages "$env_dl" $env_packages
+        touch "$env_dl/.complete"
+      fi
+    fi
+    tarball=$(with_image_lock "$name" image_build_cached "$name" "$recipe" "$key" '["sleep","infinity"]' /testbed \
+      "$base" "$project" "$version" "$dl" "$env_dl")
   fi
   image_import "$name" "$tarball"
 }
