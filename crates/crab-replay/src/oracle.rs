@@ -5,17 +5,21 @@
 //! (a state the recovery got wrong that no later turn prints still shows).
 //!
 //! With two reference runs, what differs between them is nondeterministic:
-//! such turns are not compared, and such fingerprint entries are masked.
+//! such turns are not compared, and such fingerprint entries are masked. A file
+//! whose name alone differs between them (`tempfile`, `mktemp`) is not masked: a
+//! judged run must have a file like it under a name of its own (see
+//! [`pair_generated_names`]).
 //!
 //! Outputs are compared with their wall-clock stamps normalised, and stderr
 //! also without its line order (see [`super::normalize`]); the verdict names
 //! the turns that matched only that way, so the leniency stays visible.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 
 use serde::Serialize;
 
-use super::fingerprint::{Difference, Fingerprint};
+use super::fingerprint::{Difference, FileEntry, Files, Fingerprint};
 use super::normalize;
 
 /// What the agent saw of one turn.
@@ -167,6 +171,9 @@ pub struct Verdict {
     pub state_differences: Vec<Difference>,
     /// Entries that differ between reference runs themselves at the fault turn.
     pub masked_entries: usize,
+    /// Files of the reference at the fault turn whose names differ from run to run, each
+    /// matched with a file of this run under another name (see [`pair_generated_names`]).
+    pub generated_names_paired: usize,
     pub turns_compared: Vec<u32>,
     /// Turns after the fault whose results differ between reference runs.
     pub turns_excluded: Vec<u32>,
@@ -252,11 +259,45 @@ impl Reference {
             .collect()
     }
 
-    /// Fingerprint keys that differ between reference runs after `turn`.
-    pub fn volatile_keys(&self, turn: u32) -> BTreeSet<String> {
+    /// What of the state after `turn` is compared how: the entries that differ between
+    /// reference runs, and the primary run's files whose names alone do.
+    fn masks(&self, turn: u32) -> Masks {
         let index = (turn - 1) as usize;
         let primary = &self.primary().fingerprints[index];
-        self.runs[1..].iter().flat_map(|run| run.fingerprints[index].diff(primary)).map(|d| d.key).collect()
+        let mut volatile = BTreeSet::new();
+        let mut generated = BTreeSet::new();
+        for run in &self.runs[1..] {
+            let other = &run.fingerprints[index];
+            let paired = pair_generated_names(&other.files, &primary.files, |_| true);
+            volatile.extend(other.diff(primary).into_iter().map(|d| d.key).filter(|key| !paired.contains(key)));
+            generated.extend(paired.into_iter().filter_map(|key| {
+                let path = key.strip_prefix("file:")?;
+                primary.files.get_key_value(path).map(|(path, _)| path.clone())
+            }));
+        }
+        // A name another run shows as nondeterministic in some other way stays masked.
+        generated.retain(|path| !volatile.contains(&format!("file:{path}")));
+        Masks { volatile, generated }
+    }
+
+    /// How `state`, after `turn`, differs from the reference's, what differs between
+    /// reference runs left out and files with generated names paired off.
+    fn differences(&self, turn: u32, state: &Fingerprint, reference_state: &Fingerprint) -> Compared {
+        let masks = self.masks(turn);
+        let paired = pair_generated_names(&state.files, &reference_state.files, |path| masks.generated.contains(path));
+        let differences = state
+            .diff(reference_state)
+            .into_iter()
+            .filter(|d| !masks.volatile.contains(&d.key) && !paired.contains(&d.key))
+            .map(|mut d| {
+                let generated = d.key.strip_prefix("file:").is_some_and(|path| masks.generated.contains(path));
+                if generated {
+                    d.detail.push_str(" (its name differs from run to run; no file of this run is like it)");
+                }
+                d
+            })
+            .collect();
+        Compared { differences, masked: masks.volatile.len(), paired: paired.len() / 2 }
     }
 
     /// Judges a run that was killed after `fault_turn` and recovered into
@@ -272,16 +313,16 @@ impl Reference {
         let turns = self.primary().results.len();
         let reference_state =
             self.fingerprint(fault_turn).ok_or(OracleError::NoSuchTurn { turn: fault_turn, turns })?;
-        let volatile = self.volatile_keys(fault_turn);
-        let state_differences: Vec<Difference> =
-            recovered.diff(reference_state).into_iter().filter(|d| !volatile.contains(&d.key)).collect();
+        let Compared { differences: state_differences, masked, paired } =
+            self.differences(fault_turn, recovered, reference_state);
         let nondeterministic = self.nondeterministic_turns();
         let unsettled = self.unsettled_turns();
         let mut verdict = Verdict {
             fault_turn,
             state_equal: state_differences.is_empty(),
             state_differences,
-            masked_entries: volatile.len(),
+            masked_entries: masked,
+            generated_names_paired: paired,
             turns_compared: Vec::new(),
             turns_excluded: Vec::new(),
             turns_normalised_wall_clock: Vec::new(),
@@ -307,9 +348,7 @@ impl Reference {
             } else if let Some(state) = state {
                 let reference_state =
                     self.fingerprint(result.turn).ok_or(OracleError::NoSuchTurn { turn: result.turn, turns })?;
-                let volatile = self.volatile_keys(result.turn);
-                let differences: Vec<Difference> =
-                    state.diff(reference_state).into_iter().filter(|d| !volatile.contains(&d.key)).collect();
+                let differences = self.differences(result.turn, state, reference_state).differences;
                 verdict.states_compared.push(result.turn);
                 if !differences.is_empty() {
                     if verdict.state_mismatches.is_empty() {
@@ -349,6 +388,63 @@ impl Reference {
             && verdict.output_mismatches.is_empty();
         Ok(verdict)
     }
+}
+
+/// How the state after a turn is compared with the reference's (see [`Reference::masks`]).
+struct Masks {
+    /// Fingerprint keys that differ between reference runs: not compared.
+    volatile: BTreeSet<String>,
+    /// Paths of the primary reference run's files whose names alone differ between
+    /// reference runs: a judged run must have a file like each under a name of its own.
+    generated: BTreeSet<Arc<str>>,
+}
+
+struct Compared {
+    differences: Vec<Difference>,
+    /// How many entries were left out as differing between reference runs.
+    masked: usize,
+    /// How many files with generated names were paired off.
+    paired: usize,
+}
+
+/// What a file with a generated name keeps from run to run: its directory and the length of
+/// its name (`tempfile` and `mktemp` fill a fixed number of random characters into a fixed
+/// template, and the random part may be what follows the last dot, as in `mktemp`'s default
+/// `tmp.XXXXXXXXXX`).
+fn name_shape(path: &str) -> (&str, usize) {
+    let (directory, name) = path.rsplit_once('/').unwrap_or(("", path));
+    (directory, name.len())
+}
+
+/// Pairs each file of `expected` that `replaceable` admits and `actual` lacks with a file of
+/// `actual` that `expected` lacks, of the same [`name_shape`] and equal in everything the
+/// fingerprint records but its name (contents, mode, owner, xattrs): the same file under a name generated afresh (an agent's
+/// script that leaves `/tmp/tmpXXXXXXXX.dcm` behind leaves it under other names in every run).
+/// Returns the fingerprint keys of both files of each pair; each file pairs at most once.
+fn pair_generated_names<'a>(
+    actual: &'a Files,
+    expected: &'a Files,
+    replaceable: impl Fn(&str) -> bool,
+) -> BTreeSet<String> {
+    let mut lacking: HashMap<(&'a str, usize), Vec<(&'a str, &'a FileEntry)>> = HashMap::new();
+    for (path, entry) in expected {
+        if !actual.contains_key(path) && replaceable(path) {
+            lacking.entry(name_shape(path)).or_default().push((path, entry));
+        }
+    }
+    let mut keys = BTreeSet::new();
+    if lacking.is_empty() {
+        return keys;
+    }
+    for (path, entry) in actual.iter().filter(|(path, _)| !expected.contains_key(*path)) {
+        let Some(candidates) = lacking.get_mut(&name_shape(path)) else { continue };
+        if let Some(index) = candidates.iter().position(|(_, candidate)| *candidate == &**entry) {
+            let (missing, _) = candidates.remove(index);
+            keys.insert(format!("file:{missing}"));
+            keys.insert(format!("file:{path}"));
+        }
+    }
+    keys
 }
 
 #[cfg(test)]
@@ -628,5 +724,83 @@ mod tests {
         let reference = Reference::new(vec![run(["a", "b", "c"], [EMPTY, EMPTY, EMPTY])]).unwrap();
         assert!(matches!(reference.judge(4, &state(EMPTY), &[], true), Err(OracleError::NoSuchTurn { .. })));
         assert!(matches!(reference.judge(0, &state(EMPTY), &[], true), Err(OracleError::NoSuchTurn { .. })));
+    }
+
+    /// Two reference runs whose turn 2 left two files under names of its own each time (what
+    /// pydicom-1413's scripts left: `tempfile` names, one file empty and one of 132 bytes).
+    fn generated_names_reference() -> Reference {
+        const RUN_1: &[&str] =
+            &["F d 0755 0:0 4096 /tmp", "F f 0600 0:0 132 /tmp/tmpaaaa.dcm", "F f 0600 0:0 0 /tmp/tmpbbbb.dcm"];
+        const RUN_2: &[&str] =
+            &["F d 0755 0:0 4096 /tmp", "F f 0600 0:0 132 /tmp/tmpcccc.dcm", "F f 0600 0:0 0 /tmp/tmpdddd.dcm"];
+        let first = run(["a", "b", "c"], [EMPTY, RUN_1, RUN_1]);
+        let second = run(["a", "b", "c"], [EMPTY, RUN_2, RUN_2]);
+        Reference::new(vec![first, second]).unwrap()
+    }
+
+    #[test]
+    fn files_with_generated_names_pair_with_files_like_them_under_other_names() {
+        let reference = generated_names_reference();
+        const JUDGED: &[&str] =
+            &["F d 0755 0:0 4096 /tmp", "F f 0600 0:0 0 /tmp/tmpeeee.dcm", "F f 0600 0:0 132 /tmp/tmpffff.dcm"];
+        let after_3 = state(JUDGED);
+        let verdict = reference.judge(2, &state(JUDGED), &[(result(3, 0, "c"), Some(&after_3))], true).unwrap();
+        assert!(verdict.correct, "{verdict:?}");
+        assert_eq!((verdict.generated_names_paired, verdict.masked_entries), (2, 0), "{verdict:?}");
+        assert_eq!(verdict.states_compared, [3]);
+    }
+
+    #[test]
+    fn a_file_with_a_generated_name_that_nothing_takes_the_place_of_is_lost() {
+        let reference = generated_names_reference();
+        // The empty one is gone (masked as nondeterministic before names were paired).
+        let lost = state(&["F d 0755 0:0 4096 /tmp", "F f 0600 0:0 132 /tmp/tmpeeee.dcm"]);
+        let verdict = reference.judge(2, &lost, &[(result(3, 0, "c"), None)], true).unwrap();
+        assert!(!verdict.correct, "{verdict:?}");
+        assert_eq!(verdict.state_differences.len(), 1, "{verdict:?}");
+        assert_eq!(verdict.state_differences[0].key, "file:/tmp/tmpbbbb.dcm");
+        assert!(verdict.state_differences[0].detail.contains("name differs from run to run"), "{verdict:?}");
+        // One with other contents does not take its place, nor does a third.
+        let other_size =
+            state(&["F d 0755 0:0 4096 /tmp", "F f 0600 0:0 132 /tmp/tmpeeee.dcm", "F f 0600 0:0 5 /tmp/tmpffff.dcm"]);
+        let verdict = reference.judge(2, &other_size, &[(result(3, 0, "c"), None)], true).unwrap();
+        let keys: Vec<&str> = verdict.state_differences.iter().map(|d| d.key.as_str()).collect();
+        assert_eq!(keys, ["file:/tmp/tmpbbbb.dcm", "file:/tmp/tmpffff.dcm"], "{verdict:?}");
+        let third = state(&[
+            "F d 0755 0:0 4096 /tmp",
+            "F f 0600 0:0 132 /tmp/tmpeeee.dcm",
+            "F f 0600 0:0 0 /tmp/tmpffff.dcm",
+            "F f 0600 0:0 0 /tmp/tmpgggg.dcm",
+        ]);
+        let verdict = reference.judge(2, &third, &[(result(3, 0, "c"), None)], true).unwrap();
+        assert_eq!((verdict.correct, verdict.state_differences.len()), (false, 1), "{verdict:?}");
+        assert_eq!(verdict.generated_names_paired, 2);
+    }
+
+    #[test]
+    fn names_pair_only_in_the_same_directory_with_the_same_length() {
+        let reference = generated_names_reference();
+        for stray in ["/app/tmpeeee.dcm", "/tmp/tmpeeeee.dcm", "/tmp/tmpeee.dcm"] {
+            let judged = state(&[
+                "F d 0755 0:0 4096 /tmp",
+                "F f 0600 0:0 132 /tmp/tmpffff.dcm",
+                &format!("F f 0600 0:0 0 {stray}"),
+            ]);
+            let verdict = reference.judge(2, &judged, &[], true).unwrap();
+            let keys: Vec<&str> = verdict.state_differences.iter().map(|d| d.key.as_str()).collect();
+            assert_eq!(keys, ["file:/tmp/tmpbbbb.dcm".to_string(), format!("file:{stray}")], "{stray}");
+        }
+    }
+
+    #[test]
+    fn names_that_differ_between_reference_runs_with_their_files_stay_masked() {
+        // Two logs under run-specific names with other contents: not the same file renamed,
+        // so both stay nondeterministic, as any entry that differs between reference runs.
+        let first = run(["a", "b", "c"], [EMPTY, &["F d 0755 0:0 4096 /app", "F f 0644 0:0 10 /app/1.log"], EMPTY]);
+        let second = run(["a", "b", "c"], [EMPTY, &["F d 0755 0:0 4096 /app", "F f 0644 0:0 11 /app/2.log"], EMPTY]);
+        let reference = Reference::new(vec![first, second]).unwrap();
+        let verdict = reference.judge(2, &state(EMPTY), &[], true).unwrap();
+        assert!(verdict.correct, "{verdict:?}");
+        assert_eq!((verdict.masked_entries, verdict.generated_names_paired), (2, 0));
     }
 }

@@ -754,6 +754,7 @@ mod tests {
                 state_equal: correct,
                 state_differences: Vec::new(),
                 masked_entries: 0,
+                generated_names_paired: 0,
                 turns_compared: vec![3],
                 turns_excluded: Vec::new(),
                 turns_normalised_wall_clock: Vec::new(),

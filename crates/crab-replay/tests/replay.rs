@@ -824,6 +824,44 @@ async fn what_a_turn_left_running_settles_before_the_checkpoint_and_the_look() {
     );
 }
 
+/// Turn 1 leaves two files and a directory under names `mktemp` makes up afresh in every run.
+const GENERATED_NAMES: &str = r#"{"trace": "generated-names-itest", "source": "crab tests", "mode": "exec", "workdir": "/app", "image": "terminal", "turns": 3}
+{"turn": 1, "think_s": 0.1, "cmd": "echo data > \"$(mktemp)\" && mktemp >/dev/null && mktemp -d >/dev/null && echo made", "timeout_s": 30}
+{"turn": 2, "think_s": 0.1, "cmd": "echo ok", "timeout_s": 30}
+{"turn": 3, "think_s": 0.1, "cmd": "echo done", "timeout_s": 30}
+"#;
+
+/// Files whose names differ between the reference runs are judged as files, not masked as
+/// names: a run that kept them under its own names is correct (the oracle used to call them
+/// unexpected), and a run that lost them is not (the oracle used to mask them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_with_generated_names_are_judged_by_what_they_are() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let _containerd = CONTAINERD.lock().await;
+    let file = trace_file(GENERATED_NAMES);
+    let mut options = options(vec![file.path().to_path_buf()], "io.containerd.runc.v2");
+    options.policies = vec![PolicyKind::ChatOnly];
+    options.faults = vec![FaultKind::RestartContainerd, FaultKind::KillProcesses];
+    let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
+    // containerd restarted under a running task: the files are there under this run's names.
+    let kept = run_of(&report_for(&reports, FaultKind::RestartContainerd).runs, PolicyKind::ChatOnly);
+    let verdict = kept.fault.as_ref().unwrap().verdict.as_ref().unwrap();
+    assert_eq!(kept.recovered_correctly, Some(true), "{verdict:?}");
+    assert_eq!((verdict.generated_names_paired, verdict.masked_entries), (3, 0), "{verdict:?}");
+    assert_eq!(verdict.states_compared, [3], "{verdict:?}");
+    // Every process killed, the sandbox back from its image: all three are gone.
+    let lost = run_of(&report_for(&reports, FaultKind::KillProcesses).runs, PolicyKind::ChatOnly);
+    let verdict = lost.fault.as_ref().unwrap().verdict.as_ref().unwrap();
+    assert_eq!(lost.recovered_correctly, Some(false), "{verdict:?}");
+    let generated: Vec<&str> = verdict
+        .state_differences
+        .iter()
+        .filter(|d| d.key.starts_with("file:/tmp/") && d.detail.contains("name differs from run to run"))
+        .map(|d| d.key.as_str())
+        .collect();
+    assert_eq!(generated.len(), 3, "{verdict:?}");
+}
+
 /// The synthetic traces of `traces/adversarial`, each touching one kind of state.
 fn adversarial(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("../../traces/adversarial/{name}.jsonl"))
