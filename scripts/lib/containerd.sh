@@ -112,9 +112,16 @@ ctrd_start() {
   ctrd_clear_stale
   mkdir -p "$CRAB_CTRD_DIR" "$CRAB_CTRD_STATE" "$CRAB_CTRD_ROOT"
   ctrd_write_config
+  # containerd 1.6 unpacks each checkpoint image it restores from into a new
+  # directory under $XDG_RUNTIME_DIR (else /tmp) and never removes it: up to
+  # tens of MB per restore. Here they go to a directory of this instance that
+  # each start empties (a restore's directory is only read while it restores).
+  local restore_tmp="$CRAB_CTRD_ROOT/restore-tmp"
+  rm -rf "$restore_tmp"
+  mkdir -m 0700 -p "$restore_tmp"
   log "starting containerd (socket $CRAB_CTRD_SOCK, root $CRAB_CTRD_ROOT, log $CRAB_CTRD_LOG)"
   # setsid + nohup: the daemon must outlive the shell (and terminal) that started it.
-  PATH="$CRAB_SHIM_DIR:$PATH" setsid nohup containerd --config "$CRAB_CTRD_CONFIG" \
+  XDG_RUNTIME_DIR="$restore_tmp" PATH="$CRAB_SHIM_DIR:$PATH" setsid nohup containerd --config "$CRAB_CTRD_CONFIG" \
     </dev/null >>"$CRAB_CTRD_LOG" 2>&1 &
   local launched=$!
   echo "$launched" >"$CRAB_CTRD_PIDFILE"
@@ -295,6 +302,28 @@ ctrd_status() {
     echo "stopped"
   fi
   return 3
+}
+
+# Drops the leases of this containerd, in every namespace, created more than $1
+# seconds ago (0: all). `ctr` takes a lease of 24 hours for each command, and a
+# `ctr` that was killed (a stopped evaluation or test run) leaves it behind with
+# what it wrote: kept, the empty blob of a restored container's runtime options
+# makes containerd 1.6 write every later checkpoint of such a container with an
+# index entry that has no digest. A lease younger than $1 may be a command that
+# is still running.
+ctrd_drop_leases() {
+  local older_than=${1:?ctrd_drop_leases needs an age in seconds} now ns id created
+  now=$(date +%s)
+  for ns in $(ctrd_ctr namespaces ls -q); do
+    while read -r id created _; do
+      [ -n "$id" ] || continue
+      created=$(date -d "$created" +%s 2>/dev/null) || continue
+      [ $((now - created)) -ge "$older_than" ] || continue
+      log "dropping lease $id of namespace $ns (created $((now - created)) s ago, by a command that did not finish)"
+      ctr --address "$CRAB_CTRD_SOCK" --namespace "$ns" leases rm --sync "$id" >/dev/null ||
+        log "could not drop lease $id of namespace $ns"
+    done < <(ctr --address "$CRAB_CTRD_SOCK" --namespace "$ns" leases ls 2>/dev/null | tail -n +2)
+  done
 }
 
 ctrd_env() {

@@ -580,12 +580,7 @@ impl Sandbox {
         let index_blob = self.ctr.run(&["content", "get", &digest]).await?.stdout;
         let parsed: CheckpointIndex = serde_json::from_slice(&index_blob)
             .map_err(|error| problem(format!("index {digest} is not an OCI index: {error}")))?;
-        // containerd 1.6 drops the task part without an error when one of its
-        // blobs already exists (the spec of an earlier checkpoint of the same
-        // container): a checkpoint that could not restore processes must not pass.
-        if !parsed.manifests.iter().any(|m| m.media_type == CRIU_CHECKPOINT_MEDIA_TYPE) {
-            return Err(problem("containerd stored no CRIU image (task part missing)".to_string()));
-        }
+        parsed.check().map_err(|why| problem(format!("index {digest}: {why}")))?;
         let index = Descriptor { media_type: INDEX_MEDIA_TYPE.to_string(), digest, size: index_blob.len() as u64 };
         let mut blobs = vec![index.clone()];
         blobs.extend(parsed.manifests.into_iter().filter(|m| !IMAGE_MEDIA_TYPES.contains(&m.media_type.as_str())));
@@ -657,6 +652,28 @@ struct CheckpointIndex {
     manifests: Vec<Descriptor>,
 }
 
+impl CheckpointIndex {
+    /// Whether the index names every part of a checkpoint that restores. containerd 1.6
+    /// loses a part without an error when one of its blobs is already stored: the task part
+    /// when it is the spec of an earlier checkpoint of the same container (a checkpoint that
+    /// could not restore processes must not pass), and the descriptor of the runtime options
+    /// of a restored container, empty bytes every time, whenever something keeps that blob
+    /// (a lease left by a `ctr` that was killed keeps what it wrote for 24 hours).
+    fn check(&self) -> Result<(), String> {
+        if let Some(entry) = self.manifests.iter().find(|entry| entry.digest.is_empty()) {
+            return Err(format!(
+                "its {} entry has no digest (containerd 1.6 writes a blob it finds already stored this way; \
+                 a lease a killed `ctr` left keeps blobs stored: `ctr leases ls`, `ctr leases rm --sync ID`)",
+                entry.media_type
+            ));
+        }
+        if !self.manifests.iter().any(|entry| entry.media_type == CRIU_CHECKPOINT_MEDIA_TYPE) {
+            return Err("containerd stored no CRIU image (task part missing)".to_string());
+        }
+        Ok(())
+    }
+}
+
 /// Removes a container by id whatever state it is in; absent is fine.
 pub async fn remove_container(ctr: &Ctr, id: &str) -> Result<(), SandboxError> {
     ignore_not_found(ctr.run(&["tasks", "delete", "--force", id]).await)?;
@@ -690,6 +707,19 @@ mod tests {
 
     fn descriptor(media_type: &str, digest: char, size: u64) -> Descriptor {
         Descriptor { media_type: media_type.into(), digest: format!("sha256:{}", digest.to_string().repeat(64)), size }
+    }
+
+    #[test]
+    fn a_checkpoint_index_without_its_criu_image_or_with_an_entry_without_digest_is_refused() {
+        let criu = descriptor(CRIU_CHECKPOINT_MEDIA_TYPE, 'c', 9000);
+        let options = "application/vnd.containerd.container.runtime.options+protobuf";
+        let whole = CheckpointIndex { manifests: vec![criu.clone(), descriptor(options, 'e', 0)] };
+        assert_eq!(whole.check(), Ok(()));
+        let no_criu = CheckpointIndex { manifests: vec![descriptor(options, 'e', 0)] };
+        assert!(no_criu.check().unwrap_err().contains("no CRIU image"));
+        let empty = Descriptor { media_type: options.into(), digest: String::new(), size: 0 };
+        let error = CheckpointIndex { manifests: vec![criu, empty] }.check().unwrap_err();
+        assert!(error.contains(options) && error.contains("no digest") && error.contains("ctr leases"), "{error}");
     }
 
     #[test]
