@@ -138,16 +138,6 @@ pub fn ran_between(before: &CpuSnapshot, after: &CpuSnapshot) -> Vec<ProcessRan>
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ProcCpuClock;
 
-/// The command name and start time (field 22) of `/proc/<pid>/stat`; the
-/// name may hold spaces and parentheses.
-pub fn parse_stat_comm_start(text: &str) -> Option<(String, u64)> {
-    let (head, rest) = text.rsplit_once(')')?;
-    let comm = head.split_once('(')?.1.to_string();
-    // After the name come fields 3 (state) onwards; the start time is field 22.
-    let start = rest.split_whitespace().nth(22 - 3)?.parse().ok()?;
-    Some((comm, start))
-}
-
 fn process_cpu_ns(pid: u32) -> Option<u64> {
     let mut clock: libc::clockid_t = 0;
     // SAFETY: clock_getcpuclockid writes one clockid_t into `clock`, which we own.
@@ -170,7 +160,9 @@ impl CpuReader for ProcCpuClock {
     }
 
     fn process(&self, pid: u32) -> Option<ProcessCpu> {
-        let (comm, start_ticks) = parse_stat_comm_start(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)?;
+        let stat = crab_sys::proc_stat::read(pid).ok()?;
+        let start_ticks = crab_sys::proc_stat::start_time(&stat)?;
+        let comm = String::from_utf8_lossy(crab_sys::proc_stat::name(&stat)?).into_owned();
         let cpu_ns = process_cpu_ns(pid)?;
         Some(ProcessCpu { start_ticks, comm, cpu_ns })
     }
@@ -270,14 +262,6 @@ mod tests {
         assert_eq!(reused.0[&1].cpu_ns, 40);
         charges.retain_live(&reused);
         assert_eq!(charges.0.len(), 1);
-    }
-
-    #[test]
-    fn stat_lines_parse() {
-        let line = "42 (tmux: server) S 1 42 42 0 -1 4194560 500 0 0 0 3 1 0 0 20 0 1 0 123456 9000 100";
-        assert_eq!(parse_stat_comm_start(line), Some(("tmux: server".into(), 123456)));
-        assert_eq!(parse_stat_comm_start("7 (a) b) R 1"), None, "too few fields");
-        assert_eq!(parse_stat_comm_start("garbage"), None);
     }
 
     #[test]

@@ -335,11 +335,6 @@ pub fn parse_syscall(pid: u32, text: &str) -> Result<SyscallState, StdinError> {
     Ok(SyscallState::Blocked { nr, args })
 }
 
-/// The state letter of `/proc/<tid>/stat` (after the command name, which may hold spaces or parentheses).
-pub fn parse_stat_state(text: &str) -> Option<ThreadState> {
-    text.rsplit_once(')')?.1.trim_start().chars().next()
-}
-
 impl ProcReader for ProcFs {
     fn syscall(&self, pid: u32) -> Result<SyscallState, StdinError> {
         let text = std::fs::read_to_string(format!("/proc/{pid}/syscall")).map_err(proc_error(pid, "syscall"))?;
@@ -389,7 +384,7 @@ impl ProcReader for ProcFs {
     }
 
     fn thread_state(&self, tid: u32) -> Option<ThreadState> {
-        parse_stat_state(&std::fs::read_to_string(format!("/proc/{tid}/stat")).ok()?)
+        crab_sys::proc_stat::state(&crab_sys::proc_stat::read(tid).ok()?)
     }
 }
 
@@ -480,7 +475,7 @@ mod tests {
     }
 
     #[test]
-    fn proc_texts_parse() {
+    fn syscall_texts_parse() {
         assert_eq!(parse_syscall(1, "running\n").unwrap(), SyscallState::Running);
         assert_eq!(parse_syscall(1, "-1 0x7ffc 0x7f00\n").unwrap(), SyscallState::NotInSyscall);
         assert_eq!(
@@ -489,9 +484,6 @@ mod tests {
         );
         let err = parse_syscall(7, "0 0x0 zz").unwrap_err().to_string();
         assert!(err.contains("syscall") && err.contains('7'), "{err}");
-        assert_eq!(parse_stat_state("42 (a) b) c) S 1 42"), Some('S'));
-        assert_eq!(parse_stat_state("42 (sh) R 1"), Some('R'));
-        assert_eq!(parse_stat_state("garbage"), None);
     }
 
     fn sample(waiting: bool, queued: usize, busy: usize, forwarded: u64) -> Sample {

@@ -288,12 +288,6 @@ pub fn authorize_peer(pid: i32, uid: u32, shim: i32) -> Result<(), String> {
     Ok(())
 }
 
-/// The pid of the parent of the process whose `/proc/<pid>/stat` is `stat` (field 4; the command,
-/// field 2, may hold spaces and parentheses, so fields resume after the last ')').
-pub fn parent_in_stat(stat: &str) -> Option<i32> {
-    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
-}
-
 /// The parent of the container's init, which is the spawner's parent (crab-init forks the
 /// spawner and then execs the entrypoint in place), as this pid namespace sees it: the pid
 /// [`authorize_peer`] lets in. The init is pid 1 of a pid namespace of its own: its parent is
@@ -302,14 +296,15 @@ pub fn parent_in_stat(stat: &str) -> Option<i32> {
 /// changes only when the old one exits; a dead init's pid is never trusted).
 pub fn parent_of_init(
     getppid: impl Fn() -> i32,
-    read_stat: impl Fn(i32) -> std::io::Result<String>,
+    read_stat: impl Fn(i32) -> std::io::Result<Vec<u8>>,
 ) -> Result<i32, String> {
     let init = getppid();
     if init == 1 {
         return Ok(0);
     }
     let stat = read_stat(init).map_err(|e| format!("connection refused: /proc/{init}/stat of the init: {e}"))?;
-    let parent = parent_in_stat(&stat)
+    let parent = crab_sys::proc_stat::parent(&stat)
+        .and_then(|parent| i32::try_from(parent).ok())
         .ok_or_else(|| format!("connection refused: /proc/{init}/stat of the init is unreadable"))?;
     if getppid() != init {
         return Err("connection refused: the container's init exited".into());
@@ -456,11 +451,14 @@ mod tests {
     #[test]
     fn the_parent_of_the_init_is_read_while_the_init_lives() {
         use std::cell::Cell;
-        let stat = |_: i32| Ok("77 (sh) S 4000 77 77 0 -1".to_string());
+        let stat = |_: i32| Ok(b"77 (sh) S 4000 77 77 0 -1".to_vec());
         assert_eq!(parent_of_init(|| 1, |_| panic!("pid 1's parent is outside: nothing to read")), Ok(0));
         assert_eq!(parent_of_init(|| 77, stat), Ok(4000));
-        let odd = |_: i32| Ok("77 (a) b (c) S 4000 77".to_string());
+        let odd = |_: i32| Ok(b"77 (a) b (c) S 4000 77".to_vec());
         assert_eq!(parent_of_init(|| 77, odd), Ok(4000), "a command with spaces and parentheses");
+        // The init is the container's entrypoint, named as the tenant likes.
+        let not_utf8 = |_: i32| Ok(b"77 (\xff\xfe) S 4000 77".to_vec());
+        assert_eq!(parent_of_init(|| 77, not_utf8), Ok(4000), "a command that is not UTF-8");
         // The init exits while its stat is read: the spawner is reparented.
         let calls = Cell::new(0);
         let reparented = || {
@@ -471,6 +469,6 @@ mod tests {
         assert!(
             parent_of_init(|| 77, |_| Err(std::io::Error::other("no /proc"))).unwrap_err().contains("/proc/77/stat")
         );
-        assert!(parent_of_init(|| 77, |_| Ok("garbage".into())).is_err());
+        assert!(parent_of_init(|| 77, |_| Ok(b"garbage".to_vec())).is_err());
     }
 }

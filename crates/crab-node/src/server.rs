@@ -379,11 +379,10 @@ impl Node {
     }
 }
 
+/// The start time of a container's init, whose name is the tenant's to choose: read as text, a
+/// name that is not UTF-8 made it look gone, and the next sweep dropped its watch.
 fn process_start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name may hold spaces and parentheses: fields count from the last ')'.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    rest.split_whitespace().nth(19)?.parse().ok()
+    crab_sys::proc_stat::start_time(&crab_sys::proc_stat::read(pid).ok()?)
 }
 
 async fn sweep_dead_watches(node: Arc<Node>) {
@@ -518,5 +517,25 @@ async fn drive(shared: Arc<BandwidthShared>) {
             }
             None => shared.changed.notified().await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A container's init runs the tenant's entrypoint and is named as the tenant likes, by
+    /// `prctl`, `/proc/self/comm` or the file it executed: crabd keeps telling it alive.
+    #[test]
+    fn the_start_time_of_a_process_named_in_bytes_that_are_not_utf8_is_read() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let link = dir.path().join(std::ffi::OsStr::from_bytes(b"\xff\xfe-init"));
+        std::os::unix::fs::symlink("/bin/sleep", &link).unwrap();
+        let mut child = std::process::Command::new(&link).arg("30").spawn().unwrap();
+        let started = process_start_time(child.id());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(started.is_some(), "crabd would drop the watch of a live sandbox");
     }
 }

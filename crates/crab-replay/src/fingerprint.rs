@@ -29,7 +29,7 @@ use crab_store::{ContainerMount, ContainerRoot, MountKind, RelPath, SandboxMount
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use super::proc_stat;
+use crab_sys::proc_stat;
 
 /// Container paths whose content is the kernel's or the runtime's, not state a turn leaves:
 /// compared by nobody, whatever the spec says. `/dev/shm` (a tmpfs the agent writes) is kept.
@@ -420,7 +420,7 @@ fn processes_of(init: u32) -> Result<(BTreeMap<String, Vec<ProcessEntry>>, Socke
         if args.is_empty() {
             continue; // a zombie
         }
-        let Ok(stat) = read_proc(&PathBuf::from(format!("/proc/{pid}/stat"))) else { continue };
+        let Ok(stat) = proc_stat::read(pid) else { continue };
         members.insert(pid, (args.join(" "), proc_stat::parent(&stat).unwrap_or(0)));
     }
     let mut processes: BTreeMap<String, Vec<ProcessEntry>> = BTreeMap::new();

@@ -15,9 +15,9 @@ use tracing::{info, warn};
 
 use super::fault::FaultKind;
 use super::node::{NodeA, NodeB};
-use super::proc_stat;
 use super::sandbox::{Sandbox, SandboxError, remove_container};
 use crab_containerd::{Ctr, CtrError};
+use crab_sys::proc_stat;
 
 #[derive(Debug, thiserror::Error)]
 pub enum InjectError {
@@ -295,9 +295,9 @@ impl FaultInjector {
         let listing = self.ctr.run(&["tasks", "ls"]).await?.stdout_text();
         let (init, _) =
             task_entry(&listing, container).ok_or_else(|| InjectError::NoTask { container: container.into() })?;
-        let stat_path = PathBuf::from(format!("/proc/{init}/stat"));
-        let stat = read_proc(&stat_path)?;
-        let parent = proc_stat::parent(stat.as_bytes()).ok_or_else(|| InjectError::Proc {
+        let stat_path = proc_stat::path(init);
+        let stat = proc_stat::read(init).map_err(|source| InjectError::Proc { path: stat_path.clone(), source })?;
+        let parent = proc_stat::parent(&stat).ok_or_else(|| InjectError::Proc {
             path: stat_path.clone(),
             source: std::io::Error::new(std::io::ErrorKind::InvalidData, "no parent pid in it"),
         })?;
@@ -402,8 +402,7 @@ async fn kill_and_wait(pid: u32, what: &str) -> Result<(), InjectError> {
 }
 
 fn is_alive(pid: u32) -> bool {
-    std::fs::read(format!("/proc/{pid}/stat"))
-        .is_ok_and(|stat| proc_stat::state(&stat).is_some_and(|state| state != 'Z' && state != 'X'))
+    proc_stat::read(pid).is_ok_and(|stat| proc_stat::state(&stat).is_some_and(|state| state != 'Z' && state != 'X'))
 }
 
 /// The pid of the process that listens on the Unix socket `socket` (a daemon by what it

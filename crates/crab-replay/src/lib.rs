@@ -5,8 +5,7 @@
 //! - [`trace`]: parsing and validation of the JSONL turn traces.
 //! - [`sandbox`]: a container driven with `ctr` (create, exec, checkpoint, restore).
 //! - [`fingerprint`]: what the next turn can observe of a sandbox; [`settle`]: waiting for
-//!   what a turn left running before the sandbox is saved and looked at; [`proc_stat`]: the
-//!   fields of `/proc/<pid>/stat` both read.
+//!   what a turn left running before the sandbox is saved and looked at.
 //! - [`policy`]: recovery policies (`off`, `chat-only`, `every-turn`, `crab`);
 //!   [`archive`]: every-turn's checkpoints kept outside containerd (runs
 //!   without a registry; with one it pushes them, see [`node::Registry`]).
@@ -29,7 +28,6 @@ pub mod node;
 pub mod normalize;
 pub mod oracle;
 pub mod policy;
-pub mod proc_stat;
 pub mod report;
 pub mod runner;
 pub mod sandbox;

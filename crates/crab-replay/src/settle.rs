@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use super::fingerprint::{FingerprintError, pids_of_sandbox};
-use super::proc_stat;
+use crab_sys::proc_stat;
 
 /// How long the sandbox must stay quiet to count as settled.
 pub const WINDOW: Duration = Duration::from_millis(100);
@@ -68,7 +68,7 @@ impl Activity {
     pub fn sample(init: u32) -> Result<Activity, FingerprintError> {
         let mut activity = Activity::default();
         for pid in pids_of_sandbox(init)? {
-            let Ok(stat) = std::fs::read(format!("/proc/{pid}/stat")) else { continue };
+            let Ok(stat) = proc_stat::read(pid) else { continue };
             let Some(state) = proc_stat::state(&stat) else { continue };
             if state == 'Z' || state == 'X' {
                 continue;

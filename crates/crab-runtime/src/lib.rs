@@ -859,10 +859,7 @@ mod tests {
 
     fn gone(pid: u32) -> bool {
         // Absent, or a zombie its new parent has not reaped yet.
-        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            Err(_) => true,
-            Ok(stat) => stat.rsplit(')').next().and_then(|rest| rest.split_whitespace().next()) == Some("Z"),
-        }
+        crab_sys::proc_stat::read(pid).map_or(true, |stat| crab_sys::proc_stat::state(&stat) == Some('Z'))
     }
 
     async fn bounded_run(runtime: &OciRuntime, grace: Duration) -> (RuntimeError, Duration) {

@@ -443,13 +443,8 @@ pub(crate) fn verify_peer(peer: i32, init_pid: u32, binary: Option<(u64, u64)>) 
     if peer as u32 == init_pid {
         return Ok(());
     }
-    let stat = std::fs::read_to_string(format!("/proc/{peer}/stat")).map_err(|e| format!("/proc/{peer}/stat: {e}"))?;
-    // The command (field 2) may hold spaces and parentheses: fields resume after the last ')'.
-    let ppid = stat
-        .rsplit_once(')')
-        .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-        .and_then(|p| p.parse::<u32>().ok())
-        .ok_or_else(|| format!("/proc/{peer}/stat is unreadable"))?;
+    let stat = crab_sys::proc_stat::read(peer as u32).map_err(|e| format!("/proc/{peer}/stat: {e}"))?;
+    let ppid = crab_sys::proc_stat::parent(&stat).ok_or_else(|| format!("/proc/{peer}/stat is unreadable"))?;
     if ppid != init_pid {
         return Err(format!("its parent is {ppid}, not the container's init {init_pid}"));
     }

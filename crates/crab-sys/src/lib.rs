@@ -1,6 +1,8 @@
 //! System calls crab's crates share that no library offers in the form they need, each
 //! with why it is sound. The lowest crate of the workspace: it depends on nothing of crab.
 
+pub mod proc_stat;
+
 /// A pidfd of `pid`. The caller must know `pid` is the process it means now (a child it
 /// has not reaped, a container's init the runtime just named); the pidfd keeps meaning that
 /// process even after its number is reused.
