@@ -48,7 +48,8 @@ pub struct ReplayArgs {
     ref_runs: u8,
     /// Least seconds between the starts of two reference runs, so that
     /// output showing the time of day differs between them (and is excluded)
-    /// even where the normaliser does not replace it.
+    /// even where the normaliser does not replace it. The first policy runs
+    /// (up to 3) use that time.
     #[arg(long, default_value_t = 61.0)]
     ref_spacing: f64,
     /// Shell command that starts containerd again after restart-containerd killed it

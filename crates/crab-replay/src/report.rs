@@ -43,9 +43,10 @@ pub struct NotRun {
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ReferenceSummary {
     pub runs: usize,
-    /// Wall time of all reference runs, fingerprints after every turn and the
-    /// spacing between the runs included.
+    /// Wall time of the reference runs themselves, fingerprints after every turn included.
     pub run_time_s: f64,
+    /// Policy runs made in the time the reference runs were spaced apart (judged after them).
+    pub policy_runs_while_spaced: usize,
     pub nondeterministic_turns: Vec<u32>,
     /// Turns whose outputs differed between reference runs only in wall-clock
     /// stamps or stderr line order: compared (normalised), not excluded.

@@ -1,5 +1,6 @@
-//! Replays each trace: fault-free reference run(s) first, then one run per
-//! policy with the fault, each in its own container.
+//! Replays each trace: fault-free reference runs and one run per policy with the fault,
+//! each in its own container. The first policy runs fill the time the reference runs are
+//! spaced apart; every run is judged once the reference is whole.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -137,14 +138,44 @@ async fn replay_trace(
 ) -> Result<Vec<TraceReport>, ReplayError> {
     let image = trace.header.image.reference();
     let started = Instant::now();
-    let runs_total = usize::from(options.ref_runs)
-        + options.faults.iter().map(|fault| plan(&options.policies, *fault).runs.len()).sum::<usize>();
+    // Every policy run of the trace, in the order of the reports.
+    let plans: Vec<(FaultKind, Plan)> =
+        options.faults.iter().map(|fault| (*fault, plan(&options.policies, *fault))).collect();
+    let policy_runs: Vec<(FaultKind, PolicyKind)> =
+        plans.iter().flat_map(|(fault, plan)| plan.runs.iter().map(move |policy| (*fault, *policy))).collect();
+    let runs_total = usize::from(options.ref_runs) + policy_runs.len();
     let mut runs_done = 0;
+    let strike_of =
+        |fault: FaultKind| (fault != FaultKind::None).then_some(fault_turn).flatten().map(|turn| (fault, turn));
+    let run_policy = |index: usize, runs_done: usize| {
+        let (fault, policy) = policy_runs[index];
+        async move {
+            let fault_turn = strike_of(fault).map(|(_, turn)| turn);
+            info!(trace = %trace.header.trace, run = runs_done, of = runs_total, policy = %policy, %fault, fault_turn, "progress: policy run");
+            let mut launch = launch(options, trace, policy, policy.name());
+            if fault.moves_to_node_b() {
+                launch.registry = options.daemons.node_b.as_ref().map(NodeB::registry);
+                launch = on_node_a_of_its_own(launch, options)?;
+            }
+            run_guarded(trace, &launch, policy.build(launch.clone()), strike_of(fault), false, options, injector).await
+        }
+    };
+    // Outcomes of policy runs made while the reference runs were spaced apart, judged once the
+    // reference is whole: at most this many, as each holds a look at the sandbox per turn.
+    const RUNS_WHILE_SPACING: usize = 3;
+    let mut early: Vec<RunOutcome> = Vec::new();
     let mut reference_runs = Vec::new();
+    let mut reference_time = Duration::ZERO;
     let mut state_changes = StateChanges::default();
     for index in 0..options.ref_runs {
         if index > 0 {
+            // The time until the next reference run may start goes to the policy runs: the
+            // spacing is only a least time between the starts of two reference runs.
             let spaced = started + options.ref_spacing * u32::from(index);
+            while Instant::now() < spaced && early.len() < RUNS_WHILE_SPACING && early.len() < policy_runs.len() {
+                runs_done += 1;
+                early.push(run_policy(early.len(), runs_done).await?);
+            }
             if let Some(wait) = spaced.checked_duration_since(Instant::now()) {
                 info!(trace = %trace.header.trace, wait_s = wait.as_secs_f64(), "spacing the reference runs apart");
                 tokio::time::sleep(wait).await;
@@ -153,14 +184,15 @@ async fn replay_trace(
         runs_done += 1;
         info!(trace = %trace.header.trace, run = runs_done, of = runs_total, "progress: reference run (fault-free, no checkpoints)");
         let launch = launch(options, trace, PolicyKind::Off, "ref");
+        let run_started = Instant::now();
         let outcome =
             run_guarded(trace, &launch, PolicyKind::Off.build(launch.clone()), None, true, options, injector).await?;
+        reference_time += run_started.elapsed();
         if reference_runs.is_empty() {
             state_changes = StateChanges::of(outcome.initial.as_ref(), &outcome.fingerprints, &trace.header.workdir);
         }
         reference_runs.push(ReferenceRun { results: outcome.results(), fingerprints: outcome.fingerprints });
     }
-    let reference_time = started.elapsed();
     // No reference runs: nothing is judged (the options allow it only without a fault).
     let reference = (!reference_runs.is_empty())
         .then(|| Reference::new(reference_runs))
@@ -171,6 +203,7 @@ async fn replay_trace(
         Some(reference) => ReferenceSummary {
             runs: reference.runs(),
             run_time_s: reference_time.as_secs_f64(),
+            policy_runs_while_spaced: early.len(),
             nondeterministic_turns: reference.nondeterministic_turns().into_iter().collect(),
             normalised_turns: reference.normalised_turns().into_iter().collect(),
             turns_with_wall_clock: reference.turns_with_wall_clock().into_iter().collect(),
@@ -182,20 +215,20 @@ async fn replay_trace(
     };
 
     let mut reports = Vec::new();
-    for fault in &options.faults {
-        let strike = (*fault != FaultKind::None).then_some(fault_turn).flatten().map(|turn| (*fault, turn));
-        let plan = plan(&options.policies, *fault);
+    let mut early = early.into_iter();
+    let mut index = 0;
+    for (fault, plan) in plans {
+        let strike = strike_of(fault);
         let mut runs = Vec::new();
         for policy in &plan.runs {
-            runs_done += 1;
-            info!(trace = %trace.header.trace, run = runs_done, of = runs_total, policy = %policy, %fault, fault_turn, "progress: policy run");
-            let mut launch = launch(options, trace, *policy, policy.name());
-            if fault.moves_to_node_b() {
-                launch.registry = options.daemons.node_b.as_ref().map(NodeB::registry);
-                launch = on_node_a_of_its_own(launch, options)?;
-            }
-            let outcome =
-                run_guarded(trace, &launch, policy.build(launch.clone()), strike, false, options, injector).await?;
+            let outcome = match early.next() {
+                Some(outcome) => outcome,
+                None => {
+                    runs_done += 1;
+                    run_policy(index, runs_done).await?
+                }
+            };
+            index += 1;
             if plan.off_from_chat_only && *policy == PolicyKind::ChatOnly {
                 runs.push(policy_report(PolicyKind::Off, reference.as_ref(), &outcome, &trace.file)?);
             }
@@ -208,7 +241,7 @@ async fn replay_trace(
             runtime: options.runtime.clone(),
             mode: options.mode,
             turns: trace.header.turns,
-            fault: *fault,
+            fault,
             fault_turn: strike.map(|(_, turn)| turn),
             think_scale: options.think_scale,
             reference: reference_summary.clone(),

@@ -301,6 +301,30 @@ async fn every_turn_restores_exactly_and_chat_only_loses_files_and_processes() {
     }
 }
 
+/// The time the reference runs are spaced apart goes to the first policy runs, which are judged
+/// once the reference is whole, as the others: a run of 4 turns takes seconds, so 30 s leaves
+/// room for one at least however loaded the machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_policy_runs_fill_the_time_the_reference_runs_are_spaced_apart() {
+    crab_sys::skip_unless_root!("containerd, runc and CRIU");
+    let _containerd = CONTAINERD.lock().await;
+    let file = trace_file(TRACE);
+    let mut options = options(vec![file.path().to_path_buf()], "io.containerd.runc.v2");
+    options.policies = vec![PolicyKind::EveryTurn, PolicyKind::ChatOnly];
+    options.ref_spacing = std::time::Duration::from_secs(30);
+    let reports = replay(&options).await.unwrap_or_else(|error| panic!("replay: {error}"));
+    let report = &reports[0];
+    assert!(report.reference.policy_runs_while_spaced >= 1, "{:?}", report.reference);
+    assert_eq!(report.reference.runs, 2);
+    let every_turn = run_of(&report.runs, PolicyKind::EveryTurn);
+    let chat_only = run_of(&report.runs, PolicyKind::ChatOnly);
+    assert_eq!((every_turn.recovered_correctly, chat_only.recovered_correctly), (Some(true), Some(false)));
+    // Both judged against both reference runs: the turn whose output differs between them
+    // (none here) would be excluded in each.
+    let verdict = every_turn.fault.as_ref().unwrap().verdict.as_ref().unwrap();
+    assert_eq!(verdict.turns_compared, [3, 4], "{verdict:?}");
+}
+
 #[tokio::test]
 async fn a_bad_trace_fails_before_any_sandbox_with_file_line_and_field() {
     let good = trace_file(TRACE);
