@@ -9,11 +9,7 @@ const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
 /// True if `pid` exists and is not a zombie (a zombie has finished running, only its entry is left).
 pub fn process_running(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // The state follows the parenthesised command name, which may itself contain spaces.
-        Ok(stat) => stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) != Some("Z"),
-        Err(_) => false,
-    }
+    crab_sys::proc_stat::read(pid).is_ok_and(|stat| crab_sys::proc_stat::state(&stat) != Some('Z'))
 }
 
 pub fn parent_pid(pid: u32) -> Outcome<u32> {

@@ -299,8 +299,7 @@ struct FileState {
 /// A process's start time (clock ticks since boot, field 22 of `/proc/PID/stat`: a reused pid is
 /// another process) and the CPU time of all its threads, ended ones included (its CPU clock).
 fn process_cpu(pid: u32) -> Option<(u64, u64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let start = stat.rsplit_once(')')?.1.split_whitespace().nth(22 - 3)?.parse().ok()?;
+    let start = crab_sys::proc_stat::start_time(&crab_sys::proc_stat::read(pid).ok()?)?;
     let mut clock: libc::clockid_t = 0;
     // SAFETY: both calls write one value into a local we own.
     let cpu = unsafe {

@@ -305,24 +305,27 @@ ctrd_status() {
 }
 
 # Drops the leases of this containerd, in every namespace, created more than $1
-# seconds ago (0: all). `ctr` takes a lease of 24 hours for each command, and a
-# `ctr` that was killed (a stopped evaluation or test run) leaves it behind with
-# what it wrote: kept, the empty blob of a restored container's runtime options
-# makes containerd 1.6 write every later checkpoint of such a container with an
-# index entry that has no digest. A lease younger than $1 may be a command that
-# is still running.
+# seconds ago (0: all), or only those whose id starts with $2. `ctr` takes a
+# lease of 24 hours for each command, and a `ctr` that was killed (a stopped
+# evaluation or test run) leaves it behind with what it wrote: kept, the empty
+# blob of a restored container's runtime options makes containerd 1.6 write
+# every later checkpoint of such a container with an index entry that has no
+# digest. A lease younger than $1 may be a command that is still running.
 ctrd_drop_leases() {
-  local older_than=${1:?ctrd_drop_leases needs an age in seconds} now ns id created
+  local older_than=${1:?ctrd_drop_leases needs an age in seconds} prefix=${2:-} now namespaces ns leases id created
   now=$(date +%s)
-  for ns in $(ctrd_ctr namespaces ls -q); do
+  namespaces=$(ctrd_ctr namespaces ls -q) || { log "could not list the namespaces of $CRAB_CTRD_SOCK: no lease dropped"; return 0; }
+  for ns in $namespaces; do
+    leases=$(ctr --address "$CRAB_CTRD_SOCK" --namespace "$ns" leases ls 2>/dev/null) ||
+      { log "could not list the leases of namespace $ns"; continue; }
     while read -r id created _; do
-      [ -n "$id" ] || continue
+      [ -n "$id" ] && [[ "$id" == "$prefix"* ]] || continue
       created=$(date -d "$created" +%s 2>/dev/null) || continue
       [ $((now - created)) -ge "$older_than" ] || continue
       log "dropping lease $id of namespace $ns (created $((now - created)) s ago, by a command that did not finish)"
-      ctr --address "$CRAB_CTRD_SOCK" --namespace "$ns" leases rm --sync "$id" >/dev/null ||
+      ctr --address "$CRAB_CTRD_SOCK" --namespace "$ns" leases rm --sync "$id" </dev/null >/dev/null ||
         log "could not drop lease $id of namespace $ns"
-    done < <(ctr --address "$CRAB_CTRD_SOCK" --namespace "$ns" leases ls 2>/dev/null | tail -n +2)
+    done < <(tail -n +2 <<<"$leases")
   done
 }
 

@@ -63,6 +63,12 @@ impl FaultKind {
         self == FaultKind::NodeLoss
     }
 
+    /// Whether the fault strikes only the run's own sandbox and shim, not a daemon every run
+    /// uses (containerd, crabd, the node): a run with it may go between two reference runs.
+    pub fn strikes_only_its_sandbox(self) -> bool {
+        matches!(self, FaultKind::None | FaultKind::KillProcesses | FaultKind::KillShim)
+    }
+
     /// Whether the fault strikes the checkpoint pipeline rather than the
     /// sandbox, so a correct run also needs every later checkpoint complete.
     pub fn strikes_checkpointing(self) -> bool {

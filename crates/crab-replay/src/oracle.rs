@@ -268,7 +268,7 @@ impl Reference {
         let mut generated = BTreeSet::new();
         for run in &self.runs[1..] {
             let other = &run.fingerprints[index];
-            let paired = pair_generated_names(&other.files, &primary.files, |_| true);
+            let paired = pair_generated_names(&other.files, &primary.files, |_| true, |_| false).keys;
             volatile.extend(other.diff(primary).into_iter().map(|d| d.key).filter(|key| !paired.contains(key)));
             generated.extend(paired.into_iter().filter_map(|key| {
                 let path = key.strip_prefix("file:")?;
@@ -284,20 +284,25 @@ impl Reference {
     /// reference runs left out and files with generated names paired off.
     fn differences(&self, turn: u32, state: &Fingerprint, reference_state: &Fingerprint) -> Compared {
         let masks = self.masks(turn);
-        let paired = pair_generated_names(&state.files, &reference_state.files, |path| masks.generated.contains(path));
+        let paired = pair_generated_names(
+            &state.files,
+            &reference_state.files,
+            |path| masks.generated.contains(path),
+            |path| masks.volatile.contains(&format!("file:{path}")),
+        );
         let differences = state
             .diff(reference_state)
             .into_iter()
-            .filter(|d| !masks.volatile.contains(&d.key) && !paired.contains(&d.key))
+            .filter(|d| !masks.volatile.contains(&d.key) && !paired.keys.contains(&d.key))
             .map(|mut d| {
                 let generated = d.key.strip_prefix("file:").is_some_and(|path| masks.generated.contains(path));
-                if generated {
+                if generated && d.detail == "missing" {
                     d.detail.push_str(" (its name differs from run to run; no file of this run is like it)");
                 }
                 d
             })
             .collect();
-        Compared { differences, masked: masks.volatile.len(), paired: paired.len() / 2 }
+        Compared { differences, masked: masks.volatile.len(), paired: paired.equal }
     }
 
     /// Judges a run that was killed after `fault_turn` and recovered into
@@ -416,35 +421,59 @@ fn name_shape(path: &str) -> (&str, usize) {
     (directory, name.len())
 }
 
-/// Pairs each file of `expected` that `replaceable` admits and `actual` lacks with a file of
-/// `actual` that `expected` lacks, of the same [`name_shape`] and equal in everything the
-/// fingerprint records but its name (contents, mode, owner, xattrs): the same file under a name generated afresh (an agent's
-/// script that leaves `/tmp/tmpXXXXXXXX.dcm` behind leaves it under other names in every run).
-/// Returns the fingerprint keys of both files of each pair; each file pairs at most once.
+/// Files of `actual` that stand for files of `expected` it lacks: the fingerprint keys of both
+/// files of each pair, and how many pairs are equal files.
+struct Pairs {
+    keys: BTreeSet<String>,
+    equal: usize,
+}
+
+/// Pairs files of `expected` that `actual` lacks with files of `actual` that `expected` lacks, of
+/// the same [`name_shape`], each file at most once. First a file `required` or `optional` admits
+/// pairs with one equal in everything the fingerprint records but its name (contents, mode,
+/// owner, xattrs): the same file under a name generated afresh (an agent's script that leaves
+/// `/tmp/tmpXXXXXXXX.dcm` behind leaves it under other names in every run). Then a file
+/// `optional` admits, one the reference runs disagree on by name and more (a log named by pid),
+/// takes in any file of that shape left over: the run's own, which the reference cannot judge.
 fn pair_generated_names<'a>(
     actual: &'a Files,
     expected: &'a Files,
-    replaceable: impl Fn(&str) -> bool,
-) -> BTreeSet<String> {
-    let mut lacking: HashMap<(&'a str, usize), Vec<(&'a str, &'a FileEntry)>> = HashMap::new();
-    for (path, entry) in expected {
-        if !actual.contains_key(path) && replaceable(path) {
-            lacking.entry(name_shape(path)).or_default().push((path, entry));
+    required: impl Fn(&str) -> bool,
+    optional: impl Fn(&str) -> bool,
+) -> Pairs {
+    /// A file `actual` lacks, and whether it is only optional.
+    type Lacking<'a> = (&'a str, &'a FileEntry, bool);
+    let mut lacking: HashMap<(&'a str, usize), Vec<Lacking<'a>>> = HashMap::new();
+    for (path, entry) in expected.iter().filter(|(path, _)| !actual.contains_key(*path)) {
+        let only_optional = !required(path);
+        if !only_optional || optional(path) {
+            lacking.entry(name_shape(path)).or_default().push((path, entry, only_optional));
         }
     }
-    let mut keys = BTreeSet::new();
+    let mut pairs = Pairs { keys: BTreeSet::new(), equal: 0 };
     if lacking.is_empty() {
-        return keys;
+        return pairs;
     }
+    let mut left_over = Vec::new();
     for (path, entry) in actual.iter().filter(|(path, _)| !expected.contains_key(*path)) {
         let Some(candidates) = lacking.get_mut(&name_shape(path)) else { continue };
-        if let Some(index) = candidates.iter().position(|(_, candidate)| *candidate == &**entry) {
-            let (missing, _) = candidates.remove(index);
-            keys.insert(format!("file:{missing}"));
-            keys.insert(format!("file:{path}"));
+        match candidates.iter().position(|(_, candidate, _)| *candidate == &**entry) {
+            Some(index) => {
+                let (missing, _, _) = candidates.remove(index);
+                pairs.keys.extend([format!("file:{missing}"), format!("file:{path}")]);
+                pairs.equal += 1;
+            }
+            None => left_over.push(path),
         }
     }
-    keys
+    for path in left_over {
+        let Some(candidates) = lacking.get_mut(&name_shape(path)) else { continue };
+        if let Some(index) = candidates.iter().position(|(_, _, only_optional)| *only_optional) {
+            let (missing, _, _) = candidates.remove(index);
+            pairs.keys.extend([format!("file:{missing}"), format!("file:{path}")]);
+        }
+    }
+    pairs
 }
 
 #[cfg(test)]
@@ -802,5 +831,42 @@ mod tests {
         let verdict = reference.judge(2, &state(EMPTY), &[], true).unwrap();
         assert!(verdict.correct, "{verdict:?}");
         assert_eq!((verdict.masked_entries, verdict.generated_names_paired), (2, 0));
+    }
+
+    #[test]
+    fn a_run_of_its_own_where_the_reference_runs_disagree_by_name_and_more_is_not_judged() {
+        // Logs named by pid, their contents the run's own: the reference cannot judge them,
+        // one to one, but one more is one more.
+        let first = run(["a", "b", "c"], [EMPTY, &["F d 0755 0:0 4096 /app", "F f 0644 0:0 10 /app/1.log"], EMPTY]);
+        let second = run(["a", "b", "c"], [EMPTY, &["F d 0755 0:0 4096 /app", "F f 0644 0:0 11 /app/2.log"], EMPTY]);
+        let reference = Reference::new(vec![first, second]).unwrap();
+        let own = state(&["F d 0755 0:0 4096 /app", "F f 0644 0:0 12 /app/3.log"]);
+        let verdict = reference.judge(2, &own, &[], true).unwrap();
+        assert!(verdict.correct, "{verdict:?}");
+        assert_eq!(verdict.generated_names_paired, 0);
+        let two = state(&["F d 0755 0:0 4096 /app", "F f 0644 0:0 12 /app/3.log", "F f 0644 0:0 13 /app/4.log"]);
+        let verdict = reference.judge(2, &two, &[], true).unwrap();
+        let keys: Vec<&str> = verdict.state_differences.iter().map(|d| d.key.as_str()).collect();
+        assert_eq!(keys, ["file:/app/4.log"], "{verdict:?}");
+    }
+
+    #[test]
+    fn reference_runs_that_left_unequal_numbers_of_a_generated_file_judge_either_number_right() {
+        // The primary run left two equal files, the other one: one pairs (generated), the other
+        // differs between the runs (masked), and a run like either reference run is correct.
+        const TWO: &[&str] = &["F d 0755 0:0 4096 /tmp", "F f 0600 0:0 0 /tmp/tmpaaaa", "F f 0600 0:0 0 /tmp/tmpbbbb"];
+        const ONE: &[&str] = &["F d 0755 0:0 4096 /tmp", "F f 0600 0:0 0 /tmp/tmpcccc"];
+        let reference =
+            Reference::new(vec![run(["a", "b", "c"], [EMPTY, TWO, TWO]), run(["a", "b", "c"], [EMPTY, ONE, ONE])])
+                .unwrap();
+        let like_primary =
+            state(&["F d 0755 0:0 4096 /tmp", "F f 0600 0:0 0 /tmp/tmpdddd", "F f 0600 0:0 0 /tmp/tmpeeee"]);
+        let verdict = reference.judge(2, &like_primary, &[], true).unwrap();
+        assert!(verdict.correct, "{verdict:?}");
+        let like_other = state(&["F d 0755 0:0 4096 /tmp", "F f 0600 0:0 0 /tmp/tmpdddd"]);
+        let verdict = reference.judge(2, &like_other, &[], true).unwrap();
+        assert!(verdict.correct, "{verdict:?}");
+        let none = state(&["F d 0755 0:0 4096 /tmp"]);
+        assert!(!reference.judge(2, &none, &[], true).unwrap().correct);
     }
 }

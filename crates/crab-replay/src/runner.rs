@@ -161,7 +161,8 @@ async fn replay_trace(
         }
     };
     // Outcomes of policy runs made while the reference runs were spaced apart, judged once the
-    // reference is whole: at most this many, as each holds a look at the sandbox per turn.
+    // reference is whole: at most this many, as each holds a look at the sandbox per turn, and
+    // only runs whose fault leaves the daemons the next reference run uses alone.
     const RUNS_WHILE_SPACING: usize = 3;
     let mut early: Vec<RunOutcome> = Vec::new();
     let mut reference_runs = Vec::new();
@@ -172,7 +173,10 @@ async fn replay_trace(
             // The time until the next reference run may start goes to the policy runs: the
             // spacing is only a least time between the starts of two reference runs.
             let spaced = started + options.ref_spacing * u32::from(index);
-            while Instant::now() < spaced && early.len() < RUNS_WHILE_SPACING && early.len() < policy_runs.len() {
+            while Instant::now() < spaced
+                && early.len() < RUNS_WHILE_SPACING
+                && policy_runs.get(early.len()).is_some_and(|(fault, _)| fault.strikes_only_its_sandbox())
+            {
                 runs_done += 1;
                 early.push(run_policy(early.len(), runs_done).await?);
             }

@@ -319,8 +319,7 @@ async fn the_first_policy_runs_fill_the_time_the_reference_runs_are_spaced_apart
     let every_turn = run_of(&report.runs, PolicyKind::EveryTurn);
     let chat_only = run_of(&report.runs, PolicyKind::ChatOnly);
     assert_eq!((every_turn.recovered_correctly, chat_only.recovered_correctly), (Some(true), Some(false)));
-    // Both judged against both reference runs: the turn whose output differs between them
-    // (none here) would be excluded in each.
+    // Judged as any run is: every turn after the fault compared.
     let verdict = every_turn.fault.as_ref().unwrap().verdict.as_ref().unwrap();
     assert_eq!(verdict.turns_compared, [3, 4], "{verdict:?}");
 }
@@ -857,7 +856,11 @@ struct LeftoverLease {
     id: String,
 }
 
+static NEXT_LEASE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 impl LeftoverLease {
+    const PREFIX: &str = "crab-replay-test-leftover-";
+
     fn request<T>(&self, message: T) -> containerd_client::tonic::Request<T> {
         let mut request = containerd_client::tonic::Request::new(message);
         request.metadata_mut().insert("containerd-namespace", self.namespace.parse().unwrap());
@@ -873,7 +876,12 @@ impl LeftoverLease {
         let lease = LeftoverLease {
             channel,
             namespace: ctr.namespace().to_owned(),
-            id: format!("crab-replay-test-leftover-{}", std::process::id()),
+            id: format!(
+                "{}{}-{}",
+                Self::PREFIX,
+                std::process::id(),
+                NEXT_LEASE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            ),
         };
         let create = lease.request(CreateRequest { id: lease.id.clone(), labels: Default::default() });
         LeasesClient::new(lease.channel.clone()).create(create).await.unwrap();
@@ -963,7 +971,8 @@ async fn a_checkpoint_entry_without_a_digest_is_refused_naming_the_lease_that_ca
 }
 
 /// What `scripts/eval` (all) and `scripts/test` (older than 10 minutes) run before they
-/// replay: a lease younger than the age given is left alone, an older one is dropped.
+/// replay: a lease younger than the age given is left alone, an older one is dropped (here
+/// only the test's own, by their common prefix).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scripts_drop_leases_older_than_they_are_told() {
     crab_sys::skip_unless_root!("containerd");
@@ -975,8 +984,9 @@ async fn the_scripts_drop_leases_older_than_they_are_told() {
         let out = std::process::Command::new("bash")
             .arg("-c")
             .arg(format!(
-                "source {root}/scripts/lib/common.sh && source {root}/scripts/lib/containerd.sh && ctrd_drop_leases {seconds}",
-                root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..")
+                "source {root}/scripts/lib/common.sh && source {root}/scripts/lib/containerd.sh && ctrd_drop_leases {seconds} {prefix}",
+                root = concat!(env!("CARGO_MANIFEST_DIR"), "/../.."),
+                prefix = LeftoverLease::PREFIX
             ))
             .env("CRAB_CTRD_DIR", ctr.socket().parent().unwrap())
             .env("CRAB_NS", ctr.namespace())
