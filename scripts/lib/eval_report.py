@@ -375,8 +375,19 @@ def off_node_bytes(stats):
     return human_bytes(archived)
 
 
-def aggregate(reports, errors, classes):
-    reported = {report["trace"] for report in reports}
+def retried(error, reports, meta):
+    """Whether a report stands for the trace `error` says failed: one of the same trace in the
+    failed batch's mode at its think-time scale (a batch stopped mid-trace and resumed, or a
+    later batch like it), not one of another kind of batch sharing the output directory."""
+    settings = (meta or {}).get(error.get("batch"), {})
+    mode, scale = settings.get("mode"), settings.get("think-time scale")
+    return any(report["trace"] == error["trace"]
+               and (mode is None or report.get("mode", "exec") == mode)
+               and (scale is None or float(report.get("think_scale", 0.0)) == float(scale))
+               for report in reports)
+
+
+def aggregate(reports, errors, classes, meta=None):
     policies = {}
     run_time = {}
     for report in reports:
@@ -475,8 +486,8 @@ def aggregate(reports, errors, classes):
         "reports": len(reports),
         # A trace that failed in one batch and was reported by a later one is not a failure of the
         # matrix (a batch stopped mid-trace, a containerd lost under it): shown apart.
-        "failed_traces": [error for error in errors if error["trace"] not in reported],
-        "failures_retried": [error for error in errors if error["trace"] in reported],
+        "failed_traces": [error for error in errors if not retried(error, reports, meta)],
+        "failures_retried": [error for error in errors if retried(error, reports, meta)],
         "policies": summary,
         "correctness": correctness_cells(reports),
         "oracle_unstable_traces": unstable,
@@ -913,7 +924,7 @@ def main(argv):
         meta = load_meta(out)
         reports, replaced = load_reports(out / "raw", meta)
         not_run = leave_out_untouched(reports)
-        summary = aggregate(reports, load_jsonl(out / "errors.jsonl"), load_classes(out / "classes"))
+        summary = aggregate(reports, load_jsonl(out / "errors.jsonl"), load_classes(out / "classes"), meta)
         summary["replaced_reports"] = replaced
         summary["not_run"] = not_run
     except (EvalInputError, KeyError, TypeError, OSError, json.JSONDecodeError) as error:
