@@ -269,12 +269,13 @@ def oracle_summary(reports):
                 continue
             stats = policies.setdefault(run["policy"], {
                 "verdicts": 0, "turns_compared": 0, "turns_excluded": 0, "normalised_wall_clock": 0,
-                "normalised_stderr_order": 0, "rc_mismatches": 0, "output_mismatches": 0,
+                "normalised_stderr_order": 0, "normalised_apt_progress": 0, "rc_mismatches": 0, "output_mismatches": 0,
                 "states_compared": 0, "states_excluded": 0, "states_unsettled": 0, "state_mismatches": 0})
             stats["verdicts"] += 1
             for key, field in [("turns_compared", "turns_compared"), ("turns_excluded", "turns_excluded"),
                                ("normalised_wall_clock", "turns_normalised_wall_clock"),
                                ("normalised_stderr_order", "turns_normalised_stderr_order"),
+                               ("normalised_apt_progress", "turns_normalised_apt_progress"),
                                ("rc_mismatches", "rc_mismatches"), ("output_mismatches", "output_mismatches"),
                                ("states_compared", "states_compared"), ("states_excluded", "states_excluded"),
                                ("states_unsettled", "states_unsettled"), ("state_mismatches", "state_mismatches")]:
@@ -784,8 +785,9 @@ def oracle_lines(oracle, meta):
              "Turns after the fault, summed over each policy's judged runs: compared, excluded as "
              "nondeterministic (they differed between the fault-free reference runs), and compared turns "
              "that matched the reference only after normalising: wall-clock stamps replaced (`ls -l` times, "
-             "`date`, ISO 8601, HTTP and log dates, HH:MM:SS) or stderr taken in any line order (the members of "
-             "a pipeline write to it concurrently). The state after each of those turns (the whole sandbox, "
+             "`date`, ISO 8601, HTTP and log dates, HH:MM:SS), stderr taken in any line order (the members of "
+             "a pipeline write to it concurrently), or apt's progress lines (`Get:3 ...`, `Ign:1 ...`) in any "
+             "order within each block of them, numbers left out (its parallel fetches end in any order). The state after each of those turns (the whole sandbox, "
              "as right after recovery) is compared too, with what differed between the reference runs after "
              "that turn masked (but files whose names alone differed, such as `tempfile`'s: each must have a "
              "file like it under a name of the run's own), up to the first turn excluded as nondeterministic: "
@@ -797,12 +799,13 @@ def oracle_lines(oracle, meta):
              "(in the reference or in the run) is not compared (unsettled), as what it had written by then "
              "depends on the run's pace." + spacing, "",
              "| policy | judged runs | turns compared | excluded | matched after stamps | after stderr order "
-             "| exit code mismatches | output mismatches | states compared | states excluded | states unsettled "
+             "| after apt progress order | exit code mismatches | output mismatches | states compared | states excluded | states unsettled "
              "| state mismatches |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, stats in oracle["policies"].items():
         lines.append(f"| {name} | {stats['verdicts']} | {stats['turns_compared']} | {stats['turns_excluded']} "
                      f"| {stats['normalised_wall_clock']} | {stats['normalised_stderr_order']} "
+                     f"| {stats.get('normalised_apt_progress', 0)} "
                      f"| {stats['rc_mismatches']} | {stats['output_mismatches']} "
                      f"| {stats['states_compared']} | {stats['states_excluded']} | {stats.get('states_unsettled', 0)} "
                      f"| {stats['state_mismatches']} |")

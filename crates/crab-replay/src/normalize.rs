@@ -109,6 +109,30 @@ pub fn lines_in_any_order(text: &str) -> Vec<&str> {
     lines
 }
 
+/// apt's progress lines (`Get:3 file:/... Packages`, `Ign:1 http://... InRelease`, `Hit:`,
+/// `Err:`) come in the order its parallel fetches end, numbered in that order: each block of
+/// them, numbers left out, in sorted order. `apt update` with a reachable and an unreachable
+/// source printed them in another order in two runs of three.
+pub fn apt_progress_in_any_order(text: &str) -> Vec<String> {
+    static PROGRESS: LazyLock<Regex> =
+        LazyLock::new(|| Regex::new(r"^(Get|Hit|Ign|Err):[0-9]+ (.*)$").expect("a valid pattern"));
+    let mut lines = Vec::new();
+    let mut block: Vec<String> = Vec::new();
+    for line in text.lines() {
+        match PROGRESS.captures(line) {
+            Some(fields) => block.push(format!("{} {}", &fields[1], &fields[2])),
+            None => {
+                block.sort_unstable();
+                lines.append(&mut block);
+                lines.push(line.to_string());
+            }
+        }
+    }
+    block.sort_unstable();
+    lines.append(&mut block);
+    lines
+}
+
 /// The first line where two outputs differ, for reports: 1-based line number
 /// and both lines (empty past the end), shortened to `width` characters.
 pub fn first_difference(expected: &str, got: &str, width: usize) -> Option<(usize, String, String)> {

@@ -83,7 +83,19 @@ impl TurnResult {
         } else if (&self.stdout_sha256, &self.stderr_sha256) == (&other.stdout_sha256, &other.stderr_sha256) {
             OutputMatch::Exact
         } else if self.stdout != other.stdout {
-            OutputMatch::Differs
+            let apt_order = |text: &str| normalize::apt_progress_in_any_order(text);
+            let stderr_any = |text: &str| {
+                let mut lines = apt_order(text);
+                lines.sort_unstable();
+                lines
+            };
+            if apt_order(&self.stdout) == apt_order(&other.stdout)
+                && stderr_any(&self.stderr) == stderr_any(&other.stderr)
+            {
+                OutputMatch::AptProgressOrder
+            } else {
+                OutputMatch::Differs
+            }
         } else if self.stderr == other.stderr {
             OutputMatch::WallClock
         } else if normalize::lines_in_any_order(&self.stderr) == normalize::lines_in_any_order(&other.stderr) {
@@ -123,6 +135,9 @@ pub enum OutputMatch {
     /// Equal once wall-clock stamps are replaced and stderr's lines are
     /// taken in any order.
     StderrOrder,
+    /// Equal once wall-clock stamps are replaced, apt's progress lines taken in any order
+    /// within each block of them, and stderr's lines in any order.
+    AptProgressOrder,
     Differs,
 }
 
@@ -181,6 +196,8 @@ pub struct Verdict {
     pub turns_normalised_wall_clock: Vec<u32>,
     /// Compared turns whose output matched only with stderr's lines in any order.
     pub turns_normalised_stderr_order: Vec<u32>,
+    /// Compared turns whose output matched only with apt's progress lines in any order.
+    pub turns_normalised_apt_progress: Vec<u32>,
     pub rc_mismatches: Vec<u32>,
     pub output_mismatches: Vec<u32>,
     /// The first differing line of each output mismatch.
@@ -237,7 +254,11 @@ impl Reference {
     /// not once normalised: without normalising, they would be excluded.
     pub fn normalised_turns(&self) -> BTreeSet<u32> {
         self.turns_between_runs(|a, b| {
-            a.same_exit(b) && matches!(a.output_match(b), OutputMatch::WallClock | OutputMatch::StderrOrder)
+            a.same_exit(b)
+                && matches!(
+                    a.output_match(b),
+                    OutputMatch::WallClock | OutputMatch::StderrOrder | OutputMatch::AptProgressOrder
+                )
         })
     }
 
@@ -332,6 +353,7 @@ impl Reference {
             turns_excluded: Vec::new(),
             turns_normalised_wall_clock: Vec::new(),
             turns_normalised_stderr_order: Vec::new(),
+            turns_normalised_apt_progress: Vec::new(),
             rc_mismatches: Vec::new(),
             output_mismatches: Vec::new(),
             output_differences: Vec::new(),
@@ -380,6 +402,7 @@ impl Reference {
                 OutputMatch::Exact => {}
                 OutputMatch::WallClock => verdict.turns_normalised_wall_clock.push(result.turn),
                 OutputMatch::StderrOrder => verdict.turns_normalised_stderr_order.push(result.turn),
+                OutputMatch::AptProgressOrder => verdict.turns_normalised_apt_progress.push(result.turn),
                 OutputMatch::Differs => {
                     verdict.output_mismatches.push(result.turn);
                     verdict.output_differences.extend(result.difference_from(expected));
@@ -868,5 +891,35 @@ mod tests {
         assert!(verdict.correct, "{verdict:?}");
         let none = state(&["F d 0755 0:0 4096 /tmp"]);
         assert!(!reference.judge(2, &none, &[], true).unwrap().correct);
+    }
+
+    #[test]
+    fn apt_progress_lines_match_in_any_order_within_their_block_and_nothing_else_does() {
+        // raman-fitting 08-13's `apt update && apt install ...` against the sandbox's file
+        // repository and the image's unreachable mirror: two runs, two orders.
+        let one = "Get:1 file:/opt/crab-packages/debian ./ InRelease\nIgn:1 file:/opt/crab-packages/debian ./ InRelease\n\
+                   Get:2 file:/opt/crab-packages/debian ./ Release [1,500 B]\nIgn:3 http://deb.debian.org/debian bookworm InRelease\n\
+                   Get:4 file:/opt/crab-packages/debian ./ Packages\nReading package lists...\nDone\n";
+        let other = "Ign:1 http://deb.debian.org/debian bookworm InRelease\nGet:2 file:/opt/crab-packages/debian ./ InRelease\n\
+                     Ign:2 file:/opt/crab-packages/debian ./ InRelease\nGet:3 file:/opt/crab-packages/debian ./ Release [1,500 B]\n\
+                     Get:4 file:/opt/crab-packages/debian ./ Packages\nReading package lists...\nDone\n";
+        let (a, b) = (result(2, 0, one), result(2, 0, other));
+        assert_eq!(b.output_match(&a), OutputMatch::AptProgressOrder);
+        // Lines of a block that are not apt's, or progress lines across another line, keep their order.
+        let swapped_plain = one.replace("Reading package lists...\nDone", "Done\nReading package lists...");
+        assert_eq!(result(2, 0, &swapped_plain).output_match(&a), OutputMatch::Differs);
+        let lost = one.replace("Get:4 file:/opt/crab-packages/debian ./ Packages\n", "");
+        assert_eq!(result(2, 0, &lost).output_match(&a), OutputMatch::Differs);
+        let moved = format!("{}Get:4 file:/opt/crab-packages/debian ./ Packages\n", lost);
+        assert_eq!(result(2, 0, &moved).output_match(&a), OutputMatch::Differs);
+        // Judged that way, and named.
+        let first = ReferenceRun {
+            results: vec![result(1, 0, "a"), a.clone()],
+            fingerprints: vec![state(EMPTY), state(EMPTY)],
+        };
+        let reference = Reference::new(vec![first]).unwrap();
+        let verdict = reference.judge(1, &state(EMPTY), &[(b, None)], true).unwrap();
+        assert!(verdict.correct, "{verdict:?}");
+        assert_eq!(verdict.turns_normalised_apt_progress, [2]);
     }
 }

@@ -796,6 +796,7 @@ mod tests {
                 turns_excluded: Vec::new(),
                 turns_normalised_wall_clock: Vec::new(),
                 turns_normalised_stderr_order: Vec::new(),
+                turns_normalised_apt_progress: Vec::new(),
                 rc_mismatches: Vec::new(),
                 output_mismatches: Vec::new(),
                 output_differences: Vec::new(),

@@ -244,9 +244,9 @@ fn reports_what_the_oracle_compared_normalised_and_found() {
 
     let report = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
     // The crab run's report predates the later states: none counted.
-    assert!(report.contains("| crab | 1 | 2 | 1 | 1 | 1 | 0 | 0 | 0 | 0 | 0 | 0 |"), "{report}");
+    assert!(report.contains("| crab | 1 | 2 | 1 | 1 | 1 | 0 | 0 | 0 | 0 | 0 | 0 | 0 |"), "{report}");
     // chat-only's state after turn 3 was looked at unsettled (a process left running still busy).
-    assert!(report.contains("| chat-only | 1 | 2 | 1 | 1 | 0 | 1 | 1 | 1 | 1 | 1 | 1 |"), "{report}");
+    assert!(report.contains("| chat-only | 1 | 2 | 1 | 1 | 0 | 0 | 1 | 1 | 1 | 1 | 1 | 1 |"), "{report}");
     assert!(report.contains("| t | 4 | 4 | 2, 3 | 2 | 3 |"), "{report}");
     assert!(report.contains("at least 61 s apart"), "{report}");
     assert!(
