@@ -898,9 +898,9 @@ mod tests {
         // raman-fitting 08-13's `apt update && apt install ...` against the sandbox's file
         // repository and the image's unreachable mirror: two runs, two orders.
         let one = "Get:1 file:/opt/crab-packages/debian ./ InRelease\nIgn:1 file:/opt/crab-packages/debian ./ InRelease\n\
-                   Get:2 file:/opt/crab-packages/debian ./ Release [1,500 B]\nIgn:3 http://deb.debian.org/debian bookworm InRelease\n\
+                   Get:2 file:/opt/crab-packages/debian ./ Release [1,500 B]\nIgn:3 http://mirror.invalid/debian bookworm InRelease\n\
                    Get:4 file:/opt/crab-packages/debian ./ Packages\nReading package lists...\nDone\n";
-        let other = "Ign:1 http://deb.debian.org/debian bookworm InRelease\nGet:2 file:/opt/crab-packages/debian ./ InRelease\n\
+        let other = "Ign:1 http://mirror.invalid/debian bookworm InRelease\nGet:2 file:/opt/crab-packages/debian ./ InRelease\n\
                      Ign:2 file:/opt/crab-packages/debian ./ InRelease\nGet:3 file:/opt/crab-packages/debian ./ Release [1,500 B]\n\
                      Get:4 file:/opt/crab-packages/debian ./ Packages\nReading package lists...\nDone\n";
         let (a, b) = (result(2, 0, one), result(2, 0, other));
